@@ -1,0 +1,48 @@
+"""Entry point of the ``poodle`` console script: a click group whose commands load lazily, so that
+``poodle info`` does not pay for importing what ``poodle train`` needs."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# command name -> (module under poodle.cli, attribute, one-line help shown by `poodle --help`)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "extract": ("extract", "extract", "Write L2-normalised features of every split to one HDF5 cache."),
+    "info": ("info", "info", "Validate a feature cache and summarise it."),
+    "solve": ("solve", "solve", "Sample episodes from a cache and solve them all at once."),
+    "train": ("train", "train", "Pre-train a backbone (simple, rot, rot-kd)."),
+    "grid": ("grid", "grid", "Run an ablation grid over one cache and one episode set."),
+    "report": ("report", "report", "Turn grid or solve results into tables and figures."),
+    "demo": ("demo", "demo", "The whole pipeline on the embedded glyphs dataset, on CPU, in minutes."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr, _ = COMMANDS[name]
+        return getattr(importlib.import_module(f"poodle.cli.{module}"), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, help_) for name, (_, _, help_) in COMMANDS.items()])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="poodle")
+def cli() -> None:
+    """poodle: few-shot classification with POODLE, from cached features, batched over episodes."""
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

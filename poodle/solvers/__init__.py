@@ -1,0 +1,72 @@
+"""Batched few-shot solvers, one file per method; each file registers itself.
+
+Use :func:`get` to look a method up by its ``--method`` name, :func:`available` to list them, and
+:func:`run` to solve a batch of episodes with options given by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any, Mapping
+
+from poodle.errors import ConfigError
+from poodle.solvers.base import (
+    EpisodeBatch,
+    SolverInfo,
+    SolverOutput,
+    build_config,
+    class_means,
+    neg_half_sqdist,
+    one_hot,
+    register,
+)
+from poodle.solvers import base as _base
+
+__all__ = ["EpisodeBatch", "SolverInfo", "SolverOutput", "available", "get", "make_config", "run",
+           "register", "class_means", "neg_half_sqdist", "one_hot"]
+
+_LOADED = False
+
+
+def _load_all() -> None:
+    """Import every module of this package so that each registers its method."""
+    global _LOADED
+    if _LOADED:
+        return
+    for mod in pkgutil.iter_modules(__path__):
+        if mod.name != "base" and not mod.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{mod.name}")
+    _LOADED = True
+
+
+def available() -> list[str]:
+    """Names of all registered methods, sorted."""
+    _load_all()
+    return sorted(_base._REGISTRY)
+
+
+def get(name: str) -> SolverInfo:
+    """The registered method ``name``; an unknown name is a :class:`ConfigError` listing the known ones."""
+    _load_all()
+    try:
+        return _base._REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown method {name!r}; known methods: {', '.join(available())}") from None
+
+
+def make_config(name: str, options: Mapping[str, Any] | None = None, *, strict: bool = False) -> Any:
+    """The config dataclass of ``name`` built from ``options`` (see :func:`base.build_config`)."""
+    return build_config(get(name), options or {}, strict=strict)
+
+
+def run(name: str, batch: EpisodeBatch, config: Any = None, **options: Any) -> SolverOutput:
+    """Solve ``batch`` with method ``name``; ``config`` or keyword options (not both)."""
+    info = get(name)
+    if config is None:
+        config = build_config(info, options, strict=True)
+    elif options:
+        raise TypeError("give either a config or keyword options, not both")
+    if info.uses_negatives and batch.negatives is None:
+        raise ConfigError(f"method {name!r} needs negatives (use --negatives base|random|sphere|FILE)")
+    return info.fn(batch, config)

@@ -1,0 +1,219 @@
+"""What every solver shares: the episode batch it receives, what it returns, and the registry.
+
+A solver is a function over a whole chunk of episodes::
+
+    fn(batch: EpisodeBatch, cfg: <its config dataclass>) -> SolverOutput
+
+with no Python loop over episodes, classes or queries inside: the loop over optimisation steps
+(or clustering iterations) is the only loop. ``SolverOutput.log_probs`` is ``[E, Nq, way]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping
+
+import torch
+from torch import Tensor
+
+from poodle.errors import ConfigError
+
+Transductivity = Literal["never", "optional", "always"]
+
+
+@dataclass
+class EpisodeBatch:
+    """A chunk of ``E`` episodes, gathered onto one device.
+
+    Attributes:
+        support: ``[E, Ns, D]`` float, rows L2-normalised, class-major (``Ns = way * shot``).
+        support_labels: ``[E, Ns]`` int64 in ``0..way-1``.
+        query: ``[E, Nq, D]`` float, rows L2-normalised; with imbalance the per-class counts vary
+            but ``Nq`` is the same for every episode.
+        negatives: ``[E, M, D]`` float (L2-normalised) or ``None`` when no negatives are used.
+        way: number of classes per episode.
+    """
+
+    support: Tensor
+    support_labels: Tensor
+    query: Tensor
+    negatives: Tensor | None
+    way: int
+
+    @property
+    def n_episodes(self) -> int:
+        return self.support.shape[0]
+
+    @property
+    def shot(self) -> int:
+        return self.support.shape[1] // self.way
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "EpisodeBatch":
+        def mv(t: Tensor | None, is_float: bool = True) -> Tensor | None:
+            if t is None:
+                return None
+            return t.to(device=device, dtype=dtype if (is_float and dtype is not None) else t.dtype)
+
+        return EpisodeBatch(mv(self.support), mv(self.support_labels, False), mv(self.query),
+                            mv(self.negatives), self.way)
+
+    def episode(self, i: int) -> "EpisodeBatch":
+        """Episode ``i`` alone, as a batch of one (for per-episode references and debugging)."""
+        sl = slice(i, i + 1)
+        neg = None if self.negatives is None else self.negatives[sl]
+        return EpisodeBatch(self.support[sl], self.support_labels[sl], self.query[sl], neg, self.way)
+
+
+@dataclass
+class SolverOutput:
+    """What a solver returns.
+
+    Attributes:
+        log_probs: ``[E, Nq, way]`` query log-probabilities (argmax is the prediction).
+        state: fitted tensors for inspection and tests, e.g. ``{"prototypes": [E, way, D],
+            "scale": [E, 1, 1]}``; empty for methods with nothing to expose.
+    """
+
+    log_probs: Tensor
+    state: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    """A registered method.
+
+    Attributes:
+        name: the ``--method`` value.
+        fn: the batched solver.
+        config: its configuration dataclass (defaults are the paper's).
+        transductive: ``"never"`` (inductive only), ``"optional"`` (a ``transductive`` config field
+            switches it), or ``"always"`` (uses the unlabelled queries by construction).
+        uses_negatives: whether the method consumes ``EpisodeBatch.negatives``.
+        flops: optional ``(E, Ns, Nq, M, D, way, cfg) -> FLOPs per episode``, for roofline reports.
+        summary: one line for ``--help`` and listings.
+    """
+
+    name: str
+    fn: Callable[[EpisodeBatch, Any], SolverOutput]
+    config: type
+    transductive: Transductivity
+    uses_negatives: bool
+    flops: Callable[..., float] | None
+    summary: str
+
+
+_REGISTRY: dict[str, SolverInfo] = {}
+
+
+def register(name: str, config: type, *, transductive: Transductivity = "never",
+             uses_negatives: bool = False, flops: Callable[..., float] | None = None,
+             summary: str = "") -> Callable[[Callable], Callable]:
+    """Decorator: register a batched solver under ``name`` with its config dataclass."""
+    if not dataclasses.is_dataclass(config):
+        raise TypeError(f"config of solver {name!r} must be a dataclass")
+    if transductive == "optional" and "transductive" not in {f.name for f in dataclasses.fields(config)}:
+        raise TypeError(f"solver {name!r} is optionally transductive but its config has no 'transductive' field")
+
+    def deco(fn: Callable) -> Callable:
+        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
+            raise ValueError(f"solver {name!r} registered twice")
+        doc = summary or ((fn.__doc__ or "").strip().splitlines() or [""])[0]
+        _REGISTRY[name] = SolverInfo(name, fn, config, transductive, uses_negatives, flops, doc)
+        return fn
+
+    return deco
+
+
+def config_fields(config: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(config)}
+
+
+def build_config(info: SolverInfo, options: Mapping[str, Any], *, strict: bool = False) -> Any:
+    """Instantiate ``info.config`` from ``options``.
+
+    Keys that are not fields of the config are ignored unless ``strict`` (then they are an error
+    naming the method's known options). Values are converted to the field's default's type
+    (``"0.5"`` -> 0.5 for a float field); a value that does not convert is a :class:`ConfigError`.
+    ``transductive=True`` for a method that is inductive only is an error; for an always-transductive
+    method the flag is accepted and ignored.
+    """
+    fields = config_fields(info.config)
+    kwargs: dict[str, Any] = {}
+    for key, value in options.items():
+        if key == "transductive" and info.transductive != "optional":
+            if value and info.transductive == "never":
+                raise ConfigError(f"method {info.name!r} is inductive only; drop --transductive for it")
+            continue
+        if key not in fields:
+            if strict:
+                known = ", ".join(sorted(fields)) or "(none)"
+                raise ConfigError(f"method {info.name!r} has no option {key!r}; its options are: {known}")
+            continue
+        kwargs[key] = _coerce(info.name, key, value, fields[key])
+    return info.config(**kwargs)
+
+
+def _coerce(method: str, key: str, value: Any, f: dataclasses.Field) -> Any:
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if default is None or value is None:
+        return value
+    target = type(default)
+    try:
+        if target is bool:
+            if isinstance(value, str):
+                low = value.lower()
+                if low in ("1", "true", "yes", "on"):
+                    return True
+                if low in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            if isinstance(value, (bool, int)) and value in (0, 1, True, False):
+                return bool(value)
+            raise ValueError(value)
+        if target is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if target is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if target is str:
+            return str(value)
+        return value
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"option {key!r} of method {method!r} expects a {target.__name__}, got {value!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor helpers every prototype-based method needs.
+
+
+def one_hot(labels: Tensor, way: int, dtype: torch.dtype) -> Tensor:
+    """``[E, N]`` int64 -> ``[E, N, way]`` float one-hot."""
+    return torch.nn.functional.one_hot(labels, way).to(dtype)
+
+
+def class_means(x: Tensor, labels: Tensor, way: int) -> Tensor:
+    """Per-class means: ``x [E, N, D]``, ``labels [E, N]`` -> ``[E, way, D]``.
+
+    A class with no member gets the zero vector (never NaN).
+    """
+    y = one_hot(labels, way, x.dtype)                      # [E, N, way]
+    counts = y.sum(1).clamp_min(1.0).unsqueeze(-1)         # [E, way, 1]
+    return torch.bmm(y.transpose(1, 2), x) / counts
+
+
+def neg_half_sqdist(x: Tensor, w: Tensor, scale: Tensor | float) -> Tensor:
+    """The paper's logits ``-(scale/2) * ||x - w||^2``: ``x [E, N, D]``, ``w [E, K, D]`` -> ``[E, N, K]``.
+
+    ``scale`` is a float or ``[E, 1, 1]``.
+    """
+    xw = torch.bmm(x, w.transpose(1, 2))
+    x2 = (x * x).sum(-1, keepdim=True)
+    w2 = (w * w).sum(-1).unsqueeze(1)
+    return scale * (xw - 0.5 * x2 - 0.5 * w2)
