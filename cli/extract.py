@@ -1,0 +1,57 @@
+"""``poodle extract``: write L2-normalised backbone features of every split to one HDF5 cache."""
+
+from __future__ import annotations
+
+import click
+
+from poodle.cli._common import console, friendly_errors, out, progress_bar
+
+DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs"]
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--dataset", required=True, type=click.Choice(DATASETS),
+              help="Layout of the images: csv (images/ + <split>.csv), folder (<split>/<class>/<img>), "
+                   "the presets mini, tiered, cub, or the embedded glyphs.")
+@click.option("--data-root", type=click.Path(file_okay=False), default=None,
+              help="Folder of the dataset (not needed for glyphs).")
+@click.option("--backbone", required=True, help="Backbone name, e.g. resnet12, conv4_64, wrn28_10.")
+@click.option("--checkpoint", type=click.Path(dir_okay=False), default=None,
+              help="Weights to load strictly (the release's .pth.tar or ours); none: random weights.")
+@click.option("--splits", default="train,val,test", show_default=True, help="Comma-separated splits to extract.")
+@click.option("--image-size", default=84, show_default=True, type=click.IntRange(min=1),
+              help="Centre-crop side fed to the backbone (after resizing the shorter side to size*256/224).")
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--workers", default=None, type=click.IntRange(min=0),
+              help="DataLoader worker processes decoding images [default: one per core, at most 8].")
+@click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda or cuda:N.")
+@click.option("--cache-root", default="cache", show_default=True, type=click.Path(file_okay=False),
+              help="Cache files go to <cache-root>/<dataset>/<backbone>[-<tag>].h5.")
+@click.option("--tag", default=None, help="Suffix of the cache file name, to keep several checkpoints apart.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16"]),
+              help="Storage type of the features.")
+@click.option("--force", is_flag=True,
+              help="Recompute complete splits, and replace a cache made with another checkpoint, backbone, "
+                   "image size or transform.")
+@click.option("--skip-bad", is_flag=True,
+              help="Leave out images that do not decode (their paths are recorded in the cache) "
+                   "instead of stopping.")
+@friendly_errors
+def extract(dataset: str, data_root: str | None, backbone: str, checkpoint: str | None, splits: str,
+            image_size: int, batch_size: int, workers: int | None, device: str, cache_root: str, tag: str | None,
+            dtype: str, force: bool, skip_bad: bool) -> None:
+    """Write L2-normalised features of every split to one HDF5 cache.
+
+    Interrupted runs resume: re-run the same command. Complete splits are skipped. The cache's
+    path is printed on stdout.
+    """
+    from poodle.extract import extract as run_extract
+
+    def bar(desc: str, total: int):
+        return progress_bar(desc, total, unit="img")
+
+    path = run_extract(dataset, backbone, data_root=data_root, checkpoint=checkpoint, splits=splits,
+                       image_size=image_size, batch_size=batch_size, device=device, cache_root=cache_root,
+                       tag=tag, dtype=dtype, workers=workers, force=force, skip_bad=skip_bad,
+                       progress_factory=bar, log=lambda msg: console.print(msg, highlight=False, markup=False))
+    out.print(str(path), highlight=False, soft_wrap=True)

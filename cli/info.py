@@ -1,0 +1,42 @@
+"""``poodle info FILE``: validate a feature cache and summarise its splits and attributes."""
+
+from __future__ import annotations
+
+import click
+
+from poodle.cli._common import friendly_errors, out
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("file", type=click.Path(dir_okay=False))
+@friendly_errors
+def info(file: str) -> None:
+    """Validate a feature cache (schema, dtypes, row norms, completeness) and summarise it."""
+    from rich import box
+    from rich.table import Table
+
+    from poodle.cache import validate
+
+    summary = validate(file)
+    table = Table(title=f"{file}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  collapse_padding=True)
+    for col, just in (("split", "left"), ("images", "right"), ("classes", "right"), ("D", "right"),
+                      ("dtype", "left"), ("complete", "left"), ("norm err", "right"), ("paths", "left"),
+                      ("skipped", "right")):
+        table.add_column(col, justify=just)
+    for name, s in summary["splits"].items():
+        dev = max(abs(s["norm_min"] - 1.0), abs(s["norm_max"] - 1.0)) if s["n_images"] > s["zero_rows"] else 0.0
+        norms = f"{dev:.1e}"
+        if s["zero_rows"]:
+            norms += f" ({s['zero_rows']} zero)"
+        table.add_row(name, f"{s['n_images']:,}", str(s["n_classes"]), str(s["feature_dim"]), s["dtype"],
+                      "yes" if s["complete"] else "no", norms, "yes" if s["has_paths"] else "no",
+                      str(s["n_skipped"]))
+    out.print(table)
+    attrs = Table(show_header=False, box=None, padding=(0, 2))
+    attrs.add_column(style="bold")
+    attrs.add_column(overflow="fold")
+    for k, v in summary["attrs"].items():
+        attrs.add_row(k, str(v))
+    out.print(attrs)
+    out.print("[green]valid[/]")

@@ -1,0 +1,668 @@
+"""The HDF5 feature cache: the one module that knows its schema.
+
+A cache is one file per (dataset, backbone, checkpoint), ``<cache-root>/<dataset>/<backbone>[-<tag>].h5``::
+
+    /                  attrs: format="poodle-features", version=1, dataset, backbone,
+                              checkpoint_sha256 (or "none"), image_size, transform, created, poodle_version
+    /<split>/features  float32 or float16 [N, D], every row L2-normalised
+    /<split>/labels    int64 [N], indices into /<split>/classes
+    /<split>/classes   utf-8 strings [C], class names
+    /<split>/paths     utf-8 strings [N], image paths relative to the dataset root (optional)
+    /<split>           attrs: complete=True, n_images, feature_dim, raw_mean (float32 [D])
+
+Optional split attributes written by :mod:`poodle.extract`: ``samples_sha256`` (digest of the image
+list the split was made from), ``n_skipped`` and ``skipped`` (paths of unreadable images left out
+with ``--skip-bad``).
+
+Writing is safe against interruption: :func:`write_arrays` writes under a temporary name, and
+:class:`SplitWriter` stages a split being extracted in its own ``<cache>.<split>.partial`` file
+(flushed after every batch, so an interrupted run resumes from the last batch) that
+:meth:`SplitWriter.commit` copies into a fresh copy of the cache, which then replaces the cache
+with ``os.replace``. The cache file itself is therefore never open for writing, and only ever holds
+complete splits.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import h5py
+import numpy as np
+import torch
+
+from poodle.errors import CacheError
+
+FORMAT = "poodle-features"
+VERSION = 1
+PARTIAL_FORMAT = "poodle-features-partial"
+ROOT_ATTRS = ("format", "version", "dataset", "backbone", "checkpoint_sha256", "image_size", "transform",
+              "created", "poodle_version")
+# Root attributes that say how features were made: a cache that differs in any of them holds other features.
+IDENTITY_ATTRS = ("dataset", "backbone", "checkpoint_sha256", "image_size", "transform")
+FEATURE_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
+# |norm - 1| allowed per row: float16 rounds each coordinate to ~5e-4 relative, float32 to ~6e-8.
+NORM_TOLERANCE = {np.dtype(np.float32): 1e-3, np.dtype(np.float16): 5e-3}
+STRING = h5py.string_dtype("utf-8")
+_SPLIT_ORDER = ("train", "val", "test")
+_ROWS_PER_BLOCK = 16384  # rows read or copied at once, so memory stays flat for any N
+_MAX_SKIPPED_ATTR_BYTES = 48_000  # HDF5 attributes are limited to 64 KiB in the default file format
+
+
+@dataclass
+class SplitFeatures:
+    """One split of a cache, in memory.
+
+    ``features`` float32 [N, D] (L2-normalised rows; float16 caches are upcast), ``labels`` int64 [N]
+    (indices into ``classes``), ``classes`` the C class names, ``paths`` the N image paths (None for
+    imported arrays), ``raw_mean`` float32 [D] the mean feature before normalisation (None if absent).
+    """
+
+    name: str
+    features: torch.Tensor
+    labels: torch.Tensor
+    classes: list[str]
+    paths: list[str] | None = None
+    raw_mean: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.features.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.features.shape[1])
+
+    @property
+    def n_classes(self) -> int:
+        return len(self.classes)
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+def _text(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.ndarray) and value.dtype.kind in "SO":
+        return [_text(v) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _strings(ds: h5py.Dataset) -> list[str]:
+    return [s if isinstance(s, str) else s.decode("utf-8") for s in ds.asstr()[()].tolist()]
+
+
+def _is_string_dataset(ds: h5py.Dataset) -> bool:
+    return h5py.check_string_dtype(ds.dtype) is not None
+
+
+class _Reader:
+    """Opens a file read-only and checks that it is a poodle cache, turning h5py errors into CacheError."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+
+    def __enter__(self) -> h5py.File:
+        if not self.path.exists():
+            raise CacheError(f"{self.path}: no such cache file")
+        if self.path.is_dir():
+            raise CacheError(f"{self.path}: is a directory, not a cache file")
+        try:
+            self.f = h5py.File(self.path, "r")
+        except OSError as e:
+            raise CacheError(f"{self.path}: not a poodle feature cache (not a readable HDF5 file: "
+                             f"{str(e).splitlines()[0]})") from None
+        try:
+            check_root(self.f, self.path)
+        except BaseException:
+            self.f.close()
+            raise
+        return self.f
+
+    def __exit__(self, *exc: Any) -> None:
+        self.f.close()
+
+
+def check_root(f: h5py.File, path: Path | str) -> dict[str, Any]:
+    """Check the root attributes of an open file; return them as Python values. CacheError if foreign."""
+    fmt = _text(f.attrs.get("format"))
+    if fmt != FORMAT:
+        what = "has no 'format' attribute" if fmt is None else f"has format={fmt!r}"
+        raise CacheError(f"{path}: not a poodle feature cache (the root {what}, expected {FORMAT!r})")
+    attrs = {k: _text(v) for k, v in f.attrs.items()}
+    missing = [k for k in ROOT_ATTRS if k not in attrs]
+    if missing:
+        raise CacheError(f"{path}: root attribute(s) {', '.join(missing)} missing")
+    try:
+        version = int(attrs["version"])
+    except (TypeError, ValueError):
+        raise CacheError(f"{path}: root attribute version={attrs['version']!r} is not an integer") from None
+    if version != VERSION:
+        raise CacheError(f"{path}: cache format version {version}, this poodle reads version {VERSION}")
+    try:
+        attrs["image_size"] = int(attrs["image_size"])
+    except (TypeError, ValueError):
+        raise CacheError(f"{path}: root attribute image_size={attrs['image_size']!r} is not an integer") from None
+    for k in ("dataset", "backbone", "checkpoint_sha256", "transform", "created", "poodle_version"):
+        if not isinstance(attrs[k], str):
+            raise CacheError(f"{path}: root attribute {k}={attrs[k]!r} is not a string")
+    return attrs
+
+
+def _split_names(f: h5py.File) -> list[str]:
+    names = [k for k, v in f.items() if isinstance(v, h5py.Group)]
+    return sorted(names, key=lambda n: (_SPLIT_ORDER.index(n) if n in _SPLIT_ORDER else len(_SPLIT_ORDER), n))
+
+
+def _is_complete(g: h5py.Group) -> bool:
+    c = g.attrs.get("complete", False)
+    try:
+        return bool(c) and not isinstance(c, (str, bytes))
+    except (TypeError, ValueError):
+        return False
+
+
+def read_attrs(path: str | os.PathLike) -> dict[str, Any]:
+    """The root attributes of a cache as Python values (CacheError if the file is not a poodle cache)."""
+    with _Reader(path) as f:
+        return check_root(f, path)
+
+
+def list_splits(path: str | os.PathLike) -> list[str]:
+    """Names of the complete splits in the cache (train, val, test first, then the others sorted)."""
+    with _Reader(path) as f:
+        return [n for n in _split_names(f) if _is_complete(f[n])]
+
+
+def _check_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
+    """Shape/dtype checks of one split (no pass over the rows). Returns n, dim, dtype, n_classes."""
+    where = f"{path}: split {name!r}"
+    if not _is_complete(g):
+        raise CacheError(f"{where} is incomplete (attribute complete is not True); re-run the command "
+                         f"that writes it (poodle extract resumes)")
+    for key in ("features", "labels", "classes"):
+        if key not in g or not isinstance(g[key], h5py.Dataset):
+            raise CacheError(f"{where}: dataset {name}/{key} missing")
+    feats, labels, classes = g["features"], g["labels"], g["classes"]
+    if feats.ndim != 2:
+        raise CacheError(f"{where}: features must be 2-D [N, D], got shape {feats.shape}")
+    if feats.dtype not in NORM_TOLERANCE:
+        raise CacheError(f"{where}: features must be float32 or float16, got {feats.dtype}")
+    n, dim = feats.shape
+    if labels.dtype != np.int64 or labels.shape != (n,):
+        raise CacheError(f"{where}: labels must be int64 [{n}], got {labels.dtype} {labels.shape}")
+    if not _is_string_dataset(classes) or classes.ndim != 1 or classes.shape[0] == 0:
+        raise CacheError(f"{where}: classes must be a non-empty 1-D string dataset, got {classes.dtype} "
+                         f"{classes.shape}")
+    if "paths" in g:
+        p = g["paths"]
+        if not isinstance(p, h5py.Dataset) or not _is_string_dataset(p) or p.shape != (n,):
+            raise CacheError(f"{where}: paths must be a string dataset [{n}], got "
+                             f"{getattr(p, 'dtype', '?')} {getattr(p, 'shape', '?')}")
+    for key, want in (("n_images", n), ("feature_dim", dim)):
+        if key not in g.attrs:
+            raise CacheError(f"{where}: attribute {key} missing")
+        try:
+            ok = int(g.attrs[key]) == want
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise CacheError(f"{where}: attribute {key}={_text(g.attrs[key])!r} but the features have {want}")
+    if "raw_mean" not in g.attrs:
+        raise CacheError(f"{where}: attribute raw_mean missing")
+    rm = np.asarray(g.attrs["raw_mean"])
+    if rm.dtype.kind != "f" or rm.shape != (dim,) or not np.isfinite(rm).all():
+        raise CacheError(f"{where}: attribute raw_mean must be finite float [{dim}], got {rm.dtype} {rm.shape}")
+    return {"n": n, "dim": dim, "dtype": feats.dtype, "n_classes": int(classes.shape[0])}
+
+
+def read_split(path: str | os.PathLike, split: str) -> SplitFeatures:
+    """Load one complete split. CacheError if the file is foreign, or the split absent or incomplete."""
+    path = Path(path)
+    with _Reader(path) as f:
+        names = _split_names(f)
+        complete = [n for n in names if _is_complete(f[n])]
+        if split not in names:
+            raise CacheError(f"{path}: no split {split!r}; complete splits: {', '.join(complete) or 'none'}")
+        g = f[split]
+        if not _is_complete(g):
+            raise CacheError(f"{path}: split {split!r} is incomplete; complete splits: "
+                             f"{', '.join(complete) or 'none'}")
+        info = _check_split(g, path, split)
+        feats = torch.from_numpy(np.asarray(g["features"][()], dtype=np.float32))
+        labels = torch.from_numpy(np.asarray(g["labels"][()], dtype=np.int64))
+        classes = _strings(g["classes"])
+        paths = _strings(g["paths"]) if "paths" in g else None
+        raw_mean = torch.from_numpy(np.asarray(g.attrs["raw_mean"], dtype=np.float32))
+    if info["n"] and (int(labels.min()) < 0 or int(labels.max()) >= len(classes)):
+        raise CacheError(f"{path}: split {split!r}: labels outside [0, {len(classes)})")
+    return SplitFeatures(name=split, features=feats, labels=labels, classes=classes, paths=paths,
+                         raw_mean=raw_mean)
+
+
+def validate(path: str | os.PathLike) -> dict[str, Any]:
+    """Check a cache completely: schema, dtypes, lengths, label ranges, row norms, completeness.
+
+    Returns ``{"path", "attrs": {root attributes}, "splits": {name: {n_images, n_classes,
+    feature_dim, dtype, complete, norm_min, norm_max, zero_rows, has_paths, n_skipped}}}``.
+    Raises CacheError naming the file, split and problem. Rows that are exactly zero (a backbone
+    whose output was all zeros for an image) are allowed and counted in ``zero_rows``.
+    """
+    path = Path(path)
+    with _Reader(path) as f:
+        attrs = check_root(f, path)
+        names = _split_names(f)
+        if not names:
+            raise CacheError(f"{path}: holds no splits")
+        splits = {name: _validate_split(f[name], path, name) for name in names}
+    return {"path": str(path), "attrs": attrs, "splits": splits}
+
+
+def _validate_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
+    info = _check_split(g, path, name)
+    n, dim, dtype, n_classes = info["n"], info["dim"], info["dtype"], info["n_classes"]
+    where = f"{path}: split {name!r}"
+    classes = _strings(g["classes"])
+    if len(set(classes)) != len(classes):
+        dup = sorted({c for c in classes if classes.count(c) > 1})
+        raise CacheError(f"{where}: class names repeat: {', '.join(dup[:5])}")
+    tol = NORM_TOLERANCE[dtype]
+    counts = np.zeros(n_classes, dtype=np.int64)
+    norm_min, norm_max, zero_rows = np.inf, -np.inf, 0
+    for a in range(0, n, _ROWS_PER_BLOCK):
+        x = np.asarray(g["features"][a:a + _ROWS_PER_BLOCK], dtype=np.float64)
+        if not np.isfinite(x).all():
+            row = a + int(np.argwhere(~np.isfinite(x))[0, 0])
+            raise CacheError(f"{where}: features row {row} is not finite")
+        norms = np.linalg.norm(x, axis=1)
+        zero = norms == 0
+        zero_rows += int(zero.sum())
+        bad = np.flatnonzero(~zero & (np.abs(norms - 1.0) > tol))
+        if bad.size:
+            r = int(bad[0])
+            raise CacheError(f"{where}: features row {a + r} has L2 norm {norms[r]:.6f}, expected 1 "
+                             f"(rows must be L2-normalised; tolerance {tol} for {dtype})")
+        if (~zero).any():
+            norm_min = min(norm_min, float(norms[~zero].min()))
+            norm_max = max(norm_max, float(norms[~zero].max()))
+        y = np.asarray(g["labels"][a:a + _ROWS_PER_BLOCK])
+        out = np.flatnonzero((y < 0) | (y >= n_classes))
+        if out.size:
+            r = int(out[0])
+            raise CacheError(f"{where}: labels row {a + r} is {int(y[r])}, outside [0, {n_classes})")
+        counts += np.bincount(y, minlength=n_classes)
+    empty = np.flatnonzero(counts == 0)
+    if empty.size:
+        raise CacheError(f"{where}: class {classes[int(empty[0])]!r} has no rows "
+                         f"({empty.size} class(es) without rows)")
+    return {"n_images": n, "n_classes": n_classes, "feature_dim": dim, "dtype": str(dtype), "complete": True,
+            "norm_min": norm_min if n > zero_rows else 0.0, "norm_max": norm_max if n > zero_rows else 0.0,
+            "zero_rows": zero_rows, "has_paths": "paths" in g,
+            "n_skipped": int(g.attrs.get("n_skipped", 0))}
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+def make_root_attrs(dataset: str, backbone: str, *, checkpoint_sha256: str = "none", image_size: int = 0,
+                    transform: str = "none", **extra: Any) -> dict[str, Any]:
+    """Root attributes of a new cache (``created`` is now, ``poodle_version`` this package's)."""
+    from poodle import __version__
+
+    attrs: dict[str, Any] = {
+        "format": FORMAT, "version": VERSION, "dataset": str(dataset), "backbone": str(backbone),
+        "checkpoint_sha256": str(checkpoint_sha256 or "none"), "image_size": int(image_size),
+        "transform": str(transform), "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "poodle_version": __version__,
+    }
+    attrs.update(extra)
+    return attrs
+
+
+def identity_mismatches(existing: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
+    """``key: existing != wanted`` for each identity attribute that differs (empty: same features)."""
+    out = []
+    for k in IDENTITY_ATTRS:
+        a, b = existing.get(k), wanted.get(k)
+        if str(a) != str(b):
+            out.append(f"{k}={_short(a)} (this run: {_short(b)})")
+    return out
+
+
+def _short(v: Any) -> str:
+    s = str(v)
+    return s[:12] + "…" if len(s) == 64 and all(c in "0123456789abcdef" for c in s) else repr(s)
+
+
+def _set_attrs(obj: h5py.HLObject, attrs: Mapping[str, Any]) -> None:
+    for k, v in attrs.items():
+        if isinstance(v, str):
+            obj.attrs.create(k, v, dtype=STRING)
+        else:
+            obj.attrs[k] = v
+
+
+def _set_skipped(g: h5py.Group, skipped: Sequence[str]) -> None:
+    g.attrs["n_skipped"] = len(skipped)
+    if not skipped:
+        return
+    if sum(len(s.encode()) + 16 for s in skipped) <= _MAX_SKIPPED_ATTR_BYTES:
+        g.attrs.create("skipped", np.array(list(skipped), dtype=object), dtype=STRING)
+    else:  # too many for an attribute: keep them all in a dataset, and say so in the attribute
+        g.create_dataset("skipped", data=np.array(list(skipped), dtype=object), dtype=STRING)
+        g.attrs.create("skipped", f"{len(skipped)} paths, see dataset {g.name}/skipped", dtype=STRING)
+
+
+def _l2_normalise(x: np.ndarray) -> np.ndarray:
+    """Rows divided by their L2 norm (computed in float64); all-zero rows stay zero."""
+    x64 = x.astype(np.float64, copy=False)
+    norms = np.linalg.norm(x64, axis=1, keepdims=True)
+    return x64 / np.where(norms > 0, norms, 1.0)
+
+
+def write_arrays(path: str | os.PathLike,
+                 splits: Mapping[str, tuple[Any, Any, Sequence[str]] | tuple[Any, Any, Sequence[str], Sequence[str]]],
+                 *, dataset: str = "arrays", backbone: str = "none", normalise: bool = True,
+                 dtype: str = "float32", **attrs: Any) -> Path:
+    """Write a complete, valid cache in one go (features imported from elsewhere, tests).
+
+    ``splits`` maps a split name to ``(features [N, D], labels [N] ints in [0, C), classes [C])``
+    or the same with ``paths [N]`` appended. ``raw_mean`` is the mean of the features as given;
+    with ``normalise`` the rows are then L2-normalised (otherwise they must already be).
+    Extra keyword arguments become root attributes (``checkpoint_sha256``, ``image_size``,
+    ``transform`` default to "none", 0, "none"). The file is validated before it appears under
+    ``path``; on any error nothing is left there. Returns ``path``.
+    """
+    from poodle.utils import atomic_path
+
+    path = Path(path)
+    if dtype not in FEATURE_DTYPES:
+        raise CacheError(f"dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
+    if not splits:
+        raise CacheError(f"{path}: no splits to write")
+    root = make_root_attrs(dataset, backbone, **attrs)
+    with atomic_path(path, suffix=".tmp") as tmp:
+        with h5py.File(tmp, "w") as f:
+            _set_attrs(f, root)
+            for name, item in splits.items():
+                if len(item) not in (3, 4):
+                    raise CacheError(f"split {name!r}: expected (features, labels, classes[, paths])")
+                feats = np.asarray(item[0].detach().cpu() if isinstance(item[0], torch.Tensor) else item[0])
+                labels = np.asarray(item[1].detach().cpu() if isinstance(item[1], torch.Tensor) else item[1])
+                classes = [str(c) for c in item[2]]
+                paths = None if len(item) == 3 or item[3] is None else [str(p) for p in item[3]]
+                if feats.ndim != 2 or labels.shape != (feats.shape[0],):
+                    raise CacheError(f"split {name!r}: features must be [N, D] and labels [N], got "
+                                     f"{feats.shape} and {labels.shape}")
+                if paths is not None and len(paths) != feats.shape[0]:
+                    raise CacheError(f"split {name!r}: {len(paths)} paths for {feats.shape[0]} rows")
+                raw_mean = feats.astype(np.float64).mean(0) if len(feats) else np.zeros(feats.shape[1])
+                x = _l2_normalise(feats) if normalise else feats
+                g = f.create_group(name)
+                g.create_dataset("features", data=x.astype(FEATURE_DTYPES[dtype]))
+                g.create_dataset("labels", data=labels.astype(np.int64))
+                g.create_dataset("classes", data=np.array(classes, dtype=object), dtype=STRING)
+                if paths is not None:
+                    g.create_dataset("paths", data=np.array(paths, dtype=object), dtype=STRING)
+                g.attrs["n_images"] = int(feats.shape[0])
+                g.attrs["feature_dim"] = int(feats.shape[1])
+                g.attrs["raw_mean"] = raw_mean.astype(np.float32)
+                g.attrs["complete"] = True
+        try:
+            validate(tmp)
+        except CacheError as e:  # name the file the caller asked for, not the temporary one
+            raise CacheError(str(e).replace(str(tmp), str(path), 1)) from None
+    return path
+
+
+def samples_digest(samples: Iterable[tuple[str, str]]) -> str:
+    """sha256 over an image list ``[(relative_path, class_name)]``: tells whether a split was made from it."""
+    h = hashlib.sha256()
+    for p, c in samples:
+        h.update(f"{p}\t{c}\n".encode("utf-8"))
+    return h.hexdigest()
+
+
+def partial_path(cache_path: str | os.PathLike, split: str) -> Path:
+    """Where a split being extracted is staged: ``<cache>.<split>.partial`` next to the cache."""
+    p = Path(cache_path)
+    return p.with_name(f"{p.name}.{split}.partial")
+
+
+class SplitWriter:
+    """Streams one split into its staging file, batch by batch, and commits it into the cache.
+
+    The staging file holds resizable ``features``/``labels``/``paths``/``skipped`` datasets, what it
+    was made with, and one float64 attribute ``state`` = [rows written, image-list entries consumed,
+    images skipped, running sum of the raw features (D values, for ``raw_mean``)]. Each
+    :meth:`append` writes its rows first and then ``state`` in a single attribute write, and flushes,
+    so an interrupted run resumes after the last batch whose ``state`` reached the disk (rows past it
+    are overwritten). A staging file that cannot
+    be read, or that was made with other settings or another image list, is started afresh.
+    """
+
+    def __init__(self, cache_path: str | os.PathLike, split: str, *, root_attrs: Mapping[str, Any],
+                 classes: Sequence[str], samples_sha256: str, n_total: int, dim: int,
+                 dtype: str = "float32", restart: bool = False) -> None:
+        if dtype not in FEATURE_DTYPES:
+            raise CacheError(f"dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
+        self.cache_path = Path(cache_path)
+        self.split = split
+        self.path = partial_path(self.cache_path, split)
+        self.root_attrs = dict(root_attrs)
+        self.classes = list(classes)
+        self.n_total = int(n_total)
+        self.dim = int(dim)
+        self.dtype = FEATURE_DTYPES[dtype]
+        self._key = {"samples_sha256": samples_sha256, "n_total": self.n_total, "feature_dim": self.dim,
+                     "dtype": str(self.dtype), **{k: str(self.root_attrs[k]) for k in IDENTITY_ATTRS}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f: h5py.File | None = None
+        self.resumed = False
+        if not restart and self.path.exists():
+            self.resumed = self._try_resume()
+        if not self.resumed:
+            self._create()
+
+    # -- opening
+    def _open(self, mode: str) -> h5py.File:
+        try:
+            return h5py.File(self.path, mode)
+        except OSError as e:
+            if "lock" in str(e).lower():
+                raise CacheError(f"{self.path}: in use by another process (is another `poodle extract` "
+                                 f"writing this cache?)") from None
+            raise
+
+    def _try_resume(self) -> bool:
+        try:
+            f = self._open("a")
+        except CacheError:
+            raise
+        except OSError:
+            self.path.unlink()
+            return False
+        try:
+            a = f.attrs
+            ok = _text(a.get("format")) == PARTIAL_FORMAT and all(
+                str(_text(a.get(k))) == str(v) for k, v in self._key.items())
+            if ok:
+                state = np.asarray(a["state"], dtype=np.float64)
+                ok = state.shape == (3 + self.dim,) and bool(np.isfinite(state).all())
+            if ok:
+                n_rows, n_consumed, n_skipped = (int(v) for v in state[:3])
+                g = f[self.split]
+                ok = (g["features"].shape[0] >= n_rows and g["labels"].shape[0] >= n_rows
+                      and g["paths"].shape[0] >= n_rows and g["skipped"].shape[0] >= n_skipped
+                      and 0 <= n_rows <= n_consumed <= self.n_total and n_rows + n_skipped == n_consumed)
+                if ok and n_rows:  # touch the last committed row: a torn write shows up here
+                    g["features"][n_rows - 1]
+                    g["paths"][n_rows - 1]
+        except Exception:  # noqa: BLE001 - any damage means: start this split again
+            ok = False
+        if not ok:
+            f.close()
+            self.path.unlink()
+            return False
+        self.f = f
+        self._state = state
+        return True
+
+    def _create(self) -> None:
+        if self.path.exists():
+            self.path.unlink()
+        f = self._open("w")
+        _set_attrs(f, {"format": PARTIAL_FORMAT, **self._key})
+        self._state = np.zeros(3 + self.dim, dtype=np.float64)
+        f.attrs["state"] = self._state
+        g = f.create_group(self.split)
+        chunk_rows = max(1, min(1024, (1 << 20) // max(1, self.dim * self.dtype.itemsize)))
+        g.create_dataset("features", shape=(0, self.dim), maxshape=(None, self.dim), dtype=self.dtype,
+                         chunks=(chunk_rows, self.dim))
+        g.create_dataset("labels", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,))
+        g.create_dataset("paths", shape=(0,), maxshape=(None,), dtype=STRING, chunks=(1024,))
+        g.create_dataset("skipped", shape=(0,), maxshape=(None,), dtype=STRING, chunks=(256,))
+        f.flush()
+        self.f = f
+
+    # -- state
+    @property
+    def n_consumed(self) -> int:
+        """How many entries of the image list are done (written or skipped)."""
+        return int(self._state[1])
+
+    @property
+    def n_rows(self) -> int:
+        return int(self._state[0])
+
+    @property
+    def n_skipped(self) -> int:
+        return int(self._state[2])
+
+    def append(self, raw: np.ndarray | torch.Tensor, labels: Sequence[int] | np.ndarray,
+               paths: Sequence[str], *, n_consumed: int | None = None, skipped: Sequence[str] = ()) -> None:
+        """Add a batch: raw features [B, D] (normalised here), labels [B], paths [B].
+
+        ``n_consumed`` is how many image-list entries the batch covers (B plus skipped images).
+        """
+        assert self.f is not None, "writer is closed"
+        if isinstance(raw, torch.Tensor):
+            raw = raw.detach().cpu().numpy()
+        raw = np.asarray(raw)
+        b = raw.shape[0]
+        if raw.ndim != 2 or raw.shape[1] != self.dim or len(labels) != b or len(paths) != b:
+            raise CacheError(f"batch of shape {raw.shape} with {len(labels)} labels and {len(paths)} paths "
+                             f"does not fit split {self.split!r} of dim {self.dim}")
+        n_consumed = b + len(skipped) if n_consumed is None else int(n_consumed)
+        if n_consumed != b + len(skipped):
+            raise CacheError(f"batch covers {n_consumed} images but holds {b} rows and {len(skipped)} skipped")
+        f, g = self.f, self.f[self.split]
+        n0 = self.n_rows
+        if b:
+            if not np.isfinite(raw).all():
+                raise CacheError(f"split {self.split!r}: the backbone produced non-finite features for "
+                                 f"{paths[int(np.argwhere(~np.isfinite(raw))[0, 0])]}")
+            for key in ("features", "labels", "paths"):
+                g[key].resize(n0 + b, axis=0)
+            g["features"][n0:n0 + b] = _l2_normalise(raw).astype(self.dtype)
+            g["labels"][n0:n0 + b] = np.asarray(labels, dtype=np.int64)
+            g["paths"][n0:n0 + b] = np.array(list(paths), dtype=object)
+        if skipped:
+            s0 = self.n_skipped
+            g["skipped"].resize(s0 + len(skipped), axis=0)
+            g["skipped"][s0:] = np.array(list(skipped), dtype=object)
+        # The state goes last, in one attribute write: until it is flushed, a resumed run ignores the
+        # rows just written.
+        state = self._state.copy()
+        state[0] += b
+        state[1] += n_consumed
+        state[2] += len(skipped)
+        state[3:] += raw.astype(np.float64).sum(0)
+        f.attrs["state"] = state
+        f.flush()
+        self._state = state
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+    def reopen(self) -> None:
+        """Open the staging file again after :meth:`close` (e.g. once DataLoader workers are forked,
+        which would otherwise inherit the file's lock and hold it past a crash of this process)."""
+        if self.f is None:
+            self.f = self._open("a")
+
+    def __enter__(self) -> "SplitWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def class_counts(self) -> np.ndarray:
+        """Rows written per class so far, int64 [C]."""
+        assert self.f is not None
+        y = self.f[self.split]["labels"][: self.n_rows]
+        return np.bincount(np.asarray(y, dtype=np.int64), minlength=len(self.classes))
+
+    def commit(self, *, fresh: bool = False, extra_attrs: Mapping[str, Any] | None = None) -> Path:
+        """Mark the split complete and put it into the cache file atomically; remove the staging file.
+
+        The cache is copied (or created, when absent or ``fresh``), the split is written into the
+        copy, the copy is validated and then renamed over the cache. Returns the cache path.
+        """
+        assert self.f is not None, "writer is closed"
+        if self.n_consumed != self.n_total:
+            raise CacheError(f"split {self.split!r}: only {self.n_consumed} of {self.n_total} images done")
+        src_f = self.f
+        n, name = self.n_rows, self.split
+        tmp = self.cache_path.with_name(self.cache_path.name + ".tmp")
+        try:
+            if self.cache_path.exists() and not fresh:
+                shutil.copyfile(self.cache_path, tmp)
+                dst_f = h5py.File(tmp, "a")
+            else:
+                dst_f = h5py.File(tmp, "w")
+                _set_attrs(dst_f, self.root_attrs)
+            with dst_f:
+                if name in dst_f:
+                    del dst_f[name]
+                src, dst = src_f[name], dst_f.create_group(name)
+                fd = dst.create_dataset("features", shape=(n, self.dim), dtype=self.dtype)
+                ld = dst.create_dataset("labels", shape=(n,), dtype=np.int64)
+                pd = dst.create_dataset("paths", shape=(n,), dtype=STRING)
+                for a in range(0, n, _ROWS_PER_BLOCK):
+                    b = min(n, a + _ROWS_PER_BLOCK)
+                    fd[a:b] = src["features"][a:b]
+                    ld[a:b] = src["labels"][a:b]
+                    pd[a:b] = src["paths"].asstr()[a:b]
+                dst.create_dataset("classes", data=np.array(self.classes, dtype=object), dtype=STRING)
+                raw_mean = self._state[3:] / n if n else np.zeros(self.dim)
+                dst.attrs["n_images"] = n
+                dst.attrs["feature_dim"] = self.dim
+                dst.attrs["raw_mean"] = raw_mean.astype(np.float32)
+                dst.attrs.create("samples_sha256", self._key["samples_sha256"], dtype=STRING)
+                _set_skipped(dst, _strings(src["skipped"])[: self.n_skipped] if self.n_skipped else [])
+                if extra_attrs:
+                    _set_attrs(dst, extra_attrs)
+                dst.attrs["complete"] = True
+                _validate_split(dst, tmp, name)
+            os.replace(tmp, self.cache_path)
+        except BaseException:
+            if tmp.exists():
+                tmp.unlink()
+            raise
+        self.close()
+        self.path.unlink()
+        return self.cache_path
+
+    def discard(self) -> None:
+        """Close and delete the staging file."""
+        self.close()
+        if self.path.exists():
+            self.path.unlink()

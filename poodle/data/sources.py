@@ -1,0 +1,253 @@
+"""Where the images of a dataset are and which split and class each belongs to.
+
+A :class:`DatasetSource` lists, per split, ``(relative_path, class_name)`` pairs; paths are relative
+to ``source.root`` (the ``--data-root`` given, or the generated glyphs folder). Class names are the
+label strings of the split files (e.g. wnids) or the class folder names; a split's class order is
+the sorted order of its names (plain string order, as the authors' loader: "10" < "2").
+
+Layouts (see docs/stage1.md):
+
+- ``csv``: ``<root>/images/<filename>`` and ``<root>/<split>.csv`` with rows ``filename,label``.
+  A first line that names no image and reads like a header (e.g. ``filename,label``) is a header;
+  otherwise it is data. The authors' loader always drops line 1, which loses the first image of
+  every header-less split file their own split scripts write.
+- ``mini``: the csv layout, or the release's tree (``<root>/split/mini/<split>.csv``, images in
+  ``<root>/images/``).
+- ``tiered``: the csv layout as the release's split script makes it: ``<root>/<split>.csv``
+  (header-less ``filename,specific-label`` rows) with the PNGs in ``<root>/data/`` (or ``images/``);
+  or the release's tree, ``<root>/split/tiered/<split>.csv`` with images in
+  ``<root>/tiered-imagenet/data/``; or the folder layout.
+- ``cub``: the 200 class folders of CUB-200-2011 in ``<root>/images/`` (or ``<root>`` itself, or
+  ``<root>/CUB_200_2011/images``); the sorted folder list's index i goes to train when i % 2 == 0,
+  val when i % 4 == 1, test when i % 4 == 3 (Chen et al. 2019, the release's split script).
+- ``folder``: ``<root>/<split>/<class>/<image>``.
+- ``glyphs``: the embedded generated dataset (folder layout), created under the cache root on first use.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from poodle.errors import ConfigError, DataError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+HEADER_WORDS = {"filename", "file", "file_name", "path", "image", "image_name", "label", "class", "class_name",
+                "wnid", "target"}
+SPLITS = ("train", "val", "test")
+NAMES = ("csv", "folder", "mini", "tiered", "cub", "glyphs")
+
+
+def _is_image(name: str) -> bool:
+    return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def _rel(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+class DatasetSource(ABC):
+    """A dataset on disk: its splits, and per split the ``(relative_path, class_name)`` samples."""
+
+    def __init__(self, name: str, root: Path) -> None:
+        self.name = name
+        self.root = Path(root)
+        self._cache: dict[str, list[tuple[str, str]]] = {}
+
+    @abstractmethod
+    def splits(self) -> list[str]:
+        """Names of the splits present on disk."""
+
+    @abstractmethod
+    def _list(self, split: str) -> list[tuple[str, str]]:
+        ...
+
+    def samples(self, split: str) -> list[tuple[str, str]]:
+        """``[(path relative to root, class name)]`` in the split's order (file rows, or sorted).
+
+        DataError when the split is absent, a listed image does not exist, or a class has no images.
+        """
+        if split not in self._cache:
+            self._cache[split] = self._list(split)
+        return self._cache[split]
+
+    def classes(self, split: str) -> list[str]:
+        """The split's class names, sorted; label index i means ``classes(split)[i]``."""
+        return sorted({c for _, c in self.samples(split)})
+
+    def describe(self) -> str:
+        return f"{self.name} at {self.root}"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"
+
+
+class FolderSource(DatasetSource):
+    """``root/<split>/<class>/<image>``: classes are the sorted folder names; images sorted by name."""
+
+    def __init__(self, root: Path, name: str = "folder") -> None:
+        super().__init__(name, root)
+
+    def splits(self) -> list[str]:
+        found = [d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith(".")]
+        return sorted(found, key=lambda s: (SPLITS.index(s) if s in SPLITS else len(SPLITS), s))
+
+    def _list(self, split: str) -> list[tuple[str, str]]:
+        d = self.root / split
+        if not d.is_dir():
+            raise DataError(f"no split folder {d} (found: {', '.join(self.splits()) or 'none'}; "
+                            f"the folder layout is <root>/<split>/<class>/<image>)")
+        class_dirs = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if not class_dirs:
+            raise DataError(f"split folder {d} has no class folders (layout: <root>/<split>/<class>/<image>)")
+        out = []
+        for cd in class_dirs:
+            files = sorted(f for f in os.listdir(cd) if _is_image(f))
+            if not files:
+                raise DataError(f"class {cd.name!r} has no images: {cd} (image extensions: "
+                                f"{' '.join(IMAGE_EXTENSIONS)})")
+            out.extend((_rel(cd / f, self.root), cd.name) for f in files)
+        return out
+
+
+class CsvSource(DatasetSource):
+    """Split files ``<csv_dir>/<split>.csv`` of ``filename,label`` rows, images in ``image_dir``."""
+
+    def __init__(self, root: Path, name: str = "csv", image_dir: Path | None = None,
+                 csv_dir: Path | None = None) -> None:
+        super().__init__(name, root)
+        self.image_dir = Path(image_dir) if image_dir is not None else self.root / "images"
+        self.csv_dir = Path(csv_dir) if csv_dir is not None else self.root
+
+    def describe(self) -> str:
+        return f"{self.name}: split files in {self.csv_dir}, images in {self.image_dir}"
+
+    def splits(self) -> list[str]:
+        found = [p.stem for p in self.csv_dir.glob("*.csv")] if self.csv_dir.is_dir() else []
+        return sorted(found, key=lambda s: (SPLITS.index(s) if s in SPLITS else len(SPLITS), s))
+
+    def split_file(self, split: str) -> Path:
+        return self.csv_dir / f"{split}.csv"
+
+    def _list(self, split: str) -> list[tuple[str, str]]:
+        path = self.split_file(split)
+        if not path.is_file():
+            raise DataError(f"split file {path} does not exist (found: "
+                            f"{', '.join(s + '.csv' for s in self.splits()) or 'no .csv files'})")
+        if not self.image_dir.is_dir():
+            raise DataError(f"image folder {self.image_dir} does not exist (split files name images in it)")
+        prefix = _rel(self.image_dir, self.root) if self.image_dir != self.root else ""
+        out: list[tuple[str, str]] = []
+        try:
+            with open(path, newline="", encoding="utf-8-sig") as fh:
+                rows = list(enumerate(csv.reader(fh), start=1))
+        except (UnicodeDecodeError, csv.Error) as e:
+            raise DataError(f"{path}: not a readable CSV file ({e})") from None
+        rows = [(i, [c.strip() for c in r]) for i, r in rows if any(c.strip() for c in r)]
+        if rows and self._is_header(rows[0][1]):
+            rows = rows[1:]
+        for line, row in rows:
+            if len(row) < 2 or not row[0] or not row[1]:
+                raise DataError(f"{path} line {line}: expected 'filename,label', got {','.join(row)!r}")
+            filename, label = row[0], row[1]
+            if not (self.image_dir / filename).is_file():
+                raise DataError(f"{path} line {line}: image {self.image_dir / filename} does not exist")
+            out.append((f"{prefix}/{filename}" if prefix else filename, label))
+        if not out:
+            raise DataError(f"split file {path} lists no images")
+        return out
+
+    def _is_header(self, row: list[str]) -> bool:
+        # A header names no image; requiring header-like words too keeps a missing first image an error.
+        return (len(row) >= 2 and not (self.image_dir / row[0]).is_file()
+                and all(c.lower().replace(" ", "_") in HEADER_WORDS for c in row[:2]))
+
+
+class CubSource(DatasetSource):
+    """CUB-200-2011 class folders split by sorted index: i%2==0 train, i%4==1 val, i%4==3 test."""
+
+    RULE = {"train": lambda i: i % 2 == 0, "val": lambda i: i % 4 == 1, "test": lambda i: i % 4 == 3}
+
+    def __init__(self, root: Path, image_dir: Path, name: str = "cub") -> None:
+        super().__init__(name, root)
+        self.image_dir = image_dir
+        self.class_dirs = sorted(p.name for p in image_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if not self.class_dirs:
+            raise DataError(f"--dataset cub: no class folders in {image_dir}")
+
+    def describe(self) -> str:
+        return f"{self.name}: {len(self.class_dirs)} class folders in {self.image_dir}"
+
+    def splits(self) -> list[str]:
+        return list(SPLITS)
+
+    def _list(self, split: str) -> list[tuple[str, str]]:
+        if split not in self.RULE:
+            raise DataError(f"--dataset cub has splits train, val, test; not {split!r}")
+        out = []
+        for i, name in enumerate(self.class_dirs):
+            if not self.RULE[split](i):
+                continue
+            d = self.image_dir / name
+            files = sorted(f for f in os.listdir(d) if _is_image(f))
+            if not files:
+                raise DataError(f"class {name!r} has no images: {d}")
+            out.extend((_rel(d / f, self.root), name) for f in files)
+        if not out:
+            raise DataError(f"--dataset cub: split {split!r} gets no classes from the "
+                            f"{len(self.class_dirs)} class folders in {self.image_dir}")
+        return out
+
+
+def _need_root(name: str, data_root: str | Path | None) -> Path:
+    if data_root is None:
+        raise ConfigError(f"--dataset {name} needs --data-root DIR")
+    root = Path(data_root).expanduser()
+    if not root.exists():
+        raise DataError(f"data root {root} does not exist")
+    if not root.is_dir():
+        raise DataError(f"data root {root} is not a directory")
+    return root
+
+
+def _preset_csv(name: str, root: Path, images: tuple[str, ...], release_csv: str, release_images: str) -> DatasetSource:
+    if (root / "train.csv").is_file() or (root / "test.csv").is_file():
+        image_dir = next((root / d for d in images if (root / d).is_dir()), root / images[0])
+        return CsvSource(root, name, image_dir=image_dir)
+    if (root / release_csv).is_dir():
+        return CsvSource(root, name, image_dir=root / release_images, csv_dir=root / release_csv)
+    if name == "tiered" and (root / "train").is_dir():
+        return FolderSource(root, name)
+    raise DataError(f"--dataset {name}: no split files in {root}: expected {root / 'train.csv'} with images in "
+                    f"{root / images[0]}/, or the release's {root / release_csv}/train.csv with images in "
+                    f"{root / release_images}/")
+
+
+def resolve_dataset(name: str, data_root: str | Path | None, cache_root: str | Path = "cache") -> DatasetSource:
+    """The :class:`DatasetSource` of ``--dataset name`` at ``data_root``.
+
+    Checks only that the root exists (and for presets, which of their layouts is present); the split
+    files and images are checked when a split's samples are listed.
+    """
+    if name == "glyphs":
+        from poodle.data.glyphs import ensure_glyphs  # the glyphs module is generated data, load lazily
+
+        return FolderSource(Path(ensure_glyphs(Path(cache_root))), "glyphs")
+    if name not in NAMES:
+        raise ConfigError(f"unknown dataset {name!r}; known: {', '.join(NAMES)}")
+    root = _need_root(name, data_root)
+    if name == "csv":
+        return CsvSource(root, "csv")
+    if name == "folder":
+        return FolderSource(root, "folder")
+    if name == "mini":
+        return _preset_csv("mini", root, ("images",), "split/mini", "images")
+    if name == "tiered":
+        return _preset_csv("tiered", root, ("data", "images"), "split/tiered", "tiered-imagenet/data")
+    # cub
+    for cand in (root / "images", root / "CUB_200_2011" / "images", root):
+        if cand.is_dir() and any(p.is_dir() for p in cand.iterdir()):
+            return CubSource(root, cand)
+    raise DataError(f"--dataset cub: no class folders in {root / 'images'}")

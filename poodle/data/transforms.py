@@ -1,0 +1,81 @@
+"""Image transforms of the paper's code (facts sheet section 5.5), and the image loader.
+
+- :func:`eval_transform`: resize the shorter side to ``int(size * 256 / 224)`` (96 for 84), centre
+  crop ``size``, to tensor, ImageNet mean/std. This is what the release uses for the final
+  evaluation and feature extraction (``enlarge=True``).
+- :func:`train_transform`: RandomResizedCrop(size) with torchvision's defaults, then the
+  ``ImageJitter`` of brightness, contrast and colour (each factor ``1 + 0.4 * (2u - 1)``,
+  in that order), horizontal flip, to tensor, ImageNet mean/std.
+
+Images are always decoded to RGB first (:func:`load_rgb`). Each returned transform carries a
+``description`` string; the feature cache records it, so features made with another transform are
+never mixed with these.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+from PIL import Image, ImageEnhance
+from torchvision import transforms as T
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+JITTER = 0.4  # brightness, contrast and colour strength of the release's ImageJitter
+
+
+def load_rgb(path: str | Path) -> Image.Image:
+    """Decode an image file into an RGB PIL image (raises what PIL raises on a bad file)."""
+    with open(path, "rb") as fh:
+        img = Image.open(fh)
+        return img.convert("RGB")
+
+
+def resize_size(image_size: int) -> int:
+    """The shorter-side size the evaluation transform resizes to: ``int(size * 256 / 224)``."""
+    return int(image_size * 256 / 224)
+
+
+class ImageJitter:
+    """Random brightness, contrast and colour (saturation) enhancement, applied in that order.
+
+    Each factor is ``1 + strength * (2u - 1)`` with ``u ~ U[0, 1)`` drawn by ``torch.rand`` (so the
+    DataLoader's per-worker torch seeding governs it), as in the release's ``ImageJitter``.
+    """
+
+    def __init__(self, brightness: float = JITTER, contrast: float = JITTER, color: float = JITTER) -> None:
+        self.params = [(ImageEnhance.Brightness, brightness), (ImageEnhance.Contrast, contrast),
+                       (ImageEnhance.Color, color)]
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        u = torch.rand(len(self.params))
+        for (enhancer, strength), ui in zip(self.params, u.tolist()):
+            img = enhancer(img).enhance(1.0 + strength * (2.0 * ui - 1.0))
+        return img
+
+    def __repr__(self) -> str:
+        return "ImageJitter(brightness={}, contrast={}, color={})".format(*(s for _, s in self.params))
+
+
+def eval_transform(image_size: int = 84) -> Callable[[Image.Image], torch.Tensor]:
+    """PIL RGB image -> float32 [3, image_size, image_size] tensor, as the paper evaluates."""
+    if image_size < 1:
+        raise ValueError(f"image size must be positive, got {image_size}")
+    r = resize_size(image_size)
+    tf = T.Compose([T.Resize(r), T.CenterCrop(image_size), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    tf.description = (f"eval: RGB, resize shorter side to {r} (bilinear), center crop {image_size}, "
+                      f"normalize ImageNet mean/std")
+    return tf
+
+
+def train_transform(image_size: int = 84) -> Callable[[Image.Image], torch.Tensor]:
+    """PIL RGB image -> augmented float32 [3, image_size, image_size] tensor (the paper's training)."""
+    if image_size < 1:
+        raise ValueError(f"image size must be positive, got {image_size}")
+    tf = T.Compose([T.RandomResizedCrop(image_size), ImageJitter(), T.RandomHorizontalFlip(), T.ToTensor(),
+                    T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    tf.description = (f"train: RGB, random resized crop {image_size} (scale 0.08-1, ratio 3/4-4/3), "
+                      f"jitter brightness/contrast/colour {JITTER}, horizontal flip, normalize ImageNet mean/std")
+    return tf
