@@ -67,6 +67,6 @@ def run(name: str, batch: EpisodeBatch, config: Any = None, **options: Any) -> S
         config = build_config(info, options, strict=True)
     elif options:
         raise TypeError("give either a config or keyword options, not both")
-    if info.uses_negatives and batch.negatives is None:
+    if batch.negatives is None and info.needs_negatives(config):
         raise ConfigError(f"method {name!r} needs negatives (use --negatives base|random|sphere|FILE)")
     return info.fn(batch, config)

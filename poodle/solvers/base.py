@@ -89,8 +89,9 @@ class SolverInfo:
         config: its configuration dataclass (defaults are the paper's).
         transductive: ``"never"`` (inductive only), ``"optional"`` (a ``transductive`` config field
             switches it), or ``"always"`` (uses the unlabelled queries by construction).
-        uses_negatives: whether the method consumes ``EpisodeBatch.negatives``.
-        flops: optional ``(E, Ns, Nq, M, D, way, cfg) -> FLOPs per episode``, for roofline reports.
+        uses_negatives: whether the method consumes ``EpisodeBatch.negatives``: a bool, or a function
+            of the config (POODLE with ``beta = 0`` needs none); ask :meth:`needs_negatives`.
+        flops: optional ``(Ns, Nq, M, D, way, cfg) -> FLOPs per episode``, for roofline reports.
         summary: one line for ``--help`` and listings.
     """
 
@@ -98,16 +99,20 @@ class SolverInfo:
     fn: Callable[[EpisodeBatch, Any], SolverOutput]
     config: type
     transductive: Transductivity
-    uses_negatives: bool
+    uses_negatives: bool | Callable[[Any], bool]
     flops: Callable[..., float] | None
     summary: str
+
+    def needs_negatives(self, cfg: Any) -> bool:
+        """Whether this method, configured by ``cfg``, reads ``EpisodeBatch.negatives``."""
+        return bool(self.uses_negatives(cfg) if callable(self.uses_negatives) else self.uses_negatives)
 
 
 _REGISTRY: dict[str, SolverInfo] = {}
 
 
 def register(name: str, config: type, *, transductive: Transductivity = "never",
-             uses_negatives: bool = False, flops: Callable[..., float] | None = None,
+             uses_negatives: bool | Callable[[Any], bool] = False, flops: Callable[..., float] | None = None,
              summary: str = "") -> Callable[[Callable], Callable]:
     """Decorator: register a batched solver under ``name`` with its config dataclass."""
     if not dataclasses.is_dataclass(config):

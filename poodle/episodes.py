@@ -1,0 +1,329 @@
+"""Few-shot episodes: seeded, batched sampling (balanced or Dirichlet-imbalanced), HDF5 save/load.
+
+Episode ``i`` of a run is a pure function of ``(labels, spec, i)``: it is drawn by its own generator
+``poodle.utils.generator(spec.seed, i)``, so the chunk size, the device, the number of episodes
+drawn and the methods that run never change it. The seed tuple deliberately leaves out way, shot,
+query and imbalance: episode ``i`` of a 1-shot and of a 5-shot run with the same seed share their
+classes, and the 1-shot support image of each class is the first of the 5-shot ones (nested designs
+make shot and imbalance ablations paired too).
+
+Drawing one episode, in this order from its generator:
+
+1. ``way`` classes without replacement (``randperm`` over the split's classes); label ``k`` is the
+   ``k``-th class drawn.
+2. With ``imbalance=kappa``: query shares ``p ~ Dirichlet(kappa, ..., kappa)`` (from Gamma draws)
+   and counts by largest remainder so they sum to exactly ``way * query`` (floors first, then one
+   more to the classes with the largest fractional parts, ties to the lower label). A class may get
+   0 queries. A class whose count would exceed its images minus ``shot`` gets all it has and the
+   excess is re-spread over the others in proportion to their shares (never triggers when every
+   class has ``shot + way * query`` images, e.g. mini-ImageNet).
+3. Per class in label order, a ``randperm`` of its images: the first ``shot`` are support, the
+   next ``count`` are queries. Support and query are class-major.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from poodle.errors import EpisodeError
+from poodle.utils import atomic_path, generator
+
+FORMAT = "poodle-episodes"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """What an episode set is drawn from. Paper defaults: 5-way, 15 queries per class (section 5.1)."""
+
+    split: str = "test"
+    way: int = 5
+    shot: int = 1
+    query: int = 15                 # queries per class; the total is way * query
+    imbalance: float | None = None  # Dirichlet concentration kappa (paper appendix); None: balanced
+    seed: int = 0
+
+    def validate(self) -> None:
+        """EpisodeError for non-positive counts or concentration."""
+        for name in ("way", "shot", "query"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise EpisodeError(f"{name} must be a positive integer, got {v!r}")
+        if self.imbalance is not None and not (math.isfinite(self.imbalance) and self.imbalance > 0):
+            raise EpisodeError(f"imbalance (Dirichlet concentration) must be positive, got {self.imbalance!r}")
+
+    @property
+    def n_support(self) -> int:
+        return self.way * self.shot
+
+    @property
+    def n_query(self) -> int:
+        return self.way * self.query
+
+
+@dataclass
+class EpisodeSet:
+    """``E`` episodes as row indices into one split of a cache.
+
+    Attributes:
+        support: int64 ``[E, way*shot]`` row indices, class-major.
+        query: int64 ``[E, Nq]`` row indices, class-major (``Nq = way*query``; per-class counts vary
+            with imbalance).
+        support_labels: int64 ``[E, way*shot]`` in ``0..way-1``.
+        query_labels: int64 ``[E, Nq]`` in ``0..way-1``.
+        negatives: int64 ``[E, M]`` row indices into the negative pool, or ``None`` (not drawn yet,
+            or generated negatives).
+        spec: the :class:`EpisodeSpec` the set was drawn with.
+        negative_source: the source ``negatives`` index into ("" when none).
+        index: int64 ``[E]`` global episode numbers (``i`` of ``generator(seed, i)``).
+        class_ids: int64 ``[E, way]`` the split's class index of each label.
+    """
+
+    support: Tensor
+    query: Tensor
+    support_labels: Tensor
+    query_labels: Tensor
+    negatives: Tensor | None
+    spec: EpisodeSpec
+    negative_source: str = ""
+    index: Tensor | None = None
+    class_ids: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.index is None:
+            self.index = torch.arange(self.support.shape[0], dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return int(self.support.shape[0])
+
+    def __getitem__(self, sl: slice) -> "EpisodeSet":
+        if not isinstance(sl, slice):
+            raise TypeError("EpisodeSet supports slicing only, e.g. eps[10:20]")
+
+        def cut(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[sl]
+
+        return EpisodeSet(self.support[sl], self.query[sl], self.support_labels[sl], self.query_labels[sl],
+                          cut(self.negatives), self.spec, self.negative_source, cut(self.index),
+                          cut(self.class_ids))
+
+    def with_negatives(self, negatives: Tensor | None, source: str) -> "EpisodeSet":
+        """A copy whose negative indices are ``negatives [E, M]`` from ``source``."""
+        return dataclasses.replace(self, negatives=negatives, negative_source=source)
+
+    def check_against(self, labels: Tensor, *, where: str = "episodes", pool_size: int | None = None) -> None:
+        """EpisodeError unless every index fits a split with these ``labels [N]`` and the labels of
+        each episode are consistent with it (label k's support and queries come from one class,
+        different labels from different classes); negative indices must fit ``pool_size``."""
+        n = int(labels.shape[0])
+        for name, t in (("support", self.support), ("query", self.query)):
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n):
+                raise EpisodeError(f"{where}: {name} indices reach {int(t.max())} but the split has {n} rows; "
+                                   "the episodes were drawn from another cache or split")
+        way = self.spec.way
+        cls_s = labels[self.support]                                       # [E, Ns]
+        cls_q = labels[self.query]
+        ref = cls_s.view(len(self), way, self.spec.shot)[:, :, 0]            # [E, way]
+        ok_s = (cls_s == ref.gather(1, self.support_labels)).all(1)
+        ok_q = (cls_q == ref.gather(1, self.query_labels)).all(1)
+        distinct = (ref.unsqueeze(1) != ref.unsqueeze(2)).sum((1, 2)) == way * (way - 1)
+        bad = ~(ok_s & ok_q & distinct)
+        if bool(bad.any()):
+            e = int(bad.nonzero()[0, 0])
+            raise EpisodeError(f"{where}: episode {int(self.index[e])} does not match the split's labels "
+                               f"(a label mixes classes); the episodes were drawn from another cache or split")
+        if self.negatives is not None and pool_size is not None and self.negatives.numel():
+            hi = int(self.negatives.max())
+            if int(self.negatives.min()) < 0 or hi >= pool_size:
+                raise EpisodeError(f"{where}: negative indices reach {hi} but the negative pool "
+                                   f"{self.negative_source!r} has {pool_size} rows")
+
+
+def check_spec(labels: Tensor, spec: EpisodeSpec, classes: Sequence[str] | None = None) -> None:
+    """EpisodeError, naming classes, unless ``spec`` can be drawn from a split with ``labels [N]``."""
+    spec.validate()
+    counts = torch.bincount(labels, minlength=len(classes) if classes is not None else 0)
+    present = int((counts > 0).sum())
+    names = list(classes) if classes is not None else [str(c) for c in range(len(counts))]
+    if spec.way > present:
+        raise EpisodeError(f"split {spec.split!r} has {present} classes with images; cannot draw "
+                           f"{spec.way}-way episodes")
+    need = spec.shot + spec.query
+    short = [(names[c], int(counts[c])) for c in range(len(counts)) if 0 < counts[c] < need]
+    if short:
+        shown = ", ".join(f"{n} ({k})" for n, k in short[:10]) + (f", ... ({len(short)} in all)" if len(short) > 10 else "")
+        raise EpisodeError(f"split {spec.split!r}: {len(short)} class(es) have fewer than shot + query = {need} "
+                           f"images: {shown}; lower --shot/--query or drop these classes")
+
+
+def imbalanced_counts(p: Tensor, total: int, capacity: Tensor) -> Tensor:
+    """Largest-remainder rounding of ``total * p`` under per-class ``capacity``: int64 ``[way]``
+    summing to ``total`` (requires ``capacity.sum() >= total``)."""
+    way = p.shape[0]
+    counts = torch.zeros(way, dtype=torch.int64)     # fixed (clipped) classes hold their capacity
+    free = torch.ones(way, dtype=torch.bool)
+    remaining = total
+    while True:
+        share = torch.where(free, p, torch.zeros_like(p))
+        s = float(share.sum())
+        share = share / s if s > 0 else free.to(p.dtype) / float(free.sum())
+        raw = remaining * share
+        add = torch.floor(raw).to(torch.int64)
+        left = remaining - int(add.sum())
+        frac = torch.where(free, raw - add.to(raw.dtype), torch.full_like(raw, -1.0))
+        add[torch.sort(-frac, stable=True).indices[:left]] += 1
+        new = counts + add
+        over = free & (new > capacity)
+        if not bool(over.any()):
+            return new
+        counts = torch.where(over, capacity, counts)
+        free &= ~over
+        remaining = total - int(counts.sum())
+
+
+def _draw_episode(g: torch.Generator, spec: EpisodeSpec, eligible: Tensor, members: list[Tensor],
+                  counts_all: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    way, shot = spec.way, spec.shot
+    cls = eligible[torch.randperm(eligible.shape[0], generator=g)[:way]]
+    if spec.imbalance is None:
+        qcounts = torch.full((way,), spec.query, dtype=torch.int64)
+    else:
+        gam = torch._standard_gamma(torch.full((way,), float(spec.imbalance), dtype=torch.float64), generator=g)
+        s = float(gam.sum())
+        p = gam / s if s > 0 else torch.nn.functional.one_hot(torch.tensor(0), way).double()
+        qcounts = imbalanced_counts(p, spec.n_query, counts_all[cls] - shot)
+    sup, qry, qlab = [], [], []
+    for k in range(way):
+        rows = members[int(cls[k])]
+        take = rows[torch.randperm(rows.shape[0], generator=g)[: shot + int(qcounts[k])]]
+        sup.append(take[:shot])
+        qry.append(take[shot:])
+        qlab.append(torch.full((int(qcounts[k]),), k, dtype=torch.int64))
+    slab = torch.arange(way, dtype=torch.int64).repeat_interleave(shot)
+    return torch.cat(sup), torch.cat(qry), slab, torch.cat(qlab), cls
+
+
+def sample_episodes(labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, classes: list[str] | None = None,
+                    start: int = 0) -> EpisodeSet:
+    """Draw episodes ``start .. start+n_episodes-1`` from a split with ``labels [N]`` (int64).
+
+    EpisodeError before any drawing when the setting is impossible (way above the number of
+    classes, classes with fewer than ``shot + query`` images, named; non-positive counts).
+    """
+    if isinstance(n_episodes, bool) or not isinstance(n_episodes, (int, np.integer)) or n_episodes < 1:
+        raise EpisodeError(f"the number of episodes must be a positive integer, got {n_episodes!r}")
+    labels = torch.as_tensor(labels, dtype=torch.int64).cpu()
+    check_spec(labels, spec, classes)
+    counts_all = torch.bincount(labels)
+    eligible = (counts_all > 0).nonzero().flatten()
+    order = torch.argsort(labels, stable=True)
+    members = list(torch.split(order, counts_all.tolist()))
+    E, Ns, Nq = n_episodes, spec.n_support, spec.n_query
+    out_s = torch.empty(E, Ns, dtype=torch.int64)
+    out_q = torch.empty(E, Nq, dtype=torch.int64)
+    out_ql = torch.empty(E, Nq, dtype=torch.int64)
+    out_c = torch.empty(E, spec.way, dtype=torch.int64)
+    slab = None
+    for e in range(E):
+        s, q, slab, ql, c = _draw_episode(generator(spec.seed, start + e), spec, eligible, members, counts_all)
+        out_s[e], out_q[e], out_ql[e], out_c[e] = s, q, ql, c
+    return EpisodeSet(out_s, out_q, slab.unsqueeze(0).expand(E, Ns).contiguous(), out_ql, None, spec,
+                      "", torch.arange(start, start + E, dtype=torch.int64), out_c)
+
+
+# ------------------------------------------------------------------------------------------ files
+
+def save_episodes(path: str | Path, eps: EpisodeSet, **attrs: object) -> Path:
+    """Write ``eps`` to HDF5 (shared/design.md layout; extra ``attrs`` are stored too), atomically."""
+    import h5py
+
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        with h5py.File(tmp, "w") as f:
+            for name in ("support", "query", "support_labels", "query_labels", "index", "class_ids"):
+                f.create_dataset(name, data=getattr(eps, name).cpu().numpy().astype(np.int64))
+            if eps.negatives is not None:
+                f.create_dataset("negatives", data=eps.negatives.cpu().numpy().astype(np.int64))
+            a = f.attrs
+            a["format"], a["version"] = FORMAT, VERSION
+            a["split"], a["way"], a["shot"], a["query"] = eps.spec.split, eps.spec.way, eps.spec.shot, eps.spec.query
+            a["imbalance"] = 0.0 if eps.spec.imbalance is None else float(eps.spec.imbalance)  # 0: balanced
+            a["seed"] = eps.spec.seed
+            a["negative_source"] = eps.negative_source
+            a["n_neg"] = 0 if eps.negatives is None else int(eps.negatives.shape[1])
+            for k, v in attrs.items():
+                a[k] = v
+    return path
+
+
+def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: int | None = None) -> EpisodeSet:
+    """Read an episode set written by :func:`save_episodes` (or any tool following the layout).
+
+    Shapes and labels are validated; with ``labels [N]`` of the split (and ``pool_size`` of the
+    negative pool) the indices are checked against the cache too. EpisodeError names the problem.
+    """
+    import h5py
+
+    path = Path(path)
+    if not path.is_file():
+        raise EpisodeError(f"{path}: no such episodes file")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise EpisodeError(f"{path}: not an HDF5 file ({e})") from None
+    with f:
+        a = f.attrs
+        missing = [k for k in ("split", "way", "shot", "query", "seed") if k not in a]
+        missing += [k for k in ("support", "query", "support_labels", "query_labels") if k not in f]
+        if missing:
+            raise EpisodeError(f"{path}: not an episodes file (missing {', '.join(missing)})")
+
+        def txt(v: object) -> str:
+            return v.decode() if isinstance(v, bytes) else str(v)
+
+        kappa = float(a.get("imbalance", 0.0))
+        spec = EpisodeSpec(split=txt(a["split"]), way=int(a["way"]), shot=int(a["shot"]), query=int(a["query"]),
+                           imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa, seed=int(a["seed"]))
+        try:
+            spec.validate()
+        except EpisodeError as e:
+            raise EpisodeError(f"{path}: {e}") from None
+        arrays = {}
+        for name in ("support", "query", "support_labels", "query_labels", "negatives", "index", "class_ids"):
+            if name in f:
+                arr = np.asarray(f[name][()])
+                if arr.dtype.kind not in "iu":
+                    raise EpisodeError(f"{path}: /{name} must hold integers, got {arr.dtype}")
+                arrays[name] = torch.from_numpy(arr.astype(np.int64))
+        source = txt(a.get("negative_source", ""))
+    E = arrays["support"].shape[0]
+    shapes = {"support": (E, spec.n_support), "support_labels": (E, spec.n_support),
+              "query": (E, spec.n_query), "query_labels": (E, spec.n_query), "index": (E,),
+              "class_ids": (E, spec.way)}
+    for name, shape in shapes.items():
+        if name in arrays and tuple(arrays[name].shape) != shape:
+            raise EpisodeError(f"{path}: /{name} has shape {tuple(arrays[name].shape)}, expected {shape} "
+                               f"for {spec.way}-way {spec.shot}-shot {spec.query}-query episodes")
+    if "negatives" in arrays and (arrays["negatives"].ndim != 2 or arrays["negatives"].shape[0] != E):
+        raise EpisodeError(f"{path}: /negatives has shape {tuple(arrays['negatives'].shape)}, expected ({E}, M)")
+    for name in ("support_labels", "query_labels"):
+        t = arrays[name]
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= spec.way):
+            raise EpisodeError(f"{path}: /{name} must lie in 0..{spec.way - 1}")
+    eps = EpisodeSet(arrays["support"], arrays["query"], arrays["support_labels"], arrays["query_labels"],
+                     arrays.get("negatives"), spec, source, arrays.get("index"), arrays.get("class_ids"))
+    if labels is not None:
+        eps.check_against(torch.as_tensor(labels), where=str(path), pool_size=pool_size)
+    return eps
+
+
+__all__ = ["EpisodeSpec", "EpisodeSet", "sample_episodes", "save_episodes", "load_episodes", "check_spec",
+           "imbalanced_counts"]

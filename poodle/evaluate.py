@@ -1,0 +1,212 @@
+"""Solve an episode set with one or more methods, chunk by chunk, and score it.
+
+Chunks of episodes are gathered from the in-memory features onto the device and solved together;
+every method sees the same chunk, hence identical episodes and identical negatives. The chunk
+size is the smaller of what ``max_memory`` allows (a per-episode estimate of the gathered rows and
+the solver's buffers) and, on CPU, what keeps a chunk's rows cache-resident (the fine-tuning
+solvers read them twice per step; see docs/stage2.md for the measurements). Peak memory therefore
+depends on the chunk, not on the number of episodes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from poodle import solvers
+from poodle.episodes import EpisodeSet
+from poodle.errors import ConfigError, EpisodeError
+from poodle.negatives import NegativeSpec, generate, load_pool, sample_indices
+from poodle.solvers.base import EpisodeBatch
+from poodle.utils import parse_size, resolve_device
+
+# On CPU a chunk's gathered rows should stay within the last-level cache share of the cores
+# (32 MiB L3 shared by 2 cores here; measured best around 6-12 MiB of rows per chunk).
+CPU_CHUNK_BYTES = 8 * 2**20
+# Upper bound on a chunk on GPU: beyond a few thousand episodes nothing is gained.
+GPU_MAX_CHUNK = 4096
+
+
+def needs_negatives(name: str, cfg: Any) -> bool:
+    """Whether method ``name`` with ``cfg`` consumes negatives (POODLE with beta = 0 does not)."""
+    return solvers.get(name).needs_negatives(cfg)
+
+
+def episode_bytes(n_rows: int, dim: int, way: int, itemsize: int = 4) -> int:
+    """Estimated peak bytes per episode: the gathered rows (support, query, negatives), the
+    solver's concatenated copy of them, and its ``[K, D]`` / ``[K, n]`` buffers."""
+    k = way + 1
+    return itemsize * (3 * n_rows * dim + 8 * k * dim + 16 * n_rows * k)
+
+
+def choose_chunk(n_rows: int, dim: int, way: int, device: torch.device, max_memory: int,
+                 itemsize: int = 4) -> int:
+    """Episodes per chunk: bounded by ``max_memory`` and, on CPU, by cache residency."""
+    by_memory = max(1, max_memory // episode_bytes(n_rows, dim, way, itemsize))
+    if device.type == "cpu":
+        return max(1, min(by_memory, CPU_CHUNK_BYTES // (n_rows * dim * itemsize)))
+    return max(1, min(by_memory, GPU_MAX_CHUNK))
+
+
+def prepare_negatives(episodes: EpisodeSet, negatives: NegativeSpec, cache_path: Any,
+                      dim: int) -> tuple[EpisodeSet, Tensor | None]:
+    """Attach the negative indices of a pool source to ``episodes`` (reusing the ones it holds when
+    they come from the same source) and return ``(episodes, pool [P, D] | None)``; generated
+    sources return the episodes unchanged and no pool. Errors (missing pool, dimension mismatch,
+    wrong count or out-of-range indices) come before any solving."""
+    negatives.validate()
+    if negatives.is_none or negatives.generated:
+        return episodes, None
+    pool = load_pool(negatives.source, cache_path, dim=dim)
+    M = negatives.n_neg
+    if episodes.negatives is not None and episodes.negative_source == negatives.source:
+        if episodes.negatives.shape[1] != M:
+            raise EpisodeError(f"the episodes hold {episodes.negatives.shape[1]} negatives per episode from "
+                               f"{negatives.source!r}, but n_neg is {M}")
+        hi = int(episodes.negatives.max()) if episodes.negatives.numel() else 0
+        if int(episodes.negatives.min()) < 0 or hi >= pool.shape[0]:
+            raise EpisodeError(f"negative indices reach {hi} but the pool {negatives.source!r} has "
+                               f"{pool.shape[0]} rows; the episodes were saved with another pool")
+        return episodes, pool
+    idx = sample_indices(pool.shape[0], episodes.index, M, episodes.spec.seed)
+    return episodes.with_negatives(idx, negatives.source), pool
+
+
+def _resolve_methods(methods: Sequence[tuple[str, str, Any]]) -> list[tuple[str, str, Any]]:
+    if not methods:
+        raise ConfigError("no method to run")
+    out, seen = [], set()
+    for item in methods:
+        if len(item) != 3:
+            raise ConfigError(f"methods are (label, method, config) triples, got {item!r}")
+        label, name, cfg = item
+        info = solvers.get(name)
+        if cfg is None:
+            cfg = solvers.make_config(name, {})
+        elif isinstance(cfg, Mapping):
+            cfg = solvers.make_config(name, cfg, strict=True)
+        elif not isinstance(cfg, info.config):
+            raise ConfigError(f"method {name!r}: config must be a {info.config.__name__}, got {type(cfg).__name__}")
+        if label in seen:
+            raise ConfigError(f"two methods share the label {label!r}; give each a distinct label")
+        seen.add(label)
+        out.append((label, name, cfg))
+    return out
+
+
+def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, str, Any]], *,
+             negatives: NegativeSpec | None = None, cache_path: Any = None, device: str | torch.device = "auto",
+             max_memory: str | int = "2GiB", progress: Callable[[int], None] | None = None,
+             chunk_size: int | None = None, dtype: torch.dtype = torch.float32,
+             stats: dict | None = None) -> dict[str, Tensor]:
+    """Per-episode accuracies of every method on ``episodes``.
+
+    Args:
+        features: a ``poodle.cache.SplitFeatures`` (``features [N, D]`` normalised, ``labels [N]``)
+            of the split the episodes index.
+        episodes: the episode set (its ``negatives`` indices are used when their source matches).
+        methods: ``(label, method_name, config)`` triples; config a dataclass, a dict of options or None.
+        negatives: the negative source and count; ``None`` means no negatives.
+        cache_path: the cache file (its ``train`` split is the ``base`` pool).
+        device, max_memory: where to solve and the bound on a chunk's working set.
+        progress: called with the number of episodes just solved (all methods).
+        chunk_size: episodes per chunk, overriding the automatic choice (tests, benchmarks).
+        dtype: the solvers' float type (float64 for references).
+        stats: if given, filled with ``chunk_size``, ``n_chunks``, ``device``, ``seconds`` per label.
+
+    Returns:
+        ``{label: float64 [E] accuracies in [0, 1]}`` on the CPU.
+    """
+    dev = resolve_device(device)
+    budget = parse_size(max_memory)
+    methods = _resolve_methods(methods)
+    feats: Tensor = features.features
+    labels: Tensor = features.labels
+    spec = episodes.spec
+    if len(episodes) == 0:
+        raise EpisodeError("no episodes to solve")
+    split_name = getattr(features, "name", None)
+    if split_name and split_name != spec.split:
+        raise EpisodeError(f"the episodes were drawn from split {spec.split!r} but the features are split "
+                           f"{split_name!r}")
+    episodes.check_against(labels)
+    N, D = feats.shape
+
+    # --- negatives: one draw shared by every method
+    users = [name for _, name, cfg in methods if needs_negatives(name, cfg)]
+    neg_spec = negatives if negatives is not None else NegativeSpec("none")
+    pool: Tensor | None = None
+    neg_idx: Tensor | None = None
+    M = 0
+    if users:
+        if neg_spec.is_none:
+            raise ConfigError(f"method(s) {', '.join(sorted(set(users)))} need negatives; "
+                              "use --negatives base|random|sphere|FILE[:SPLIT]")
+        episodes, pool = prepare_negatives(episodes, neg_spec, cache_path, D)
+        neg_idx = episodes.negatives if pool is not None else None
+        M = neg_spec.n_neg
+
+    E = len(episodes)
+    Ns, Nq = episodes.support.shape[1], episodes.query.shape[1]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    chunk = chunk_size or choose_chunk(Ns + Nq + M, D, spec.way, dev, budget, itemsize)
+    chunk = max(1, min(int(chunk), E))
+    results = {label: torch.empty(E, dtype=torch.float64) for label, _, _ in methods}
+    seconds = {label: 0.0 for label, _, _ in methods}
+
+    for a in range(0, E, chunk):
+        b = min(E, a + chunk)
+        sup = feats[episodes.support[a:b]].to(device=dev, dtype=dtype)
+        qry = feats[episodes.query[a:b]].to(device=dev, dtype=dtype)
+        neg = None
+        if users:
+            if pool is not None:
+                neg = pool[neg_idx[a:b]].to(device=dev, dtype=dtype)
+            else:
+                neg = generate(neg_spec.source, episodes.index[a:b], M, D, spec.seed).to(device=dev, dtype=dtype)
+        batch = EpisodeBatch(sup, episodes.support_labels[a:b].to(dev), qry, neg, spec.way)
+        qlab = episodes.query_labels[a:b].to(dev)
+        for label, name, cfg in methods:
+            t0 = time.perf_counter()
+            info = solvers.get(name)
+            b_in = batch if needs_negatives(name, cfg) else EpisodeBatch(sup, batch.support_labels, qry, None, spec.way)
+            out = info.fn(b_in, cfg)
+            correct = (out.log_probs.argmax(-1) == qlab).to(torch.float64).mean(1)
+            results[label][a:b] = correct.cpu()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            seconds[label] += time.perf_counter() - t0
+        if progress is not None:
+            progress(b - a)
+    if stats is not None:
+        stats.update(chunk_size=chunk, n_chunks=math.ceil(E / chunk), device=str(dev), seconds=seconds,
+                     n_neg=M if users else 0)
+    return results
+
+
+def summarize(acc: Tensor) -> tuple[float, float]:
+    """``(mean, 1.96 * std / sqrt(n))`` of per-episode accuracies, in the units of ``acc``.
+
+    The standard deviation is the population one (ddof = 0), as the authors' evaluation code.
+    """
+    a = torch.as_tensor(acc, dtype=torch.float64).flatten()
+    n = a.numel()
+    if n == 0:
+        return float("nan"), float("nan")
+    return float(a.mean()), float(1.96 * a.std(correction=0) / math.sqrt(n))
+
+
+def paired_difference(a: Tensor, b: Tensor) -> tuple[float, float]:
+    """Mean of ``a - b`` over paired episodes and its 95% confidence half-width."""
+    a = torch.as_tensor(a, dtype=torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float64)
+    if a.shape != b.shape:
+        raise ConfigError(f"paired difference needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
+    return summarize(a - b)
+
+
+__all__ = ["evaluate", "prepare_negatives", "summarize", "paired_difference", "choose_chunk", "episode_bytes", "needs_negatives"]

@@ -1,0 +1,69 @@
+"""Naive OOD: the "w/ naive OOD" baseline (Table 6, row 2) of
+
+    Le, Nguyen, Nguyen, Tran, Nguyen, Hua. "POODLE: Improving Few-shot Learning via Penalizing
+    Out-of-Distribution Samples". NeurIPS 2021, arXiv:2206.04679
+
+"a (k+1)-way classifier with 1 additional class for OOD samples using CE loss". The paper gives no
+more detail; this implementation uses POODLE's classifier and optimiser so that only the use of the
+negatives differs: ``way + 1`` prototypes (the class means, plus the mean of the episode's negatives
+for the OOD class), logits ``-(gamma/2)||x - w_k||^2`` with a learnable gamma (init 10), Adam
+(lr 1e-3) for 250 steps on::
+
+    mean_{support} CE(x, y) + ood_weight * mean_{negatives} CE(x, OOD)
+
+(the two means weighted equally, so 400 negatives do not drown 5 support images). Queries are
+classified among the ``way`` real classes only (the OOD column is dropped and the rest renormalised).
+Inductive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from poodle.errors import ConfigError
+from poodle.solvers._optim import RowTerms, fit_weighted_distance, logits, weighted_distance_flops
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register
+from poodle.solvers.ce import check_common, support_targets
+
+
+@dataclass(frozen=True)
+class NaiveOODConfig:
+    steps: int = 250          # as POODLE (paper 5.1)
+    lr: float = 1e-3          # as POODLE (paper 5.1)
+    scale: float = 10.0       # as POODLE (authors' code)
+    ood_weight: float = 1.0   # weight of the negatives' mean CE relative to the support's (our choice)
+
+
+def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: NaiveOODConfig) -> float:
+    return weighted_distance_flops(Ns + M, D, way + 1, cfg.steps) + 2.0 * Nq * D * way
+
+
+@register("naive-ood", NaiveOODConfig, transductive="never", uses_negatives=True, flops=_flops,
+          summary="(way+1)-way classifier whose extra class is fitted to the negatives (Table 6 row 2)")
+def naive_ood(batch: EpisodeBatch, cfg: NaiveOODConfig) -> SolverOutput:
+    """Query log-probs ``[E, Nq, way]`` over the real classes; state: the ``way`` real prototypes,
+    the OOD prototype ``[E, 1, D]`` and the scale."""
+    check_common(cfg, "naive-ood")
+    if batch.negatives is None:
+        raise ConfigError("method 'naive-ood' needs negatives (--negatives base|random|sphere|FILE)")
+    s, neg, way = batch.support, batch.negatives, batch.way
+    E, Ns, _ = s.shape
+    M = neg.shape[1]
+    x = torch.cat([s, neg], 1)
+    n = Ns + M
+    kw = dict(dtype=s.dtype, device=s.device)
+    ce = torch.empty(1, 1, n, **kw)
+    ce[..., :Ns] = 1.0 / Ns
+    ce[..., Ns:] = cfg.ood_weight / M
+    targets = torch.zeros(E, way + 1, n, **kw)
+    targets[:, :way, :Ns] = support_targets(batch.support_labels, way, 0.0, s.dtype)
+    targets[:, way, Ns:] = 1.0
+    targets *= ce
+    w0 = torch.cat([class_means(s, batch.support_labels, way), neg.mean(1, keepdim=True)], 1)
+    w, scale = fit_weighted_distance(x, RowTerms(targets, ce, torch.zeros_like(ce)), w0, scale0=cfg.scale,
+                                     steps=cfg.steps, lr=cfg.lr)
+    real = w[:, :way]
+    return SolverOutput(torch.log_softmax(logits(batch.query, real, scale), -1),
+                        {"prototypes": real, "ood_prototype": w[:, way:], "scale": scale})

@@ -1,0 +1,88 @@
+"""POODLE: prototypes fine-tuned with cross-entropy plus a pull towards in-distribution samples and
+a push away from out-of-distribution ones, from
+
+    Le, Nguyen, Nguyen, Tran, Nguyen, Hua. "POODLE: Improving Few-shot Learning via Penalizing
+    Out-of-Distribution Samples". NeurIPS 2021, arXiv:2206.04679 (equations 4-5, Algorithm 1)
+
+as the authors' released code runs it: prototypes start at the class means of the normalised
+support, logits ``l_k(x) = -(gamma/2)||x - w_k||^2`` with one learnable gamma per episode (init 10),
+Adam (lr 1e-3, default betas) for 250 steps on the per-episode loss::
+
+    CE (mean over support) + alpha * pull - beta * push
+    pull = mean_{x in positives} sum_k (gamma/2)||x - w_k||^2 * sg[p(k|x)]
+    push = mean_{x in negatives} sum_k (gamma/2)||x - w_k||^2 * sg[p(k|x)]
+
+summed over the episodes of a chunk. Positives are the support (inductive) or support + queries
+(``transductive``); ``stopgrad_pull``/``stopgrad_push`` false drop the stop-gradient ``sg`` (Table 9);
+``beta = 0`` gives the "CE + pull" rows of Table 3. Optionally transductive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from poodle.errors import ConfigError
+from poodle.solvers._optim import RowTerms, fit_weighted_distance, logits, weighted_distance_flops
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register
+from poodle.solvers.ce import check_common, support_targets
+
+
+@dataclass(frozen=True)
+class PoodleConfig:
+    alpha: float = 1.0            # pull weight (paper 5.1; authors' default)
+    beta: float = 0.5             # push weight (paper 5.1; authors' default)
+    steps: int = 250              # paper 5.1 / authors' number_fc_update
+    lr: float = 1e-3              # paper 5.1: Adam, lr 1e-3, default betas
+    scale: float = 10.0           # authors' code: learnable gamma per episode, init 10
+    transductive: bool = False    # authors' evaluate path runs inductive POODLE
+    stopgrad_pull: bool = True    # Table 9: stop-gradient on p in the pull term
+    stopgrad_push: bool = True    # Table 9: stop-gradient on p in the push term
+
+
+def build_rows(batch: EpisodeBatch, cfg: PoodleConfig) -> tuple[torch.Tensor, RowTerms, int]:
+    """``X [E, n, D]`` = support, [queries], negatives, and the per-row coefficients of the loss."""
+    s, q, neg = batch.support, batch.query, batch.negatives
+    E, Ns, _ = s.shape
+    parts = [s] + ([q] if cfg.transductive else []) + ([neg] if neg is not None and cfg.beta != 0 else [])
+    x = torch.cat(parts, 1) if len(parts) > 1 else s
+    n = x.shape[1]
+    n_pos = Ns + (q.shape[1] if cfg.transductive else 0)
+    M = n - n_pos
+    kw = dict(dtype=s.dtype, device=s.device)
+    ce = torch.zeros(1, 1, n, **kw)
+    ce[..., :Ns] = 1.0 / Ns
+    coef = torch.zeros(1, 1, n, **kw)
+    coef[..., :n_pos] = -cfg.alpha / n_pos
+    if M:
+        coef[..., n_pos:] = cfg.beta / M
+    targets = torch.zeros(E, batch.way, n, **kw)
+    targets[..., :Ns] = support_targets(batch.support_labels, batch.way, 0.0, s.dtype) / Ns
+    free = None
+    if not (cfg.stopgrad_pull and cfg.stopgrad_push):
+        free = torch.zeros_like(coef)
+        if not cfg.stopgrad_pull:
+            free[..., :n_pos] = coef[..., :n_pos]
+        if not cfg.stopgrad_push:
+            free[..., n_pos:] = coef[..., n_pos:]
+    return x, RowTerms(targets, ce, coef, free), n_pos
+
+
+def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PoodleConfig) -> float:
+    n = Ns + (Nq if cfg.transductive else 0) + (M if cfg.beta != 0 else 0)
+    free = not (cfg.stopgrad_pull and cfg.stopgrad_push)
+    return weighted_distance_flops(n, D, way, cfg.steps, free) + 2.0 * Nq * D * way
+
+
+@register("poodle", PoodleConfig, transductive="optional", uses_negatives=lambda cfg: cfg.beta != 0, flops=_flops,
+          summary="POODLE: CE + alpha*pull (in-distribution) - beta*push (negatives), Le et al. 2021")
+def poodle(batch: EpisodeBatch, cfg: PoodleConfig) -> SolverOutput:
+    """Query log-probs ``[E, Nq, way]``; state: prototypes ``[E, way, D]``, scale ``[E, 1, 1]``."""
+    check_common(cfg, "poodle")
+    if cfg.beta != 0 and batch.negatives is None:
+        raise ConfigError("method 'poodle' with beta != 0 needs negatives (--negatives base|random|sphere|FILE)")
+    x, terms, _ = build_rows(batch, cfg)
+    w0 = class_means(batch.support, batch.support_labels, batch.way)
+    w, scale = fit_weighted_distance(x, terms, w0, scale0=cfg.scale, steps=cfg.steps, lr=cfg.lr)
+    return SolverOutput(torch.log_softmax(logits(batch.query, w, scale), -1), {"prototypes": w, "scale": scale})

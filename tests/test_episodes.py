@@ -1,0 +1,226 @@
+"""Episodes, negatives and evaluate(): seeded and chunk-independent sampling, Dirichlet imbalance,
+HDF5 round trip, negative sources, chunked evaluation, confidence intervals, and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from poodle.cache import read_split, write_arrays
+from poodle.episodes import (EpisodeSpec, imbalanced_counts, load_episodes, sample_episodes, save_episodes)
+from poodle.errors import ConfigError, EpisodeError, PoodleError
+from poodle.evaluate import evaluate, paired_difference, summarize
+from poodle.negatives import NegativeSpec, generate, sample_indices
+
+
+def _labels(n_classes=10, per_class=30):
+    return torch.arange(n_classes).repeat_interleave(per_class)
+
+
+@pytest.fixture
+def cache(tmp_path, make_features):
+    xtr, ytr = make_features(12, 25, 16, seed=1)
+    xte, yte = make_features(8, 25, 16, seed=2, spread=0.5)
+    xo, yo = make_features(3, 10, 16, seed=3)
+    xw, yw = make_features(3, 10, 12, seed=4)
+    write_arrays(tmp_path / "other.h5", {"pool": (xo, yo, ["o0", "o1", "o2"]), "wide": (xw, yw, ["w0", "w1", "w2"])})
+    return write_arrays(tmp_path / "c.h5", {"train": (xtr, ytr, [f"b{i}" for i in range(12)]),
+                                            "test": (xte, yte, [f"t{i}" for i in range(8)])})
+
+
+# ------------------------------------------------------------------------- sampling
+
+def test_episode_structure_class_major_and_labels():
+    labels = _labels()
+    eps = sample_episodes(labels, EpisodeSpec(way=5, shot=2, query=3, seed=4), 20)
+    assert eps.support.shape == (20, 10) and eps.query.shape == (20, 15)
+    assert torch.equal(eps.support_labels[0], torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4]))
+    assert torch.equal(eps.query_labels[0], torch.arange(5).repeat_interleave(3))
+    for e in range(20):
+        rows = torch.cat([eps.support[e], eps.query[e]])
+        assert rows.unique().numel() == rows.numel()                    # images without replacement
+        assert torch.equal(labels[eps.support[e]].view(5, 2)[:, 0], eps.class_ids[e])
+        assert torch.equal(labels[eps.query[e]], eps.class_ids[e][eps.query_labels[e]])
+        assert eps.class_ids[e].unique().numel() == 5                   # classes without replacement
+
+
+def test_episodes_are_deterministic_and_independent_of_how_many_are_drawn():
+    labels, spec = _labels(), EpisodeSpec(way=5, shot=1, query=4, imbalance=1.0, seed=7)
+    a = sample_episodes(labels, spec, 12)
+    b = sample_episodes(labels, spec, 12)
+    c = sample_episodes(labels, spec, 5, start=7)                          # a later chunk alone
+    assert torch.equal(a.support, b.support) and torch.equal(a.query, b.query)
+    assert torch.equal(a.support[7:], c.support) and torch.equal(a.query[7:], c.query)
+    assert torch.equal(a[7:].query_labels, c.query_labels) and torch.equal(a[7:].index, c.index)
+    other = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=4, imbalance=1.0, seed=8), 12)
+    assert not torch.equal(a.support, other.support)
+
+
+def test_shot_settings_are_nested_for_paired_ablations():
+    labels = _labels()
+    one = sample_episodes(labels, EpisodeSpec(shot=1, query=5), 6)
+    five = sample_episodes(labels, EpisodeSpec(shot=5, query=5), 6)
+    assert torch.equal(one.class_ids, five.class_ids)
+    assert torch.equal(one.support, five.support.view(6, 5, 5)[:, :, 0])
+
+
+def test_imbalanced_counts_vary_and_sum_exactly():
+    labels = _labels(10, 40)
+    eps = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=6, imbalance=0.5, seed=1), 200)
+    counts = torch.stack([torch.bincount(q, minlength=5) for q in eps.query_labels])
+    assert (counts.sum(1) == 30).all()
+    assert counts.max() > 12 and (counts == 0).any()                      # kappa 0.5 is very skewed
+    assert (eps.query_labels.diff(dim=1) >= 0).all()                      # class-major
+    bal = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=6, imbalance=100.0, seed=1), 200)
+    cb = torch.stack([torch.bincount(q, minlength=5) for q in bal.query_labels])
+    assert cb.float().std() < counts.float().std() / 2                    # kappa large: near balanced
+
+
+def test_largest_remainder_rounding_and_capacity():
+    p = torch.tensor([0.52, 0.27, 0.21], dtype=torch.float64)
+    # 10 * p = 5.2, 2.7, 2.1: floors 5, 2, 2 and the one left goes to the largest remainder (0.7)
+    assert imbalanced_counts(p, 10, torch.tensor([99, 99, 99])).tolist() == [5, 3, 2]
+    # ties go to the lower label
+    assert imbalanced_counts(torch.full((4,), 0.25, dtype=torch.float64), 6, torch.tensor([9] * 4)).tolist() == [2, 2, 1, 1]
+    # a class without enough images keeps all it has; the rest is spread by the others' shares
+    assert imbalanced_counts(torch.tensor([0.9, 0.06, 0.04], dtype=torch.float64), 30,
+                             torch.tensor([10, 100, 100])).tolist() == [10, 12, 8]
+
+
+@pytest.mark.parametrize("spec,match", [
+    (EpisodeSpec(way=11), "has 10 classes"),
+    (EpisodeSpec(way=0), "way must be a positive integer"),
+    (EpisodeSpec(shot=0), "shot must be a positive integer"),
+    (EpisodeSpec(query=-1), "query must be a positive integer"),
+    (EpisodeSpec(imbalance=0.0), "imbalance"),
+])
+def test_impossible_settings_are_rejected(spec, match):
+    with pytest.raises(EpisodeError, match=match):
+        sample_episodes(_labels(), spec, 3)
+
+
+def test_short_classes_are_named():
+    labels = torch.cat([_labels(6, 20), torch.full((5,), 6), torch.full((3,), 7)])
+    names = [f"n{i:02d}" for i in range(8)]
+    with pytest.raises(EpisodeError, match=r"2 class\(es\) have fewer than shot \+ query = 16 images: n06 \(5\), n07 \(3\)"):
+        sample_episodes(labels, EpisodeSpec(shot=1, query=15), 3, classes=names)
+    with pytest.raises(EpisodeError, match="positive integer"):
+        sample_episodes(_labels(), EpisodeSpec(), 0)
+
+
+# ------------------------------------------------------------------------- files
+
+def test_save_load_round_trip_with_negatives(tmp_path):
+    labels = _labels()
+    eps = sample_episodes(labels, EpisodeSpec(way=4, shot=2, query=3, imbalance=2.0, seed=3), 9)
+    eps = eps.with_negatives(sample_indices(100, eps.index, 7, 3), "base")
+    path = save_episodes(tmp_path / "e.h5", eps)
+    back = load_episodes(path, labels=labels, pool_size=100)
+    for name in ("support", "query", "support_labels", "query_labels", "negatives", "index", "class_ids"):
+        assert torch.equal(getattr(back, name), getattr(eps, name)), name
+    assert back.spec == eps.spec and back.negative_source == "base"
+    with h5py.File(path) as f:
+        assert f["negatives"].shape == (9, 7) and f.attrs["split"] == "test" and f.attrs["way"] == 4
+    bal = save_episodes(tmp_path / "b.h5", sample_episodes(labels, EpisodeSpec(), 2))
+    assert load_episodes(bal).spec.imbalance is None and load_episodes(bal).negatives is None
+
+
+def test_loading_rejects_files_that_do_not_fit(tmp_path):
+    labels = _labels()
+    eps = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=3), 4).with_negatives(
+        sample_indices(50, torch.arange(4), 5, 0), "base")
+    path = save_episodes(tmp_path / "e.h5", eps)
+    with pytest.raises(EpisodeError, match="split has 40 rows"):
+        load_episodes(path, labels=labels[:40])
+    with pytest.raises(EpisodeError, match="mixes classes"):
+        load_episodes(path, labels=labels[torch.randperm(300, generator=torch.Generator().manual_seed(0))])
+    with pytest.raises(EpisodeError, match="pool 'base' has 10 rows"):
+        load_episodes(path, labels=labels, pool_size=10)
+    with h5py.File(path, "a") as f:
+        del f["query"]
+        f["query"] = np.zeros((4, 7), dtype=np.int64)
+    with pytest.raises(EpisodeError, match=r"/query has shape \(4, 7\), expected \(4, 15\)"):
+        load_episodes(path)
+    (tmp_path / "junk.h5").write_bytes(b"not hdf5")
+    with pytest.raises(EpisodeError, match="not an HDF5 file"):
+        load_episodes(tmp_path / "junk.h5")
+    with pytest.raises(EpisodeError, match="no such episodes file"):
+        load_episodes(tmp_path / "missing.h5")
+
+
+# ------------------------------------------------------------------------- negatives
+
+def test_generated_negatives_are_normalised_and_per_episode():
+    r = generate("random", torch.tensor([3, 4]), 50, 64, seed=1)
+    assert r.shape == (2, 50, 64) and torch.allclose(r.norm(dim=-1), torch.ones(2, 50), atol=1e-5)
+    assert (r >= 0).all()                                                 # the authors' positive orthant
+    diag = torch.full((64,), 1 / 8.0)
+    assert abs(float((r @ diag).mean()) - math.sqrt(3) / 2) < 0.02
+    s = generate("sphere", torch.tensor([3, 4]), 50, 64, seed=1)
+    assert abs(float((s @ diag).mean())) < 0.05 and (s < 0).any()
+    assert torch.equal(generate("random", torch.tensor([4]), 50, 64, seed=1)[0], r[1])  # chunk independent
+    assert torch.equal(sample_indices(100, torch.tensor([5, 6]), 9, 2)[1], sample_indices(100, torch.tensor([6]), 9, 2)[0])
+
+
+# ------------------------------------------------------------------------- evaluate
+
+def test_evaluate_identical_for_any_chunk_size(cache):
+    test = read_split(cache, "test")
+    eps = sample_episodes(test.labels, EpisodeSpec(way=5, shot=1, query=5, seed=2), 15)
+    methods = [("p", "proto", None), ("po", "poodle", {"steps": 20, "transductive": True})]
+    runs = [evaluate(test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=c,
+                     dtype=torch.float64) for c in (1, 7, 15)]
+    for r in runs[1:]:
+        for k in ("p", "po"):
+            assert torch.equal(r[k], runs[0][k]) and r[k].dtype == torch.float64
+    auto_stats: dict = {}
+    auto = evaluate(test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, max_memory=40_000,
+                    stats=auto_stats)
+    assert 1 <= auto_stats["chunk_size"] < 15                             # the memory bound sets the chunk
+    assert torch.equal(auto["p"], runs[0]["p"])
+
+
+@pytest.mark.parametrize("source", ["random", "sphere", "OTHER:pool"])
+def test_evaluate_negative_sources(cache, source):
+    test = read_split(cache, "test")
+    source = source.replace("OTHER", str(cache.parent / "other.h5"))
+    eps = sample_episodes(test.labels, EpisodeSpec(way=3, shot=1, query=3), 4)
+    r1 = evaluate(test, eps, [("n", "naive-ood", {"steps": 5})], negatives=NegativeSpec(source, 8),
+                  cache_path=cache, chunk_size=1)
+    r2 = evaluate(test, eps, [("n", "naive-ood", {"steps": 5})], negatives=NegativeSpec(source, 8),
+                  cache_path=cache, chunk_size=4)
+    assert torch.equal(r1["n"], r2["n"])
+
+
+def test_evaluate_bad_negatives(cache):
+    test = read_split(cache, "test")
+    eps = sample_episodes(test.labels, EpisodeSpec(way=3, shot=1, query=3), 2)
+    m = [("po", "poodle", None)]
+    with pytest.raises(ConfigError, match="feature dimension 12, but the episodes' features have 16"):
+        evaluate(test, eps, m, negatives=NegativeSpec(f"{cache.parent / 'other.h5'}:wide", 5), cache_path=cache)
+    with pytest.raises(ConfigError, match="need negatives"):
+        evaluate(test, eps, m, negatives=None, cache_path=cache)
+    with pytest.raises(ConfigError, match="no such cache file"):
+        evaluate(test, eps, m, negatives=NegativeSpec("missing.h5", 5), cache_path=cache)
+    with pytest.raises(PoodleError, match="no split 'nope'"):
+        evaluate(test, eps, m, negatives=NegativeSpec(f"{cache.parent / 'other.h5'}:nope", 5), cache_path=cache)
+    with pytest.raises(ConfigError, match="--n-neg must be a positive integer"):
+        evaluate(test, eps, m, negatives=NegativeSpec("base", 0), cache_path=cache)
+    with pytest.raises(ConfigError, match="unknown method 'nope'"):
+        evaluate(test, eps, [("x", "nope", None)], cache_path=cache)
+    train = read_split(cache, "train")
+    with pytest.raises(EpisodeError, match="drawn from split 'test'"):
+        evaluate(train, eps, [("p", "proto", None)])
+
+
+def test_summarize_and_paired_difference_numbers():
+    acc = torch.tensor([0.5, 0.7, 0.9, 0.7], dtype=torch.float64)
+    mean, ci = summarize(acc)
+    assert mean == pytest.approx(0.7)
+    assert ci == pytest.approx(1.96 * math.sqrt(0.02) / 2)               # population std 0.1414, n = 4
+    d, dci = paired_difference(acc, acc - torch.tensor([0.1, 0.1, 0.2, 0.0], dtype=torch.float64))
+    assert d == pytest.approx(0.1) and dci == pytest.approx(1.96 * math.sqrt(0.005) / 2)

@@ -1,0 +1,111 @@
+"""`poodle solve` end to end on a small cache: table, paired differences, JSON, episodes files,
+explicit-only options, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from poodle.cache import write_arrays
+from poodle.cli.solve import solve
+from poodle.episodes import load_episodes
+
+
+@pytest.fixture
+def cache(tmp_path, make_features):
+    xtr, ytr = make_features(10, 20, 16, seed=1)
+    xte, yte = make_features(6, 20, 16, seed=2, spread=0.4)
+    xs, ys = make_features(6, 3, 16, seed=3)
+    xw, yw = make_features(3, 10, 8, seed=4)
+    write_arrays(tmp_path / "wide.h5", {"train": (xw, yw, ["a", "b", "c"])})
+    return write_arrays(tmp_path / "c.h5", {"train": (xtr, ytr, [f"b{i}" for i in range(10)]),
+                                            "test": (xte, yte, [f"t{i}" for i in range(6)]),
+                                            "small": (xs, ys, [f"s{i}" for i in range(6)])})
+
+
+def _run(args):
+    return CliRunner().invoke(solve, [str(a) for a in args])
+
+
+def test_solve_several_methods_table_json_and_episodes(tmp_path, cache):
+    js, ep = tmp_path / "r.json", tmp_path / "e.h5"
+    r = _run(["--cache", cache, "--episodes", 12, "--query", 5, "--method", "proto", "--method", "poodle",
+              "--method", "ce", "--transductive", "--steps", 15, "--n-neg", 10, "--json", js,
+              "--save-episodes", ep])
+    assert r.exit_code == 0, r.output
+    assert "diff vs proto" in r.output and "poodle" in r.output and "episodes/s" in r.output
+    d = json.loads(js.read_text())
+    assert d["config"]["methods"] == ["proto", "poodle", "ce"] and d["config"]["episodes"] == 12
+    # only explicit options reach the methods: proto gets nothing, ce no --transductive
+    assert d["config"]["options"] == {"proto": {}, "poodle": {"steps": 15, "transductive": True}, "ce": {"steps": 15}}
+    assert d["results"]["poodle"]["config"]["transductive"] is True
+    assert d["results"]["poodle"]["config"]["alpha"] == 1.0 and d["results"]["poodle"]["config"]["steps"] == 15
+    for m in ("proto", "poodle", "ce"):
+        acc = torch.tensor(d["results"][m]["acc"], dtype=torch.float64)
+        assert acc.shape == (12,) and d["results"][m]["mean"] == pytest.approx(float(acc.mean()))
+    pd = d["results"]["poodle"]["paired_difference"]
+    diff = (torch.tensor(d["results"]["poodle"]["acc"], dtype=torch.float64)
+            - torch.tensor(d["results"]["proto"]["acc"], dtype=torch.float64))
+    assert pd["vs"] == "proto" and pd["mean"] == pytest.approx(float(diff.mean()), abs=1e-9)
+    assert f"{100 * pd['mean']:+.2f}" in r.output
+    assert "paired_difference" not in d["results"]["proto"]
+    assert set(d["versions"]) == {"poodle", "torch", "python"} and d["wall_seconds"] > 0
+    eps = load_episodes(ep)
+    assert len(eps) == 12 and eps.negatives.shape == (12, 10) and eps.negative_source == "base"
+
+    # the same episodes and negatives from the file give the same numbers
+    js2 = tmp_path / "r2.json"
+    r2 = _run(["--cache", cache, "--episodes-from", ep, "--method", "poodle", "--transductive", "--steps", 15,
+               "--json", js2])
+    assert r2.exit_code == 0, r2.output
+    assert json.loads(js2.read_text())["results"]["poodle"]["acc"] == d["results"]["poodle"]["acc"]
+
+
+def test_solve_imbalanced_random_negatives(tmp_path, cache):
+    js = tmp_path / "r.json"
+    r = _run(["--cache", cache, "--episodes", 6, "--query", 4, "--imbalance", 0.5, "--negatives", "random",
+              "--n-neg", 7, "--steps", 5, "--method", "poodle", "--method", "naive-ood", "--json", js])
+    assert r.exit_code == 0, r.output
+    d = json.loads(js.read_text())
+    assert d["config"]["imbalance"] == 0.5 and d["config"]["negatives"] == "random"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--way", 7], "has 6 classes"),
+    (["--split", "small", "--query", 5], "fewer than shot + query = 6 images: s0 (3)"),
+    (["--shot", 0], "shot must be a positive integer"),
+    (["--episodes", 0], "number of episodes must be a positive integer"),
+    (["--method", "nope"], "unknown method 'nope'"),
+    (["--method", "proto", "--alpha", 2], "option --alpha is not an option of the chosen method(s) proto"),
+    (["--method", "proto", "--transductive"], "option --transductive"),
+    (["--set", "gamma=3"], "option --set gamma"),
+    (["--set", "steps"], "expected KEY=VALUE"),
+    (["--negatives", "WIDE"], "has feature dimension 8, but the episodes' features have 16"),
+    (["--negatives", "none"], "need negatives"),
+    (["--method", "proto", "--negatives", "random"], "none of the chosen methods"),
+    (["--split", "val"], "no split 'val'"),
+    (["--steps", "x"], "is not a valid integer"),
+])
+def test_solve_bad_input_one_line_errors(tmp_path, cache, args, message):
+    args = [str(a).replace("WIDE", str(tmp_path / "wide.h5")) for a in args]
+    r = _run(["--cache", cache, "--episodes", 3, *args])
+    assert r.exit_code != 0
+    assert message in r.output.replace("\n", " "), r.output
+
+
+def test_solve_cache_resolution_and_episode_file_mismatch(tmp_path, cache, make_features):
+    r = _run(["--dataset", "mini", "--backbone", "resnet12", "--cache-root", tmp_path])
+    assert r.exit_code == 1 and "no feature cache at" in r.output
+    r = _run([])
+    assert r.exit_code == 1 and "which features?" in r.output
+    ep = tmp_path / "e.h5"
+    assert _run(["--cache", cache, "--episodes", 3, "--method", "proto", "--save-episodes", ep]).exit_code == 0
+    x, y = make_features(6, 5, 16, seed=9)
+    other = write_arrays(tmp_path / "o.h5", {"test": (x, y, [f"t{i}" for i in range(6)])})
+    r = _run(["--cache", other, "--episodes-from", ep, "--method", "proto"])
+    assert r.exit_code == 1 and "split has 30 rows" in r.output
+    r = _run(["--cache", cache, "--episodes-from", ep, "--shot", 5])
+    assert r.exit_code == 1 and "--shot cannot be combined with --episodes-from" in r.output
