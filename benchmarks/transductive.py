@@ -1,0 +1,293 @@
+"""The transductive competitors on imbalanced queries (the POODLE paper's appendix table), and their
+batched throughput.
+
+Part 1 (accuracy): every transductive method of ``poodle.solvers`` plus the inductive prototype
+classifier and transductive POODLE at beta 0, 0.5, 0.75, 1.0 (alpha 1, base negatives) on one
+cache and one episode set per (shot, imbalance): 5-way, 15 queries per class on average (75 in
+all), shots 1 and 5, ``--imbalance`` none (balanced) and Dirichlet concentrations 0.5, 1, 2, 5.
+Every method sees the same episodes (paired). Writes ``transductive.md`` (rows = methods, columns =
+imbalance x shot, mean +- 95% CI in %) and ``transductive.json`` into ``--out``; a run that is
+interrupted resumes from the settings already finished (``transductive.partial.json``).
+
+Part 2 (throughput): each method's episodes/s on the standard workload (D=640, 5-way, 1-shot,
+15 queries per class, random clustered features), batched (one call over ``--tp-batch`` episodes)
+against one episode at a time, same configuration. The batched run must not be slower per episode.
+
+    python benchmarks/transductive.py                   # full: 500 episodes per setting (~10 min, 2 quiet cores)
+    python benchmarks/transductive.py --quick           # 20 episodes, balanced and kappa=1, small throughput run
+    python benchmarks/transductive.py --cache cache/glyphs/conv4_64.h5 --episodes 2000 --device cuda
+
+Features: ``--cache FILE``; by default the embedded glyphs dataset's cache ``cache/glyphs/*.h5`` if
+one exists; otherwise synthetic clustered random features (said so in the output) written to a
+temporary cache, D=128, 64 base classes (the negative pool) and 20 test classes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from poodle import solvers
+from poodle.cache import list_splits, read_split, write_arrays
+from poodle.episodes import EpisodeSpec, sample_episodes
+from poodle.evaluate import choose_chunk, evaluate, summarize
+from poodle.negatives import NegativeSpec
+from poodle.solvers import EpisodeBatch
+from poodle.utils import atomic_path, parse_size, resolve_device
+
+# noise norm of the synthetic features relative to the class centres: the prototype classifier
+# then scores about 67% (1-shot) and 93% (5-shot), near the paper's mini-ImageNet regime
+SPREAD = 2.5
+
+BETAS = [0.0, 0.5, 0.75, 1.0]
+
+# (label, method, options): the table's rows, in order
+ROWS: list[tuple[str, str, dict[str, Any]]] = [
+    ("Inductive (proto)", "proto", {}),
+    ("Mean-shift (TAFSSL MSP)", "mean-shift", {}),
+    ("Bayes k-means (TAFSSL)", "bayes-kmeans", {}),
+    ("k-means", "kmeans", {}),
+    ("Soft k-means", "soft-kmeans", {}),
+    ("CAN-T", "can-t", {}),
+    ("BD-CSPN", "bd-cspn", {}),
+    ("LaplacianShot", "laplacianshot", {}),
+    ("PT-MAP", "pt-map", {}),
+    ("Entropy-min", "entropy-min", {}),
+    ("TIM-GD", "tim-gd", {}),
+    ("TIM-GD (POODLE authors' settings)", "tim-gd", {"preset": "poodle-paper"}),
+    ("TIM-ADM", "tim-adm", {}),
+]
+POODLE_ROWS = [(f"POODLE-B beta={b:g}", "poodle", {"transductive": True, "alpha": 1.0, "beta": b}) for b in BETAS]
+
+
+def imb_key(kappa: float | None) -> str:
+    return "none" if kappa is None else f"{kappa:g}"
+
+
+def clustered(n_classes: int, per_class: int, dim: int, spread: float,
+              rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Features around random unit class centres, ``spread`` the noise norm relative to them."""
+    centres = rng.standard_normal((n_classes, dim))
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    x = centres.repeat(per_class, 0) + spread * rng.standard_normal((n_classes * per_class, dim)) / math.sqrt(dim)
+    return x.astype(np.float32), np.arange(n_classes).repeat(per_class)
+
+
+def synthetic_cache(folder: Path, dim: int = 128, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    tr_x, tr_y = clustered(64, 100, dim, SPREAD, rng)
+    te_x, te_y = clustered(20, 100, dim, SPREAD, rng)
+    return write_arrays(folder / "synthetic.h5", {
+        "train": (tr_x, tr_y, [f"base{i}" for i in range(64)]),
+        "test": (te_x, te_y, [f"novel{i}" for i in range(20)]),
+    }, dataset="synthetic-clustered", backbone="none")
+
+
+def find_cache(arg: str | None, tmp: Path) -> tuple[Path, str]:
+    if arg:
+        return Path(arg), f"cache {arg}"
+    found = sorted(Path("cache/glyphs").glob("*.h5"))
+    for f in found:
+        try:
+            if "test" in list_splits(f) and "train" in list_splits(f):
+                return f, f"embedded glyphs dataset features ({f})"
+        except Exception:  # noqa: BLE001 - a broken or partial cache is simply not used
+            continue
+    return synthetic_cache(tmp), f"SYNTHETIC clustered random features (D=128, noise {SPREAD}; no glyphs cache found)"
+
+
+def run_accuracy(cache: Path, source: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    test = read_split(cache, "test")
+    rows = ROWS + POODLE_ROWS
+    meta = {"features": source, "episodes": args.episodes, "imbalance": [imb_key(k) for k in args.imbalance],
+            "shots": args.shots, "seed": args.seed, "way": 5, "query": 15,
+            "n_neg": args.n_neg, "negatives": "base", "dim": test.dim}
+    partial = out / "transductive.partial.json"
+    done: dict[str, Any] = {}
+    if partial.exists():
+        saved = json.loads(partial.read_text())
+        if saved.get("meta") == meta:
+            done = saved["results"]
+            print(f"resuming: {len(done)} setting(s) already done in {partial}", file=sys.stderr)
+    for shot in args.shots:
+        for kappa in args.imbalance:
+            key = f"{shot}-shot/{imb_key(kappa)}"
+            if key in done:
+                continue
+            spec = EpisodeSpec(split="test", way=5, shot=shot, query=15, imbalance=kappa, seed=args.seed)
+            eps = sample_episodes(test.labels, spec, args.episodes, classes=test.classes)
+            t0 = time.perf_counter()
+            stats_c: dict[str, Any] = {}
+            stats_p: dict[str, Any] = {}
+            comp = evaluate(test, eps, [(lab, m, o) for lab, m, o in ROWS], device=args.device,
+                            chunk_size=args.chunk, stats=stats_c)
+            pood = evaluate(test, eps, [(lab, m, o) for lab, m, o in POODLE_ROWS], device=args.device,
+                            negatives=NegativeSpec("base", args.n_neg), cache_path=cache, stats=stats_p)
+            accs = {**comp, **pood}
+            secs = {**stats_c["seconds"], **stats_p["seconds"]}
+            done[key] = {lab: {"mean": 100 * summarize(a)[0], "ci": 100 * summarize(a)[1], "seconds": secs[lab]}
+                         for lab, a in accs.items()}
+            print(f"{key:14s} {time.perf_counter() - t0:7.1f}s  " +
+                  "  ".join(f"{lab.split(' ')[0]}={v['mean']:.1f}" for lab, v in done[key].items()), file=sys.stderr)
+            with atomic_path(partial) as tmp:
+                tmp.write_text(json.dumps({"meta": meta, "results": done}, indent=1))
+    return {"meta": meta, "results": done, "rows": [lab for lab, _, _ in rows],
+            "imbalance": [imb_key(k) for k in args.imbalance], "shots": args.shots}
+
+
+def markdown_table(acc: dict[str, Any]) -> str:
+    cols = [(None if k == "none" else float(k), s) for k in acc["imbalance"] for s in acc["shots"]]
+    head1 = "| Method | " + " | ".join(
+        f"kappa={imb_key(k)} {s}-shot" if k is not None else f"balanced {s}-shot" for k, s in cols) + " |"
+    sep = "|---|" + "---|" * len(cols)
+    lines = [head1, sep]
+    for lab in acc["rows"]:
+        cells = []
+        for k, s in cols:
+            v = acc["results"].get(f"{s}-shot/{imb_key(k)}", {}).get(lab)
+            cells.append("-" if v is None else f"{v['mean']:.2f} ± {v['ci']:.2f}")
+        lines.append(f"| {lab} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def standard_batch(n: int, dim: int = 640, shot: int = 1, seed: int = 0) -> EpisodeBatch:
+    """``n`` episodes of the standard workload from random clustered features (5-way, 15 q/class)."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.nn.functional.normalize(torch.randn(n, 5, dim, generator=g), dim=-1)
+
+    def around(k: int) -> torch.Tensor:
+        noise = SPREAD * torch.randn(n, 5, k, dim, generator=g) / math.sqrt(dim)
+        return torch.nn.functional.normalize(centres.unsqueeze(2) + noise, dim=-1).reshape(n, 5 * k, dim)
+
+    labels = torch.arange(5).repeat_interleave(shot).expand(n, -1).contiguous()
+    return EpisodeBatch(around(shot), labels, around(15), None, 5)
+
+
+def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    dev = resolve_device(args.device)
+    methods = [(lab, m, o) for lab, m, o in ROWS if m != "proto"]
+    if not args.tp_batch:
+        # the chunk evaluate() would use for this workload on this device
+        args.tp_batch = choose_chunk(80, 640, 5, dev, parse_size("2GiB"))
+    big = standard_batch(max(args.tp_batch, 64)).to(dev)
+    res: dict[str, Any] = {}
+    print(f"\nthroughput, standard workload (D=640, 5-way 1-shot, 75 queries), {dev}, "
+          f"{torch.get_num_threads()} thread(s):", file=sys.stderr)
+    print(f"{'method':36s} {'batched eps/s':>14s} {'one-at-a-time eps/s':>20s} {'ratio':>7s}", file=sys.stderr)
+    chunk = EpisodeBatch(big.support[:args.tp_batch], big.support_labels[:args.tp_batch],
+                         big.query[:args.tp_batch], None, 5)
+    for lab, name, opts in methods:
+        cfg = solvers.make_config(name, opts, strict=True)
+        info = solvers.get(name)
+
+        def clock(fn) -> float:
+            t0 = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            return time.perf_counter() - t0
+
+        # warm-up, and enough work per measurement (>= --tp-seconds) that timer noise and a busy
+        # machine matter less; batched and one-at-a-time alternate, best of --repeats each
+        t_one = clock(lambda: info.fn(big.episode(0), cfg))
+        t_chunk = clock(lambda: info.fn(chunk, cfg))
+        n_calls = max(1, math.ceil(args.tp_seconds / max(t_chunk, 1e-6)))
+        n_single = min(big.n_episodes, max(args.tp_single, math.ceil(args.tp_seconds / max(t_one, 1e-6))))
+        best_b = best_s = float("inf")
+        for _ in range(args.repeats):
+            t_b = clock(lambda: [info.fn(chunk, cfg) for _ in range(n_calls)])
+            t_s = clock(lambda: [info.fn(big.episode(i), cfg) for i in range(n_single)])
+            best_b = min(best_b, t_b / (n_calls * args.tp_batch))
+            best_s = min(best_s, t_s / n_single)
+        batched, single = 1.0 / best_b, 1.0 / best_s
+        flops = info.flops(5, 75, 0, 640, 5, cfg) if info.flops else float("nan")
+        res[lab] = {"batched_eps_per_s": batched, "single_eps_per_s": single, "ratio": batched / single,
+                    "gflop_per_s_batched": batched * flops / 1e9}
+        print(f"{lab:36s} {batched:14.1f} {single:20.1f} {batched / single:7.1f}x", file=sys.stderr)
+    return {"device": str(dev), "threads": torch.get_num_threads(), "batch": args.tp_batch,
+            "single_episodes": args.tp_single, "methods": res}
+
+
+def throughput_table(tp: dict[str, Any]) -> str:
+    lines = [f"| Method | batched eps/s ({tp['batch']} episodes per call) | one episode at a time, eps/s | ratio |",
+             "|---|---|---|---|"]
+    for lab, v in tp["methods"].items():
+        lines.append(f"| {lab} | {v['batched_eps_per_s']:.1f} | {v['single_eps_per_s']:.1f} | {v['ratio']:.1f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cache", help="feature cache (HDF5) with 'test' and 'train' splits")
+    ap.add_argument("--episodes", type=int, default=500,
+                    help="episodes per (shot, imbalance) setting (500: ~10 min on 2 quiet cores)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--imbalance", default="none,0.5,1,2,5",
+                    help="comma-separated query distributions: none (balanced) or Dirichlet kappa values")
+    ap.add_argument("--shots", default="1,5", help="comma-separated shots")
+    ap.add_argument("--n-neg", type=int, default=400, help="base negatives per episode for POODLE")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--chunk", type=int, default=256, help="episodes per chunk for the competitors")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--tp-batch", type=int, default=0,
+                    help="episodes in the batched throughput call (0: the chunk evaluate() picks)")
+    ap.add_argument("--tp-single", type=int, default=4, help="episodes run one at a time")
+    ap.add_argument("--repeats", type=int, default=3, help="throughput timings: best of N")
+    ap.add_argument("--tp-seconds", type=float, default=1.0, help="minimum work per throughput measurement")
+    ap.add_argument("--out", default="cache/results/transductive", help="output folder")
+    ap.add_argument("--quick", action="store_true",
+                    help="20 episodes, balanced and kappa=1 only, small throughput run (~1 min)")
+    ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.episodes, args.tp_single, args.repeats, args.tp_seconds = 20, 2, 2, 0.2
+        args.imbalance = "none,1"
+    try:
+        args.imbalance = [None if k.strip() == "none" else float(k) for k in args.imbalance.split(",")]
+        args.shots = [int(k) for k in args.shots.split(",")]
+    except ValueError:
+        ap.error("--imbalance takes 'none' or numbers and --shots integers, e.g. --imbalance none,0.5,1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    given = sys.argv[1:] if argv is None else argv
+    report: dict[str, Any] = {"command": "python benchmarks/transductive.py " + " ".join(given)}
+    md = [f"Command: `{report['command']}`", ""]
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.skip_accuracy:
+            cache, source = find_cache(args.cache, Path(tmp))
+            print(f"features: {source}", file=sys.stderr)
+            acc = run_accuracy(cache, source, args, out)
+            report["accuracy"] = acc
+            md += [f"Features: {source}; {args.episodes} episodes per setting, seed {args.seed}, 5-way, 75 queries "
+                   f"(15 per class on average), POODLE with {args.n_neg} base negatives. Accuracy in %, "
+                   "mean ± 95% CI.", "", markdown_table(acc), ""]
+    if not args.skip_throughput:
+        tp = run_throughput(args)
+        report["throughput"] = tp
+        md += [f"Throughput on the standard workload ({tp['device']}, {tp['threads']} thread(s)):", "",
+               throughput_table(tp), ""]
+    with atomic_path(out / "transductive.json") as tmp:
+        tmp.write_text(json.dumps(report, indent=1))
+    with atomic_path(out / "transductive.md") as tmp:
+        tmp.write_text("\n".join(md))
+    print("\n".join(md))
+    partial = out / "transductive.partial.json"
+    if partial.exists() and not args.skip_accuracy:
+        partial.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""Private helpers shared by the transductive competitors (tim-*, k-means family, can-t, ...).
+
+Everything here works on a leading episode dimension ``E`` and never loops over episodes, classes
+or queries. Names follow the papers: ``z_s`` support features, ``z_q`` query features, ``y_s``
+one-hot support labels.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Smallest probability any log below is allowed to see: keeps 0 * log(0) and 0 / 0 out of every
+# method without changing a result that was finite (it is far below float32 resolution near 1).
+TINY = 1e-30
+
+
+def grad_ready(t: Tensor) -> Tensor:
+    """``t`` usable inside autograd even when the caller built it under ``torch.inference_mode``."""
+    if t.is_inference():
+        with torch.inference_mode(False):
+            return t.clone()
+    return t
+
+
+def row_sqnorm(x: Tensor) -> Tensor:
+    """``||x||^2`` per row: ``[E, N, D]`` -> ``[E, N, 1]`` (no ``[E, N, D]`` temporary)."""
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
+
+
+def sqdist(x: Tensor, w: Tensor, x2: Tensor | None = None) -> Tensor:
+    """Squared Euclidean distances ``x [E, N, D]``, ``w [E, K, D]`` -> ``[E, N, K]`` (never negative).
+
+    ``x2`` is ``row_sqnorm(x)`` when the caller has it (it is loop-invariant in every solver).
+    """
+    if x2 is None:
+        x2 = row_sqnorm(x)
+    d = torch.baddbmm(x2 + row_sqnorm(w).transpose(1, 2), x, w.transpose(1, 2), alpha=-2.0)
+    return d.clamp_min(0.0)
+
+
+def softmax_logits(x: Tensor, w: Tensor, scale: Tensor | float) -> Tensor:
+    """``scale * (x.w - ||w||^2/2)``: the logits ``-(scale/2)||x - w||^2`` less the per-row constant
+    ``-(scale/2)||x||^2``, which no softmax over classes (and no argmax) sees. ``[E, N, K]``."""
+    return scale * torch.baddbmm(-0.5 * row_sqnorm(w).transpose(1, 2), x, w.transpose(1, 2))
+
+
+def cosine(x: Tensor, w: Tensor, x_norm: Tensor | None = None) -> Tensor:
+    """Cosine similarities ``[E, N, K]`` as ``F.normalize`` would give them (a zero vector has
+    cosine 0 with everything, not NaN), without normalising ``x`` itself: ``x_norm [E, N, 1]``
+    is ``||x||`` when the caller has it."""
+    if x_norm is None:
+        x_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    w_norm = torch.linalg.vector_norm(w, dim=-1).unsqueeze(1)
+    return torch.bmm(x, w.transpose(1, 2)) / (x_norm.clamp_min(1e-12) * w_norm.clamp_min(1e-12))
+
+
+def weighted_means(a_s: Tensor, z_s: Tensor, a_q: Tensor, z_q: Tensor, fallback: Tensor) -> Tensor:
+    """``(a_s^T z_s + a_q^T z_q) / (sum a_s + sum a_q)`` per class: ``[E, K, D]``.
+
+    ``a_s [E, Ns, K]`` and ``a_q [E, Nq, K]`` are (soft or hard) assignments. A class with zero total
+    weight keeps ``fallback [E, K, D]`` (its previous centre) instead of becoming NaN.
+    """
+    num = torch.bmm(a_s.transpose(1, 2), z_s) + torch.bmm(a_q.transpose(1, 2), z_q)
+    den = (a_s.sum(1) + a_q.sum(1)).unsqueeze(-1)                     # [E, K, 1]
+    empty = den <= 0
+    return torch.where(empty, fallback, num / torch.where(empty, torch.ones_like(den), den))
+
+
+def adam_minimise(params: list[Tensor], loss_fn: Callable[[], Tensor], steps: int, lr: float) -> None:
+    """Run ``steps`` Adam steps (library defaults but ``lr``) on ``params`` in place.
+
+    ``loss_fn`` returns the loss summed over episodes: Adam is element-wise, so every episode is
+    optimised exactly as if it were alone (the per-episode tests check this).
+    """
+    if steps <= 0:
+        return
+    with torch.enable_grad():
+        opt = torch.optim.Adam(params, lr=lr)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss_fn().backward()
+            opt.step()
+
+
+def centre_and_project(z_s: Tensor, z_q: Tensor, reduced_dim: int) -> tuple[Tensor, Tensor]:
+    """TAFSSL's task-adaptive sub-space: centre support and query sets on their own means,
+    L2-normalise, then (``reduced_dim > 0``) project every episode onto the top ``reduced_dim``
+    right singular vectors of its stacked samples and normalise again.
+
+    ``z_s [E, Ns, D]``, ``z_q [E, Nq, D]`` -> the same with ``D`` replaced by ``min(reduced_dim,
+    Ns + Nq, D)`` (or unchanged when ``reduced_dim == 0``).
+    """
+    z_s = F.normalize(z_s - z_s.mean(1, keepdim=True), dim=-1)
+    z_q = F.normalize(z_q - z_q.mean(1, keepdim=True), dim=-1)
+    if reduced_dim <= 0:
+        return z_s, z_q
+    x = torch.cat([z_s, z_q], 1)                                        # [E, N, D]
+    n = x.shape[1]
+    r = min(reduced_dim, n, x.shape[2])
+    # Coordinates in the top-r principal directions, x V_r = U_r S_r, from the eigen-decomposition
+    # of the small N x N Gram matrix (cheaper than an SVD of N x D). Distances after projection do
+    # not depend on the sign/rotation ambiguity of the basis within the sub-space.
+    evals, evecs = torch.linalg.eigh(torch.bmm(x, x.transpose(1, 2)))   # ascending
+    top = evecs[:, :, n - r:] * evals[:, n - r:].clamp_min(0).sqrt().unsqueeze(1)
+    top = F.normalize(top, dim=-1)
+    return top[:, :z_s.shape[1]], top[:, z_s.shape[1]:]
+
+
+def log_normalise(p: Tensor) -> Tensor:
+    """Log of ``p`` normalised over its last axis, finite everywhere (``p >= 0``)."""
+    return torch.log_softmax(torch.log(p.clamp_min(TINY)), dim=-1)
+
+
+def dist_flops(n: int, k: int, d: int) -> float:
+    """FLOPs of one ``[n, d] x [d, k]`` distance/similarity matrix."""
+    return 2.0 * n * k * d
+
+
+def rectified_prototypes(z_s: Tensor, labels_s: Tensor, z_q: Tensor, way: int, epsilon: float,
+                         shift: bool = True) -> tuple[Tensor, Tensor]:
+    """BD-CSPN's bias-diminished prototypes (Liu et al. 2020, Eqs. 5-8).
+
+    Cross-class bias: queries are shifted by ``delta = mean(z_s) - mean(z_q)`` (when ``shift``).
+    Intra-class bias: each class's set is its support points plus the (shifted) queries whose
+    nearest basic prototype (cosine) is that class; the rectified prototype is the average of that
+    set weighted by ``softmax_i(epsilon * cos(x_i, P_k))`` over the set's members.
+
+    ``z_s [E, Ns, D]``, ``labels_s [E, Ns]``, ``z_q [E, Nq, D]`` -> ``(prototypes [E, way, D],
+    delta [E, 1, D])``. The shifted queries are never materialised: every product with them is
+    ``z_q . v + delta . v`` (the solver is memory-bound; this reads the features fewer times).
+    Every class contains its support points, so no weight is 0/0.
+    """
+    delta = (z_s.mean(1, keepdim=True) - z_q.mean(1, keepdim=True)) if shift else torch.zeros_like(z_s[:, :1])
+    y_s = F.one_hot(labels_s, way).to(z_s.dtype)
+    base = torch.bmm(y_s.transpose(1, 2), z_s) / y_s.sum(1).clamp_min(1.0).unsqueeze(-1)
+    cos_s = cosine(z_s, base)
+    cos_q = shifted_cosine(z_q, delta, base)
+    member_q = F.one_hot(cos_q.argmax(-1), way).bool()
+    logits = (epsilon * torch.cat([cos_s, cos_q], 1)).masked_fill(~torch.cat([y_s.bool(), member_q], 1),
+                                                                   float("-inf"))
+    w = torch.softmax(logits, dim=1)                                         # over the set's members
+    w_s, w_q = w[:, :z_s.shape[1]], w[:, z_s.shape[1]:]
+    protos = (torch.bmm(w_s.transpose(1, 2), z_s) + torch.bmm(w_q.transpose(1, 2), z_q)
+              + w_q.sum(1).unsqueeze(-1) * delta)
+    return protos, delta
+
+
+def shifted_cosine(z_q: Tensor, delta: Tensor, w: Tensor) -> Tensor:
+    """``cos(z_q + delta, w)``: ``z_q [E, Nq, D]``, ``delta [E, 1, D]``, ``w [E, K, D]`` -> ``[E, Nq, K]``."""
+    wt = w.transpose(1, 2)
+    dot = torch.bmm(z_q, wt) + torch.bmm(delta, wt)
+    sq = (row_sqnorm(z_q) + 2 * torch.bmm(z_q, delta.transpose(1, 2)) + row_sqnorm(delta)).clamp_min(0.0)
+    w_norm = torch.linalg.vector_norm(w, dim=-1).unsqueeze(1)
+    return dot / (sq.sqrt().clamp_min(1e-12) * w_norm.clamp_min(1e-12))
