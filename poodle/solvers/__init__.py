@@ -50,7 +50,7 @@ def get(name: str) -> SolverInfo:
     """The registered method ``name``; an unknown name is a :class:`ConfigError` listing the known ones."""
     _load_all()
     try:
-        return _base._REGISTRY[name]
+        return _base._REGISTRY[_base._ALIASES.get(name, name)]
     except KeyError:
         raise ConfigError(f"unknown method {name!r}; known methods: {', '.join(available())}") from None
 

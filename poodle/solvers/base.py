@@ -109,12 +109,14 @@ class SolverInfo:
 
 
 _REGISTRY: dict[str, SolverInfo] = {}
+# other names a method answers to (``--method tim`` is TIM-GD, as the TIM paper calls it)
+_ALIASES: dict[str, str] = {}
 
 
 def register(name: str, config: type, *, transductive: Transductivity = "never",
              uses_negatives: bool | Callable[[Any], bool] = False, flops: Callable[..., float] | None = None,
-             summary: str = "") -> Callable[[Callable], Callable]:
-    """Decorator: register a batched solver under ``name`` with its config dataclass."""
+             summary: str = "", aliases: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Decorator: register a batched solver under ``name`` (and ``aliases``) with its config dataclass."""
     if not dataclasses.is_dataclass(config):
         raise TypeError(f"config of solver {name!r} must be a dataclass")
     if transductive == "optional" and "transductive" not in {f.name for f in dataclasses.fields(config)}:
@@ -125,6 +127,7 @@ def register(name: str, config: type, *, transductive: Transductivity = "never",
             raise ValueError(f"solver {name!r} registered twice")
         doc = summary or ((fn.__doc__ or "").strip().splitlines() or [""])[0]
         _REGISTRY[name] = SolverInfo(name, fn, config, transductive, uses_negatives, flops, doc)
+        _ALIASES.update({alias: name for alias in aliases})
         return fn
 
     return deco

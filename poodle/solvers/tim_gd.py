@@ -103,7 +103,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: TimGDConfig) -> floa
     return 3.0 * cfg.resolved()["steps"] * dist_flops(Ns + Nq, way, D)
 
 
-@register("tim-gd", TimGDConfig, transductive="always", flops=_flops,
+@register("tim-gd", TimGDConfig, transductive="always", flops=_flops, aliases=("tim",),
           summary="TIM-GD (Boudiaf et al. 2020): CE + query mutual information, Adam on the prototypes")
 def tim_gd(batch: EpisodeBatch, cfg: TimGDConfig) -> SolverOutput:
     """Solve ``batch`` with TIM-GD. Returns ``log_probs [E, Nq, way]`` and state ``prototypes
