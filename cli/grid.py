@@ -1,0 +1,187 @@
+"""``poodle grid GRID.toml``: run an ablation grid over one cache and one episode set, resumably."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from poodle.cli._common import SizeType, console, friendly_errors
+
+
+def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
+    """``--set episodes=200 --set shot=[1,5]``: values are read as TOML values, else as strings."""
+    from poodle.errors import ConfigError
+    from poodle.grid import tomllib
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE (e.g. --set episodes=200)")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = text
+    return out
+
+
+@click.command()
+@click.argument("grid_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Results file (JSON Lines). Default: GRID.results.jsonl next to the grid file.")
+@click.option("--cache", "cache", type=click.Path(dir_okay=False), default=None, help="Use this feature cache instead of the grid's `cache`.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override a grid option, e.g. --set episodes=200 or --set 'shot=[1,5]'. Repeatable.")
+@click.option("--force", is_flag=True, help="Recompute every cell: the results file starts afresh (its old "
+                                          "lines are discarded when the run starts).")
+@click.option("--cells-per-call", type=click.IntRange(1), default=4, show_default=True,
+              help="Cells on the same episodes and negatives solved together (one gather per chunk).")
+@click.option("--dry-run", is_flag=True, help="List the cells and what is already done; solve nothing.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--max-memory", type=SizeType(), default="2GiB", show_default=True,
+              help="Memory budget per chunk of episodes.")
+@friendly_errors
+def grid(grid_file: Path, out: Path | None, cache: str | None, sets: tuple[str, ...], force: bool,
+         cells_per_call: int, dry_run: bool, device: str, max_memory: int) -> None:
+    """Run every cell of GRID_FILE (a TOML grid, see docs/grid.md) and append its results.
+
+    Cells with the same episode settings share identical episodes and negatives (paired). A re-run
+    skips finished cells; an interrupted run resumes.
+    """
+    from poodle import grid as G
+
+    overrides = _parse_set(sets)
+    if cache is not None:
+        overrides["cache"] = str(Path(cache).expanduser().resolve())
+    spec = G.load_grid(grid_file, overrides)
+    cells = G.expand(spec)
+    out = out or G.default_results_path(grid_file)
+    if dry_run:
+        _dry_run(spec, cells, out)
+        return
+    n_episodes = sum(c.episode["episodes"] for c in cells)
+    t0 = time.perf_counter()
+    with _GridProgress(len(cells), n_episodes, _varying(cells)) as display:
+        result = G.run_grid(spec, out, force=force, device=device, max_memory=max_memory,
+                            on_cell=display.on_cell, progress=display.advance, cells=cells,
+                            cells_per_call=cells_per_call)
+    wall = time.perf_counter() - t0
+    console.print(f"[green]done[/]: {result.computed} cells computed, {result.skipped} already there; "
+                  f"{wall:.1f} s (reading caches {result.load_seconds:.1f} s, sampling episodes "
+                  f"{result.sample_seconds:.1f} s) -> {out}", highlight=False)
+    console.print(f"next: poodle report {out} --rows ... --cols ...", highlight=False)
+
+
+def _dry_run(spec: Any, cells: list, out: Path) -> None:
+    from rich.table import Table
+
+    from poodle import grid as G
+    from poodle.cli._common import out as stdout
+
+    done: set[str] = set()
+    if out.exists():
+        try:
+            header, records = G.read_results(out)
+            if header.get("grid_hash") == G.grid_hash(cells):
+                done = {r["key"] for r in records}
+            else:
+                console.print(f"[yellow]note[/]: {out} belongs to another grid", highlight=False)
+        except Exception as e:  # a dry run only reports
+            console.print(f"[yellow]note[/]: cannot read {out}: {e}", highlight=False)
+    vary = _varying(cells)
+    t = Table(title=f"{spec.name}: {len(cells)} cells ({len(done)} done), grid hash {G.grid_hash(cells)}")
+    for k in ["#", "label"] + vary + ["done"]:
+        t.add_column(k)
+    for c in cells:
+        flat = c.flat()
+        values = [G._fmt(flat[k]) if k in flat else "–" for k in vary]
+        t.add_row(str(c.index), c.label, *values, "yes" if c.key in done else "")
+    stdout.print(t)
+
+
+def _varying(cells: list) -> list[str]:
+    """Keys worth showing for a cell: those that vary, without ``method`` (the label says it) and
+    without ``negatives``/``n_neg`` unless they vary among the cells that use negatives."""
+    flats = [c.flat() for c in cells]
+    users = [f for f in flats if f["negatives"] != "none"]
+    keys: list[str] = []
+    for f in flats:
+        for k in f:
+            if k in keys or k in ("label", "method"):
+                continue
+            # options are compared among the cells whose method has them (proto has no steps)
+            pool = users if k in ("negatives", "n_neg") else [x for x in flats if k in x]
+            if len({repr(x.get(k)) for x in pool}) > 1:
+                keys.append(k)
+    return keys
+
+
+class _GridProgress:
+    """Two bars: cells done / total with the current cell's name, and episodes with their rate and
+    the time left for the whole grid."""
+
+    def __init__(self, n_cells: int, n_episodes: int, keys: list[str]) -> None:
+        self.keys = keys
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        from rich.table import Column
+
+        self.progress = Progress(TextColumn("[bold]{task.description}", table_column=Column(min_width=8)),
+                                 BarColumn(bar_width=30), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TimeRemainingColumn(),
+                                 TextColumn("{task.fields[info]}", table_column=Column(no_wrap=True,
+                                                                                        overflow="ellipsis")),
+                                 console=console, transient=False)
+        self.cells = self.progress.add_task("cells", total=n_cells, info="")
+        self.episodes = self.progress.add_task("episodes", total=n_episodes, info="")
+        self._started = 0.0
+        self._cell_done = 0
+        self._cell_total = 1
+        self._solved = 0
+        self._t0 = time.perf_counter()
+
+    def __enter__(self) -> "_GridProgress":
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.__exit__(*exc)
+
+    def on_cell(self, event: Any) -> None:
+        cell = event.cell
+        if event.kind == "skip":
+            self.progress.update(self.cells, completed=event.done, info="[dim](finished earlier)[/]")
+            self.progress.advance(self.episodes, cell.episode["episodes"])
+            # skipped work must not count into the rate: restart the episodes task's clock
+            self.progress.reset(self.episodes, completed=self.progress.tasks[self.episodes].completed,
+                                info=self.progress.tasks[self.episodes].fields.get("info", ""))
+        elif event.kind == "start":
+            batch = event.cells or [cell]
+            self._cell_done = 0
+            self._cell_total = sum(c.episode["episodes"] for c in batch)
+            more = f" (+{len(batch) - 1} more on the same episodes)" if len(batch) > 1 else ""
+            self.progress.update(self.cells, completed=event.done, info=f"now: {cell.describe(self.keys)}{more}")
+        elif event.kind == "done":
+            # Evaluate may report fewer episodes than it solved (or none): settle the count.
+            rest = self._cell_total - self._cell_done
+            if rest > 0:
+                self.advance(rest)
+            rec = event.record
+            self.progress.update(self.cells, completed=event.done,
+                                 info=f"last: {cell.describe(self.keys)} {100 * rec['mean']:.2f} ± "
+                                      f"{100 * rec['ci95']:.2f} ({rec['seconds']:.1f} s)")
+
+    def advance(self, n: int) -> None:
+        n = min(n, self._cell_total - self._cell_done)
+        if n <= 0:
+            return
+        self._cell_done += n
+        self.progress.advance(self.episodes, n)
+        t = self.progress.tasks[self.episodes]
+        speed = t.speed
+        if speed:
+            self.progress.update(self.episodes, info=f"{speed:,.0f} episodes/s")

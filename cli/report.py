@@ -1,0 +1,110 @@
+"""``poodle report RESULTS...``: tables (rich, Markdown, LaTeX) and figures from grid results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from poodle.cli._common import console, friendly_errors, out as stdout
+
+
+@click.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--rows", default=None, help="Option keys on the rows, e.g. method,beta (default: the varying "
+                                           "keys not on the columns).")
+@click.option("--cols", default=None, help="Option keys on the columns, e.g. shot,transductive (default: "
+                                           "those of shot, transductive that vary).")
+@click.option("--where", multiple=True, metavar="KEY=V[,V...]",
+              help="Keep results whose KEY is one of the values. Repeatable.")
+@click.option("--format", "fmt", type=click.Choice(["rich", "markdown", "latex"]), default="rich",
+              show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the table (or figure: FILE.png and FILE.pdf) here instead of the terminal.")
+@click.option("--bold", type=click.Choice(["col", "row", "none"]), default="col", show_default=True,
+              help="Mark the significantly best entry of each column or row.")
+@click.option("--test", type=click.Choice(["all", "weakest"]), default="all", show_default=True,
+              help="Bold when the best beats every other entry (all) or the weakest one (paired t-test).")
+@click.option("--p", "p_threshold", type=float, default=0.05, show_default=True, help="Significance level.")
+@click.option("--no-ci", is_flag=True, help="Print means only.")
+@click.option("--caption", default=None, help="LaTeX caption.")
+@click.option("--figure", type=click.Choice(["heatmap", "steps", "negatives"]), default=None,
+              help="Draw a figure instead of a table.")
+@click.option("--baseline", default=None,
+              help="heatmap: 'zero' (alpha=beta=0 cell, default) or a method/label (e.g. proto); "
+                   "steps/negatives: a method/label drawn as a dashed line.")
+@click.option("--panels", default=None, help="Figure: keys that split panels (default: the other varying keys "
+                                             "for the heatmap, shot for line figures).")
+@friendly_errors
+def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where: tuple[str, ...], fmt: str,
+           out: Path | None, bold: str, test: str, p_threshold: float, no_ci: bool, caption: str | None,
+           figure: str | None, baseline: str | None, panels: str | None) -> None:
+    """Tables shaped like the paper's (mean ± 95% CI, significant best in bold) and figures."""
+    from poodle import report as R
+
+    res = R.load_results(list(results))
+    res = R.filter_results(res, R.parse_where(where))
+    if figure is not None:
+        from poodle import report_figures as F
+
+        panel_keys = R._split_keys(panels)
+        target = out or results[0].with_name(results[0].name.removesuffix(".jsonl").removesuffix(".results")
+                                             + f".{figure}.png")
+        if figure == "heatmap":
+            paths = F.heatmap(res, target, baseline=baseline or "zero", panels=panel_keys, p_threshold=p_threshold)
+        else:
+            paths = F.lines(res, target, x="steps" if figure == "steps" else "n_neg", panels=panel_keys,
+                            baseline=baseline)
+        console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
+        return
+    table = R.build_table(res, rows, cols, bold=bold, test=test, p_threshold=p_threshold, show_ci=not no_ci)
+    if fmt == "markdown":
+        text = R.to_markdown(table)
+    elif fmt == "latex":
+        text = R.to_latex(table, caption=caption)
+    else:
+        text = None
+    if text is not None:
+        if out is not None:
+            from poodle.utils import atomic_path
+
+            with atomic_path(out) as tmp:
+                tmp.write_text(text)
+            console.print(f"wrote {out}", highlight=False)
+        else:
+            click.echo(text, nl=False)
+        return
+    rich_table = _rich(table)
+    if out is not None:
+        from rich.console import Console
+
+        with open(out, "w") as f:
+            c = Console(file=f, width=200)
+            c.print(rich_table)
+            for note in table.notes:
+                c.print(note, highlight=False)
+        console.print(f"wrote {out}", highlight=False)
+    else:
+        stdout.print(rich_table)
+        for note in table.notes:
+            stdout.print(note, highlight=False, style="dim")
+
+
+def _rich(table):  # type: ignore[no-untyped-def]
+    from rich.table import Table
+    from rich.text import Text
+
+    from poodle.report import key_name
+
+    t = Table(show_lines=False)
+    for k in table.row_keys:
+        t.add_column(key_name(k))
+    for j in range(len(table.cols)):
+        t.add_column(table.col_label(j, sep="\n"), justify="right")
+    for i in range(len(table.rows)):
+        cells = [Text(v) for v in table.row_labels(i)]
+        for j in range(len(table.cols)):
+            e = table.entries.get((i, j))
+            cells.append(Text(table.cell_text(i, j), style="bold green" if e is not None and e.bold else ""))
+        t.add_row(*cells)
+    return t

@@ -1,0 +1,543 @@
+"""Tables from grid results, shaped like the paper's: chosen option keys on the rows and columns,
+mean +- 95% confidence interval, and the best entry of each column in bold when it is significantly
+better than every other entry of the column (paired t-test, p <= 0.05).
+
+Entries of a column are paired when they were solved on identical episodes (same cache, split,
+way, shot, query, imbalance, seed and number of episodes: the grid guarantees identical episodes
+then), so the test is on the per-episode differences. The rule, precisely (``test="all"``):
+
+    best = the entry with the highest mean accuracy in the column;
+    best is bold iff the column has at least two entries, all on identical episodes, and for every
+    other entry j the two-sided paired t-test of (acc_best - acc_j) over episodes has p <= 0.05.
+
+``test="weakest"`` compares the best only with the weakest entry of the column, the rule that the
+captions of the paper's tables ``tab:varying_img_resolution`` and ``tab:varying_finetuning_steps``
+state. No correction for multiple comparisons is made (the paper makes none). Figures live in
+:mod:`poodle.report_figures`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from poodle.errors import ConfigError
+from poodle.grid import read_results, record_flat
+
+# Keys that identify the episodes a result was solved on: equal keys -> identical episodes.
+PAIRING_KEYS = ("cache", "split", "way", "shot", "query", "imbalance", "seed", "episodes")
+
+_PRETTY = {"alpha": ("α", r"$\alpha$"), "beta": ("β", r"$\beta$"), "gamma": ("γ", r"$\gamma$"),
+           "n_neg": ("negatives", "negatives"), "imbalance": ("κ", r"$\kappa$")}
+
+
+@dataclass
+class Result:
+    """One cell of a results file: its options (flat namespace) and per-episode accuracies."""
+
+    flat: dict[str, Any]
+    acc: np.ndarray  # [E] float64 in [0, 1]
+    source: str      # the results file
+    order: int       # position across all loaded files (grid order)
+
+    @property
+    def mean(self) -> float:
+        return float(self.acc.mean())
+
+    @property
+    def ci95(self) -> float:
+        """1.96 * population std / sqrt(n), as the solver's summary and the authors' code."""
+        import torch
+
+        from poodle.evaluate import summarize
+
+        return summarize(torch.from_numpy(self.acc))[1]
+
+    def pairing(self) -> tuple:
+        return tuple(_hashable(self.flat.get(k)) for k in PAIRING_KEYS)
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    return v
+
+
+def load_results(paths: Sequence[str | Path]) -> list[Result]:
+    """Cell results of one or more grid results files, in file and grid order."""
+    if not paths:
+        raise ConfigError("no results file given")
+    out: list[Result] = []
+    for p in paths:
+        solve = _read_solve_json(Path(p))
+        if solve is not None:
+            for flat, acc in solve:
+                out.append(Result(flat, acc, str(p), len(out)))
+            continue
+        _, records = read_results(p)
+        records = sorted(records, key=lambda r: r.get("index", 0))
+        for r in records:
+            out.append(Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), str(p), len(out)))
+    if not out:
+        raise ConfigError(f"{', '.join(map(str, paths))}: no finished cells yet")
+    return out
+
+
+def _read_solve_json(path: Path) -> list[tuple[dict[str, Any], np.ndarray]] | None:
+    """The methods of a ``poodle solve --json`` file as (flat options, accuracies); ``None`` when
+    ``path`` is not one (then it is read as grid results)."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(1) != b"{":
+                return None
+            f.seek(0)
+            obj = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"results file {path} does not exist") from None
+    except ValueError:
+        return None  # JSON Lines (several objects): a grid results file
+    if not isinstance(obj, dict) or obj.get("command") != "solve":
+        return None
+    from poodle import solvers
+    from poodle.evaluate import needs_negatives
+
+    try:
+        cfg, results = obj["config"], obj["results"]
+        out = []
+        for label, r in results.items():
+            info = solvers.get(r["method"]) if r["method"] in solvers.available() else None
+            options = dict(r.get("config") or {})
+            trans = bool(options.get("transductive", False)) if info is None or info.transductive == "optional" \
+                else info.transductive == "always"
+            uses = info is not None and needs_negatives(r["method"], solvers.make_config(r["method"], options))
+            flat = {"label": label, "cache": cfg["cache"], "split": cfg["split"], "way": cfg["way"],
+                    "shot": cfg["shot"], "query": cfg["query"], "imbalance": cfg.get("imbalance"),
+                    "seed": cfg["seed"], "episodes": cfg["episodes"],
+                    "negatives": cfg.get("negatives", "none") if uses else "none",
+                    "n_neg": cfg.get("n_neg") if uses else None, "method": r["method"]}
+            for k, v in options.items():
+                flat.setdefault(k, v)
+            flat["transductive"] = trans
+            out.append((flat, np.asarray(r["acc"], dtype=np.float64)))
+        return out
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{path}: a poodle solve --json file without the expected field {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Filtering and keys
+
+
+def _match(value: Any, text: str) -> bool:
+    if isinstance(value, bool) or text.lower() in ("true", "false"):
+        return str(value).lower() == text.lower()
+    if value is None:
+        return text.lower() in ("none", "null", "")
+    if isinstance(value, (int, float)):
+        try:
+            return float(text) == float(value)
+        except ValueError:
+            return False
+    return str(value) == text
+
+
+def parse_where(items: Iterable[str]) -> dict[str, list[str]]:
+    """``["method=poodle", "shot=1,5"]`` -> ``{"method": ["poodle"], "shot": ["1", "5"]}``."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--where {item!r}: expected KEY=VALUE[,VALUE...]")
+        out.setdefault(key.strip(), []).extend(v.strip() for v in value.split(","))
+    return out
+
+
+def filter_results(results: Sequence[Result], where: Mapping[str, Sequence[str]]) -> list[Result]:
+    """Results whose option ``key`` matches one of the given values, for every key."""
+    known = set().union(*(r.flat for r in results)) if results else set()
+    for key in where:
+        if key not in known:
+            raise ConfigError(f"--where: unknown key {key!r}; keys in these results: {', '.join(sorted(known))}")
+    kept = [r for r in results if all(any(_match(r.flat.get(k), v) for v in vs) for k, vs in where.items())]
+    if not kept:
+        raise ConfigError("--where: no result matches " +
+                          " and ".join(f"{k} in {{{', '.join(v)}}}" for k, v in where.items()))
+    return kept
+
+
+def varying_keys(results: Sequence[Result]) -> list[str]:
+    """Keys whose value differs between results, without keys that split the results exactly like
+    an earlier key (``method`` when it always equals ``label``; ``negatives`` when it only
+    separates methods with and without negatives)."""
+    keys: list[str] = []
+    for r in results:
+        for k in r.flat:
+            if k not in keys:
+                keys.append(k)
+    out: list[str] = []
+    partitions: list[tuple] = []
+    for k in keys:
+        vals = [_hashable(r.flat.get(k)) for r in results]
+        if len(set(vals)) < 2:
+            continue
+        canon = _partition(vals)
+        if canon in partitions:
+            continue
+        partitions.append(canon)
+        out.append(k)
+    return out
+
+
+def drop_derived(results: Sequence[Result], keys: Sequence[str], given: Sequence[str] = ()) -> list[str]:
+    """``keys`` without ``negatives``/``n_neg`` when the other keys (and ``given``) already determine
+    them: cells that consume no negatives (proto, POODLE with beta = 0) record ``negatives = none``,
+    which would otherwise split an alpha x beta grid into a beta = 0 part and the rest."""
+    keys = list(keys)
+    for k in ("n_neg", "negatives"):
+        if k not in keys:
+            continue
+        others = [x for x in keys if x != k] + list(given)
+        seen: dict[tuple, Any] = {}
+        if all(seen.setdefault(tuple(_hashable(r.flat.get(o)) for o in others), _hashable(r.flat.get(k)))
+               == _hashable(r.flat.get(k)) for r in results):
+            keys.remove(k)
+    return keys
+
+
+def _partition(vals: Sequence[Any]) -> tuple:
+    first: dict[Any, int] = {}
+    return tuple(first.setdefault(v, len(first)) for v in vals)
+
+
+def _value_order(results: Sequence[Result], key: str) -> dict[Any, tuple]:
+    """Sort order for the values of ``key``: None first, booleans False-then-True, numbers
+    ascending, strings in order of first appearance."""
+    order: dict[Any, tuple] = {}
+    for r in results:
+        v = _hashable(r.flat.get(key))
+        if v in order:
+            continue
+        if v is None or v == "none":
+            order[v] = (0, 0)  # "negatives = none" (no fine-tuning baselines) first, like "w/o OOD"
+        elif isinstance(v, bool):
+            order[v] = (1, int(v))
+        elif isinstance(v, (int, float)):
+            order[v] = (2, float(v))
+        else:
+            order[v] = (3, len(order))
+    return order
+
+
+def format_value(key: str, v: Any, latex: bool = False) -> str:
+    """How an option value reads in a table header: ``1-shot``, ``inductive``, ``κ=0.5``."""
+    if key == "shot":
+        return f"{v}-shot"
+    if key == "way":
+        return f"{v}-way"
+    if key == "transductive":
+        return "transductive" if v else "inductive"
+    if key == "imbalance":
+        return "balanced" if v is None else (rf"$\kappa={_num(v)}$" if latex else f"κ={_num(v)}")
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if v is None:
+        return "–" if not latex else "--"
+    if isinstance(v, float):
+        return _num(v)
+    text = str(v)
+    return _latex_escape(text) if latex else text
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def key_name(key: str, latex: bool = False) -> str:
+    if key in _PRETTY:
+        return _PRETTY[key][1 if latex else 0]
+    return _latex_escape(key) if latex else key
+
+
+def _where_text(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "none" if v is None else _num(v)
+
+
+def _latex_escape(text: str) -> str:
+    for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("$", r"\$"), ("#", r"\#"),
+                 ("_", r"\_"), ("{", r"\{"), ("}", r"\}"), ("~", r"\textasciitilde{}"), ("^", r"\^{}")):
+        text = text.replace(a, b)
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+
+
+def paired_ttest(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """Two-sided paired t-test of ``a - b`` (both ``[E]``, same episodes): ``(t, p)``.
+
+    t = mean(d) / (std(d, ddof=1) / sqrt(E)), p = 2 * P(T_{E-1} > |t|). Identical inputs give
+    ``(0, 1)``; a constant non-zero difference gives ``(+-inf, 0)``.
+    """
+    from scipy import stats
+
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ConfigError(f"paired t-test needs two equal-length vectors, got {a.shape} and {b.shape}")
+    n = a.shape[0]
+    if n < 2:
+        return float("nan"), 1.0
+    d = a - b
+    mean = d.mean()
+    sd = d.std(ddof=1)
+    if sd == 0:
+        return (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
+    t = mean / (sd / math.sqrt(n))
+    return float(t), float(2 * stats.t.sf(abs(t), n - 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+@dataclass
+class Entry:
+    result: Result
+    bold: bool = False
+
+
+@dataclass
+class Table:
+    """A results table: ``rows`` x ``cols`` option-value tuples and the entry at each crossing.
+
+    Attributes:
+        row_keys, col_keys: the option keys on each axis.
+        rows, cols: the value tuples, in display order.
+        entries: ``(row index, col index) -> Entry``.
+        notes: remarks to print under the table (unpaired columns, the significance rule).
+    """
+
+    row_keys: list[str]
+    col_keys: list[str]
+    rows: list[tuple]
+    cols: list[tuple]
+    entries: dict[tuple[int, int], Entry]
+    notes: list[str] = field(default_factory=list)
+    show_ci: bool = True
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.rows), len(self.cols)
+
+    def cell_text(self, i: int, j: int, latex: bool = False) -> str:
+        e = self.entries.get((i, j))
+        if e is None:
+            return "--" if latex else "–"
+        m, c = 100 * e.result.mean, 100 * e.result.ci95
+        if latex:
+            body = rf"{m:.2f} \pm {c:.2f}" if self.show_ci else f"{m:.2f}"
+            return rf"$\mathbf{{{body}}}$" if e.bold else f"${body}$"
+        body = f"{m:.2f} ± {c:.2f}" if self.show_ci else f"{m:.2f}"
+        return body
+
+    def col_label(self, j: int, latex: bool = False, sep: str = ", ") -> str:
+        return sep.join(format_value(k, v, latex) for k, v in zip(self.col_keys, self.cols[j])) or "accuracy"
+
+    def row_labels(self, i: int, latex: bool = False) -> list[str]:
+        return [format_value(k, v, latex) for k, v in zip(self.row_keys, self.rows[i])]
+
+
+def _split_keys(text: str | Sequence[str] | None) -> list[str] | None:
+    if text is None:
+        return None
+    if isinstance(text, str):
+        return [k.strip() for k in text.split(",") if k.strip()]
+    return list(text)
+
+
+def build_table(results: Sequence[Result], rows: str | Sequence[str] | None = None,
+                cols: str | Sequence[str] | None = None, *, bold: str = "col", test: str = "all",
+                p_threshold: float = 0.05, show_ci: bool = True) -> Table:
+    """Arrange results into a table (see the module docstring for the bold rule).
+
+    Args:
+        results: from :func:`load_results` (filtered as wanted).
+        rows, cols: option keys (``"method,beta"`` or a list). Defaults: ``cols`` = those of
+            shot/transductive that vary, ``rows`` = the other varying keys.
+        bold: ``"col"`` (best of each column), ``"row"`` (best of each row) or ``"none"``.
+        test: ``"all"`` (best vs every other entry) or ``"weakest"`` (best vs the weakest).
+        p_threshold: significance level of the two-sided paired t-test.
+
+    Raises:
+        ConfigError: an unknown key, or two results that fall on the same row and column (the
+            message names the keys that tell them apart).
+    """
+    if bold not in ("col", "row", "none"):
+        raise ConfigError(f"--bold {bold!r}: use col, row or none")
+    if test not in ("all", "weakest"):
+        raise ConfigError(f"--test {test!r}: use all or weakest")
+    results = list(results)
+    known: list[str] = []
+    for r in results:
+        known += [k for k in r.flat if k not in known]
+    vary = varying_keys(results)
+    row_keys, col_keys = _split_keys(rows), _split_keys(cols)
+    for k in (row_keys or []) + (col_keys or []):
+        if k not in known:
+            raise ConfigError(f"unknown key {k!r} for --rows/--cols; keys in these results: {', '.join(known)}")
+    if col_keys is None:
+        col_keys = [k for k in ("shot", "transductive") if k in vary and k not in (row_keys or [])]
+    if row_keys is None:
+        row_keys = drop_derived(results, [k for k in vary if k not in col_keys], col_keys)
+    overlap = set(row_keys) & set(col_keys)
+    if overlap:
+        raise ConfigError(f"key {sorted(overlap)[0]!r} is on both --rows and --cols")
+
+    orders = {k: _value_order(results, k) for k in row_keys + col_keys}
+
+    def tup(r: Result, keys: list[str]) -> tuple:
+        return tuple(_hashable(r.flat.get(k)) for k in keys)
+
+    def sort_key(t: tuple, keys: list[str]) -> tuple:
+        return tuple(orders[k][v] for k, v in zip(keys, t))
+
+    row_vals = sorted({tup(r, row_keys) for r in results}, key=lambda t: sort_key(t, row_keys))
+    col_vals = sorted({tup(r, col_keys) for r in results}, key=lambda t: sort_key(t, col_keys))
+    ri = {t: i for i, t in enumerate(row_vals)}
+    ci = {t: j for j, t in enumerate(col_vals)}
+    groups: dict[tuple[int, int], list[Result]] = {}
+    for r in results:
+        groups.setdefault((ri[tup(r, row_keys)], ci[tup(r, col_keys)]), []).append(r)
+    entries: dict[tuple[int, int], Entry] = {}
+    for pos, group in groups.items():
+        if len(group) > 1:
+            differ = [k for k in known if len({_hashable(r.flat.get(k)) for r in group}) > 1]
+            where = ", ".join(f"{k}={format_value(k, v)}" for k, v in
+                              zip(row_keys + col_keys, row_vals[pos[0]] + col_vals[pos[1]])) or "the table"
+            if not differ:
+                raise ConfigError(f"{len(group)} results with identical options at {where} (from "
+                                  f"{', '.join(sorted({r.source for r in group}))}); report one file or filter "
+                                  f"with --where")
+            k0 = differ[0]
+            raise ConfigError(f"several results fall at {where}: they differ in {', '.join(differ)}; add "
+                              f"{k0} to --rows or --cols, or pick one with --where "
+                              f"{k0}={_where_text(group[0].flat.get(k0))}")
+        entries[pos] = Entry(group[0])
+    table = Table(row_keys, col_keys, row_vals, col_vals, entries, show_ci=show_ci)
+    if bold != "none":
+        _mark_significance(table, bold, test, p_threshold)
+    return table
+
+
+def significant_best(results: Sequence[Result], test: str = "all", p_threshold: float = 0.05
+                     ) -> tuple[int | None, str | None]:
+    """Index of the entry to bold among ``results`` (one column), or ``None`` and why not."""
+    if len(results) < 2:
+        return None, None
+    if len({r.pairing() for r in results}) > 1 or len({len(r.acc) for r in results}) > 1:
+        return None, "unpaired"
+    means = [r.mean for r in results]
+    best = int(np.argmax(means))
+    others = [j for j in range(len(results)) if j != best]
+    if test == "weakest":
+        others = [int(np.argmin(means))]
+    for j in others:
+        _, p = paired_ttest(results[best].acc, results[j].acc)
+        if not p <= p_threshold:
+            return None, None
+    return best, None
+
+
+def _mark_significance(table: Table, bold: str, test: str, p_threshold: float) -> None:
+    n_rows, n_cols = table.shape
+    groups = ([[(i, j) for i in range(n_rows)] for j in range(n_cols)] if bold == "col"
+              else [[(i, j) for j in range(n_cols)] for i in range(n_rows)])
+    unpaired = []
+    for g, positions in enumerate(groups):
+        present = [p for p in positions if p in table.entries]
+        best, why = significant_best([table.entries[p].result for p in present], test, p_threshold)
+        if best is not None:
+            table.entries[present[best]].bold = True
+        if why == "unpaired":
+            unpaired.append(table.col_label(g) if bold == "col" else ", ".join(table.row_labels(g)))
+    axis = "column" if bold == "col" else "row"
+    versus = "every other entry" if test == "all" else "the weakest entry"
+    table.notes.append(f"Accuracy (%) mean ± 95% CI over episodes. Bold: best of its {axis}, better than "
+                       f"{versus} of the {axis} by a two-sided paired t-test over episodes, p ≤ {p_threshold:g}.")
+    if unpaired:
+        table.notes.append(f"Not tested (entries not on identical episodes): {'; '.join(unpaired)}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Output formats
+
+
+def to_markdown(table: Table) -> str:
+    """A GitHub-flavoured Markdown table (one header row; column keys joined by ", ")."""
+    head = [key_name(k) for k in table.row_keys] + [table.col_label(j) for j in range(len(table.cols))]
+    lines = ["| " + " | ".join(head) + " |",
+             "|" + "|".join([":--"] * len(table.row_keys) + ["--:"] * len(table.cols)) + "|"]
+    for i in range(len(table.rows)):
+        cells = table.row_labels(i)
+        for j in range(len(table.cols)):
+            text = table.cell_text(i, j)
+            e = table.entries.get((i, j))
+            cells.append(f"**{text}**" if e is not None and e.bold else text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in table.notes)
+
+
+def to_latex(table: Table, caption: str | None = None, label: str | None = None) -> str:
+    """A booktabs ``tabular`` with one header row per column key (equal neighbours merged with
+    ``\\multicolumn`` as in the paper's tables); entries as ``$mean \\pm ci$``, bold via ``\\mathbf``."""
+    nr, nc = len(table.row_keys), len(table.cols)
+    spec = "l" * nr + "c" * nc
+    out = [r"\begin{table}[t]", r"\centering"]
+    if caption:
+        out.append(rf"\caption{{{caption}}}")
+    out += [rf"\begin{{tabular}}{{{spec}}}", r"\toprule"]
+    for level, key in enumerate(table.col_keys):
+        cells = [""] * nr
+        if level == len(table.col_keys) - 1:
+            cells = [key_name(k, True) for k in table.row_keys]
+        rules = []
+        j = 0
+        while j < nc:
+            k = j
+            prefix = table.cols[j][: level + 1]
+            while k + 1 < nc and table.cols[k + 1][: level + 1] == prefix:
+                k += 1
+            text = format_value(key, table.cols[j][level], True)
+            span = k - j + 1
+            cells.append(text if span == 1 else rf"\multicolumn{{{span}}}{{c}}{{{text}}}")
+            if level < len(table.col_keys) - 1:
+                rules.append(rf"\cmidrule(lr){{{nr + j + 1}-{nr + k + 1}}}")
+            j = k + 1
+        out.append(" & ".join(cells) + r" \\")
+        if rules:
+            out.append(" ".join(rules))
+    if not table.col_keys:
+        out.append(" & ".join([key_name(k, True) for k in table.row_keys] + ["accuracy"]) + r" \\")
+    out.append(r"\midrule")
+    for i in range(len(table.rows)):
+        cells = table.row_labels(i, latex=True) + [table.cell_text(i, j, latex=True) for j in range(nc)]
+        out.append(" & ".join(cells) + r" \\")
+    out += [r"\bottomrule", r"\end{tabular}"]
+    if label:
+        out.append(rf"\label{{{label}}}")
+    out.append(r"\end{table}")
+    notes = "".join(f"% {n}\n" for n in table.notes)
+    return notes + "\n".join(out) + "\n"

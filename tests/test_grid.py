@@ -1,0 +1,282 @@
+"""Ablation grids: expansion, pairing, resume after interruption, results-file identity, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from poodle import grid as G
+from poodle.errors import ConfigError
+
+N_EP = 12
+
+
+@pytest.fixture
+def cache(tmp_path, make_features):
+    from poodle.cache import write_arrays
+
+    x, y = make_features(10, 24, 16, seed=3, spread=0.9)
+    xb, yb = make_features(8, 20, 16, seed=4, spread=0.9)
+    path = tmp_path / "feat.h5"
+    write_arrays(path, {"test": (x, y, [f"t{i}" for i in range(10)]),
+                        "train": (xb, yb, [f"b{i}" for i in range(8)])})
+    return path
+
+
+def _grid(tmp_path: Path, body: str, name: str = "g.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(f'cache = "feat.h5"\n{body}')
+    return p
+
+
+SMALL = f"""
+[episodes]
+shot = [1, 5]
+query = 5
+episodes = {N_EP}
+[negatives]
+n_neg = 20
+[solver]
+method = ["proto", "poodle"]
+alpha = [0.0, 1.0]
+beta = [0.0, 0.5]
+steps = 3
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Expansion
+
+
+def test_product_skips_options_a_method_lacks_and_adds_explicit_cells(tmp_path, cache):
+    p = _grid(tmp_path, SMALL + """
+transductive = [false, true]
+
+[[cell]]
+label = "CE"
+alpha = 0.0
+beta = 0.0
+steps = [1, 2]
+
+[[cell]]
+method = "proto"
+shot = 10
+""")
+    cells = G.expand(G.load_grid(p))
+    proto = [c for c in cells if c.method == "proto"]
+    poodle = [c for c in cells if c.method == "poodle" and c.label == "poodle"]
+    ce = [c for c in cells if c.label == "CE"]
+    # proto has no alpha/beta/steps/negatives and is inductive only: one cell per shot, not 2*2*2.
+    assert sorted(c.episode["shot"] for c in proto) == [1, 5, 10]
+    assert all(not c.transductive and c.negatives == "none" and c.n_neg is None for c in proto)
+    assert all("alpha" not in c.options for c in proto)
+    assert len(poodle) == 2 * 2 * 2 * 2                  # shot x alpha x beta x transductive
+    assert {(c.options["alpha"], c.options["beta"], c.transductive) for c in poodle} == {
+        (a, b, t) for a in (0.0, 1.0) for b in (0.0, 0.5) for t in (False, True)}
+    assert all(c.episode["query"] == 5 for c in poodle)
+    # POODLE with beta = 0 consumes no negatives: recorded as such (and n_neg lists would not
+    # multiply it); with beta > 0 it uses the grid's negatives.
+    assert all((c.negatives, c.n_neg) == (("base", 20) if c.options["beta"] else ("none", None)) for c in poodle)
+    # The explicit CE cell inherits method = [proto, poodle]: only poodle has alpha, so only poodle
+    # cells, over the inherited shot and transductive lists and its own steps list.
+    assert len(ce) == 2 * 2 * 2 and {c.method for c in ce} == {"poodle"}
+    assert {c.options["steps"] for c in ce} == {1, 2}
+    assert len(cells) == len(proto) + len(poodle) + len(ce)
+    assert [c.index for c in cells] == list(range(len(cells)))
+    assert len({c.key for c in cells}) == len(cells)
+
+
+def test_grid_hash_ignores_formatting_but_not_cells(tmp_path, cache):
+    a = G.expand(G.load_grid(_grid(tmp_path, SMALL, "a.toml")))
+    b_text = SMALL.replace("alpha = [0.0, 1.0]", "alpha = [1, 0]   # same values, other order")
+    b = G.expand(G.load_grid(_grid(tmp_path, b_text, "b.toml")))
+    c = G.expand(G.load_grid(_grid(tmp_path, SMALL.replace("beta = [0.0, 0.5]", "beta = [0.0, 0.75]"), "c.toml")))
+    assert G.grid_hash(a) == G.grid_hash(b) != G.grid_hash(c)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("body, message", [
+    ("[solver]\nmethod = 'poodle'\nalpah = [1.0]\n",
+     r"unknown option 'alpah' for method poodle; known options: cache, split.*solver options: .*alpha.*beta"),
+    ("[solver]\nmethod = 'proto'\nbeta = 0.5\n",
+     r"unknown option 'beta' for method proto \(it is an option of .*poodle"),
+    ("[solver]\nalpha = ['abc']\n", r"option 'alpha' of method 'poodle' expects a float, got 'abc'"),
+    ("[solver]\nsteps = 2.5\n", r"option 'steps' of method 'poodle' expects a int, got 2.5"),
+    ("[episodes]\nshot = [1, 'five']\n", r"option 'shot' expects an integer, got 'five'"),
+    ("[episodes]\nimbalance = -1\n", r"option 'imbalance' expects a Dirichlet concentration > 0"),
+    ("[episodes]\nway = true\n", r"option 'way' expects an integer, got True"),
+    ("[solver]\nmethod = 'nope'\n", r"unknown method 'nope'; known methods: .*poodle"),
+    ("[solvers]\nalpha = 1\n", r"unknown section \[solvers\]"),
+    ("[[cell]]\nmethod = 'proto'\ntransductive = true\n", r"'proto' is inductive only"),
+    ("[[cell]]\nmethod = 'proto'\nalpha = 1.0\n", r"\[\[cell\]\] #1: unknown option 'alpha' for method proto"),
+    ("[episodes]\nshot = 1\n[solver]\nshot = 5\n", r"option 'shot' is given twice"),
+    ("alpha = [\n", r"not valid TOML"),
+])
+def test_bad_grid_files_give_one_line_errors(tmp_path, body, message):
+    p = _grid(tmp_path, body)
+    with pytest.raises(ConfigError, match=message) as e:
+        G.expand(G.load_grid(p))
+    assert "\n" not in str(e.value)
+    assert str(p) in str(e.value)
+
+
+def test_missing_cache_is_an_error(tmp_path):
+    p = tmp_path / "nocache.toml"
+    p.write_text("[solver]\nalpha = 1.0\n")
+    with pytest.raises(ConfigError, match="no cache given"):
+        G.load_grid(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running: read once, pairing, resume
+
+
+def _records(path: Path) -> dict[str, dict]:
+    return {r["key"]: r for r in G.read_results(path)[1]}
+
+
+def test_cache_read_once_episodes_sampled_once_per_setting_and_cells_paired(tmp_path, cache, monkeypatch):
+    import poodle.cache as cache_mod
+    import poodle.episodes as episodes_mod
+    import poodle.evaluate as evaluate_mod
+
+    reads, samples, episode_sets, negative_draws = [], [], {}, {}
+    real_read, real_sample, real_eval = cache_mod.read_split, episodes_mod.sample_episodes, evaluate_mod.evaluate
+    monkeypatch.setattr(cache_mod, "read_split", lambda *a, **k: reads.append(a[1]) or real_read(*a, **k))
+    monkeypatch.setattr(episodes_mod, "sample_episodes",
+                        lambda *a, **k: samples.append(a[1]) or real_sample(*a, **k))
+
+    def spy(features, episodes, methods, **kw):
+        # the same support/query index tensors (negative indices may be attached to a copy)
+        episode_sets.setdefault(episodes.spec.shot, set()).add((id(episodes.support), id(episodes.query)))
+        if kw.get("negatives") is not None:
+            negative_draws.setdefault((episodes.spec.shot, kw["negatives"]), set()).add(
+                None if episodes.negatives is None else id(episodes.negatives))
+        return real_eval(features, episodes, methods, **kw)
+
+    monkeypatch.setattr(evaluate_mod, "evaluate", spy)
+    p = _grid(tmp_path, SMALL + """
+[[cell]]
+label = "twin-a"
+method = "poodle"
+alpha = 1.0
+beta = 0.5
+[[cell]]
+label = "twin-b"
+method = "poodle"
+alpha = 1.0
+beta = 0.5
+""")
+    run = G.run_grid(G.load_grid(p), tmp_path / "r.jsonl", device="cpu")
+    assert run.computed == len(run.records) == 2 * (1 + 4 + 2)
+    assert reads.count("test") == 1                          # one cache, one split: read once
+    assert sorted(s.shot for s in samples) == [1, 5]         # one episode set per setting
+    assert all(len(ids) == 1 for ids in episode_sets.values())  # every cell got that same set
+    assert all(len(ids) == 1 for ids in negative_draws.values())  # and the same negatives, drawn once
+    by = {(r["label"], r["episode"]["shot"]): r for r in run.records}
+    for shot in (1, 5):
+        # Two cells with the same options: identical per-episode accuracies (same episodes and
+        # negatives), differing labels only.
+        assert by[("twin-a", shot)]["acc"] == by[("twin-b", shot)]["acc"]
+        assert len(by[("twin-a", shot)]["acc"]) == N_EP
+    rec = by[("proto", 1)]
+    assert rec["n"] == N_EP and 0.0 <= rec["mean"] <= 1.0 and rec["seconds"] >= 0
+    assert rec["mean"] == pytest.approx(sum(rec["acc"]) / N_EP)
+
+
+def test_interrupted_grid_resumes_and_matches_an_uninterrupted_run(tmp_path, cache):
+    spec = G.load_grid(_grid(tmp_path, SMALL))
+    full = G.run_grid(spec, tmp_path / "full.jsonl", device="cpu")
+    out = tmp_path / "part.jsonl"
+    k = 3
+
+    def crash_after_k(event):
+        if event.kind == "done" and event.done == k:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        G.run_grid(spec, out, device="cpu", on_cell=crash_after_k, cells_per_call=1)
+    assert len(_records(out)) == k
+    # A crash in the middle of writing a line leaves a truncated last line: tolerated, cut off.
+    with open(out, "ab") as f:
+        f.write(b'{"kind":"cell","key":"0123","acc":[0.5,')
+    started = []
+    rest = G.run_grid(spec, out, device="cpu",
+                      on_cell=lambda e: started.append(e.cell.key) if e.kind == "done" else None)
+    assert rest.computed == len(started) == len(full.records) - k and rest.skipped == k
+    assert out.read_bytes().endswith(b"\n")
+    assert {key: r["acc"] for key, r in _records(out).items()} == \
+           {key: r["acc"] for key, r in _records(full.path).items()}
+    # A third run has nothing to do.
+    assert G.run_grid(spec, out, device="cpu").computed == 0
+
+
+def test_results_of_another_grid_are_refused_and_force_recomputes(tmp_path, cache):
+    out = tmp_path / "r.jsonl"
+    G.run_grid(G.load_grid(_grid(tmp_path, SMALL)), out, device="cpu")
+    other = G.load_grid(_grid(tmp_path, SMALL.replace("steps = 3", "steps = 2"), "other.toml"))
+    with pytest.raises(ConfigError, match=r"r.jsonl holds results of another grid .*--force"):
+        G.run_grid(other, out, device="cpu")
+    run = G.run_grid(other, out, device="cpu", force=True)
+    assert run.computed == len(run.records)
+    header, records = G.read_results(out)
+    assert header["grid_hash"] == G.grid_hash(G.expand(other)) and len(records) == run.computed
+    assert {r["options"]["steps"] for r in records if r["method"] == "poodle"} == {2}
+
+
+def test_changed_cache_is_detected(tmp_path, cache, make_features):
+    from poodle.cache import write_arrays
+
+    spec = G.load_grid(_grid(tmp_path, SMALL.replace("shot = [1, 5]", "shot = 1")))
+    out = tmp_path / "r.jsonl"
+    G.run_grid(spec, out, device="cpu")
+    x, y = make_features(10, 24, 16, seed=99)
+    xb, yb = make_features(8, 20, 16, seed=98)
+    write_arrays(cache, {"test": (x, y, [f"t{i}" for i in range(10)]), "train": (xb, yb, [f"b{i}" for i in range(8)])})
+    with pytest.raises(ConfigError, match=r"cache 'feat.h5' changed since .*--force"):
+        G.run_grid(spec, out, device="cpu")
+
+
+def test_damaged_results_file_names_the_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps({"format": G.RESULTS_FORMAT, "version": 1, "kind": "header"}) + "\nnot json\n{}\n")
+    with pytest.raises(ConfigError, match="line 2 is not valid JSON"):
+        G.read_results(p)
+    q = tmp_path / "foreign.jsonl"
+    q.write_text('{"hello": 1}\n')
+    with pytest.raises(ConfigError, match="not a poodle grid results file"):
+        G.read_results(q)
+
+
+def test_cli_grid_then_report(tmp_path, cache):
+    from click.testing import CliRunner
+
+    from poodle.cli.grid import grid
+    from poodle.cli.report import report
+
+    p = _grid(tmp_path, SMALL)
+    runner = CliRunner()
+    res = runner.invoke(grid, [str(p), "--device", "cpu", "--set", "shot=1", "--set", "beta=[0.0]"])
+    assert res.exit_code == 0, res.output
+    out = G.default_results_path(p)
+    assert len(_records(out)) == 1 + 2
+    res = runner.invoke(report, [str(out), "--rows", "method,alpha", "--format", "markdown"])
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("|")]
+    assert len(lines) == 2 + 3 and lines[0].count("|") == 4
+    res = runner.invoke(grid, [str(p), "--device", "cpu", "--set", "alpah=1"])
+    assert res.exit_code == 1 and "error: " in res.output and "alpah" in res.output
+
+
+@pytest.mark.parametrize("name, n_cells", [("alpha_beta", 7 * 7 * 2 * 2 + 2), ("negatives", 4 * 2 * 2 + 2),
+                                           ("steps", 4 * 2 * 2 + 4 * 2 + 2), ("ood_domains", 4 * 5 + 4),
+                                           ("stopgrad", 2 ** 5 + 2), ("imbalance", 2 * 4 * 4 + 3 * 2 * 4)])
+def test_shipped_examples_expand(name, n_cells):
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.toml"
+    cells = G.expand(G.load_grid(path))
+    assert len(cells) == n_cells
