@@ -124,14 +124,16 @@ def _versions() -> dict[str, str]:
 @click.option("--episodes-from", type=click.Path(dir_okay=False), help="Solve the episodes of this file.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--max-memory", default="2GiB", show_default=True, type=SizeType(),
-              help="Bound on a chunk's working set (sets the chunk size).")
+              help="Bound on the working set of the chunks in flight (sets the chunk size).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="CPU: chunks solved at once, each single-threaded [default: torch's thread count].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write everything to this JSON file.")
 @click.pass_context
 @friendly_errors
 def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, way, shot, query, episodes,
           seed, methods, transductive, alpha, beta, steps, lr, label_smoothing, no_stopgrad_pull,
           no_stopgrad_push, preset, sets, negatives, n_neg, imbalance, save_episodes, episodes_from, device,
-          max_memory, json_path) -> None:
+          max_memory, workers, json_path) -> None:
     """Sample episodes from a feature cache and solve them all at once."""
     from poodle import solvers
     from poodle.cache import read_split
@@ -193,7 +195,7 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
     t0 = time.perf_counter()
     with progress_bar("solving", total=len(eps), unit="episodes") as advance:
         accs = evaluate(features, eps, configs, negatives=neg_spec if users else None, cache_path=path,
-                        device=dev, max_memory=max_memory, progress=advance, stats=stats)
+                        device=dev, max_memory=max_memory, progress=advance, stats=stats, workers=workers)
     solve_s = time.perf_counter() - t0
 
     from rich import box
@@ -229,7 +231,7 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
                        "query": spec.query, "imbalance": spec.imbalance, "seed": spec.seed, "episodes": len(eps),
                        "episodes_from": episodes_from, "negatives": neg_spec.source if users else "none",
                        "n_neg": neg_spec.n_neg if users else 0, "device": str(dev), "max_memory": max_memory,
-                       "chunk_size": stats["chunk_size"], "methods": methods,
+                       "chunk_size": stats["chunk_size"], "workers": stats["workers"], "methods": methods,
                        "options": {m: {k: v for k, v in per[m].items()} for m in methods}},
             "results": results,
             "summary": {label: {"mean_pct": r["mean_pct"], "ci95_pct": r["ci95_pct"]} for label, r in results.items()},

@@ -10,9 +10,11 @@ depends on the chunk, not on the number of episodes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from typing import Any, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -29,6 +31,20 @@ from poodle.utils import parse_size, resolve_device
 CPU_CHUNK_BYTES = 8 * 2**20
 # Upper bound on a chunk on GPU: beyond a few thousand episodes nothing is gained.
 GPU_MAX_CHUNK = 4096
+
+
+@contextlib.contextmanager
+def _single_threaded_ops(active: bool) -> Iterator[None]:
+    """Run torch operations single-threaded inside the block (process-wide, restored after)."""
+    if not active:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def needs_negatives(name: str, cfg: Any) -> bool:
@@ -102,7 +118,7 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
              negatives: NegativeSpec | None = None, cache_path: Any = None, device: str | torch.device = "auto",
              max_memory: str | int = "2GiB", progress: Callable[[int], None] | None = None,
              chunk_size: int | None = None, dtype: torch.dtype = torch.float32,
-             stats: dict | None = None) -> dict[str, Tensor]:
+             workers: int | None = None, stats: dict | None = None) -> dict[str, Tensor]:
     """Per-episode accuracies of every method on ``episodes``.
 
     Args:
@@ -116,6 +132,10 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
         progress: called with the number of episodes just solved (all methods).
         chunk_size: episodes per chunk, overriding the automatic choice (tests, benchmarks).
         dtype: the solvers' float type (float64 for references).
+        workers: chunks solved at once (CPU only; default: torch's thread count). Each worker
+            solves whole chunks with single-threaded operations: a solver step is a few small
+            operations, and splitting each of them across cores costs more in synchronisation than
+            it gains (under any other load on the machine, far more). Results do not depend on it.
         stats: if given, filled with ``chunk_size``, ``n_chunks``, ``device``, ``seconds`` per label.
 
     Returns:
@@ -153,13 +173,19 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
     E = len(episodes)
     Ns, Nq = episodes.support.shape[1], episodes.query.shape[1]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    chunk = chunk_size or choose_chunk(Ns + Nq + M, D, spec.way, dev, budget, itemsize)
+    if dev.type != "cpu":
+        workers = 1
+    elif workers is None:
+        workers = torch.get_num_threads()
+    if workers < 1:
+        raise ConfigError(f"workers must be at least 1, got {workers}")
+    # each worker holds one chunk: the memory bound is shared between them
+    chunk = chunk_size or choose_chunk(Ns + Nq + M, D, spec.way, dev, max(1, budget // workers), itemsize)
     chunk = max(1, min(int(chunk), E))
     results = {label: torch.empty(E, dtype=torch.float64) for label, _, _ in methods}
     seconds = {label: 0.0 for label, _, _ in methods}
 
-    for a in range(0, E, chunk):
-        b = min(E, a + chunk)
+    def solve_chunk(a: int, b: int) -> dict[str, tuple[Tensor, float]]:
         sup = feats[episodes.support[a:b]].to(device=dev, dtype=dtype)
         qry = feats[episodes.query[a:b]].to(device=dev, dtype=dtype)
         neg = None
@@ -168,23 +194,44 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
                 neg = pool[neg_idx[a:b]].to(device=dev, dtype=dtype)
             else:
                 neg = generate(neg_spec.source, episodes.index[a:b], M, D, spec.seed).to(device=dev, dtype=dtype)
-        batch = EpisodeBatch(sup, episodes.support_labels[a:b].to(dev), qry, neg, spec.way)
+        sup_labels = episodes.support_labels[a:b].to(dev)
         qlab = episodes.query_labels[a:b].to(dev)
+        done: dict[str, tuple[Tensor, float]] = {}
         for label, name, cfg in methods:
             t0 = time.perf_counter()
-            info = solvers.get(name)
-            b_in = batch if needs_negatives(name, cfg) else EpisodeBatch(sup, batch.support_labels, qry, None, spec.way)
-            out = info.fn(b_in, cfg)
-            correct = (out.log_probs.argmax(-1) == qlab).to(torch.float64).mean(1)
-            results[label][a:b] = correct.cpu()
+            b_in = EpisodeBatch(sup, sup_labels, qry, neg if needs_negatives(name, cfg) else None, spec.way)
+            out = solvers.get(name).fn(b_in, cfg)
+            correct = (out.log_probs.argmax(-1) == qlab).to(torch.float64).mean(1).cpu()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            seconds[label] += time.perf_counter() - t0
-        if progress is not None:
-            progress(b - a)
+            done[label] = (correct, time.perf_counter() - t0)
+        return done
+
+    bounds = [(a, min(E, a + chunk)) for a in range(0, E, chunk)]
+    n_workers = min(workers, len(bounds))
+    with _single_threaded_ops(n_workers > 1):
+        if n_workers > 1:
+            pool_ex = ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="poodle-chunk")
+            jobs = {pool_ex.submit(solve_chunk, a, b): (a, b) for a, b in bounds}
+            finished = as_completed(jobs)
+        else:
+            pool_ex = None
+            finished = ((a, b) for a, b in bounds)
+        try:
+            for item in finished:
+                a, b = jobs[item] if pool_ex is not None else item
+                done = item.result() if pool_ex is not None else solve_chunk(a, b)
+                for label, (correct, secs) in done.items():
+                    results[label][a:b] = correct
+                    seconds[label] += secs
+                if progress is not None:
+                    progress(b - a)
+        finally:
+            if pool_ex is not None:
+                pool_ex.shutdown(wait=True, cancel_futures=True)
     if stats is not None:
-        stats.update(chunk_size=chunk, n_chunks=math.ceil(E / chunk), device=str(dev), seconds=seconds,
-                     n_neg=M if users else 0)
+        stats.update(chunk_size=chunk, n_chunks=len(bounds), device=str(dev), seconds=seconds,
+                     n_neg=M if users else 0, workers=n_workers)
     return results
 
 

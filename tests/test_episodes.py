@@ -184,6 +184,22 @@ def test_evaluate_identical_for_any_chunk_size(cache):
     assert torch.equal(auto["p"], runs[0]["p"])
 
 
+def test_evaluate_identical_for_any_number_of_workers(cache):
+    test = read_split(cache, "test")
+    eps = sample_episodes(test.labels, EpisodeSpec(way=5, shot=1, query=5, seed=3), 13)
+    methods = [("po", "poodle", {"steps": 15, "transductive": True})]
+    stats: list[dict] = [{}, {}, {}]
+    runs = [evaluate(test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=2,
+                     workers=w, stats=st) for w, st in zip((1, 2, 3), stats)]
+    assert [st["workers"] for st in stats] == [1, 2, 3]
+    assert torch.equal(runs[1]["po"], runs[0]["po"]) and torch.equal(runs[2]["po"], runs[0]["po"])
+    before = torch.get_num_threads()
+    evaluate(test, eps[:4], methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=1, workers=2)
+    assert torch.get_num_threads() == before                             # the thread setting is restored
+    with pytest.raises(ConfigError, match="workers must be at least 1"):
+        evaluate(test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, workers=0)
+
+
 @pytest.mark.parametrize("source", ["random", "sphere", "OTHER:pool"])
 def test_evaluate_negative_sources(cache, source):
     test = read_split(cache, "test")
