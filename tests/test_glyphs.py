@@ -1,0 +1,197 @@
+"""The embedded glyphs dataset: classes, rendering, generation, the cache folder and its manifest.
+
+A reduced configuration keeps this fast: five alphabets (three train scripts for the look-alike
+check, one val, one test), a few classes per alphabet and a few instances per class.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from poodle.data import glyphs as g
+from poodle.data._glyph_fonts import ALPHABETS, CM_FACES, EXCLUDED_FACES, SPLITS, face_covers, faces
+from poodle.data._glyph_render import clean_frame, render_ink
+from poodle.errors import ConfigError, DataError
+
+SUBSET = ("latin", "greek", "cyrillic", "lao", "armenian")
+SMALL = dict(alphabets=SUBSET, max_per_alphabet=4, instances=3, workers=1)
+
+
+@pytest.fixture(scope="module")
+def classes():
+    return g.glyph_classes(SUBSET)
+
+
+def _by_char(classes, ch):
+    return next(c for c in classes if c.char == ch)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*.png"))}
+
+
+def test_render_glyph_is_a_pure_function_of_class_index_and_seed(classes):
+    a = _by_char(classes, "A")
+    first = g.render_glyph(a, 3, seed=0)
+    assert first.shape == (28, 28) and first.dtype == np.uint8
+    assert np.array_equal(first, g.render_glyph(a, 3, seed=0))
+    assert not np.array_equal(first, g.render_glyph(a, 3, seed=1))
+    assert not np.array_equal(first, g.render_glyph(a, 4, seed=0))
+    assert g.render_glyph(a, 0, seed=0, image_size=40).shape == (40, 40)
+    with pytest.raises(ConfigError, match="seed"):
+        g.render_glyph(a, 0, seed=-1)
+
+
+def test_instances_cycle_through_every_face_of_the_class(classes):
+    a = _by_char(classes, "A")
+    order = g.face_order(a, seed=0)
+    assert sorted(order) == sorted(a.faces) and len(order) >= 6
+    assert order != g.face_order(a, seed=1) or len(order) == 1
+
+
+def test_generation_is_deterministic_for_any_worker_count(tmp_path):
+    m1 = g.generate_glyphs(tmp_path / "a", seed=0, alphabets=SUBSET, max_per_alphabet=4,
+                           instances=3, workers=1)
+    m2 = g.generate_glyphs(tmp_path / "b", seed=0, alphabets=SUBSET, max_per_alphabet=4,
+                           instances=3, workers=2)
+    m3 = g.generate_glyphs(tmp_path / "c", seed=1, alphabets=SUBSET, max_per_alphabet=4,
+                           instances=3, workers=1)
+    a, b, c = _files(tmp_path / "a"), _files(tmp_path / "b"), _files(tmp_path / "c")
+    assert len(a) == 5 * 4 * 3 == m1["n_images"]
+    assert a == b and m1["checksum"] == m2["checksum"]
+    assert a.keys() == c.keys() and m3["checksum"] != m1["checksum"]
+    assert sum(a[k] != c[k] for k in a) == len(a)     # every image changes with the seed
+
+
+def test_splits_are_disjoint_in_classes_and_alphabets(tmp_path):
+    root = g.ensure_glyphs(tmp_path, **SMALL)
+    m = json.loads((root / "manifest.json").read_text())
+    on_disk = {s: {p.name for p in (root / s).iterdir()} for s in SPLITS}
+    assert on_disk["train"] and on_disk["val"] and on_disk["test"]
+    for s, t in [("train", "val"), ("train", "test"), ("val", "test")]:
+        assert not on_disk[s] & on_disk[t]
+        assert not set(m["splits"][s]["alphabets"]) & set(m["splits"][t]["alphabets"])
+    for name, info in m["classes"].items():
+        assert name in on_disk[info["split"]] and ALPHABETS[info["alphabet"]][1] == info["split"]
+    # The full table: every alphabet in exactly one split, about 60/20/20 by alphabet design.
+    assert {split for _, split, _ in ALPHABETS.values()} == set(SPLITS)
+
+
+def test_images_are_grey_28px_pngs_and_no_class_is_blank(tmp_path, classes):
+    root = g.ensure_glyphs(tmp_path, **SMALL)
+    for p in root.rglob("*.png"):
+        with Image.open(p) as im:
+            assert im.mode == "L" and im.size == (28, 28)
+    paths = {f.name: f.path for f in faces()}
+    for c in classes[::7]:
+        for name in c.faces:   # every face listed for a class really draws it (no empty box)
+            assert clean_frame(paths[name], c.codepoint, 28).max() > 0.5, (c.name, name)
+        rng = np.random.default_rng(0)
+        assert render_ink(paths[c.faces[0]], c.codepoint, 28, rng, g.Distortion()).max() > 0.2
+
+
+def test_faces_come_from_matplotlib_and_skip_missing_glyphs(classes):
+    names = {f.name for f in faces()}
+    assert len(names) == 22 and all("LastResort" not in n for n in names)
+    assert all(not str(f.path).endswith(EXCLUDED_FACES) for f in faces())
+    cm = {n for n, _, _ in CM_FACES}
+    by_name = {f.name: f for f in faces()}
+    for c in classes:
+        assert len(c.faces) >= 6
+        for name in c.faces:
+            assert c.codepoint in face_covers(by_name[name])
+        if set(c.faces) & cm:   # Computer Modern only draws ASCII letters and digits
+            assert c.char.isascii() and c.char.isalnum()
+    armenian = [c for c in classes if c.alphabet == "armenian"]
+    assert armenian and all(not any(f.startswith("STIX") for f in c.faces) for c in armenian)
+
+
+def test_lookalikes_across_scripts_are_kept_once(classes):
+    chars = {c.char for c in classes}
+    assert "A" in chars and "\u0391" not in chars and "\u0410" not in chars   # Latin/Greek/Cyrillic A
+    assert "\u03b1" in chars and "\u0436" in chars                           # alpha, zhe stay
+    removed = dict(g.removed_lookalikes(SUBSET))
+    assert removed["\u0391"] == "A" and removed["\u0410"] == "A"
+    # No accented or compatibility forms.
+    assert "\u00e9" not in chars and "\u00c5" not in chars and "\u0439" not in chars
+
+
+def test_manifest_records_the_set_and_verification_catches_changes(tmp_path):
+    root = g.ensure_glyphs(tmp_path, seed=3, **SMALL)
+    m = g.verify_glyphs(root, checksum=True)
+    assert m["seed"] == 3 and m["image_size"] == 28 and m["instances"] == 3
+    assert m["n_images"] == sum(s["images"] for s in m["splits"].values()) == 60
+    assert {"pillow", "matplotlib", "numpy", "freetype"} <= set(m["versions"])
+    assert len(m["fonts"]) == 22 and all(len(f["sha256"]) == 64 for f in m["fonts"].values())
+    zero = m["classes"]["latin_0030"]
+    assert zero["char"] == "0" and zero["codepoint"] == "U+0030" and zero["split"] == "train"
+    assert sorted(zero["faces"]) == sorted(g.face_order(g.glyph_classes(SUBSET)[0], 3))
+    victim = next(root.rglob("001.png"))
+    victim.write_bytes(victim.read_bytes()[:-8] + b"\0" * 8)
+    g.verify_glyphs(root)                         # the cheap check sees the file, not its bytes
+    with pytest.raises(DataError, match="checksum"):
+        g.verify_glyphs(root, checksum=True)
+    with pytest.raises(DataError, match="checksum"):
+        g.ensure_glyphs(tmp_path, seed=3, verify=True, **SMALL)
+    victim.unlink()
+    with pytest.raises(DataError, match=r"holds 2 images"):
+        g.ensure_glyphs(tmp_path, seed=3, **SMALL)
+    fixed = g.ensure_glyphs(tmp_path, seed=3, force=True, **SMALL)
+    assert fixed == root and g.verify_glyphs(root, checksum=True)["n_images"] == 60
+
+
+def test_ensure_reuses_an_existing_set_without_regenerating(tmp_path, monkeypatch):
+    calls = []
+    root = g.ensure_glyphs(tmp_path, progress=calls.append, **SMALL)
+    assert sum(calls) == 60
+    before = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
+
+    def boom(*a, **k):
+        raise AssertionError("regenerated")
+
+    monkeypatch.setattr(g, "generate_glyphs", boom)
+    assert g.ensure_glyphs(tmp_path, **SMALL) == root
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before
+
+
+def test_other_settings_go_to_their_own_folder(tmp_path):
+    a = g.ensure_glyphs(tmp_path, seed=0, **SMALL)
+    b = g.ensure_glyphs(tmp_path, seed=1, **SMALL)
+    c = g.ensure_glyphs(tmp_path, seed=0, image_size=20, **SMALL)
+    assert len({a, b, c}) == 3 and all(p.parent == tmp_path / "glyphs" for p in (a, b, c))
+    with Image.open(next(c.rglob("*.png"))) as im:
+        assert im.size == (20, 20)
+    assert g._folder_name(0, 28, g.DEFAULT_INSTANCES, None, None) == "images"
+
+
+def test_folder_without_manifest_is_refused_then_regenerated_with_force(tmp_path):
+    root = tmp_path / "glyphs" / g._folder_name(0, 28, 3, SUBSET, 4)
+    (root / "train" / "junk").mkdir(parents=True)
+    with pytest.raises(DataError, match="no manifest.json"):
+        g.ensure_glyphs(tmp_path, **SMALL)
+    assert g.ensure_glyphs(tmp_path, force=True, **SMALL) == root
+    assert not (root / "train" / "junk").exists() and (root / "manifest.json").is_file()
+
+
+def test_interrupted_generation_leaves_no_folder(tmp_path):
+    def interrupt(n):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        g.ensure_glyphs(tmp_path, progress=interrupt, **SMALL)
+    assert list((tmp_path / "glyphs").iterdir()) == []
+    root = g.ensure_glyphs(tmp_path, **SMALL)
+    assert g.verify_glyphs(root)["n_images"] == 60
+
+
+def test_sample_grid_writes_a_png(tmp_path):
+    root = g.ensure_glyphs(tmp_path, **SMALL)
+    out = g.sample_grid(root, tmp_path / "grid.png", per_alphabet=1, columns=3)
+    with Image.open(out) as im:
+        assert im.size[1] == 5 * (28 * 2 + 2) + 2    # one row per alphabet
+        assert np.asarray(im.convert("L")).min() < 64
