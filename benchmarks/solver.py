@@ -119,6 +119,8 @@ def main() -> None:
     ap.add_argument("--max-memory", default="2GiB")
     ap.add_argument("--autograd-episodes", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="CPU chunks solved at once, each single-threaded (default: the thread count)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -150,7 +152,8 @@ def main() -> None:
             _sync(dev)
             t = time.perf_counter()
             acc = evaluate(test, eps, [("p", "poodle", cfg)], negatives=NegativeSpec("base", N_NEG), cache_path=path,
-                           device=dev, max_memory=args.max_memory, chunk_size=args.chunk, stats=stats)["p"]
+                           device=dev, max_memory=args.max_memory, chunk_size=args.chunk, stats=stats,
+                           workers=args.workers)["p"]
             _sync(dev)
             dt = time.perf_counter() - t
             pk = peak(dev)
@@ -158,7 +161,7 @@ def main() -> None:
             f_ep = info.flops(WAY * shot, WAY * QUERY, N_NEG, D, WAY, cfg)
             mean, ci = summarize(acc)
             print(f"\n{shot}-shot, {n_ep} episodes, POODLE transductive, {N_NEG} base negatives, {STEPS} steps, "
-                  f"chunks of {stats['chunk_size']}:")
+                  f"chunks of {stats['chunk_size']}, {stats['workers']} worker(s):")
             print(f"  {eps_s:,.1f} episodes/s ({dt:.2f} s); accuracy {100 * mean:.2f} +- {100 * ci:.2f}")
             print(f"  peak memory {pk / 2**20:,.0f} MiB ({(pk - base) / 2**20:+,.0f} MiB over the {base / 2**20:,.0f} MiB before)")
             print(f"  {f_ep / 1e9:.3f} GFLOP per episode -> {f_ep * eps_s / 1e9:,.1f} GFLOP/s = "
