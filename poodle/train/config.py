@@ -1,0 +1,179 @@
+"""The training configuration: one dataclass whose defaults are the paper's recipe.
+
+Sources: Le et al., NeurIPS 2021, section 5.1 "Implementation details" (SGD, lr 0.05, weight decay
+5e-4, decay x0.1 at epochs 60/80 (tiered 60/80/90), 100 epochs, batch 64) and appendix A (the
+simple, rot and rot + KD baselines, lambda = 1, tau = 4, two born-again generations); label
+smoothing 0.1, validation every 4 epochs on 500 5-way 1-shot val episodes and the augmentation come
+from the authors' release (configs, SmoothCrossEntropy, meta_val).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from poodle.errors import ConfigError
+
+RECIPES = ("simple", "rot", "rot-kd")
+AUGMENTATIONS = ("paper", "crop", "none")
+TEACHERS = ("last", "best")
+
+# Fields that do not change the weights a run produces: they may differ between an interrupted run
+# and the command that resumes it.
+RUNTIME_FIELDS = frozenset({"device", "workers", "cache_root", "data_root", "out", "amp"})
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a pre-training run.
+
+    Attributes:
+        dataset, data_root: as for ``poodle extract`` (``glyphs``, ``mini``, ``csv``, ``folder``...).
+        backbone: a name from :func:`poodle.backbones.available`.
+        recipe: ``simple`` (label-smoothed CE), ``rot`` (+ 4-rotation self-supervision) or
+            ``rot-kd`` (rot, then ``generations`` born-again students distilled from the previous one).
+        epochs, batch_size, lr, momentum, weight_decay: SGD settings (paper section 5.1).
+            ``batch_size`` is the global batch: under torchrun each of W processes takes batch/W.
+        milestones: epochs (0-based, the decay takes effect *at* that epoch) where the lr is
+            multiplied by ``gamma``; ``None`` means 60% and 80% of ``epochs`` (and 90% for tiered),
+            i.e. the paper's 60/80 (60/80/90) at 100 epochs.
+        label_smoothing: epsilon of the release's SmoothCrossEntropy (1 - eps on the true class,
+            eps/(C-1) on each other class).
+        rot_weight: lambda_ssl of appendix A eq. (2).
+        generations, temperature, teacher: born-again KD (appendix A): the number of students, tau,
+            and which checkpoint of the previous generation teaches (``last`` as the paper says;
+            the release uses ``best``).
+        sup_weight, kd_weight: loss = sup_weight * supervised + kd_weight * distillation; the paper
+            says 1/1, the release uses 0.5/0.5.
+        image_size: input side in pixels; augment: ``paper`` (random resized crop, jitter 0.4, flip),
+            ``crop`` (a mild random resized crop, scale 0.5-1, no flip/jitter: for glyphs, where
+            mirroring makes another character) or ``none`` (the eval transform).
+        val_every, val_episodes, val_way, val_shot, val_query, val_split: meta-validation with
+            nearest prototypes (0 disables it; the best checkpoint is then the last).
+        seed: all randomness (init, data order, augmentation) derives from it.
+        workers, device, amp: runtime only (``amp=None``: on for CUDA, off on CPU).
+        cache_root: where ``glyphs`` is generated and the default output directory lies.
+        out: output directory (default ``<cache_root>/<dataset>/checkpoints/<backbone>-<recipe>``).
+    """
+
+    dataset: str
+    backbone: str
+    recipe: str = "simple"
+    data_root: str | None = None
+    epochs: int = 100                      # paper 5.1
+    batch_size: int = 64                   # paper 5.1
+    lr: float = 0.05                       # paper 5.1
+    momentum: float = 0.9                  # release configs (SGD, nesterov off)
+    weight_decay: float = 5e-4             # paper 5.1
+    milestones: tuple[int, ...] | None = None  # paper 5.1: 60/80 (tiered 60/80/90) of 100
+    gamma: float = 0.1                     # paper 5.1: "decreased by a factor of 10"
+    label_smoothing: float = 0.1           # release default (SmoothCrossEntropy)
+    rot_weight: float = 1.0                # appendix A: lambda_ssl = 1
+    generations: int = 2                   # appendix A: T = 2
+    temperature: float = 4.0               # appendix A: tau = 4
+    teacher: str = "last"                  # appendix A: "the last checkpoint"
+    sup_weight: float = 1.0                # appendix A: lambdas = 1 (release: 0.5)
+    kd_weight: float = 1.0                 # appendix A: lambdas = 1 (release: 0.5)
+    image_size: int = 84                   # paper 5.1
+    augment: str = "paper"                 # release transform.py with_augment
+    val_every: int = 4                     # release meta_val_interval
+    val_episodes: int = 500                # release meta_val
+    val_way: int = 5
+    val_shot: int = 1                      # release meta_val_shot
+    val_query: int = 15
+    val_split: str = "val"
+    seed: int = 0
+    workers: int = 4
+    device: str = "auto"
+    amp: bool | None = None
+    cache_root: str = "cache"
+    out: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.milestones is not None:
+            self.milestones = tuple(int(m) for m in self.milestones)
+        self.check()
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the first impossible setting."""
+        if self.recipe not in RECIPES:
+            raise ConfigError(f"unknown recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}")
+        if self.augment not in AUGMENTATIONS:
+            raise ConfigError(f"unknown augmentation {self.augment!r}; choose one of {', '.join(AUGMENTATIONS)}")
+        if self.teacher not in TEACHERS:
+            raise ConfigError(f"--teacher must be one of {', '.join(TEACHERS)}, got {self.teacher!r}")
+        positive = {"epochs": self.epochs, "batch_size": self.batch_size, "lr": self.lr,
+                    "image_size": self.image_size, "temperature": self.temperature}
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.recipe == "rot-kd" and self.generations < 1:
+            raise ConfigError(f"recipe rot-kd needs --generations >= 1, got {self.generations}")
+        if self.val_every < 0 or self.workers < 0:
+            raise ConfigError("--val-every and --workers must be >= 0")
+        for m in self.milestones or ():
+            if not 0 < m < self.epochs:
+                raise ConfigError(f"milestone {m} is outside 1..{self.epochs - 1} (--epochs {self.epochs})")
+
+    # -- derived values ---------------------------------------------------------------------
+
+    @property
+    def rotation(self) -> bool:
+        return self.recipe in ("rot", "rot-kd")
+
+    @property
+    def n_generations(self) -> int:
+        """Training runs in total: the teacher run plus the born-again students."""
+        return 1 + (self.generations if self.recipe == "rot-kd" else 0)
+
+    def resolved_milestones(self) -> tuple[int, ...]:
+        """The lr-decay epochs; ``None`` scales the paper's 60/80 (tiered 60/80/90) to ``epochs``."""
+        if self.milestones is not None:
+            return tuple(sorted(self.milestones))
+        fractions = (0.6, 0.8, 0.9) if self.dataset == "tiered" else (0.6, 0.8)
+        return tuple(sorted({m for m in (round(f * self.epochs) for f in fractions) if 0 < m < self.epochs}))
+
+    def lr_at(self, epoch: int) -> float:
+        """Learning rate of 0-based ``epoch``: decayed *from* each milestone on (the release decays
+        one epoch late; see docs/train.md)."""
+        return self.lr * self.gamma ** sum(1 for m in self.resolved_milestones() if epoch >= m)
+
+    def out_dir(self) -> Path:
+        if self.out is not None:
+            return Path(self.out)
+        return Path(self.cache_root) / self.dataset / "checkpoints" / f"{self.backbone}-{self.recipe}"
+
+    def generation_dir(self, generation: int) -> Path:
+        """Generation 0 writes to the output directory itself, student ``i`` to ``student_<i>/``
+        (the release's layout)."""
+        root = self.out_dir()
+        return root if generation == 0 else root / f"student_{generation - 1}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only (stored in every checkpoint, loadable with ``weights_only=True``)."""
+        d = dataclasses.asdict(self)
+        d["milestones"] = list(self.resolved_milestones())
+        return d
+
+    def defining(self) -> dict[str, Any]:
+        """The fields that determine the trained weights (compared on resume)."""
+        return {k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS}
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``["epochs: 100 -> 10", ...]`` for every defining field that differs."""
+    diffs = []
+    for key in sorted(set(saved) | set(current)):
+        if key in RUNTIME_FIELDS:
+            continue
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            a, b = list(a), list(b)
+        if a != b:
+            diffs.append(f"{key}: {a!r} -> {b!r}")
+    return diffs
+

@@ -1,0 +1,471 @@
+"""The training loop shared by the three recipes, with exact resume and optional DDP.
+
+Each generation (the teacher run, then each born-again student for ``rot-kd``) writes
+``last.pt`` after every epoch and ``best.pt`` when meta-validation improves, in its own directory
+(``<out>/`` for generation 0, ``<out>/student_<i>/`` for student i). A checkpoint holds, besides the
+weights in the release's layout, everything needed to continue: optimizer (momentum buffers),
+lr schedule, AMP scaler, RNG states, history and the configuration.
+
+Resume is exact because every epoch's randomness (data order, augmentation, dropout) is a pure
+function of ``(seed, generation, epoch, rank)``: the data order comes from a sampler seeded with the
+run's seed and the epoch, and the global generators are re-seeded at the start of every epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from poodle.errors import CheckpointError, ConfigError, DataError
+from poodle.train.config import TrainConfig, config_differences
+from poodle.train.losses import distill_kl, rotate_all, smooth_cross_entropy
+from poodle.train.state import capture_rng, restore_rng, seed_everything
+from poodle.utils import atomic_path, derive_seed, resolve_device
+
+CHECKPOINT_FORMAT = "poodle-train"
+
+
+@dataclass
+class TrainEvent:
+    """What the loop reports to its callback.
+
+    ``kind`` is one of ``generation`` (a generation starts: ``epoch`` = first epoch to run, ``total``
+    = epochs; ``skipped`` when it was already complete), ``epoch`` (an epoch starts: ``total`` =
+    its number of batches, ``lr``), ``step`` (a batch is done: ``images`` seen by all processes,
+    running ``loss`` and ``acc`` of the epoch), ``validate`` (meta-validation starts: ``total`` =
+    images to embed), ``validate_step`` (``images`` embedded), ``epoch_end`` (``loss``, ``acc``,
+    ``val_acc`` or None, ``best_acc``, ``seconds``), ``done``.
+    """
+
+    kind: str
+    generation: int = 0
+    n_generations: int = 1
+    epoch: int = 0
+    epochs: int = 0
+    total: int = 0
+    images: int = 0
+    loss: float = float("nan")
+    acc: float = float("nan")
+    lr: float = 0.0
+    val_acc: float | None = None
+    best_acc: float | None = None
+    seconds: float = 0.0
+    skipped: bool = False
+
+
+Callback = Callable[[TrainEvent], None]
+
+
+@dataclass
+class TrainResult:
+    """Where a run left its checkpoints.
+
+    Attributes:
+        out_dir: the run's directory.
+        checkpoint: the checkpoint to extract features with: ``best.pt`` of the final generation
+            (the release evaluates ``model_best``); ``last_checkpoint`` is its ``last.pt``.
+        generations: one dict per generation: ``dir``, ``best_acc``, ``epochs_run`` (in this call).
+        history: per-epoch records ``{generation, epoch, lr, loss, acc, val_acc, seconds}``.
+        complete: False when ``stop_after`` interrupted the run.
+    """
+
+    out_dir: Path
+    checkpoint: Path
+    last_checkpoint: Path
+    generations: list[dict[str, Any]] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    complete: bool = True
+
+
+class _Stop(Exception):
+    """Raised inside the loop when ``stop_after`` epochs have run (a simulated interruption)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# distributed helpers
+
+
+@dataclass
+class _Dist:
+    world: int = 1
+    rank: int = 0
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.enabled:
+            torch.distributed.barrier()
+
+
+def _init_distributed(device_name: str) -> tuple[_Dist, torch.device]:
+    """DDP when launched by torchrun (``WORLD_SIZE`` > 1), else a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return _Dist(), resolve_device(device_name)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device_name != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return _Dist(world, rank, local_rank), device
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+def _dataset(cfg: TrainConfig, split: str, transform: Callable) -> Dataset:
+    from poodle.data import ImageDataset, resolve_dataset
+
+    source = resolve_dataset(cfg.dataset, cfg.data_root, Path(cfg.cache_root))
+    if split not in source.splits():
+        raise DataError(f"dataset {cfg.dataset!r} has no {split!r} split (it has: {', '.join(source.splits())})")
+    return ImageDataset(source, split, transform)
+
+
+def _has_split(cfg: TrainConfig, split: str) -> bool:
+    from poodle.data import resolve_dataset
+
+    return split in resolve_dataset(cfg.dataset, cfg.data_root, Path(cfg.cache_root)).splits()
+
+
+def dataset_labels(dataset: Dataset) -> tuple[torch.Tensor, list[str]]:
+    """``(labels [N] int64, class names)`` of an :class:`poodle.data.ImageDataset`, without
+    decoding any image."""
+    classes = list(getattr(dataset, "classes"))
+    labels = getattr(dataset, "labels", None)
+    if labels is None:
+        labels = getattr(dataset, "targets")
+    return torch.as_tensor(labels, dtype=torch.int64), classes
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _read_checkpoint(path: Path) -> dict[str, Any]:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a damaged file
+        raise CheckpointError(f"{path}: cannot read checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: not a checkpoint written by `poodle train`; "
+                              "use --force to start over or another --out")
+    return ckpt
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    with atomic_path(dst) as tmp:
+        shutil.copyfile(src, tmp)
+
+
+def _check_config(path: Path, saved: dict[str, Any], cfg: TrainConfig) -> None:
+    diffs = config_differences(saved, cfg.defining())
+    if diffs:
+        raise ConfigError(f"{path} was trained with other settings ({'; '.join(diffs)}); "
+                          "use --force to start over or choose another --out")
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+# Python-int counters some backbones keep outside the state dict (ResNet-12's DropBlock annealing
+# step); a resumed run must restore them to continue exactly.
+_COUNTERS = ("dropblock_step",)
+
+
+def _get_counters(model: nn.Module) -> dict[str, int]:
+    return {f"{name}.{attr}": int(getattr(m, attr)) for name, m in model.named_modules()
+            for attr in _COUNTERS if isinstance(getattr(m, attr, None), int)}
+
+
+def _set_counters(model: nn.Module, counters: dict[str, int]) -> None:
+    modules = dict(model.named_modules())
+    for key, value in counters.items():
+        name, attr = key.rsplit(".", 1)
+        if name in modules:
+            setattr(modules[name], attr, int(value))
+
+
+def _build(cfg: TrainConfig, num_classes: int, generation: int) -> nn.Module:
+    from poodle.backbones import build
+
+    seed_everything(cfg.seed, generation, 0)
+    return build(cfg.backbone, num_classes=num_classes, rotation_head=cfg.rotation)
+
+
+class _Running:
+    """Running sums of one epoch's loss and accuracy."""
+
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.correct = 0.0
+        self.n = 0
+        self.steps = 0
+
+    def add(self, loss: float, correct: float, n: int) -> None:
+        self.loss += loss
+        self.correct += correct
+        self.n += n
+        self.steps += 1
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss / max(self.steps, 1)
+
+    @property
+    def acc(self) -> float:
+        return self.correct / max(self.n, 1)
+
+
+def train(cfg: TrainConfig, *, callback: Callback | None = None, resume: bool | None = None,
+          force: bool = False, stop_after: int | None = None) -> TrainResult:
+    """Pre-train ``cfg.backbone`` on the base (train) split of ``cfg.dataset`` with ``cfg.recipe``.
+
+    Args:
+        cfg: the run (see :class:`TrainConfig`).
+        callback: receives a :class:`TrainEvent` at each generation, epoch, batch and validation.
+        resume: ``None`` (default) continues a run found in the output directory when it was made
+            with the same settings, else starts; ``True`` requires one to continue; ``False``
+            refuses to touch an existing run. A complete run is returned as is.
+        force: delete what the output directory holds and start over.
+        stop_after: stop after this many epochs have run in this call, as if interrupted (tests).
+    Returns:
+        a :class:`TrainResult`.
+    """
+    dist, device = _init_distributed(cfg.device)
+    amp = (device.type == "cuda") if cfg.amp is None else bool(cfg.amp and device.type == "cuda")
+    if cfg.batch_size % dist.world:
+        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by the {dist.world} processes")
+    out = cfg.out_dir()
+    emit = callback if (callback is not None and dist.main) else (lambda e: None)
+
+    if dist.main:
+        _prepare_out(cfg, out, resume=resume, force=force)
+    dist.barrier()
+
+    from poodle.train.augment import train_transform
+    from poodle.data.transforms import eval_transform
+
+    train_set = _dataset(cfg, "train", train_transform(cfg.augment, cfg.image_size))
+    _, classes = dataset_labels(train_set)
+    if len(train_set) < 2:
+        raise DataError(f"the train split of {cfg.dataset!r} has {len(train_set)} images; need at least 2")
+    validator = None
+    if cfg.val_every > 0 and dist.main and _has_split(cfg, cfg.val_split):
+        from poodle.train.validate import Validator
+
+        val_set = _dataset(cfg, cfg.val_split, eval_transform(cfg.image_size))
+        val_labels, val_classes = dataset_labels(val_set)
+        validator = Validator(val_set, val_labels, val_classes, way=cfg.val_way, shot=cfg.val_shot,
+                              query=cfg.val_query, n_episodes=cfg.val_episodes, seed=cfg.seed,
+                              split=cfg.val_split)
+
+    result = TrainResult(out, out, out)
+    budget = [stop_after]
+    try:
+        for g in range(cfg.n_generations):
+            info = _train_generation(cfg, g, classes, train_set, validator, dist, device, amp, emit,
+                                     budget, result)
+            result.generations.append(info)
+    except _Stop:
+        result.complete = False
+    final_dir = cfg.generation_dir(cfg.n_generations - 1)
+    result.checkpoint = final_dir / "best.pt"
+    result.last_checkpoint = final_dir / "last.pt"
+    if result.complete and dist.main:
+        _write_summary(cfg, result)
+    dist.barrier()
+    emit(TrainEvent("done", n_generations=cfg.n_generations))
+    return result
+
+
+def _prepare_out(cfg: TrainConfig, out: Path, *, resume: bool | None, force: bool) -> None:
+    last = out / "last.pt"
+    if force and out.exists():
+        for g in range(cfg.n_generations + 8):
+            d = cfg.generation_dir(g)
+            for name in ("last.pt", "best.pt", "train.json"):
+                with contextlib.suppress(FileNotFoundError):
+                    (d / name).unlink()
+        return
+    if not last.exists():
+        if resume is True:
+            raise ConfigError(f"--resume: nothing to resume in {out} (no last.pt)")
+        return
+    saved = _read_checkpoint(last)
+    if resume is False:
+        raise ConfigError(f"{out} already holds a run (epoch {saved.get('epoch')}/{cfg.epochs}); "
+                          "resume it, use --force to start over or choose another --out")
+    _check_config(last, saved.get("config", {}), cfg)
+
+
+def _train_generation(cfg: TrainConfig, g: int, classes: list[str], train_set: Dataset, validator,
+                      dist: _Dist, device: torch.device, amp: bool, emit: Callback,
+                      budget: list[int | None], result: TrainResult) -> dict[str, Any]:
+    from poodle.backbones import load_checkpoint, save_checkpoint
+
+    gdir = cfg.generation_dir(g)
+    last, best = gdir / "last.pt", gdir / "best.pt"
+    model = _build(cfg, len(classes), g)
+    optimizer_state, scaler_state, rng, start, best_acc, history = None, None, None, 0, None, []
+    if last.exists():
+        saved = _read_checkpoint(last)
+        _check_config(last, saved.get("config", {}), cfg)
+        load_checkpoint(model, last)
+        optimizer_state, scaler_state = saved["optimizer"], saved.get("scaler")
+        start, best_acc, history = int(saved["epoch"]), saved.get("best_prec1"), list(saved.get("history", []))
+        rng = saved.get("rng")
+        _set_counters(model, saved.get("counters", {}))
+    result.history.extend(history)
+    if start >= cfg.epochs:
+        emit(TrainEvent("generation", g, cfg.n_generations, start, cfg.epochs, skipped=True, best_acc=best_acc))
+        return {"dir": str(gdir), "best_acc": best_acc, "epochs_run": 0}
+
+    teacher = None
+    if g > 0:
+        teacher = _build(cfg, len(classes), g)  # architecture only; weights come from the file
+        src = cfg.generation_dir(g - 1) / f"{cfg.teacher}.pt"
+        load_checkpoint(teacher, src)
+        teacher.to(device).eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+
+    model.to(device)
+    net: nn.Module = model
+    if dist.enabled:
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(model) if device.type == "cuda" else model
+        net = nn.parallel.DistributedDataParallel(
+            net, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(net.parameters(), lr=cfg.lr_at(start), momentum=cfg.momentum,
+                                weight_decay=cfg.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp)
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+        if scaler_state:
+            scaler.load_state_dict(scaler_state)
+        restore_rng(rng)
+
+    sampler = DistributedSampler(train_set, num_replicas=dist.world, rank=dist.rank, shuffle=True,
+                                 seed=derive_seed(cfg.seed, g) % 2**62, drop_last=False)
+    per_rank = cfg.batch_size // dist.world
+    loader = DataLoader(train_set, batch_size=per_rank, sampler=sampler, num_workers=cfg.workers,
+                        pin_memory=device.type == "cuda", drop_last=False)
+    emit(TrainEvent("generation", g, cfg.n_generations, start, cfg.epochs, best_acc=best_acc))
+    epochs_run = 0
+    for epoch in range(start, cfg.epochs):
+        t0 = time.perf_counter()
+        seed_everything(cfg.seed, g, epoch + 1, dist.rank)
+        sampler.set_epoch(epoch)
+        lr = cfg.lr_at(epoch)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        emit(TrainEvent("epoch", g, cfg.n_generations, epoch, cfg.epochs, total=len(loader), lr=lr))
+        stats = _run_epoch(cfg, net, teacher, loader, optimizer, scaler, device, amp, dist, emit, g, epoch)
+        val_acc = None
+        is_val_epoch = cfg.val_every > 0 and ((epoch + 1) % cfg.val_every == 0 or epoch + 1 == cfg.epochs)
+        if validator is not None and is_val_epoch:
+            emit(TrainEvent("validate", g, cfg.n_generations, epoch, cfg.epochs, total=len(validator.dataset)))
+            val_acc = validator(model, batch_size=max(per_rank, 64), device=device, workers=cfg.workers, amp=amp,
+                                progress=lambda n: emit(TrainEvent("validate_step", g, images=n)))
+        improved = val_acc is not None and (best_acc is None or val_acc > best_acc)
+        if improved:
+            best_acc = val_acc
+        seconds = time.perf_counter() - t0
+        record = {"generation": g, "epoch": epoch, "lr": lr, "loss": stats.mean_loss, "acc": stats.acc,
+                  "val_acc": val_acc, "seconds": seconds}
+        history.append(record)
+        result.history.append(record)
+        if dist.main:
+            save_checkpoint(model, last, format=CHECKPOINT_FORMAT, epoch=epoch + 1, best_prec1=best_acc,
+                            optimizer=optimizer.state_dict(),
+                            scheduler={"milestones": list(cfg.resolved_milestones()), "gamma": cfg.gamma,
+                                       "last_epoch": epoch},
+                            scaler=scaler.state_dict(), rng=capture_rng(), counters=_get_counters(model),
+                            history=history,
+                            config=cfg.to_dict(), classes=classes, recipe=cfg.recipe, generation=g)
+            if improved or (epoch + 1 == cfg.epochs and (best_acc is None or not best.exists())):
+                _copy_atomic(last, best)
+        dist.barrier()
+        emit(TrainEvent("epoch_end", g, cfg.n_generations, epoch, cfg.epochs, loss=stats.mean_loss,
+                        acc=stats.acc, lr=lr, val_acc=val_acc, best_acc=best_acc, seconds=seconds))
+        epochs_run += 1
+        if budget[0] is not None:
+            budget[0] -= 1
+            if budget[0] <= 0 and not (epoch + 1 == cfg.epochs and g + 1 == cfg.n_generations):
+                raise _Stop
+    return {"dir": str(gdir), "best_acc": best_acc, "epochs_run": epochs_run}
+
+
+def _run_epoch(cfg: TrainConfig, net: nn.Module, teacher: nn.Module | None, loader: DataLoader,
+               optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, device: torch.device,
+               amp: bool, dist: _Dist, emit: Callback, g: int, epoch: int) -> _Running:
+    net.train()
+    stats = _Running()
+    for images, labels in loader:
+        if loader.num_workers > 0 and hasattr(loader.dataset, "check"):
+            loader.dataset.check(labels)  # a bad image in a worker arrives as a sentinel label
+        if images.shape[0] < 2:  # BatchNorm cannot train on one image; the data order stays fixed
+            continue
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        rot_labels = None
+        if cfg.rotation:
+            images, rot_labels = rotate_all(images)
+            labels = labels.repeat(4)
+        with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
+            logits, rot_logits = net(images)
+            loss = smooth_cross_entropy(logits, labels, cfg.label_smoothing)
+            if rot_labels is not None:
+                loss = loss + cfg.rot_weight * smooth_cross_entropy(rot_logits, rot_labels, cfg.label_smoothing)
+            if teacher is not None:
+                with torch.no_grad():
+                    t_logits, t_rot = teacher(images)
+                kd = distill_kl(logits, t_logits, cfg.temperature)
+                if rot_labels is not None:
+                    kd = kd + distill_kl(rot_logits, t_rot, cfg.temperature)
+                loss = cfg.sup_weight * loss + cfg.kd_weight * kd
+        if not torch.isfinite(loss):
+            raise ConfigError(f"the loss became {loss.item()} in generation {g}, epoch {epoch}: "
+                              "lower --lr or disable AMP (--no-amp)")
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        correct = (logits.detach().argmax(1) == labels).sum().item()
+        stats.add(loss.item(), correct, labels.shape[0])
+        emit(TrainEvent("step", g, epoch=epoch, images=images.shape[0] // (4 if cfg.rotation else 1) * dist.world,
+                        loss=stats.mean_loss, acc=stats.acc))
+    return stats
+
+
+def _write_summary(cfg: TrainConfig, result: TrainResult) -> None:
+    summary = {"config": cfg.to_dict(), "checkpoint": str(result.checkpoint),
+               "last_checkpoint": str(result.last_checkpoint), "generations": result.generations,
+               "history": result.history}
+    path = cfg.out_dir() / "train.json"
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(summary, indent=1))
+

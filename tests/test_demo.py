@@ -1,0 +1,94 @@
+"""`poodle demo`, reduced (`--quick`: a small glyph subset, one epoch, few episodes): it runs end to
+end, prints the table, and a second run reuses every artefact."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from poodle.cli.main import cli
+from poodle.demo import PAPER_COMPETITORS, competitor_names, demo_rows, quick_config, run_demo
+from poodle.errors import ConfigError
+
+EPISODES = 20
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("demo-cache")
+    args = ["demo", "--quick", "--cache-root", str(cache), "--episodes", str(EPISODES), "--device", "cpu"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    return cache, args, res.output
+
+
+def _table_rows(output: str) -> dict[str, list[str]]:
+    """Method -> its four cells, read from the printed rich table."""
+    rows = {}
+    for line in output.splitlines():
+        cells = [c.strip() for c in re.split(r"[│┃]", line)[1:-1]]
+        if len(cells) == 5 and (cells[1].count("±") or cells[1] == "—"):
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_demo_prints_the_table_of_every_method_and_setting(first_run):
+    cache, _, output = first_run
+    rows = _table_rows(output)
+    expected = [r.label for r in demo_rows("paper")]
+    assert list(rows) == expected
+    # proto and CE are inductive only; POODLE has both settings; competitors are transductive only
+    assert rows["Proto"][2:] == ["—", "—"]
+    for label in ("POODLE-B", "POODLE-R"):
+        assert all("±" in c for c in rows[label])
+    for name in competitor_names("paper"):
+        assert rows[name][:2] == ["—", "—"] and all("±" in c for c in rows[name][2:])
+    for cells in rows.values():
+        for c in cells:
+            if c != "—":
+                mean, ci = (float(v) for v in c.split("±"))
+                assert 20.0 <= mean <= 100.0 and 0.0 < ci < 30.0  # 5-way: chance is 20%
+
+    # the Markdown and JSON copies in the cache hold the same numbers
+    (md,) = (cache / "glyphs" / "demo").glob("table-*.md")
+    text = md.read_text()
+    assert "| POODLE-B |" in text and f"{EPISODES} episodes" in text
+    payload = json.loads(md.with_suffix(".json").read_text())
+    b = next(r for r in payload["rows"] if r["method"] == "poodle" and r["negatives"] == "base")
+    assert f"{b['cells']['transductive 5-shot'][0]:.2f}" == rows["POODLE-B"][3].split("±")[0].strip()
+    cells = list((cache / "glyphs" / "demo" / "cells").glob("*.json"))
+    assert len(cells) == 2 * (2 + 2 * 2 + len(competitor_names("paper")))
+    assert len(json.loads(cells[0].read_text())["accuracy"]) == EPISODES
+
+
+def test_second_run_reuses_checkpoint_features_and_results(first_run):
+    cache, args, output = first_run
+    ckpts = list((cache / "glyphs" / "checkpoints").rglob("*.pt"))
+    stamps = {p: p.stat().st_mtime_ns for p in ckpts}
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    assert "already complete" in res.output and "0 solved now" in res.output
+    assert _table_rows(res.output) == _table_rows(output)
+    assert {p: p.stat().st_mtime_ns for p in ckpts} == stamps
+
+    result = run_demo(quick_config(cache_root=str(cache), episodes=EPISODES, device="cpu"))
+    assert result.reused == {"train": True, "evaluate": True}
+
+
+def test_more_episodes_are_new_cells_but_the_same_backbone(first_run):
+    cache, _, _ = first_run
+    result = run_demo(quick_config(cache_root=str(cache), episodes=EPISODES + 5, device="cpu",
+                                   competitors="none"))
+    assert result.reused["train"] and not result.reused["evaluate"]
+    assert {r.label for r in result.rows} == {r.label for r in demo_rows("none")}
+
+
+def test_competitor_selection():
+    assert competitor_names("none") == []
+    assert set(competitor_names("paper")) <= set(PAPER_COMPETITORS)
+    assert "tim-gd" in competitor_names("all")
+    with pytest.raises(ConfigError, match="'poodle' is not a registered transductive method"):
+        competitor_names("tim-gd,poodle")
