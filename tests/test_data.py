@@ -165,6 +165,7 @@ def test_glyphs_resolves_lazily_through_ensure_glyphs(tmp_path, monkeypatch):
     calls = []
     fake = types.ModuleType("poodle.data.glyphs")
     fake.ensure_glyphs = lambda cache_root, **kw: calls.append(cache_root) or root
+    fake.verify_glyphs = lambda root, **kw: {}
     monkeypatch.setitem(sys.modules, "poodle.data.glyphs", fake)
     src = resolve_dataset("glyphs", None, cache_root=tmp_path)
     assert calls == [tmp_path] and src.name == "glyphs" and len(src.samples("val")) == 4

@@ -195,3 +195,16 @@ def test_sample_grid_writes_a_png(tmp_path):
     with Image.open(out) as im:
         assert im.size[1] == 5 * (28 * 2 + 2) + 2    # one row per alphabet
         assert np.asarray(im.convert("L")).min() < 64
+
+
+def test_dataset_glyphs_reads_a_set_generated_elsewhere_through_data_root(tmp_path):
+    from poodle.data import resolve_dataset
+    from poodle.errors import DataError
+
+    root = g.ensure_glyphs(tmp_path / "elsewhere", seed=5, **SMALL)
+    src = resolve_dataset("glyphs", root, cache_root=tmp_path / "unused")
+    assert src.root == root and not (tmp_path / "unused").exists()
+    assert sorted(src.splits()) == ["test", "train", "val"] and src.samples("test")
+    (tmp_path / "plain" / "train").mkdir(parents=True)
+    with pytest.raises(DataError):
+        resolve_dataset("glyphs", tmp_path / "plain", cache_root=tmp_path)

@@ -232,8 +232,11 @@ def resolve_dataset(name: str, data_root: str | Path | None, cache_root: str | P
     files and images are checked when a split's samples are listed.
     """
     if name == "glyphs":
-        from poodle.data.glyphs import ensure_glyphs  # the glyphs module is generated data, load lazily
+        from poodle.data.glyphs import ensure_glyphs, verify_glyphs  # generates data: load lazily
 
+        if data_root is not None:  # a glyph set generated elsewhere (another seed or size, a subset)
+            verify_glyphs(Path(data_root))
+            return FolderSource(Path(data_root), "glyphs")
         return FolderSource(Path(ensure_glyphs(Path(cache_root))), "glyphs")
     if name not in NAMES:
         raise ConfigError(f"unknown dataset {name!r}; known: {', '.join(NAMES)}")
