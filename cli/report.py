@@ -72,7 +72,7 @@ def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where:
                 tmp.write_text(text)
             console.print(f"wrote {out}", highlight=False)
         else:
-            click.echo(text, nl=False)
+            click.echo(text, nl=not text.endswith("\n"))
         return
     rich_table = _rich(table)
     if out is not None:
