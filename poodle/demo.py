@@ -16,6 +16,7 @@ table cell (a JSON file named by a hash of everything that determines it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -312,7 +313,7 @@ def _evaluate_cells(cfg: DemoConfig, rows: list[Row], test, features_path: Path,
             methods = [(label, method, config) for label, method, config, _, _ in items]
             desc = f"{shot}-shot, {len(methods)} method(s)" + (f", {source} negatives" if source else "")
             ctx = progress_factory(desc, cfg.episodes) if progress_factory else None
-            with (ctx if ctx is not None else _null()) as advance:
+            with (ctx if ctx is not None else contextlib.nullcontext()) as advance:
                 accs = evaluate(test, episodes, methods, negatives=negatives, cache_path=features_path,
                                 device=cfg.device, max_memory=cfg.max_memory, progress=advance)
             for label, method, config, cell_key, path in items:
@@ -326,14 +327,6 @@ def _evaluate_cells(cfg: DemoConfig, rows: list[Row], test, features_path: Path,
                                                "accuracy": [round(float(a), 6) for a in acc]}))
                 solved += 1
     return cells, solved
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _write_table(cfg: DemoConfig, rows: list[Row], cells, demo_dir: Path, key: str, checkpoint: Path,
