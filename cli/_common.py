@@ -26,7 +26,10 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except PoodleError as e:
-            console.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
+            from rich.markup import escape
+
+            # escaped: a message may hold brackets (pip install 'poodle[timm]') that rich would eat
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, markup=True, soft_wrap=True)
             sys.exit(1)
         except KeyboardInterrupt:
             console.print("[yellow]interrupted[/]: completed work is kept; re-run the same command to resume")

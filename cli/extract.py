@@ -9,18 +9,48 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar
 DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs"]
 
 
+def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from poodle.backbones import BACKBONES
+    from poodle.backbones.external import TIMM_HINT, timm_names, torchvision_names
+
+    out.print("[bold]The POODLE release's backbones[/] (--backbone NAME):")
+    for name in sorted(BACKBONES):
+        spec = BACKBONES[name]
+        out.print(f"  {name:<14} D={spec.feature_dim:<5} {spec.summary}", highlight=False)
+    tv = torchvision_names()
+    out.print(f"\n[bold]torchvision[/] ({len(tv)} models; --backbone torchvision:NAME):")
+    out.print("  " + ", ".join(tv), highlight=False)
+    tm = timm_names()
+    if tm is None:
+        out.print(f"\n[bold]timm[/]: {TIMM_HINT}", highlight=False)
+    else:
+        out.print(f"\n[bold]timm[/] ({len(tm)} models; --backbone timm:NAME):")
+        out.print("  " + ", ".join(tm), highlight=False)
+    ctx.exit(0)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--dataset", required=True, type=click.Choice(DATASETS),
               help="Layout of the images: csv (images/ + <split>.csv), folder (<split>/<class>/<img>), "
                    "the presets mini, tiered, cub, or the embedded glyphs.")
 @click.option("--data-root", type=click.Path(file_okay=False), default=None,
               help="Folder of the dataset (not needed for glyphs).")
-@click.option("--backbone", required=True, help="Backbone name, e.g. resnet12, conv4_64, wrn28_10.")
+@click.option("--backbone", required=True,
+              help="Backbone name: resnet12, conv4_64, wrn28_10, ..., or torchvision:NAME / timm:NAME "
+                   "(see --list-backbones).")
 @click.option("--checkpoint", type=click.Path(dir_okay=False), default=None,
-              help="Weights to load strictly (the release's .pth.tar or ours); none: random weights.")
+              help="Weights to load strictly: a torch state dict (the release's .pth.tar, ours, torchvision's, "
+                   "timm's) or a .safetensors file; none: random weights.")
 @click.option("--splits", default="train,val,test", show_default=True, help="Comma-separated splits to extract.")
-@click.option("--image-size", default=84, show_default=True, type=click.IntRange(min=1),
-              help="Centre-crop side fed to the backbone (after resizing the shorter side to size*256/224).")
+@click.option("--image-size", default=None, type=click.IntRange(min=1),
+              help="Centre-crop side fed to the backbone [default: 84 for the release's backbones, resized "
+                   "first to size*256/224; a torchvision/timm model's own input size].")
+@click.option("--crop-pct", default=None, type=click.FloatRange(0, 1, min_open=True),
+              help="torchvision/timm: crop side / resize side [default: the model's].")
+@click.option("--interpolation", default=None, type=click.Choice(["bilinear", "bicubic", "nearest"]),
+              help="torchvision/timm: resize interpolation [default: the model's].")
 @click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--workers", default=None, type=click.IntRange(min=0),
               help="DataLoader worker processes decoding images [default: one per core, at most 8].")
@@ -36,9 +66,11 @@ DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs"]
 @click.option("--skip-bad", is_flag=True,
               help="Leave out images that do not decode (their paths are recorded in the cache) "
                    "instead of stopping.")
+@click.option("--list-backbones", is_flag=True, is_eager=True, expose_value=False, callback=_list_backbones,
+              help="List the backbones available (release, torchvision, timm) and exit.")
 @friendly_errors
 def extract(dataset: str, data_root: str | None, backbone: str, checkpoint: str | None, splits: str,
-            image_size: int, batch_size: int, workers: int | None, device: str, cache_root: str, tag: str | None,
+            image_size: int | None, crop_pct: float | None, interpolation: str | None, batch_size: int, workers: int | None, device: str, cache_root: str, tag: str | None,
             dtype: str, force: bool, skip_bad: bool) -> None:
     """Write L2-normalised features of every split to one HDF5 cache.
 
@@ -51,7 +83,8 @@ def extract(dataset: str, data_root: str | None, backbone: str, checkpoint: str 
         return progress_bar(desc, total, unit="img")
 
     path = run_extract(dataset, backbone, data_root=data_root, checkpoint=checkpoint, splits=splits,
-                       image_size=image_size, batch_size=batch_size, device=device, cache_root=cache_root,
+                       image_size=image_size, crop_pct=crop_pct, interpolation=interpolation,
+                       batch_size=batch_size, device=device, cache_root=cache_root,
                        tag=tag, dtype=dtype, workers=workers, force=force, skip_bad=skip_bad,
                        progress_factory=bar, log=lambda msg: console.print(msg, highlight=False, markup=False))
     out.print(str(path), highlight=False, soft_wrap=True)

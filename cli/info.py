@@ -21,7 +21,7 @@ def info(file: str) -> None:
     table = Table(title=f"{file}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   collapse_padding=True)
     for col, just in (("split", "left"), ("images", "right"), ("classes", "right"), ("D", "right"),
-                      ("dtype", "left"), ("complete", "left"), ("norm err", "right"), ("paths", "left"),
+                      ("dtype", "left"), ("complete", "left"), ("norm err", "right"), ("paths", "left"), ("raw norms", "left"),
                       ("skipped", "right")):
         table.add_column(col, justify=just)
     for name, s in summary["splits"].items():
@@ -31,8 +31,11 @@ def info(file: str) -> None:
             norms += f" ({s['zero_rows']} zero)"
         table.add_row(name, f"{s['n_images']:,}", str(s["n_classes"]), str(s["feature_dim"]), s["dtype"],
                       "yes" if s["complete"] else "no", norms, "yes" if s["has_paths"] else "no",
-                      str(s["n_skipped"]))
+                      "yes" if s.get("has_norms") else "no", str(s["n_skipped"]))
     out.print(table)
+    if not all(s.get("has_norms") for s in summary["splits"].values()):
+        out.print("[dim]raw norms: a split without them was written before cache version 2; "
+                  "--preprocess cl2n then centres the normalised rows[/]")
     attrs = Table(show_header=False, box=None, padding=(0, 2))
     attrs.add_column(style="bold")
     attrs.add_column(overflow="fold")

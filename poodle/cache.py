@@ -2,13 +2,17 @@
 
 A cache is one file per (dataset, backbone, checkpoint), ``<cache-root>/<dataset>/<backbone>[-<tag>].h5``::
 
-    /                  attrs: format="poodle-features", version=1, dataset, backbone,
+    /                  attrs: format="poodle-features", version=2, dataset, backbone,
                               checkpoint_sha256 (or "none"), image_size, transform, created, poodle_version
     /<split>/features  float32 or float16 [N, D], every row L2-normalised
     /<split>/labels    int64 [N], indices into /<split>/classes
     /<split>/classes   utf-8 strings [C], class names
     /<split>/paths     utf-8 strings [N], image paths relative to the dataset root (optional)
+    /<split>/norms     float32 [N], each row's L2 norm before normalisation (optional; version 2)
     /<split>           attrs: complete=True, n_images, feature_dim, raw_mean (float32 [D])
+
+Version 2 added the optional ``norms`` dataset (``features * norms[:, None]`` are the backbone's
+raw outputs, which SimpleShot-style centring needs); version 1 files, which lack it, are still read.
 
 Optional split attributes written by :mod:`poodle.extract`: ``samples_sha256`` (digest of the image
 list the split was made from), ``n_skipped`` and ``skipped`` (paths of unreadable images left out
@@ -39,7 +43,8 @@ import torch
 from poodle.errors import CacheError
 
 FORMAT = "poodle-features"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)   # version 1: no /<split>/norms
 PARTIAL_FORMAT = "poodle-features-partial"
 ROOT_ATTRS = ("format", "version", "dataset", "backbone", "checkpoint_sha256", "image_size", "transform",
               "created", "poodle_version")
@@ -60,7 +65,8 @@ class SplitFeatures:
 
     ``features`` float32 [N, D] (L2-normalised rows; float16 caches are upcast), ``labels`` int64 [N]
     (indices into ``classes``), ``classes`` the C class names, ``paths`` the N image paths (None for
-    imported arrays), ``raw_mean`` float32 [D] the mean feature before normalisation (None if absent).
+    imported arrays), ``raw_mean`` float32 [D] the mean feature before normalisation (None if absent),
+    ``norms`` float32 [N] each row's norm before normalisation (None for caches without them).
     """
 
     name: str
@@ -69,6 +75,7 @@ class SplitFeatures:
     classes: list[str]
     paths: list[str] | None = None
     raw_mean: torch.Tensor | None = None
+    norms: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.features.shape[0])
@@ -143,8 +150,9 @@ def check_root(f: h5py.File, path: Path | str) -> dict[str, Any]:
         version = int(attrs["version"])
     except (TypeError, ValueError):
         raise CacheError(f"{path}: root attribute version={attrs['version']!r} is not an integer") from None
-    if version != VERSION:
-        raise CacheError(f"{path}: cache format version {version}, this poodle reads version {VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise CacheError(f"{path}: cache format version {version}, this poodle reads versions "
+                         f"{', '.join(map(str, READABLE_VERSIONS))}")
     try:
         attrs["image_size"] = int(attrs["image_size"])
     except (TypeError, ValueError):
@@ -205,6 +213,11 @@ def _check_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
         if not isinstance(p, h5py.Dataset) or not _is_string_dataset(p) or p.shape != (n,):
             raise CacheError(f"{where}: paths must be a string dataset [{n}], got "
                              f"{getattr(p, 'dtype', '?')} {getattr(p, 'shape', '?')}")
+    if "norms" in g:
+        nm = g["norms"]
+        if not isinstance(nm, h5py.Dataset) or nm.dtype.kind != "f" or nm.shape != (n,):
+            raise CacheError(f"{where}: norms must be float [{n}], got {getattr(nm, 'dtype', '?')} "
+                             f"{getattr(nm, 'shape', '?')}")
     for key, want in (("n_images", n), ("feature_dim", dim)):
         if key not in g.attrs:
             raise CacheError(f"{where}: attribute {key} missing")
@@ -239,18 +252,21 @@ def read_split(path: str | os.PathLike, split: str) -> SplitFeatures:
         labels = torch.from_numpy(np.asarray(g["labels"][()], dtype=np.int64))
         classes = _strings(g["classes"])
         paths = _strings(g["paths"]) if "paths" in g else None
+        norms = torch.from_numpy(np.asarray(g["norms"][()], dtype=np.float32)) if "norms" in g else None
         raw_mean = torch.from_numpy(np.asarray(g.attrs["raw_mean"], dtype=np.float32))
     if info["n"] and (int(labels.min()) < 0 or int(labels.max()) >= len(classes)):
         raise CacheError(f"{path}: split {split!r}: labels outside [0, {len(classes)})")
+    if norms is not None and not (torch.isfinite(norms).all() and (norms >= 0).all()):
+        raise CacheError(f"{path}: split {split!r}: norms must be finite and non-negative")
     return SplitFeatures(name=split, features=feats, labels=labels, classes=classes, paths=paths,
-                         raw_mean=raw_mean)
+                         raw_mean=raw_mean, norms=norms)
 
 
 def validate(path: str | os.PathLike) -> dict[str, Any]:
     """Check a cache completely: schema, dtypes, lengths, label ranges, row norms, completeness.
 
     Returns ``{"path", "attrs": {root attributes}, "splits": {name: {n_images, n_classes,
-    feature_dim, dtype, complete, norm_min, norm_max, zero_rows, has_paths, n_skipped}}}``.
+    feature_dim, dtype, complete, norm_min, norm_max, zero_rows, has_paths, has_norms, n_skipped}}}``.
     Raises CacheError naming the file, split and problem. Rows that are exactly zero (a backbone
     whose output was all zeros for an image) are allowed and counted in ``zero_rows``.
     """
@@ -303,7 +319,7 @@ def _validate_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
                          f"({empty.size} class(es) without rows)")
     return {"n_images": n, "n_classes": n_classes, "feature_dim": dim, "dtype": str(dtype), "complete": True,
             "norm_min": norm_min if n > zero_rows else 0.0, "norm_max": norm_max if n > zero_rows else 0.0,
-            "zero_rows": zero_rows, "has_paths": "paths" in g,
+            "zero_rows": zero_rows, "has_paths": "paths" in g, "has_norms": "norms" in g,
             "n_skipped": int(g.attrs.get("n_skipped", 0))}
 
 
@@ -373,7 +389,8 @@ def write_arrays(path: str | os.PathLike,
 
     ``splits`` maps a split name to ``(features [N, D], labels [N] ints in [0, C), classes [C])``
     or the same with ``paths [N]`` appended. ``raw_mean`` is the mean of the features as given;
-    with ``normalise`` the rows are then L2-normalised (otherwise they must already be).
+    with ``normalise`` the rows are then L2-normalised and their norms stored (otherwise they must
+    already be normalised, and no norms are stored).
     Extra keyword arguments become root attributes (``checkpoint_sha256``, ``image_size``,
     ``transform`` default to "none", 0, "none"). The file is validated before it appears under
     ``path``; on any error nothing is left there. Returns ``path``.
@@ -409,6 +426,8 @@ def write_arrays(path: str | os.PathLike,
                 g.create_dataset("classes", data=np.array(classes, dtype=object), dtype=STRING)
                 if paths is not None:
                     g.create_dataset("paths", data=np.array(paths, dtype=object), dtype=STRING)
+                if normalise:
+                    g.create_dataset("norms", data=np.linalg.norm(feats.astype(np.float64), axis=1).astype(np.float32))
                 g.attrs["n_images"] = int(feats.shape[0])
                 g.attrs["feature_dim"] = int(feats.shape[1])
                 g.attrs["raw_mean"] = raw_mean.astype(np.float32)
@@ -437,7 +456,7 @@ def partial_path(cache_path: str | os.PathLike, split: str) -> Path:
 class SplitWriter:
     """Streams one split into its staging file, batch by batch, and commits it into the cache.
 
-    The staging file holds resizable ``features``/``labels``/``paths``/``skipped`` datasets, what it
+    The staging file holds resizable ``features``/``labels``/``paths``/``norms``/``skipped`` datasets, what it
     was made with, and one float64 attribute ``state`` = [rows written, image-list entries consumed,
     images skipped, running sum of the raw features (D values, for ``raw_mean``)]. Each
     :meth:`append` writes its rows first and then ``state`` in a single attribute write, and flushes,
@@ -498,6 +517,7 @@ class SplitWriter:
                 n_rows, n_consumed, n_skipped = (int(v) for v in state[:3])
                 g = f[self.split]
                 ok = (g["features"].shape[0] >= n_rows and g["labels"].shape[0] >= n_rows
+                      and "norms" in g and g["norms"].shape[0] >= n_rows
                       and g["paths"].shape[0] >= n_rows and g["skipped"].shape[0] >= n_skipped
                       and 0 <= n_rows <= n_consumed <= self.n_total and n_rows + n_skipped == n_consumed)
                 if ok and n_rows:  # touch the last committed row: a torn write shows up here
@@ -526,6 +546,7 @@ class SplitWriter:
                          chunks=(chunk_rows, self.dim))
         g.create_dataset("labels", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,))
         g.create_dataset("paths", shape=(0,), maxshape=(None,), dtype=STRING, chunks=(1024,))
+        g.create_dataset("norms", shape=(0,), maxshape=(None,), dtype=np.float32, chunks=(4096,))
         g.create_dataset("skipped", shape=(0,), maxshape=(None,), dtype=STRING, chunks=(256,))
         f.flush()
         self.f = f
@@ -567,9 +588,10 @@ class SplitWriter:
             if not np.isfinite(raw).all():
                 raise CacheError(f"split {self.split!r}: the backbone produced non-finite features for "
                                  f"{paths[int(np.argwhere(~np.isfinite(raw))[0, 0])]}")
-            for key in ("features", "labels", "paths"):
+            for key in ("features", "labels", "paths", "norms"):
                 g[key].resize(n0 + b, axis=0)
             g["features"][n0:n0 + b] = _l2_normalise(raw).astype(self.dtype)
+            g["norms"][n0:n0 + b] = np.linalg.norm(raw.astype(np.float64), axis=1).astype(np.float32)
             g["labels"][n0:n0 + b] = np.asarray(labels, dtype=np.int64)
             g["paths"][n0:n0 + b] = np.array(list(paths), dtype=object)
         if skipped:
@@ -636,9 +658,11 @@ class SplitWriter:
                 fd = dst.create_dataset("features", shape=(n, self.dim), dtype=self.dtype)
                 ld = dst.create_dataset("labels", shape=(n,), dtype=np.int64)
                 pd = dst.create_dataset("paths", shape=(n,), dtype=STRING)
+                nd = dst.create_dataset("norms", shape=(n,), dtype=np.float32)
                 for a in range(0, n, _ROWS_PER_BLOCK):
                     b = min(n, a + _ROWS_PER_BLOCK)
                     fd[a:b] = src["features"][a:b]
+                    nd[a:b] = src["norms"][a:b]
                     ld[a:b] = src["labels"][a:b]
                     pd[a:b] = src["paths"].asstr()[a:b]
                 dst.create_dataset("classes", data=np.array(self.classes, dtype=object), dtype=STRING)

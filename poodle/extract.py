@@ -78,7 +78,8 @@ def _exact_math(device: torch.device) -> Iterator[None]:
 
 def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None = None,
             checkpoint: str | os.PathLike | None = None,
-            splits: Sequence[str] | str = ("train", "val", "test"), image_size: int = 84, batch_size: int = 64,
+            splits: Sequence[str] | str = ("train", "val", "test"), image_size: int | None = None,
+            batch_size: int = 64, crop_pct: float | None = None, interpolation: str | None = None,
             device: str | torch.device = "auto", cache_root: str | os.PathLike = "cache", tag: str | None = None,
             dtype: str = "float32", workers: int | None = None, force: bool = False, skip_bad: bool = False,
             progress_factory: ProgressFactory | None = None, log: Callable[[str], None] | None = None) -> Path:
@@ -86,10 +87,14 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
 
     Args:
         dataset: csv, folder, mini, tiered, cub or glyphs (see :mod:`poodle.data.sources`).
-        backbone: a name from :func:`poodle.backbones.available`.
+        backbone: a name from :func:`poodle.backbones.available`, or ``torchvision:NAME`` /
+            ``timm:NAME`` (any model of those libraries; see :mod:`poodle.backbones.external`).
         checkpoint: weights to load (strictly); without one the backbone keeps its random
             initialisation, drawn from seed 0, and the cache records ``checkpoint_sha256="none"``.
-        image_size: side of the centre crop fed to the backbone (the paper: 84).
+        image_size: side of the centre crop fed to the backbone (None: 84, the paper's, for the
+            release's backbones; the model's own input size for torchvision/timm ones).
+        crop_pct, interpolation: override the crop fraction (crop / resize) and the resize
+            interpolation of a torchvision/timm model's evaluation transform.
         dtype: float32 or float16, the storage type of the features.
         workers: DataLoader worker processes (None: :func:`default_workers`; 0 decodes in-process).
         force: recompute complete splits, and replace a cache made by another backbone, checkpoint,
@@ -105,7 +110,6 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
     """
     from poodle import backbones
     from poodle.data import ImageDataset, resolve_dataset
-    from poodle.data.transforms import eval_transform
     from poodle.utils import file_sha256, resolve_device
 
     say = log or (lambda msg: None)
@@ -113,17 +117,15 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
     # -- options and names (cheap)
     if dtype not in FEATURE_DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
-    if image_size < 1 or batch_size < 1:
+    if (image_size is not None and image_size < 1) or batch_size < 1:
         raise ConfigError(f"image size and batch size must be positive, got {image_size} and {batch_size}")
     workers = default_workers() if workers is None else int(workers)
     if workers < 0:
         raise ConfigError(f"--workers must be >= 0, got {workers}")
     split_list = _parse_splits(splits)
-    spec = backbones.get_spec(backbone)
-    backbone = spec.name
-    if image_size < spec.min_input_size:
-        raise ConfigError(f"backbone {backbone} needs --image-size >= {spec.min_input_size}, got {image_size}")
-    out = cache_path(cache_root, dataset, backbone, tag)
+    backbone, tf, image_size, build = resolve_backbone(backbone, image_size=image_size, crop_pct=crop_pct,
+                                                       interpolation=interpolation)
+    out = cache_path(cache_root, dataset, backbones.external.file_stem(backbone), tag)
     dev = resolve_device(device)
     # -- data: split files, rows, images exist, no empty class
     source = resolve_dataset(dataset, data_root, Path(cache_root))
@@ -135,7 +137,6 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
         if not ck.is_file():
             raise CheckpointError(f"checkpoint {ck} does not exist")
         sha = file_sha256(ck)
-    tf = eval_transform(image_size)
     root_attrs = make_root_attrs(dataset, backbone, checkpoint_sha256=sha, image_size=image_size,
                                  transform=tf.description, data_root=str(Path(source.root).resolve()))
     # -- the existing cache: refuse what would mix features of different provenance
@@ -166,7 +167,7 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
     # network as its first part (and two runs agree).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = backbones.build(backbone)
+        model = build()
     if checkpoint is not None:
         backbones.load_checkpoint(model, checkpoint)
     model.eval().to(dev)
@@ -190,6 +191,29 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
         say(f"{split}: {len(ds) - n_skipped} images, {len(source_classes)} classes written to {out}"
             + (f" ({n_skipped} unreadable images skipped)" if n_skipped else ""))
     return out
+
+
+def resolve_backbone(backbone: str, *, image_size: int | None = None, crop_pct: float | None = None,
+                     interpolation: str | None = None) -> tuple[str, Callable[[Any], torch.Tensor], int,
+                                                                 Callable[[], Any]]:
+    """``(canonical name, evaluation transform, crop side, builder)`` of a backbone name, without
+    building the model (cheap; ConfigError for an unknown name or bad option). The transform carries
+    the ``description`` the cache records; the builder returns the model with fresh weights."""
+    from poodle import backbones
+    from poodle.data.transforms import eval_transform
+
+    if backbones.is_external(backbone):
+        ts = backbones.eval_transform_spec(backbone, image_size=image_size, crop_pct=crop_pct,
+                                           interpolation=interpolation)
+        return backbone, ts.build(), ts.crop, lambda: backbones.build_external(backbone)
+    spec = backbones.get_spec(backbone)
+    if crop_pct is not None or interpolation is not None:
+        raise ConfigError(f"--crop-pct and --interpolation apply to torchvision:/timm: backbones; {spec.name} "
+                          f"uses the release's transform (resize to size*256/224, bilinear)")
+    size = 84 if image_size is None else int(image_size)
+    if size < spec.min_input_size:
+        raise ConfigError(f"backbone {spec.name} needs --image-size >= {spec.min_input_size}, got {size}")
+    return spec.name, eval_transform(size), size, lambda: backbones.build(spec.name)
 
 
 def _complete_splits(out: Path, split_list: list[str], samples: dict[str, list[tuple[str, str]]], dtype: str,

@@ -28,19 +28,38 @@ PREFIX = "module."
 # First key component of every head any registered backbone may carry.
 HEAD_ROOTS = frozenset({"fc", "linear", "classifier", "further", "fc2"})
 _SHOWN = 5   # keys listed per category in an error message
+# Top-level keys under which checkpoint files of the release, timm, DeiT, MAE, ... keep the weights.
+WRAPPERS = ("state_dict", "model")
+
+
+def _read_safetensors(p: Path) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+    except ImportError:
+        raise CheckpointError(f"{p}: reading .safetensors files needs safetensors: pip install safetensors") from None
+    try:
+        state = load_file(str(p), device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{p} is not a safetensors file ({str(e).strip().splitlines()[0][:160]})") from None
+    if not state:
+        raise CheckpointError(f"{p} holds no tensors")
+    return dict(state)
 
 
 def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load ``path`` with ``weights_only=True`` onto the CPU.
 
-    Returns ``(state_dict, meta)``: the state dict (from ``{"state_dict": ...}`` or a bare state
-    dict, keys as stored) and the file's other top-level entries (``arch``, ``epoch``, ...).
+    Returns ``(state_dict, meta)``: the state dict (from ``{"state_dict": ...}``, ``{"model": ...}``
+    or a bare state dict, keys as stored; a ``.safetensors`` file is read with safetensors) and the file's other top-level entries (``arch``, ``epoch``, ...).
     Raises CheckpointError naming the file when it is missing, not a torch file, not loadable
     with ``weights_only=True``, or holds no state dict.
     """
     p = Path(path)
     if not p.is_file():
         raise CheckpointError(f"checkpoint {p} does not exist")
+    if p.suffix == ".safetensors":
+        return _read_safetensors(p), {}
     try:
         with warnings.catch_warnings():
             # torch warns about the pickle protocol of foreign files; the error below says enough.
@@ -57,8 +76,9 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
         detail = next((ln for ln in lines if ln.startswith("Unsupported")), lines[0] if lines else "")
         raise CheckpointError(f"{p} is not a torch checkpoint ({type(e).__name__}: "
                               f"{detail[:160]})") from e
-    if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
-        state, meta = obj["state_dict"], {k: v for k, v in obj.items() if k != "state_dict"}
+    wrapper = next((k for k in WRAPPERS if isinstance(obj, Mapping) and isinstance(obj.get(k), Mapping)), None)
+    if wrapper is not None:
+        state, meta = obj[wrapper], {k: v for k, v in obj.items() if k != wrapper}
     elif isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         state, meta = obj, {}
     else:
@@ -86,11 +106,18 @@ def remap_state_dict(model: Backbone, state_dict: Mapping[str, torch.Tensor]
     absent = tuple(p for p, present in model.head_prefixes().items() if not present)
     if absent:
         sd = {k: v for k, v in sd.items() if not k.startswith(absent)}
-    for k, v in model.state_dict().items():
+    for k, v in _weights_module(model).state_dict().items():
         if k.endswith(".num_batches_tracked") and k not in sd \
                 and k[: -len("num_batches_tracked")] + "running_mean" in sd:
             sd[k] = torch.zeros_like(v)
     return sd
+
+
+def _weights_module(model: nn.Module) -> nn.Module:
+    """The module whose state dict a checkpoint describes: the model itself, or the wrapped
+    torchvision/timm network of an external backbone (``weights_module()``)."""
+    fn = getattr(model, "weights_module", None)
+    return fn() if callable(fn) else model
 
 
 def _strip(key: str) -> str:
@@ -162,7 +189,8 @@ def load_state_dict_strict(model: Backbone, state_dict: Mapping[str, torch.Tenso
     """
     model = _unwrap(model)
     sd = remap_state_dict(model, state_dict)
-    missing, unexpected, mismatched = check_state_dict(model, sd)
+    target = _weights_module(model)
+    missing, unexpected, mismatched = check_state_dict(target, sd)
     if missing or unexpected or mismatched:
         name = getattr(model, "name", type(model).__name__)
         parts = []
@@ -173,7 +201,8 @@ def load_state_dict_strict(model: Backbone, state_dict: Mapping[str, torch.Tenso
         if mismatched:
             parts.append(f"{len(mismatched)} shape mismatches ({_listing(mismatched)})")
         msg = f"{source} does not fit {name}: " + ", ".join(parts)
-        guess = guess_architecture(state_dict)
+        # the guess compares with the release's backbones; an external model is none of them
+        guess = None if model is not target else guess_architecture(state_dict)
         file_arch = (meta or {}).get("arch")
         if guess is not None and guess[0] != name:
             msg += f"; it looks like a {guess[0]} checkpoint" if guess[1] \
@@ -187,7 +216,7 @@ def load_state_dict_strict(model: Backbone, state_dict: Mapping[str, torch.Tenso
             msg += (f"; its classifier has {w.shape[0]} classes: build with num_classes="
                     f"{w.shape[0]}, or 0 to leave the classifier out")
         raise CheckpointError(msg)
-    model.load_state_dict(sd, strict=True)
+    target.load_state_dict(sd, strict=True)
 
 
 def load_checkpoint(model: Backbone, path: str | os.PathLike) -> str:
