@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("train", "train", "Pre-train a backbone (simple, rot, rot-kd)."),
     "grid": ("grid", "grid", "Run an ablation grid over one cache and one episode set."),
     "report": ("report", "report", "Turn grid or solve results into tables and figures."),
+    "predict": ("predict", "predict", "Classify a folder of images from a few labelled ones per class."),
     "demo": ("demo", "demo", "The whole pipeline on the embedded glyphs dataset, on CPU, in minutes."),
 }
 

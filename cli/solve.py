@@ -127,13 +127,16 @@ def _versions() -> dict[str, str]:
               help="Bound on the working set of the chunks in flight (sets the chunk size).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="CPU: chunks solved at once, each single-threaded [default: torch's thread count].")
+@click.option("--preprocess", default="l2n", show_default=True, metavar="l2n|cl2n|power[:BETA]",
+              help="Feature preprocessing: the cached rows, SimpleShot centring on the train split's mean, or "
+                   "PT-MAP's power transform (default BETA 0.5); applied to the split and the negative pool.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write everything to this JSON file.")
 @click.pass_context
 @friendly_errors
 def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, way, shot, query, episodes,
           seed, methods, transductive, alpha, beta, steps, lr, label_smoothing, no_stopgrad_pull,
           no_stopgrad_push, preset, sets, negatives, n_neg, imbalance, save_episodes, episodes_from, device,
-          max_memory, workers, json_path) -> None:
+          max_memory, workers, preprocess, json_path) -> None:
     """Sample episodes from a feature cache and solve them all at once."""
     from poodle import solvers
     from poodle.cache import read_split
@@ -142,6 +145,7 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
     from poodle.errors import ConfigError
     from poodle.evaluate import evaluate, needs_negatives, paired_difference, prepare_negatives, summarize
     from poodle.negatives import NegativeSpec
+    from poodle.preprocess import Preprocessor
     from poodle.utils import atomic_path, resolve_device
 
     t_start = time.perf_counter()
@@ -174,6 +178,8 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
         features = read_split(path, split)
         eps = sample_episodes(features.labels, spec, episodes, classes=features.classes)
 
+    pre = Preprocessor.from_cache(preprocess, path, log=lambda msg: console.print(msg, highlight=False, markup=False))
+    features = pre.split(features)
     users = [m for _, m, c in configs if needs_negatives(m, c)]
     neg_spec = NegativeSpec(negatives, n_neg) if users else NegativeSpec("none", n_neg)
     if users and neg_spec.is_none:
@@ -189,13 +195,15 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
     console.print(f"[bold]{len(eps):,}[/] episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
                   + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
                   + f", split {spec.split} of {path}; negatives: "
-                  + (f"{neg_spec.source} x {neg_spec.n_neg}" if users else "none") + f"; device {dev}",
+                  + (f"{neg_spec.source} x {neg_spec.n_neg}" if users else "none") + f"; preprocess {pre.spec.key}"
+                  + f"; device {dev}",
                   highlight=False)
     stats: dict[str, Any] = {}
     t0 = time.perf_counter()
     with progress_bar("solving", total=len(eps), unit="episodes") as advance:
         accs = evaluate(features, eps, configs, negatives=neg_spec if users else None, cache_path=path,
-                        device=dev, max_memory=max_memory, progress=advance, stats=stats, workers=workers)
+                        device=dev, max_memory=max_memory, progress=advance, stats=stats, workers=workers,
+                        preprocess=pre)
     solve_s = time.perf_counter() - t0
 
     from rich import box
@@ -230,7 +238,7 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
             "config": {"cache": str(path), "split": spec.split, "way": spec.way, "shot": spec.shot,
                        "query": spec.query, "imbalance": spec.imbalance, "seed": spec.seed, "episodes": len(eps),
                        "episodes_from": episodes_from, "negatives": neg_spec.source if users else "none",
-                       "n_neg": neg_spec.n_neg if users else 0, "device": str(dev), "max_memory": max_memory,
+                       "n_neg": neg_spec.n_neg if users else 0, "preprocess": pre.spec.key, "device": str(dev), "max_memory": max_memory,
                        "chunk_size": stats["chunk_size"], "workers": stats["workers"], "methods": methods,
                        "options": {m: {k: v for k, v in per[m].items()} for m in methods}},
             "results": results,

@@ -118,7 +118,7 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
              negatives: NegativeSpec | None = None, cache_path: Any = None, device: str | torch.device = "auto",
              max_memory: str | int = "2GiB", progress: Callable[[int], None] | None = None,
              chunk_size: int | None = None, dtype: torch.dtype = torch.float32,
-             workers: int | None = None, stats: dict | None = None) -> dict[str, Tensor]:
+             workers: int | None = None, stats: dict | None = None, preprocess: Any = None) -> dict[str, Tensor]:
     """Per-episode accuracies of every method on ``episodes``.
 
     Args:
@@ -137,6 +137,8 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
             operations, and splitting each of them across cores costs more in synchronisation than
             it gains (under any other load on the machine, far more). Results do not depend on it.
         stats: if given, filled with ``chunk_size``, ``n_chunks``, ``device``, ``seconds`` per label.
+        preprocess: a :class:`poodle.preprocess.Preprocessor` whose transform the negative pool gets
+            (the caller transforms ``features`` itself).
 
     Returns:
         ``{label: float64 [E] accuracies in [0, 1]}`` on the CPU.
@@ -167,6 +169,8 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
             raise ConfigError(f"method(s) {', '.join(sorted(set(users)))} need negatives; "
                               "use --negatives base|random|sphere|FILE[:SPLIT]")
         episodes, pool = prepare_negatives(episodes, neg_spec, cache_path, D)
+        if pool is not None and preprocess is not None:
+            pool = preprocess.pool(neg_spec.source, cache_path, D)
         neg_idx = episodes.negatives if pool is not None else None
         M = neg_spec.n_neg
 

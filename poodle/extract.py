@@ -82,7 +82,8 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
             batch_size: int = 64, crop_pct: float | None = None, interpolation: str | None = None,
             device: str | torch.device = "auto", cache_root: str | os.PathLike = "cache", tag: str | None = None,
             dtype: str = "float32", workers: int | None = None, force: bool = False, skip_bad: bool = False,
-            progress_factory: ProgressFactory | None = None, log: Callable[[str], None] | None = None) -> Path:
+            progress_factory: ProgressFactory | None = None, log: Callable[[str], None] | None = None,
+            source: Any = None) -> Path:
     """Extract L2-normalised features of ``splits`` of ``dataset`` with ``backbone`` into the cache.
 
     Args:
@@ -104,6 +105,8 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
         progress_factory: ``(description, total) -> context manager yielding advance(n)``, entered
             once per split extracted.
         log: receives one line per notable event (split skipped, resumed, written).
+        source: a :class:`poodle.data.DatasetSource` to read instead of resolving ``dataset``
+            (``dataset`` then only names the cache; ``poodle predict`` passes its image lists).
 
     Returns:
         The cache path. Every requested split is complete in it.
@@ -128,7 +131,8 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
     out = cache_path(cache_root, dataset, backbones.external.file_stem(backbone), tag)
     dev = resolve_device(device)
     # -- data: split files, rows, images exist, no empty class
-    source = resolve_dataset(dataset, data_root, Path(cache_root))
+    if source is None:
+        source = resolve_dataset(dataset, data_root, Path(cache_root))
     samples = {s: source.samples(s) for s in split_list}
     # -- checkpoint file
     sha = "none"

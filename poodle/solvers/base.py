@@ -27,7 +27,9 @@ class EpisodeBatch:
     """A chunk of ``E`` episodes, gathered onto one device.
 
     Attributes:
-        support: ``[E, Ns, D]`` float, rows L2-normalised, class-major (``Ns = way * shot``).
+        support: ``[E, Ns, D]`` float, rows L2-normalised, in any order; classes may have unequal
+            numbers of support rows (``poodle predict``), so solvers use ``support_labels``, never
+            a ``[way, shot]`` reshape (tests/test_ragged_shots.py checks every method).
         support_labels: ``[E, Ns]`` int64 in ``0..way-1``.
         query: ``[E, Nq, D]`` float, rows L2-normalised; with imbalance the per-class counts vary
             but ``Nq`` is the same for every episode.
@@ -47,6 +49,7 @@ class EpisodeBatch:
 
     @property
     def shot(self) -> int:
+        """Support rows per class when shots are equal (the mean, rounded down, otherwise)."""
         return self.support.shape[1] // self.way
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "EpisodeBatch":

@@ -1,0 +1,364 @@
+"""``poodle predict``: label a few images per class, classify the rest.
+
+The support images (one folder per class, or a ``path,label`` CSV) and the query images (a folder,
+or a ``path[,label]`` CSV) become two splits, ``support`` and ``query``, of a feature cache made by
+:func:`poodle.extract.extract` (the same transform, checks and strict checkpoint loading as
+``poodle extract``); the cache is named after a digest of both image lists, so with ``cache_dir``
+a later call on the same images reuses it. The whole task is then one episode with any number of
+classes and any number of support images per class, solved by any registered method; negatives
+come from the ``train`` split of a feature cache of the same backbone and checkpoint
+(``negatives_from``), else they are random.
+
+Output: per query its path, the predicted class, the confidence (the predicted class's
+probability) and the probability of every class, written to a CSV atomically; when the query list
+has labels, the accuracy with a 95% Wilson score interval.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from poodle.data.sources import IMAGE_EXTENSIONS, DatasetSource
+from poodle.errors import CacheError, ConfigError, DataError
+
+UNLABELLED = "?"    # the class name of unlabelled query images inside the predict cache
+SEED = 0
+
+
+def _is_image(p: Path) -> bool:
+    return p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS
+
+
+def _images_under(d: Path) -> list[Path]:
+    return sorted(p for p in d.rglob("*") if _is_image(p) and not any(part.startswith(".") for part in
+                                                                     p.relative_to(d).parts))
+
+
+def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
+    """``[(absolute path, class)]`` from ``folder/<class>/<images>`` (images found recursively)."""
+    d = Path(folder).expanduser()
+    if not d.is_dir():
+        raise DataError(f"--support {d}: no such folder")
+    class_dirs = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not class_dirs:
+        raise DataError(f"--support {d} has no class folders (layout: SUPPORT/<class>/<image>)")
+    out = []
+    for cd in class_dirs:
+        files = _images_under(cd)
+        if not files:
+            raise DataError(f"support class {cd.name!r} has no images: {cd} (image extensions: "
+                            f"{' '.join(IMAGE_EXTENSIONS)})")
+        out += [(str(f.resolve()), cd.name) for f in files]
+    return out
+
+
+def _read_csv(path: str | os.PathLike, what: str, need_label: bool) -> list[tuple[str, str | None]]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"{what} {p}: no such file")
+    with open(p, newline="", encoding="utf-8") as fh:
+        rows = [r for r in csv.reader(fh) if r and any(c.strip() for c in r)]
+    if not rows:
+        raise DataError(f"{what} {p} is empty")
+    header = [c.strip().lower() for c in rows[0]]
+    if "path" not in header:
+        raise DataError(f"{what} {p}: the first line must be a header with a 'path' column"
+                        + (" and a 'label' column" if need_label else " (and optionally 'label')"))
+    ip, il = header.index("path"), header.index("label") if "label" in header else None
+    if need_label and il is None:
+        raise DataError(f"{what} {p}: no 'label' column in the header")
+    out: list[tuple[str, str | None]] = []
+    for n, r in enumerate(rows[1:], start=2):
+        if len(r) <= max(ip, il or 0):
+            raise DataError(f"{what} {p}, line {n}: {len(r)} fields, expected {len(header)}")
+        f = Path(r[ip].strip()).expanduser()
+        f = f if f.is_absolute() else p.parent / f
+        if not f.is_file():
+            raise DataError(f"{what} {p}, line {n}: image {f} does not exist")
+        label = r[il].strip() if il is not None else None
+        if il is not None and not label:
+            raise DataError(f"{what} {p}, line {n}: empty label")
+        out.append((str(f.resolve()), label))
+    if not out:
+        raise DataError(f"{what} {p} lists no images")
+    return out
+
+
+def support_from_csv(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """``[(absolute path, class)]`` from a CSV with a ``path,label`` header (paths relative to the CSV)."""
+    return [(f, str(c)) for f, c in _read_csv(path, "--support-csv", need_label=True)]
+
+
+def query_from_folder(folder: str | os.PathLike) -> list[tuple[str, str | None]]:
+    """``[(absolute path, None)]``: every image under ``folder``, sorted."""
+    d = Path(folder).expanduser()
+    if not d.is_dir():
+        raise DataError(f"--query {d}: no such folder")
+    files = _images_under(d)
+    if not files:
+        raise DataError(f"--query {d} holds no images (image extensions: {' '.join(IMAGE_EXTENSIONS)})")
+    return [(str(f.resolve()), None) for f in files]
+
+
+def query_from_csv(path: str | os.PathLike) -> list[tuple[str, str | None]]:
+    """``[(absolute path, label or None)]`` from a CSV with a ``path[,label]`` header."""
+    return _read_csv(path, "--query-csv", need_label=False)
+
+
+class ListSource(DatasetSource):
+    """Two splits, ``support`` and ``query``, from explicit lists of absolute paths."""
+
+    def __init__(self, lists: Mapping[str, list[tuple[str, str]]]) -> None:
+        super().__init__("predict", Path("/"))
+        self._lists = {k: list(v) for k, v in lists.items()}
+
+    def splits(self) -> list[str]:
+        return list(self._lists)
+
+    def _list(self, split: str) -> list[tuple[str, str]]:
+        # relative to "/" so that root / path is the absolute file again
+        return [(str(Path(p).relative_to(Path(p).anchor).as_posix()), c) for p, c in self._lists[split]]
+
+    def describe(self) -> str:
+        return ", ".join(f"{len(v)} {k} images" for k, v in self._lists.items())
+
+
+@dataclass
+class Prediction:
+    """The result of :func:`predict`.
+
+    ``probs`` float64 ``[Nq, C]`` (rows sum to 1), ``predictions`` int64 ``[Nq]`` indices into
+    ``classes``; ``labels`` the query labels (None when not given); ``accuracy``/``ci95`` the
+    accuracy and the half-width of its 95% Wilson interval (None without labels).
+    """
+
+    paths: list[str]
+    classes: list[str]
+    probs: torch.Tensor
+    predictions: torch.Tensor
+    support_counts: list[int]
+    method: str
+    options: dict[str, Any]
+    cache: str | None
+    labels: list[str] | None = None
+    accuracy: float | None = None
+    ci95: tuple[float, float] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def confidence(self) -> torch.Tensor:
+        return self.probs.gather(1, self.predictions.unsqueeze(1)).squeeze(1)
+
+    def per_class(self) -> list[dict[str, Any]]:
+        """Per class: support images, queries predicted, and with labels: queries, correct."""
+        out = []
+        pred = self.predictions.tolist()
+        for k, c in enumerate(self.classes):
+            row: dict[str, Any] = {"class": c, "support": self.support_counts[k],
+                                   "predicted": sum(1 for p in pred if p == k)}
+            if self.labels is not None:
+                idx = [i for i, y in enumerate(self.labels) if y == c]
+                row["queries"] = len(idx)
+                row["correct"] = sum(1 for i in idx if pred[i] == k)
+            out.append(row)
+        return out
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval ``(low, high)`` of a proportion ``correct / n`` (n > 0)."""
+    p = correct / n
+    den = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _digest(lists: Mapping[str, Sequence[tuple[str, str]]]) -> str:
+    h = hashlib.sha256()
+    for split, items in lists.items():
+        h.update(f"[{split}]\n".encode())
+        for p, c in items:
+            h.update(f"{p}\t{c}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _check_base_cache(path: Path, backbone: str, sha: str) -> None:
+    from poodle.cache import read_attrs
+
+    attrs = read_attrs(path)
+    if attrs["backbone"] != backbone or attrs["checkpoint_sha256"] != sha:
+        raise ConfigError(f"--negatives-from {path} holds features of backbone {attrs['backbone']} (checkpoint "
+                          f"{attrs['checkpoint_sha256'][:12]}), not of {backbone} (checkpoint {sha[:12]}): "
+                          f"its rows would live in another feature space")
+
+
+def predict(support: Sequence[tuple[str, str]], query: Sequence[tuple[str, str | None]], backbone: str, *,
+            checkpoint: str | os.PathLike | None = None, method: str = "poodle",
+            options: Mapping[str, Any] | None = None, negatives: str | None = None,
+            negatives_from: str | os.PathLike | None = None, n_neg: int = 400, preprocess: str = "l2n",
+            cache_dir: str | os.PathLike | None = None, image_size: int | None = None,
+            crop_pct: float | None = None, interpolation: str | None = None, batch_size: int = 64,
+            device: str | torch.device = "auto", workers: int | None = 0, force: bool = False,
+            progress_factory: Any = None, log: Callable[[str], None] | None = None) -> Prediction:
+    """Classify ``query`` images given the labelled ``support`` images.
+
+    Args:
+        support: ``[(image path, class)]``, at least two classes, any number of images per class.
+        query: ``[(image path, label or None)]``; labels (all or none) turn on accuracy reporting
+            and must be support classes.
+        backbone, checkpoint, image_size, crop_pct, interpolation: as for ``poodle extract``.
+        method, options: a registered method and its options (e.g. ``{"transductive": True}``).
+        negatives: ``base`` (the ``train`` split of ``negatives_from``), ``random``, ``sphere`` or
+            ``none``; default ``base`` with ``negatives_from``, else ``random``. Only read by
+            methods that use negatives.
+        preprocess: ``l2n``, ``cl2n`` (centres on ``negatives_from``'s train split; required
+            then) or ``power[:BETA]``.
+        cache_dir: keep the features there for the next call (else a temporary folder).
+    """
+    from poodle import solvers
+    from poodle.cache import read_split
+    from poodle.extract import extract
+    from poodle.negatives import GENERATED, NEG_STREAM, NegativeSpec, generate
+    from poodle.preprocess import Preprocessor, parse
+    from poodle.solvers import EpisodeBatch
+    from poodle.utils import file_sha256, generator, resolve_device
+
+    say = log or (lambda msg: None)
+    support, query = list(support), list(query)
+    if not support:
+        raise DataError("no support images")
+    if not query:
+        raise DataError("no query images")
+    classes = sorted({c for _, c in support})
+    if len(classes) < 2:
+        raise DataError(f"the support has one class only ({classes[0]!r}); a classifier needs at least two")
+    qlabels = [y for _, y in query]
+    labelled = [y is not None for y in qlabels]
+    if any(labelled) and not all(labelled):
+        raise DataError("some query images have a label and others none: label all of them or none")
+    labels = qlabels if all(labelled) else None
+    if labels is not None:
+        unknown = sorted(set(labels) - set(classes))
+        if unknown:
+            raise DataError(f"query label(s) {', '.join(map(repr, unknown[:5]))} are not support classes "
+                            f"({', '.join(classes)})")
+    info = solvers.get(method)
+    opts = dict(options or {})
+    cfg = solvers.make_config(info.name, opts, strict=True)
+    uses_neg = info.needs_negatives(cfg)
+    if negatives is None:
+        negatives = "base" if negatives_from is not None else "random"
+    if negatives not in ("base", "none") + GENERATED:
+        raise ConfigError(f"--negatives {negatives!r}: use base (with --negatives-from CACHE), random, sphere or none")
+    if negatives == "base" and negatives_from is None:
+        raise ConfigError("--negatives base needs --negatives-from CACHE (a feature cache of the same backbone, "
+                          "whose train split is the pool)")
+    if uses_neg and negatives == "none":
+        raise ConfigError(f"method {info.name!r} with these options needs negatives: use --negatives random, or "
+                          f"base with --negatives-from CACHE")
+    pre_spec = parse(preprocess)
+    if pre_spec.needs_base and negatives_from is None:
+        raise ConfigError("--preprocess cl2n centres on base-class features: give --negatives-from CACHE "
+                          "(its train split)")
+    sha = "none"
+    if checkpoint is not None:
+        ck = Path(checkpoint).expanduser()
+        if not ck.is_file():
+            from poodle.errors import CheckpointError
+            raise CheckpointError(f"checkpoint {ck} does not exist")
+        sha = file_sha256(ck)
+    base_path = None
+    if negatives_from is not None:
+        base_path = Path(negatives_from).expanduser()
+        if not base_path.is_file():
+            raise ConfigError(f"--negatives-from {base_path}: no such cache file")
+        _check_base_cache(base_path, backbone, sha)
+
+    # -- features: two splits of one cache, named after the image lists
+    q_items = [(p, y if y is not None else UNLABELLED) for p, y in query]
+    lists = {"support": support, "query": q_items}
+    source = ListSource(lists)
+    tmp = None
+    root = cache_dir
+    if root is None:
+        tmp = tempfile.TemporaryDirectory(prefix="poodle-predict-")
+        root = tmp.name
+    try:
+        try:
+            path = extract("predict", backbone, checkpoint=checkpoint, splits=("support", "query"),
+                           image_size=image_size, crop_pct=crop_pct, interpolation=interpolation,
+                           batch_size=batch_size, device=device, cache_root=root, tag=_digest(lists),
+                           workers=workers, force=force, progress_factory=progress_factory, log=say, source=source)
+        except DataError as e:   # predict has no --skip-bad: every image must decode
+            raise DataError(str(e).replace(" (--skip-bad leaves unreadable images out)", "")) from None
+        s = read_split(path, "support")
+        q = read_split(path, "query")
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    # The splits' classes are sorted names: support's are exactly ``classes``.
+    if s.classes != classes:
+        raise CacheError(f"{path}: support classes {s.classes} differ from the image list's {classes}")
+    # rows come back in the image-list order (extract writes them in order; nothing is skipped here)
+    if s.paths is None or q.paths is None or len(q) != len(query) or len(s) != len(support):
+        raise CacheError(f"{path}: expected {len(support)} support and {len(query)} query rows")
+
+    pre = Preprocessor.from_cache(pre_spec, base_path, log=say)
+    s, q = pre.split(s), pre.split(q)
+
+    dev = resolve_device(device)
+    neg = None
+    if uses_neg:
+        if negatives == "base":
+            pool = pre.pool("base", base_path, s.dim)
+            idx = torch.randint(pool.shape[0], (n_neg,), generator=generator(SEED, 0, NEG_STREAM))
+            neg = pool[idx].unsqueeze(0)
+        else:
+            NegativeSpec(negatives, n_neg).validate()
+            neg = generate(negatives, torch.tensor([0]), n_neg, s.dim, SEED)
+    batch = EpisodeBatch(s.features.unsqueeze(0), s.labels.unsqueeze(0), q.features.unsqueeze(0), neg,
+                         len(classes)).to(dev)
+    with torch.no_grad():
+        torch.manual_seed(SEED)
+        out = solvers.run(info.name, batch, cfg)
+    logp = out.log_probs[0].double().cpu()
+    probs = torch.softmax(logp, -1)
+    pred = probs.argmax(-1)
+    counts = torch.bincount(s.labels, minlength=len(classes)).tolist()
+    result = Prediction(paths=[p for p, _ in query], classes=classes, probs=probs, predictions=pred,
+                        support_counts=counts, method=info.name, options=opts,
+                        cache=str(path) if cache_dir is not None else None, labels=labels)
+    if labels is not None:
+        correct = sum(1 for i, y in enumerate(labels) if classes[int(pred[i])] == y)
+        result.accuracy = correct / len(labels)
+        result.ci95 = wilson_interval(correct, len(labels))
+    return result
+
+
+def write_csv(result: Prediction, path: str | os.PathLike) -> Path:
+    """``path,prediction,confidence,prob_<class>...`` (one row per query, in order), atomically."""
+    from poodle.utils import atomic_path
+
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", newline="", encoding="utf-8") as fh:
+            w = csv.writer(fh)
+            w.writerow(["path", "prediction", "confidence"] + [f"prob_{c}" for c in result.classes])
+            conf = result.confidence.tolist()
+            for i, p in enumerate(result.paths):
+                k = int(result.predictions[i])
+                w.writerow([p, result.classes[k], f"{conf[i]:.6f}"] + [f"{v:.6f}" for v in result.probs[i].tolist()])
+    return path
+
+
+__all__ = ["Prediction", "predict", "write_csv", "support_from_folder", "support_from_csv", "query_from_folder",
+           "query_from_csv", "wilson_interval", "ListSource"]

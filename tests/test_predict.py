@@ -1,0 +1,207 @@
+"""``poodle predict``: unequal shots, every query right on trivially separable generated images,
+atomic CSV output, features kept for the next call, base negatives from a cache of the same
+backbone, and one-line errors for bad inputs."""
+
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from poodle.cache import write_arrays
+from poodle.cli.predict import predict as predict_cmd
+from poodle.errors import ConfigError
+from poodle.predict import predict, query_from_folder, support_from_folder, wilson_interval, write_csv
+
+SHOTS = {"circle": 1, "square": 3, "triangle": 2}   # unequal shots per class
+KIND = {"circle": 0, "square": 1, "triangle": 2}    # _images draws shape class_index % 3
+BACKBONE = ["conv4_64", "--image-size", "32"]
+
+
+COLOUR = {"circle": (230, 30, 30), "square": (30, 230, 30), "triangle": (30, 30, 230)}
+
+
+def _img(cls: str, i: int):
+    """A 32x32 image of the class's colour with the class's shape on grey, plus per-image noise:
+    trivially separable, whatever the (random) backbone."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng([KIND[cls], i])
+    px = np.clip(128 + rng.normal(0, 6, (32, 32, 3)), 0, 255).astype(np.uint8)
+    img = Image.fromarray(px, "RGB")
+    d = ImageDraw.Draw(img)
+    box = (4, 4, 28, 28)
+    if KIND[cls] == 0:
+        d.ellipse(box, fill=COLOUR[cls])
+    elif KIND[cls] == 1:
+        d.rectangle(box, fill=COLOUR[cls])
+    else:
+        d.polygon([(16, 4), (4, 28), (28, 28)], fill=COLOUR[cls])
+    return img
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("task")
+    for c, n in SHOTS.items():
+        (root / "support" / c).mkdir(parents=True)
+        for i in range(n):
+            _img(c, i).save(root / "support" / c / f"{i}.png")
+    (root / "query").mkdir()
+    truth = {}
+    rows = [("path", "label")]
+    for c in SHOTS:
+        for i in range(10, 14):
+            name = f"{c[:2]}{i}.png"
+            _img(c, i).save(root / "query" / name)
+            truth[name] = c
+            rows.append((f"query/{name}", c))
+    with open(root / "query.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows(rows)
+    return root, truth
+
+
+def _run(*args):
+    return CliRunner().invoke(predict_cmd, [*map(str, args)])
+
+
+def _read(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+@pytest.mark.parametrize("method,extra", [("proto", []), ("poodle", []), ("poodle", ["--transductive"]),
+                                          ("tim-gd", ["--set", "steps=50"])])
+def test_every_query_right_with_unequal_shots(task, tmp_path, method, extra):
+    root, truth = task
+    out = tmp_path / "pred.csv"
+    r = _run("--support", root / "support", "--query", root / "query", "--backbone", *BACKBONE, "--method", method,
+             *extra, "--out", out)
+    assert r.exit_code == 0, r.output
+    rows = _read(out)
+    assert [c for c in rows[0]] == ["path", "prediction", "confidence", "prob_circle", "prob_square",
+                                    "prob_triangle"]
+    assert len(rows) == len(truth)
+    for row in rows:
+        name = row["path"].rsplit("/", 1)[-1]
+        assert row["prediction"] == truth[name], (method, row)
+        probs = [float(row[f"prob_{c}"]) for c in SHOTS]
+        assert sum(probs) == pytest.approx(1, abs=1e-5)
+        assert float(row["confidence"]) == pytest.approx(max(probs), abs=1e-6)
+    assert "support" in r.output and "predicted" in r.output
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_labelled_query_csv_reports_accuracy_and_cache_dir_is_reused(task, tmp_path):
+    root, truth = task
+    cache = tmp_path / "feats"
+    args = ["--support", root / "support", "--query-csv", root / "query.csv", "--backbone", *BACKBONE,
+            "--method", "proto", "--out", tmp_path / "p.csv", "--cache-dir", cache]
+    r = _run(*args)
+    assert r.exit_code == 0, r.output
+    assert "accuracy 100.00%" in r.output and "12 queries" in r.output
+    files = list(cache.rglob("*.h5"))
+    assert len(files) == 1 and files[0].parent.name == "predict"
+    r2 = _run(*args)
+    assert r2.exit_code == 0 and "already complete" in r2.output
+
+
+def test_library_result_and_wilson_interval(task):
+    root, truth = task
+    res = predict(support_from_folder(root / "support"), query_from_folder(root / "query"), "conv4_64",
+                  image_size=32, method="naive-ood", options={"steps": 30})
+    assert res.support_counts == [1, 3, 2]
+    assert [res.classes[int(k)] for k in res.predictions] == [truth[p.rsplit("/", 1)[-1]] for p in res.paths]
+    assert res.accuracy is None and [r["predicted"] for r in res.per_class()] == [4, 4, 4]
+    lo, hi = wilson_interval(12, 12)
+    assert hi == 1.0 and 0.75 < lo < 0.76        # 12/12: [0.7575, 1]
+    lo, hi = wilson_interval(5, 10)
+    assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)
+
+
+def test_base_negatives_come_from_a_cache_of_the_same_backbone(task, tmp_path):
+    root, _ = task
+    rng = np.random.default_rng(0)
+    base = tmp_path / "base.h5"
+    write_arrays(base, {"train": (np.abs(rng.standard_normal((20, 64))), np.arange(20) % 4, list("abcd"))},
+                 dataset="x", backbone="conv4_64")
+    res = predict(support_from_folder(root / "support"), query_from_folder(root / "query"), "conv4_64",
+                  image_size=32, method="poodle", options={"steps": 20}, negatives_from=base, preprocess="cl2n")
+    assert len(res.paths) == 12
+    other = tmp_path / "other.h5"
+    write_arrays(other, {"train": (rng.standard_normal((20, 64)), np.arange(20) % 4, list("abcd"))},
+                 dataset="x", backbone="resnet12")
+    with pytest.raises(ConfigError, match="holds features of backbone resnet12"):
+        predict(support_from_folder(root / "support"), query_from_folder(root / "query"), "conv4_64",
+                image_size=32, negatives_from=other)
+    with pytest.raises(ConfigError, match="cl2n centres on base-class features"):
+        predict(support_from_folder(root / "support"), query_from_folder(root / "query"), "conv4_64",
+                image_size=32, preprocess="cl2n")
+
+
+def _one_line_error(r, *needles):
+    assert r.exit_code == 1, r.output
+    # progress lines may come first (stderr); the error is one line, the last
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert sum(ln.startswith("error:") for ln in lines) == 1 and lines[-1].startswith("error:"), r.output
+    for n in needles:
+        assert n in lines[-1], r.output
+
+
+def test_bad_inputs_are_one_line_errors(task, tmp_path):
+    root, _ = task
+    q, out = root / "query", tmp_path / "p.csv"
+    # an empty class folder
+    sup = tmp_path / "s1"
+    for c in ("a", "b"):
+        (sup / c).mkdir(parents=True)
+    _img("circle", 0).save(sup / "a" / "0.png")
+    _one_line_error(_run("--support", sup, "--query", q, "--backbone", *BACKBONE, "--out", out),
+                    "class 'b' has no images")
+    # one class only
+    sup2 = tmp_path / "s2"
+    (sup2 / "a").mkdir(parents=True)
+    _img("circle", 0).save(sup2 / "a" / "0.png")
+    _one_line_error(_run("--support", sup2, "--query", q, "--backbone", *BACKBONE, "--out", out),
+                    "one class only", "'a'")
+    # a query folder without images
+    empty = tmp_path / "emptyq"
+    (empty / "sub").mkdir(parents=True)
+    (empty / "notes.txt").write_text("no images here")
+    _one_line_error(_run("--support", root / "support", "--query", empty, "--backbone", *BACKBONE, "--out", out),
+                    "holds no images")
+    # an unreadable image
+    badq = tmp_path / "badq"
+    badq.mkdir()
+    _img("circle", 20).save(badq / "ok.png")
+    (badq / "broken.png").write_bytes(b"\x89PNG not really")
+    _one_line_error(_run("--support", root / "support", "--query", badq, "--backbone", *BACKBONE, "--out", out),
+                    "cannot decode image", "broken.png")
+    assert not out.exists()
+    # a query label that is not a support class
+    bad_csv = tmp_path / "q.csv"
+    bad_csv.write_text(f"path,label\n{root / 'query' / 'ci10.png'},dog\n")
+    _one_line_error(_run("--support", root / "support", "--query-csv", bad_csv, "--backbone", *BACKBONE,
+                         "--out", out), "'dog'", "not support classes")
+    # a method that is inductive only, asked to be transductive
+    _one_line_error(_run("--support", root / "support", "--query", q, "--backbone", *BACKBONE, "--method", "proto",
+                         "--transductive", "--out", out), "inductive only")
+
+
+def test_write_csv_is_atomic(task, tmp_path, monkeypatch):
+    root, _ = task
+    res = predict(support_from_folder(root / "support"), query_from_folder(root / "query"), "conv4_64",
+                  image_size=32, method="proto")
+    target = tmp_path / "out.csv"
+    target.write_text("previous\n")
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", boom)
+    with pytest.raises(RuntimeError):
+        write_csv(res, target)
+    assert target.read_text() == "previous\n" and not list(tmp_path.glob("*.partial"))
