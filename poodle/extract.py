@@ -209,7 +209,7 @@ def resolve_backbone(backbone: str, *, image_size: int | None = None, crop_pct: 
     if backbones.is_external(backbone):
         ts = backbones.eval_transform_spec(backbone, image_size=image_size, crop_pct=crop_pct,
                                            interpolation=interpolation)
-        return backbone, ts.build(), ts.crop, lambda: backbones.build_external(backbone)
+        return backbone, ts.build(), ts.crop, lambda: backbones.build_external(backbone, image_size=ts.crop)
     spec = backbones.get_spec(backbone)
     if crop_pct is not None or interpolation is not None:
         raise ConfigError(f"--crop-pct and --interpolation apply to torchvision:/timm: backbones; {spec.name} "

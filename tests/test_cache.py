@@ -33,7 +33,7 @@ def test_write_arrays_round_trip(tmp_path):
     assert s.classes == ["a", "b", "c"] and s.paths == paths and s.name == "train" and len(s) == 12
     assert cache.read_split(p, "test").paths is None
     attrs = cache.read_attrs(p)
-    assert attrs["format"] == "poodle-features" and attrs["version"] == 1
+    assert attrs["format"] == "poodle-features" and attrs["version"] == 2
     assert (attrs["dataset"], attrs["backbone"], attrs["image_size"]) == ("mine", "bb", 84)
     assert attrs["checkpoint_sha256"] == "ab" * 32 and attrs["transform"] == "none"
     summary = cache.validate(p)

@@ -120,6 +120,23 @@ def test_timm_model_from_safetensors_uses_its_data_config(data, tmp_path, no_net
         _check_rows(path, data, "test", tf, lambda x: net.forward_head(net.forward_features(x), pre_logits=True))
 
 
+def test_timm_vit_at_another_image_size_loads_its_default_size_checkpoint(data, tmp_path):
+    timm = pytest.importorskip("timm")
+
+    torch.manual_seed(5)
+    net = timm.create_model("test_vit", pretrained=False).eval()        # built for 160 px
+    ck = tmp_path / "vit.pth"
+    torch.save(net.state_dict(), ck)
+    path = extract("folder", "timm:test_vit", data_root=data, checkpoint=ck, image_size=64, batch_size=8,
+                   cache_root=tmp_path / "c", workers=0, device="cpu", splits="test")
+    assert read_attrs(path)["image_size"] == 64
+    ref = timm.create_model("test_vit", pretrained=False, dynamic_img_size=True).eval()
+    ref.load_state_dict(net.state_dict())
+    tf = eval_transform_spec("timm:test_vit", image_size=64).build()
+    with torch.no_grad():
+        _check_rows(path, data, "test", tf, lambda x: ref.forward_head(ref.forward_features(x), pre_logits=True))
+
+
 def test_another_models_state_dict_is_refused_with_the_keys(tmp_path):
     import torchvision
 

@@ -282,16 +282,30 @@ def _torchvision_forward(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.flatten(net(x), 1)
 
 
-def build_external(name: str) -> ExternalBackbone:
+def build_external(name: str, image_size: int | None = None) -> ExternalBackbone:
     """Build ``torchvision:NAME`` / ``timm:NAME`` with fresh random weights and no classifier,
-    downloading nothing (a builder that tries is a ConfigError)."""
+    downloading nothing (a builder that tries is a ConfigError).
+
+    ``image_size``: the input side it will see. A timm model whose default input size differs is
+    built with ``dynamic_img_size=True`` where it has that option (ViTs: the position embeddings
+    are interpolated at run time, so a checkpoint made at the default size still loads).
+    """
     source, model = split_name(name)
     if source == "timm":
         timm = import_timm()
         if not timm.is_model(model):
             raise ConfigError(f"timm has no model {model!r} (poodle extract --list-backbones lists them)")
+        cfg0 = timm.get_pretrained_cfg(model)
+        default = int(cfg0.input_size[-1]) if cfg0 is not None and cfg0.input_size else None
         with no_downloads(name):
-            net = timm.create_model(model, pretrained=False, num_classes=0)
+            net = None
+            if image_size is not None and default is not None and int(image_size) != default:
+                try:
+                    net = timm.create_model(model, pretrained=False, num_classes=0, dynamic_img_size=True)
+                except TypeError:   # a model without that option (CNNs take any size anyway)
+                    net = None
+            if net is None:
+                net = timm.create_model(model, pretrained=False, num_classes=0)
         cfg = getattr(net, "pretrained_cfg", None) or {}
         heads = cfg.get("classifier") or ()
         heads = (heads,) if isinstance(heads, str) else tuple(heads)
