@@ -21,9 +21,10 @@ import hashlib
 import math
 import os
 import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -349,16 +350,24 @@ def write_csv(result: Prediction, path: str | os.PathLike) -> Path:
     from poodle.utils import atomic_path
 
     path = Path(path)
-    with atomic_path(path) as tmp:
-        with open(tmp, "w", newline="", encoding="utf-8") as fh:
-            w = csv.writer(fh)
-            w.writerow(["path", "prediction", "confidence"] + [f"prob_{c}" for c in result.classes])
-            conf = result.confidence.tolist()
-            for i, p in enumerate(result.paths):
-                k = int(result.predictions[i])
-                w.writerow([p, result.classes[k], f"{conf[i]:.6f}"] + [f"{v:.6f}" for v in result.probs[i].tolist()])
+    with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(["path", "prediction", "confidence"] + [f"prob_{c}" for c in result.classes])
+        conf = result.confidence.tolist()
+        for i, p in enumerate(result.paths):
+            k = int(result.predictions[i])
+            w.writerow([p, result.classes[k], f"{conf[i]:.6f}"] + [f"{v:.6f}" for v in result.probs[i].tolist()])
     return path
 
 
-__all__ = ["Prediction", "predict", "write_csv", "support_from_folder", "support_from_csv", "query_from_folder",
-           "query_from_csv", "wilson_interval", "ListSource"]
+__all__ = [
+    "ListSource",
+    "Prediction",
+    "predict",
+    "query_from_csv",
+    "query_from_folder",
+    "support_from_csv",
+    "support_from_folder",
+    "wilson_interval",
+    "write_csv",
+]

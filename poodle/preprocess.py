@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -132,7 +132,7 @@ class Preprocessor:
 
     @classmethod
     def from_cache(cls, spec: str | Preprocess | None, cache_path: str | os.PathLike | None,
-                   log: Callable[[str], None] | None = None) -> "Preprocessor":
+                   log: Callable[[str], None] | None = None) -> Preprocessor:
         """Fitted to the ``train`` split of ``cache_path`` (read only when ``spec`` needs it)."""
         p = parse(spec)
         base = None
@@ -209,4 +209,4 @@ class Preprocessor:
         return pool
 
 
-__all__ = ["KINDS", "Preprocess", "Preprocessor", "parse", "power_transform", "centre_transform"]
+__all__ = ["KINDS", "Preprocess", "Preprocessor", "centre_transform", "parse", "power_transform"]

@@ -206,7 +206,7 @@ def test_transform_comes_from_the_model_and_options_override_it():
 
 
 def test_cache_with_another_transform_is_refused_unless_force(data, tmp_path):
-    kw = dict(data_root=data, batch_size=8, cache_root=tmp_path, workers=0, device="cpu", splits="test")
+    kw = {"data_root": data, "batch_size": 8, "cache_root": tmp_path, "workers": 0, "device": "cpu", "splits": "test"}
     path = extract("folder", "torchvision:mobilenet_v3_small", image_size=32, **kw)
     with pytest.raises(CacheError, match="transform="):
         extract("folder", "torchvision:mobilenet_v3_small", image_size=32, interpolation="bicubic", **kw)

@@ -96,7 +96,7 @@ def test_every_query_right_with_unequal_shots(task, tmp_path, method, extra):
 
 
 def test_labelled_query_csv_reports_accuracy_and_cache_dir_is_reused(task, tmp_path):
-    root, truth = task
+    root, _ = task
     cache = tmp_path / "feats"
     args = ["--support", root / "support", "--query-csv", root / "query.csv", "--backbone", *BACKBONE,
             "--method", "proto", "--out", tmp_path / "p.csv", "--cache-dir", cache]

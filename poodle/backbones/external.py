@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,7 +57,7 @@ def import_timm() -> Any:
     """The timm module, or a ConfigError saying how to install it."""
     try:
         import timm
-        import timm.data  # noqa: F401
+        import timm.data
     except ImportError:
         raise ConfigError(TIMM_HINT) from None
     return timm
