@@ -42,12 +42,12 @@ def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where:
     """Tables shaped like the paper's (mean ± 95% CI, significant best in bold) and figures."""
     from poodle import report as R
 
-    res = R.load_results(list(results))
+    res = R.load_results(list(results), warn=lambda m: console.print(f"[yellow]note[/]: {m}", highlight=False))
     res = R.filter_results(res, R.parse_where(where))
     if figure is not None:
         from poodle import report_figures as F
 
-        panel_keys = R._split_keys(panels)
+        panel_keys = R.split_keys(panels)
         target = out or results[0].with_name(results[0].name.removesuffix(".jsonl").removesuffix(".results")
                                              + f".{figure}.png")
         if figure == "heatmap":
