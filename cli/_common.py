@@ -78,3 +78,25 @@ class SizeType(click.ParamType):
             return parse_size(value)
         except PoodleError as e:
             self.fail(str(e), param, ctx)
+
+
+def render_table(table: Any, title: str | None = None) -> Any:
+    """A :class:`poodle.report.Table` as a rich table: the one renderer of result tables (``report``,
+    ``demo``, ``grid``); bold entries in bold green."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from poodle.report import key_name
+
+    t = Table(show_lines=False, title=title)
+    for k in table.row_keys:
+        t.add_column(key_name(k))
+    for j in range(len(table.cols)):
+        t.add_column(table.col_label(j, sep="\n"), justify="right")
+    for i in range(len(table.rows)):
+        cells = [Text(v) for v in table.row_labels(i)]
+        for j in range(len(table.cols)):
+            e = table.entries.get((i, j))
+            cells.append(Text(table.cell_text(i, j), style="bold green" if e is not None and e.bold else ""))
+        t.add_row(*cells)
+    return t

@@ -106,7 +106,7 @@ def test_grid_hash_ignores_formatting_but_not_cells(tmp_path, cache):
     ("[solver]\nmethod = 'proto'\nbeta = 0.5\n",
      r"unknown option 'beta' for method proto \(it is an option of .*poodle"),
     ("[solver]\nalpha = ['abc']\n", r"option 'alpha' of method 'poodle' expects a float, got 'abc'"),
-    ("[solver]\nsteps = 2.5\n", r"option 'steps' of method 'poodle' expects a int, got 2.5"),
+    ("[solver]\nsteps = 2.5\n", r"option 'steps' of method 'poodle' expects an int, got 2.5"),
     ("[episodes]\nshot = [1, 'five']\n", r"option 'shot' expects an integer, got 'five'"),
     ("[episodes]\nimbalance = -1\n", r"option 'imbalance' expects a Dirichlet concentration > 0"),
     ("[episodes]\nway = true\n", r"option 'way' expects an integer, got True"),
