@@ -1,5 +1,6 @@
 """Accuracy under each feature preprocessing (l2n, cl2n, power): proto, POODLE inductive and
-transductive, TIM-GD (the POODLE authors' settings: preset poodle-paper, 250 steps), 1 and 5 shots, on one cache; every cell on the same episodes and negatives.
+transductive, TIM-GD (the POODLE authors' settings: preset poodle-paper, 250 steps), 1 and 5 shots,
+on one cache; every cell on the same episodes and negatives.
 
     python benchmarks/preprocess.py --cache cache/glyphs/conv4_64-....h5 --episodes 500
 
@@ -69,7 +70,8 @@ def main() -> None:
         method, shot = row.split(" | ")
         print(f"| {method} | {shot.split('-')[0]} | "
               + " | ".join(f"{vals[k][0]:.2f} ± {vals[k][1]:.2f}" for k in keys) + " |")
-    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+    cpu = platform.processor() or platform.machine()
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}, "
           f"{time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as fh:

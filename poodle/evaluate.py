@@ -167,7 +167,7 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
     if users:
         if neg_spec.is_none:
             raise ConfigError(f"method(s) {', '.join(sorted(set(users)))} need negatives; "
-                              "use --negatives base|random|sphere|FILE[:SPLIT]")
+                              "set negatives to base, random, sphere or FILE[:SPLIT]")
         episodes, pool = prepare_negatives(episodes, neg_spec, cache_path, D)
         if pool is not None and preprocess is not None:
             pool = preprocess.pool(neg_spec.source, cache_path, D)

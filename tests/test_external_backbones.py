@@ -113,7 +113,8 @@ def test_timm_model_from_safetensors_uses_its_data_config(data, tmp_path, no_net
     cfg = resolve_data_config({}, model=net)
     attrs = read_attrs(path)
     assert attrs["image_size"] == cfg["input_size"][-1] == 160
-    assert "bicubic" in attrs["transform"] and f"resize shorter side to {int(160 / cfg['crop_pct'])}" in attrs["transform"]
+    resize = int(160 / cfg["crop_pct"])
+    assert "bicubic" in attrs["transform"] and f"resize shorter side to {resize}" in attrs["transform"]
     # the reference goes through timm's own transform and timm's own pre-logits
     tf = create_transform(**cfg, is_training=False)
     with torch.no_grad():

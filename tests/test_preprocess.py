@@ -3,8 +3,6 @@ the fallback on caches without norms, the negative pool, and the solve hook (rec
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -17,6 +15,7 @@ from poodle.errors import ConfigError, DataError
 from poodle.evaluate import evaluate
 from poodle.negatives import NegativeSpec
 from poodle.preprocess import Preprocess, Preprocessor, parse
+from poodle.results import IDENTITY_FIELDS, identity_key, read_results, record_flat
 
 
 def _unit(x):
@@ -121,7 +120,17 @@ def test_solve_records_the_preprocessing(cache, tmp_path):
                                    "20", "--method", "proto", "--preprocess", "cl2n", "--json", str(out)])
     assert r.exit_code == 0, r.output
     assert "preprocess cl2n" in " ".join(r.output.split())
-    assert json.loads(out.read_text())["config"]["preprocess"] == "cl2n"
+    rec = read_results(out).records[0]
+    assert rec["preprocess"] == "cl2n" and record_flat(rec)["preprocess"] == "cl2n"
+    # the default is left out of the identity, so records made before the option keep their keys
+    r = CliRunner().invoke(solve, ["--cache", str(cache), "--way", "4", "--shot", "1", "--query", "5", "--episodes",
+                                   "20", "--method", "proto", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    recs = read_results(out).records
+    assert len(recs) == 2 and "preprocess" not in recs[1] and record_flat(recs[1])["preprocess"] == "l2n"
+    assert recs[0]["key"] != recs[1]["key"]
+    ident = {k: recs[1][k] for k in IDENTITY_FIELDS if k != "preprocess"}
+    assert identity_key(ident) == recs[1]["key"]
     r = CliRunner().invoke(solve, ["--cache", str(cache), "--way", "4", "--episodes", "5", "--query", "5",
                                    "--method", "proto", "--preprocess", "zca"])
     assert r.exit_code == 1 and "use l2n, cl2n or power" in r.output

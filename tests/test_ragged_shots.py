@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from poodle import solvers
-from poodle.solvers import EpisodeBatch
-
 from _references_transductive import REFERENCES
 from test_solvers_core import _compare, ref_ce, ref_naive_ood, ref_poodle, ref_proto
 from test_solvers_transductive import assert_matches, config, run_reference
+
+from poodle import solvers
+from poodle.solvers import EpisodeBatch
 
 WAY = 5
 DIM = 32
