@@ -205,3 +205,20 @@ def test_write_csv_is_atomic(task, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         write_csv(res, target)
     assert target.read_text() == "previous\n" and not list(tmp_path.glob("*.partial"))
+
+
+def test_every_registered_method_classifies_the_task(task, tmp_path):
+    from test_solvers_transductive import FAST
+
+    from poodle import solvers
+
+    root, truth = task
+    support, query = support_from_folder(root / "support"), query_from_folder(root / "query")
+    for name in solvers.available():
+        opts = dict(FAST.get(name, {}))
+        if name in ("ce", "poodle", "naive-ood"):
+            opts["steps"] = 30
+        res = predict(support, query, "conv4_64", image_size=32, method=name, options=opts,
+                      cache_dir=tmp_path)    # extracted once, reused by every method
+        got = [res.classes[int(k)] for k in res.predictions]
+        assert got == [truth[p.rsplit("/", 1)[-1]] for p in res.paths], name
