@@ -198,8 +198,7 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
 
 
 def resolve_backbone(backbone: str, *, image_size: int | None = None, crop_pct: float | None = None,
-                     interpolation: str | None = None) -> tuple[str, Callable[[Any], torch.Tensor], int,
-                                                                 Callable[[], Any]]:
+                     interpolation: str | None = None) -> tuple[str, Any, int, Callable[[], Any]]:
     """``(canonical name, evaluation transform, crop side, builder)`` of a backbone name, without
     building the model (cheap; ConfigError for an unknown name or bad option). The transform carries
     the ``description`` the cache records; the builder returns the model with fresh weights."""

@@ -246,7 +246,7 @@ def predict(support: Sequence[tuple[str, str]], query: Sequence[tuple[str, str |
     labelled = [y is not None for y in qlabels]
     if any(labelled) and not all(labelled):
         raise DataError("some query images have a label and others none: label all of them or none")
-    labels = qlabels if all(labelled) else None
+    labels = [str(y) for y in qlabels] if all(labelled) else None
     if labels is not None:
         unknown = sorted(set(labels) - set(classes))
         if unknown:
@@ -321,6 +321,7 @@ def predict(support: Sequence[tuple[str, str]], query: Sequence[tuple[str, str |
     if uses_neg:
         if negatives == "base":
             pool = pre.pool("base", base_path, s.dim)
+            assert pool is not None   # "base" is a pool, never generated
             idx = torch.randint(pool.shape[0], (n_neg,), generator=generator(SEED, 0, NEG_STREAM))
             neg = pool[idx].unsqueeze(0)
         else:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -169,6 +170,7 @@ class Preprocessor:
         missing = "the base split" if self.centre_raw is None else where
         self._say(f"--preprocess cl2n: {missing} has no stored raw norms (a cache written before version 2); "
                   f"centring the normalised rows instead of the raw features")
+        assert self.centre_normalised is not None   # set in __init__ for cl2n
         return centre_transform(x, self.centre_normalised)
 
     def split(self, split):
@@ -179,7 +181,7 @@ class Preprocessor:
         feats = self.rows(split.features, split.norms, where=f"split {split.name!r}")
         return replace(split, features=feats, norms=None)
 
-    def pool(self, source: str, cache_path: str | os.PathLike | None, dim: int | None = None) -> Tensor | None:
+    def pool(self, source: str, cache_path: str | Path | None, dim: int | None = None) -> Tensor | None:
         """The transformed negative pool of ``source`` (``base`` or ``FILE[:SPLIT]``), or None for
         generated negatives and ``none``."""
         from poodle.cache import read_split

@@ -222,7 +222,7 @@ def _last_layer(net: nn.Module, model: str) -> tuple[str, nn.Module]:
     """The final classification layer: the last Linear registered (every torchvision classifier
     family ends with one), or SqueezeNet's final 1x1 convolution."""
     if model.startswith("squeezenet"):
-        return "classifier.1", net.classifier[1]
+        return "classifier.1", net.get_submodule("classifier.1")
     found = [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear)]
     if not found:
         raise ConfigError(f"torchvision:{model}: no final linear layer found to take the pre-logits from")
@@ -275,7 +275,7 @@ class ExternalBackbone(Backbone):
         return f"name={self.name}, feature_dim={self.feature_dim}"
 
 
-def _timm_forward(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _timm_forward(net: Any, x: torch.Tensor) -> torch.Tensor:
     return net.forward_head(net.forward_features(x), pre_logits=True)
 
 
@@ -320,6 +320,6 @@ def build_external(name: str, image_size: int | None = None) -> ExternalBackbone
     with no_downloads(name):
         net = builder(**kwargs)
     path, layer = _last_layer(net, model)
-    dim = int(layer.in_features if isinstance(layer, nn.Linear) else layer.in_channels)
+    dim = int(layer.in_features) if isinstance(layer, nn.Linear) else int(getattr(layer, "in_channels"))
     _set_module(net, path, nn.Identity())
     return ExternalBackbone(name, net, dim, (path + ".",), _torchvision_forward)
