@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from poodle.cli._common import friendly_errors, out
+from poodle.cli._common import friendly_errors, out, styled
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -39,4 +39,4 @@ def info(file: str) -> None:
     for k, v in summary["attrs"].items():
         attrs.add_row(k, str(v))
     out.print(attrs)
-    out.print("[green]valid[/]")
+    out.print(styled("valid", "green"))

@@ -79,7 +79,7 @@ def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where:
         from rich.console import Console
 
         with open(out, "w") as f:
-            c = Console(file=f, width=200)
+            c = Console(file=f, width=200, markup=False, highlight=False)
             c.print(rich_table)
             for note in table.notes:
                 c.print(note, highlight=False)

@@ -186,7 +186,7 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
         console.print(f"episodes written to {save_episodes}")
 
     spec = eps.spec
-    console.print(f"[bold]{len(eps):,}[/] episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
+    console.print(f"{len(eps):,} episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
                   + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
                   + f", split {spec.split} of {path}; negatives: "
                   + (f"{neg_spec.source} x {neg_spec.n_neg}" if users else "none") + f"; device {dev}",

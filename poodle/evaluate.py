@@ -107,6 +107,8 @@ def _resolve_methods(methods: Sequence[tuple[str, str, Any]]) -> list[tuple[str,
             cfg = solvers.make_config(name, cfg, strict=True)
         elif not isinstance(cfg, info.config):
             raise ConfigError(f"method {name!r}: config must be a {info.config.__name__}, got {type(cfg).__name__}")
+        else:
+            solvers.base.check_config(info.name, cfg)
         if label in seen:
             raise ConfigError(f"two methods share the label {label!r}; give each a distinct label")
         seen.add(label)

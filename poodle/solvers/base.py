@@ -11,6 +11,8 @@ with no Python loop over episodes, classes or queries inside: the loop over opti
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
@@ -159,7 +161,64 @@ def build_config(info: SolverInfo, options: Mapping[str, Any], *, strict: bool =
                 raise ConfigError(f"method {info.name!r} has no option {key!r}; its options are: {known}")
             continue
         kwargs[key] = _coerce(info.name, key, value, fields[key])
-    return info.config(**kwargs)
+    cfg = info.config(**kwargs)
+    check_config(info.name, cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Value checks. Every option value goes through :func:`check_config` once, whether it came from the
+# command line, a grid file or a library call: numbers must be finite and inside their field's
+# interval. A config class states its intervals next to its fields, as a ``BOUNDS`` class variable
+# (``BOUNDS: ClassVar[dict[str, str]] = {"alpha": "[0, inf)"}``); fields it does not list fall back
+# to COMMON_BOUNDS by name, and any other number still has to be finite.
+
+COMMON_BOUNDS: dict[str, str] = {
+    "lr": "(0, inf)", "steps": "[0, inf)", "scale": "(0, inf)", "temperature": "(0, inf)",
+    "label_smoothing": "[0, 1)", "max_iter": "[0, inf)",
+}
+_INTERVAL = re.compile(r"\s*([\[(])\s*(-?inf|-?[0-9.e+-]+)\s*,\s*(-?inf|-?[0-9.e+-]+)\s*([\])])\s*")
+
+
+def parse_interval(text: str) -> tuple[float, bool, float, bool]:
+    """``"[0, 1)"`` -> ``(0.0, True, 1.0, False)``: bounds and whether each is included."""
+    m = _INTERVAL.fullmatch(text)
+    if m is None:
+        raise ValueError(f"not an interval: {text!r}")
+    return float(m.group(2)), m.group(1) == "[", float(m.group(3)), m.group(4) == "]"
+
+
+def check_value(where: str, key: str, value: Any, interval: str | None) -> None:
+    """ConfigError unless a numeric ``value`` is finite and (when given) inside ``interval``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: option {key!r} must be a finite number, got {value}")
+    if interval is None:
+        return
+    lo, lo_in, hi, hi_in = parse_interval(interval)
+    if value < lo or (value == lo and not lo_in) or value > hi or (value == hi and not hi_in):
+        raise ConfigError(f"{where}: option {key!r} must lie in {interval}, got {value:g}")
+
+
+def config_bounds(config: type) -> dict[str, str]:
+    """The interval of every bounded field of ``config`` (its BOUNDS, then COMMON_BOUNDS by name)."""
+    names = set(config_fields(config))
+    out = {k: v for k, v in COMMON_BOUNDS.items() if k in names}
+    out.update(getattr(config, "BOUNDS", {}))
+    return out
+
+
+def check_config(method: str, cfg: Any) -> None:
+    """ConfigError naming the method and option when a value of ``cfg`` is not finite or outside its
+    interval (see :func:`config_bounds`). Presets are resolved first (``cfg.resolved()``), so a
+    preset's value and an override are checked alike."""
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    if hasattr(cfg, "resolved"):
+        values.update(cfg.resolved())
+    bounds = config_bounds(type(cfg))
+    for key, value in values.items():
+        check_value(f"method {method!r}", key, value, bounds.get(key))
 
 
 def _coerce(method: str, key: str, value: Any, f: dataclasses.Field) -> Any:

@@ -26,7 +26,7 @@ Differences from both authors' code: the marginal entropy takes its log of ``max
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -50,6 +50,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 @dataclass
 class TimGDConfig:
     """TIM-GD options; ``None`` means "the preset's value" (see :data:`PRESETS`)."""
+    # intervals checked by solvers.base.check_config (lr, steps, scale, ... have common ones)
+    BOUNDS: ClassVar[dict[str, str]] = {
+        "ce_weight": "[0, inf)",
+        "marginal_weight": "[0, inf)",
+        "conditional_weight": "[0, inf)"}
 
     preset: str = "tim"
     ce_weight: float | None = None
