@@ -39,6 +39,13 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except PoodleError as e:
             console.print(styled("error:", "bold red", " " + str(e)), soft_wrap=True)
             sys.exit(1)
+        except OSError as e:
+            # what the checks up front could not foresee (disk full, permissions changed mid-run): one
+            # line naming the file, not a traceback from deep inside h5py or PIL
+            where = f" {e.filename}" + (f" -> {e.filename2}" if getattr(e, "filename2", None) else "") \
+                if getattr(e, "filename", None) else ""
+            console.print(styled("error:", "bold red", f"{where} {e.strerror or e}".rstrip()), soft_wrap=True)
+            sys.exit(1)
         except KeyboardInterrupt:
             console.print(styled("interrupted", "yellow", ": completed work is kept; re-run the same command "
                                                           "to resume"), soft_wrap=True)

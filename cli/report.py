@@ -42,6 +42,7 @@ def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where:
     """Tables shaped like the paper's (mean ± 95% CI, significant best in bold) and figures."""
     from poodle import report as R
 
+    R.check_p(p_threshold)
     res = R.load_results(list(results))
     res = R.filter_results(res, R.parse_where(where))
     if figure is not None:

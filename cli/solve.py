@@ -81,6 +81,22 @@ def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, ca
     return Path(cache_root) / dataset / (backbone + (f"-{tag}" if tag else "") + ".h5")
 
 
+def check_outputs(cache: Path, episodes_from: str | None, negatives: str, save_episodes: str | None,
+                  json_path: str | None) -> None:
+    """Before any work: the output files must be writable, of their own kind (never a cache or
+    another kind of file, judged by content) and never one of the inputs."""
+    from poodle.errors import ConfigError
+    from poodle.utils import check_output
+
+    inputs = [cache, episodes_from, negatives.split(":")[0] if negatives else None]
+    if save_episodes and json_path and Path(save_episodes).resolve() == Path(json_path).resolve():
+        raise ConfigError(f"--save-episodes and --json both name {json_path}; give two files")
+    if save_episodes:
+        check_output(save_episodes, "episodes", inputs=inputs, what="--save-episodes")
+    if json_path:
+        check_output(json_path, "results", inputs=inputs, what="--json")
+
+
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -153,8 +169,11 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
     configs = [(m, m, solvers.make_config(m, per[m], strict=True)) for m in methods]
     dev = resolve_device(device)
     path = _cache_path(cache, dataset, backbone, cache_root, tag)
+    if path.is_dir():
+        raise ConfigError(f"--cache {path} is a directory, not a feature cache file")
     if not path.is_file():
         raise ConfigError(f"no feature cache at {path} (run `poodle extract` or give --cache FILE)")
+    check_outputs(path, episodes_from, negatives, save_episodes, json_path)
 
     if episodes_from:
         given = [f"--{o.replace('_', '-')}" for o in ("split", "way", "shot", "query", "episodes", "seed", "imbalance")

@@ -248,12 +248,22 @@ def _set_vector(g: h5py.Group, key: str, value: np.ndarray) -> None:
         g.create_dataset(key, data=value)
 
 
+def _degenerate(n: int, zero: bool) -> str:
+    what = "zero" if zero else "the same vector"
+    return (f"all {n} feature rows are {what}: the features do not depend on the image (were the backbone's "
+            f"weights loaded? a checkpoint of the wrong dtype or an untrained network gives this)")
+
+
 def check_unit_rows(features: torch.Tensor, where: str, tol: float = 1e-3) -> None:
     """CacheError naming the first row of ``features [N, D]`` that is not finite or whose L2 norm is
-    neither 1 (within ``tol``) nor 0. Blockwise, so it costs one pass and little memory."""
+    neither 1 (within ``tol``) nor 0, or when every row is the same vector. Blockwise, so it costs one
+    pass and little memory."""
     n = int(features.shape[0])
+    same = n > 1
     for a in range(0, n, _ROWS_PER_BLOCK):
         x = features[a:a + _ROWS_PER_BLOCK].double()
+        if same:
+            same = bool((features[a:a + _ROWS_PER_BLOCK] == features[0]).all())
         finite = torch.isfinite(x).all(1)
         if not bool(finite.all()):
             raise CacheError(f"{where}: features row {a + int((~finite).nonzero()[0, 0])} is not finite "
@@ -264,6 +274,8 @@ def check_unit_rows(features: torch.Tensor, where: str, tol: float = 1e-3) -> No
             r = int(bad.nonzero()[0, 0])
             raise CacheError(f"{where}: features row {a + r} has L2 norm {float(norms[r]):.6f}, expected 1 "
                              f"(rows must be L2-normalised)")
+    if same:
+        raise CacheError(f"{where}: {_degenerate(n, not bool(features[0].any()))}")
 
 
 def read_split(path: str | os.PathLike, split: str, *, check_rows: bool = True) -> SplitFeatures:
@@ -301,8 +313,8 @@ def validate(path: str | os.PathLike) -> dict[str, Any]:
     feature_dim, dtype, complete, norm_min, norm_max, zero_rows, has_paths, n_skipped}}}``.
     Raises CacheError naming the file, split and problem. Rows that are exactly zero (a backbone
     whose output was all zeros for an image) are allowed and counted in ``zero_rows``; ``constant``
-    is True when every row of the split is the same vector (a backbone that ignores its input, e.g.
-    weights that did not load): both are shown as warnings by ``poodle info``.
+    A split whose rows are all the same vector (all zero, or constant: a backbone that ignores its
+    input, e.g. weights that did not load) is a CacheError; ``poodle info`` warns about zero rows.
     """
     path = Path(path)
     with _Reader(path) as f:
@@ -356,9 +368,11 @@ def _validate_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
     if empty.size:
         raise CacheError(f"{where}: class {classes[int(empty[0])]!r} has no rows "
                          f"({empty.size} class(es) without rows)")
+    if all_same and n > 1:
+        raise CacheError(f"{where}: {_degenerate(n, zero_rows == n)}")
     return {"n_images": n, "n_classes": n_classes, "feature_dim": dim, "dtype": str(dtype), "complete": True,
             "norm_min": norm_min if n > zero_rows else 0.0, "norm_max": norm_max if n > zero_rows else 0.0,
-            "zero_rows": zero_rows, "constant": all_same and n > 1, "has_paths": "paths" in g,
+            "zero_rows": zero_rows, "has_paths": "paths" in g,
             "n_skipped": int(g.attrs.get("n_skipped", 0))}
 
 

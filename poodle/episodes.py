@@ -261,7 +261,13 @@ def save_episodes(path: str | Path, eps: EpisodeSet, **attrs: object) -> Path:
     """Write ``eps`` to HDF5 (shared/design.md layout; extra ``attrs`` are stored too), atomically."""
     import h5py
 
+    from poodle.utils import check_output
+
     path = Path(path)
+    try:
+        check_output(path, "episodes", what="episode file")
+    except ConfigError as e:
+        raise EpisodeError(str(e)) from None
     with atomic_path(path) as tmp:
         with h5py.File(tmp, "w") as f:
             for name in ("support", "query", "support_labels", "query_labels", "index", "class_ids"):

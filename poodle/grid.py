@@ -65,6 +65,18 @@ def _load_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"grid file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        line = raw_line(path, e.start)
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}, line "
+                          f"{line}); TOML files must be UTF-8") from None
+    except IsADirectoryError:
+        raise ConfigError(f"grid file {path} is a directory") from None
+
+
+def raw_line(path: Path, offset: int) -> int:
+    """1-based line number of byte ``offset`` in ``path``."""
+    with open(path, "rb") as f:
+        return f.read(offset).count(b"\n") + 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +166,8 @@ def parse_grid(data: Mapping[str, Any], path: Path, overrides: Mapping[str, Any]
     flat: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for key, value in data.items():
-        if key in SECTIONS:
+        # "episodes" and "negatives" are both section names and options: a plain value is the option
+        if key in SECTIONS and (isinstance(value, dict) or key not in GENERAL_KEYS):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: [{key}] must be a table of options")
             for k, v in value.items():

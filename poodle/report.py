@@ -19,6 +19,7 @@ state. No correction for multiple comparisons is made (the paper makes none). Fi
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -69,24 +70,57 @@ def _hashable(v: Any) -> Any:
     return v
 
 
-def load_results(paths: Sequence[str | Path]) -> list[Result]:
-    """Cell results of one or more grid results files, in file and grid order."""
+class Results(list):
+    """A list of :class:`Result` that remembers which files were unfinished (``unfinished``: one
+    sentence per file with fewer cells than its grid, e.g. a run killed mid-write)."""
+
+    unfinished: list[str]
+
+    def __init__(self, items: Iterable[Result] = (), unfinished: Sequence[str] = ()) -> None:
+        super().__init__(items)
+        self.unfinished = list(unfinished)
+
+
+def _unfinished_note(path: Path, header: Mapping[str, Any], n_records: int) -> str | None:
+    n_cells = header.get("n_cells")
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 1))
+            cut = size > 0 and f.read(1) != b"\n"
+    except OSError:
+        cut = False
+    if not cut and (not isinstance(n_cells, int) or n_records >= n_cells):
+        return None
+    what = f"{n_records} of {n_cells} cells finished" if isinstance(n_cells, int) else f"{n_records} cells read"
+    return (f"{path}: {what}" + ("; its last line is cut (an interrupted run), so that cell is missing" if cut else "")
+            + "; re-run `poodle grid` to finish it")
+
+
+def load_results(paths: Sequence[str | Path]) -> Results:
+    """Cell results of one or more grid results files, in file and grid order. Files with fewer
+    cells than their grid (a cut last line, an unfinished run) are named in ``.unfinished``."""
     if not paths:
         raise ConfigError("no results file given")
     out: list[Result] = []
+    unfinished: list[str] = []
     for p in paths:
         solve = _read_solve_json(Path(p))
         if solve is not None:
             for flat, acc in solve:
                 out.append(Result(flat, acc, str(p), len(out)))
             continue
-        _, records = read_results(p)
+        header, records = read_results(p)
+        note = _unfinished_note(Path(p), header, len(records))
+        if note:
+            unfinished.append(note)
         records = sorted(records, key=lambda r: r.get("index", 0))
         for r in records:
             out.append(Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), str(p), len(out)))
     if not out:
         raise ConfigError(f"{', '.join(map(str, paths))}: no finished cells yet")
-    return out
+    return Results(out, unfinished)
 
 
 def _read_solve_json(path: Path) -> list[tuple[dict[str, Any], np.ndarray]] | None:
@@ -170,7 +204,7 @@ def filter_results(results: Sequence[Result], where: Mapping[str, Sequence[str]]
     if not kept:
         raise ConfigError("--where: no result matches " +
                           " and ".join(f"{k} in {{{', '.join(v)}}}" for k, v in where.items()))
-    return kept
+    return Results(kept, getattr(results, "unfinished", ()))
 
 
 def varying_keys(results: Sequence[Result]) -> list[str]:
@@ -389,6 +423,8 @@ def build_table(results: Sequence[Result], rows: str | Sequence[str] | None = No
         raise ConfigError(f"--bold {bold!r}: use col, row or none")
     if test not in ("all", "weakest"):
         raise ConfigError(f"--test {test!r}: use all or weakest")
+    check_p(p_threshold)
+    unfinished = list(getattr(results, "unfinished", ()))
     results = list(results)
     known: list[str] = []
     for r in results:
@@ -438,8 +474,23 @@ def build_table(results: Sequence[Result], rows: str | Sequence[str] | None = No
         entries[pos] = Entry(group[0])
     table = Table(row_keys, col_keys, row_vals, col_vals, entries, show_ci=show_ci)
     if bold != "none":
-        _mark_significance(table, bold, test, p_threshold)
+        _mark_significance(table, bold, test, p_threshold, incomplete=bool(unfinished))
+    if unfinished:
+        table.notes.extend(unfinished)
+        missing = [f"{', '.join(table.row_labels(i)) or '(row)'} / {table.col_label(j) or '(column)'}"
+                   for i in range(len(row_vals)) for j in range(len(col_vals)) if (i, j) not in entries]
+        if missing:
+            table.notes.append(f"Empty entries ({len(missing)}), possibly cells not run yet: "
+                               f"{'; '.join(missing[:8])}{'; ...' if len(missing) > 8 else ''}. A "
+                               f"{'column' if bold == 'col' else 'row'} with an empty entry gets no bold.")
     return table
+
+
+def check_p(p_threshold: float) -> float:
+    """ConfigError unless the significance level lies in (0, 1)."""
+    if isinstance(p_threshold, bool) or not isinstance(p_threshold, (int, float)) or not 0 < p_threshold < 1:
+        raise ConfigError(f"--p {p_threshold}: the significance level must lie in (0, 1), e.g. 0.05")
+    return float(p_threshold)
 
 
 def significant_best(results: Sequence[Result], test: str = "all", p_threshold: float = 0.05
@@ -461,13 +512,17 @@ def significant_best(results: Sequence[Result], test: str = "all", p_threshold: 
     return best, None
 
 
-def _mark_significance(table: Table, bold: str, test: str, p_threshold: float) -> None:
+def _mark_significance(table: Table, bold: str, test: str, p_threshold: float, incomplete: bool = False) -> None:
+    """Bold the significant best of each column (row). With ``incomplete`` results (unfinished
+    files), a column with an empty entry is left unmarked: the missing cell might have won."""
     n_rows, n_cols = table.shape
     groups = ([[(i, j) for i in range(n_rows)] for j in range(n_cols)] if bold == "col"
               else [[(i, j) for j in range(n_cols)] for i in range(n_rows)])
     unpaired = []
     for g, positions in enumerate(groups):
         present = [p for p in positions if p in table.entries]
+        if incomplete and len(present) < len(positions):
+            continue
         best, why = significant_best([table.entries[p].result for p in present], test, p_threshold)
         if best is not None:
             table.entries[present[best]].bold = True

@@ -77,18 +77,25 @@ def check_seed(seed: object, what: str = "seed") -> int:
 
 
 def check_writable_dir(path: str | os.PathLike, what: str = "output") -> None:
-    """ConfigError unless ``path``'s directory exists (or can be made) and is writable: checked
-    before the work starts, so an unwritable place fails in a second, not after the run."""
-    parent = Path(path).parent if not Path(path).is_dir() else Path(path)
+    """ConfigError unless a file can be created next to ``path`` (its directory is made if missing):
+    checked before the work starts, so an unwritable place fails in a second, not after the run. A
+    real probe file is created and removed, since permission bits do not tell (root, read-only mounts)."""
+    import tempfile
+
+    p = Path(path)
+    parent = p.parent
     probe = parent
-    while not probe.exists():
-        if probe.parent == probe:
-            break
+    while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
         raise ConfigError(f"{what} {path}: {probe} is a file, not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what} {path}: directory {probe} is not writable")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=parent)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: cannot write in directory {parent} ({e.strerror or e})") from None
 
 
 def derive_seed(*parts: int) -> int:
