@@ -77,7 +77,8 @@ def check_seed(seed: object, what: str = "seed") -> int:
 
 
 def check_writable_dir(path: str | os.PathLike, what: str = "output") -> None:
-    """ConfigError unless a file can be created next to ``path`` (its directory is made if missing):
+    """ConfigError unless a file can be created next to ``path`` (in its directory or, when that is
+    missing, the nearest existing ancestor, where it would be made):
     checked before the work starts, so an unwritable place fails in a second, not after the run. A
     real probe file is created and removed, since permission bits do not tell (root, read-only mounts)."""
     import tempfile
@@ -89,13 +90,13 @@ def check_writable_dir(path: str | os.PathLike, what: str = "output") -> None:
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
         raise ConfigError(f"{what} {path}: {probe} is a file, not a directory")
+    # probe the nearest existing folder (the missing ones are made by whoever writes): no side effect
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=parent)
+        fd, name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=probe)
         os.close(fd)
         os.unlink(name)
     except OSError as e:
-        raise ConfigError(f"{what} {path}: cannot write in directory {parent} ({e.strerror or e})") from None
+        raise ConfigError(f"{what} {path}: cannot write in directory {probe} ({e.strerror or e})") from None
 
 
 def derive_seed(*parts: int) -> int:
