@@ -43,6 +43,12 @@ def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where:
     from poodle import report as R
 
     R.check_p(p_threshold)
+    if out is not None:
+        from poodle.errors import ConfigError
+
+        for r in results:
+            if out.exists() and r.exists() and out.samefile(r):
+                raise ConfigError(f"--out {out} is the results file being reported; choose another name")
     res = R.load_results(list(results))
     res = R.filter_results(res, R.parse_where(where))
     if figure is not None:

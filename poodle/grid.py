@@ -110,7 +110,12 @@ def _check_general(where: str, key: str, v: Any) -> Any:
     if key in ("shot", "query", "episodes", "n_neg"):
         return _check_int(where, key, v, 1)
     if key == "seed":
-        return _check_int(where, key, v, 0)
+        from poodle.utils import check_seed
+
+        try:
+            return check_seed(_check_int(where, key, v, 0))
+        except ConfigError as e:
+            raise ConfigError(f"{where}: option 'seed': {e}") from None
     if key == "imbalance":
         # TOML has no null: "none"/"balanced"/false mean balanced queries.
         if v is False or (isinstance(v, str) and v.lower() in ("none", "balanced")):
