@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from poodle import defaults
 from poodle.errors import ConfigError, EpisodeError
 from poodle.utils import atomic_path, check_seed, generator
 
@@ -44,12 +45,12 @@ VERSION = 1
 class EpisodeSpec:
     """What an episode set is drawn from. Paper defaults: 5-way, 15 queries per class (section 5.1)."""
 
-    split: str = "test"
-    way: int = 5
-    shot: int = 1
-    query: int = 15                 # queries per class; the total is way * query
+    split: str = defaults.SPLIT
+    way: int = defaults.WAY
+    shot: int = defaults.SHOT
+    query: int = defaults.QUERY     # queries per class; the total is way * query
     imbalance: float | None = None  # Dirichlet concentration kappa (paper appendix); None: balanced
-    seed: int = 0
+    seed: int = defaults.SEED
 
     def validate(self) -> None:
         """EpisodeError for counts below their minimum (a 1-way episode is 100% correct by
@@ -59,15 +60,16 @@ class EpisodeSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
                 what = "an integer >= 2 (a 1-way episode is always right)" if name == "way" else "a positive integer"
-                raise EpisodeError(f"{name} must be {what}, got {v!r}")
+                raise EpisodeError(f"{name} must be {what}, got {v!r}", params=(name,))
         if self.imbalance is not None and (isinstance(self.imbalance, bool) or not isinstance(
                 self.imbalance, (int, float, np.floating, np.integer)) or not (math.isfinite(self.imbalance)
                                                                               and self.imbalance > 0)):
-            raise EpisodeError(f"imbalance (Dirichlet concentration) must be positive, got {self.imbalance!r}")
+            raise EpisodeError(f"imbalance (Dirichlet concentration) must be positive, got {self.imbalance!r}",
+                               params=("imbalance",))
         try:
             check_seed(self.seed)
         except ConfigError as e:
-            raise EpisodeError(str(e)) from None
+            raise EpisodeError(str(e), params=("seed",)) from None
 
     @property
     def n_support(self) -> int:
@@ -258,7 +260,7 @@ def sample_episodes(labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, class
 # ------------------------------------------------------------------------------------------ files
 
 def save_episodes(path: str | Path, eps: EpisodeSet, **attrs: object) -> Path:
-    """Write ``eps`` to HDF5 (shared/design.md layout; extra ``attrs`` are stored too), atomically."""
+    """Write ``eps`` to HDF5 (layout in docs/stage2.md; extra ``attrs`` are stored too), atomically."""
     import h5py
 
     from poodle.utils import check_output

@@ -151,8 +151,8 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".partial") -> Iterator[P
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 # what each kind is called in messages
 KIND_NAMES = {"cache": "a poodle feature cache", "partial": "a split being extracted (poodle staging file)",
-              "episodes": "a poodle episode file", "results": "a poodle solve results file (JSON)",
-              "grid-results": "a poodle grid results file", "hdf5": "an HDF5 file", "json": "a JSON file",
+              "episodes": "a poodle episode file", "results": "a poodle results file", "hdf5": "an HDF5 file",
+              "json": "a JSON file",
               "empty": "an empty file", "other": "a file of unknown content", "directory": "a directory"}
 
 
@@ -195,10 +195,9 @@ def file_kind(path: str | os.PathLike) -> str | None:
                 obj = json.loads(p.read_bytes())
             except ValueError:
                 return "other"
-        if isinstance(obj, dict) and obj.get("command") == "solve":
+        if isinstance(obj, dict) and (obj.get("command") == "solve"
+                                      or obj.get("format") in ("poodle-results", "poodle-grid-results")):
             return "results"
-        if isinstance(obj, dict) and obj.get("format") == "poodle-grid-results":
-            return "grid-results"
         return "json"
     return "other"
 

@@ -140,8 +140,8 @@ def test_save_episodes_refuses_to_overwrite_a_cache(tmp_path, cache):
 
 def test_json_refuses_the_input_cache(tmp_path, cache):
     before = snapshot(tmp_path)
-    code, out = run(*SOLVE, "--cache", cache, "--method", "proto", "--json", cache)
-    assert code == 1 and "--json" in one_line_error(out) and "input file" in one_line_error(out)
+    code, out = run(*SOLVE, "--cache", cache, "--method", "proto", "--json", cache)   # --json is --out
+    assert code == 1 and "--out" in one_line_error(out) and "input file" in one_line_error(out)
     assert snapshot(tmp_path) == before
 
 
@@ -159,15 +159,18 @@ def test_json_refuses_an_episode_file_and_save_episodes_refuses_a_results_file(t
 
 
 def test_same_kind_outputs_are_replaced_atomically(tmp_path, cache):
-    eps, res = tmp_path / "eps.h5", tmp_path / "r.json"
+    from poodle.results import read_results
+
+    eps, res = tmp_path / "eps.h5", tmp_path / "r.jsonl"
     for seed in (0, 1):
         code, out = run(*SOLVE, "--cache", cache, "--method", "proto", "--seed", seed, "--save-episodes", eps,
                         "--json", res)
         assert code == 0, out
-    assert json.loads(res.read_text())["config"]["seed"] == 1
+    # the episode file is replaced; the results file (append-only records) gains the second run's
+    assert sorted(r["episode"]["seed"] for r in read_results(res).records) == [0, 1]
     with h5py.File(eps, "r") as f:
         assert int(f.attrs["seed"]) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5", "eps.h5", "r.json"]  # no temporaries left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5", "eps.h5", "r.jsonl"]  # no temporaries left
 
 
 # ============================================================== nothing silently wrong (exit 0)
@@ -361,7 +364,7 @@ def test_report_p_must_lie_in_the_open_unit_interval(tmp_path, p):
 
 # ====================================================== tracebacks become one-line errors
 
-@pytest.mark.parametrize("option", ["--save-episodes", "--json"])
+@pytest.mark.parametrize("option", ["--save-episodes", "--out"])
 def test_unwritable_output_directories(tmp_path, cache, option):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")

@@ -11,7 +11,7 @@ The concave-convex bound gives independent closed-form updates ``y_q = softmax(-
 sum_q' w_{qq'} y_q')``, iterated until the bound's energy changes by at most ``tol`` (relative) or
 for ``steps`` iterations; each episode stops on its own (a mask). Transductive.
 
-Differences from the POODLE authors' ``laplacian.py`` (facts sheet section 2; it cannot run as
+Differences from the POODLE authors' ``laplacian.py`` (docs/reference.md §2; it cannot run as
 shipped): batched over episodes (kNN by ``torch.cdist`` + ``topk`` per episode batch, no
 scikit-learn); ``knn``, ``lmd`` have values (theirs referenced undefined options); a class with no
 predicted sample keeps its prototype (theirs dropped it, shrinking the prototype list).
@@ -31,7 +31,7 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, registe
 
 @dataclass
 class LaplacianShotConfig:
-    # intervals checked by solvers.base.check_config (lr, steps, scale, ... have common ones)
+    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
     BOUNDS: ClassVar[dict[str, str]] = {
         "knn": "[1, inf)",
         "lmd": "[0, inf)",

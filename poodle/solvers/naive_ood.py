@@ -31,7 +31,7 @@ from poodle.solvers.ce import check_common, support_targets
 
 @dataclass(frozen=True)
 class NaiveOODConfig:
-    BOUNDS: ClassVar[dict[str, str]] = {"ood_weight": "[0, inf)"}  # checked by solvers.base.check_config
+    BOUNDS: ClassVar[dict[str, str]] = {"ood_weight": "[0, inf)"}  # checked by solvers.base.validate_config
     steps: int = 250          # as POODLE (paper 5.1)
     lr: float = 1e-3          # as POODLE (paper 5.1)
     scale: float = 10.0       # as POODLE (authors' code)
@@ -49,7 +49,7 @@ def naive_ood(batch: EpisodeBatch, cfg: NaiveOODConfig) -> SolverOutput:
     the OOD prototype ``[E, 1, D]`` and the scale."""
     check_common(cfg, "naive-ood")
     if batch.negatives is None:
-        raise ConfigError("method 'naive-ood' needs negatives (--negatives base|random|sphere|FILE)")
+        raise ConfigError("method 'naive-ood' needs negatives (negatives = base, random, sphere or FILE)")
     s, neg, way = batch.support, batch.negatives, batch.way
     E, Ns, _ = s.shape
     M = neg.shape[1]

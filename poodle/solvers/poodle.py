@@ -32,7 +32,7 @@ from poodle.solvers.ce import check_common, support_targets
 
 @dataclass(frozen=True)
 class PoodleConfig:
-    BOUNDS: ClassVar[dict[str, str]] = {"alpha": "[0, inf)", "beta": "[0, inf)"}  # see base.check_config
+    BOUNDS: ClassVar[dict[str, str]] = {"alpha": "[0, inf)", "beta": "[0, inf)"}  # see base.validate_config
     alpha: float = 1.0            # pull weight (paper 5.1; authors' default)
     beta: float = 0.5             # push weight (paper 5.1; authors' default)
     steps: int = 250              # paper 5.1 / authors' number_fc_update
@@ -83,7 +83,7 @@ def poodle(batch: EpisodeBatch, cfg: PoodleConfig) -> SolverOutput:
     """Query log-probs ``[E, Nq, way]``; state: prototypes ``[E, way, D]``, scale ``[E, 1, 1]``."""
     check_common(cfg, "poodle")
     if cfg.beta != 0 and batch.negatives is None:
-        raise ConfigError("method 'poodle' with beta != 0 needs negatives (--negatives base|random|sphere|FILE)")
+        raise ConfigError("method 'poodle' with beta != 0 needs negatives (negatives = base, random, sphere or FILE)")
     x, terms, _ = build_rows(batch, cfg)
     w0 = class_means(batch.support, batch.support_labels, batch.way)
     w, scale = fit_weighted_distance(x, terms, w0, scale0=cfg.scale, steps=cfg.steps, lr=cfg.lr)

@@ -34,7 +34,7 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass
 class PTMapConfig:
-    # intervals checked by solvers.base.check_config (lr, steps, scale, ... have common ones)
+    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
     BOUNDS: ClassVar[dict[str, str]] = {
         "beta": "(0, inf)",
         "lam": "(0, inf)",

@@ -29,7 +29,7 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 class TimADMConfig:
     """Defaults: mboudiaf/TIM ``src/tim.py`` config (temp 15, loss_weights [0.1, 1.0, 0.1],
     iter 150, alpha 1.0), which the TIM-ADM evaluation scripts use unchanged."""
-    # intervals checked by solvers.base.check_config (lr, steps, scale, ... have common ones)
+    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
     BOUNDS: ClassVar[dict[str, str]] = {
         "ce_weight": "[0, inf)",
         "marginal_weight": "[0, inf)",
