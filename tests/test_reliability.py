@@ -145,6 +145,17 @@ def test_json_refuses_the_input_cache(tmp_path, cache):
     assert snapshot(tmp_path) == before
 
 
+def test_grid_out_refuses_a_cache_and_the_grid_file(tmp_path, cache):
+    grid = tmp_path / "g.toml"
+    grid.write_text('cache = "c.h5"\nepisodes = 4\nmethod = "proto"\n')
+    other = write_arrays(tmp_path / "other.h5", {"test": _features(6, 20, 3)})
+    before = snapshot(tmp_path)
+    for target, culprit in ((cache, "is the input file"), (grid, "is the input file"), (other, "feature cache")):
+        code, out = run("grid", grid, "--out", target, "--force")
+        assert code == 1 and f"--out {target}" in one_line_error(out) and culprit in one_line_error(out)
+    assert snapshot(tmp_path) == before
+
+
 def test_json_refuses_an_episode_file_and_save_episodes_refuses_a_results_file(tmp_path, cache):
     eps = tmp_path / "eps.h5"
     assert run(*SOLVE, "--cache", cache, "--method", "proto", "--save-episodes", eps)[0] == 0
