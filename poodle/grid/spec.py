@@ -87,17 +87,20 @@ def _check_general(where: str, key: str, v: Any) -> Any:
             raise ConfigError(f"{where}: option 'negatives' expects base, random, sphere, none, a cache "
                               f"name from [caches] or FILE[:SPLIT], got {v!r}")
         return v
-    if key == "way":
-        return _check_int(where, key, v, 2)
-    if key in ("shot", "query", "episodes", "n_neg"):
-        return _check_int(where, key, v, 1)
-    if key == "seed":
-        from poodle.utils import check_seed
+    if key in ("way", "shot", "query", "seed"):
+        # the episode setting's own rule (EpisodeSpec.validate: way >= 2, a 63-bit seed), the one
+        # the command line and the library get too
+        from poodle.episodes import EpisodeSpec
+        from poodle.errors import EpisodeError
 
+        v = _check_int(where, key, v, 0 if key == "seed" else 1)
         try:
-            return check_seed(_check_int(where, key, v, 0))
-        except ConfigError as e:
-            raise ConfigError(f"{where}: option 'seed': {e}") from None
+            EpisodeSpec(**{key: v}).validate()
+        except EpisodeError as e:
+            raise ConfigError(f"{where}: option {key!r}: {e}") from None
+        return v
+    if key in ("episodes", "n_neg"):
+        return _check_int(where, key, v, 1)
     if key == "imbalance":
         # TOML has no null: "none"/"balanced"/false mean balanced queries.
         if v is False or (isinstance(v, str) and v.lower() in ("none", "balanced")):
