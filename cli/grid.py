@@ -136,7 +136,8 @@ class _GridProgress:
 
         from rich.table import Column
 
-        self.progress = Progress(TextColumn("{task.description}", style="bold", markup=False, table_column=Column(min_width=8)),
+        self.progress = Progress(TextColumn("{task.description}", style="bold", markup=False,
+                                            table_column=Column(min_width=8)),
                                  BarColumn(bar_width=30), MofNCompleteColumn(), TimeElapsedColumn(),
                                  TimeRemainingColumn(),
                                  TextColumn("{task.fields[info]}", markup=False, table_column=Column(no_wrap=True,

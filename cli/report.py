@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from poodle.cli._common import console, friendly_errors, styled, render_table
+from poodle.cli._common import console, friendly_errors, render_table, styled
 from poodle.cli._common import out as stdout
 
 

@@ -515,8 +515,8 @@ def cache_lock(cache_path: str | os.PathLike) -> Iterator[None]:
         try:
             import fcntl
         except ImportError:  # not POSIX: no inter-process lock available
-            fcntl = None
-        if fcntl is not None:
+            pass
+        else:
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:

@@ -313,20 +313,24 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
         def txt(v: object) -> str:
             return v.decode() if isinstance(v, bytes) else str(v)
 
-        def num(key: str, kind: type, default: object = None) -> object:
+        def num(key: str, default: object = None, what: str = "a number") -> float:
             v = a.get(key, default)
             v = v.item() if isinstance(v, np.generic) else v
             if isinstance(v, np.ndarray) and v.size == 1:
                 v = v.reshape(()).item()
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or float(v).is_integer())
-            if not ok:
-                raise EpisodeError(f"{path}: attribute {key!r} must be a{'n integer' if kind is int else ' number'}, "
-                                   f"got {txt(v)!r}")
-            return kind(v)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise EpisodeError(f"{path}: attribute {key!r} must be {what}, got {txt(v)!r}")
+            return float(v) if isinstance(v, float) else v
 
-        kappa = num("imbalance", float, 0.0)
-        spec = EpisodeSpec(split=txt(a["split"]), way=num("way", int), shot=num("shot", int), query=num("query", int),
-                           imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa, seed=num("seed", int))
+        def integer(key: str) -> int:
+            v = num(key, what="an integer")
+            if not float(v).is_integer():
+                raise EpisodeError(f"{path}: attribute {key!r} must be an integer, got {v!r}")
+            return int(v)
+
+        kappa = float(num("imbalance", 0.0))
+        spec = EpisodeSpec(split=txt(a["split"]), way=integer("way"), shot=integer("shot"), query=integer("query"),
+                           imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa, seed=integer("seed"))
         try:
             spec.validate()
         except EpisodeError as e:

@@ -19,7 +19,6 @@ state. No correction for multiple comparisons is made (the paper makes none). Fi
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence

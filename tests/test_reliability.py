@@ -10,27 +10,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _images
 import h5py
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
-import _images
 from poodle.cache import list_splits, read_attrs, read_split, write_arrays
 from poodle.cli.main import cli
-from poodle.errors import CacheError, ConfigError, DataError, EpisodeError
+from poodle.errors import CacheError, ConfigError, EpisodeError
 
 D = 16
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
 
 def snapshot(*paths: Path) -> dict[str, tuple[str, int]]:
     """sha256 and mtime of every file under ``paths``: what "no file was damaged" compares."""
@@ -53,7 +53,7 @@ def run(*args: object):
 def one_line_error(output: str) -> str:
     """The ``error:`` line (rich may wrap a long one: joined back)."""
     assert "error:" in output, output
-    text = output[output.index("error:"):]
+    text = output[output.index("error:") :]
     return " ".join(text.split())
 
 
@@ -112,8 +112,14 @@ def test_two_processes_committing_splits_into_one_cache_keep_both(tmp_path):
     script = tmp_path / "commit.py"
     script.write_text(_COMMITTER)
     go = tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, str(script), split, str(go), *map(str, caches)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for split in ("train", "test")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), split, str(go), *map(str, caches)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for split in ("train", "test")
+    ]
     # both have staged their split (the staging files exist) before the commits start together
     for _ in range(3000):
         if all(Path(f"{c}.{s}.partial").exists() for c in caches for s in ("train", "test")):
@@ -140,7 +146,7 @@ def test_save_episodes_refuses_to_overwrite_a_cache(tmp_path, cache):
 
 def test_json_refuses_the_input_cache(tmp_path, cache):
     before = snapshot(tmp_path)
-    code, out = run(*SOLVE, "--cache", cache, "--method", "proto", "--json", cache)   # --json is --out
+    code, out = run(*SOLVE, "--cache", cache, "--method", "proto", "--json", cache)  # --json is --out
     assert code == 1 and "--out" in one_line_error(out) and "input file" in one_line_error(out)
     assert snapshot(tmp_path) == before
 
@@ -174,8 +180,9 @@ def test_same_kind_outputs_are_replaced_atomically(tmp_path, cache):
 
     eps, res = tmp_path / "eps.h5", tmp_path / "r.jsonl"
     for seed in (0, 1):
-        code, out = run(*SOLVE, "--cache", cache, "--method", "proto", "--seed", seed, "--save-episodes", eps,
-                        "--json", res)
+        code, out = run(
+            *SOLVE, "--cache", cache, "--method", "proto", "--seed", seed, "--save-episodes", eps, "--json", res
+        )
         assert code == 0, out
     # the episode file is replaced; the results file (append-only records) gains the second run's
     assert sorted(r["episode"]["seed"] for r in read_results(res).records) == [0, 1]
@@ -186,12 +193,16 @@ def test_same_kind_outputs_are_replaced_atomically(tmp_path, cache):
 
 # ============================================================== nothing silently wrong (exit 0)
 
-@pytest.mark.parametrize("split, row, value, culprit", [
-    ("test", 7, np.nan, "not finite"),
-    ("test", 3, np.inf, "not finite"),
-    ("test", 11, "double", "L2 norm 2.000000"),
-    ("train", 5, np.nan, "not finite"),        # a row of the base-negative pool
-])
+
+@pytest.mark.parametrize(
+    "split, row, value, culprit",
+    [
+        ("test", 7, np.nan, "not finite"),
+        ("test", 3, np.inf, "not finite"),
+        ("test", 11, "double", "L2 norm 2.000000"),
+        ("train", 5, np.nan, "not finite"),  # a row of the base-negative pool
+    ],
+)
 def test_a_bad_row_in_the_cache_is_refused_by_solve(tmp_path, cache, split, row, value, culprit):
     if isinstance(value, str):
         with h5py.File(cache, "r") as f:
@@ -215,16 +226,19 @@ def test_a_bad_row_in_the_cache_is_refused_by_grid(tmp_path, cache):
     assert snapshot(cache) == before
 
 
-@pytest.mark.parametrize("args, culprit", [
-    (["--lr", "inf"], "'lr' must be a finite number"),
-    (["--alpha", "inf"], "'alpha' must be a finite number"),
-    (["--alpha", "nan"], "'alpha' must be a finite number"),
-    (["--alpha", "-1"], "'alpha' must lie in [0, inf)"),
-    (["--beta", "nan"], "'beta' must be a finite number"),
-    (["--set", "scale=nan"], "'scale' must be a finite number"),
-    (["--set", "scale=0"], "'scale' must lie in (0, inf)"),
-    (["--way", "1"], "way must be an integer >= 2"),
-])
+@pytest.mark.parametrize(
+    "args, culprit",
+    [
+        (["--lr", "inf"], "'lr' must be a finite number"),
+        (["--alpha", "inf"], "'alpha' must be a finite number"),
+        (["--alpha", "nan"], "'alpha' must be a finite number"),
+        (["--alpha", "-1"], "'alpha' must lie in [0, inf)"),
+        (["--beta", "nan"], "'beta' must be a finite number"),
+        (["--set", "scale=nan"], "'scale' must be a finite number"),
+        (["--set", "scale=0"], "'scale' must lie in (0, inf)"),
+        (["--way", "1"], "way must be an integer >= 2"),
+    ],
+)
 def test_meaningless_solver_options_are_refused(tmp_path, cache, args, culprit):
     before = snapshot(tmp_path)
     code, out = run(*SOLVE, "--cache", cache, "--method", "poodle", "--steps", 2, "--n-neg", 10, *args)
@@ -255,13 +269,28 @@ def test_grid_and_library_get_the_same_option_check(tmp_path, cache):
         sample_episodes(feats.labels, EpisodeSpec(way=1), 2)
 
 
-@pytest.mark.parametrize("args, culprit", [(["--momentum", "5"], "--momentum must be in [0, 1)"),
-                                           (["--weight-decay", "-1"], "--weight-decay must be in [0, inf)"),
-                                           (["--lr", "nan"], "--lr must be"),
-                                           (["--seed", str(2**64)], "does not fit 63 bits")])
+@pytest.mark.parametrize(
+    "args, culprit",
+    [
+        (["--momentum", "5"], "--momentum must be in [0, 1)"),
+        (["--weight-decay", "-1"], "--weight-decay must be in [0, inf)"),
+        (["--lr", "nan"], "--lr must be"),
+        (["--seed", str(2**64)], "does not fit 63 bits"),
+    ],
+)
 def test_meaningless_training_options_are_refused(tmp_path, args, culprit):
-    code, out = run("train", "--dataset", "folder", "--data-root", tmp_path, "--backbone", "conv4_64",
-                    "--out", tmp_path / "run", *args)
+    code, out = run(
+        "train",
+        "--dataset",
+        "folder",
+        "--data-root",
+        tmp_path,
+        "--backbone",
+        "conv4_64",
+        "--out",
+        tmp_path / "run",
+        *args,
+    )
     assert code == 1 and culprit in one_line_error(out)
     assert not (tmp_path / "run").exists()
 
@@ -278,7 +307,7 @@ def test_16_bit_png_and_float_tiff_keep_their_range(tmp_path):
         before = snapshot(tmp_path)
         rgb = np.asarray(load_rgb(tmp_path / name), dtype=np.float64)
         assert rgb.shape == (64, 64, 3)
-        np.testing.assert_allclose(rgb[..., 0], ramp * 255, atol=0.51)   # not clipped to white
+        np.testing.assert_allclose(rgb[..., 0], ramp * 255, atol=0.51)  # not clipped to white
         assert snapshot(tmp_path) == before
     Image.fromarray((ramp * 1e4 - 5).astype(np.float32), mode="F").save(tmp_path / "odd.tif")
     with pytest.raises(ValueError, match=r"values in \[-5"):
@@ -286,13 +315,31 @@ def test_16_bit_png_and_float_tiff_keep_their_range(tmp_path):
 
 
 def test_duplicated_rows_in_a_split_file_are_refused(tmp_path):
-    root = _images.write_csv(tmp_path / "d", {"train": 2, "test": 2}, images_per_class=3, size=12,
-                             splits=("train", "test"))
+    root = _images.write_csv(
+        tmp_path / "d", {"train": 2, "test": 2}, images_per_class=3, size=12, splits=("train", "test")
+    )
     lines = (root / "test.csv").read_text().splitlines()
     (root / "test.csv").write_text("\n".join(lines + [lines[2]]) + "\n")
     before = snapshot(root)
-    code, out = run("extract", "--splits", "train,test", "--dataset", "csv", "--data-root", root, "--backbone", "conv4_64",
-                    "--image-size", 16, "--workers", 0, "--device", "cpu", "--cache-root", tmp_path / "cache")
+    code, out = run(
+        "extract",
+        "--splits",
+        "train,test",
+        "--dataset",
+        "csv",
+        "--data-root",
+        root,
+        "--backbone",
+        "conv4_64",
+        "--image-size",
+        16,
+        "--workers",
+        0,
+        "--device",
+        "cpu",
+        "--cache-root",
+        tmp_path / "cache",
+    )
     msg = one_line_error(out)
     assert code == 1 and "test.csv" in msg and f"lines 3 and {len(lines) + 1}" in msg
     assert snapshot(root) == before and not (tmp_path / "cache").exists()
@@ -338,8 +385,7 @@ def test_max_memory_that_cannot_be_met_says_by_how_much(tmp_path, cache):
 
 def _grid_results(tmp_path, cache) -> Path:
     grid = tmp_path / "g.toml"
-    grid.write_text('cache = "c.h5"\nepisodes = 30\nsteps = 3\nn_neg = 10\nalpha = [0.0, 1.0]\n'
-                    'shot = [1, 2]\n')
+    grid.write_text('cache = "c.h5"\nepisodes = 30\nsteps = 3\nn_neg = 10\nalpha = [0.0, 1.0]\nshot = [1, 2]\n')
     assert run("grid", grid, "--device", "cpu")[0] == 0
     return tmp_path / "g.results.jsonl"
 
@@ -349,7 +395,7 @@ def test_report_on_a_cut_results_file_names_the_missing_cells_and_does_not_bold_
 
     res = _grid_results(tmp_path, cache)
     raw = res.read_bytes()
-    res.write_bytes(raw[:-25])           # the last line cut, as by a killed run
+    res.write_bytes(raw[:-25])  # the last line cut, as by a killed run
     before = snapshot(res)
     code, out = run("report", res, "--rows", "alpha", "--cols", "shot")
     text = " ".join(out.split())
@@ -358,8 +404,9 @@ def test_report_on_a_cut_results_file_names_the_missing_cells_and_does_not_bold_
     assert "Empty entries (1)" in text and "1 / 2-shot" in text and "gets no bold" in text
     table = R.build_table(R.load_results([res]), "alpha", "shot")
     missing_col = [j for j in range(2) if any((i, j) not in table.entries for i in range(2))]
-    assert missing_col and not any(table.entries[(i, j)].bold for i in range(2) for j in missing_col
-                                   if (i, j) in table.entries)
+    assert missing_col and not any(
+        table.entries[(i, j)].bold for i in range(2) for j in missing_col if (i, j) in table.entries
+    )
     assert snapshot(res) == before
 
 
@@ -375,6 +422,7 @@ def test_report_p_must_lie_in_the_open_unit_interval(tmp_path, p):
 
 # ====================================================== tracebacks become one-line errors
 
+
 @pytest.mark.parametrize("option", ["--save-episodes", "--out"])
 def test_unwritable_output_directories(tmp_path, cache, option):
     blocker = tmp_path / "not-a-dir"
@@ -387,8 +435,9 @@ def test_unwritable_output_directories(tmp_path, cache, option):
 
 
 def _csv_dataset(tmp_path: Path) -> Path:
-    return _images.write_csv(tmp_path / "d", {"train": 2, "test": 2}, images_per_class=3, size=12,
-                             splits=("train", "test"))
+    return _images.write_csv(
+        tmp_path / "d", {"train": 2, "test": 2}, images_per_class=3, size=12, splits=("train", "test")
+    )
 
 
 def _no_model(monkeypatch):
@@ -396,6 +445,7 @@ def _no_model(monkeypatch):
 
     def refuse(*a, **k):
         raise AssertionError("the model was built before the input was checked")
+
     monkeypatch.setattr(backbones, "build", refuse)
 
 
@@ -405,8 +455,23 @@ def test_unwritable_cache_root_is_refused_before_work(tmp_path, monkeypatch):
     blocker.write_text("x")
     _no_model(monkeypatch)
     before = snapshot(tmp_path)
-    code, out = run("extract", "--splits", "train,test", "--dataset", "csv", "--data-root", root, "--backbone", "conv4_64", "--image-size", 16,
-                    "--device", "cpu", "--cache-root", blocker / "cache")
+    code, out = run(
+        "extract",
+        "--splits",
+        "train,test",
+        "--dataset",
+        "csv",
+        "--data-root",
+        root,
+        "--backbone",
+        "conv4_64",
+        "--image-size",
+        16,
+        "--device",
+        "cpu",
+        "--cache-root",
+        blocker / "cache",
+    )
     assert code == 1 and "file is a file, not a directory" in one_line_error(out)
     assert snapshot(tmp_path) == before
 
@@ -417,8 +482,24 @@ def test_a_cache_path_that_is_a_directory_is_refused_before_work(tmp_path, monke
     _no_model(monkeypatch)
     before = snapshot(tmp_path)
     for extra in ([], ["--force"]):
-        code, out = run("extract", "--splits", "train,test", "--dataset", "csv", "--data-root", root, "--backbone", "conv4_64",
-                        "--image-size", 16, "--device", "cpu", "--cache-root", tmp_path / "cache", *extra)
+        code, out = run(
+            "extract",
+            "--splits",
+            "train,test",
+            "--dataset",
+            "csv",
+            "--data-root",
+            root,
+            "--backbone",
+            "conv4_64",
+            "--image-size",
+            16,
+            "--device",
+            "cpu",
+            "--cache-root",
+            tmp_path / "cache",
+            *extra,
+        )
         assert code == 1 and "conv4_64.h5 is a directory" in one_line_error(out)
     assert snapshot(tmp_path) == before and not list((tmp_path / "cache" / "csv").glob("*.partial"))
     code, out = run(*SOLVE, "--cache", tmp_path / "cache" / "csv" / "conv4_64.h5", "--method", "proto")
@@ -440,7 +521,9 @@ def test_episode_file_with_a_non_numeric_attribute(tmp_path, cache):
         f.attrs["shot"] = "one"
     before = snapshot(tmp_path)
     code, out = run("solve", "--cache", cache, "--method", "proto", "--episodes-from", eps)
-    assert code == 1 and "eps.h5" in one_line_error(out) and "attribute 'shot' must be an integer" in one_line_error(out)
+    assert (
+        code == 1 and "eps.h5" in one_line_error(out) and "attribute 'shot' must be an integer" in one_line_error(out)
+    )
     assert snapshot(tmp_path) == before
 
 
@@ -477,8 +560,25 @@ def test_a_grid_file_that_is_not_utf8(tmp_path, cache):
 def test_training_on_a_split_with_one_class(tmp_path):
     root = _images.write_folder(tmp_path / "d", {"train": 1}, images_per_class=4, size=12, splits=("train",))
     before = snapshot(root)
-    code, out = run("train", "--dataset", "folder", "--data-root", root, "--backbone", "conv4_64", "--epochs", 1,
-                    "--image-size", 16, "--workers", 0, "--device", "cpu", "--out", tmp_path / "run")
+    code, out = run(
+        "train",
+        "--dataset",
+        "folder",
+        "--data-root",
+        root,
+        "--backbone",
+        "conv4_64",
+        "--epochs",
+        1,
+        "--image-size",
+        16,
+        "--workers",
+        0,
+        "--device",
+        "cpu",
+        "--out",
+        tmp_path / "run",
+    )
     msg = one_line_error(out)
     assert code == 1 and "1 class (train_c00)" in msg and "at least 2" in msg
     assert snapshot(root) == before
@@ -493,12 +593,14 @@ def test_a_feature_dimension_beyond_the_attribute_limit(tmp_path):
     assert s.raw_mean.shape == (20_000,) and s.features.shape == (6, 20_000)
     # a split extracted with D = 20,000 (staging state and raw_mean are datasets), committed and resumed
     attrs = C.make_root_attrs("ds", "bb")
-    w = C.SplitWriter(tmp_path / "x.h5", "train", root_attrs=attrs, classes=["a", "b"], samples_sha256="s",
-                      n_total=4, dim=20_000)
+    w = C.SplitWriter(
+        tmp_path / "x.h5", "train", root_attrs=attrs, classes=["a", "b"], samples_sha256="s", n_total=4, dim=20_000
+    )
     w.append(np.ones((2, 20_000)), [0, 1], ["p0", "p1"])
     w.close()
-    w = C.SplitWriter(tmp_path / "x.h5", "train", root_attrs=attrs, classes=["a", "b"], samples_sha256="s",
-                      n_total=4, dim=20_000)
+    w = C.SplitWriter(
+        tmp_path / "x.h5", "train", root_attrs=attrs, classes=["a", "b"], samples_sha256="s", n_total=4, dim=20_000
+    )
     assert w.resumed and w.n_rows == 2
     w.append(-np.ones((2, 20_000)) + np.eye(2, 20_000), [0, 1], ["p2", "p3"])
     w.commit()
@@ -507,6 +609,7 @@ def test_a_feature_dimension_beyond_the_attribute_limit(tmp_path):
 
 
 # ================================================================= errors name the culprit
+
 
 def test_user_text_is_printed_literally(tmp_path, cache):
     odd = tmp_path / "run[bold]1 [/] :smile:.h5"
@@ -552,8 +655,23 @@ def test_a_csv_row_with_an_absolute_path_is_named_before_the_model_is_built(tmp_
     (root / "train.csv").write_text("\n".join(lines) + "\n")
     _no_model(monkeypatch)
     before = snapshot(root)
-    code, out = run("extract", "--splits", "train,test", "--dataset", "csv", "--data-root", root, "--backbone", "conv4_64",
-                    "--image-size", 16, "--device", "cpu", "--cache-root", tmp_path / "cache")
+    code, out = run(
+        "extract",
+        "--splits",
+        "train,test",
+        "--dataset",
+        "csv",
+        "--data-root",
+        root,
+        "--backbone",
+        "conv4_64",
+        "--image-size",
+        16,
+        "--device",
+        "cpu",
+        "--cache-root",
+        tmp_path / "cache",
+    )
     msg = one_line_error(out)
     assert code == 1 and "train.csv line 3" in msg and "must be relative" in msg and "--skip-bad" not in msg
     assert snapshot(root) == before
@@ -570,7 +688,24 @@ def test_a_checkpoint_refused_by_weights_only_loading_names_the_global(tmp_path)
     with pytest.raises(Exception, match=r"refuses to unpickle: argparse\.Namespace"):
         read_checkpoint(ck)
     root = _csv_dataset(tmp_path)
-    code, out = run("extract", "--splits", "train,test", "--dataset", "csv", "--data-root", root, "--backbone", "conv4_64", "--checkpoint", ck,
-                    "--image-size", 16, "--device", "cpu", "--cache-root", tmp_path / "cache")
+    code, out = run(
+        "extract",
+        "--splits",
+        "train,test",
+        "--dataset",
+        "csv",
+        "--data-root",
+        root,
+        "--backbone",
+        "conv4_64",
+        "--checkpoint",
+        ck,
+        "--image-size",
+        16,
+        "--device",
+        "cpu",
+        "--cache-root",
+        tmp_path / "cache",
+    )
     assert code == 1 and "release.pth.tar" in one_line_error(out) and "argparse.Namespace" in one_line_error(out)
     assert snapshot(ck) == before

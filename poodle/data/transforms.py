@@ -37,7 +37,7 @@ def load_rgb(path: str | Path) -> Image.Image:
     with open(path, "rb") as fh:
         img = Image.open(fh)
         if img.mode in ("I", "F") or img.mode.startswith("I;16"):
-            img = _wide_to_8bit(img)
+            return _wide_to_8bit(img).convert("RGB")
         return img.convert("RGB")
 
 
