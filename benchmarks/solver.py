@@ -229,17 +229,18 @@ def run_authors(mod, test, train_np: np.ndarray, eps, shot: int, device: torch.d
 def whole_process(cache: Path, shot: int, n_ep: int, workers: int | None) -> dict:
     """``poodle solve`` on the standard workload as a subprocess: wall seconds, start-up included."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "r.json"
+        out = Path(tmp) / "r.jsonl"
         cmd = [sys.executable, "-m", "poodle.cli.main", "solve", "--cache", str(cache), "--method", "poodle",
                "--transductive", "--negatives", "base", "--n-neg", str(N_NEG), "--steps", str(STEPS),
-               "--shot", str(shot), "--episodes", str(n_ep), "--device", "cpu", "--json", str(out)]
+               "--shot", str(shot), "--episodes", str(n_ep), "--device", "cpu", "--out", str(out)]
         if workers:
             cmd += ["--workers", str(workers)]
         t = time.perf_counter()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wall = time.perf_counter() - t
-        rec = json.loads(out.read_text())
-    return {"wall": wall, "acc": np.asarray(rec["results"]["poodle"]["acc"]), "cmd": " ".join(cmd[1:])}
+        rec = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        acc = next(r["acc"] for r in rec if r.get("kind") == "cell")
+    return {"wall": wall, "acc": np.asarray(acc), "cmd": " ".join(cmd[1:])}
 
 
 _STARTUP = r"""

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from poodle import solvers
+from poodle import defaults, solvers
 from poodle.episodes import EpisodeSet, EpisodeStream
 from poodle.errors import ConfigError, EpisodeError
 from poodle.negatives import NegativeSpec, generate, load_pool, sample_indices
@@ -118,12 +118,12 @@ def _resolve_methods(methods: Sequence[tuple[str, str, Any]]) -> list[tuple[str,
 
 
 def default_budget(device: torch.device) -> int:
-    """The bound on the chunks in flight when none is given: 2 GiB on CPU; on CUDA 80% of the
+    """The bound on the chunks in flight when none is given: ``poodle.defaults.MAX_MEMORY`` on CPU; on CUDA 80% of the
     device's free memory (``torch.cuda.mem_get_info``) less the features already placed there."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return max(1 << 26, int(0.8 * free))
-    return 2 * 2**30
+    return parse_size(defaults.MAX_MEMORY)
 
 
 def evaluate(features: Any, episodes: EpisodeSet | EpisodeStream, methods: Sequence[tuple[str, str, Any]], *,
@@ -183,7 +183,7 @@ def evaluate(features: Any, episodes: EpisodeSet | EpisodeStream, methods: Seque
     if users:
         if neg_spec.is_none:
             raise ConfigError(f"method(s) {', '.join(sorted(set(users)))} need negatives; "
-                              "use --negatives base|random|sphere|FILE[:SPLIT]")
+                              "set negatives to base, random, sphere or FILE[:SPLIT]")
         neg_spec.validate()
         M = neg_spec.n_neg
         if not neg_spec.generated:
