@@ -272,6 +272,18 @@ def test_evaluate_on_a_stream_equals_the_drawn_set(cache):
     assert torch.equal(gen[0]["n"], gen[1]["n"])
 
 
+def test_evaluate_ramps_up_its_first_chunks_without_changing_results(cache):
+    test = read_split(cache, "test")
+    stream = EpisodeStream(test.labels, EpisodeSpec(way=5, shot=1, query=5, seed=6), 40)
+    methods = [("po", "poodle", {"steps": 5, "transductive": True})]
+    stats: dict = {}
+    ramped = evaluate(test, stream, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=4,
+                      workers=2, stats=stats)
+    assert stats["chunk_size"] == 4 and stats["n_chunks"] == 12             # 1, 2, then 4 + ... + 4 + 1
+    whole = evaluate(test, stream, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=40)
+    assert torch.equal(ramped["po"], whole["po"])
+
+
 _RSS_SCRIPT = r"""
 import sys
 from pathlib import Path
