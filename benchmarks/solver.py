@@ -256,9 +256,9 @@ eps = EpisodeStream(f.labels, EpisodeSpec(shot=1), n, classes=f.classes)
 def first(_):
     print(time.time(), flush=True)
     os._exit(0)
-evaluate(f, eps, [("p", "poodle", {"transductive": True})], negatives=NegativeSpec("base", %d),
+evaluate(f, eps, [("p", "poodle", {"transductive": True})], negatives=NegativeSpec("base", N_NEG),
          cache_path=path, device="cpu", progress=first)
-""" % N_NEG
+""".replace("N_NEG", str(N_NEG))
 
 
 def startup(cache: Path, n_ep: int) -> float:

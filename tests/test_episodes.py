@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from poodle.cache import read_split, write_arrays
-from poodle.episodes import (EpisodeSpec, EpisodeStream, imbalanced_counts, load_episodes, sample_episodes,
-                             save_episodes)
+from poodle.episodes import EpisodeSpec, EpisodeStream, imbalanced_counts, load_episodes, sample_episodes, save_episodes
 from poodle.errors import ConfigError, EpisodeError, PoodleError
 from poodle.evaluate import evaluate, paired_difference, summarize
 from poodle.negatives import NegativeSpec, generate, sample_indices
