@@ -112,8 +112,9 @@ def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, ca
 @click.option("--save-episodes", type=click.Path(dir_okay=False), help="Write the episodes (HDF5).")
 @click.option("--episodes-from", type=click.Path(dir_okay=False), help="Solve the episodes of this file.")
 @click.option("--device", default=defaults.DEVICE, show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--max-memory", default=defaults.MAX_MEMORY, show_default=True, type=SizeType(),
-              help="Bound on the working set of the chunks in flight (sets the chunk size).")
+@click.option("--max-memory", default=None, type=SizeType(),
+              help=f"Bound on the working set of the chunks in flight (sets the chunk size) "
+                   f"[{defaults.MAX_MEMORY} on CPU; 80% of the free memory on CUDA].")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="CPU: chunks solved at once, each single-threaded [default: torch's thread count].")
 @click.option("--out", "--json", "results_path", type=click.Path(dir_okay=False),

@@ -229,6 +229,42 @@ def _draw_episode(g: torch.Generator, spec: EpisodeSpec, eligible: Tensor, membe
     return torch.cat(sup), torch.cat(qry), slab, torch.cat(qlab), cls
 
 
+class _Draw:
+    """What drawing needs from a split's labels, computed once: the classes with images, each
+    class's rows and counts. Drawing episode ``i`` then costs ``1 + way`` small ``randperm`` calls."""
+
+    def __init__(self, labels: Tensor, spec: EpisodeSpec, classes: Sequence[str] | None = None) -> None:
+        labels = torch.as_tensor(labels, dtype=torch.int64).cpu()
+        check_spec(labels, spec, classes)
+        self.spec = spec
+        self.n_rows = int(labels.shape[0])
+        self.counts_all = torch.bincount(labels)
+        self.eligible = (self.counts_all > 0).nonzero().flatten()
+        order = torch.argsort(labels, stable=True)
+        self.members = list(torch.split(order, self.counts_all.tolist()))
+
+    def __call__(self, start: int, n_episodes: int) -> EpisodeSet:
+        spec = self.spec
+        E, Ns = n_episodes, spec.n_support
+        sup, qry, qlab, cls = [], [], [], []
+        slab = torch.arange(spec.way, dtype=torch.int64).repeat_interleave(spec.shot)
+        for e in range(E):
+            s, q, slab, ql, c = _draw_episode(generator(spec.seed, start + e), spec, self.eligible, self.members,
+                                              self.counts_all)
+            sup.append(s)
+            qry.append(q)
+            qlab.append(ql)
+            cls.append(c)
+        return EpisodeSet(torch.stack(sup), torch.stack(qry), slab.unsqueeze(0).expand(E, Ns).contiguous(),
+                          torch.stack(qlab), None, spec, "", torch.arange(start, start + E, dtype=torch.int64),
+                          torch.stack(cls))
+
+
+def _check_count(n_episodes: object) -> None:
+    if isinstance(n_episodes, bool) or not isinstance(n_episodes, (int, np.integer)) or n_episodes < 1:
+        raise EpisodeError(f"the number of episodes must be a positive integer, got {n_episodes!r}")
+
+
 def sample_episodes(labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, classes: list[str] | None = None,
                     start: int = 0) -> EpisodeSet:
     """Draw episodes ``start .. start+n_episodes-1`` from a split with ``labels [N]`` (int64).
@@ -236,25 +272,58 @@ def sample_episodes(labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, class
     EpisodeError before any drawing when the setting is impossible (way above the number of
     classes, classes with fewer than ``shot + query`` images, named; non-positive counts).
     """
-    if isinstance(n_episodes, bool) or not isinstance(n_episodes, (int, np.integer)) or n_episodes < 1:
-        raise EpisodeError(f"the number of episodes must be a positive integer, got {n_episodes!r}")
-    labels = torch.as_tensor(labels, dtype=torch.int64).cpu()
-    check_spec(labels, spec, classes)
-    counts_all = torch.bincount(labels)
-    eligible = (counts_all > 0).nonzero().flatten()
-    order = torch.argsort(labels, stable=True)
-    members = list(torch.split(order, counts_all.tolist()))
-    E, Ns, Nq = n_episodes, spec.n_support, spec.n_query
-    out_s = torch.empty(E, Ns, dtype=torch.int64)
-    out_q = torch.empty(E, Nq, dtype=torch.int64)
-    out_ql = torch.empty(E, Nq, dtype=torch.int64)
-    out_c = torch.empty(E, spec.way, dtype=torch.int64)
-    slab = None
-    for e in range(E):
-        s, q, slab, ql, c = _draw_episode(generator(spec.seed, start + e), spec, eligible, members, counts_all)
-        out_s[e], out_q[e], out_ql[e], out_c[e] = s, q, ql, c
-    return EpisodeSet(out_s, out_q, slab.unsqueeze(0).expand(E, Ns).contiguous(), out_ql, None, spec,
-                      "", torch.arange(start, start + E, dtype=torch.int64), out_c)
+    _check_count(n_episodes)
+    return _Draw(labels, spec, classes)(start, int(n_episodes))
+
+
+class EpisodeStream:
+    """Episodes ``start .. start+n_episodes-1`` of ``(labels, spec)``, drawn only when a slice of them
+    is asked for: ``stream[a:b]`` is exactly ``sample_episodes(labels, spec, b - a, start=start + a)``.
+
+    :func:`poodle.evaluate.evaluate` accepts one in place of an :class:`EpisodeSet`; it draws each
+    chunk's episodes (and negatives) in the worker that solves the chunk, so a run of any length
+    starts solving at once and never holds the index tensors of all its episodes. The setting is
+    checked (EpisodeError) when the stream is made, as by :func:`sample_episodes`.
+    """
+
+    negatives: Tensor | None = None
+    negative_source: str = ""
+
+    def __init__(self, labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, classes: list[str] | None = None,
+                 start: int = 0) -> None:
+        _check_count(n_episodes)
+        self._draw = _Draw(labels, spec, classes)
+        self.spec = spec
+        self.start = int(start)
+        self.n = int(n_episodes)
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def index(self) -> Tensor:
+        """int64 ``[E]`` global episode numbers."""
+        return torch.arange(self.start, self.start + self.n, dtype=torch.int64)
+
+    def __getitem__(self, sl: slice) -> EpisodeSet:
+        if not isinstance(sl, slice):
+            raise TypeError("EpisodeStream supports slicing only, e.g. stream[10:20]")
+        a, b, step = sl.indices(self.n)
+        if step != 1:
+            raise TypeError("EpisodeStream slices must be contiguous (step 1)")
+        if b <= a:
+            raise EpisodeError(f"empty slice [{a}:{b}] of {self.n} episodes")
+        return self._draw(self.start + a, b - a)
+
+    def materialize(self) -> EpisodeSet:
+        """All the episodes, drawn now."""
+        return self[0:self.n]
+
+    def check_against(self, labels: Tensor, *, where: str = "episodes", pool_size: int | None = None) -> None:
+        """EpisodeError unless ``labels`` has as many rows as the split the stream draws from."""
+        if int(labels.shape[0]) != self._draw.n_rows:
+            raise EpisodeError(f"{where}: drawn from a split of {self._draw.n_rows} rows, but the features have "
+                               f"{int(labels.shape[0])}")
 
 
 # ------------------------------------------------------------------------------------------ files
@@ -366,5 +435,5 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
     return eps
 
 
-__all__ = ["EpisodeSpec", "EpisodeSet", "sample_episodes", "save_episodes", "load_episodes", "check_spec",
+__all__ = ["EpisodeSpec", "EpisodeSet", "EpisodeStream", "sample_episodes", "save_episodes", "load_episodes", "check_spec",
            "imbalanced_counts"]

@@ -20,7 +20,7 @@ import torch
 
 from poodle import __version__, defaults, solvers
 from poodle.cache import SplitFeatures, read_split
-from poodle.episodes import EpisodeSet, EpisodeSpec, load_episodes, sample_episodes, save_episodes
+from poodle.episodes import EpisodeSet, EpisodeSpec, EpisodeStream, load_episodes, sample_episodes, save_episodes
 from poodle.errors import ConfigError
 from poodle.evaluate import evaluate, prepare_negatives
 from poodle.negatives import NegativeSpec, pool_location
@@ -38,7 +38,8 @@ class SolveResult:
     Attributes:
         records: one results record per method, in the order given (``label`` = method name).
         accs: ``{method: float64 [E] accuracies}``.
-        episodes: the episode set solved (negative indices attached when a pool was used).
+        episodes: the episode set solved (negative indices attached when a pool was used), or the
+            :class:`~poodle.episodes.EpisodeStream` it was drawn from chunk by chunk.
         negatives: the negatives used, or ``None`` when no method uses any.
         features: the split the episodes index.
         cache: the cache file.
@@ -49,7 +50,7 @@ class SolveResult:
 
     records: list[dict[str, Any]]
     accs: dict[str, torch.Tensor]
-    episodes: EpisodeSet
+    episodes: EpisodeSet | EpisodeStream
     negatives: NegativeSpec | None
     features: SplitFeatures
     cache: Path
@@ -69,8 +70,8 @@ def machine(device: torch.device) -> str:
     return f"{device} ({platform.processor() or platform.machine()})"
 
 
-def _episodes(cache: Path, episodes_from: str | os.PathLike | None, given: Mapping[str, Any]
-              ) -> tuple[SplitFeatures, EpisodeSet]:
+def _episodes(cache: Path, episodes_from: str | os.PathLike | None, given: Mapping[str, Any], lazy: bool = False
+              ) -> tuple[SplitFeatures, EpisodeSet | EpisodeStream]:
     if episodes_from is not None:
         clash = [k for k in EPISODE_PARAMS if given.get(k) is not None]
         if clash:
@@ -85,7 +86,9 @@ def _episodes(cache: Path, episodes_from: str | os.PathLike | None, given: Mappi
                        seed=g["seed"])
     spec.validate()
     features = read_split(cache, spec.split)
-    return features, sample_episodes(features.labels, spec, g["episodes"], classes=features.classes)
+    # lazy: drawn chunk by chunk while solving (the same episodes), so solving starts at once
+    draw = EpisodeStream if lazy else sample_episodes
+    return features, draw(features.labels, spec, g["episodes"], classes=features.classes)
 
 
 def check_outputs(cache: Path, episodes_from: str | os.PathLike | None, negatives: str | None,
@@ -109,7 +112,7 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
           episodes: int | None = None, seed: int | None = None, imbalance: float | None = None,
           negatives: str | None = None, n_neg: int | None = None,
           episodes_from: str | os.PathLike | None = None, save_episodes_to: str | os.PathLike | None = None,
-          device: str | torch.device = defaults.DEVICE, max_memory: str | int = defaults.MAX_MEMORY,
+          device: str | torch.device = defaults.DEVICE, max_memory: str | int | None = None,
           workers: int | None = None, progress: Callable[[int], None] | None = None,
           out: str | os.PathLike | None = None) -> SolveResult:
     """Solve one episode setting with ``methods`` on identical episodes and negatives.
@@ -125,7 +128,8 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
             than ``none`` when no method uses negatives is an error.
         episodes_from: an episodes file (:func:`poodle.episodes.save_episodes`) to solve.
         save_episodes_to: write the episodes (with their negatives) here.
-        device, max_memory, workers, progress: passed to :func:`poodle.evaluate.evaluate`.
+        device, max_memory, workers, progress: passed to :func:`poodle.evaluate.evaluate` (``max_memory``
+            ``None``: :data:`poodle.defaults.MAX_MEMORY` on CPU, 80% of the free memory on CUDA).
         out: a results file to append the records to (created when missing).
 
     Returns:
@@ -149,7 +153,7 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
     check_outputs(path, episodes_from, negatives, save_episodes_to, out)
     features, eps = _episodes(path, episodes_from,
                               dict(split=split, way=way, shot=shot, query=query, episodes=episodes, seed=seed,
-                                   imbalance=imbalance))
+                                   imbalance=imbalance), lazy=save_episodes_to is None)
     if episodes_from is not None:
         if negatives is None and eps.negative_source:
             negatives = eps.negative_source
@@ -166,7 +170,8 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
     if not users and negatives is not None and negatives != "none":
         raise ConfigError(f"negatives {negatives}: none of the chosen methods ({', '.join(methods)}) uses "
                           f"negatives", params=("negatives",))
-    eps, _ = prepare_negatives(eps, neg_spec or NegativeSpec("none", count), path, features.dim)
+    if not isinstance(eps, EpisodeStream):   # a stream draws its negatives per chunk in evaluate()
+        eps, _ = prepare_negatives(eps, neg_spec or NegativeSpec("none", count), path, features.dim)
     if save_episodes_to is not None:
         save_episodes(save_episodes_to, eps, cache=str(path))
 
