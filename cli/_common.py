@@ -26,6 +26,8 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except PoodleError as e:
+            if getattr(e, "quiet", False):  # another rank of a torchrun run failed and printed its error
+                sys.exit(1)
             console.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
             sys.exit(1)
         except KeyboardInterrupt:

@@ -43,7 +43,9 @@ def extract(dataset: str, data_root: str | None, backbone: str, checkpoint: str 
     """Write L2-normalised features of every split to one HDF5 cache.
 
     Interrupted runs resume: re-run the same command. Complete splits are skipped. The cache's
-    path is printed on stdout.
+    path is printed on stdout. Under `torchrun --nproc-per-node N $(which poodle) extract ...` the
+    processes share every split (one GPU each) and rank 0 writes the cache; an interrupted run
+    resumes with any number of processes.
     """
     from poodle.extract import extract as run_extract
 
@@ -54,4 +56,7 @@ def extract(dataset: str, data_root: str | None, backbone: str, checkpoint: str 
                        image_size=image_size, batch_size=batch_size, device=device, cache_root=cache_root,
                        tag=tag, dtype=dtype, workers=workers, force=force, skip_bad=skip_bad,
                        progress_factory=bar, log=lambda msg: console.print(msg, highlight=False, markup=False))
-    out.print(str(path), highlight=False, soft_wrap=True)
+    from poodle.distributed import is_main_process
+
+    if is_main_process():  # under torchrun, rank 0 speaks for the run
+        out.print(str(path), highlight=False, soft_wrap=True)
