@@ -81,10 +81,11 @@ def _exact_math(device: torch.device) -> Iterator[None]:
 
 def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None = None,
             checkpoint: str | os.PathLike | None = None,
-            splits: Sequence[str] | str = ("train", "val", "test"), image_size: int = 84, batch_size: int = 64,
+            splits: Sequence[str] | str = ("train", "val", "test"), image_size: int | None = None, batch_size: int = 64,
             device: str | torch.device = "auto", cache_root: str | os.PathLike = "cache", tag: str | None = None,
             dtype: str = "float32", workers: int | None = None, force: bool = False, skip_bad: bool = False,
-            progress_factory: ProgressFactory | None = None, log: Callable[[str], None] | None = None) -> Path:
+            progress_factory: ProgressFactory | None = None, log: Callable[[str], None] | None = None,
+            cub_split: str = "release") -> Path:
     """Extract L2-normalised features of ``splits`` of ``dataset`` with ``backbone`` into the cache.
 
     Args:
@@ -92,7 +93,9 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
         backbone: a name from :func:`poodle.backbones.available`.
         checkpoint: weights to load (strictly); without one the backbone keeps its random
             initialisation, drawn from seed 0, and the cache records ``checkpoint_sha256="none"``.
-        image_size: side of the centre crop fed to the backbone (the paper: 84).
+        image_size: side of the centre crop fed to the backbone (the paper: 84). None: 84, or the
+            images' own side for datasets of one size (32 for cifar-fs and fc100), which are then fed
+            as they are, without resizing or cropping.
         dtype: float32 or float16, the storage type of the features.
         workers: DataLoader worker processes (None: :func:`default_workers`; 0 decodes in-process).
         force: recompute complete splits, and replace a cache made by another backbone, checkpoint,
@@ -102,13 +105,18 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
         progress_factory: ``(description, total) -> context manager yielding advance(n)``, entered
             once per split extracted.
         log: receives one line per notable event (split skipped, resumed, written).
+        cub_split: ``release`` (100/50/50) or ``140-30-30`` for ``dataset="cub"``; the latter is
+            cached as dataset ``cub-140-30-30``.
+
+    Under torchrun (``WORLD_SIZE`` > 1) every process calls this function; each extracts a share of
+    every split and rank 0 merges them (:mod:`poodle.cache_shares`), logs and reports progress.
 
     Returns:
         The cache path. Every requested split is complete in it.
     """
     from poodle import backbones, distributed
     from poodle.data import ImageDataset, resolve_dataset
-    from poodle.data.transforms import eval_transform
+    from poodle.data.transforms import eval_transform, native_eval_transform
     from poodle.utils import file_sha256
 
     # Under torchrun every rank runs this function: the checks on every rank (they agree), the
@@ -121,23 +129,32 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
         # -- options and names (cheap)
         if dtype not in FEATURE_DTYPES:
             raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
-        if image_size < 1 or batch_size < 1:
+        if (image_size is not None and image_size < 1) or batch_size < 1:
             raise ConfigError(f"image size and batch size must be positive, got {image_size} and {batch_size}")
         workers = default_workers() if workers is None else int(workers)
         if workers < 0:
             raise ConfigError(f"--workers must be >= 0, got {workers}")
         split_list = _parse_splits(splits)
+        if cub_split != "release" and dataset != "cub":
+            raise ConfigError(f"--cub-split {cub_split} is an option of --dataset cub, not {dataset}")
         spec = backbones.get_spec(backbone)
         backbone = spec.name
-        if image_size < spec.min_input_size:
+        if image_size is not None and image_size < spec.min_input_size:
             raise ConfigError(f"backbone {backbone} needs --image-size >= {spec.min_input_size}, got {image_size}")
         out = cache_path(cache_root, dataset, backbone, tag)
         # -- data: split files, rows, images exist, no empty class (rank 0 first: glyphs may be generated)
         if d.main:
-            source = resolve_dataset(dataset, data_root, Path(cache_root))
+            source = resolve_dataset(dataset, data_root, Path(cache_root), cub_split=cub_split)
     with d.guard():
         if not d.main:
-            source = resolve_dataset(dataset, data_root, Path(cache_root))
+            source = resolve_dataset(dataset, data_root, Path(cache_root), cub_split=cub_split)
+        dataset = source.name  # e.g. cub-140-30-30: another split is another dataset in the cache
+        out = cache_path(cache_root, dataset, backbone, tag)
+        if image_size is None:
+            image_size = source.native_size or 84
+            if image_size < spec.min_input_size:
+                raise ConfigError(f"backbone {backbone} needs --image-size >= {spec.min_input_size}; {dataset}'s "
+                                  f"images are {image_size} px")
         samples = {s: source.samples(s) for s in split_list}
         # -- checkpoint file
         sha = "none"
@@ -146,7 +163,7 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
             if not ck.is_file():
                 raise CheckpointError(f"checkpoint {ck} does not exist")
             sha = file_sha256(ck)
-        tf = eval_transform(image_size)
+        tf = native_eval_transform(image_size) if image_size == source.native_size else eval_transform(image_size)
         root_attrs = make_root_attrs(dataset, backbone, checkpoint_sha256=sha, image_size=image_size,
                                      transform=tf.description, data_root=str(Path(source.root).resolve()))
         # -- the existing cache: refuse what would mix features of different provenance
