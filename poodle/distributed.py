@@ -192,6 +192,49 @@ class Dist:
         return [b[:c].cpu() for b, c in zip(bufs, counts)]
 
 
+def evaluate_shared(d: Dist, features: Any, episodes: Any, methods: Any, *, progress: Any = None,
+                    stats: dict | None = None, **kwargs: Any) -> dict[str, torch.Tensor] | None:
+    """:func:`poodle.evaluate.evaluate` with the episodes split across the ranks of ``d``.
+
+    Each rank solves its contiguous share of ``episodes`` (its own negatives come with them: they
+    are drawn per episode number); rank 0 receives ``{label: float64 [E]}`` in episode order,
+    identical to a one-process call since every episode's result depends on that episode only.
+    Other ranks get None. ``progress`` is called on rank 0 only (for its share); ``stats`` on rank 0
+    gets ``seconds`` per label as the slowest rank's, and ``processes``.
+    """
+    from poodle.evaluate import _resolve_methods, evaluate
+
+    labels = [label for label, _, _ in _resolve_methods(methods)]
+    r = d.share(len(episodes))
+    local: dict[str, Any] = {}
+    with d.guard():
+        if len(r) or not d.enabled:
+            accs = evaluate(features, episodes[r.start:r.stop] if d.enabled else episodes, methods,
+                            progress=progress if d.main else None, stats=local, **kwargs)
+        else:  # more ranks than episodes
+            accs = {label: torch.zeros(0, dtype=torch.float64) for label in labels}
+    if not d.enabled:
+        if stats is not None:
+            stats.update(local, processes=1)
+        return accs
+    out: dict[str, torch.Tensor] = {}
+    for label in labels:
+        parts = d.gather_tensor(accs[label].to(torch.float64))
+        if parts is not None:
+            out[label] = torch.cat(parts)
+    infos = d.gather_json({"seconds": local.get("seconds", {}), "chunk_size": local.get("chunk_size"),
+                           "workers": local.get("workers"), "device": local.get("device"),
+                           "n_neg": local.get("n_neg")})
+    if not d.main:
+        return None
+    if stats is not None:
+        first = next((i for i in infos if i["chunk_size"] is not None), infos[0])
+        stats.update({k: first[k] for k in ("chunk_size", "workers", "device", "n_neg")})
+        stats["seconds"] = {label: max(i["seconds"].get(label, 0.0) for i in infos) for label in labels}
+        stats["processes"] = d.world
+    return out
+
+
 _CURRENT: Dist | None = None
 
 
@@ -244,4 +287,4 @@ def _shutdown() -> None:
             torch.distributed.destroy_process_group()
 
 
-__all__ = ["Dist", "RankFailed", "init", "share", "env_world", "is_main_process"]
+__all__ = ["Dist", "RankFailed", "init", "share", "env_world", "is_main_process", "evaluate_shared"]
