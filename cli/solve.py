@@ -3,6 +3,7 @@ methods; print mean accuracy +- 95% CI (and paired differences to the first meth
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import platform
@@ -140,63 +141,75 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
     from poodle.episodes import EpisodeSpec, load_episodes, sample_episodes
     from poodle.episodes import save_episodes as write_episodes
     from poodle.errors import ConfigError
-    from poodle.evaluate import evaluate, needs_negatives, paired_difference, prepare_negatives, summarize
+    from poodle import distributed
+    from poodle.evaluate import needs_negatives, paired_difference, prepare_negatives, summarize
     from poodle.negatives import NegativeSpec
-    from poodle.utils import atomic_path, resolve_device
+    from poodle.utils import atomic_path
 
     t_start = time.perf_counter()
-    methods = list(methods)
-    dups = {m for m in methods if methods.count(m) > 1}
-    if dups:
-        raise ConfigError(f"--method {', '.join(sorted(dups))} given twice")
-    per = solver_options(ctx, methods, sets)
-    configs = [(m, m, solvers.make_config(m, per[m], strict=True)) for m in methods]
-    dev = resolve_device(device)
-    path = _cache_path(cache, dataset, backbone, cache_root, tag)
-    if not path.is_file():
-        raise ConfigError(f"no feature cache at {path} (run `poodle extract` or give --cache FILE)")
+    # Under torchrun every rank prepares the same episodes (a guard: an error is printed once), solves
+    # a share of them, and rank 0 gathers, prints and writes (poodle.distributed).
+    d = distributed.init(device)
+    dev = d.device
+    with d.guard():
+        methods = list(methods)
+        dups = {m for m in methods if methods.count(m) > 1}
+        if dups:
+            raise ConfigError(f"--method {', '.join(sorted(dups))} given twice")
+        per = solver_options(ctx, methods, sets)
+        configs = [(m, m, solvers.make_config(m, per[m], strict=True)) for m in methods]
+        path = _cache_path(cache, dataset, backbone, cache_root, tag)
+        if not path.is_file():
+            raise ConfigError(f"no feature cache at {path} (run `poodle extract` or give --cache FILE)")
 
-    if episodes_from:
-        given = [f"--{o.replace('_', '-')}" for o in ("split", "way", "shot", "query", "episodes", "seed", "imbalance")
-                 if _explicit(ctx, o)]
-        if given:
-            raise ConfigError(f"{', '.join(given)} cannot be combined with --episodes-from (the file fixes them)")
-        eps = load_episodes(episodes_from)
-        features = read_split(path, eps.spec.split)
-        eps.check_against(features.labels, where=str(episodes_from))
-        if not _explicit(ctx, "negatives") and eps.negative_source:
-            negatives = eps.negative_source
-        if not _explicit(ctx, "n_neg") and eps.negatives is not None:
-            n_neg = int(eps.negatives.shape[1])
-    else:
-        spec = EpisodeSpec(split=split, way=way, shot=shot, query=query, imbalance=imbalance, seed=seed)
-        spec.validate()
-        features = read_split(path, split)
-        eps = sample_episodes(features.labels, spec, episodes, classes=features.classes)
+        if episodes_from:
+            given = [f"--{o.replace('_', '-')}" for o in ("split", "way", "shot", "query", "episodes", "seed", "imbalance")
+                     if _explicit(ctx, o)]
+            if given:
+                raise ConfigError(f"{', '.join(given)} cannot be combined with --episodes-from (the file fixes them)")
+            eps = load_episodes(episodes_from)
+            features = read_split(path, eps.spec.split)
+            eps.check_against(features.labels, where=str(episodes_from))
+            if not _explicit(ctx, "negatives") and eps.negative_source:
+                negatives = eps.negative_source
+            if not _explicit(ctx, "n_neg") and eps.negatives is not None:
+                n_neg = int(eps.negatives.shape[1])
+        else:
+            spec = EpisodeSpec(split=split, way=way, shot=shot, query=query, imbalance=imbalance, seed=seed)
+            spec.validate()
+            features = read_split(path, split)
+            eps = sample_episodes(features.labels, spec, episodes, classes=features.classes)
 
-    users = [m for _, m, c in configs if needs_negatives(m, c)]
-    neg_spec = NegativeSpec(negatives, n_neg) if users else NegativeSpec("none", n_neg)
-    if users and neg_spec.is_none:
-        raise ConfigError(f"method(s) {', '.join(users)} need negatives; use --negatives base|random|sphere|FILE")
-    if not users and _explicit(ctx, "negatives") and negatives != "none":
-        raise ConfigError(f"--negatives {negatives}: none of the chosen methods ({', '.join(methods)}) uses negatives")
-    eps, _ = prepare_negatives(eps, neg_spec, path, features.dim)
-    if save_episodes:
-        write_episodes(save_episodes, eps, cache=str(path))
-        console.print(f"episodes written to {save_episodes}")
+        users = [m for _, m, c in configs if needs_negatives(m, c)]
+        neg_spec = NegativeSpec(negatives, n_neg) if users else NegativeSpec("none", n_neg)
+        if users and neg_spec.is_none:
+            raise ConfigError(f"method(s) {', '.join(users)} need negatives; use --negatives base|random|sphere|FILE")
+        if not users and _explicit(ctx, "negatives") and negatives != "none":
+            raise ConfigError(f"--negatives {negatives}: none of the chosen methods ({', '.join(methods)}) uses negatives")
+        eps, _ = prepare_negatives(eps, neg_spec, path, features.dim)
+        if save_episodes and d.main:
+            write_episodes(save_episodes, eps, cache=str(path))
+            console.print(f"episodes written to {save_episodes}")
 
-    spec = eps.spec
-    console.print(f"[bold]{len(eps):,}[/] episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
-                  + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
-                  + f", split {spec.split} of {path}; negatives: "
-                  + (f"{neg_spec.source} x {neg_spec.n_neg}" if users else "none") + f"; device {dev}",
-                  highlight=False)
+        spec = eps.spec
+        if d.main:
+            console.print(f"[bold]{len(eps):,}[/] episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
+                          + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
+                          + f", split {spec.split} of {path}; negatives: "
+                          + (f"{neg_spec.source} x {neg_spec.n_neg}" if users else "none") + f"; device {dev}"
+                          + (f" x {d.world} processes" if d.enabled else ""), highlight=False)
     stats: dict[str, Any] = {}
     t0 = time.perf_counter()
-    with progress_bar("solving", total=len(eps), unit="episodes") as advance:
-        accs = evaluate(features, eps, configs, negatives=neg_spec if users else None, cache_path=path,
-                        device=dev, max_memory=max_memory, progress=advance, stats=stats, workers=workers)
+    # rank 0's bar counts its own share; the other ranks show none
+    bar = (progress_bar("solving", total=len(d.share(len(eps))), unit="episodes") if d.main
+           else contextlib.nullcontext(None))
+    with bar as advance:
+        accs = distributed.evaluate_shared(d, features, eps, configs, negatives=neg_spec if users else None,
+                                           cache_path=path, device=dev, max_memory=max_memory, progress=advance,
+                                           stats=stats, workers=workers)
     solve_s = time.perf_counter() - t0
+    if accs is None:  # not rank 0
+        return
 
     from rich import box
     from rich.table import Table
@@ -237,6 +250,7 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
             "summary": {label: {"mean_pct": r["mean_pct"], "ci95_pct": r["ci95_pct"]} for label, r in results.items()},
             "device": str(dev) + (f" ({_gpu_name(dev)})" if dev.type == "cuda" else f" ({platform.processor() or platform.machine()})"),
             "versions": _versions(),
+            "processes": stats.get("processes", 1),
             "wall_seconds": time.perf_counter() - t_start,
             "solve_seconds": solve_s,
             "episodes_per_s": len(eps) / solve_s if solve_s > 0 else None,

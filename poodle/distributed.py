@@ -33,7 +33,7 @@ import datetime
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -235,6 +235,55 @@ def evaluate_shared(d: Dist, features: Any, episodes: Any, methods: Any, *, prog
     return out
 
 
+def shared_map(d: Dist, units: Sequence[Any], solve: Callable[[Any, range | None], dict[str, tuple[torch.Tensor, dict]]],
+               n_rows: Callable[[Any], int]) -> Iterator[tuple[Any, dict[str, tuple[torch.Tensor, dict]]]]:
+    """Solve ``units`` (e.g. a grid's cells) across the ranks; yield ``(unit, results)`` on rank 0, in order.
+
+    ``solve(unit, rows)`` returns ``{key: (float64 [len(rows)] per-row results, info)}`` for the rows
+    ``rows`` of the unit's episodes (``None``: all of them); ``info`` is JSON-serialisable and holds at
+    least ``seconds``. With at least as many units as ranks, the units are dealt out in rounds of one
+    per rank; with fewer, every unit's rows are split across all ranks (``n_rows(unit)`` of them) and
+    the parts are put back in order, ``seconds`` being the slowest rank's. Every rank must iterate the
+    generator to its end (ranks other than 0 get nothing from it); each round is one guard.
+    """
+    if not d.enabled:
+        for u in units:
+            yield u, solve(u, None)
+        return
+    by_cells = len(units) >= d.world
+    rounds = ([list(units[i:i + d.world]) for i in range(0, len(units), d.world)] if by_cells
+              else [[u] for u in units])
+    for rnd in rounds:
+        local: dict[str, tuple[torch.Tensor, dict]] = {}
+        with d.guard():
+            if by_cells:
+                if d.rank < len(rnd):
+                    local = solve(rnd[d.rank], None)
+            else:
+                rows = d.share(n_rows(rnd[0]))
+                if len(rows):
+                    local = solve(rnd[0], rows)
+        keys = list(local)
+        flat = torch.cat([local[k][0].reshape(-1).to(torch.float64).cpu() for k in keys]) if keys else \
+            torch.zeros(0, dtype=torch.float64)
+        values = d.gather_tensor(flat)
+        metas = d.gather_json([[k, int(local[k][0].numel()), local[k][1]] for k in keys])
+        if not d.main:
+            continue
+        assert values is not None and metas is not None
+        parts: dict[str, list[tuple[torch.Tensor, dict]]] = {}
+        for v, meta in zip(values, metas):
+            at = 0
+            for k, n, info in meta:
+                parts.setdefault(k, []).append((v[at:at + n], info))
+                at += n
+        merged = {k: (torch.cat([t for t, _ in ps]),
+                      {**ps[0][1], "seconds": max(float(i.get("seconds", 0.0)) for _, i in ps)})
+                  for k, ps in parts.items()}
+        for u in rnd:
+            yield u, merged
+
+
 _CURRENT: Dist | None = None
 
 
@@ -287,4 +336,4 @@ def _shutdown() -> None:
             torch.distributed.destroy_process_group()
 
 
-__all__ = ["Dist", "RankFailed", "init", "share", "env_world", "is_main_process", "evaluate_shared"]
+__all__ = ["Dist", "RankFailed", "init", "share", "env_world", "is_main_process", "evaluate_shared", "shared_map"]

@@ -669,6 +669,26 @@ def _fingerprints(spec: GridSpec, cells: Sequence[Cell]) -> dict[str, str]:
     return out
 
 
+def _open_results(out: Path, header: dict[str, Any], cells: Sequence[Cell], ghash: str,
+                  fingerprints: Mapping[str, str], force: bool) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The results file's header and finished cells (checked to belong to this grid), or a new file."""
+    if not out.exists() or force:
+        _write_header(out, header)
+        return header, {}
+    old_header, records = read_results(out, repair=True)
+    if old_header.get("grid_hash") != ghash:
+        raise ConfigError(
+            f"{out} holds results of another grid (grid hash {old_header.get('grid_hash')}, this grid "
+            f"{ghash}: the cells differ); use --out for a new file or --force to overwrite it")
+    for name, sha in fingerprints.items():
+        old = old_header.get("caches", {}).get(name)
+        if old is not None and old != sha:
+            raise ConfigError(f"cache {name!r} changed since {out} was started (sha256 {old[:12]} -> "
+                              f"{sha[:12]}); use --force to recompute the grid")
+    keys = {c.key for c in cells}
+    return old_header, {r["key"]: r for r in records if r["key"] in keys}
+
+
 def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: bool = False,
              device: str = "auto", max_memory: str | int = "2GiB",
              on_cell: Callable[[CellEvent], None] | None = None,
@@ -713,23 +733,19 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
               "caches": fingerprints, "poodle_version": __version__,
               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
+    # Under torchrun (poodle.distributed) rank 0 alone reads and writes the results file; the other
+    # ranks learn from it which cells are done, and the cells (or their episodes) are shared out.
+    from poodle import distributed
+
+    d = distributed.init(device)
     done: dict[str, dict[str, Any]] = {}
-    if out.exists() and not force:
-        old_header, records = read_results(out, repair=True)
-        if old_header.get("grid_hash") != ghash:
-            raise ConfigError(
-                f"{out} holds results of another grid (grid hash {old_header.get('grid_hash')}, this grid "
-                f"{ghash}: the cells differ); use --out for a new file or --force to overwrite it")
-        for name, sha in fingerprints.items():
-            old = old_header.get("caches", {}).get(name)
-            if old is not None and old != sha:
-                raise ConfigError(f"cache {name!r} changed since {out} was started (sha256 {old[:12]} -> "
-                                  f"{sha[:12]}); use --force to recompute the grid")
-        header = old_header
-        keys = {c.key for c in cells}
-        done = {r["key"]: r for r in records if r["key"] in keys}
-    else:
-        _write_header(out, header)
+    with d.guard():
+        if d.main:
+            header, done = _open_results(out, header, cells, ghash, fingerprints, force)
+    done_keys = set(d.broadcast_json(sorted(done)))
+    if not d.main:
+        done = {k: {} for k in done_keys}
+        on_cell = progress = None
 
     total = len(cells)
     n_done = 0
@@ -749,7 +765,7 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
                                 c.index))
 
     computed = 0
-    load_s = sample_s = 0.0
+    timing = {"load": 0.0, "sample": 0.0}
     features = None
     features_key = None
     episode_sets: dict[tuple, Any] = {}
@@ -758,7 +774,8 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
         from poodle.evaluate import prepare_negatives
     except ImportError:  # an evaluate without it draws the negatives itself, identically
         prepare_negatives = None
-    for batch in _batches(pending, cells_per_call):
+    def solve_batch(batch: list[Cell], rows: range | None) -> dict[str, tuple[Any, dict]]:
+        nonlocal features, features_key, episode_sets
         c0 = batch[0]
         cache_path = resolve_cache(spec, c0.cache)
         split = c0.episode["split"]
@@ -768,7 +785,7 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
             features = read_split(cache_path, split)
             features_key = (c0.cache, split)
             episode_sets = {}
-            load_s += time.perf_counter() - t0
+            timing["load"] += time.perf_counter() - t0
         ek = c0.episode_key()
         if ek not in episode_sets:
             t0 = time.perf_counter()
@@ -776,7 +793,7 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
             es = EpisodeSpec(split=split, way=e["way"], shot=e["shot"], query=e["query"],
                              imbalance=e["imbalance"], seed=e["seed"])
             episode_sets[ek] = sample_episodes(features.labels, es, e["episodes"], classes=features.classes)
-            sample_s += time.perf_counter() - t0
+            timing["sample"] += time.perf_counter() - t0
         episodes = episode_sets[ek]
         negatives = None
         if c0.negatives != "none":
@@ -789,6 +806,8 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
                     prepared.clear()
                     prepared[nk] = prepare_negatives(episodes, negatives, cache_path, features.features.shape[1])[0]
                 episodes = prepared[nk]
+        if rows is not None:  # this rank's share of the episodes (negatives are per episode: they come along)
+            episodes = episodes[rows.start:rows.stop]
         methods = [(c.key, c.method, solvers.make_config(c.method, dict(c.options), strict=True)) for c in batch]
         if on_cell:
             on_cell(CellEvent("start", c0, n_done, total, cells=list(batch)))
@@ -797,11 +816,18 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
         stats: dict[str, Any] = {}
         t0 = time.perf_counter()
         accs = evaluate(features, episodes, methods, negatives=negatives, cache_path=cache_path,
-                        device=device, max_memory=max_memory, progress=call_progress, stats=stats)
+                        device=d.device, max_memory=max_memory, progress=call_progress, stats=stats)
         call_seconds = time.perf_counter() - t0
+        return {c.key: (accs[c.key].double().cpu(),
+                        {"seconds": float(stats.get("seconds", {}).get(c.key, call_seconds / len(batch))),
+                         "call_seconds": call_seconds, "device": str(stats.get("device", device)),
+                         "chunk_size": stats.get("chunk_size")}) for c in batch}
+
+    batches = list(_batches(pending, cells_per_call))
+    for batch, results in distributed.shared_map(d, batches, solve_batch, lambda b: int(b[0].episode["episodes"])):
         for c in batch:
-            acc = accs[c.key].double().cpu()
-            seconds = float(stats.get("seconds", {}).get(c.key, call_seconds / len(batch)))
+            acc, info = results[c.key]
+            seconds, call_seconds = info["seconds"], info["call_seconds"]
             mean, ci = summarize(acc)
             record = {"kind": "cell", "key": c.key, "index": c.index, "label": c.label, "cache": c.cache,
                       "episode": c.episode, "negatives": c.negatives, "n_neg": c.n_neg, "method": c.method,
@@ -810,7 +836,7 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
                       "seconds": round(seconds, 4),
                       "episodes_per_s": round(acc.numel() / seconds, 2) if seconds > 0 else None,
                       "call_seconds": round(call_seconds, 4), "call_cells": len(batch),
-                      "device": str(stats.get("device", device)), "chunk_size": stats.get("chunk_size"),
+                      "device": info["device"], "chunk_size": info["chunk_size"],
                       "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                       "acc": [float(a) for a in acc.tolist()]}
             _append_line(out, record)
@@ -820,6 +846,10 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
             if on_cell:
                 on_cell(CellEvent("done", c, n_done, total, record))
 
+    load_s, sample_s = timing["load"], timing["sample"]
+    if not d.main:
+        return GridRun(path=out, header=header, records=[], computed=0, skipped=0,
+                       seconds=time.perf_counter() - t_start, load_seconds=load_s, sample_seconds=sample_s)
     records = [done[c.key] for c in cells]
     return GridRun(path=out, header=header, records=records, computed=computed,
                    skipped=total - computed, seconds=time.perf_counter() - t_start,

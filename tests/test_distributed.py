@@ -183,3 +183,98 @@ def test_a_failing_rank_stops_the_run_once_and_the_rest_resumes_with_one_process
             cache_root=tmp_path / "c", workers=0, device="cpu", progress_factory=count)
     assert totals == {"val": 2, "test": 10}
     _same_cache(out, reference, same_root=False)
+
+
+# --------------------------------------------------------------------------- solve and grid
+
+GRID = """cache = "feat.h5"
+[episodes]
+shot = [1, 5]
+query = 5
+episodes = 9
+[negatives]
+n_neg = 20
+[solver]
+method = ["proto", "poodle"]
+alpha = [0.0, 1.0]
+beta = 0.5
+steps = 3
+"""
+ONE_CELL = """cache = "feat.h5"
+[episodes]
+episodes = 7
+query = 4
+[negatives]
+n_neg = 10
+[solver]
+method = "poodle"
+steps = 2
+"""
+SOLVE = ["solve", "--cache", "feat.h5", "--episodes", "7", "--query", "5", "--method", "poodle", "--method", "proto",
+         "--steps", "3", "--n-neg", "20", "--device", "cpu"]
+TIMINGS = {"seconds", "wall_seconds", "solve_seconds", "episodes_per_s", "processes", "device", "workers",
+           "chunk_size", "versions"}
+
+
+def _strip(obj):
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if k not in TIMINGS}
+    return obj
+
+
+def _cells(path):
+    from poodle import grid as G
+
+    return {r["key"]: (r["acc"], r["mean"], r["n"]) for r in G.read_results(path)[1]}
+
+
+def test_torchrun_solve_and_grid_match_one_process(tmp_path, make_features, monkeypatch):
+    from click.testing import CliRunner
+
+    from poodle import grid as G
+    from poodle.cache import write_arrays
+    from poodle.cli.solve import solve as solve_cmd
+    from poodle.episodes import load_episodes
+
+    x, y = make_features(10, 24, 16, seed=3, spread=0.9)
+    xb, yb = make_features(8, 20, 16, seed=4, spread=0.9)
+    write_arrays(tmp_path / "feat.h5", {"test": (x, y, [f"t{i}" for i in range(10)]),
+                                        "train": (xb, yb, [f"b{i}" for i in range(8)])})
+    (tmp_path / "grid.toml").write_text(GRID)
+    (tmp_path / "one.toml").write_text(ONE_CELL)
+    # one process: solve, the grid in full, the grid interrupted after 3 cells, the one-cell grid
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(solve_cmd, SOLVE[1:] + ["--json", "one.json", "--save-episodes", "one-eps.h5"])
+    assert res.exit_code == 0, res.output
+    spec = G.load_grid(tmp_path / "grid.toml")
+    full = G.run_grid(spec, tmp_path / "full.jsonl", device="cpu")
+    assert len(full.records) == 6  # 2 shots x (proto, poodle alpha 0/1) = 6 cells in 4 calls: shared by cells
+
+    def crash_after_3(event):
+        if event.kind == "done" and event.done == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        G.run_grid(spec, tmp_path / "part.jsonl", device="cpu", on_cell=crash_after_3, cells_per_call=1)
+    G.run_grid(G.load_grid(tmp_path / "one.toml"), tmp_path / "one-ref.jsonl", device="cpu")
+
+    # two processes: solve; the interrupted grid resumed (one process before, two now; its 3 pending
+    # cells, one per call, are dealt out to the ranks); the one-cell grid, whose 7 episodes are split
+    # 4 + 3 across the ranks
+    runs = [SOLVE + ["--json", "two.json", "--save-episodes", "two-eps.h5"],
+            ["grid", "grid.toml", "--out", "part.jsonl", "--device", "cpu", "--cells-per-call", "1"],
+            ["grid", "one.toml", "--out", "one-two.jsonl", "--device", "cpu"]]
+    import json as _json
+
+    r = torchrun(_json.dumps(runs), cwd=tmp_path, script=str(Path(__file__).with_name("_dist_driver.py")))
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, two = _json.loads((tmp_path / "one.json").read_text()), _json.loads((tmp_path / "two.json").read_text())
+    assert two["processes"] == 2 and one["processes"] == 1
+    assert _strip(one) == _strip(two)  # per-episode accuracies, means, CIs, paired differences, config
+    a, b = load_episodes(tmp_path / "one-eps.h5"), load_episodes(tmp_path / "two-eps.h5")
+    for f in ("support", "query", "support_labels", "query_labels", "negatives", "index"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert r.stdout.count("accuracy %") == 1  # rank 0 alone prints the table
+    assert _cells(tmp_path / "part.jsonl") == _cells(full.path)
+    assert _cells(tmp_path / "one-two.jsonl") == _cells(tmp_path / "one-ref.jsonl")
+    assert len(G.read_results(tmp_path / "part.jsonl")[1]) == 6  # no line written twice
