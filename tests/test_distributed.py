@@ -278,3 +278,49 @@ def test_torchrun_solve_and_grid_match_one_process(tmp_path, make_features, monk
     assert _cells(tmp_path / "part.jsonl") == _cells(full.path)
     assert _cells(tmp_path / "one-two.jsonl") == _cells(tmp_path / "one-ref.jsonl")
     assert len(G.read_results(tmp_path / "part.jsonl")[1]) == 6  # no line written twice
+
+
+def test_shares_merge_into_the_split_a_single_writer_makes(tmp_path):
+    """Rows, skipped images and raw_mean of shares [0, 4) [4, 8) [8, 10) equal one SplitWriter's."""
+    from poodle.cache_shares import ShareWriter, commit_shares, scan, share_key
+
+    rng = np.random.default_rng(0)
+    raw = rng.standard_normal((10, 6)).astype(np.float32) * 3
+    labels = np.array([0, 1] * 5)
+    paths = [f"img{i}.png" for i in range(10)]
+    bad = {5}  # skipped, in the second batch
+    attrs = cache.make_root_attrs("d", "b")
+    kw = dict(root_attrs=attrs, classes=["a", "b"], dim=6)
+
+    def batches(a, b):
+        for s in range(a, b, 4):
+            rows = [i for i in range(s, min(b, s + 4)) if i not in bad]
+            yield raw[rows], labels[rows], [paths[i] for i in rows], [paths[i] for i in range(s, min(b, s + 4))
+                                                                      if i in bad]
+
+    one = tmp_path / "one.h5"
+    with cache.SplitWriter(one, "test", samples_sha256="x", n_total=10, **kw) as w:
+        for x, y, p, sk in batches(0, 10):
+            w.append(x, y, p, skipped=sk)
+        w.commit()
+    two = tmp_path / "two.h5"
+    key = share_key("x", 10, 6, "float32", attrs, 4)
+    for a, b in ((4, 8), (0, 4), (8, 10)):
+        with ShareWriter(two, "test", a, b, key=key, **kw) as w:
+            for x, y, p, sk in batches(a, b):
+                w.append(x, y, p, skipped=sk)
+    covered, stale = scan(two, "test", key)
+    assert [(c.start, c.consumed) for c in covered] == [(0, 4), (4, 4), (8, 2)] and not stale
+    assert commit_shares(two, "test", covered, n_split=10, batch_size=4, root_attrs=attrs, classes=["a", "b"],
+                         dim=6, dtype="float32", samples_sha256="x") == (9, 1)
+    assert not share_files(two, "test")
+    a, b = cache.read_split(one, "test"), cache.read_split(two, "test")
+    assert torch.equal(a.features, b.features) and torch.equal(a.raw_mean, b.raw_mean) and a.paths == b.paths
+    import h5py as _h5
+
+    def skipped(f):
+        return [s.decode() if isinstance(s, bytes) else str(s) for s in f["test"].attrs["skipped"]]
+
+    with _h5.File(one) as fa, _h5.File(two) as fb:
+        assert skipped(fa) == skipped(fb) == ["img5.png"]
+        assert fa["test"].attrs["n_skipped"] == fb["test"].attrs["n_skipped"] == 1
