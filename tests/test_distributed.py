@@ -212,8 +212,8 @@ steps = 2
 """
 SOLVE = ["solve", "--cache", "feat.h5", "--episodes", "7", "--query", "5", "--method", "poodle", "--method", "proto",
          "--steps", "3", "--n-neg", "20", "--device", "cpu"]
-TIMINGS = {"seconds", "wall_seconds", "solve_seconds", "episodes_per_s", "processes", "device", "workers",
-           "chunk_size", "versions"}
+TIMINGS = {"seconds", "episodes_per_s", "call_seconds", "finished", "processes", "device", "workers", "chunk_size",
+           "versions"}
 
 
 def _strip(obj):
@@ -222,10 +222,11 @@ def _strip(obj):
     return obj
 
 
-def _cells(path):
-    from poodle import grid as G
+def _records(path):
+    """The records of a results file without their timings, by key."""
+    from poodle.results import read_results
 
-    return {r["key"]: (r["acc"], r["mean"], r["n"]) for r in G.read_results(path)[1]}
+    return {r["key"]: _strip(r) for r in read_results(path).records}
 
 
 def test_torchrun_solve_and_grid_match_one_process(tmp_path, make_features, monkeypatch):
@@ -268,16 +269,18 @@ def test_torchrun_solve_and_grid_match_one_process(tmp_path, make_features, monk
 
     r = torchrun(_json.dumps(runs), cwd=tmp_path, script=str(Path(__file__).with_name("_dist_driver.py")))
     assert r.returncode == 0, r.stderr[-3000:]
-    one, two = _json.loads((tmp_path / "one.json").read_text()), _json.loads((tmp_path / "two.json").read_text())
-    assert two["processes"] == 2 and one["processes"] == 1
-    assert _strip(one) == _strip(two)  # per-episode accuracies, means, CIs, paired differences, config
+    from poodle.results import read_results
+
+    one, two = read_results(tmp_path / "one.json").records, read_results(tmp_path / "two.json").records
+    assert [r["processes"] for r in one + two] == [1, 1, 2, 2]
+    assert [_strip(r) for r in one] == [_strip(r) for r in two]  # per-episode accuracies, means, CIs, identity
     a, b = load_episodes(tmp_path / "one-eps.h5"), load_episodes(tmp_path / "two-eps.h5")
     for f in ("support", "query", "support_labels", "query_labels", "negatives", "index"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
     assert r.stdout.count("accuracy %") == 1  # rank 0 alone prints the table
-    assert _cells(tmp_path / "part.jsonl") == _cells(full.path)
-    assert _cells(tmp_path / "one-two.jsonl") == _cells(tmp_path / "one-ref.jsonl")
-    assert len(G.read_results(tmp_path / "part.jsonl")[1]) == 6  # no line written twice
+    assert _records(tmp_path / "part.jsonl") == _records(full.path)
+    assert _records(tmp_path / "one-two.jsonl") == _records(tmp_path / "one-ref.jsonl")
+    assert len((tmp_path / "part.jsonl").read_text().splitlines()) == 1 + 6  # header + 6 cells, none twice
 
 
 def test_shares_merge_into_the_split_a_single_writer_makes(tmp_path):

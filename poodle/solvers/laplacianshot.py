@@ -11,7 +11,7 @@ The concave-convex bound gives independent closed-form updates ``y_q = softmax(-
 sum_q' w_{qq'} y_q')``, iterated until the bound's energy changes by at most ``tol`` (relative) or
 for ``steps`` iterations; each episode stops on its own (a mask). Transductive.
 
-Differences from the POODLE authors' ``laplacian.py`` (facts sheet section 2; it cannot run as
+Differences from the POODLE authors' ``laplacian.py`` (docs/reference.md §2; it cannot run as
 shipped): batched over episodes (kNN by ``torch.cdist`` + ``topk`` per episode batch, no
 scikit-learn); ``knn``, ``lmd`` have values (theirs referenced undefined options); a class with no
 predicted sample keeps its prototype (theirs dropped it, shrinking the prototype list).

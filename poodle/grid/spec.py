@@ -1,0 +1,476 @@
+"""Grid files: parsing, value checks and expansion into cells (see docs/grid.md).
+
+A grid file (TOML) gives values for ``poodle solve`` options; every option may be a list, and the
+grid is the product of the lists, plus explicit ``[[cell]]`` entries. Every cell with the same
+episode settings (cache, split, way, shot, query, imbalance, seed, episodes) runs on identical
+episodes and, with the same ``negatives``/``n_neg``, identical negatives, so differences between
+cells are paired.
+
+Method-specific options: an option applies only to the methods whose configuration has it. In the
+product, a combination that sets an option its method does not have is the same cell as the one
+without it (``alpha`` with ``method = "proto"``), so it is run once, not once per value. The same
+holds for ``transductive`` with an inductive-only method (recorded as inductive), and for
+``negatives``/``n_neg`` with a method that uses no negatives (recorded as ``negatives = "none"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from poodle import solvers
+from poodle.defaults import EPISODE_KEYS, GENERAL_DEFAULTS, GENERAL_KEYS, NEGATIVE_KEYWORDS
+from poodle.errors import ConfigError
+from poodle.results import canonical_hash, jsonable, make_identity, record_flat
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+# Defaults are those of `poodle solve`: the paper's main protocol (poodle.defaults).
+DEFAULTS: dict[str, Any] = GENERAL_DEFAULTS
+SECTIONS = ("episodes", "negatives", "solver")
+TOP_LEVEL_ONLY = ("name", "description", "product", "caches", "cell")
+
+
+def _load_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"grid file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing and value checks
+
+
+def _check_int(where: str, key: str, v: Any, minimum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise ConfigError(f"{where}: option {key!r} expects an integer, got {v!r}")
+    if v < minimum:
+        raise ConfigError(f"{where}: option {key!r} must be at least {minimum}, got {v}")
+    return v
+
+
+def _check_general(where: str, key: str, v: Any) -> Any:
+    """Type-check and normalise a value of a general (non-solver) option."""
+    if key in ("cache", "split", "method"):
+        if not isinstance(v, str) or not v:
+            raise ConfigError(f"{where}: option {key!r} expects a non-empty string, got {v!r}")
+        return v
+    if key == "negatives":
+        if not isinstance(v, str) or not v:
+            raise ConfigError(f"{where}: option 'negatives' expects base, random, sphere, none, a cache "
+                              f"name from [caches] or FILE[:SPLIT], got {v!r}")
+        return v
+    if key == "way":
+        return _check_int(where, key, v, 2)
+    if key in ("shot", "query", "episodes", "n_neg"):
+        return _check_int(where, key, v, 1)
+    if key == "seed":
+        return _check_int(where, key, v, 0)
+    if key == "imbalance":
+        # TOML has no null: "none"/"balanced"/false mean balanced queries.
+        if v is False or (isinstance(v, str) and v.lower() in ("none", "balanced")):
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ConfigError(f"{where}: option 'imbalance' expects a Dirichlet concentration > 0 or "
+                              f"\"none\", got {v!r}")
+        return float(v)
+    raise AssertionError(key)
+
+
+def _as_list(v: Any) -> list[Any]:
+    return list(v) if isinstance(v, list) else [v]
+
+
+def _solver_fields() -> dict[str, set[str]]:
+    return {name: set(solvers.get(name).options()) for name in solvers.available()}
+
+
+@dataclass
+class GridSpec:
+    """A parsed grid file.
+
+    Attributes:
+        path: the grid file (relative paths inside it resolve against its folder).
+        name: a free name for the grid (defaults to the file's stem).
+        caches: named caches ``{name: path as written}`` from ``[caches]``.
+        axes: option -> list of values; scalars are one-value lists. Defaults fill the rest.
+        cells: explicit ``[[cell]]`` entries (option -> value or list of values).
+        product: whether the product of ``axes`` is part of the grid (``product = false`` runs only
+            the explicit cells, with ``axes`` as their defaults).
+    """
+
+    path: Path
+    name: str
+    caches: dict[str, str]
+    axes: dict[str, list[Any]]
+    cells: list[dict[str, Any]]
+    product: bool = True
+    description: str = ""
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent
+
+
+def parse_grid(data: Mapping[str, Any], path: Path, overrides: Mapping[str, Any] | None = None) -> GridSpec:
+    """Check a grid's TOML content and normalise it (see :func:`load_grid`)."""
+    where = str(path)
+    flat: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for key, value in data.items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: [{key}] must be a table of options")
+            for k, v in value.items():
+                if isinstance(v, dict):
+                    raise ConfigError(f"{where}: [{key}].{k} is a table; options take a value or a list")
+                if k in flat:
+                    raise ConfigError(f"{where}: option {k!r} is given twice ({origin[k]} and [{key}])")
+                flat[k], origin[k] = v, f"[{key}]"
+        elif key in TOP_LEVEL_ONLY:
+            continue
+        else:
+            if isinstance(value, dict):
+                raise ConfigError(f"{where}: unknown section [{key}]; sections are "
+                                  f"{', '.join('[' + s + ']' for s in SECTIONS)}, [caches] and [[cell]]")
+            if key in flat:
+                raise ConfigError(f"{where}: option {key!r} is given twice")
+            flat[key], origin[key] = value, "top level"
+    for k, v in (overrides or {}).items():
+        flat[k] = v
+
+    name = data.get("name", path.stem)
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}: 'name' must be a string")
+    description = data.get("description", "")
+    product = data.get("product", True)
+    if not isinstance(product, bool):
+        raise ConfigError(f"{where}: 'product' must be true or false, got {product!r}")
+
+    caches = data.get("caches", {})
+    if not isinstance(caches, dict) or not all(isinstance(v, str) for v in caches.values()):
+        raise ConfigError(f"{where}: [caches] must map names to cache file paths (strings)")
+    for cname in caches:
+        if cname in NEGATIVE_KEYWORDS:
+            raise ConfigError(f"{where}: cache name {cname!r} is reserved (negatives keyword); rename it")
+
+    raw_cells = data.get("cell", [])
+    if not isinstance(raw_cells, list) or not all(isinstance(c, dict) for c in raw_cells):
+        raise ConfigError(f"{where}: 'cell' must be written as [[cell]] tables")
+
+    fields_by_method = _solver_fields()
+    axes = {k: _normalise_values(where, k, v) for k, v in flat.items()}
+    cells = []
+    for i, c in enumerate(raw_cells):
+        cw = f"{where}: [[cell]] #{i + 1}"
+        cell = {}
+        for k, v in c.items():
+            if isinstance(v, dict):
+                raise ConfigError(f"{cw}: {k!r} is a table; options take a value or a list")
+            if k == "label":
+                if not isinstance(v, str) or not v:
+                    raise ConfigError(f"{cw}: 'label' must be a non-empty string, got {v!r}")
+                cell[k] = v
+            else:
+                cell[k] = _normalise_values(cw, k, v)
+        cells.append(cell)
+
+    if "cache" not in axes and (product or not all("cache" in c for c in cells)):
+        raise ConfigError(f"{where}: no cache given: set cache = \"FILE.h5\" (or a name from [caches]), "
+                          f"or pass --cache")
+    if "label" in axes:
+        raise ConfigError(f"{where}: 'label' names one explicit cell; set it inside a [[cell]]")
+    if not product and not cells:
+        raise ConfigError(f"{where}: product = false but there is no [[cell]]: the grid is empty")
+
+    spec = GridSpec(path=path, name=name, caches=dict(caches), axes=axes, cells=cells,
+                    product=product, description=str(description))
+    _check_option_names(spec, fields_by_method)
+    return spec
+
+
+def _normalise_values(where: str, key: str, value: Any) -> list[Any]:
+    values = _as_list(value)
+    if not values:
+        raise ConfigError(f"{where}: option {key!r} has an empty list of values")
+    if key in GENERAL_KEYS:
+        values = [_check_general(where, key, v) for v in values]
+    else:
+        for v in values:
+            if isinstance(v, (list, dict)):
+                raise ConfigError(f"{where}: option {key!r} has a nested value {v!r}")
+    return values
+
+
+def _check_option_names(spec: GridSpec, fields_by_method: Mapping[str, set[str]]) -> None:
+    """Every option must be a general one or belong to at least one method it is combined with."""
+    where = str(spec.path)
+    base_methods = spec.axes.get("method", [DEFAULTS["method"]])
+    all_methods = set(base_methods)
+    for c in spec.cells:
+        all_methods.update(c.get("method", base_methods))
+    for m in sorted(all_methods):
+        try:
+            solvers.get(m)
+        except ConfigError as e:  # unknown method: the message lists the known ones
+            raise ConfigError(f"{where}: {e}") from None
+
+    def known(methods: Iterable[str]) -> set[str]:
+        names = set(GENERAL_KEYS) | {"transductive"}
+        for m in methods:
+            names |= fields_by_method[m]
+        return names
+
+    def complain(w: str, key: str, methods: Iterable[str]) -> None:
+        methods = sorted(set(methods))
+        owners = sorted(m for m, f in fields_by_method.items() if key in f)
+        hint = f" (it is an option of {', '.join(owners)})" if owners else ""
+        opts = sorted(known(methods) - set(GENERAL_KEYS))
+        raise ConfigError(f"{w}: unknown option {key!r} for method {', '.join(methods)}{hint}; known options: "
+                          f"{', '.join(GENERAL_KEYS)}; solver options: {', '.join(opts)}")
+
+    k_all = known(all_methods)
+    for key in spec.axes:
+        if key not in k_all:
+            complain(where, key, all_methods)
+    for i, c in enumerate(spec.cells):
+        methods = c.get("method", base_methods)
+        k_cell = known(methods)
+        for key in c:
+            if key != "label" and key not in k_cell:
+                complain(f"{where}: [[cell]] #{i + 1}", key, methods)
+
+
+def load_grid(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> GridSpec:
+    """Read and check a grid file.
+
+    ``overrides`` replace (or add) top-level options, e.g. ``{"cache": "/abs/feat.h5",
+    "episodes": 200}``; like values in the file, relative paths in them resolve against the grid
+    file's folder (the CLI's ``--cache`` makes its path absolute first). Raises
+    :class:`ConfigError` naming the file and the option.
+    """
+    path = Path(path)
+    return parse_grid(_load_toml(path), path, overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expansion into cells
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One configuration of the grid.
+
+    Attributes:
+        label: display name (``[[cell]] label``, else the method name).
+        cache: the cache as written in the grid (a path or a ``[caches]`` name).
+        episode: ``{split, way, shot, query, imbalance, seed, episodes}``.
+        negatives: negative source as written (``"none"`` for a method that uses no negatives).
+        n_neg: negatives per episode (``None`` without negatives).
+        method: registered solver name.
+        options: the method's full configuration (dataclass fields, defaults filled in).
+        transductive: whether the method uses the unlabelled queries in this cell.
+        index: position in the grid (product first, then explicit cells).
+    """
+
+    label: str
+    cache: str
+    episode: dict[str, Any]
+    negatives: str
+    n_neg: int | None
+    method: str
+    options: dict[str, Any]
+    transductive: bool
+    index: int = 0
+
+    def identity(self) -> dict[str, Any]:
+        return {"label": self.label, "cache": self.cache, "episode": self.episode,
+                "negatives": self.negatives, "n_neg": self.n_neg, "method": self.method,
+                "options": self.options, "transductive": self.transductive}
+
+    @property
+    def key(self) -> str:
+        """Stable hash of the cell as the grid writes it (its configuration, cache as written and
+        label); the results file's key also holds the cache's content (:meth:`result_identity`)."""
+        return canonical_hash(self.identity())[:16]
+
+    def result_identity(self, cache_id: str, negatives_id: str | None = None) -> dict[str, Any]:
+        """The cell's identity in the results layer (:func:`poodle.results.make_identity`)."""
+        return make_identity(cache_id=cache_id, episode=self.episode, negatives=self.negatives, n_neg=self.n_neg,
+                             method=self.method, options=self.options, transductive=self.transductive,
+                             negatives_id=negatives_id)
+
+    def episode_key(self) -> tuple:
+        return (self.cache,) + tuple(self.episode[k] for k in EPISODE_KEYS[1:])
+
+    def negative_key(self) -> tuple:
+        return (self.negatives, self.n_neg)
+
+    def flat(self) -> dict[str, Any]:
+        """One namespace for reports: episode options, negatives, method and solver options."""
+        return record_flat(self.identity())
+
+    def describe(self, keys: Sequence[str] | None = None) -> str:
+        flat = self.flat()
+        keys = keys if keys is not None else [k for k in ("shot", "transductive") if k in flat]
+        parts = [self.label] + [f"{k}={format_option(flat[k])}" for k in keys if k != "label" and k in flat]
+        return " ".join(parts)
+
+
+def format_option(v: Any) -> str:
+    """An option value as a grid file would write it (``true``, ``none``, ``2`` for 2.0)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "none"
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v)) if abs(v) < 1e15 else repr(v)
+    return str(v)
+
+
+def _make_cell(combo: Mapping[str, Any], label: str | None, strict_keys: set[str], where: str) -> Cell:
+    """A cell from one combination of option values. Solver options the method lacks are dropped
+    (the product's rule), except those in ``strict_keys`` (named by an explicit cell): an error."""
+    method = combo.get("method", DEFAULTS["method"])
+    info = solvers.get(method)
+    fields = set(info.options())
+    opts: dict[str, Any] = {}
+    for k, v in combo.items():
+        if k in GENERAL_KEYS:
+            continue
+        if k == "transductive" and info.transductive != "optional":
+            if not isinstance(v, bool):
+                raise ConfigError(f"{where}: option 'transductive' expects true or false, got {v!r}")
+            if v and info.transductive == "never" and k in strict_keys:
+                raise ConfigError(f"{where}: method {method!r} is inductive only; drop transductive = true")
+            continue
+        if k in fields:
+            opts[k] = v
+        elif k in strict_keys:
+            raise ConfigError(f"{where}: method {method!r} has no option {k!r}; its options are: "
+                              f"{', '.join(sorted(fields))}")
+    try:
+        cfg = solvers.make_config(method, opts, strict=True)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    options = jsonable(solvers.config_dict(cfg))
+    transductive = info.is_transductive(cfg)
+    episode = {k: combo.get(k, DEFAULTS.get(k)) for k in EPISODE_KEYS[1:]}
+    if info.needs_negatives(cfg):
+        negatives, n_neg = combo.get("negatives", DEFAULTS["negatives"]), combo.get("n_neg", DEFAULTS["n_neg"])
+        if negatives == "none":
+            raise ConfigError(f"{where}: method {method!r} with these options needs negatives, but negatives = "
+                              f"\"none\" (use base, random, sphere, a [caches] name or FILE[:SPLIT])")
+    else:
+        # No negatives consumed (a method without them, or POODLE with beta = 0): the cell does not
+        # depend on negatives/n_neg, so their lists do not multiply it.
+        negatives, n_neg = "none", None
+    cache = combo.get("cache")
+    if cache is None:
+        raise ConfigError(f"{where}: no cache given (set cache = \"FILE.h5\" or pass --cache)")
+    return Cell(label=label or method, cache=cache, episode=episode, negatives=negatives, n_neg=n_neg,
+                method=method, options=options, transductive=transductive)
+
+
+def _product(axes: Mapping[str, list[Any]]) -> Iterable[dict[str, Any]]:
+    # General options outermost, in a fixed order, so that cells sharing episodes are adjacent;
+    # solver options follow in the order the file gives them.
+    order = [k for k in GENERAL_KEYS if k in axes] + [k for k in axes if k not in GENERAL_KEYS]
+    for values in itertools.product(*(axes[k] for k in order)):
+        yield dict(zip(order, values))
+
+
+def expand(spec: GridSpec) -> list[Cell]:
+    """All cells of the grid: the product of the option lists (if ``product``), then the explicit
+    cells (each itself a small product over its own lists, with the grid's values as defaults).
+
+    Cells with the same configuration and label are kept once (first occurrence)."""
+    out: dict[str, Cell] = {}
+    where = str(spec.path)
+    if spec.product:
+        for combo in _product(spec.axes):
+            c = _make_cell(combo, None, set(), where)
+            out.setdefault(c.key, c)
+    for i, entry in enumerate(spec.cells):
+        cw = f"{where}: [[cell]] #{i + 1}"
+        own = set(entry) - {"label"}
+        named = "method" in entry and len(entry["method"]) == 1
+        axes = {**spec.axes, **{k: v for k, v in entry.items() if k != "label"}}
+        for combo in _product(axes):
+            if not named and not _fits(combo, own):
+                continue  # e.g. alpha = 0 in a cell that inherits method = ["proto", "poodle"]: poodle only
+            c = _make_cell(combo, entry.get("label"), own, cw)
+            out.setdefault(c.key, c)
+    cells = [dataclasses.replace(c, index=i) for i, c in enumerate(out.values())]
+    if not cells:
+        raise ConfigError(f"{where}: the grid has no cells")
+    return cells
+
+
+def _fits(combo: Mapping[str, Any], own: set[str]) -> bool:
+    """Whether the combination's method has every solver option in ``own`` (and can be
+    transductive if ``own`` asks for it)."""
+    info = solvers.get(combo.get("method", DEFAULTS["method"]))
+    fields = set(info.options())
+    for k in own - set(GENERAL_KEYS):
+        if k == "transductive":
+            if combo[k] and info.transductive == "never":
+                return False
+        elif k not in fields:
+            return False
+    return True
+
+
+def grid_hash(cells: Sequence[Cell]) -> str:
+    """Identity of a grid: the set of its cells' keys. Comments, key order, ``1`` vs ``1.0`` and
+    the grid file's name do not change it; adding or changing any cell does."""
+    return canonical_hash(sorted(c.key for c in cells))[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths
+
+
+def resolve_cache(spec: GridSpec, cache: str) -> Path:
+    """A cell's ``cache`` (a [caches] name or a path) as a file path; relative paths resolve
+    against the grid file's folder."""
+    p = spec.caches.get(cache, cache)
+    path = Path(p).expanduser()
+    return path if path.is_absolute() else spec.base_dir / path
+
+
+def resolve_negatives(spec: GridSpec, source: str) -> tuple[str, Path | None]:
+    """``base|random|sphere|none`` unchanged; a [caches] name ``NAME[:SPLIT]`` becomes
+    ``FILE:SPLIT`` (split ``train`` by default: the OOD pool of the paper's Table 5 is the train
+    split of the other dataset); ``FILE[:SPLIT]`` resolves FILE against the grid file's folder."""
+    if source in NEGATIVE_KEYWORDS:
+        return source, None
+    name, _, split = source.partition(":")
+    if name in spec.caches:
+        path = resolve_cache(spec, name)
+        return f"{path}:{split or 'train'}", path
+    path = Path(name).expanduser()
+    if not path.is_absolute():
+        path = spec.base_dir / path
+    return (f"{path}:{split}" if split else str(path)), path
+
+
+def default_results_path(grid_path: str | os.PathLike) -> Path:
+    """``alpha_beta.toml`` -> ``alpha_beta.results.jsonl`` next to it."""
+    p = Path(grid_path)
+    return p.with_name(p.stem + ".results.jsonl")
