@@ -4,7 +4,6 @@ methods; print mean accuracy +- 95% CI (and paired differences to the first meth
 from __future__ import annotations
 
 import contextlib
-
 from pathlib import Path
 from typing import Any
 

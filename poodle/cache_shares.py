@@ -29,8 +29,20 @@ import h5py
 import numpy as np
 import torch
 
-from poodle.cache import (FEATURE_DTYPES, IDENTITY_ATTRS, PARTIAL_FORMAT, STRING, SplitWriter, _ROWS_PER_BLOCK,
-                          _set_attrs, _set_skipped, _strings, _text, _validate_split, partial_path)
+from poodle.cache import (
+    _ROWS_PER_BLOCK,
+    FEATURE_DTYPES,
+    IDENTITY_ATTRS,
+    PARTIAL_FORMAT,
+    STRING,
+    SplitWriter,
+    _set_attrs,
+    _set_skipped,
+    _strings,
+    _text,
+    _validate_split,
+    partial_path,
+)
 from poodle.errors import CacheError
 
 
@@ -48,13 +60,19 @@ def share_files(cache_path: str | os.PathLike, split: str) -> list[Path]:
     return [q for _, q in sorted(found)]
 
 
-def share_key(samples_sha256: str, n_split: int, dim: int, dtype: str, root_attrs: Mapping[str, Any],
-              batch_size: int) -> dict[str, str]:
+def share_key(
+    samples_sha256: str, n_split: int, dim: int, dtype: str, root_attrs: Mapping[str, Any], batch_size: int
+) -> dict[str, str]:
     """What a share file must match to be reused (without its row range): the image list, the
     features' provenance and storage type, and the batch size (batches must be the same images)."""
-    return {"samples_sha256": samples_sha256, "n_split": str(n_split), "feature_dim": str(dim),
-            "dtype": str(FEATURE_DTYPES[dtype]), "batch_size": str(batch_size),
-            **{k: str(root_attrs[k]) for k in IDENTITY_ATTRS}}
+    return {
+        "samples_sha256": samples_sha256,
+        "n_split": str(n_split),
+        "feature_dim": str(dim),
+        "dtype": str(FEATURE_DTYPES[dtype]),
+        "batch_size": str(batch_size),
+        **{k: str(root_attrs[k]) for k in IDENTITY_ATTRS},
+    }
 
 
 class ShareWriter(SplitWriter):
@@ -64,37 +82,73 @@ class ShareWriter(SplitWriter):
     may be shorter), so the per-batch raw sums line up with a one-process run's.
     """
 
-    def __init__(self, cache_path: str | os.PathLike, split: str, start: int, stop: int, *,
-                 key: Mapping[str, str], root_attrs: Mapping[str, Any], classes: Sequence[str], dim: int,
-                 dtype: str = "float32", restart: bool = False) -> None:
+    def __init__(
+        self,
+        cache_path: str | os.PathLike,
+        split: str,
+        start: int,
+        stop: int,
+        *,
+        key: Mapping[str, str],
+        root_attrs: Mapping[str, Any],
+        classes: Sequence[str],
+        dim: int,
+        dtype: str = "float32",
+        restart: bool = False,
+    ) -> None:
         self.start, self.stop = int(start), int(stop)
         self.batch_size = int(key["batch_size"])
         if not 0 <= self.start < self.stop <= int(key["n_split"]) or self.start % self.batch_size:
-            raise CacheError(f"share [{start}, {stop}) of split {split!r} does not start on a batch boundary "
-                             f"inside its {key['n_split']} images")
-        super().__init__(cache_path, split, root_attrs=root_attrs, classes=classes,
-                         samples_sha256=key["samples_sha256"], n_total=self.stop - self.start, dim=dim,
-                         dtype=dtype, restart=restart, path=share_path(cache_path, split, self.start, self.stop),
-                         extra_key={**key, "start": self.start, "stop": self.stop})
+            raise CacheError(
+                f"share [{start}, {stop}) of split {split!r} does not start on a batch boundary "
+                f"inside its {key['n_split']} images"
+            )
+        super().__init__(
+            cache_path,
+            split,
+            root_attrs=root_attrs,
+            classes=classes,
+            samples_sha256=key["samples_sha256"],
+            n_total=self.stop - self.start,
+            dim=dim,
+            dtype=dtype,
+            restart=restart,
+            path=share_path(cache_path, split, self.start, self.stop),
+            extra_key={**key, "start": self.start, "stop": self.stop},
+        )
 
     def _create(self) -> None:
         super()._create()
         assert self.f is not None
-        self.f[self.split].create_dataset("batch_sums", shape=(0, self.dim), maxshape=(None, self.dim),
-                                          dtype=np.float64, chunks=(64, self.dim))
+        self.f[self.split].create_dataset(
+            "batch_sums", shape=(0, self.dim), maxshape=(None, self.dim), dtype=np.float64, chunks=(64, self.dim)
+        )
         self.f.flush()
 
     def _try_resume(self) -> bool:
         ok = super()._try_resume()
-        if ok and (self.n_consumed % self.batch_size and self.n_consumed != self.n_total
-                   or self.f[self.split]["batch_sums"].shape[0] < _n_batches(self.n_consumed, self.batch_size)):
+        if not ok or self.f is None:
+            return False
+        # a share ends a batch, or its range; and holds the sum of every batch it has
+        if (
+            self.n_consumed % self.batch_size
+            and self.n_consumed != self.n_total
+            or self.f[self.split]["batch_sums"].shape[0] < _n_batches(self.n_consumed, self.batch_size)
+        ):
             self.close()
             self.path.unlink()
             return False
-        return ok
+        return True
 
-    def append(self, raw: np.ndarray | torch.Tensor, labels: Sequence[int] | np.ndarray, paths: Sequence[str], *,
-               n_consumed: int | None = None, skipped: Sequence[str] = ()) -> None:
+    def append(
+        self,
+        raw: np.ndarray | torch.Tensor,
+        labels: Sequence[int] | np.ndarray,
+        paths: Sequence[str],
+        *,
+        n_consumed: int | None = None,
+        skipped: Sequence[str] = (),
+    ) -> None:
         assert self.f is not None, "writer is closed"
         if isinstance(raw, torch.Tensor):
             raw = raw.detach().cpu().numpy()
@@ -160,8 +214,13 @@ def _state_ok(f: h5py.File, split: str, want: Mapping[str, str], dim: int) -> np
         return None
     n_rows, n_consumed, n_skipped = (int(v) for v in state[:3])
     g = f[split]
-    if not (g["features"].shape[0] >= n_rows and g["labels"].shape[0] >= n_rows and g["paths"].shape[0] >= n_rows
-            and g["skipped"].shape[0] >= n_skipped and n_rows + n_skipped == n_consumed):
+    if not (
+        g["features"].shape[0] >= n_rows
+        and g["labels"].shape[0] >= n_rows
+        and g["paths"].shape[0] >= n_rows
+        and g["skipped"].shape[0] >= n_skipped
+        and n_rows + n_skipped == n_consumed
+    ):
         return None
     return state
 
@@ -186,8 +245,13 @@ def _read_share(path: Path, split: str, key: Mapping[str, str]) -> Covered | Non
 
 
 def _read_partial(path: Path, split: str, key: Mapping[str, str]) -> Covered | None:
-    want = {"samples_sha256": key["samples_sha256"], "n_total": key["n_split"], "feature_dim": key["feature_dim"],
-            "dtype": key["dtype"], **{k: key[k] for k in IDENTITY_ATTRS}}
+    want = {
+        "samples_sha256": key["samples_sha256"],
+        "n_total": key["n_split"],
+        "feature_dim": key["feature_dim"],
+        "dtype": key["dtype"],
+        **{k: key[k] for k in IDENTITY_ATTRS},
+    }
     try:
         with h5py.File(path, "r") as f:
             state = _state_ok(f, split, want, int(key["feature_dim"]))
@@ -210,7 +274,7 @@ def plan(covered: Sequence[Covered], n: int, batch_size: int, world: int) -> lis
     out: list[list[tuple[int, int]]] = []
     for r in range(world):
         pieces: list[tuple[int, int]] = []
-        for a, b in batches[len(batches) * r // world: len(batches) * (r + 1) // world]:
+        for a, b in batches[len(batches) * r // world : len(batches) * (r + 1) // world]:
             if pieces and pieces[-1][1] == a:
                 pieces[-1] = (pieces[-1][0], b)
             else:
@@ -219,9 +283,20 @@ def plan(covered: Sequence[Covered], n: int, batch_size: int, world: int) -> lis
     return out
 
 
-def commit_shares(cache_path: str | os.PathLike, split: str, covered: Sequence[Covered], *, n_split: int,
-                  batch_size: int, root_attrs: Mapping[str, Any], classes: Sequence[str], dim: int, dtype: str,
-                  samples_sha256: str, fresh: bool = False) -> tuple[int, int]:
+def commit_shares(
+    cache_path: str | os.PathLike,
+    split: str,
+    covered: Sequence[Covered],
+    *,
+    n_split: int,
+    batch_size: int,
+    root_attrs: Mapping[str, Any],
+    classes: Sequence[str],
+    dim: int,
+    dtype: str,
+    samples_sha256: str,
+    fresh: bool = False,
+) -> tuple[int, int]:
     """Write the split from its staged rows, in row order, into a copy of the cache (created when
     absent or ``fresh``), validate it, rename it over the cache and delete the staging files.
 
@@ -241,7 +316,7 @@ def commit_shares(cache_path: str | os.PathLike, split: str, covered: Sequence[C
     files = [h5py.File(c.path, "r") for c in parts]
     try:
         counts = []
-        for c, f in zip(parts, files):
+        for f in files:
             state = np.asarray(f.attrs["state"], dtype=np.float64)
             counts.append((int(state[0]), int(state[2]), state))
         n = sum(r for r, _, _ in counts)
@@ -265,9 +340,9 @@ def commit_shares(cache_path: str | os.PathLike, split: str, covered: Sequence[C
                 src = f[split]
                 for a in range(0, rows, _ROWS_PER_BLOCK):
                     b = min(rows, a + _ROWS_PER_BLOCK)
-                    fd[at + a:at + b] = src["features"][a:b]
-                    ld[at + a:at + b] = src["labels"][a:b]
-                    pd[at + a:at + b] = src["paths"].asstr()[a:b]
+                    fd[at + a : at + b] = src["features"][a:b]
+                    ld[at + a : at + b] = src["labels"][a:b]
+                    pd[at + a : at + b] = src["paths"].asstr()[a:b]
                 at += rows
                 if n_skip:
                     skipped.extend(_strings(src["skipped"])[:n_skip])

@@ -164,8 +164,9 @@ class Dist:
         if not self.enabled:
             return [obj]
         data = json.dumps(obj).encode()
-        parts = self.gather_tensor(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else
-                                   torch.zeros(0, dtype=torch.uint8))
+        parts = self.gather_tensor(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+        )
         if parts is None:
             return None
         return [json.loads(bytes(p.tolist()).decode()) for p in parts]
@@ -192,8 +193,16 @@ class Dist:
         return [b[:c].cpu() for b, c in zip(bufs, counts)]
 
 
-def evaluate_shared(d: Dist, features: Any, episodes: Any, methods: Any, *, progress: Any = None,
-                    stats: dict | None = None, **kwargs: Any) -> dict[str, torch.Tensor] | None:
+def evaluate_shared(
+    d: Dist,
+    features: Any,
+    episodes: Any,
+    methods: Any,
+    *,
+    progress: Any = None,
+    stats: dict | None = None,
+    **kwargs: Any,
+) -> dict[str, torch.Tensor] | None:
     """:func:`poodle.evaluate.evaluate` with the episodes split across the ranks of ``d``.
 
     Each rank solves its contiguous share of ``episodes`` (its own negatives come with them: they
@@ -209,8 +218,14 @@ def evaluate_shared(d: Dist, features: Any, episodes: Any, methods: Any, *, prog
     local: dict[str, Any] = {}
     with d.guard():
         if len(r) or not d.enabled:
-            accs = evaluate(features, episodes[r.start:r.stop] if d.enabled else episodes, methods,
-                            progress=progress if d.main else None, stats=local, **kwargs)
+            accs = evaluate(
+                features,
+                episodes[r.start : r.stop] if d.enabled else episodes,
+                methods,
+                progress=progress if d.main else None,
+                stats=local,
+                **kwargs,
+            )
         else:  # more ranks than episodes
             accs = {label: torch.zeros(0, dtype=torch.float64) for label in labels}
     if not d.enabled:
@@ -222,10 +237,16 @@ def evaluate_shared(d: Dist, features: Any, episodes: Any, methods: Any, *, prog
         parts = d.gather_tensor(accs[label].to(torch.float64))
         if parts is not None:
             out[label] = torch.cat(parts)
-    infos = d.gather_json({"seconds": local.get("seconds", {}), "chunk_size": local.get("chunk_size"),
-                           "workers": local.get("workers"), "device": local.get("device"),
-                           "n_neg": local.get("n_neg")})
-    if not d.main:
+    infos = d.gather_json(
+        {
+            "seconds": local.get("seconds", {}),
+            "chunk_size": local.get("chunk_size"),
+            "workers": local.get("workers"),
+            "device": local.get("device"),
+            "n_neg": local.get("n_neg"),
+        }
+    )
+    if infos is None:  # not rank 0
         return None
     if stats is not None:
         first = next((i for i in infos if i["chunk_size"] is not None), infos[0])
@@ -235,8 +256,12 @@ def evaluate_shared(d: Dist, features: Any, episodes: Any, methods: Any, *, prog
     return out
 
 
-def shared_map(d: Dist, units: Sequence[Any], solve: Callable[[Any, range | None], dict[str, tuple[torch.Tensor, dict]]],
-               n_rows: Callable[[Any], int]) -> Iterator[tuple[Any, dict[str, tuple[torch.Tensor, dict]]]]:
+Solved = dict[str, tuple[torch.Tensor, dict]]  # {key: (per-row results, info)}
+
+
+def shared_map(
+    d: Dist, units: Sequence[Any], solve: Callable[[Any, range | None], Solved], n_rows: Callable[[Any], int]
+) -> Iterator[tuple[Any, Solved]]:
     """Solve ``units`` (e.g. a grid's cells) across the ranks; yield ``(unit, results)`` on rank 0, in order.
 
     ``solve(unit, rows)`` returns ``{key: (float64 [len(rows)] per-row results, info)}`` for the rows
@@ -251,8 +276,7 @@ def shared_map(d: Dist, units: Sequence[Any], solve: Callable[[Any, range | None
             yield u, solve(u, None)
         return
     by_cells = len(units) >= d.world
-    rounds = ([list(units[i:i + d.world]) for i in range(0, len(units), d.world)] if by_cells
-              else [[u] for u in units])
+    rounds = [list(units[i : i + d.world]) for i in range(0, len(units), d.world)] if by_cells else [[u] for u in units]
     for rnd in rounds:
         local: dict[str, tuple[torch.Tensor, dict]] = {}
         with d.guard():
@@ -264,8 +288,11 @@ def shared_map(d: Dist, units: Sequence[Any], solve: Callable[[Any, range | None
                 if len(rows):
                     local = solve(rnd[0], rows)
         keys = list(local)
-        flat = torch.cat([local[k][0].reshape(-1).to(torch.float64).cpu() for k in keys]) if keys else \
-            torch.zeros(0, dtype=torch.float64)
+        flat = (
+            torch.cat([local[k][0].reshape(-1).to(torch.float64).cpu() for k in keys])
+            if keys
+            else torch.zeros(0, dtype=torch.float64)
+        )
         values = d.gather_tensor(flat)
         metas = d.gather_json([[k, int(local[k][0].numel()), local[k][1]] for k in keys])
         if not d.main:
@@ -275,11 +302,15 @@ def shared_map(d: Dist, units: Sequence[Any], solve: Callable[[Any, range | None
         for v, meta in zip(values, metas):
             at = 0
             for k, n, info in meta:
-                parts.setdefault(k, []).append((v[at:at + n], info))
+                parts.setdefault(k, []).append((v[at : at + n], info))
                 at += n
-        merged = {k: (torch.cat([t for t, _ in ps]),
-                      {**ps[0][1], "seconds": max(float(i.get("seconds", 0.0)) for _, i in ps)})
-                  for k, ps in parts.items()}
+        merged = {
+            k: (
+                torch.cat([t for t, _ in ps]),
+                {**ps[0][1], "seconds": max(float(i.get("seconds", 0.0)) for _, i in ps)},
+            )
+            for k, ps in parts.items()
+        }
         for u in rnd:
             yield u, merged
 
@@ -306,15 +337,18 @@ def init(device: str | torch.device = "auto") -> Dist:
             raise ConfigError("this process already joined the run on a GPU; --device cpu cannot change that")
         return _CURRENT
     if name not in ("auto", "cuda", "cpu"):
-        raise ConfigError(f"--device {name}: under torchrun each process uses cuda:LOCAL_RANK; "
-                          f"give --device cuda, auto or cpu")
+        raise ConfigError(
+            f"--device {name}: under torchrun each process uses cuda:LOCAL_RANK; give --device cuda, auto or cpu"
+        )
     use_cuda = name != "cpu" and torch.cuda.is_available()
     if name == "cuda" and not use_cuda:
         raise ConfigError("--device cuda: CUDA is not available")
     if use_cuda:
         if local >= torch.cuda.device_count():
-            raise ConfigError(f"LOCAL_RANK {local} but this node has {torch.cuda.device_count()} GPU(s): start "
-                              f"at most that many processes per node")
+            raise ConfigError(
+                f"LOCAL_RANK {local} but this node has {torch.cuda.device_count()} GPU(s): start "
+                f"at most that many processes per node"
+            )
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
     else:

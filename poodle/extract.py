@@ -20,8 +20,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from poodle.cache import (FEATURE_DTYPES, SplitWriter, identity_mismatches, make_root_attrs, partial_path,
-                          read_attrs, samples_digest)
+from poodle.cache import (
+    FEATURE_DTYPES,
+    SplitWriter,
+    identity_mismatches,
+    make_root_attrs,
+    partial_path,
+    read_attrs,
+    samples_digest,
+)
 from poodle.cache_shares import share_files
 from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
 
@@ -238,7 +245,7 @@ def _extract_shared(d: Any, model: torch.nn.Module, ds: Any, out: Path, split: s
     """One split across the ranks of ``d``: plan on rank 0, a share per rank, merge on rank 0."""
     from poodle import cache_shares as cs
 
-    n, dim = len(ds), model.feature_dim
+    n, dim = len(ds), int(model.feature_dim)
     key = cs.share_key(digest, n, dim, dtype, root_attrs, batch_size)
     pieces = None
     with d.guard():

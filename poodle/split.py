@@ -55,8 +55,9 @@ def class_folders(root: Path) -> dict[str, list[str]]:
     return out
 
 
-def draw(classes: dict[str, list[str]], setting: str, fraction: float, seed: int
-         ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+def draw(
+    classes: dict[str, list[str]], setting: str, fraction: float, seed: int
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """``(pool, test)`` rows ``(<class>/<image>, class)`` for ``setting`` (see the module docstring).
 
     noisy: per class (in sorted order), a permutation of its sorted images from one seeded generator;
@@ -84,8 +85,10 @@ def draw(classes: dict[str, list[str]], setting: str, fraction: float, seed: int
     else:
         k = int(round(fraction * len(names)))
         if not 0 < k < len(names):
-            raise ConfigError(f"--fraction {fraction} of {len(names)} classes gives {k} pool classes; "
-                              f"both the pool and the test split need at least one")
+            raise ConfigError(
+                f"--fraction {fraction} of {len(names)} classes gives {k} pool classes; "
+                f"both the pool and the test split need at least one"
+            )
         held = {names[i] for i in rng.permutation(len(names))[:k].tolist()}
         for c in names:
             rows = [(f"{c}/{f}", c) for f in classes[c]]
@@ -101,8 +104,15 @@ def _csv_text(rows: list[tuple[str, str]]) -> str:
     return buf.getvalue()
 
 
-def make_split(data_root: str | os.PathLike, out: str | os.PathLike, *, setting: str, seed: int,
-               fraction: float | None = None, force: bool = False) -> dict[str, Any]:
+def make_split(
+    data_root: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    setting: str,
+    seed: int,
+    fraction: float | None = None,
+    force: bool = False,
+) -> dict[str, Any]:
     """Write the pool and test split files of ``data_root`` into ``out``; returns the record written
     to ``out/split.json``. An existing ``out`` made with other settings is refused without ``force``."""
     from poodle import __version__
@@ -114,12 +124,20 @@ def make_split(data_root: str | os.PathLike, out: str | os.PathLike, *, setting:
     fraction = DEFAULT_FRACTION[setting] if fraction is None else float(fraction)
     classes = class_folders(root)
     pool, test = draw(classes, setting, fraction, seed)
-    record = {"format": "poodle-split", "setting": setting, "seed": int(seed), "fraction": fraction,
-              "source": str(root), "pool_split": "train", "test_split": "test",
-              "n_classes": len(classes), "n_images": sum(len(v) for v in classes.values()),
-              "pool": {"images": len(pool), "classes": len({c for _, c in pool})},
-              "test": {"images": len(test), "classes": len({c for _, c in test})},
-              "poodle_version": __version__}
+    record = {
+        "format": "poodle-split",
+        "setting": setting,
+        "seed": int(seed),
+        "fraction": fraction,
+        "source": str(root),
+        "pool_split": "train",
+        "test_split": "test",
+        "n_classes": len(classes),
+        "n_images": sum(len(v) for v in classes.values()),
+        "pool": {"images": len(pool), "classes": len({c for _, c in pool})},
+        "test": {"images": len(test), "classes": len({c for _, c in test})},
+        "poodle_version": __version__,
+    }
     manifest = out / "split.json"
     if manifest.exists() and not force:
         try:
@@ -128,8 +146,11 @@ def make_split(data_root: str | os.PathLike, out: str | os.PathLike, *, setting:
             old = {}
         keys = ("setting", "seed", "fraction", "source")
         if any(old.get(k) != record[k] for k in keys):
-            raise ConfigError(f"{out} holds a split made with " + ", ".join(f"{k}={old.get(k)!r}" for k in keys)
-                              + "; pass --force to replace it, or choose another --out")
+            raise ConfigError(
+                f"{out} holds a split made with "
+                + ", ".join(f"{k}={old.get(k)!r}" for k in keys)
+                + "; pass --force to replace it, or choose another --out"
+            )
     elif out.exists() and any(out.iterdir()) and not manifest.exists() and not force:
         raise ConfigError(f"{out} exists and is not a split folder; pass --force or choose another --out")
     out.mkdir(parents=True, exist_ok=True)

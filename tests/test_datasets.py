@@ -87,8 +87,12 @@ def test_cifar_fs_and_fc100_read_the_binary_records(cifar):
     test = src.samples("test")
     assert len(test) == 60 and src.classes("test") == sorted(split_list("cifar-fs", "test"))
     # train.bin's records first, each file in record order; labels from the fine label byte
-    expect = [(f"cifar-100-binary/{name}#{i}", FINE[f]) for name in ("train.bin", "test.bin")
-              for i, f in enumerate(arrays[name][1]) if FINE[f] in split_list("cifar-fs", "test")]
+    expect = [
+        (f"cifar-100-binary/{name}#{i}", FINE[f])
+        for name in ("train.bin", "test.bin")
+        for i, f in enumerate(arrays[name][1])
+        if FINE[f] in split_list("cifar-fs", "test")
+    ]
     assert test == expect
     path, _ = test[-1]
     i = int(path.split("#")[1])
@@ -102,8 +106,16 @@ def test_cifar_fs_and_fc100_read_the_binary_records(cifar):
 
 def test_cifar_extract_feeds_native_32px_images(cifar, tmp_path):
     root, arrays = cifar
-    out = extract("cifar-fs", "conv4_64", data_root=root, splits="val", cache_root=tmp_path, workers=0, device="cpu",
-                  batch_size=16)
+    out = extract(
+        "cifar-fs",
+        "conv4_64",
+        data_root=root,
+        splits="val",
+        cache_root=tmp_path,
+        workers=0,
+        device="cpu",
+        batch_size=16,
+    )
     assert out == tmp_path / "cifar-fs" / "conv4_64.h5"
     attrs = cache.read_attrs(out)
     assert attrs["image_size"] == 32 and "native 32x32" in attrs["transform"]
@@ -150,8 +162,17 @@ def test_cub_140_30_30_is_its_own_dataset(tmp_path):
     assert src.name == "cub-140-30-30"
     assert src.classes("val") == sorted(split_list("cub-140-30-30", "val"))
     assert len(resolve_dataset("cub", tmp_path / "cub").classes("train")) == 100  # the release's rule
-    out = extract("cub", "conv4_64", data_root=tmp_path / "cub", cub_split="140-30-30", splits="test",
-                  image_size=32, cache_root=tmp_path / "c", workers=0, device="cpu")
+    out = extract(
+        "cub",
+        "conv4_64",
+        data_root=tmp_path / "cub",
+        cub_split="140-30-30",
+        splits="test",
+        image_size=32,
+        cache_root=tmp_path / "c",
+        workers=0,
+        device="cpu",
+    )
     assert out == tmp_path / "c" / "cub-140-30-30" / "conv4_64.h5"
     assert cache.read_attrs(out)["dataset"] == "cub-140-30-30"
     with pytest.raises(ConfigError, match="--cub-split 140-30-30 is an option of --dataset cub"):
@@ -178,8 +199,9 @@ def _rows(path):
 
 
 def test_noisy_split_is_seeded_and_read_by_the_csv_dataset(domain, tmp_path):
-    res = CliRunner().invoke(split_cmd, ["--data-root", str(domain), "--out", str(tmp_path / "a"),
-                                         "--setting", "noisy", "--seed", "3"])
+    res = CliRunner().invoke(
+        split_cmd, ["--data-root", str(domain), "--out", str(tmp_path / "a"), "--setting", "noisy", "--seed", "3"]
+    )
     assert res.exit_code == 0, res.output
     rec = json.loads((tmp_path / "a" / "split.json").read_text())
     assert (rec["setting"], rec["seed"], rec["fraction"]) == ("noisy", 3, 0.2)

@@ -31,8 +31,15 @@ TIMEOUT = 240  # seconds; a hang fails the test instead of the suite
 def torchrun(*args: str, n: int = 2, cwd: Path | None = None, script: str = POODLE) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node n <script> args`` with gloo on the CPU."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "POODLE_DIST_TIMEOUT": "120", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", script,
-           *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        script,
+        *map(str, args),
+    ]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -89,8 +96,17 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(data, ckpt, tmp_path_factory):
-    return extract("folder", "conv4_64", data_root=data, checkpoint=ckpt, image_size=SIZE, batch_size=4,
-                   cache_root=tmp_path_factory.mktemp("ref"), workers=0, device="cpu")
+    return extract(
+        "folder",
+        "conv4_64",
+        data_root=data,
+        checkpoint=ckpt,
+        image_size=SIZE,
+        batch_size=4,
+        cache_root=tmp_path_factory.mktemp("ref"),
+        workers=0,
+        device="cpu",
+    )
 
 
 def _same_cache(a: Path, b: Path, *, same_root: bool = True) -> None:
@@ -98,8 +114,9 @@ def _same_cache(a: Path, b: Path, *, same_root: bool = True) -> None:
     with h5py.File(a, "r") as fa, h5py.File(b, "r") as fb:
         assert list(fa) == list(fb)
         skip = {"created"} | (set() if same_root else {"data_root"})
-        assert {k: str(v) for k, v in fa.attrs.items() if k not in skip} == \
-               {k: str(v) for k, v in fb.attrs.items() if k not in skip}
+        assert {k: str(v) for k, v in fa.attrs.items() if k not in skip} == {
+            k: str(v) for k, v in fb.attrs.items() if k not in skip
+        }
         for s in fa:
             assert sorted(fa[s]) == sorted(fb[s])
             for k in fa[s]:
@@ -134,14 +151,35 @@ def _stop_in(split, batches):
 
 
 def _args(data, ckpt, root, *extra):
-    return ["extract", "--dataset", "folder", "--data-root", data, "--backbone", "conv4_64", "--checkpoint", ckpt,
-            "--image-size", SIZE, "--batch-size", 4, "--workers", 0, "--cache-root", root, "--device", "cpu", *extra]
+    return [
+        "extract",
+        "--dataset",
+        "folder",
+        "--data-root",
+        data,
+        "--backbone",
+        "conv4_64",
+        "--checkpoint",
+        ckpt,
+        "--image-size",
+        SIZE,
+        "--batch-size",
+        4,
+        "--workers",
+        0,
+        "--cache-root",
+        root,
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def test_torchrun_extract_resumes_a_one_process_run_into_the_same_cache(reference, data, ckpt, tmp_path):
     # one process, interrupted in val after one batch: train is complete, val staged in <cache>.val.partial
-    kw = dict(data_root=data, checkpoint=ckpt, image_size=SIZE, batch_size=4, cache_root=tmp_path, workers=0,
-              device="cpu")
+    kw = dict(
+        data_root=data, checkpoint=ckpt, image_size=SIZE, batch_size=4, cache_root=tmp_path, workers=0, device="cpu"
+    )
     with pytest.raises(_Stop):
         extract("folder", "conv4_64", progress_factory=_stop_in("val", 1), **kw)
     out = cache_path(tmp_path, "folder", "conv4_64")
@@ -179,8 +217,18 @@ def test_a_failing_rank_stops_the_run_once_and_the_rest_resumes_with_one_process
         totals[desc] = total
         yield lambda n: None
 
-    extract("folder", "conv4_64", data_root=root, checkpoint=ckpt, image_size=SIZE, batch_size=4,
-            cache_root=tmp_path / "c", workers=0, device="cpu", progress_factory=count)
+    extract(
+        "folder",
+        "conv4_64",
+        data_root=root,
+        checkpoint=ckpt,
+        image_size=SIZE,
+        batch_size=4,
+        cache_root=tmp_path / "c",
+        workers=0,
+        device="cpu",
+        progress_factory=count,
+    )
     assert totals == {"val": 2, "test": 10}
     _same_cache(out, reference, same_root=False)
 
@@ -210,11 +258,38 @@ n_neg = 10
 method = "poodle"
 steps = 2
 """
-SOLVE = ["solve", "--cache", "feat.h5", "--episodes", "7", "--query", "5", "--method", "poodle", "--method", "proto",
-         "--steps", "3", "--n-neg", "20", "--device", "cpu"]
+SOLVE = [
+    "solve",
+    "--cache",
+    "feat.h5",
+    "--episodes",
+    "7",
+    "--query",
+    "5",
+    "--method",
+    "poodle",
+    "--method",
+    "proto",
+    "--steps",
+    "3",
+    "--n-neg",
+    "20",
+    "--device",
+    "cpu",
+]
 # how a record was computed, not what: timings, machine, chunking (the resumed grid runs one cell per call)
-TIMINGS = {"seconds", "episodes_per_s", "call_seconds", "call_cells", "finished", "processes", "device", "workers",
-           "chunk_size", "versions"}
+TIMINGS = {
+    "seconds",
+    "episodes_per_s",
+    "call_seconds",
+    "call_cells",
+    "finished",
+    "processes",
+    "device",
+    "workers",
+    "chunk_size",
+    "versions",
+}
 
 
 def _strip(obj):
@@ -240,8 +315,10 @@ def test_torchrun_solve_and_grid_match_one_process(tmp_path, make_features, monk
 
     x, y = make_features(10, 24, 16, seed=3, spread=0.9)
     xb, yb = make_features(8, 20, 16, seed=4, spread=0.9)
-    write_arrays(tmp_path / "feat.h5", {"test": (x, y, [f"t{i}" for i in range(10)]),
-                                        "train": (xb, yb, [f"b{i}" for i in range(8)])})
+    write_arrays(
+        tmp_path / "feat.h5",
+        {"test": (x, y, [f"t{i}" for i in range(10)]), "train": (xb, yb, [f"b{i}" for i in range(8)])},
+    )
     (tmp_path / "grid.toml").write_text(GRID)
     (tmp_path / "one.toml").write_text(ONE_CELL)
     # one process: solve, the grid in full, the grid interrupted after 3 cells, the one-cell grid
@@ -263,9 +340,11 @@ def test_torchrun_solve_and_grid_match_one_process(tmp_path, make_features, monk
     # two processes: solve; the interrupted grid resumed (one process before, two now; its 3 pending
     # cells, one per call, are dealt out to the ranks); the one-cell grid, whose 7 episodes are split
     # 4 + 3 across the ranks
-    runs = [SOLVE + ["--json", "two.json", "--save-episodes", "two-eps.h5"],
-            ["grid", "grid.toml", "--out", "part.jsonl", "--device", "cpu", "--cells-per-call", "1"],
-            ["grid", "one.toml", "--out", "one-two.jsonl", "--device", "cpu"]]
+    runs = [
+        SOLVE + ["--json", "two.json", "--save-episodes", "two-eps.h5"],
+        ["grid", "grid.toml", "--out", "part.jsonl", "--device", "cpu", "--cells-per-call", "1"],
+        ["grid", "one.toml", "--out", "one-two.jsonl", "--device", "cpu"],
+    ]
     import json as _json
 
     r = torchrun(_json.dumps(runs), cwd=tmp_path, script=str(Path(__file__).with_name("_dist_driver.py")))
@@ -299,8 +378,12 @@ def test_shares_merge_into_the_split_a_single_writer_makes(tmp_path):
     def batches(a, b):
         for s in range(a, b, 4):
             rows = [i for i in range(s, min(b, s + 4)) if i not in bad]
-            yield raw[rows], labels[rows], [paths[i] for i in rows], [paths[i] for i in range(s, min(b, s + 4))
-                                                                      if i in bad]
+            yield (
+                raw[rows],
+                labels[rows],
+                [paths[i] for i in rows],
+                [paths[i] for i in range(s, min(b, s + 4)) if i in bad],
+            )
 
     one = tmp_path / "one.h5"
     with cache.SplitWriter(one, "test", samples_sha256="x", n_total=10, **kw) as w:
@@ -315,8 +398,18 @@ def test_shares_merge_into_the_split_a_single_writer_makes(tmp_path):
                 w.append(x, y, p, skipped=sk)
     covered, stale = scan(two, "test", key)
     assert [(c.start, c.consumed) for c in covered] == [(0, 4), (4, 4), (8, 2)] and not stale
-    assert commit_shares(two, "test", covered, n_split=10, batch_size=4, root_attrs=attrs, classes=["a", "b"],
-                         dim=6, dtype="float32", samples_sha256="x") == (9, 1)
+    assert commit_shares(
+        two,
+        "test",
+        covered,
+        n_split=10,
+        batch_size=4,
+        root_attrs=attrs,
+        classes=["a", "b"],
+        dim=6,
+        dtype="float32",
+        samples_sha256="x",
+    ) == (9, 1)
     assert not share_files(two, "test")
     a, b = cache.read_split(one, "test"), cache.read_split(two, "test")
     assert torch.equal(a.features, b.features) and torch.equal(a.raw_mean, b.raw_mean) and a.paths == b.paths

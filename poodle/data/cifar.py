@@ -44,8 +44,10 @@ class CifarSource(DatasetSource):
         self.files = [self.bin_dir / f for f in FILES]
         for f in self.files:
             if not f.is_file():
-                raise DataError(f"--dataset {name}: {f} does not exist (CIFAR-100's binary version: train.bin, "
-                                f"test.bin, fine_label_names.txt, coarse_label_names.txt)")
+                raise DataError(
+                    f"--dataset {name}: {f} does not exist (CIFAR-100's binary version: train.bin, "
+                    f"test.bin, fine_label_names.txt, coarse_label_names.txt)"
+                )
             size = f.stat().st_size
             if size == 0 or size % RECORD:
                 raise DataError(f"{f}: {size} bytes is not a whole number of {RECORD}-byte CIFAR-100 records")
@@ -54,13 +56,15 @@ class CifarSource(DatasetSource):
         self._maps: dict[Path, np.ndarray] = {}
 
     @classmethod
-    def find(cls, root: Path, name: str) -> "CifarSource":
+    def find(cls, root: Path, name: str) -> CifarSource:
         """The binary files in ``root`` or ``root/cifar-100-binary``."""
         for d in (root, root / "cifar-100-binary"):
             if (d / FILES[0]).is_file():
                 return cls(root, d, name)
-        raise DataError(f"--dataset {name}: no {FILES[0]} in {root} or {root / 'cifar-100-binary'} (CIFAR-100's "
-                        f"binary version; the Python version's pickles are not read)")
+        raise DataError(
+            f"--dataset {name}: no {FILES[0]} in {root} or {root / 'cifar-100-binary'} (CIFAR-100's "
+            f"binary version; the Python version's pickles are not read)"
+        )
 
     def describe(self) -> str:
         return f"{self.name}: CIFAR-100 binary files in {self.bin_dir}"
@@ -95,8 +99,7 @@ class CifarSource(DatasetSource):
         for labels, names, what in ((fine, self.fine_names, "fine"), (coarse, self.coarse_names, "coarse")):
             if names is not None and labels.size and int(labels.max()) >= len(names):
                 i = int(np.argmax(labels >= len(names)))
-                raise DataError(f"{path} record {i}: {what} label {int(labels[i])} but {len(names)} {what} "
-                                f"label names")
+                raise DataError(f"{path} record {i}: {what} label {int(labels[i])} but {len(names)} {what} label names")
         return coarse, fine
 
     def _list(self, split: str) -> list[tuple[str, str]]:
@@ -108,8 +111,9 @@ class CifarSource(DatasetSource):
             index = {n: i for i, n in enumerate(self.fine_names)}
             missing = [c for c in wanted if c not in index]
             if missing:
-                raise DataError(f"{self.bin_dir / 'fine_label_names.txt'} has no class {missing[0]!r} of the "
-                                f"CIFAR-FS {split} split")
+                raise DataError(
+                    f"{self.bin_dir / 'fine_label_names.txt'} has no class {missing[0]!r} of the CIFAR-FS {split} split"
+                )
             keep = np.zeros(len(self.fine_names), dtype=bool)
             keep[[index[c] for c in wanted]] = True
             masks = [keep[fine] for _, fine in labels]
@@ -120,15 +124,17 @@ class CifarSource(DatasetSource):
             index = {n: i for i, n in enumerate(self.coarse_names)}
             missing = [c for c in wanted if c not in index]
             if missing:
-                raise DataError(f"{self.bin_dir / 'coarse_label_names.txt'} has no superclass {missing[0]!r} of "
-                                f"the FC100 {split} split")
+                raise DataError(
+                    f"{self.bin_dir / 'coarse_label_names.txt'} has no superclass {missing[0]!r} of "
+                    f"the FC100 {split} split"
+                )
             keep = np.zeros(len(self.coarse_names), dtype=bool)
             keep[[index[c] for c in wanted]] = True
             masks = [keep[coarse] for coarse, _ in labels]
             groups = wanted
             self._check_hierarchy(labels)
         out: list[tuple[str, str]] = []
-        for f, mask, (coarse, fine) in zip(self.files, masks, labels):
+        for f, mask, (_, fine) in zip(self.files, masks, labels):
             rel = f.relative_to(self.root).as_posix()
             out.extend((f"{rel}#{i}", self.fine_names[int(fine[i])]) for i in np.flatnonzero(mask).tolist())
         present = {c for _, c in out}
@@ -136,11 +142,15 @@ class CifarSource(DatasetSource):
             empty = [c for c in groups if c not in present]
         else:
             assert self.coarse_names is not None
-            seen = {self.coarse_names[int(c)] for (coarse, _), mask in zip(labels, masks) for c in np.unique(coarse[mask])}
+            seen = {
+                self.coarse_names[int(c)] for (coarse, _), mask in zip(labels, masks) for c in np.unique(coarse[mask])
+            }
             empty = [c for c in groups if c not in seen]
         if empty:
-            raise DataError(f"--dataset {self.name}: class {empty[0]!r} of the {split} split has no images in "
-                            f"{', '.join(str(f) for f in self.files)}")
+            raise DataError(
+                f"--dataset {self.name}: class {empty[0]!r} of the {split} split has no images in "
+                f"{', '.join(str(f) for f in self.files)}"
+            )
         return out
 
     def _check_hierarchy(self, labels: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -150,8 +160,10 @@ class CifarSource(DatasetSource):
             pairs = np.unique(np.stack([fine, coarse], 1), axis=0) if fine.size else np.zeros((0, 2), np.uint8)
             for f, c in pairs.tolist():
                 if parent.setdefault(f, c) != c:
-                    raise DataError(f"{self.bin_dir}: fine class {self.fine_names[f]!r} appears under superclasses "
-                                    f"{parent[f]} and {c}; the files are not CIFAR-100's")
+                    raise DataError(
+                        f"{self.bin_dir}: fine class {self.fine_names[f]!r} appears under superclasses "
+                        f"{parent[f]} and {c}; the files are not CIFAR-100's"
+                    )
 
     def open_image(self, rel_path: str) -> Image.Image:
         """The 32 x 32 RGB image of ``<file>#<record>``."""
@@ -174,8 +186,9 @@ def write_cifar100_binary(path: str | Path, images: np.ndarray, fine: np.ndarray
     images = np.asarray(images, dtype=np.uint8)
     n = images.shape[0]
     if images.shape[1:] != (SIDE, SIDE, 3) or np.shape(fine) != (n,) or np.shape(coarse) != (n,):
-        raise DataError(f"expected images [N, 32, 32, 3] and labels [N], got {images.shape}, {np.shape(fine)}, "
-                        f"{np.shape(coarse)}")
+        raise DataError(
+            f"expected images [N, 32, 32, 3] and labels [N], got {images.shape}, {np.shape(fine)}, {np.shape(coarse)}"
+        )
     rec = np.empty((n, RECORD), dtype=np.uint8)
     rec[:, 0] = coarse
     rec[:, 1] = fine

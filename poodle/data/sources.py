@@ -39,7 +39,6 @@ import csv
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from poodle.errors import ConfigError, DataError
@@ -106,7 +105,7 @@ class DatasetSource(ABC):
     # images as they are by default, without resizing and cropping.
     native_size: int | None = None
 
-    def open_image(self, rel_path: str) -> "Image.Image":
+    def open_image(self, rel_path: str) -> Image.Image:
         """The RGB image of a sample path (a file under the root here; overridden by array-backed sets)."""
         from poodle.data.transforms import load_rgb
 
