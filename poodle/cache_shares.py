@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -38,9 +39,11 @@ from poodle.cache import (
     SplitWriter,
     _set_attrs,
     _set_skipped,
+    _set_vector,
     _strings,
     _text,
     _validate_split,
+    cache_lock,
     partial_path,
 )
 from poodle.errors import CacheError
@@ -205,12 +208,25 @@ def scan(cache_path: str | os.PathLike, split: str, key: Mapping[str, str]) -> t
     return kept, stale
 
 
+def _read_state(f: h5py.File, dim: int) -> np.ndarray | None:
+    """The staging file's committed state [rows, consumed, skipped, raw sum (D)] (the slot its
+    ``state_head`` points at, checked against the head), or None when it is damaged."""
+    head = np.asarray(f.attrs["state_head"], dtype=np.float64)
+    slots = f["state"]
+    if head.shape != (5,) or slots.shape != (2, 3 + dim) or head[0] not in (0, 1):
+        return None
+    state = np.asarray(slots[int(head[0])], dtype=np.float64)
+    if not (np.isfinite(state).all() and (state[:3] == head[1:4]).all() and float(state.sum()) == float(head[4])):
+        return None
+    return state
+
+
 def _state_ok(f: h5py.File, split: str, want: Mapping[str, str], dim: int) -> np.ndarray | None:
     a = f.attrs
     if _text(a.get("format")) != PARTIAL_FORMAT or any(str(_text(a.get(k))) != v for k, v in want.items()):
         return None
-    state = np.asarray(a["state"], dtype=np.float64)
-    if state.shape != (3 + dim,) or not np.isfinite(state).all():
+    state = _read_state(f, dim)
+    if state is None:
         return None
     n_rows, n_consumed, n_skipped = (int(v) for v in state[:3])
     g = f[split]
@@ -312,12 +328,17 @@ def commit_shares(
     if pos != n_split:
         raise CacheError(f"split {split!r}: only {pos} of {n_split} images are staged")
     fdtype = FEATURE_DTYPES[dtype]
-    tmp = cache_path.with_name(cache_path.name + ".tmp")
+    # a name unique to this process; commits into one cache are serialised by its lock (poodle.cache)
+    tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     files = [h5py.File(c.path, "r") for c in parts]
+    lock = cache_lock(cache_path)
+    lock.__enter__()
     try:
         counts = []
-        for f in files:
-            state = np.asarray(f.attrs["state"], dtype=np.float64)
+        for c, f in zip(parts, files):
+            state = _read_state(f, dim)
+            if state is None:
+                raise CacheError(f"{c.path}: its state is damaged; delete it and run again")
             counts.append((int(state[0]), int(state[2]), state))
         n = sum(r for r, _, _ in counts)
         if cache_path.exists() and not fresh:
@@ -358,7 +379,7 @@ def commit_shares(
             dst.create_dataset("classes", data=np.array(list(classes), dtype=object), dtype=STRING)
             dst.attrs["n_images"] = n
             dst.attrs["feature_dim"] = dim
-            dst.attrs["raw_mean"] = (total / n if n else np.zeros(dim)).astype(np.float32)
+            _set_vector(dst, "raw_mean", (total / n if n else np.zeros(dim)).astype(np.float32))
             dst.attrs.create("samples_sha256", samples_sha256, dtype=STRING)
             _set_skipped(dst, skipped)
             dst.attrs["complete"] = True
@@ -369,6 +390,7 @@ def commit_shares(
             tmp.unlink()
         raise
     finally:
+        lock.__exit__(None, None, None)
         for f in files:
             f.close()
     for c in parts:
@@ -381,7 +403,8 @@ def class_counts(covered: Sequence[Covered], split: str, n_classes: int) -> np.n
     counts = np.zeros(n_classes, dtype=np.int64)
     for c in covered:
         with h5py.File(c.path, "r") as f:
-            rows = int(np.asarray(f.attrs["state"])[0])
+            state = _read_state(f, int(f[split]["features"].shape[1]))
+            rows = 0 if state is None else int(state[0])
             y = np.asarray(f[split]["labels"][:rows], dtype=np.int64)
         counts += np.bincount(y, minlength=n_classes)
     return counts

@@ -124,7 +124,7 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
     from poodle import backbones, distributed
     from poodle.data import ImageDataset, resolve_dataset
     from poodle.data.transforms import eval_transform, native_eval_transform
-    from poodle.utils import file_sha256
+    from poodle.utils import check_writable_dir, file_sha256
 
     # Under torchrun every rank runs this function: the checks on every rank (they agree), the
     # writing of the final cache on rank 0 only, which alone reports (see poodle.distributed).
@@ -157,6 +157,11 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
             source = resolve_dataset(dataset, data_root, Path(cache_root), cub_split=cub_split)
         dataset = source.name  # e.g. cub-140-30-30: another split is another dataset in the cache
         out = cache_path(cache_root, dataset, backbone, tag)
+        # -- the output place, before any work: a directory in the way, or a place we cannot write,
+        # would otherwise surface only when the first split is committed
+        if out.is_dir():
+            raise CacheError(f"cache path {out} is a directory; remove it or choose another --cache-root/--tag")
+        check_writable_dir(out, "cache")
         if image_size is None:
             image_size = source.native_size or 84
             if image_size < spec.min_input_size:
