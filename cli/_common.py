@@ -48,6 +48,8 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except PoodleError as e:
+            if getattr(e, "quiet", False):  # another rank of a torchrun run failed and printed its error
+                sys.exit(1)
             text = as_flags(str(e), getattr(e, "params", ()))
             console.print(styled("error:", "bold red", " " + text), soft_wrap=True)
             sys.exit(1)

@@ -40,7 +40,8 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--cells-per-call", type=click.IntRange(1), default=4, show_default=True,
               help="Cells on the same episodes and negatives solved together (one gather per chunk).")
 @click.option("--dry-run", is_flag=True, help="List the cells and what is already done; solve nothing.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto, cpu, cuda or cuda:N (under torchrun: auto, cuda or cpu; each process takes its local GPU).")
 @click.option("--max-memory", type=SizeType(), default="2GiB", show_default=True,
               help="Memory budget per chunk of episodes.")
 @friendly_errors
@@ -51,19 +52,27 @@ def grid(grid_file: Path, out: Path | None, cache: str | None, sets: tuple[str, 
     Cells with the same episode settings share identical episodes and negatives (paired). A re-run
     skips finished cells; an interrupted run resumes.
     """
+    from poodle import distributed
     from poodle import grid as G
 
-    overrides = _parse_set(sets)
-    if cache is not None:
-        overrides["cache"] = str(Path(cache).expanduser().resolve())
-    spec = G.load_grid(grid_file, overrides)
-    cells = G.expand(spec)
-    out = out or G.default_results_path(grid_file)
+    # under torchrun: every rank reads the grid (an error is printed once), rank 0 alone displays
+    d = distributed.init(device) if not dry_run else distributed.Dist()
+    with d.guard():
+        overrides = _parse_set(sets)
+        if cache is not None:
+            overrides["cache"] = str(Path(cache).expanduser().resolve())
+        spec = G.load_grid(grid_file, overrides)
+        cells = G.expand(spec)
+        out = out or G.default_results_path(grid_file)
     if dry_run:
         _dry_run(spec, cells, out)
         return
     n_episodes = sum(c.episode["episodes"] for c in cells)
     t0 = time.perf_counter()
+    if not d.main:
+        G.run_grid(spec, out, force=force, device=device, max_memory=max_memory, cells=cells,
+                   cells_per_call=cells_per_call)
+        return
     with _GridProgress(len(cells), n_episodes, _varying(cells)) as display:
         result = G.run_grid(spec, out, force=force, device=device, max_memory=max_memory,
                             on_cell=display.on_cell, progress=display.advance, cells=cells,

@@ -3,6 +3,7 @@ methods; print mean accuracy +- 95% CI (and paired differences to the first meth
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,7 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
           no_stopgrad_push, preset, sets, negatives, n_neg, imbalance, save_episodes, episodes_from, device,
           max_memory, workers, results_path) -> None:
     """Sample episodes from a feature cache and solve them all at once."""
+    from poodle.distributed import env_world, share
     from poodle.evaluate import paired_difference
     from poodle.solve import solve as run_solve
 
@@ -135,10 +137,16 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
     # only what the user gave: the library fills the defaults (and takes them from --episodes-from)
     given = {k: ctx.params[k] for k in ("split", "way", "shot", "query", "episodes", "seed", "imbalance",
                                        "negatives", "n_neg") if _explicit(ctx, k)}
-    with progress_bar("solving", total=None if episodes_from else episodes, unit="episodes") as advance:
+    # under torchrun (poodle.distributed) rank 0 alone shows a bar (of its share) and prints
+    world, rank, _ = env_world()
+    total = None if episodes_from else len(share(episodes, world, rank))
+    bar = progress_bar("solving", total=total, unit="episodes") if rank == 0 else contextlib.nullcontext(None)
+    with bar as advance:
         res = run_solve(path, methods, options=per, episodes_from=episodes_from, save_episodes_to=save_episodes,
                         device=device, max_memory=max_memory, workers=workers, progress=advance,
                         out=results_path, **given)
+    if rank != 0:
+        return
     if save_episodes:
         console.print(f"episodes written to {save_episodes}")
     spec, eps = res.episodes.spec, res.episodes
@@ -146,7 +154,9 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
                   + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
                   + f", split {spec.split} of {path}; negatives: "
                   + (f"{res.negatives.source} x {res.negatives.n_neg}" if res.negatives else "none")
-                  + f"; device {res.device}", highlight=False)
+                  + f"; device {res.device}"
+                  + (f" x {res.stats['processes']} processes" if res.stats.get("processes", 1) > 1 else ""),
+                  highlight=False)
 
     from rich import box
     from rich.table import Table

@@ -18,14 +18,13 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from poodle import __version__, defaults, solvers
+from poodle import __version__, defaults, distributed, solvers
 from poodle.cache import SplitFeatures, read_split
 from poodle.episodes import EpisodeSet, EpisodeSpec, EpisodeStream, load_episodes, sample_episodes, save_episodes
 from poodle.errors import ConfigError
-from poodle.evaluate import evaluate, prepare_negatives
+from poodle.evaluate import prepare_negatives
 from poodle.negatives import NegativeSpec, pool_location
 from poodle.results import ResultsFile, cache_identity, make_identity, make_record
-from poodle.utils import resolve_device
 
 # Parameters that choose the episodes; they cannot be combined with ``episodes_from``.
 EPISODE_PARAMS = ("split", "way", "shot", "query", "episodes", "seed", "imbalance")
@@ -129,57 +128,67 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
         episodes_from: an episodes file (:func:`poodle.episodes.save_episodes`) to solve.
         save_episodes_to: write the episodes (with their negatives) here.
         device, max_memory, workers, progress: passed to :func:`poodle.evaluate.evaluate` (``max_memory``
-            ``None``: :data:`poodle.defaults.MAX_MEMORY` on CPU, 80% of the free memory on CUDA).
+            ``None``: :data:`poodle.defaults.MAX_MEMORY` on CPU, 80% of the free memory on CUDA). Under
+            torchrun ``device`` is ``auto``, ``cuda`` or ``cpu`` (each process takes its local GPU) and
+            ``progress`` counts rank 0's share.
         out: a results file to append the records to (created when missing).
 
     Returns:
         a :class:`SolveResult`.
     """
     t_start = time.perf_counter()
-    methods = list(methods)
-    if not methods:
-        raise ConfigError("no method given", params=("methods",))
-    dups = sorted({m for m in methods if methods.count(m) > 1})
-    if dups:
-        raise ConfigError(f"method {', '.join(dups)} given twice", params=("methods",))
-    options = options or {}
-    configs = [(m, m, solvers.make_config(m, options.get(m, {}), strict=True)) for m in methods]
-    dev = resolve_device(device)
-    path = Path(cache)
-    if path.is_dir():
-        raise ConfigError(f"cache {path} is a directory, not a feature cache file")
-    if not path.is_file():
-        raise ConfigError(f"no feature cache at {path}")
-    check_outputs(path, episodes_from, negatives, save_episodes_to, out)
-    features, eps = _episodes(path, episodes_from,
-                              dict(split=split, way=way, shot=shot, query=query, episodes=episodes, seed=seed,
-                                   imbalance=imbalance), lazy=save_episodes_to is None)
-    if episodes_from is not None:
-        if negatives is None and eps.negative_source:
-            negatives = eps.negative_source
-        if n_neg is None and eps.negatives is not None:
-            n_neg = int(eps.negatives.shape[1])
+    # Under torchrun (poodle.distributed) every rank prepares the same episodes and negatives (in a
+    # guard: an error is printed once), solves its share, and rank 0 gathers the accuracies in
+    # episode order and writes; the other ranks get a result without records.
+    d = distributed.init(device)
+    dev = d.device
+    with d.guard():
+        methods = list(methods)
+        if not methods:
+            raise ConfigError("no method given", params=("methods",))
+        dups = sorted({m for m in methods if methods.count(m) > 1})
+        if dups:
+            raise ConfigError(f"method {', '.join(dups)} given twice", params=("methods",))
+        options = options or {}
+        configs = [(m, m, solvers.make_config(m, options.get(m, {}), strict=True)) for m in methods]
+        path = Path(cache)
+        if path.is_dir():
+            raise ConfigError(f"cache {path} is a directory, not a feature cache file")
+        if not path.is_file():
+            raise ConfigError(f"no feature cache at {path}")
+        check_outputs(path, episodes_from, negatives, save_episodes_to, out)
+        features, eps = _episodes(path, episodes_from,
+                                  dict(split=split, way=way, shot=shot, query=query, episodes=episodes, seed=seed,
+                                       imbalance=imbalance),
+                                  lazy=save_episodes_to is None and not d.enabled)
+        if episodes_from is not None:
+            if negatives is None and eps.negative_source:
+                negatives = eps.negative_source
+            if n_neg is None and eps.negatives is not None:
+                n_neg = int(eps.negatives.shape[1])
 
-    users = [m for _, m, c in configs if solvers.get(m).needs_negatives(c)]
-    source = defaults.NEGATIVES if negatives is None else negatives
-    count = defaults.N_NEG if n_neg is None else n_neg
-    neg_spec = NegativeSpec(source, count) if users else None
-    if users and source == "none":
-        raise ConfigError(f"negatives none: method(s) {', '.join(users)} need negatives; use base, random, sphere "
-                          f"or FILE", params=("negatives",))
-    if not users and negatives is not None and negatives != "none":
-        raise ConfigError(f"negatives {negatives}: none of the chosen methods ({', '.join(methods)}) uses "
-                          f"negatives", params=("negatives",))
-    if not isinstance(eps, EpisodeStream):   # a stream draws its negatives per chunk in evaluate()
-        eps, _ = prepare_negatives(eps, neg_spec or NegativeSpec("none", count), path, features.dim)
-    if save_episodes_to is not None:
-        save_episodes(save_episodes_to, eps, cache=str(path))
+        users = [m for _, m, c in configs if solvers.get(m).needs_negatives(c)]
+        source = defaults.NEGATIVES if negatives is None else negatives
+        count = defaults.N_NEG if n_neg is None else n_neg
+        neg_spec = NegativeSpec(source, count) if users else None
+        if users and source == "none":
+            raise ConfigError(f"negatives none: method(s) {', '.join(users)} need negatives; use base, random, sphere "
+                              f"or FILE", params=("negatives",))
+        if not users and negatives is not None and negatives != "none":
+            raise ConfigError(f"negatives {negatives}: none of the chosen methods ({', '.join(methods)}) uses "
+                              f"negatives", params=("negatives",))
+        if not isinstance(eps, EpisodeStream):   # a stream draws its negatives per chunk in evaluate()
+            eps, _ = prepare_negatives(eps, neg_spec or NegativeSpec("none", count), path, features.dim)
+        if save_episodes_to is not None and d.main:
+            save_episodes(save_episodes_to, eps, cache=str(path))
 
     stats: dict[str, Any] = {}
     t0 = time.perf_counter()
-    accs = evaluate(features, eps, configs, negatives=neg_spec, cache_path=path, device=dev,
-                    max_memory=max_memory, progress=progress, stats=stats, workers=workers)
+    accs = distributed.evaluate_shared(d, features, eps, configs, negatives=neg_spec, cache_path=path, device=dev,
+                                       max_memory=max_memory, progress=progress, stats=stats, workers=workers)
     solve_s = time.perf_counter() - t0
+    if accs is None:  # not rank 0
+        return SolveResult([], {}, eps, neg_spec, features, path, dev, stats, solve_s, time.perf_counter() - t_start)
 
     cache_id = cache_identity(path)
     neg_id = None
@@ -199,7 +208,8 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
                                  negatives_id=neg_id if uses else None)
         extra: dict[str, Any] = {"episodes_from": None if episodes_from is None else str(episodes_from),
                                  "device": machine(dev), "chunk_size": stats.get("chunk_size"),
-                                 "workers": stats.get("workers"), "versions": versions()}
+                                 "workers": stats.get("workers"), "processes": stats.get("processes", 1),
+                                 "versions": versions()}
         records.append(make_record(identity, accs[label].tolist(), label=label, cache=str(path), index=i,
                                    group="solve", seconds=float(stats["seconds"][label]), **extra))
     if out is not None:
