@@ -76,7 +76,7 @@ def _episodes(cache: Path, episodes_from: str | os.PathLike | None, given: Mappi
         if clash:
             raise ConfigError(f"{', '.join(clash)} cannot be combined with episodes_from (the file fixes them)",
                               params=(*clash, "episodes_from"))
-        eps = load_episodes(episodes_from)
+        eps = load_episodes(Path(episodes_from))
         features = read_split(cache, eps.spec.split)
         eps.check_against(features.labels, where=str(episodes_from))
         return features, eps
@@ -150,7 +150,7 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
                           f"negatives", params=("negatives",))
     eps, _ = prepare_negatives(eps, neg_spec or NegativeSpec("none", count), path, features.dim)
     if save_episodes_to is not None:
-        save_episodes(save_episodes_to, eps, cache=str(path))
+        save_episodes(Path(save_episodes_to), eps, cache=str(path))
 
     stats: dict[str, Any] = {}
     t0 = time.perf_counter()
