@@ -20,6 +20,7 @@ predicted sample keeps its prototype (theirs dropped it, shrinking the prototype
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -30,6 +31,12 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, registe
 
 @dataclass
 class LaplacianShotConfig:
+    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
+    BOUNDS: ClassVar[dict[str, str]] = {
+        "knn": "[1, inf)",
+        "lmd": "[0, inf)",
+        "tol": "[0, inf)",
+        "epsilon": "(0, inf)"}
     knn: int = 3              # Ziko et al.: k = 3 nearest neighbours
     lmd: float = 0.7          # lambda; tuned on validation in the paper (their grid 0.1..1.0)
     steps: int = 20           # bound iterations (authors' bound_update default)
