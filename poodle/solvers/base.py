@@ -355,12 +355,12 @@ def _check_bounds(method: str, f: dataclasses.Field, value: Any, interval: str |
     lo, hi = f.metadata.get("min"), f.metadata.get("max")
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
-    check_value(f"method {method!r}", f.name, value, interval)
     if lo is not None and (value <= lo if f.metadata.get("min_open") else value < lo):
         op = ">" if f.metadata.get("min_open") else ">="
         raise ConfigError(f"option {f.name!r} of method {method!r} must be {op} {lo}, got {value}")
     if hi is not None and value > hi:
         raise ConfigError(f"option {f.name!r} of method {method!r} must be <= {hi}, got {value}")
+    check_value(f"method {method!r}", f.name, value, interval)  # finite (NaN passes the comparisons above)
 
 
 def resolve_preset(cfg: Any, method: str = "") -> None:
