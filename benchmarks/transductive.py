@@ -6,8 +6,9 @@ classifier and transductive POODLE at beta 0, 0.5, 0.75, 1.0 (alpha 1, base nega
 cache and one episode set per (shot, imbalance): 5-way, 15 queries per class on average (75 in
 all), shots 1 and 5, ``--imbalance`` none (balanced) and Dirichlet concentrations 0.5, 1, 2, 5.
 Every method sees the same episodes (paired). Writes ``transductive.md`` (rows = methods, columns =
-imbalance x shot, mean +- 95% CI in %) and ``transductive.json`` into ``--out``; a run that is
-interrupted resumes from the settings already finished (``transductive.partial.json``).
+imbalance x shot, mean +- 95% CI in %) and ``transductive.json`` into ``--out``; every result is a
+record of ``transductive.results.jsonl`` (the results layer, readable by ``poodle report``), so a run
+that is interrupted resumes from the settings already finished.
 
 Part 2 (throughput): each method's episodes/s on the standard workload (D=640, 5-way, 1-shot,
 15 queries per class, random clustered features), batched (one call over ``--tp-batch`` episodes)
@@ -41,6 +42,7 @@ from poodle.cache import list_splits, read_split, write_arrays
 from poodle.episodes import EpisodeSpec, sample_episodes
 from poodle.evaluate import choose_chunk, evaluate, summarize
 from poodle.negatives import NegativeSpec
+from poodle.results import ResultsFile, cache_identity, identity_key, make_identity, make_record
 from poodle.solvers import EpisodeBatch
 from poodle.utils import atomic_path, parse_size, resolve_device
 
@@ -105,23 +107,38 @@ def find_cache(arg: str | None, tmp: Path) -> tuple[Path, str]:
     return synthetic_cache(tmp), f"SYNTHETIC clustered random features (D=128, noise {SPREAD}; no glyphs cache found)"
 
 
+def _identity(cache_id: str, episode: dict[str, Any], method: str, options: dict[str, Any],
+              n_neg: int) -> dict[str, Any]:
+    cfg = solvers.make_config(method, options, strict=True)
+    info = solvers.get(method)
+    uses = info.needs_negatives(cfg)
+    return make_identity(cache_id=cache_id, episode=episode, negatives="base" if uses else "none",
+                         n_neg=n_neg if uses else None, method=method, options=solvers.config_dict(cfg),
+                         transductive=info.is_transductive(cfg))
+
+
 def run_accuracy(cache: Path, source: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     test = read_split(cache, "test")
     rows = ROWS + POODLE_ROWS
     meta = {"features": source, "episodes": args.episodes, "imbalance": [imb_key(k) for k in args.imbalance],
             "shots": args.shots, "seed": args.seed, "way": 5, "query": 15,
             "n_neg": args.n_neg, "negatives": "base", "dim": test.dim}
-    partial = out / "transductive.partial.json"
+    # every (setting, row) is a record of the results layer: a re-run (or an interrupted one) takes the
+    # settings whose records are all there, for this very cache
+    results = ResultsFile(out / "transductive.results.jsonl", name="transductive-benchmark")
+    cache_id = cache_identity(cache)
     done: dict[str, Any] = {}
-    if partial.exists():
-        saved = json.loads(partial.read_text())
-        if saved.get("meta") == meta:
-            done = saved["results"]
-            print(f"resuming: {len(done)} setting(s) already done in {partial}", file=sys.stderr)
     for shot in args.shots:
         for kappa in args.imbalance:
             key = f"{shot}-shot/{imb_key(kappa)}"
-            if key in done:
+            episode = {"split": "test", "way": 5, "shot": shot, "query": 15, "imbalance": kappa, "seed": args.seed,
+                       "episodes": args.episodes}
+            idents = {lab: _identity(cache_id, episode, m, o, args.n_neg) for lab, m, o in rows}
+            stored = {lab: results.get(identity_key(i)) for lab, i in idents.items()}
+            if all(r is not None for r in stored.values()):
+                done[key] = {lab: {"mean": 100 * r["mean"], "ci": 100 * r["ci95"], "seconds": r.get("seconds")}
+                             for lab, r in stored.items() if r is not None}
+                print(f"{key}: taken from {results.path}", file=sys.stderr)
                 continue
             spec = EpisodeSpec(split="test", way=5, shot=shot, query=15, imbalance=kappa, seed=args.seed)
             eps = sample_episodes(test.labels, spec, args.episodes, classes=test.classes)
@@ -134,12 +151,13 @@ def run_accuracy(cache: Path, source: str, args: argparse.Namespace, out: Path) 
                             negatives=NegativeSpec("base", args.n_neg), cache_path=cache, stats=stats_p)
             accs = {**comp, **pood}
             secs = {**stats_c["seconds"], **stats_p["seconds"]}
+            for i, (lab, a) in enumerate(accs.items()):
+                results.append(make_record(idents[lab], a.tolist(), label=lab, cache=str(cache), index=i,
+                                           group=key, seconds=secs[lab]))
             done[key] = {lab: {"mean": 100 * summarize(a)[0], "ci": 100 * summarize(a)[1], "seconds": secs[lab]}
                          for lab, a in accs.items()}
             print(f"{key:14s} {time.perf_counter() - t0:7.1f}s  " +
                   "  ".join(f"{lab.split(' ')[0]}={v['mean']:.1f}" for lab, v in done[key].items()), file=sys.stderr)
-            with atomic_path(partial) as tmp:
-                tmp.write_text(json.dumps({"meta": meta, "results": done}, indent=1))
     return {"meta": meta, "results": done, "rows": [lab for lab, _, _ in rows],
             "imbalance": [imb_key(k) for k in args.imbalance], "shots": args.shots}
 
@@ -283,9 +301,6 @@ def main(argv: list[str] | None = None) -> int:
     with atomic_path(out / "transductive.md") as tmp:
         tmp.write_text("\n".join(md))
     print("\n".join(md))
-    partial = out / "transductive.partial.json"
-    if partial.exists() and not args.skip_accuracy:
-        partial.unlink()
     return 0
 
 

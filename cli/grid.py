@@ -32,7 +32,8 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
 @click.argument("grid_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Results file (JSON Lines). Default: GRID.results.jsonl next to the grid file.")
-@click.option("--cache", "cache", type=click.Path(dir_okay=False), default=None, help="Use this feature cache instead of the grid's `cache`.")
+@click.option("--cache", "cache", type=click.Path(dir_okay=False), default=None,
+              help="Use this feature cache instead of the grid's `cache`.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override a grid option, e.g. --set episodes=200 or --set 'shot=[1,5]'. Repeatable.")
 @click.option("--force", is_flag=True, help="Recompute every cell of the grid; the new records supersede the old "
@@ -140,9 +141,14 @@ class _GridProgress:
 
     def __init__(self, n_cells: int, n_episodes: int, keys: list[str]) -> None:
         self.keys = keys
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
-
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
         from rich.table import Column
 
         self.progress = Progress(TextColumn("{task.description}", style="bold", markup=False,
@@ -160,7 +166,7 @@ class _GridProgress:
         self._solved = 0
         self._t0 = time.perf_counter()
 
-    def __enter__(self) -> "_GridProgress":
+    def __enter__(self) -> _GridProgress:
         self.progress.__enter__()
         return self
 

@@ -107,7 +107,8 @@ def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, ca
 @click.option("--no-stopgrad-push", is_flag=True, help="Drop the stop-gradient in the push term (Table 9).")
 @click.option("--preset", help="A method's named preset (e.g. tim-gd: poodle-paper).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Any config field of the methods (repeatable).")
-@click.option("--negatives", default=defaults.NEGATIVES, show_default=True, metavar="base|random|sphere|none|FILE[:SPLIT]")
+@click.option("--negatives", default=defaults.NEGATIVES, show_default=True,
+              metavar="base|random|sphere|none|FILE[:SPLIT]")
 @click.option("--n-neg", default=defaults.N_NEG, show_default=True, type=int, help="Negatives per episode.")
 @click.option("--imbalance", type=float, metavar="KAPPA", help="Dirichlet(KAPPA) query counts per class.")
 @click.option("--save-episodes", type=click.Path(dir_okay=False), help="Write the episodes (HDF5).")

@@ -76,7 +76,7 @@ def _episodes(cache: Path, episodes_from: str | os.PathLike | None, given: Mappi
         if clash:
             raise ConfigError(f"{', '.join(clash)} cannot be combined with episodes_from (the file fixes them)",
                               params=(*clash, "episodes_from"))
-        eps = load_episodes(episodes_from)
+        eps = load_episodes(Path(episodes_from))
         features = read_split(cache, eps.spec.split)
         eps.check_against(features.labels, where=str(episodes_from))
         return features, eps

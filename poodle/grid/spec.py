@@ -199,7 +199,7 @@ def parse_grid(data: Mapping[str, Any], path: Path, overrides: Mapping[str, Any]
     cells = []
     for i, c in enumerate(raw_cells):
         cw = f"{where}: [[cell]] #{i + 1}"
-        cell = {}
+        cell: dict[str, Any] = {}
         for k, v in c.items():
             if isinstance(v, dict):
                 raise ConfigError(f"{cw}: {k!r} is a table; options take a value or a list")
