@@ -93,7 +93,19 @@ def _versions() -> dict[str, str]:
     return {"poodle": pv, "torch": torch.__version__, "python": platform.python_version()}
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+class _ListsMethods(click.Command):
+    """``--help`` ends with every registered method and its one-line summary (imported lazily, so
+    ``poodle --help`` does not load the solvers)."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from poodle import solvers
+
+        with formatter.section("Methods (--method)"):
+            formatter.write_dl([(n, solvers.get(n).summary) for n in solvers.available()])
+        super().format_epilog(ctx, formatter)
+
+
+@click.command(cls=_ListsMethods, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--cache", type=click.Path(dir_okay=False), help="Feature cache file (HDF5).")
 @click.option("--dataset", help="Dataset name: the cache is CACHE_ROOT/DATASET/BACKBONE[-TAG].h5.")
 @click.option("--backbone", help="Backbone name (with --dataset).")
@@ -119,7 +131,11 @@ def _versions() -> dict[str, str]:
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Any config field of the methods (repeatable).")
 @click.option("--negatives", default="base", show_default=True, metavar="base|random|sphere|none|FILE[:SPLIT]")
 @click.option("--n-neg", default=400, show_default=True, type=int, help="Negatives per episode.")
-@click.option("--imbalance", type=float, metavar="KAPPA", help="Dirichlet(KAPPA) query counts per class.")
+@click.option("--imbalance", type=float, metavar="KAPPA",
+              help="Dirichlet(KAPPA) query counts per class (alpha-TIM's protocol: --imbalance 2).")
+@click.option("--query-classes", type=int, metavar="N",
+              help="Queries from only N of the way classes, chosen per episode (PADDLE's K_eff); "
+                   "N * query queries, balanced or Dirichlet (--imbalance) over the N.")
 @click.option("--save-episodes", type=click.Path(dir_okay=False), help="Write the episodes (HDF5).")
 @click.option("--episodes-from", type=click.Path(dir_okay=False), help="Solve the episodes of this file.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
@@ -132,7 +148,7 @@ def _versions() -> dict[str, str]:
 @friendly_errors
 def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, way, shot, query, episodes,
           seed, methods, transductive, alpha, beta, steps, lr, label_smoothing, no_stopgrad_pull,
-          no_stopgrad_push, preset, sets, negatives, n_neg, imbalance, save_episodes, episodes_from, device,
+          no_stopgrad_push, preset, sets, negatives, n_neg, imbalance, query_classes, save_episodes, episodes_from, device,
           max_memory, workers, json_path) -> None:
     """Sample episodes from a feature cache and solve them all at once."""
     from poodle import solvers
@@ -157,8 +173,8 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
         raise ConfigError(f"no feature cache at {path} (run `poodle extract` or give --cache FILE)")
 
     if episodes_from:
-        given = [f"--{o.replace('_', '-')}" for o in ("split", "way", "shot", "query", "episodes", "seed", "imbalance")
-                 if _explicit(ctx, o)]
+        given = [f"--{o.replace('_', '-')}" for o in ("split", "way", "shot", "query", "episodes", "seed", "imbalance",
+                                                             "query_classes") if _explicit(ctx, o)]
         if given:
             raise ConfigError(f"{', '.join(given)} cannot be combined with --episodes-from (the file fixes them)")
         eps = load_episodes(episodes_from)
@@ -169,7 +185,8 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
         if not _explicit(ctx, "n_neg") and eps.negatives is not None:
             n_neg = int(eps.negatives.shape[1])
     else:
-        spec = EpisodeSpec(split=split, way=way, shot=shot, query=query, imbalance=imbalance, seed=seed)
+        spec = EpisodeSpec(split=split, way=way, shot=shot, query=query, imbalance=imbalance, seed=seed,
+                           query_classes=query_classes)
         spec.validate()
         features = read_split(path, split)
         eps = sample_episodes(features.labels, spec, episodes, classes=features.classes)
@@ -188,6 +205,7 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
     spec = eps.spec
     console.print(f"[bold]{len(eps):,}[/] episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
                   + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
+                  + (f", queries from {spec.query_classes} of the {spec.way} classes" if spec.query_classes else "")
                   + f", split {spec.split} of {path}; negatives: "
                   + (f"{neg_spec.source} x {neg_spec.n_neg}" if users else "none") + f"; device {dev}",
                   highlight=False)
@@ -228,7 +246,8 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
         record = {
             "command": "solve",
             "config": {"cache": str(path), "split": spec.split, "way": spec.way, "shot": spec.shot,
-                       "query": spec.query, "imbalance": spec.imbalance, "seed": spec.seed, "episodes": len(eps),
+                       "query": spec.query, "imbalance": spec.imbalance, "query_classes": spec.query_classes,
+                       "seed": spec.seed, "episodes": len(eps),
                        "episodes_from": episodes_from, "negatives": neg_spec.source if users else "none",
                        "n_neg": neg_spec.n_neg if users else 0, "device": str(dev), "max_memory": max_memory,
                        "chunk_size": stats["chunk_size"], "workers": stats["workers"], "methods": methods,

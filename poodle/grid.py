@@ -43,8 +43,10 @@ RESULTS_VERSION = 1
 
 # Options that choose the episodes; cells that agree on all of them share one episode set.
 EPISODE_KEYS: tuple[str, ...] = ("cache", "split", "way", "shot", "query", "imbalance", "seed", "episodes")
+# Episode options a cell records only when set (so that cells written before they existed keep their keys).
+OPTIONAL_EPISODE_KEYS: tuple[str, ...] = ("query_classes",)
 NEGATIVE_KEYS: tuple[str, ...] = ("negatives", "n_neg")
-GENERAL_KEYS: tuple[str, ...] = EPISODE_KEYS + NEGATIVE_KEYS + ("method",)
+GENERAL_KEYS: tuple[str, ...] = EPISODE_KEYS + OPTIONAL_EPISODE_KEYS + NEGATIVE_KEYS + ("method",)
 NEGATIVE_KEYWORDS = ("base", "random", "sphere", "none")
 
 # Defaults are those of `poodle solve` (design.md), which are the paper's main protocol: 5-way,
@@ -99,6 +101,10 @@ def _check_general(where: str, key: str, v: Any) -> Any:
         return _check_int(where, key, v, 1)
     if key == "seed":
         return _check_int(where, key, v, 0)
+    if key == "query_classes":
+        if isinstance(v, str) and v.lower() in ("none", "all"):
+            return None
+        return _check_int(where, key, v, 1)
     if key == "imbalance":
         # TOML has no null: "none"/"balanced"/false mean balanced queries.
         if v is False or (isinstance(v, str) and v.lower() in ("none", "balanced")):
@@ -332,7 +338,7 @@ class Cell:
         return _hash(self.identity())[:16]
 
     def episode_key(self) -> tuple:
-        return (self.cache,) + tuple(self.episode[k] for k in EPISODE_KEYS[1:])
+        return (self.cache,) + tuple(self.episode.get(k) for k in EPISODE_KEYS[1:] + OPTIONAL_EPISODE_KEYS)
 
     def negative_key(self) -> tuple:
         return (self.negatives, self.n_neg)
@@ -407,6 +413,7 @@ def _make_cell(combo: Mapping[str, Any], label: str | None, strict_keys: set[str
     else:
         transductive = info.transductive == "always"
     episode = {k: combo.get(k, DEFAULTS.get(k)) for k in EPISODE_KEYS[1:]}
+    episode.update({k: combo[k] for k in OPTIONAL_EPISODE_KEYS if combo.get(k) is not None})
     from poodle.evaluate import needs_negatives
 
     if needs_negatives(method, cfg):
@@ -774,7 +781,7 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
             t0 = time.perf_counter()
             e = c0.episode
             es = EpisodeSpec(split=split, way=e["way"], shot=e["shot"], query=e["query"],
-                             imbalance=e["imbalance"], seed=e["seed"])
+                             imbalance=e["imbalance"], seed=e["seed"], query_classes=e.get("query_classes"))
             episode_sets[ek] = sample_episodes(features.labels, es, e["episodes"], classes=features.classes)
             sample_s += time.perf_counter() - t0
         episodes = episode_sets[ek]
