@@ -280,3 +280,23 @@ def test_shipped_examples_expand(name, n_cells):
     path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.toml"
     cells = G.expand(G.load_grid(path))
     assert len(cells) == n_cells
+
+
+def test_query_classes_is_an_episode_key_recorded_only_when_set(tmp_path, cache):
+    p = _grid(tmp_path, f"""
+[episodes]
+query = 4
+episodes = 4
+query_classes = ["none", 1, 3]
+[solver]
+method = "proto"
+""")
+    spec = G.load_grid(p)
+    run = G.run_grid(spec, tmp_path / "r.jsonl", device="cpu")
+    assert len(run.records) == 3
+    by = {r["episode"].get("query_classes"): r for r in run.records}
+    assert set(by) == {None, 1, 3} and "query_classes" not in by[None]["episode"]
+    # a grid without the key keeps the cell keys it had before the option existed
+    plain = G.load_grid(_grid(tmp_path, "[episodes]\nquery = 4\nepisodes = 4\n[solver]\nmethod = \"proto\"\n",
+                              name="p.toml"))
+    assert G.expand(plain)[0].key == [c for c in G.expand(spec) if "query_classes" not in c.episode][0].key
