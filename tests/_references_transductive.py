@@ -200,18 +200,23 @@ def _released_rectify(z_s, y, z_q, way, epsilon):
     return protos, kept, z_q
 
 
-def laplacianshot(z_s, y, z_q, way, *, knn, lmd, steps, tol, rectify, epsilon, preset):
+def laplacianshot(z_s, y, z_q, way, *, knn, lmd, steps, tol, rectify, epsilon, preset, self_neighbour,
+                  released_rectification, shifted_unary):
     official = preset == "official"
+    self_nb, released, shifted = [official if v is None else v
+                                  for v in (self_neighbour, released_rectification, shifted_unary)]
     kept = list(range(way))
-    if rectify and official:
-        m, kept, z_u = _released_rectify(z_s, y, z_q, way, epsilon)
+    if rectify and released:
+        m, kept, z_shift = _released_rectify(z_s, y, z_q, way, epsilon)
+    elif rectify:
+        m, z_shift = _rectify(z_s, y, z_q, way, epsilon, True)
     else:
-        m = _rectify(z_s, y, z_q, way, epsilon, True)[0] if rectify else _means(z_s, y, way)
-        z_u = z_q
+        m, z_shift = _means(z_s, y, way), z_q
+    z_u = z_shift if (shifted and rectify) else z_q
     unary = _d2(z_u, m)                                     # [Nq, len(kept)]
     n = len(z_q)
     w = torch.zeros(n, n, dtype=z_q.dtype)
-    k = min(knn - 1 if official else knn, n - 1)
+    k = min(knn - 1 if self_nb else knn, n - 1)
     dist = _d2(z_q, z_q).sqrt()
     for i in range(n):
         others = [j for j in torch.argsort(dist[i]).tolist() if j != i]
@@ -229,7 +234,7 @@ def laplacianshot(z_s, y, z_q, way, *, knn, lmd, steps, tol, rectify, epsilon, p
         if i > 1 and abs(e - old) <= tol * abs(old):
             break
         old = e
-    if official:
+    if rectify and released:
         # the shortened prototype list: column j is the j-th kept class, labels past it get nothing
         probs = torch.zeros(n, way, dtype=z_q.dtype)
         probs[:, :len(kept)] = y_

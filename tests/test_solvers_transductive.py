@@ -307,6 +307,8 @@ def test_support_labels_are_enforced_only_when_asked(name, fix_support):
 @pytest.mark.parametrize("name, over", [
     ("laplacianshot", {"preset": "official"}),
     ("laplacianshot", {"preset": "official", "rectify": False}),
+    ("laplacianshot", {"shifted_unary": True}),
+    ("laplacianshot", {"preset": "official", "released_rectification": False, "self_neighbour": False}),
     ("bms", {"epochs": 5}),
     ("proto-lp", {"balanced": False}),
     ("alpha-tim", {"alpha": 3.0}),
@@ -336,6 +338,17 @@ def test_laplacianshot_official_drops_an_empty_class_and_shifts_labels():
     # the default variant keeps class 1 and answers 2 for the queries near class 2
     default = solvers.run("laplacianshot", batch, solvers.make_config("laplacianshot", {"lmd": 0.0}))
     assert default.log_probs[0].argmax(-1).tolist() == [0, 2, 2, 0]
+
+
+def test_laplacianshot_variant_switches_follow_the_preset():
+    assert solvers.make_config("laplacianshot", {}).resolved() == (False, False, False)
+    assert solvers.make_config("laplacianshot", {"preset": "official"}).resolved() == (True, True, True)
+    cfg = solvers.make_config("laplacianshot", {"preset": "official", "self_neighbour": "false"})
+    assert cfg.resolved() == (False, True, True)
+    with pytest.raises(ConfigError, match="unknown preset 'paper'"):
+        solvers.make_config("laplacianshot", {"preset": "paper"}).resolved()
+    with pytest.raises(ConfigError, match="expects a bool"):
+        solvers.make_config("laplacianshot", {"shifted_unary": "maybe"}).resolved()
 
 
 def test_alpha_tim_uses_the_authors_tuned_alpha(make_features):

@@ -31,6 +31,9 @@ with weights normalised over those members), and the unary term on the unshifted
   point of a class to be nearer another class's mean and no query, so only happens at 5+ shots);
 * the unary term uses the shifted queries ``z_q + mean(z_s) - mean(z_q)``.
 
+The options ``self_neighbour``, ``released_rectification`` and ``shifted_unary`` switch the three
+one at a time (``None``, their default, follows the preset), so each one's effect can be measured.
+
 On the glyph demo features at 1 shot the official variant is several points more accurate than the
 default (docs/transductive.md gives the measured effect of each difference).
 
@@ -63,6 +66,26 @@ class LaplacianShotConfig:
     rectify: bool = True      # BD-CSPN prototype rectification (the authors' proto_rect)
     epsilon: float = 10.0     # rectification temperature
     preset: str = "default"   # "official": the authors' released code exactly (see the module docstring)
+    # The three differences one at a time (None: the preset's choice), for measuring each one's effect:
+    self_neighbour: bool | None = None    # knn counts the point itself (official: True)
+    released_rectification: bool | None = None   # the released prototype rectification (official: True)
+    shifted_unary: bool | None = None     # unary term on the shifted queries (official: True)
+
+    def resolved(self) -> tuple[bool, bool, bool]:
+        """``(self_neighbour, released_rectification, shifted_unary)`` after the preset."""
+        if self.preset not in ("default", "official"):
+            raise ConfigError(f"laplacianshot: unknown preset {self.preset!r}; known presets: default, official")
+        official = self.preset == "official"
+        out = []
+        for name in ("self_neighbour", "released_rectification", "shifted_unary"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                low = v.lower()
+                if low not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                    raise ConfigError(f"option {name!r} of method 'laplacianshot' expects a bool, got {v!r}")
+                v = low in ("1", "true", "yes", "on")
+            out.append(official if v is None else bool(v))
+        return out[0], out[1], out[2]
 
 
 def knn_graph(z_q: Tensor, k: int) -> Tensor:
@@ -113,23 +136,24 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: LaplacianShotConfig)
 def laplacianshot(batch: EpisodeBatch, cfg: LaplacianShotConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final assignments ``Y``); state
     ``prototypes [E, way, D]``, ``iterations [E]``."""
-    if cfg.preset not in ("default", "official"):
-        raise ConfigError(f"laplacianshot: unknown preset {cfg.preset!r}; known presets: default, official")
-    official = cfg.preset == "official"
+    self_nb, released, shifted = cfg.resolved()
     z_s, z_q = batch.support, batch.query
     kept = None
-    if cfg.rectify and official:
-        m, kept, z_u = released_rectification(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon)
+    z_u = z_q
+    if cfg.rectify and released:
+        m, kept, z_shift = released_rectification(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon)
     elif cfg.rectify:
-        m, _ = rectified_prototypes(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon)
-        z_u = z_q
+        m, delta = rectified_prototypes(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon)
+        z_shift = z_q + delta
     else:
-        m, z_u = class_means(z_s, batch.support_labels, batch.way), z_q
+        m, z_shift = class_means(z_s, batch.support_labels, batch.way), z_q
+    if shifted and cfg.rectify:
+        z_u = z_shift
     unary = sqdist(z_u, m)                                              # [E, Nq, way]
     if kept is not None:
         # a dropped class takes no query: infinite unary (its softmax weight is exactly 0)
         unary = unary.masked_fill(~kept.unsqueeze(1), float("inf"))
-    w = knn_graph(z_q, cfg.knn - 1 if official else cfg.knn)
+    w = knn_graph(z_q, cfg.knn - 1 if self_nb else cfg.knn)
     logits = -unary
     y = torch.softmax(logits, -1)
     E = z_q.shape[0]
