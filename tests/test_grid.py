@@ -275,7 +275,8 @@ def test_cli_grid_then_report(tmp_path, cache):
 
 @pytest.mark.parametrize("name, n_cells", [("alpha_beta", 7 * 7 * 2 * 2 + 2), ("negatives", 4 * 2 * 2 + 2),
                                            ("steps", 4 * 2 * 2 + 4 * 2 + 2), ("ood_domains", 4 * 5 + 4),
-                                           ("stopgrad", 2 ** 5 + 2), ("imbalance", 2 * 4 * 4 + 3 * 2 * 4)])
+                                           ("stopgrad", 2 ** 5 + 2), ("imbalance", 2 * 4 * 4 + 3 * 2 * 4),
+                                           ("realistic_queries", 2 * 2 * 5 * (1 + 8))])
 def test_shipped_examples_expand(name, n_cells):
     path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.toml"
     cells = G.expand(G.load_grid(path))
