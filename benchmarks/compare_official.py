@@ -9,6 +9,7 @@ many episodes get identical accuracies and identical predictions, and both mean 
     python benchmarks/compare_official.py --method bms --checkout PATH/BMS                 (yhu01/BMS)
     python benchmarks/compare_official.py --method proto-lp --checkout PATH/protoLP        (allenhaozhu/protoLP)
     python benchmarks/compare_official.py --method laplacianshot --checkout PATH/LaplacianShot
+    python benchmarks/compare_official.py --laplacian-ablation --cache FILE --episodes 500   (ours only)
 
 ``--checkout`` defaults to the environment variable ``POODLE_OFFICIAL_<METHOD>`` (e.g.
 ``POODLE_OFFICIAL_ALPHA_TIM``); without either, the method is skipped with a message and exit
@@ -270,9 +271,42 @@ def compare(method: str, checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor,
             "differing": [int(i) for i in (~same).nonzero().flatten()[:10]]}
 
 
+LAPLACIAN_VARIANTS = [
+    ("default (the paper's method)", {}),
+    ("+ self_neighbour", {"self_neighbour": True}),
+    ("+ released_rectification", {"released_rectification": True}),
+    ("+ shifted_unary", {"shifted_unary": True}),
+    ("official (all three)", {"preset": "official"}),
+    ("official - self_neighbour", {"preset": "official", "self_neighbour": False}),
+    ("official - released_rectification", {"preset": "official", "released_rectification": False}),
+    ("official - shifted_unary", {"preset": "official", "shifted_unary": False}),
+]
+
+
+def laplacian_ablation(batch: EpisodeBatch, y_q: torch.Tensor, chunk: int = 100) -> None:
+    """Each difference between our default LaplacianShot and the released code, alone, on these episodes."""
+    from poodle.evaluate import paired_difference, summarize
+
+    accs = {}
+    for label, opts in LAPLACIAN_VARIANTS:
+        pred = torch.cat([solvers.run("laplacianshot", EpisodeBatch(batch.support[i:i + chunk],
+                                                                  batch.support_labels[i:i + chunk],
+                                                                  batch.query[i:i + chunk], None, batch.way),
+                                      **opts).log_probs.argmax(-1)
+                          for i in range(0, batch.support.shape[0], chunk)])
+        accs[label] = (pred == y_q).double().mean(1)
+    base = accs[LAPLACIAN_VARIANTS[0][0]]
+    for label, acc in accs.items():
+        m, ci = summarize(acc)
+        d, dci = paired_difference(acc, base)
+        print(f"laplacianshot {label:36s} {100 * m:6.2f} ± {100 * ci:.2f}   vs default {100 * d:+6.2f} ± {100 * dci:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--method", choices=METHODS, action="append", required=True)
+    ap.add_argument("--method", choices=METHODS, action="append", default=[])
+    ap.add_argument("--laplacian-ablation", action="store_true",
+                    help="ours only: LaplacianShot with each difference from the released code switched alone")
     ap.add_argument("--checkout", help="the authors' repository (default: $POODLE_OFFICIAL_<METHOD>)")
     ap.add_argument("--cache", help="feature cache (HDF5); default: synthetic features")
     ap.add_argument("--split", default="test")
@@ -299,6 +333,8 @@ def main() -> None:
           f"{a.query} queries" + (f", imbalance {a.imbalance:g}" if a.imbalance else "")
           + (f", query classes {a.query_classes}" if a.query_classes else "")
           + f", features {'from ' + a.cache if a.cache else f'synthetic D={a.dim}'}")
+    if a.laplacian_ablation:
+        laplacian_ablation(batch, y_q)
     for method in a.method:
         env = "POODLE_OFFICIAL_" + method.upper().replace("-", "_")
         checkout = a.checkout if len(a.method) == 1 and a.checkout else os.environ.get(env)
