@@ -313,6 +313,7 @@ def test_support_labels_are_enforced_only_when_asked(name, fix_support):
     ("proto-lp", {"balanced": False}),
     ("alpha-tim", {"alpha": 3.0}),
     ("paddle", {"lmd": 10.0, "scale_features": False}),
+    ("paddle", {"lmd": 0.0}),
 ])
 @pytest.mark.parametrize("shot", [1, 5])
 def test_variants_match_reference(make_features, name, over, shot):
@@ -367,7 +368,7 @@ def test_paddle_empties_classes_absent_from_the_queries(make_features):
     # features of this spread it collapses everything into one class (docs/transductive.md)
     batch, q_lab = build_batch(make_features, 5, [[15, 0, 0, 15, 0]] * 2, seed=4, spread=0.3)
     big = EpisodeBatch(3 * batch.support, batch.support_labels, 3 * batch.query, None, WAY)
-    out = solvers.run("paddle", big, config("paddle", steps=100, scale_features=False))
+    out = solvers.run("paddle", big, config("paddle", steps=100, lmd=0.0, scale_features=False))
     mass = out.state["assignments"].sum(1)                                  # [E, way]
     assert (mass[:, [1, 2, 4]] < 0.5).all(), mass
     assert (out.log_probs.argmax(-1) == q_lab).all()

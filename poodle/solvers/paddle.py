@@ -20,10 +20,11 @@ with the query set's statistics). Transductive.
 
 Defaults are the authors' released configuration (SegoleneMartin/PADDLE,
 ``config/*/methods_config/paddle.yaml``: ``iter: 100``, ``alpha: 75``, the same for every dataset
-and backbone, with ``n_query: 75`` queries in ``config/main_config.yaml``). Their code multiplies
-``v`` by ``alpha / Nq``, so their 75 at 75 queries is a unit coefficient, the paper's choice of
-``lambda = |Q|`` that makes the method free of a hyper-parameter; ``lmd = 0`` (the default) means
-``lambda = Nq`` for any query count, which equals their configuration at 75 queries.
+and backbone; ``results/params`` logs their sweep of 15-90 on mini-ImageNet, best at 70-75). Their
+code multiplies ``v`` by ``alpha / Nq``, and their protocol always has ``Nq = 75`` queries
+(``config/main_config.yaml``), so the coefficient is 1 there; with other query counts ``lmd = 75``
+keeps their code's behaviour exactly, and ``lmd = 0`` instead scales ``lambda`` with the query count
+(``lambda = Nq``, a unit coefficient for any ``Nq``).
 
 Differences from the authors' code: their min-max scaler computes ``x / range - min`` (an in-place
 ``mul_`` then ``sub_``) where ``(x - min) / range`` is meant; the two differ by a per-dimension
@@ -46,7 +47,7 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass
 class PaddleConfig:
-    lmd: float = 0.0        # lambda; 0: the query count Nq (the authors' 75 at their 75 queries)
+    lmd: float = 75.0       # lambda (their "alpha"); 0: lambda = Nq, the query count
     steps: int = 100        # the authors' iter: 100
     scale_features: bool = True   # the authors' per-episode min-max scaling over the queries
 
