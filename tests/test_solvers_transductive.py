@@ -28,7 +28,7 @@ FAST = {
     "pt-map": {"steps": 8},
     "kmeans": {"max_iter": 30},
     "alpha-tim": {"steps": 40, "lr": 1e-3},
-    "paddle": {"steps": 30},
+    "paddle": {"steps": 30, "lmd": 0.0},   # lambda = Nq: the authors' 75 collapses these 32-d features
     "proto-lp": {"steps": 10},
     "bayes-kmeans": {"max_iter": 30},
 }
@@ -313,7 +313,7 @@ def test_support_labels_are_enforced_only_when_asked(name, fix_support):
     ("proto-lp", {"balanced": False}),
     ("alpha-tim", {"alpha": 3.0}),
     ("paddle", {"lmd": 10.0, "scale_features": False}),
-    ("paddle", {"lmd": 0.0}),
+    ("paddle", {"lmd": 75.0}),
 ])
 @pytest.mark.parametrize("shot", [1, 5])
 def test_variants_match_reference(make_features, name, over, shot):
