@@ -34,8 +34,9 @@ with weights normalised over those members), and the unary term on the unshifted
 The options ``self_neighbour``, ``released_rectification`` and ``shifted_unary`` switch the three
 one at a time (``None``, their default, follows the preset), so each one's effect can be measured.
 
-On the glyph demo features at 1 shot the official variant is several points more accurate than the
-default (docs/transductive.md gives the measured effect of each difference).
+How much the variants differ depends on the features: on the glyph demo features they are within
+0.3 points of each other (1 and 5 shots), on low-margin synthetic features the released
+rectification alone adds 7 points at 1 shot (docs/transductive.md gives each difference's effect).
 
 Differences from the POODLE authors' ``laplacian.py`` (facts sheet section 2; it cannot run as
 shipped): batched over episodes (kNN by ``torch.cdist`` + ``topk`` per episode batch, no
