@@ -254,8 +254,19 @@ OFFICIAL = {"alpha-tim": official_alpha_tim, "paddle": official_paddle, "bms": o
             "proto-lp": official_proto_lp, "laplacianshot": official_laplacianshot}
 
 
-def compare(method: str, checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None) -> dict:
-    theirs, options = OFFICIAL[method](checkout, batch, y_q, steps)
+def compare(method: str, checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None,
+            their_batch: int = 0) -> dict:
+    """``their_batch``: episodes per call of their code (0: all at once). Their Sinkhorn loops stop when
+    the *whole* batch has converged; ours per episode, which is what a batch of one gives."""
+    E = batch.support.shape[0]
+    size = their_batch or E
+    parts, options = [], {}
+    for lo in range(0, E, size):
+        sl = slice(lo, lo + size)
+        sub = EpisodeBatch(batch.support[sl], batch.support_labels[sl], batch.query[sl], None, batch.way)
+        t, options = OFFICIAL[method](checkout, sub, y_q[sl], steps)
+        parts.append(t)
+    theirs = torch.cat(parts)
     out = solvers.run(method, batch, **options)
     pred = out.log_probs.argmax(-1)
     ours_acc = (pred == y_q).double().mean(1)
@@ -320,6 +331,9 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64, help="synthetic features' dimension")
     ap.add_argument("--spread", type=float, default=1.5, help="synthetic features' within-class spread")
     ap.add_argument("--steps", type=int, help="override both sides' iteration counts (quick checks)")
+    ap.add_argument("--their-batch", type=int, default=0,
+                    help="episodes per call of their code (0: all at once; 1: their batch-wide Sinkhorn "
+                         "stopping becomes per episode, as ours)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.cache:
@@ -341,7 +355,7 @@ def main() -> None:
         if not checkout:
             print(f"{method}: skipped (give --checkout or set {env} to the authors' repository)")
             continue
-        r = compare(method, Path(checkout), batch, y_q, a.steps)
+        r = compare(method, Path(checkout), batch, y_q, a.steps, a.their_batch)
         agree = "" if r["prediction_agreement"] is None else f", predictions agree {100 * r['prediction_agreement']:.2f}%"
         print(f"{method}: identical accuracy on {r['identical']}/{r['episodes']} episodes{agree}; mean accuracy "
               f"ours {100 * r['ours']:.2f}%, theirs {100 * r['theirs']:.2f}%; largest per-episode difference "

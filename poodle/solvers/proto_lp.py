@@ -69,11 +69,12 @@ class ProtoLPConfig:
 
 def svd_project(x: Tensor, dim: int) -> Tensor:
     """Coordinates of ``x [E, N, D]`` in its top ``dim`` right singular vectors (no centring):
-    ``[E, N, min(dim, N, D)]``, up to a per-direction sign (no distance sees it)."""
-    n = x.shape[1]
-    r = min(dim, n, x.shape[2])
-    evals, evecs = torch.linalg.eigh(torch.bmm(x, x.transpose(1, 2)))   # ascending
-    return evecs[:, :, n - r:] * evals[:, n - r:].clamp_min(0).sqrt().unsqueeze(1)
+    ``[E, N, min(dim, N, D)]``, up to a per-direction sign (no distance sees it). An SVD of ``x``
+    itself, not an eigen-decomposition of its Gram matrix: in float32 the Gram matrix loses the
+    weaker directions' precision, which changed about 1% of the predictions on the glyph features."""
+    r = min(dim, x.shape[1], x.shape[2])
+    vh = torch.linalg.svd(x, full_matrices=False).Vh                    # [E, min(N, D), D]
+    return torch.bmm(x, vh[:, :r].transpose(1, 2))
 
 
 def preprocess(z: Tensor, power: float, reduced_dim: int) -> Tensor:
