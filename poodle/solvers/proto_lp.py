@@ -33,7 +33,9 @@ they build) and assumes ``shot + queries`` samples per class; here any way, shot
 the same lower-triangle-symmetrised system (and fall back to a pseudo-inverse where it is not
 positive definite, where theirs raises). A non-positive row sum of ``P`` is floored at 1e-30 (theirs
 divides by it). A negative coordinate is transformed as ``sign(x) (|x| + 1e-6)^power`` (their
-features are post-ReLU; theirs gives NaN). Sinkhorn stops per episode. Their released code has no
+features are post-ReLU; theirs gives NaN). Both Sinkhorn loops stop per episode; theirs stop when the
+whole batch has converged, so their result for an episode depends on its batch-mates (identical to
+ours with one episode per call; 99.3% of predictions agree when they run 100 glyph episodes at once). Their released code has no
 command line; benchmarks/compare_official.py drives their functions on the same episodes
 (docs/transductive.md).
 """
