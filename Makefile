@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo install clean
+.PHONY: test demo install lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,18 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 install: $(STAMP)
+
+DEV_STAMP := $(VENV)/.installed-dev
+
+$(DEV_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(DEV_STAMP) $(STAMP)
+
+# ruff (lint + format check) and mypy on the library
+lint: $(DEV_STAMP)
+	$(BIN)/ruff check poodle cli tests benchmarks
+	$(BIN)/ruff format --check poodle cli tests benchmarks
+	$(BIN)/mypy poodle
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import sys
 from typing import Any, Callable, Iterator
 
@@ -18,15 +19,26 @@ console = Console(stderr=True)
 out = Console()
 
 
+def as_flags(message: str, params: tuple[str, ...], flags: dict[str, str] | None = None) -> str:
+    """``message`` with each library parameter name in ``params`` written as its command-line flag
+    (``n_neg`` -> ``--n-neg``, or as ``flags`` maps it)."""
+    for p in params:
+        flag = (flags or {}).get(p, "--" + p.replace("_", "-"))
+        message = re.sub(rf"(?<![\w-]){re.escape(p)}(?![\w-])", flag, message, count=1)
+    return message
+
+
 def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a :class:`PoodleError` into ``error: <message>`` on stderr and exit code 1."""
+    """Turn a :class:`PoodleError` into ``error: <message>`` on stderr (library parameter names
+    written as flags) and exit code 1."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except PoodleError as e:
-            console.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
+            text = as_flags(str(e), getattr(e, "params", ()))
+            console.print(f"[bold red]error:[/] {text}", highlight=False, markup=True, soft_wrap=True)
             sys.exit(1)
         except KeyboardInterrupt:
             console.print("[yellow]interrupted[/]: completed work is kept; re-run the same command to resume")
@@ -66,3 +78,25 @@ class SizeType(click.ParamType):
             return parse_size(value)
         except PoodleError as e:
             self.fail(str(e), param, ctx)
+
+
+def render_table(table: Any, title: str | None = None) -> Any:
+    """A :class:`poodle.report.Table` as a rich table: the one renderer of result tables (``report``,
+    ``demo``, ``grid``); bold entries in bold green."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from poodle.report import key_name
+
+    t = Table(show_lines=False, title=title)
+    for k in table.row_keys:
+        t.add_column(key_name(k))
+    for j in range(len(table.cols)):
+        t.add_column(table.col_label(j, sep="\n"), justify="right")
+    for i in range(len(table.rows)):
+        cells = [Text(v) for v in table.row_labels(i)]
+        for j in range(len(table.cols)):
+            e = table.entries.get((i, j))
+            cells.append(Text(table.cell_text(i, j), style="bold green" if e is not None and e.bold else ""))
+        t.add_row(*cells)
+    return t

@@ -35,8 +35,8 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--cache", "cache", type=click.Path(dir_okay=False), default=None, help="Use this feature cache instead of the grid's `cache`.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override a grid option, e.g. --set episodes=200 or --set 'shot=[1,5]'. Repeatable.")
-@click.option("--force", is_flag=True, help="Recompute every cell: the results file starts afresh (its old "
-                                          "lines are discarded when the run starts).")
+@click.option("--force", is_flag=True, help="Recompute every cell of the grid; the new records supersede the old "
+                                          "ones (records of other cells stay in the file).")
 @click.option("--cells-per-call", type=click.IntRange(1), default=4, show_default=True,
               help="Cells on the same episodes and negatives solved together (one gather per chunk).")
 @click.option("--dry-run", is_flag=True, help="List the cells and what is already done; solve nothing.")
@@ -67,12 +67,19 @@ def grid(grid_file: Path, out: Path | None, cache: str | None, sets: tuple[str, 
     with _GridProgress(len(cells), n_episodes, _varying(cells)) as display:
         result = G.run_grid(spec, out, force=force, device=device, max_memory=max_memory,
                             on_cell=display.on_cell, progress=display.advance, cells=cells,
-                            cells_per_call=cells_per_call)
+                            cells_per_call=cells_per_call, warn=_note)
     wall = time.perf_counter() - t0
     console.print(f"[green]done[/]: {result.computed} cells computed, {result.skipped} already there; "
                   f"{wall:.1f} s (reading caches {result.load_seconds:.1f} s, sampling episodes "
-                  f"{result.sample_seconds:.1f} s) -> {out}", highlight=False)
+                  f"{result.sample_seconds:.1f} s, solving {result.solve_seconds:.1f} s) -> {out}", highlight=False)
+    if result.other_records:
+        _note(f"{out} also holds {result.other_records} record(s) of cells not in this grid (earlier versions of it, "
+              f"or other caches); poodle report shows them too: select with --where")
     console.print(f"next: poodle report {out} --rows ... --cols ...", highlight=False)
+
+
+def _note(message: str) -> None:
+    console.print(f"[yellow]note[/]: {message}", highlight=False)
 
 
 def _dry_run(spec: Any, cells: list, out: Path) -> None:
@@ -80,25 +87,24 @@ def _dry_run(spec: Any, cells: list, out: Path) -> None:
 
     from poodle import grid as G
     from poodle.cli._common import out as stdout
+    from poodle.errors import PoodleError
 
-    done: set[str] = set()
+    done: set[int] = set()
     if out.exists():
         try:
-            header, records = G.read_results(out)
-            if header.get("grid_hash") == G.grid_hash(cells):
-                done = {r["key"] for r in records}
-            else:
-                console.print(f"[yellow]note[/]: {out} belongs to another grid", highlight=False)
-        except Exception as e:  # a dry run only reports
-            console.print(f"[yellow]note[/]: cannot read {out}: {e}", highlight=False)
+            keys = G.cell_keys(cells, G.fingerprints(spec, cells))
+            res = G.read_results(out)
+            done = {i for i, (_, k) in keys.items() if k in res}
+        except PoodleError as e:  # a dry run only reports
+            _note(f"cannot read {out}: {e}")
     vary = _varying(cells)
     t = Table(title=f"{spec.name}: {len(cells)} cells ({len(done)} done), grid hash {G.grid_hash(cells)}")
     for k in ["#", "label"] + vary + ["done"]:
         t.add_column(k)
     for c in cells:
         flat = c.flat()
-        values = [G._fmt(flat[k]) if k in flat else "–" for k in vary]
-        t.add_row(str(c.index), c.label, *values, "yes" if c.key in done else "")
+        values = [G.format_option(flat[k]) if k in flat else "–" for k in vary]
+        t.add_row(str(c.index), c.label, *values, "yes" if c.index in done else "")
     stdout.print(t)
 
 

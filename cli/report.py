@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from poodle.cli._common import console, friendly_errors, out as stdout
+from poodle.cli._common import console, friendly_errors, render_table
+from poodle.cli._common import out as stdout
 
 
 @click.command()
@@ -42,12 +43,12 @@ def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where:
     """Tables shaped like the paper's (mean ± 95% CI, significant best in bold) and figures."""
     from poodle import report as R
 
-    res = R.load_results(list(results))
+    res = R.load_results(list(results), warn=lambda m: console.print(f"[yellow]note[/]: {m}", highlight=False))
     res = R.filter_results(res, R.parse_where(where))
     if figure is not None:
         from poodle import report_figures as F
 
-        panel_keys = R._split_keys(panels)
+        panel_keys = R.split_keys(panels)
         target = out or results[0].with_name(results[0].name.removesuffix(".jsonl").removesuffix(".results")
                                              + f".{figure}.png")
         if figure == "heatmap":
@@ -74,7 +75,7 @@ def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where:
         else:
             click.echo(text, nl=not text.endswith("\n"))
         return
-    rich_table = _rich(table)
+    rich_table = render_table(table)
     if out is not None:
         from rich.console import Console
 
@@ -89,22 +90,3 @@ def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where:
         for note in table.notes:
             stdout.print(note, highlight=False, style="dim")
 
-
-def _rich(table):  # type: ignore[no-untyped-def]
-    from rich.table import Table
-    from rich.text import Text
-
-    from poodle.report import key_name
-
-    t = Table(show_lines=False)
-    for k in table.row_keys:
-        t.add_column(key_name(k))
-    for j in range(len(table.cols)):
-        t.add_column(table.col_label(j, sep="\n"), justify="right")
-    for i in range(len(table.rows)):
-        cells = [Text(v) for v in table.row_labels(i)]
-        for j in range(len(table.cols)):
-            e = table.entries.get((i, j))
-            cells.append(Text(table.cell_text(i, j), style="bold green" if e is not None and e.bold else ""))
-        t.add_row(*cells)
-    return t

@@ -3,16 +3,13 @@ methods; print mean accuracy +- 95% CI (and paired differences to the first meth
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import platform
-import time
 from pathlib import Path
 from typing import Any
 
 import click
 from click.core import ParameterSource
 
+from poodle import defaults
 from poodle.cli._common import SizeType, console, friendly_errors, out, progress_bar
 
 # CLI option -> (config field, value to pass when the option is given)
@@ -36,7 +33,6 @@ def solver_options(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
     own paper defaults). An explicit option no chosen method accepts is a ConfigError naming it."""
     from poodle import solvers
     from poodle.errors import ConfigError
-    from poodle.solvers.base import config_fields
 
     given: dict[str, tuple[str, Any]] = {}          # config field -> (how the user wrote it, value)
     for opt, field in _SOLVER_OPTIONS.items():
@@ -56,7 +52,7 @@ def solver_options(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
     def accepts(m: str, field: str) -> bool:
         if field == "transductive":
             return infos[m].transductive != "never"
-        return field in config_fields(infos[m].config)
+        return field in infos[m].options()
 
     per: dict[str, dict[str, Any]] = {m: {} for m in methods}
     for field, (how, value) in given.items():
@@ -78,19 +74,10 @@ def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, ca
         return Path(cache)
     if not (dataset and backbone):
         raise ConfigError("which features? give --cache FILE, or --dataset NAME and --backbone NAME")
-    return Path(cache_root) / dataset / (backbone + (f"-{tag}" if tag else "") + ".h5")
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
-
-    try:
-        pv = version("poodle")
-    except PackageNotFoundError:
-        pv = "unknown"
-    return {"poodle": pv, "torch": torch.__version__, "python": platform.python_version()}
+    path = Path(cache_root) / dataset / (backbone + (f"-{tag}" if tag else "") + ".h5")
+    if not path.is_file():
+        raise ConfigError(f"no feature cache at {path} (run `poodle extract` or give --cache FILE)")
+    return path
 
 
 class _ListsMethods(click.Command):
@@ -111,13 +98,13 @@ class _ListsMethods(click.Command):
 @click.option("--backbone", help="Backbone name (with --dataset).")
 @click.option("--cache-root", default="cache", show_default=True, type=click.Path(file_okay=False))
 @click.option("--tag", help="Cache tag (with --dataset/--backbone).")
-@click.option("--split", default="test", show_default=True, help="Split the episodes come from.")
-@click.option("--way", default=5, show_default=True, type=int)
-@click.option("--shot", default=1, show_default=True, type=int)
-@click.option("--query", default=15, show_default=True, type=int, help="Queries per class.")
-@click.option("--episodes", default=2000, show_default=True, type=int)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--method", "methods", multiple=True, default=("poodle",), show_default=True,
+@click.option("--split", default=defaults.SPLIT, show_default=True, help="Split the episodes come from.")
+@click.option("--way", default=defaults.WAY, show_default=True, type=int)
+@click.option("--shot", default=defaults.SHOT, show_default=True, type=int)
+@click.option("--query", default=defaults.QUERY, show_default=True, type=int, help="Queries per class.")
+@click.option("--episodes", default=defaults.EPISODES, show_default=True, type=int)
+@click.option("--seed", default=defaults.SEED, show_default=True, type=int)
+@click.option("--method", "methods", multiple=True, default=(defaults.METHOD,), show_default=True,
               help="Method (repeatable); all run on the same episodes and negatives.")
 @click.option("--transductive", is_flag=True, help="Use the queries (methods that can).")
 @click.option("--alpha", type=float, help="POODLE pull weight [1].")
@@ -129,8 +116,8 @@ class _ListsMethods(click.Command):
 @click.option("--no-stopgrad-push", is_flag=True, help="Drop the stop-gradient in the push term (Table 9).")
 @click.option("--preset", help="A method's named preset (e.g. tim-gd: poodle-paper).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Any config field of the methods (repeatable).")
-@click.option("--negatives", default="base", show_default=True, metavar="base|random|sphere|none|FILE[:SPLIT]")
-@click.option("--n-neg", default=400, show_default=True, type=int, help="Negatives per episode.")
+@click.option("--negatives", default=defaults.NEGATIVES, show_default=True, metavar="base|random|sphere|none|FILE[:SPLIT]")
+@click.option("--n-neg", default=defaults.N_NEG, show_default=True, type=int, help="Negatives per episode.")
 @click.option("--imbalance", type=float, metavar="KAPPA",
               help="Dirichlet(KAPPA) query counts per class (alpha-TIM's protocol: --imbalance 2).")
 @click.option("--query-classes", type=int, metavar="N",
@@ -138,83 +125,42 @@ class _ListsMethods(click.Command):
                    "N * query queries, balanced or Dirichlet (--imbalance) over the N.")
 @click.option("--save-episodes", type=click.Path(dir_okay=False), help="Write the episodes (HDF5).")
 @click.option("--episodes-from", type=click.Path(dir_okay=False), help="Solve the episodes of this file.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--max-memory", default="2GiB", show_default=True, type=SizeType(),
+@click.option("--device", default=defaults.DEVICE, show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--max-memory", default=defaults.MAX_MEMORY, show_default=True, type=SizeType(),
               help="Bound on the working set of the chunks in flight (sets the chunk size).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="CPU: chunks solved at once, each single-threaded [default: torch's thread count].")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write everything to this JSON file.")
+@click.option("--out", "--json", "results_path", type=click.Path(dir_okay=False),
+              help="Append one results record per method (JSON Lines, read by `poodle report`) to this file.")
 @click.pass_context
 @friendly_errors
 def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, way, shot, query, episodes,
           seed, methods, transductive, alpha, beta, steps, lr, label_smoothing, no_stopgrad_pull,
-          no_stopgrad_push, preset, sets, negatives, n_neg, imbalance, query_classes, save_episodes, episodes_from, device,
-          max_memory, workers, json_path) -> None:
+          no_stopgrad_push, preset, sets, negatives, n_neg, imbalance, query_classes, save_episodes, episodes_from,
+          device, max_memory, workers, results_path) -> None:
     """Sample episodes from a feature cache and solve them all at once."""
-    from poodle import solvers
-    from poodle.cache import read_split
-    from poodle.episodes import EpisodeSpec, load_episodes, sample_episodes
-    from poodle.episodes import save_episodes as write_episodes
-    from poodle.errors import ConfigError
-    from poodle.evaluate import evaluate, needs_negatives, paired_difference, prepare_negatives, summarize
-    from poodle.negatives import NegativeSpec
-    from poodle.utils import atomic_path, resolve_device
+    from poodle.evaluate import paired_difference
+    from poodle.solve import solve as run_solve
 
-    t_start = time.perf_counter()
     methods = list(methods)
-    dups = {m for m in methods if methods.count(m) > 1}
-    if dups:
-        raise ConfigError(f"--method {', '.join(sorted(dups))} given twice")
     per = solver_options(ctx, methods, sets)
-    configs = [(m, m, solvers.make_config(m, per[m], strict=True)) for m in methods]
-    dev = resolve_device(device)
     path = _cache_path(cache, dataset, backbone, cache_root, tag)
-    if not path.is_file():
-        raise ConfigError(f"no feature cache at {path} (run `poodle extract` or give --cache FILE)")
-
-    if episodes_from:
-        given = [f"--{o.replace('_', '-')}" for o in ("split", "way", "shot", "query", "episodes", "seed", "imbalance",
-                                                             "query_classes") if _explicit(ctx, o)]
-        if given:
-            raise ConfigError(f"{', '.join(given)} cannot be combined with --episodes-from (the file fixes them)")
-        eps = load_episodes(episodes_from)
-        features = read_split(path, eps.spec.split)
-        eps.check_against(features.labels, where=str(episodes_from))
-        if not _explicit(ctx, "negatives") and eps.negative_source:
-            negatives = eps.negative_source
-        if not _explicit(ctx, "n_neg") and eps.negatives is not None:
-            n_neg = int(eps.negatives.shape[1])
-    else:
-        spec = EpisodeSpec(split=split, way=way, shot=shot, query=query, imbalance=imbalance, seed=seed,
-                           query_classes=query_classes)
-        spec.validate()
-        features = read_split(path, split)
-        eps = sample_episodes(features.labels, spec, episodes, classes=features.classes)
-
-    users = [m for _, m, c in configs if needs_negatives(m, c)]
-    neg_spec = NegativeSpec(negatives, n_neg) if users else NegativeSpec("none", n_neg)
-    if users and neg_spec.is_none:
-        raise ConfigError(f"method(s) {', '.join(users)} need negatives; use --negatives base|random|sphere|FILE")
-    if not users and _explicit(ctx, "negatives") and negatives != "none":
-        raise ConfigError(f"--negatives {negatives}: none of the chosen methods ({', '.join(methods)}) uses negatives")
-    eps, _ = prepare_negatives(eps, neg_spec, path, features.dim)
+    # only what the user gave: the library fills the defaults (and takes them from --episodes-from)
+    given = {k: ctx.params[k] for k in ("split", "way", "shot", "query", "episodes", "seed", "imbalance",
+                                       "query_classes", "negatives", "n_neg") if _explicit(ctx, k)}
+    with progress_bar("solving", total=None if episodes_from else episodes, unit="episodes") as advance:
+        res = run_solve(path, methods, options=per, episodes_from=episodes_from, save_episodes_to=save_episodes,
+                        device=device, max_memory=max_memory, workers=workers, progress=advance,
+                        out=results_path, **given)
     if save_episodes:
-        write_episodes(save_episodes, eps, cache=str(path))
         console.print(f"episodes written to {save_episodes}")
-
-    spec = eps.spec
+    spec, eps = res.episodes.spec, res.episodes
     console.print(f"[bold]{len(eps):,}[/] episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
                   + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
                   + (f", queries from {spec.query_classes} of the {spec.way} classes" if spec.query_classes else "")
                   + f", split {spec.split} of {path}; negatives: "
-                  + (f"{neg_spec.source} x {neg_spec.n_neg}" if users else "none") + f"; device {dev}",
-                  highlight=False)
-    stats: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    with progress_bar("solving", total=len(eps), unit="episodes") as advance:
-        accs = evaluate(features, eps, configs, negatives=neg_spec if users else None, cache_path=path,
-                        device=dev, max_memory=max_memory, progress=advance, stats=stats, workers=workers)
-    solve_s = time.perf_counter() - t0
+                  + (f"{res.negatives.source} x {res.negatives.n_neg}" if res.negatives else "none")
+                  + f"; device {res.device}", highlight=False)
 
     from rich import box
     from rich.table import Table
@@ -225,47 +171,15 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
     for col, just in (("method", "left"), ("accuracy %", "right"), ("95% CI", "right"),
                       (f"diff vs {first}", "right"), ("95% CI ", "right"), ("s", "right")):
         table.add_column(col, justify=just)
-    results: dict[str, Any] = {}
-    for label, name, cfg in configs:
-        mean, ci = summarize(accs[label])
-        row = [label, f"{100 * mean:.2f}", f"± {100 * ci:.2f}", "", "", f"{stats['seconds'][label]:.1f}"]
-        entry: dict[str, Any] = {"method": name, "config": dataclasses.asdict(cfg), "mean": mean, "ci95": ci,
-                                 "mean_pct": 100 * mean, "ci95_pct": 100 * ci,
-                                 "seconds": stats["seconds"][label], "acc": accs[label].tolist()}
-        if label != first and len(methods) > 1:
-            d, dci = paired_difference(accs[label], accs[first])
+    for rec in res.records:
+        label = rec["label"]
+        row = [label, f"{100 * rec['mean']:.2f}", f"± {100 * rec['ci95']:.2f}", "", "", f"{rec['seconds']:.1f}"]
+        if label != first:
+            d, dci = paired_difference(res.accs[label], res.accs[first])
             row[3], row[4] = f"{100 * d:+.2f}", f"± {100 * dci:.2f}"
-            entry["paired_difference"] = {"vs": first, "mean": d, "ci95": dci, "mean_pct": 100 * d,
-                                          "ci95_pct": 100 * dci}
         table.add_row(*row)
-        results[label] = entry
     out.print(table)
-    console.print(f"{len(eps) / solve_s:,.1f} episodes/s ({solve_s:.1f} s, chunks of {stats['chunk_size']})")
-
-    if json_path:
-        record = {
-            "command": "solve",
-            "config": {"cache": str(path), "split": spec.split, "way": spec.way, "shot": spec.shot,
-                       "query": spec.query, "imbalance": spec.imbalance, "query_classes": spec.query_classes,
-                       "seed": spec.seed, "episodes": len(eps),
-                       "episodes_from": episodes_from, "negatives": neg_spec.source if users else "none",
-                       "n_neg": neg_spec.n_neg if users else 0, "device": str(dev), "max_memory": max_memory,
-                       "chunk_size": stats["chunk_size"], "workers": stats["workers"], "methods": methods,
-                       "options": {m: {k: v for k, v in per[m].items()} for m in methods}},
-            "results": results,
-            "summary": {label: {"mean_pct": r["mean_pct"], "ci95_pct": r["ci95_pct"]} for label, r in results.items()},
-            "device": str(dev) + (f" ({_gpu_name(dev)})" if dev.type == "cuda" else f" ({platform.processor() or platform.machine()})"),
-            "versions": _versions(),
-            "wall_seconds": time.perf_counter() - t_start,
-            "solve_seconds": solve_s,
-            "episodes_per_s": len(eps) / solve_s if solve_s > 0 else None,
-        }
-        with atomic_path(json_path) as tmp:
-            tmp.write_text(json.dumps(record, indent=1, default=str))
-        console.print(f"results written to {json_path}")
-
-
-def _gpu_name(dev) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(dev)
+    console.print(f"{len(eps) / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s, chunks of "
+                  f"{res.stats['chunk_size']})")
+    if results_path:
+        console.print(f"results appended to {results_path}")

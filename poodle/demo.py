@@ -29,6 +29,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from poodle import defaults
 from poodle.errors import CacheError, ConfigError
 from poodle.utils import atomic_path, file_sha256
 
@@ -58,15 +59,15 @@ class DemoConfig:
     lr: float = 0.05
     augment: str = "crop"
     val_every: int = 3
-    episodes: int = 2000                  # paper 5.1: 2,000 tasks
-    way: int = 5
+    episodes: int = defaults.EPISODES
+    way: int = defaults.WAY
     shots: tuple[int, ...] = (1, 5)
-    query: int = 15                       # paper 5.1: 15 queries per class
-    n_neg: int = 400                      # paper 5.1: K = 400 negatives
-    seed: int = 0
-    device: str = "auto"
+    query: int = defaults.QUERY
+    n_neg: int = defaults.N_NEG
+    seed: int = defaults.SEED
+    device: str = defaults.DEVICE
     workers: int = 0
-    max_memory: str = "2GiB"
+    max_memory: str = defaults.MAX_MEMORY
     competitors: str | tuple[str, ...] = "paper"
     quick: bool = False
 
@@ -162,9 +163,7 @@ def demo_rows(competitors: str | tuple[str, ...] = "paper") -> list[Row]:
     from poodle import solvers
 
     def settings_of(name: str) -> tuple[str, ...]:
-        t = solvers.get(name).transductive
-        return {"never": ("inductive",), "optional": ("inductive", "transductive"),
-                "always": ("transductive",)}[t]
+        return solvers.get(name).settings()
 
     # short labels keep the printed table within 80 columns; LEGEND explains them
     rows = [Row("Proto", "proto", settings=settings_of("proto")),

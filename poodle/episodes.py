@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from poodle import defaults
 from poodle.errors import EpisodeError
 from poodle.utils import atomic_path, generator
 
@@ -49,12 +50,12 @@ VERSION = 1
 class EpisodeSpec:
     """What an episode set is drawn from. Paper defaults: 5-way, 15 queries per class (section 5.1)."""
 
-    split: str = "test"
-    way: int = 5
-    shot: int = 1
-    query: int = 15                 # queries per class; the total is way * query
+    split: str = defaults.SPLIT
+    way: int = defaults.WAY
+    shot: int = defaults.SHOT
+    query: int = defaults.QUERY     # queries per class; the total is way * query
     imbalance: float | None = None  # Dirichlet concentration kappa (paper appendix); None: balanced
-    seed: int = 0
+    seed: int = defaults.SEED
     query_classes: int | None = None  # only this many of the way classes have queries; None: all
 
     def validate(self) -> None:
@@ -62,12 +63,14 @@ class EpisodeSpec:
         for name in ("way", "shot", "query"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise EpisodeError(f"{name} must be a positive integer, got {v!r}")
+                raise EpisodeError(f"{name} must be a positive integer, got {v!r}", params=(name,))
         if self.imbalance is not None and not (math.isfinite(self.imbalance) and self.imbalance > 0):
-            raise EpisodeError(f"imbalance (Dirichlet concentration) must be positive, got {self.imbalance!r}")
+            raise EpisodeError(f"imbalance (Dirichlet concentration) must be positive, got {self.imbalance!r}",
+                               params=("imbalance",))
         n = self.query_classes
         if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.way):
-            raise EpisodeError(f"query_classes must be an integer in 1..way={self.way}, got {n!r}")
+            raise EpisodeError(f"query_classes must be an integer in 1..way={self.way}, got {n!r}",
+                               params=("query_classes",))
 
     @property
     def n_support(self) -> int:
@@ -273,7 +276,7 @@ def sample_episodes(labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, class
 # ------------------------------------------------------------------------------------------ files
 
 def save_episodes(path: str | Path, eps: EpisodeSet, **attrs: object) -> Path:
-    """Write ``eps`` to HDF5 (shared/design.md layout; extra ``attrs`` are stored too), atomically."""
+    """Write ``eps`` to HDF5 (layout in docs/stage2.md; extra ``attrs`` are stored too), atomically."""
     import h5py
 
     path = Path(path)

@@ -3,7 +3,14 @@ culprit (file, row, class, key, shape); the command line prints it on one line a
 
 
 class PoodleError(Exception):
-    """Base class of all errors caused by input (files, options, data), not by bugs."""
+    """Base class of all errors caused by input (files, options, data), not by bugs.
+
+    ``params`` names the library parameters the message speaks of (``n_neg``), so that a front end
+    can say them its own way (the command line writes ``--n-neg``)."""
+
+    def __init__(self, *args: object, params: tuple[str, ...] = ()) -> None:
+        super().__init__(*args)
+        self.params = tuple(params)
 
 
 class DataError(PoodleError):

@@ -165,7 +165,7 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
     if users:
         if neg_spec.is_none:
             raise ConfigError(f"method(s) {', '.join(sorted(set(users)))} need negatives; "
-                              "use --negatives base|random|sphere|FILE[:SPLIT]")
+                              "set negatives to base, random, sphere or FILE[:SPLIT]")
         episodes, pool = prepare_negatives(episodes, neg_spec, cache_path, D)
         neg_idx = episodes.negatives if pool is not None else None
         M = neg_spec.n_neg

@@ -25,25 +25,26 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from poodle import defaults
 from poodle.errors import CacheError, ConfigError
 from poodle.utils import generator
 
 # Third component of the negatives' generator seed: keeps them independent of the episode draw.
 NEG_STREAM = 1
 GENERATED = ("random", "sphere")
-KEYWORDS = ("base", "random", "sphere", "none")
+KEYWORDS = defaults.NEGATIVE_KEYWORDS
 
 
 @dataclass(frozen=True)
 class NegativeSpec:
     """Where the negatives come from and how many per episode (paper 5.1: K = 400)."""
 
-    source: str = "base"
-    n_neg: int = 400
+    source: str = defaults.NEGATIVES
+    n_neg: int = defaults.N_NEG
 
     def validate(self) -> None:
         if isinstance(self.n_neg, bool) or not isinstance(self.n_neg, int) or self.n_neg < 1:
-            raise ConfigError(f"--n-neg must be a positive integer, got {self.n_neg!r}")
+            raise ConfigError(f"n_neg must be a positive integer, got {self.n_neg!r}", params=("n_neg",))
         if not self.source:
             raise ConfigError("empty negative source: use base, random, sphere, none or FILE[:SPLIT]")
 
@@ -60,7 +61,7 @@ def pool_location(source: str, cache_path: Path | str | None) -> tuple[Path, str
     """``(file, split)`` of a pool source (``base`` or ``FILE[:SPLIT]``)."""
     if source == "base":
         if cache_path is None:
-            raise ConfigError("--negatives base needs the cache file (its train split is the pool)")
+            raise ConfigError("negatives = base needs the cache file (its train split is the pool)")
         return Path(cache_path), "train"
     path, sep, split = source.rpartition(":")
     # "C:\\x.h5" or a path without ":SPLIT": the whole text is the file

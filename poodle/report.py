@@ -21,15 +21,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
+import torch
+from scipy import stats
 
+from poodle.defaults import EPISODE_KEYS
 from poodle.errors import ConfigError
-from poodle.grid import read_results, record_flat
+from poodle.evaluate import summarize
+from poodle.results import load_records, record_flat
 
 # Keys that identify the episodes a result was solved on: equal keys -> identical episodes.
-PAIRING_KEYS = ("cache", "split", "way", "shot", "query", "imbalance", "seed", "episodes")
+PAIRING_KEYS = EPISODE_KEYS
 
 _PRETTY = {"alpha": ("α", r"$\alpha$"), "beta": ("β", r"$\beta$"), "gamma": ("γ", r"$\gamma$"),
            "n_neg": ("negatives", "negatives"), "imbalance": ("κ", r"$\kappa$")}
@@ -51,10 +55,6 @@ class Result:
     @property
     def ci95(self) -> float:
         """1.96 * population std / sqrt(n), as the solver's summary and the authors' code."""
-        import torch
-
-        from poodle.evaluate import summarize
-
         return summarize(torch.from_numpy(self.acc))[1]
 
     def pairing(self) -> tuple:
@@ -69,67 +69,14 @@ def _hashable(v: Any) -> Any:
     return v
 
 
-def load_results(paths: Sequence[str | Path]) -> list[Result]:
-    """Cell results of one or more grid results files, in file and grid order."""
-    if not paths:
-        raise ConfigError("no results file given")
+def load_results(paths: Sequence[str | Path], *, warn: Callable[[str], None] | None = None) -> list[Result]:
+    """Cell results of one or more results files (:mod:`poodle.results`), in file and grid order."""
     out: list[Result] = []
-    for p in paths:
-        solve = _read_solve_json(Path(p))
-        if solve is not None:
-            for flat, acc in solve:
-                out.append(Result(flat, acc, str(p), len(out)))
-            continue
-        _, records = read_results(p)
-        records = sorted(records, key=lambda r: r.get("index", 0))
-        for r in records:
-            out.append(Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), str(p), len(out)))
+    for source, r in load_records(paths, warn=warn):
+        out.append(Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), source, len(out)))
     if not out:
         raise ConfigError(f"{', '.join(map(str, paths))}: no finished cells yet")
     return out
-
-
-def _read_solve_json(path: Path) -> list[tuple[dict[str, Any], np.ndarray]] | None:
-    """The methods of a ``poodle solve --json`` file as (flat options, accuracies); ``None`` when
-    ``path`` is not one (then it is read as grid results)."""
-    import json
-
-    try:
-        with open(path, "rb") as f:
-            if f.read(1) != b"{":
-                return None
-            f.seek(0)
-            obj = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"results file {path} does not exist") from None
-    except ValueError:
-        return None  # JSON Lines (several objects): a grid results file
-    if not isinstance(obj, dict) or obj.get("command") != "solve":
-        return None
-    from poodle import solvers
-    from poodle.evaluate import needs_negatives
-
-    try:
-        cfg, results = obj["config"], obj["results"]
-        out = []
-        for label, r in results.items():
-            info = solvers.get(r["method"]) if r["method"] in solvers.available() else None
-            options = dict(r.get("config") or {})
-            trans = bool(options.get("transductive", False)) if info is None or info.transductive == "optional" \
-                else info.transductive == "always"
-            uses = info is not None and needs_negatives(r["method"], solvers.make_config(r["method"], options))
-            flat = {"label": label, "cache": cfg["cache"], "split": cfg["split"], "way": cfg["way"],
-                    "shot": cfg["shot"], "query": cfg["query"], "imbalance": cfg.get("imbalance"),
-                    "seed": cfg["seed"], "episodes": cfg["episodes"],
-                    "negatives": cfg.get("negatives", "none") if uses else "none",
-                    "n_neg": cfg.get("n_neg") if uses else None, "method": r["method"]}
-            for k, v in options.items():
-                flat.setdefault(k, v)
-            flat["transductive"] = trans
-            out.append((flat, np.asarray(r["acc"], dtype=np.float64)))
-        return out
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"{path}: a poodle solve --json file without the expected field {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,8 +238,6 @@ def paired_ttest(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     t = mean(d) / (std(d, ddof=1) / sqrt(E)), p = 2 * P(T_{E-1} > |t|). Identical inputs give
     ``(0, 1)``; a constant non-zero difference gives ``(+-inf, 0)``.
     """
-    from scipy import stats
-
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1:
@@ -360,7 +305,7 @@ class Table:
         return [format_value(k, v, latex) for k, v in zip(self.row_keys, self.rows[i])]
 
 
-def _split_keys(text: str | Sequence[str] | None) -> list[str] | None:
+def split_keys(text: str | Sequence[str] | None) -> list[str] | None:
     if text is None:
         return None
     if isinstance(text, str):
@@ -394,7 +339,7 @@ def build_table(results: Sequence[Result], rows: str | Sequence[str] | None = No
     for r in results:
         known += [k for k in r.flat if k not in known]
     vary = varying_keys(results)
-    row_keys, col_keys = _split_keys(rows), _split_keys(cols)
+    row_keys, col_keys = split_keys(rows), split_keys(cols)
     for k in (row_keys or []) + (col_keys or []):
         if k not in known:
             raise ConfigError(f"unknown key {k!r} for --rows/--cols; keys in these results: {', '.join(known)}")

@@ -1,7 +1,7 @@
 """Backbones: the release's structure (key names and counts, parameter counts, feature sizes),
 forward shapes on small inputs, save/load round trips and strict checkpoint loading.
 
-Reference numbers are the facts sheet's table (section 4), measured on the authors' code at 84x84.
+Reference numbers are those of docs/reference.md §4, measured on the authors' code at 84x84.
 Counting and 84x84 shape checks run on the meta device (shapes only, no memory, no arithmetic).
 """
 

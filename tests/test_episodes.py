@@ -279,7 +279,7 @@ def test_evaluate_bad_negatives(cache):
         evaluate(test, eps, m, negatives=NegativeSpec("missing.h5", 5), cache_path=cache)
     with pytest.raises(PoodleError, match="no split 'nope'"):
         evaluate(test, eps, m, negatives=NegativeSpec(f"{cache.parent / 'other.h5'}:nope", 5), cache_path=cache)
-    with pytest.raises(ConfigError, match="--n-neg must be a positive integer"):
+    with pytest.raises(ConfigError, match="n_neg must be a positive integer"):
         evaluate(test, eps, m, negatives=NegativeSpec("base", 0), cache_path=cache)
     with pytest.raises(ConfigError, match="unknown method 'nope'"):
         evaluate(test, eps, [("x", "nope", None)], cache_path=cache)

@@ -106,7 +106,7 @@ def test_grid_hash_ignores_formatting_but_not_cells(tmp_path, cache):
     ("[solver]\nmethod = 'proto'\nbeta = 0.5\n",
      r"unknown option 'beta' for method proto \(it is an option of .*poodle"),
     ("[solver]\nalpha = ['abc']\n", r"option 'alpha' of method 'poodle' expects a float, got 'abc'"),
-    ("[solver]\nsteps = 2.5\n", r"option 'steps' of method 'poodle' expects a int, got 2.5"),
+    ("[solver]\nsteps = 2.5\n", r"option 'steps' of method 'poodle' expects an int, got 2.5"),
     ("[episodes]\nshot = [1, 'five']\n", r"option 'shot' expects an integer, got 'five'"),
     ("[episodes]\nimbalance = -1\n", r"option 'imbalance' expects a Dirichlet concentration > 0"),
     ("[episodes]\nway = true\n", r"option 'way' expects an integer, got True"),
@@ -137,13 +137,13 @@ def test_missing_cache_is_an_error(tmp_path):
 
 
 def _records(path: Path) -> dict[str, dict]:
-    return {r["key"]: r for r in G.read_results(path)[1]}
+    return {r["key"]: r for r in G.read_results(path).records}
 
 
 def test_cache_read_once_episodes_sampled_once_per_setting_and_cells_paired(tmp_path, cache, monkeypatch):
-    import poodle.cache as cache_mod
-    import poodle.episodes as episodes_mod
-    import poodle.evaluate as evaluate_mod
+    import poodle.grid.runner as cache_mod
+    import poodle.grid.runner as episodes_mod
+    import poodle.grid.runner as evaluate_mod
 
     reads, samples, episode_sets, negative_draws = [], [], {}, {}
     real_read, real_sample, real_eval = cache_mod.read_split, episodes_mod.sample_episodes, evaluate_mod.evaluate
@@ -173,7 +173,9 @@ alpha = 1.0
 beta = 0.5
 """)
     run = G.run_grid(G.load_grid(p), tmp_path / "r.jsonl", device="cpu")
-    assert run.computed == len(run.records) == 2 * (1 + 4 + 2)
+    # the twins have the configuration of a product cell: one computation serves all three
+    assert len(run.records) == 2 * (1 + 4 + 2) and run.computed == 2 * (1 + 4)
+    assert len(_records(run.path)) == run.computed
     assert reads.count("test") == 1                          # one cache, one split: read once
     assert sorted(s.shot for s in samples) == [1, 5]         # one episode set per setting
     assert all(len(ids) == 1 for ids in episode_sets.values())  # every cell got that same set
@@ -216,40 +218,49 @@ def test_interrupted_grid_resumes_and_matches_an_uninterrupted_run(tmp_path, cac
     assert G.run_grid(spec, out, device="cpu").computed == 0
 
 
-def test_results_of_another_grid_are_refused_and_force_recomputes(tmp_path, cache):
+def test_changed_grid_computes_only_new_cells_and_force_recomputes(tmp_path, cache):
     out = tmp_path / "r.jsonl"
-    G.run_grid(G.load_grid(_grid(tmp_path, SMALL)), out, device="cpu")
+    first = G.run_grid(G.load_grid(_grid(tmp_path, SMALL)), out, device="cpu")
+    # one more value of beta: only the new cells are solved, the old records are kept and reused
+    bigger = G.load_grid(_grid(tmp_path, SMALL.replace("beta = [0.0, 0.5]", "beta = [0.0, 0.5, 1.0]"), "b.toml"))
+    run = G.run_grid(bigger, out, device="cpu")
+    assert run.computed == 2 * 2 and run.skipped == len(first.records)
+    old = {r["key"]: r["acc"] for r in first.records}
+    assert all(r["acc"] == old[r["key"]] for r in run.records if r["key"] in old)
+    # another value of steps changes every POODLE cell; proto (no steps) is reused
     other = G.load_grid(_grid(tmp_path, SMALL.replace("steps = 3", "steps = 2"), "other.toml"))
-    with pytest.raises(ConfigError, match=r"r.jsonl holds results of another grid .*--force"):
-        G.run_grid(other, out, device="cpu")
-    run = G.run_grid(other, out, device="cpu", force=True)
-    assert run.computed == len(run.records)
-    header, records = G.read_results(out)
-    assert header["grid_hash"] == G.grid_hash(G.expand(other)) and len(records) == run.computed
-    assert {r["options"]["steps"] for r in records if r["method"] == "poodle"} == {2}
+    run = G.run_grid(other, out, device="cpu")
+    assert run.computed == 2 * 4 and run.other_records == 2 * 4 + 2 * 2
+    assert {r["options"]["steps"] for r in run.records if r["method"] == "poodle"} == {2}
+    again = G.run_grid(other, out, device="cpu", force=True)
+    assert again.computed == len(again.records) == 2 * 5
+    assert [r["acc"] for r in again.records] == [r["acc"] for r in run.records]
+    assert len(G.read_results(out).records) == 2 * 1 + 2 * 4 + 2 * 2 + 2 * 4  # force superseded, not added
 
 
-def test_changed_cache_is_detected(tmp_path, cache, make_features):
+def test_records_of_a_changed_cache_are_never_reused(tmp_path, cache, make_features):
     from poodle.cache import write_arrays
 
     spec = G.load_grid(_grid(tmp_path, SMALL.replace("shot = [1, 5]", "shot = 1")))
     out = tmp_path / "r.jsonl"
-    G.run_grid(spec, out, device="cpu")
+    first = G.run_grid(spec, out, device="cpu")
     x, y = make_features(10, 24, 16, seed=99)
     xb, yb = make_features(8, 20, 16, seed=98)
     write_arrays(cache, {"test": (x, y, [f"t{i}" for i in range(10)]), "train": (xb, yb, [f"b{i}" for i in range(8)])})
-    with pytest.raises(ConfigError, match=r"cache 'feat.h5' changed since .*--force"):
-        G.run_grid(spec, out, device="cpu")
+    second = G.run_grid(spec, out, device="cpu")
+    assert second.computed == len(first.records) and second.skipped == 0
+    assert {r["cache_id"] for r in first.records}.isdisjoint({r["cache_id"] for r in second.records})
+    assert [r["acc"] for r in first.records] != [r["acc"] for r in second.records]
 
 
 def test_damaged_results_file_names_the_line(tmp_path):
     p = tmp_path / "bad.jsonl"
-    p.write_text(json.dumps({"format": G.RESULTS_FORMAT, "version": 1, "kind": "header"}) + "\nnot json\n{}\n")
+    p.write_text(json.dumps({"format": "poodle-results", "version": 2, "kind": "header"}) + "\nnot json\n{}\n")
     with pytest.raises(ConfigError, match="line 2 is not valid JSON"):
         G.read_results(p)
     q = tmp_path / "foreign.jsonl"
     q.write_text('{"hello": 1}\n')
-    with pytest.raises(ConfigError, match="not a poodle grid results file"):
+    with pytest.raises(ConfigError, match="not a poodle results file"):
         G.read_results(q)
 
 

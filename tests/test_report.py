@@ -14,7 +14,7 @@ from scipy import stats
 from poodle import report as R
 from poodle import report_figures as F
 from poodle.errors import ConfigError
-from poodle.grid import RESULTS_FORMAT
+from poodle.results import FORMAT, VERSION
 
 E = 200
 
@@ -32,7 +32,7 @@ def _cell(label, acc, *, shot=1, transductive=False, method="poodle", seed=0, **
 
 
 def _write(path: Path, cells: list[dict]) -> Path:
-    header = {"format": RESULTS_FORMAT, "version": 1, "kind": "header", "grid_hash": "test", "caches": {}}
+    header = {"format": FORMAT, "version": VERSION, "kind": "header"}
     with open(path, "w") as f:
         f.write(json.dumps(header) + "\n")
         for i, c in enumerate(cells):

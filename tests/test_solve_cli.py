@@ -3,8 +3,6 @@ explicit-only options, and one-line errors for bad input."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from click.testing import CliRunner
@@ -12,6 +10,8 @@ from click.testing import CliRunner
 from poodle.cache import write_arrays
 from poodle.cli.solve import solve
 from poodle.episodes import load_episodes
+from poodle.results import read_results
+from poodle.utils import file_sha256
 
 
 @pytest.fixture
@@ -37,22 +37,23 @@ def test_solve_several_methods_table_json_and_episodes(tmp_path, cache):
               "--save-episodes", ep])
     assert r.exit_code == 0, r.output
     assert "diff vs proto" in r.output and "poodle" in r.output and "episodes/s" in r.output
-    d = json.loads(js.read_text())
-    assert d["config"]["methods"] == ["proto", "poodle", "ce"] and d["config"]["episodes"] == 12
-    # only explicit options reach the methods: proto gets nothing, ce no --transductive
-    assert d["config"]["options"] == {"proto": {}, "poodle": {"steps": 15, "transductive": True}, "ce": {"steps": 15}}
-    assert d["results"]["poodle"]["config"]["transductive"] is True
-    assert d["results"]["poodle"]["config"]["alpha"] == 1.0 and d["results"]["poodle"]["config"]["steps"] == 15
+    res = read_results(js)
+    d = {r["label"]: r for r in res.records}
+    assert list(d) == ["proto", "poodle", "ce"] and all(r["episode"]["episodes"] == 12 for r in d.values())
+    # only explicit options reach the methods: proto gets nothing, ce no --transductive; records hold
+    # every option value used
+    assert "steps" not in d["proto"]["options"] and d["proto"]["negatives"] == "none" and d["proto"]["n_neg"] is None
+    assert d["poodle"]["options"]["transductive"] is True and d["poodle"]["transductive"] is True
+    assert d["poodle"]["options"]["alpha"] == 1.0 and d["poodle"]["options"]["steps"] == 15
+    assert d["poodle"]["negatives"] == "base" and d["poodle"]["n_neg"] == 10
+    assert d["ce"]["options"]["steps"] == 15 and d["ce"]["transductive"] is False
     for m in ("proto", "poodle", "ce"):
-        acc = torch.tensor(d["results"][m]["acc"], dtype=torch.float64)
-        assert acc.shape == (12,) and d["results"][m]["mean"] == pytest.approx(float(acc.mean()))
-    pd = d["results"]["poodle"]["paired_difference"]
-    diff = (torch.tensor(d["results"]["poodle"]["acc"], dtype=torch.float64)
-            - torch.tensor(d["results"]["proto"]["acc"], dtype=torch.float64))
-    assert pd["vs"] == "proto" and pd["mean"] == pytest.approx(float(diff.mean()), abs=1e-9)
-    assert f"{100 * pd['mean']:+.2f}" in r.output
-    assert "paired_difference" not in d["results"]["proto"]
-    assert set(d["versions"]) == {"poodle", "torch", "python"} and d["wall_seconds"] > 0
+        acc = torch.tensor(d[m]["acc"], dtype=torch.float64)
+        assert acc.shape == (12,) and d[m]["mean"] == pytest.approx(float(acc.mean()))
+        assert d[m]["cache_id"] == file_sha256(cache)
+    diff = torch.tensor(d["poodle"]["acc"], dtype=torch.float64) - torch.tensor(d["proto"]["acc"], dtype=torch.float64)
+    assert f"{100 * float(diff.mean()):+.2f}" in r.output
+    assert set(d["poodle"]["versions"]) == {"poodle", "torch", "python"} and d["poodle"]["seconds"] >= 0
     eps = load_episodes(ep)
     assert len(eps) == 12 and eps.negatives.shape == (12, 10) and eps.negative_source == "base"
 
@@ -61,7 +62,8 @@ def test_solve_several_methods_table_json_and_episodes(tmp_path, cache):
     r2 = _run(["--cache", cache, "--episodes-from", ep, "--method", "poodle", "--transductive", "--steps", 15,
                "--json", js2])
     assert r2.exit_code == 0, r2.output
-    assert json.loads(js2.read_text())["results"]["poodle"]["acc"] == d["results"]["poodle"]["acc"]
+    again = read_results(js2).records[0]
+    assert again["acc"] == d["poodle"]["acc"] and again["key"] == d["poodle"]["key"]
 
 
 def test_solve_imbalanced_random_negatives(tmp_path, cache):
@@ -69,8 +71,9 @@ def test_solve_imbalanced_random_negatives(tmp_path, cache):
     r = _run(["--cache", cache, "--episodes", 6, "--query", 4, "--imbalance", 0.5, "--negatives", "random",
               "--n-neg", 7, "--steps", 5, "--method", "poodle", "--method", "naive-ood", "--json", js])
     assert r.exit_code == 0, r.output
-    d = json.loads(js.read_text())
-    assert d["config"]["imbalance"] == 0.5 and d["config"]["negatives"] == "random"
+    d = {r["label"]: r for r in read_results(js).records}
+    assert d["poodle"]["episode"]["imbalance"] == 0.5 and d["poodle"]["negatives"] == "random"
+    assert d["naive-ood"]["n_neg"] == 7
 
 
 @pytest.mark.parametrize("args,message", [
@@ -112,18 +115,22 @@ def test_solve_cache_resolution_and_episode_file_mismatch(tmp_path, cache, make_
 
 
 def test_solve_query_classes_recorded_in_json_and_episodes(tmp_path, cache):
-    js, ep = tmp_path / "r.json", tmp_path / "e.h5"
+    js, ep = tmp_path / "r.jsonl", tmp_path / "e.h5"
     r = _run(["--cache", cache, "--episodes", 5, "--query", 4, "--query-classes", 2, "--method", "paddle",
-              "--method", "alpha-tim", "--steps", 5, "--json", js, "--save-episodes", ep])
+              "--method", "alpha-tim", "--steps", 5, "--out", js, "--save-episodes", ep])
     assert r.exit_code == 0, r.output
     assert "queries from 2 of the 5 classes" in r.output
-    d = json.loads(js.read_text())
-    assert d["config"]["query_classes"] == 2
+    recs = read_results(js).records
+    assert [rec["episode"]["query_classes"] for rec in recs] == [2, 2]
+    # without the option the record's episode settings stay as they were (no query_classes key)
+    js2 = tmp_path / "r2.jsonl"
+    assert _run(["--cache", cache, "--episodes", 2, "--method", "proto", "--out", js2]).exit_code == 0
+    assert "query_classes" not in read_results(js2).records[0]["episode"]
     eps = load_episodes(ep)
     assert eps.spec.query_classes == 2 and eps.query.shape == (5, 8)
     assert all(len(eps.query_labels[e].unique()) == 2 for e in range(5))
     bad = _run(["--cache", cache, "--query-classes", 6])
-    assert bad.exit_code != 0 and "query_classes must be an integer in 1..way=5" in bad.output
+    assert bad.exit_code != 0 and "error: --query-classes must be an integer in 1..way=5, got 6" in bad.output
 
 
 def test_solve_help_lists_the_methods():

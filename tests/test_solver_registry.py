@@ -34,7 +34,7 @@ def test_build_config_strict_names_unknown_option_and_known_ones():
 
 @pytest.mark.parametrize("value", ["abc", 2.5, True])
 def test_build_config_rejects_wrong_type(value):
-    with pytest.raises(ConfigError, match="'steps' of method 'dummy' expects a int"):
+    with pytest.raises(ConfigError, match="'steps' of method 'dummy' expects an int"):
         build_config(_info(), {"steps": value})
 
 

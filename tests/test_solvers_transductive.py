@@ -347,9 +347,9 @@ def test_laplacianshot_variant_switches_follow_the_preset():
     cfg = solvers.make_config("laplacianshot", {"preset": "official", "self_neighbour": "false"})
     assert cfg.resolved() == (False, True, True)
     with pytest.raises(ConfigError, match="unknown preset 'paper'"):
-        solvers.make_config("laplacianshot", {"preset": "paper"}).resolved()
-    with pytest.raises(ConfigError, match="expects a bool"):
-        solvers.make_config("laplacianshot", {"shifted_unary": "maybe"}).resolved()
+        solvers.make_config("laplacianshot", {"preset": "paper"})
+    with pytest.raises(ConfigError, match="shifted_unary"):
+        solvers.make_config("laplacianshot", {"shifted_unary": "maybe"})
 
 
 def test_alpha_tim_uses_the_authors_tuned_alpha(make_features):

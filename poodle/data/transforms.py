@@ -1,4 +1,4 @@
-"""Image transforms of the paper's code (facts sheet section 5.5), and the image loader.
+"""Image transforms of the paper's code (docs/reference.md §5), and the image loader.
 
 - :func:`eval_transform`: resize the shorter side to ``int(size * 256 / 224)`` (96 for 84), centre
   crop ``size``, to tensor, ImageNet mean/std. This is what the release uses for the final
@@ -21,8 +21,8 @@ import torch
 from PIL import Image, ImageEnhance
 from torchvision import transforms as T
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from poodle.defaults import IMAGENET_MEAN, IMAGENET_STD
+
 JITTER = 0.4  # brightness, contrast and colour strength of the release's ImageJitter
 
 

@@ -17,14 +17,18 @@ from poodle.solvers.base import (
     SolverOutput,
     build_config,
     class_means,
+    coerce_option,
+    config_dict,
     neg_half_sqdist,
     one_hot,
     register,
+    validate_config,
 )
 from poodle.solvers import base as _base
 
 __all__ = ["EpisodeBatch", "SolverInfo", "SolverOutput", "available", "get", "make_config", "run",
-           "register", "class_means", "neg_half_sqdist", "one_hot"]
+           "register", "class_means", "neg_half_sqdist", "one_hot", "build_config", "coerce_option", "config_dict",
+           "validate_config"]
 
 _LOADED = False
 
@@ -68,5 +72,5 @@ def run(name: str, batch: EpisodeBatch, config: Any = None, **options: Any) -> S
     elif options:
         raise TypeError("give either a config or keyword options, not both")
     if batch.negatives is None and info.needs_negatives(config):
-        raise ConfigError(f"method {name!r} needs negatives (use --negatives base|random|sphere|FILE)")
+        raise ConfigError(f"method {name!r} needs negatives (negatives = base, random, sphere or FILE)")
     return info.fn(batch, config)

@@ -11,6 +11,8 @@ with no Python loop over episodes, classes or queries inside: the loop over opti
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
@@ -107,6 +109,21 @@ class SolverInfo:
         """Whether this method, configured by ``cfg``, reads ``EpisodeBatch.negatives``."""
         return bool(self.uses_negatives(cfg) if callable(self.uses_negatives) else self.uses_negatives)
 
+    def is_transductive(self, cfg: Any) -> bool:
+        """Whether this method, configured by ``cfg``, uses the unlabelled queries."""
+        if self.transductive == "optional":
+            return bool(getattr(cfg, "transductive"))
+        return self.transductive == "always"
+
+    def settings(self) -> tuple[str, ...]:
+        """The settings the method can run in: ``("inductive",)``, ``("transductive",)`` or both."""
+        return {"never": ("inductive",), "optional": ("inductive", "transductive"),
+                "always": ("transductive",)}[self.transductive]
+
+    def options(self) -> tuple[str, ...]:
+        """The names of the method's config fields."""
+        return tuple(f.name for f in dataclasses.fields(self.config))
+
 
 _REGISTRY: dict[str, SolverInfo] = {}
 # other names a method answers to (``--method tim`` is TIM-GD, as the TIM paper calls it)
@@ -137,12 +154,25 @@ def config_fields(config: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(config)}
 
 
+def config_dict(cfg: Any) -> dict[str, Any]:
+    """A config's fields and values (the values used: presets are resolved when it is built)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def option(default: Any, *, min: float | None = None, max: float | None = None, min_open: bool = False,
+           help: str = "") -> Any:
+    """A config field with bounds that :func:`validate_config` checks: ``min <= value <= max``
+    (``min < value`` with ``min_open``). ``help`` is for listings."""
+    meta = {"min": min, "max": max, "min_open": min_open, "help": help}
+    return field(default=default, metadata=meta)
+
+
 def build_config(info: SolverInfo, options: Mapping[str, Any], *, strict: bool = False) -> Any:
-    """Instantiate ``info.config`` from ``options``.
+    """Instantiate ``info.config`` from ``options``; the one way configs are made from user values.
 
     Keys that are not fields of the config are ignored unless ``strict`` (then they are an error
-    naming the method's known options). Values are converted to the field's default's type
-    (``"0.5"`` -> 0.5 for a float field); a value that does not convert is a :class:`ConfigError`.
+    naming the method's known options). Every value goes through :func:`coerce_option`; the built
+    config then through :func:`validate_config` (presets resolved, bounds checked).
     ``transductive=True`` for a method that is inductive only is an error; for an always-transductive
     method the flag is accepted and ignored.
     """
@@ -150,51 +180,148 @@ def build_config(info: SolverInfo, options: Mapping[str, Any], *, strict: bool =
     kwargs: dict[str, Any] = {}
     for key, value in options.items():
         if key == "transductive" and info.transductive != "optional":
-            if value and info.transductive == "never":
-                raise ConfigError(f"method {info.name!r} is inductive only; drop --transductive for it")
+            if coerce_option(info.name, key, value, bool) and info.transductive == "never":
+                raise ConfigError(f"method {info.name!r} is inductive only; it cannot be transductive")
             continue
         if key not in fields:
             if strict:
                 known = ", ".join(sorted(fields)) or "(none)"
                 raise ConfigError(f"method {info.name!r} has no option {key!r}; its options are: {known}")
             continue
-        kwargs[key] = _coerce(info.name, key, value, fields[key])
-    return info.config(**kwargs)
+        kwargs[key] = coerce_option(info.name, key, value, _field_types(info.config)[key])
+    return validate_config(info.config(**kwargs), info.name)
 
 
-def _coerce(method: str, key: str, value: Any, f: dataclasses.Field) -> Any:
-    default = f.default if f.default is not dataclasses.MISSING else None
-    if default is None or value is None:
-        return value
-    target = type(default)
-    try:
-        if target is bool:
-            if isinstance(value, str):
-                low = value.lower()
-                if low in ("1", "true", "yes", "on"):
-                    return True
-                if low in ("0", "false", "no", "off"):
-                    return False
-                raise ValueError(value)
-            if isinstance(value, (bool, int)) and value in (0, 1, True, False):
-                return bool(value)
+_TYPES_CACHE: dict[type, dict[str, Any]] = {}
+
+
+def _field_types(config: type) -> dict[str, Any]:
+    """Field name -> resolved annotation (modules use ``from __future__ import annotations``)."""
+    if config not in _TYPES_CACHE:
+        _TYPES_CACHE[config] = typing.get_type_hints(config)
+    return _TYPES_CACHE[config]
+
+
+def _union_members(tp: Any) -> tuple[Any, ...]:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return typing.get_args(tp)
+    return (tp,)
+
+
+def coerce_option(method: str, key: str, value: Any, tp: Any) -> Any:
+    """``value`` converted to the option's type ``tp`` (``float``, ``int | None``, ``bool``, ``str``,
+    a ``Literal``), the one conversion for values from the command line (strings), grid files
+    (TOML values) and Python. ``"0.5"`` -> 0.5 for a float, ``"yes"`` -> True for a bool; 2.0 -> 2 for
+    an int, but 2.5 is refused. A value that does not convert is a :class:`ConfigError`."""
+    members = _union_members(tp)
+    if value is None:
+        if type(None) in members:
+            return None
+        raise ConfigError(f"option {key!r} of method {method!r} needs a value, got none")
+    kinds = [m for m in members if m is not type(None)]
+    for kind in kinds:
+        try:
+            return _convert(value, kind)
+        except (TypeError, ValueError):
+            continue
+    names = " or ".join(_type_name(k) for k in kinds)
+    raise ConfigError(f"option {key!r} of method {method!r} expects {names}, got {value!r}")
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    name = getattr(tp, "__name__", str(tp))
+    return ("an " if name[:1] in "aeiou" else "a ") + name
+
+
+def _convert(value: Any, kind: Any) -> Any:
+    if typing.get_origin(kind) is typing.Literal:
+        allowed = typing.get_args(kind)
+        if value in allowed:
+            return value
+        raise ValueError(value)
+    if kind is bool:
+        if isinstance(value, str):
+            low = value.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
             raise ValueError(value)
-        if target is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            if isinstance(value, bool):
+        if isinstance(value, (bool, int)) and value in (0, 1):
+            return bool(value)
+        raise ValueError(value)
+    if kind is int:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        if isinstance(value, float):
+            if not value.is_integer():
                 raise ValueError(value)
             return int(value)
-        if target is float:
-            if isinstance(value, bool):
+        if isinstance(value, str):
+            f = float(value)
+            if not f.is_integer():
                 raise ValueError(value)
-            return float(value)
-        if target is str:
-            return str(value)
-        return value
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"option {key!r} of method {method!r} expects a {target.__name__}, got {value!r}") from None
+            return int(f)
+        return int(value)
+    if kind is float:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        return float(value)
+    if kind is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(value)
+        return str(value)
+    return value
+
+
+def validate_config(cfg: Any, method: str = "") -> Any:
+    """Check a built config and return it; the one place where option values are checked.
+
+    1. A config with a ``preset`` field and a ``PRESETS`` class attribute: an unknown preset is an
+       error, and fields still ``None`` take the preset's value (so the config holds the values used).
+    2. Every field's value is converted to its annotated type (:func:`coerce_option`).
+    3. Fields declared with :func:`option` bounds are checked against them.
+
+    Config classes call :func:`resolve_preset` in ``__post_init__`` too, so a config constructed
+    directly also holds the values used.
+    """
+    method = method or type(cfg).__name__
+    resolve_preset(cfg, method)
+    hints = _field_types(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = coerce_option(method, f.name, getattr(cfg, f.name), hints[f.name])
+        _check_bounds(method, f, value)
+        object.__setattr__(cfg, f.name, value)  # also for frozen configs: the value is only normalised
+    return cfg
+
+
+def _check_bounds(method: str, f: dataclasses.Field, value: Any) -> None:
+    lo, hi = f.metadata.get("min"), f.metadata.get("max")
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if lo is not None and (value <= lo if f.metadata.get("min_open") else value < lo):
+        op = ">" if f.metadata.get("min_open") else ">="
+        raise ConfigError(f"option {f.name!r} of method {method!r} must be {op} {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"option {f.name!r} of method {method!r} must be <= {hi}, got {value}")
+
+
+def resolve_preset(cfg: Any, method: str = "") -> None:
+    """Fill the fields of ``cfg`` that are ``None`` from ``type(cfg).PRESETS[cfg.preset]`` (in place).
+
+    A method with presets declares ``preset: str`` and the preset's fields as ``X | None = None``;
+    after this every such field holds the value used."""
+    presets = getattr(type(cfg), "PRESETS", None)
+    if presets is None or not hasattr(cfg, "preset"):
+        return
+    if cfg.preset not in presets:
+        name = method or type(cfg).__name__
+        raise ConfigError(f"{name}: unknown preset {cfg.preset!r}; known presets: {', '.join(presets)}")
+    for key, value in presets[cfg.preset].items():
+        if getattr(cfg, key) is None:
+            object.__setattr__(cfg, key, value)
 
 
 # ---------------------------------------------------------------------------------------------

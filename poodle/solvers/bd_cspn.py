@@ -10,7 +10,7 @@ support points and pseudo-labelled queries, weighted by ``softmax(epsilon * cos(
 the class. Queries (shifted) are classified by ``softmax(epsilon * cos(x, P'_k))``. Transductive.
 
 Relation to the POODLE authors' code: their "Mean-shift" row (``laplacian.py``, which cannot run as
-shipped; facts sheet section 2) is this rectification with ``softmax`` over *classes* as weights
+shipped; docs/reference.md §2) is this rectification with ``softmax`` over *classes* as weights
 (the LaplacianShot authors' version); here the weights follow the BD-CSPN paper (normalised over
 the class's members). All queries predicted in a class join it (the paper keeps the top-Z; the
 LaplacianShot and POODLE authors keep all). Nothing can be 0/0: every class has its support points.

@@ -9,7 +9,7 @@ with the highest confidence (max probability) in the episode join the support se
 predicted labels, and the normalised prototypes are recomputed from the support plus those
 queries. ``n = Nq // step`` unless ``iterations`` is given. Transductive.
 
-Differences from the POODLE authors' ``CAN_T`` (facts sheet section 2): their index arithmetic
+Differences from the POODLE authors' ``CAN_T`` (docs/reference.md §2): their index arithmetic
 hard-coded 75 queries per episode; here the top-k is taken per episode over its own ``Nq``
 queries (any count, balanced or not). The cross-attention module of CAN is a backbone component
 and is not part of this solver (as in the POODLE authors' reimplementation).

@@ -16,7 +16,7 @@ samples *ignoring* labels, then score a query by Bayes' rule over clusters:
 ``p(y|q,c) ∝ sum_{s in y} exp(-sigma||z_s - z_q||^2) p(c|s)``, ``p(c|s) = softmax_c(-sigma||z_s -
 mu_c||^2)``.
 
-Differences from the POODLE authors' ``kmeans``/``bayes_kmeans`` (facts sheet section 2):
+Differences from the POODLE authors' ``kmeans``/``bayes_kmeans`` (docs/reference.md §2):
 their k-means re-assigned the support points too, ignoring their labels (``fix_support=False``
 restores that for ``kmeans``); an empty cluster made their centre NaN (here it keeps its previous
 centre); their one-hot was sized by the labels present in the whole batch (here by ``way``); their

@@ -28,7 +28,7 @@ with weights normalised over those members), and the unary term on the unshifted
   weights do not sum to 1, so prototypes shrink); a class no point is predicted into is dropped,
   and, as in their code, the later classes then answer with the dropped class's label (their
   ``np.take(support_label, l)`` indexes the shortened prototype list; it needs every support
-  point of a class to be nearer another class's mean and no query, so only happens at 5+ shots);
+  point of a class to be nearer another class's mean and no query, so only from 2 shots);
 * the unary term uses the shifted queries ``z_q + mean(z_s) - mean(z_q)``.
 
 The options ``self_neighbour``, ``released_rectification`` and ``shifted_unary`` switch the three
@@ -38,7 +38,7 @@ How much the variants differ depends on the features: on the glyph demo features
 0.3 points of each other (1 and 5 shots), on low-margin synthetic features the released
 rectification alone adds 7 points at 1 shot (docs/transductive.md gives each difference's effect).
 
-Differences from the POODLE authors' ``laplacian.py`` (facts sheet section 2; it cannot run as
+Differences from the POODLE authors' ``laplacian.py`` (docs/reference.md §2; it cannot run as
 shipped): batched over episodes (kNN by ``torch.cdist`` + ``topk`` per episode batch, no
 scikit-learn); ``knn``, ``lmd`` have values (theirs referenced undefined options); a class with no
 predicted sample keeps its prototype (theirs dropped it, shrinking the prototype list).
@@ -47,19 +47,29 @@ predicted sample keeps its prototype (theirs dropped it, shrinking the prototype
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-import torch.nn.functional as F
 
-from poodle.errors import ConfigError
 from poodle.solvers._transductive import TINY, cosine, dist_flops, rectified_prototypes, sqdist
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register, validate_config
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # the method as Ziko et al.'s paper and BD-CSPN's paper write it
+    "default": dict(self_neighbour=False, released_rectification=False, shifted_unary=False),
+    # imtiazziko/LaplacianShot as released (src/train_lshot.py metric_class_type, --proto-rect True)
+    "official": dict(self_neighbour=True, released_rectification=True, shifted_unary=True),
+}
 
 
 @dataclass
 class LaplacianShotConfig:
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
+
     knn: int = 3              # Ziko et al.: k = 3 nearest neighbours
     lmd: float = 0.7          # lambda; tuned on validation in the paper (their grid 0.1..1.0)
     steps: int = 20           # bound iterations (authors' bound_update default)
@@ -67,26 +77,17 @@ class LaplacianShotConfig:
     rectify: bool = True      # BD-CSPN prototype rectification (the authors' proto_rect)
     epsilon: float = 10.0     # rectification temperature
     preset: str = "default"   # "official": the authors' released code exactly (see the module docstring)
-    # The three differences one at a time (None: the preset's choice), for measuring each one's effect:
-    self_neighbour: bool | None = None    # knn counts the point itself (official: True)
-    released_rectification: bool | None = None   # the released prototype rectification (official: True)
-    shifted_unary: bool | None = None     # unary term on the shifted queries (official: True)
+    # The three differences one at a time (None: the preset's value), to measure each one's effect:
+    self_neighbour: bool | None = None            # knn counts the point itself
+    released_rectification: bool | None = None    # the released prototype rectification
+    shifted_unary: bool | None = None             # unary term on the shifted queries
+
+    def __post_init__(self) -> None:
+        validate_config(self, "laplacianshot")
 
     def resolved(self) -> tuple[bool, bool, bool]:
-        """``(self_neighbour, released_rectification, shifted_unary)`` after the preset."""
-        if self.preset not in ("default", "official"):
-            raise ConfigError(f"laplacianshot: unknown preset {self.preset!r}; known presets: default, official")
-        official = self.preset == "official"
-        out = []
-        for name in ("self_neighbour", "released_rectification", "shifted_unary"):
-            v = getattr(self, name)
-            if isinstance(v, str):
-                low = v.lower()
-                if low not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                    raise ConfigError(f"option {name!r} of method 'laplacianshot' expects a bool, got {v!r}")
-                v = low in ("1", "true", "yes", "on")
-            out.append(official if v is None else bool(v))
-        return out[0], out[1], out[2]
+        """``(self_neighbour, released_rectification, shifted_unary)`` as used."""
+        return bool(self.self_neighbour), bool(self.released_rectification), bool(self.shifted_unary)
 
 
 def knn_graph(z_q: Tensor, k: int) -> Tensor:

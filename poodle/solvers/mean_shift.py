@@ -12,7 +12,7 @@ has ``p > threshold``; each class's prototype becomes the mean of its support po
 ``d`` queries; re-score. ``d`` is per episode (a mask, not a loop). Transductive.
 
 Differences from the POODLE authors' "Mean-shift" (their ``laplacian.py``, which cannot run as
-shipped, facts sheet section 2): theirs was BD-CSPN's prototype rectification (see ``bd-cspn``);
+shipped, docs/reference.md §2): theirs was BD-CSPN's prototype rectification (see ``bd-cspn``);
 this file is TAFSSL's MSP with PCA in place of ICA (scikit-learn's FastICA is not a dependency) and
 one support mean for centring (TAFSSL subtracts, per shot index, the mean over classes).
 """

@@ -47,7 +47,7 @@ def naive_ood(batch: EpisodeBatch, cfg: NaiveOODConfig) -> SolverOutput:
     the OOD prototype ``[E, 1, D]`` and the scale."""
     check_common(cfg, "naive-ood")
     if batch.negatives is None:
-        raise ConfigError("method 'naive-ood' needs negatives (--negatives base|random|sphere|FILE)")
+        raise ConfigError("method 'naive-ood' needs negatives (negatives = base, random, sphere or FILE)")
     s, neg, way = batch.support, batch.negatives, batch.way
     E, Ns, _ = s.shape
     M = neg.shape[1]

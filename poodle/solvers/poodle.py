@@ -81,7 +81,7 @@ def poodle(batch: EpisodeBatch, cfg: PoodleConfig) -> SolverOutput:
     """Query log-probs ``[E, Nq, way]``; state: prototypes ``[E, way, D]``, scale ``[E, 1, 1]``."""
     check_common(cfg, "poodle")
     if cfg.beta != 0 and batch.negatives is None:
-        raise ConfigError("method 'poodle' with beta != 0 needs negatives (--negatives base|random|sphere|FILE)")
+        raise ConfigError("method 'poodle' with beta != 0 needs negatives (negatives = base, random, sphere or FILE)")
     x, terms, _ = build_rows(batch, cfg)
     w0 = class_means(batch.support, batch.support_labels, batch.way)
     w, scale = fit_weighted_distance(x, terms, w0, scale0=cfg.scale, steps=cfg.steps, lr=cfg.lr)

@@ -13,8 +13,8 @@ Two presets:
 
 - ``preset="tim"`` (default): the TIM authors' scripts: weights 0.1 / 1 / 0.1, fixed temperature
   15, Adam lr 1e-4, 1000 iterations, only the prototypes are optimised.
-- ``preset="poodle-paper"``: what the POODLE authors ran (their ``src/fsl/tim.py``, facts sheet
-  section 2): weights 1 / 10 / 1 (the same ratio), one learnable scale per episode starting at 10,
+- ``preset="poodle-paper"``: what the POODLE authors ran (their ``src/fsl/tim.py``, docs/reference.md
+  §2): weights 1 / 10 / 1 (the same ratio), one learnable scale per episode starting at 10,
   Adam lr 1e-3, 250 steps.
 
 An explicit option (``ce_weight``, ``steps``, ...) overrides the preset's value.
@@ -26,21 +26,20 @@ Differences from both authors' code: the marginal entropy takes its log of ``max
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from poodle.errors import ConfigError
 from poodle.solvers._transductive import TINY, adam_minimise, dist_flops, grad_ready, softmax_logits
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, option, register, validate_config
 
 PRESETS: dict[str, dict[str, Any]] = {
     # mboudiaf/TIM: src/tim.py config (temp 15, loss_weights [0.1, 1.0, 0.1]) and
     # scripts/evaluate/tim_gd/*.sh (tim.iter=1000, lr 1e-4).
     "tim": dict(ce_weight=0.1, marginal_weight=1.0, conditional_weight=0.1, temperature=15.0,
                 learn_temperature=False, lr=1e-4, steps=1000),
-    # POODLE release src/fsl/tim.py (facts sheet section 2): alpha 10, beta 1, CE 1, scale init 10
+    # POODLE release src/fsl/tim.py (docs/reference.md §2): alpha 10, beta 1, CE 1, scale init 10
     # learnable, Adam lr 1e-3, number_fc_update 250.
     "poodle-paper": dict(ce_weight=1.0, marginal_weight=10.0, conditional_weight=1.0, temperature=10.0,
                          learn_temperature=True, lr=1e-3, steps=250),
@@ -49,7 +48,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class TimGDConfig:
-    """TIM-GD options; ``None`` means "the preset's value" (see :data:`PRESETS`)."""
+    """TIM-GD options. A field left ``None`` takes the preset's value when the config is built (see
+    :data:`PRESETS`), so a built config holds the values used."""
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
 
     preset: str = "tim"
     ce_weight: float | None = None
@@ -58,29 +60,14 @@ class TimGDConfig:
     temperature: float | None = None          # initial value when learn_temperature
     learn_temperature: bool | None = None
     lr: float | None = None
-    steps: int | None = None
+    steps: int | None = option(None, min=0)
+
+    def __post_init__(self) -> None:
+        validate_config(self, "tim-gd")
 
     def resolved(self) -> dict[str, Any]:
-        """The effective settings: the preset's, overridden by every option that is not None."""
-        if self.preset not in PRESETS:
-            raise ConfigError(f"tim-gd: unknown preset {self.preset!r}; known presets: {', '.join(PRESETS)}")
-        out = dict(PRESETS[self.preset])
-        for key, default in PRESETS[self.preset].items():
-            value = getattr(self, key)
-            if value is None:
-                continue
-            try:
-                if isinstance(default, bool):
-                    value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
-                else:
-                    value = type(default)(value)
-            except (TypeError, ValueError):
-                raise ConfigError(f"option {key!r} of method 'tim-gd' expects a {type(default).__name__}, "
-                                  f"got {value!r}") from None
-            out[key] = value
-        if out["steps"] < 0:
-            raise ConfigError(f"tim-gd: steps must be >= 0, got {out['steps']}")
-        return out
+        """The settings used, by name (the preset's, overridden by the options given)."""
+        return {k: getattr(self, k) for k in PRESETS[self.preset]}
 
 
 def tim_loss(logits_s: Tensor, y_s: Tensor, logits_q: Tensor, w_ce: float, w_marg: float,
@@ -100,7 +87,7 @@ def tim_loss(logits_s: Tensor, y_s: Tensor, logits_q: Tensor, w_ce: float, w_mar
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: TimGDConfig) -> float:
     # forward + backward (about 3x the forward) of two distance matrices per step
-    return 3.0 * cfg.resolved()["steps"] * dist_flops(Ns + Nq, way, D)
+    return 3.0 * cfg.steps * dist_flops(Ns + Nq, way, D)
 
 
 @register("tim-gd", TimGDConfig, transductive="always", flops=_flops, aliases=("tim",),

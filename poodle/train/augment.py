@@ -6,10 +6,8 @@ from typing import Callable
 
 from PIL import Image
 
+from poodle.defaults import IMAGENET_MEAN, IMAGENET_STD
 from poodle.errors import ConfigError
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class _ToRGB:

@@ -1,0 +1,45 @@
+"""The evaluation protocol's defaults and the names of the option keys, in one place.
+
+The defaults are the paper's main protocol (Le et al., NeurIPS 2021, section 5.1): 5-way episodes
+with 15 queries per class, 2,000 test episodes, K = 400 negatives per episode drawn from the base
+classes. :class:`poodle.episodes.EpisodeSpec`, :class:`poodle.negatives.NegativeSpec`, the grid, the
+demo and the command line all read them from here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SPLIT = "test"
+WAY = 5
+SHOT = 1
+QUERY = 15                  # queries per class; an episode has WAY * QUERY of them
+EPISODES = 2000
+SEED = 0
+NEGATIVES = "base"
+N_NEG = 400
+METHOD = "poodle"
+DEVICE = "auto"
+MAX_MEMORY = "2GiB"
+
+# Negative sources that are keywords, not files (see poodle.negatives).
+NEGATIVE_KEYWORDS: tuple[str, ...] = ("base", "random", "sphere", "none")
+
+# Options that choose the episodes: results that agree on all of them were solved on identical
+# episodes (so they are paired). ``cache`` comes first; the rest are EpisodeSpec fields + count.
+EPISODE_KEYS: tuple[str, ...] = ("cache", "split", "way", "shot", "query", "imbalance", "seed", "episodes")
+# Episode options recorded only when set, so that results written before they existed keep their
+# identity: ``query_classes`` (queries from only N of the way classes; None = all).
+OPTIONAL_EPISODE_KEYS: tuple[str, ...] = ("query_classes",)
+NEGATIVE_KEYS: tuple[str, ...] = ("negatives", "n_neg")
+GENERAL_KEYS: tuple[str, ...] = EPISODE_KEYS + OPTIONAL_EPISODE_KEYS + NEGATIVE_KEYS + ("method",)
+
+# Defaults of the general keys (``cache`` has none).
+GENERAL_DEFAULTS: dict[str, Any] = {
+    "split": SPLIT, "way": WAY, "shot": SHOT, "query": QUERY, "imbalance": None, "seed": SEED,
+    "episodes": EPISODES, "negatives": NEGATIVES, "n_neg": N_NEG, "method": METHOD,
+}
+
+# Input normalisation of ImageNet-pretrained backbones (torchvision's constants).
+IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
+IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)

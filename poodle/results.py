@@ -1,0 +1,405 @@
+"""The results layer: one record per solved cell, in an append-only JSON Lines file.
+
+Every command that solves episodes (``grid``, ``demo``, ``solve --out``, the benchmarks) writes its
+results through this module, and ``report`` reads them only through it.
+
+A *cell* is one method configuration solved on one episode set. Its **identity** is everything that
+determines its per-episode accuracies:
+
+- ``cache_id``: the content fingerprint of the feature cache (:func:`cache_identity`, the sha256 of
+  the file), so a record is never reused for another cache, even one at the same path;
+- ``episode``: ``{split, way, shot, query, imbalance, seed, episodes}``;
+- ``negatives`` (the source: ``base``, ``random``, ``sphere``, ``none`` or a file), its fingerprint
+  ``negatives_id`` for a file pool, and ``n_neg`` (``None`` without negatives);
+- ``method``, ``options`` (every field of the method's resolved config: the values used, never
+  "the default") and ``transductive``.
+
+The record's ``key`` is a hash of the identity (:func:`identity_key`); a lookup by key finds a
+record only when all of it agrees. What is only shown (``label``, the cache's path as written,
+``index``, ``group``) and what was measured (``acc``, ``mean``, ``ci95``, timings, device) are
+outside the identity. The file: a header line ``{"format": "poodle-results", "version": 2,
+"kind": "header", ...}``, then one ``{"kind": "cell", ...}`` line per record, each appended and
+fsynced alone; a cut last line (a run killed mid-write) is ignored and cut off on the next append.
+When a key occurs twice the last record wins. The schema is in docs/architecture.md.
+
+Older files keep loading: version 1 grid results (``poodle-grid-results``) are converted on read
+(their cache fingerprints come from their header), and ``poodle solve --json`` documents of earlier
+versions are read as records too; :func:`read_results` reports each conversion through ``warn``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from poodle import __version__, solvers
+from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
+from poodle.errors import ConfigError
+from poodle.utils import atomic_path, file_sha256
+
+FORMAT = "poodle-results"
+VERSION = 2
+# Formats read for compatibility (converted on read).
+GRID_FORMAT_V1 = "poodle-grid-results"
+
+# Fields of a record that make up its identity.
+IDENTITY_FIELDS: tuple[str, ...] = ("cache_id", "episode", "negatives", "negatives_id", "n_neg", "method",
+                                    "options", "transductive")
+EPISODE_FIELDS: tuple[str, ...] = EPISODE_KEYS[1:]
+UNKNOWN_CACHE = "unknown"
+
+_FINGERPRINTS: dict[tuple[str, int, int], str] = {}
+
+
+def cache_identity(path: str | os.PathLike) -> str:
+    """The content fingerprint of a cache file (hex sha256 of its bytes), computed once per process
+    for an unchanged file (same path, size and modification time)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"feature cache {p} does not exist") from None
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _FINGERPRINTS:
+        _FINGERPRINTS[key] = file_sha256(p)
+    return _FINGERPRINTS[key]
+
+
+def jsonable(v: Any) -> Any:
+    """``v`` as plain JSON values (tuples -> lists, unknown objects -> str)."""
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    return str(v)
+
+
+def canonical_hash(obj: Any) -> str:
+    """Hex sha256 of ``obj`` as canonical JSON (sorted keys, no spaces)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def make_identity(*, cache_id: str, episode: Mapping[str, Any], negatives: str, n_neg: int | None, method: str,
+                  options: Mapping[str, Any], transductive: bool, negatives_id: str | None = None) -> dict[str, Any]:
+    """A cell's identity (see the module docstring); ``episode`` must hold every episode field."""
+    missing = [k for k in EPISODE_FIELDS if k not in episode]
+    if missing:
+        raise ConfigError(f"episode settings lack {', '.join(missing)}")
+    ep = {k: jsonable(episode[k]) for k in EPISODE_FIELDS}
+    ep.update({k: jsonable(episode[k]) for k in OPTIONAL_EPISODE_KEYS if episode.get(k) is not None})
+    return {"cache_id": cache_id, "episode": ep,
+            "negatives": negatives, "negatives_id": negatives_id, "n_neg": None if negatives == "none" else n_neg,
+            "method": method, "options": jsonable(dict(options)), "transductive": bool(transductive)}
+
+
+def identity_key(identity: Mapping[str, Any]) -> str:
+    """The lookup key of an identity: 20 hex digits of its canonical hash."""
+    return canonical_hash({k: identity[k] for k in IDENTITY_FIELDS})[:20]
+
+
+def identity_of(record: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: record.get(k) for k in IDENTITY_FIELDS}
+
+
+def make_record(identity: Mapping[str, Any], acc: Sequence[float], *, label: str, cache: str, index: int = 0,
+                group: str = "", seconds: float | None = None, **extra: Any) -> dict[str, Any]:
+    """A cell record: the identity, its key, display fields, per-episode accuracies ``acc [E]`` in
+    [0, 1], their mean and 95% half-width (1.96 * population std / sqrt(E)), and ``extra`` fields
+    (timings, device, ...)."""
+    values = [float(a) for a in acc]
+    n = len(values)
+    mean = sum(values) / n if n else float("nan")
+    var = sum((a - mean) ** 2 for a in values) / n if n else float("nan")
+    record: dict[str, Any] = {"kind": "cell", "key": identity_key(identity), **identity, "label": label,
+                              "cache": cache, "index": index, "group": group, "mean": mean,
+                              "ci95": 1.96 * var ** 0.5 / n ** 0.5 if n else float("nan"), "n": n}
+    if seconds is not None:
+        record["seconds"] = round(float(seconds), 4)
+        record["episodes_per_s"] = round(n / seconds, 2) if seconds > 0 else None
+    record.update(jsonable(extra))
+    record["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    record["acc"] = values
+    return record
+
+
+def record_flat(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A record as one namespace for reports: label, cache (as written), episode settings,
+    negatives, method, the method's options and ``transductive``."""
+    d = {"label": record["label"], "cache": record["cache"], **record["episode"],
+         "negatives": record["negatives"], "n_neg": record["n_neg"], "method": record["method"]}
+    for k, v in record.get("options", {}).items():
+        d.setdefault(k, v)
+    d["transductive"] = record.get("transductive", False)
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclass
+class Results:
+    """A results file's content: its header and its records (last record per key), in file order."""
+
+    path: Path
+    header: dict[str, Any]
+    records: list[dict[str, Any]]
+    complete_bytes: int = 0
+    converted_from: str | None = None
+    _by_key: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_key = {r["key"]: r for r in self.records}
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self._by_key.get(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._by_key
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def _parse_lines(path: Path, raw: bytes) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+    """``([(line number, object)], bytes of complete lines)``; a cut last line is dropped."""
+    objs: list[tuple[int, dict[str, Any]]] = []
+    lines = raw.split(b"\n")
+    complete = offset = 0
+    for i, line in enumerate(lines):
+        last = i == len(lines) - 1
+        end = offset + len(line) + (0 if last else 1)
+        if not line.strip():
+            offset = end
+            if not last:
+                complete = end
+            continue
+        try:
+            obj = json.loads(line)
+            if last:
+                # JSON without its newline may still be cut short (e.g. a number); only a line that
+                # ended with "\n" was surely written whole.
+                raise ValueError("no newline")
+        except ValueError:
+            if last:
+                break
+            raise ConfigError(f"{path}: line {i + 1} is not valid JSON; the file is damaged") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{path}: line {i + 1} is not a JSON object")
+        objs.append((i + 1, obj))
+        complete = offset = end
+    return objs, complete
+
+
+def read_results(path: str | os.PathLike, *, warn: Callable[[str], None] | None = None) -> Results:
+    """Read a results file (this version's, a version 1 grid file, or an old ``solve --json``).
+
+    A malformed line other than a cut last one is a :class:`ConfigError` naming the line.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"results file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"results file {path} is a directory") from None
+    if raw[:1] == b"{" and b"\n{" not in raw.rstrip(b"\n"):
+        old = _try_solve_json(path, raw)
+        if old is not None:
+            if warn:
+                warn(f"{path}: an older `poodle solve --json` file; read as {len(old.records)} records")
+            return old
+    objs, complete = _parse_lines(path, raw)
+    if not objs:
+        raise ConfigError(f"{path} is empty or has no header line")
+    header_line, header = objs[0]
+    fmt, version = header.get("format"), header.get("version")
+    if fmt == GRID_FORMAT_V1 and version == 1:
+        res = _convert_grid_v1(path, header, objs[1:], complete)
+        if warn:
+            warn(f"{path}: a version 1 grid results file; its {len(res.records)} records are converted on read "
+                 f"(and the file is rewritten in version {VERSION} when results are added)")
+        return res
+    if fmt != FORMAT:
+        raise ConfigError(f"{path} is not a poodle results file (its first line has no format={FORMAT!r})")
+    if version != VERSION:
+        raise ConfigError(f"{path}: results format version {version} is not supported (this poodle reads "
+                          f"version {VERSION} and converts version 1)")
+    records: dict[str, dict[str, Any]] = {}
+    for line, obj in objs[1:]:
+        if obj.get("kind") != "cell":
+            continue
+        missing = [k for k in ("key", "acc", "method", "episode") if k not in obj]
+        if missing:
+            raise ConfigError(f"{path}: line {line} is a cell record without {', '.join(missing)}")
+        records.pop(obj["key"], None)
+        records[obj["key"]] = obj
+    return Results(path, header, list(records.values()), complete)
+
+
+def _convert_grid_v1(path: Path, header: dict[str, Any], objs: Iterable[tuple[int, dict[str, Any]]],
+                     complete: int) -> Results:
+    caches = header.get("caches", {}) or {}
+    records: dict[str, dict[str, Any]] = {}
+    for line, obj in objs:
+        if obj.get("kind") != "cell":
+            continue
+        if "key" not in obj or "acc" not in obj:
+            raise ConfigError(f"{path}: line {line} is a cell record without key or acc")
+        options = dict(obj.get("options", {}))
+        try:  # resolve presets etc. so that the identity holds the values used
+            cfg = solvers.make_config(obj["method"], options)
+            options = jsonable(solvers.config_dict(cfg))
+        except Exception:  # a method this version lacks: keep the options as recorded
+            pass
+        neg = obj.get("negatives", "none")
+        neg_name = neg.partition(":")[0] if isinstance(neg, str) else None
+        identity = make_identity(cache_id=caches.get(obj.get("cache"), UNKNOWN_CACHE), episode=obj["episode"],
+                                 negatives=neg, n_neg=obj.get("n_neg"), method=obj["method"], options=options,
+                                 transductive=obj.get("transductive", False),
+                                 negatives_id=caches.get(neg_name) if neg_name not in (None, "base", "random",
+                                                                                        "sphere", "none") else None)
+        rec = {**obj, **identity, "key": identity_key(identity), "group": header.get("name", "")}
+        records.pop(rec["key"], None)
+        records[rec["key"]] = rec
+    return Results(path, header, list(records.values()), complete, converted_from=f"{GRID_FORMAT_V1} v1")
+
+
+def _try_solve_json(path: Path, raw: bytes) -> Results | None:
+    """Records of an old ``poodle solve --json`` document, or ``None`` when ``raw`` is not one."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("command") != "solve":
+        return None
+    try:
+        cfg, results = obj["config"], obj["results"]
+        out = []
+        for i, (label, r) in enumerate(results.items()):
+            name = r["method"]
+            options = dict(r.get("config") or {})
+            known = name in solvers.available()
+            if known:
+                c = solvers.make_config(name, options)
+                options = jsonable(solvers.config_dict(c))
+                info = solvers.get(name)
+                trans, uses = info.is_transductive(c), info.needs_negatives(c)
+            else:
+                trans, uses = bool(options.get("transductive", False)), False
+            episode = {k: cfg.get(k) for k in EPISODE_FIELDS}
+            episode["episodes"] = cfg["episodes"]
+            identity = make_identity(cache_id=UNKNOWN_CACHE, episode=episode,
+                                     negatives=cfg.get("negatives", "none") if uses else "none",
+                                     n_neg=cfg.get("n_neg") if uses else None, method=name, options=options,
+                                     transductive=trans)
+            out.append({"kind": "cell", "key": identity_key(identity), **identity, "label": label,
+                        "cache": cfg["cache"], "index": i, "group": "solve", "mean": r.get("mean"),
+                        "ci95": r.get("ci95"), "n": len(r["acc"]), "acc": r["acc"]})
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{path}: a poodle solve --json file without the expected field {e}") from None
+    header = {"format": FORMAT, "version": VERSION, "kind": "header", "converted_from": "solve --json"}
+    return Results(path, header, out, len(raw), converted_from="solve --json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def new_header(**meta: Any) -> dict[str, Any]:
+    return {"format": FORMAT, "version": VERSION, "kind": "header", "poodle_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **jsonable(meta)}
+
+
+class ResultsFile:
+    """A results file opened for lookups and appends.
+
+    Opening creates the file (header only) when it does not exist, or when ``fresh`` (then its old
+    content is discarded); an existing file of version 1 is rewritten in this version's format
+    (atomically, after reading all of it). A cut last line is cut off before the first append.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, fresh: bool = False, warn: Callable[[str], None] | None = None,
+                 **meta: Any) -> None:
+        self.path = Path(path)
+        if self.path.exists() and not fresh:
+            res = read_results(self.path, warn=warn)
+            if res.converted_from is not None:
+                self._rewrite(res.header, res.records, res.converted_from)
+                res = read_results(self.path)
+            elif res.complete_bytes < self.path.stat().st_size:
+                with open(self.path, "r+b") as f:
+                    f.truncate(res.complete_bytes)
+                    f.flush()
+                    os.fsync(f.fileno())
+            self.results = res
+        else:
+            header = new_header(**meta)
+            self._rewrite(header, [], None)
+            self.results = Results(self.path, header, [])
+
+    def _rewrite(self, header: dict[str, Any], records: Sequence[Mapping[str, Any]], converted: str | None) -> None:
+        if converted is not None:
+            header = new_header(**{k: v for k, v in header.items()
+                                   if k not in ("format", "version", "kind", "poodle_version", "created")},
+                                converted_from=converted)
+        with atomic_path(self.path) as tmp:
+            with open(tmp, "wb") as f:
+                for obj in [header, *records]:
+                    f.write(_line(obj))
+                f.flush()
+                os.fsync(f.fileno())
+
+    @property
+    def header(self) -> dict[str, Any]:
+        return self.results.header
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return self.results.records
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self.results.get(key)
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        """Append one record (a line, flushed and fsynced) and make it visible to :meth:`get`."""
+        if record.get("kind") != "cell" or "key" not in record:
+            raise ValueError("a results record needs kind='cell' and a key (see make_record)")
+        with open(self.path, "ab") as f:
+            f.write(_line(record))
+            f.flush()
+            os.fsync(f.fileno())
+        rec = dict(record)
+        self.results._by_key.pop(rec["key"], None)
+        self.results.records = [r for r in self.results.records if r["key"] != rec["key"]] + [rec]
+        self.results._by_key[rec["key"]] = rec
+
+
+def _line(obj: Mapping[str, Any]) -> bytes:
+    return (json.dumps(obj, separators=(",", ":"), allow_nan=True) + "\n").encode()
+
+
+def load_records(paths: Sequence[str | os.PathLike], *, warn: Callable[[str], None] | None = None
+                 ) -> list[tuple[str, dict[str, Any]]]:
+    """``(file, record)`` of every record of ``paths``, in file order and, within a file, by ``index``
+    (stable), for reports."""
+    if not paths:
+        raise ConfigError("no results file given")
+    out: list[tuple[str, dict[str, Any]]] = []
+    for p in paths:
+        res = read_results(p, warn=warn)
+        for r in sorted(res.records, key=lambda r: r.get("index", 0)):
+            out.append((str(p), r))
+    return out
+
+
+__all__ = ["FORMAT", "VERSION", "IDENTITY_FIELDS", "Results", "ResultsFile", "cache_identity", "canonical_hash",
+           "identity_key", "identity_of", "jsonable", "load_records", "make_identity", "make_record",
+           "new_header", "read_results", "record_flat"]

@@ -1,0 +1,104 @@
+"""The results layer: identity, append/lookup, a cut last line, conversion of version 1 grid files,
+and the rules a config follows (presets resolved, one coercion, bounds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from poodle import results as RS
+from poodle import solvers
+from poodle.errors import ConfigError
+
+EPISODE = {"split": "test", "way": 5, "shot": 1, "query": 15, "imbalance": None, "seed": 0, "episodes": 3}
+
+
+def _identity(cache_id="abc", **kw):
+    opts = dict(cache_id=cache_id, episode=EPISODE, negatives="base", n_neg=400, method="poodle",
+                options={"alpha": 1.0, "beta": 0.5}, transductive=False)
+    opts.update(kw)
+    return RS.make_identity(**opts)
+
+
+def test_identity_key_covers_the_configuration_and_the_cache_but_not_the_label():
+    a = RS.make_record(_identity(), [0.5, 0.6, 0.7], label="A", cache="x.h5")
+    b = RS.make_record(_identity(), [0.5, 0.6, 0.7], label="B", cache="moved/x.h5")
+    assert a["key"] == b["key"]
+    assert RS.identity_key(_identity(cache_id="other")) != a["key"]
+    assert RS.identity_key(_identity(n_neg=200)) != a["key"]
+    assert RS.identity_key(_identity(options={"alpha": 1.0, "beta": 0.25})) != a["key"]
+    assert RS.identity_key(_identity(episode={**EPISODE, "seed": 1})) != a["key"]
+    # without negatives the count is not part of the cell
+    assert RS.identity_key(_identity(negatives="none", n_neg=400)) == RS.identity_key(_identity(negatives="none",
+                                                                                              n_neg=7))
+    assert a["mean"] == pytest.approx(0.6) and a["n"] == 3
+    assert a["ci95"] == pytest.approx(1.96 * (0.02 / 3) ** 0.5 / 3 ** 0.5)
+
+
+def test_append_lookup_last_wins_and_a_cut_last_line_is_dropped(tmp_path):
+    path = tmp_path / "r.jsonl"
+    f = RS.ResultsFile(path, name="t")
+    r1 = RS.make_record(_identity(), [1.0, 0.0, 1.0], label="a", cache="c")
+    r2 = RS.make_record(_identity(cache_id="zzz"), [0.0, 0.0, 1.0], label="b", cache="c")
+    f.append(r1)
+    f.append(r2)
+    f.append({**r1, "acc": [1.0, 1.0, 1.0]})
+    res = RS.read_results(path)
+    assert res.header["name"] == "t" and len(res) == 2
+    assert res.get(r1["key"])["acc"] == [1.0, 1.0, 1.0] and res.get(r2["key"])["label"] == "b"
+    with open(path, "ab") as fh:
+        fh.write(b'{"kind":"cell","key":"0123","acc":[0.5,')
+    assert len(RS.read_results(path)) == 2
+    f2 = RS.ResultsFile(path)                      # opening for appends cuts the partial line off
+    assert path.read_bytes().endswith(b"\n") and len(f2.records) == 2
+    lines = path.read_text().splitlines()
+    lines.insert(1, "not json")
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match="line 2 is not valid JSON"):
+        RS.read_results(path)
+
+
+def test_version_1_grid_files_are_converted_with_their_cache_fingerprints(tmp_path):
+    old = tmp_path / "old.jsonl"
+    header = {"format": "poodle-grid-results", "version": 1, "kind": "header", "grid_hash": "x", "name": "g",
+              "caches": {"feat.h5": "f" * 64}}
+    # tim-gd with the preset's values left None: converted, they hold the values used
+    cells = [{"kind": "cell", "key": "k1", "index": 0, "label": "tim", "cache": "feat.h5", "episode": EPISODE,
+              "negatives": "none", "n_neg": None, "method": "tim-gd",
+              "options": {"preset": "tim", "steps": None, "lr": None, "ce_weight": None, "marginal_weight": None,
+                          "conditional_weight": None, "temperature": None, "learn_temperature": None},
+              "transductive": True, "mean": 0.5, "ci95": 0.1, "acc": [0.5, 0.5, 0.5]}]
+    old.write_text("\n".join(json.dumps(o) for o in [header, *cells]) + "\n")
+    notes = []
+    res = RS.read_results(old, warn=notes.append)
+    assert notes and "version 1" in notes[0]
+    rec = res.records[0]
+    assert rec["cache_id"] == "f" * 64 and rec["options"]["steps"] == 1000 and rec["options"]["lr"] == 1e-4
+    cfg = solvers.make_config("tim-gd", {})
+    same = RS.make_identity(cache_id="f" * 64, episode=EPISODE, negatives="none", n_neg=None, method="tim-gd",
+                            options=solvers.config_dict(cfg), transductive=True)
+    assert rec["key"] == RS.identity_key(same)
+    # opening it for appends rewrites it in the current format, records kept
+    f = RS.ResultsFile(old)
+    assert json.loads(old.read_text().splitlines()[0])["format"] == RS.FORMAT
+    assert f.get(rec["key"])["acc"] == [0.5, 0.5, 0.5]
+
+
+def test_configs_hold_the_values_used_and_values_are_checked_in_one_place():
+    a = solvers.make_config("tim-gd", {})
+    b = solvers.make_config("tim-gd", {"steps": 1000})
+    assert a == b and a.steps == 1000 and a.temperature == 15.0       # preset resolved when built
+    p = solvers.make_config("tim-gd", {"preset": "poodle-paper", "steps": "7"})
+    assert p.steps == 7 and p.lr == 1e-3 and p.learn_temperature is True
+    with pytest.raises(ConfigError, match=r"option 'steps' of method 'tim-gd' must be >= 0"):
+        solvers.make_config("tim-gd", {"steps": -1})
+    with pytest.raises(ConfigError, match=r"option 'steps' of method 'tim-gd' expects an int, got 'many'"):
+        solvers.make_config("tim-gd", {"steps": "many"})
+    with pytest.raises(ConfigError, match=r"option 'steps' of method 'poodle' expects an int, got 2.5"):
+        solvers.make_config("poodle", {"steps": 2.5})
+    info = solvers.get("poodle")
+    assert info.is_transductive(solvers.make_config("poodle", {"transductive": "yes"}))
+    assert not info.is_transductive(solvers.make_config("poodle", {}))
+    assert solvers.get("tim-gd").is_transductive(a) and not solvers.get("proto").is_transductive(None)
+    assert info.settings() == ("inductive", "transductive") and solvers.get("ce").settings() == ("inductive",)
