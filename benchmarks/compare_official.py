@@ -21,7 +21,8 @@ What is changed in their code to run it here (nothing else): the device (CPU); f
 script is not importable as a module, its source is executed with ``'cuda'`` replaced by ``'cpu'``
 and its hard-coded 5-way / 10,000-episode identity sized to the episodes at hand; LaplacianShot's
 ``np.float`` (removed from NumPy) is provided as ``float`` and BMS's ``torch.qr`` (removed from
-PyTorch) as ``torch.linalg.qr(mode="reduced")``, the replacement their own code has commented out. Their progress bars are silenced. Where
+PyTorch) as ``torch.linalg.qr(mode="reduced")``, the replacement their own code has commented out.
+Their progress bars are silenced. Where
 their entry point needs their dataset files, this script calls the functions and classes that entry
 point calls, in the same order, with the configuration values of their released config files.
 """
@@ -310,7 +311,8 @@ def laplacian_ablation(batch: EpisodeBatch, y_q: torch.Tensor, chunk: int = 100)
     for label, acc in accs.items():
         m, ci = summarize(acc)
         d, dci = paired_difference(acc, base)
-        print(f"laplacianshot {label:36s} {100 * m:6.2f} ± {100 * ci:.2f}   vs default {100 * d:+6.2f} ± {100 * dci:.2f}")
+        print(f"laplacianshot {label:36s} {100 * m:6.2f} ± {100 * ci:.2f}   "
+              f"vs default {100 * d:+6.2f} ± {100 * dci:.2f}")
 
 
 def main() -> None:
@@ -356,7 +358,8 @@ def main() -> None:
             print(f"{method}: skipped (give --checkout or set {env} to the authors' repository)")
             continue
         r = compare(method, Path(checkout), batch, y_q, a.steps, a.their_batch)
-        agree = "" if r["prediction_agreement"] is None else f", predictions agree {100 * r['prediction_agreement']:.2f}%"
+        pa = r["prediction_agreement"]
+        agree = "" if pa is None else f", predictions agree {100 * pa:.2f}%"
         print(f"{method}: identical accuracy on {r['identical']}/{r['episodes']} episodes{agree}; mean accuracy "
               f"ours {100 * r['ours']:.2f}%, theirs {100 * r['theirs']:.2f}%; largest per-episode difference "
               f"{100 * r['max_diff']:.2f} points; options {r['options']}"

@@ -295,7 +295,7 @@ def test_shipped_examples_expand(name, n_cells):
 
 
 def test_query_classes_is_an_episode_key_recorded_only_when_set(tmp_path, cache):
-    p = _grid(tmp_path, f"""
+    p = _grid(tmp_path, """
 [episodes]
 query = 4
 episodes = 4

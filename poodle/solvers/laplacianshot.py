@@ -53,10 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-
 from poodle.solvers._transductive import TINY, cosine, dist_flops, rectified_prototypes, sqdist
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register, validate_config
-
 
 PRESETS: dict[str, dict[str, Any]] = {
     # the method as Ziko et al.'s paper and BD-CSPN's paper write it

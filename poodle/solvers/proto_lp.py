@@ -35,9 +35,9 @@ positive definite, where theirs raises). A non-positive row sum of ``P`` is floo
 divides by it). A negative coordinate is transformed as ``sign(x) (|x| + 1e-6)^power`` (their
 features are post-ReLU; theirs gives NaN). Both Sinkhorn loops stop per episode; theirs stop when the
 whole batch has converged, so their result for an episode depends on its batch-mates (identical to
-ours with one episode per call; 99.3% of predictions agree when they run 100 glyph episodes at once). Their released code has no
-command line; benchmarks/compare_official.py drives their functions on the same episodes
-(docs/transductive.md).
+ours with one episode per call; 99.3% of predictions agree when they run 100 glyph episodes at once).
+Their released code has no command line; benchmarks/compare_official.py drives their functions on
+the same episodes (docs/transductive.md).
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def lp_normalise(p: Tensor, y_s: Tensor, col_mass: float, balanced: bool, tol: f
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: ProtoLPConfig) -> float:
     d = min(cfg.reduced_dim, Ns + Nq, D) if cfg.reduced_dim > 0 else D
-    return dist_flops(Ns + Nq, Ns + Nq, D) + (cfg.steps + 1) * (dist_flops(Nq, way, d) + 2 * dist_flops(Ns + Nq, way, d))
+    per_step = dist_flops(Nq, way, d) + 2 * dist_flops(Ns + Nq, way, d)
+    return dist_flops(Ns + Nq, Ns + Nq, D) + (cfg.steps + 1) * per_step
 
 
 @register("proto-lp", ProtoLPConfig, transductive="always", flops=_flops,
