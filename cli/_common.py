@@ -1,4 +1,9 @@
-"""What every command shares: the console, one-line errors, progress bars, option types."""
+"""What every command shares: the console, one-line errors, progress bars, option types.
+
+Both consoles print text literally (``markup=False``): messages carry paths, class names and option
+values that the user wrote, and rich markup would rewrite ``run[bold]1.h5`` or fail on ``[/]``.
+Styling is applied with :func:`styled` (a ``rich.text.Text``), never by markup in a string.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +15,19 @@ from typing import Any, Callable, Iterator
 
 import click
 from rich.console import Console
+from rich.text import Text
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 
 from poodle.errors import PoodleError
 
-console = Console(stderr=True)
-out = Console()
+console = Console(stderr=True, markup=False, highlight=False)
+out = Console(markup=False, highlight=False)
+
+
+def styled(label: str, style: str, rest: str = "") -> Text:
+    """``label`` in ``style`` followed by ``rest``, both printed literally."""
+    return Text.assemble((label, style), rest)
 
 
 def as_flags(message: str, params: tuple[str, ...], flags: dict[str, str] | None = None) -> str:
@@ -38,10 +49,18 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except PoodleError as e:
             text = as_flags(str(e), getattr(e, "params", ()))
-            console.print(f"[bold red]error:[/] {text}", highlight=False, markup=True, soft_wrap=True)
+            console.print(styled("error:", "bold red", " " + text), soft_wrap=True)
+            sys.exit(1)
+        except OSError as e:
+            # what the checks up front could not foresee (disk full, permissions changed mid-run): one
+            # line naming the file, not a traceback from deep inside h5py or PIL
+            where = f" {e.filename}" + (f" -> {e.filename2}" if getattr(e, "filename2", None) else "") \
+                if getattr(e, "filename", None) else ""
+            console.print(styled("error:", "bold red", f"{where} {e.strerror or e}".rstrip()), soft_wrap=True)
             sys.exit(1)
         except KeyboardInterrupt:
-            console.print("[yellow]interrupted[/]: completed work is kept; re-run the same command to resume")
+            console.print(styled("interrupted", "yellow", ": completed work is kept; re-run the same command "
+                                                          "to resume"), soft_wrap=True)
             sys.exit(130)
 
     return wrapper
@@ -50,7 +69,7 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 @contextlib.contextmanager
 def progress_bar(description: str, total: int | None, unit: str = "items") -> Iterator[Callable[[int], None]]:
     """A rich progress bar; yields ``advance(n)``, the callback the library functions accept."""
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+    columns = [TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
                TaskProgressColumn(), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
                TimeRemainingColumn()]
     with Progress(*columns, console=console, transient=False) as progress:

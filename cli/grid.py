@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from poodle.cli._common import SizeType, console, friendly_errors
+from poodle.cli._common import SizeType, console, friendly_errors, styled
 
 
 def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
@@ -69,9 +69,9 @@ def grid(grid_file: Path, out: Path | None, cache: str | None, sets: tuple[str, 
                             on_cell=display.on_cell, progress=display.advance, cells=cells,
                             cells_per_call=cells_per_call, warn=_note)
     wall = time.perf_counter() - t0
-    console.print(f"[green]done[/]: {result.computed} cells computed, {result.skipped} already there; "
+    console.print(styled("done", "green", f": {result.computed} cells computed, {result.skipped} already there; "
                   f"{wall:.1f} s (reading caches {result.load_seconds:.1f} s, sampling episodes "
-                  f"{result.sample_seconds:.1f} s, solving {result.solve_seconds:.1f} s) -> {out}", highlight=False)
+                  f"{result.sample_seconds:.1f} s, solving {result.solve_seconds:.1f} s) -> {out}"))
     if result.other_records:
         _note(f"{out} also holds {result.other_records} record(s) of cells not in this grid (earlier versions of it, "
               f"or other caches); poodle report shows them too: select with --where")
@@ -79,7 +79,7 @@ def grid(grid_file: Path, out: Path | None, cache: str | None, sets: tuple[str, 
 
 
 def _note(message: str) -> None:
-    console.print(f"[yellow]note[/]: {message}", highlight=False)
+    console.print(styled("note", "yellow", f": {message}"))
 
 
 def _dry_run(spec: Any, cells: list, out: Path) -> None:
@@ -136,10 +136,11 @@ class _GridProgress:
 
         from rich.table import Column
 
-        self.progress = Progress(TextColumn("[bold]{task.description}", table_column=Column(min_width=8)),
+        self.progress = Progress(TextColumn("{task.description}", style="bold", markup=False,
+                                            table_column=Column(min_width=8)),
                                  BarColumn(bar_width=30), MofNCompleteColumn(), TimeElapsedColumn(),
                                  TimeRemainingColumn(),
-                                 TextColumn("{task.fields[info]}", table_column=Column(no_wrap=True,
+                                 TextColumn("{task.fields[info]}", markup=False, table_column=Column(no_wrap=True,
                                                                                         overflow="ellipsis")),
                                  console=console, transient=False)
         self.cells = self.progress.add_task("cells", total=n_cells, info="")
@@ -160,7 +161,7 @@ class _GridProgress:
     def on_cell(self, event: Any) -> None:
         cell = event.cell
         if event.kind == "skip":
-            self.progress.update(self.cells, completed=event.done, info="[dim](finished earlier)[/]")
+            self.progress.update(self.cells, completed=event.done, info="(finished earlier)")
             self.progress.advance(self.episodes, cell.episode["episodes"])
             # skipped work must not count into the rate: restart the episodes task's clock
             self.progress.reset(self.episodes, completed=self.progress.tasks[self.episodes].completed,

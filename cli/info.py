@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from poodle.cli._common import friendly_errors, out
+from poodle.cli._common import console, friendly_errors, out, styled
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -39,4 +39,8 @@ def info(file: str) -> None:
     for k, v in summary["attrs"].items():
         attrs.add_row(k, str(v))
     out.print(attrs)
-    out.print("[green]valid[/]")
+    for name, s in summary["splits"].items():
+        if s["zero_rows"]:
+            console.print(styled("warning", "yellow", f": split {name!r} has {s['zero_rows']} all-zero feature "
+                                 f"row(s) of {s['n_images']} (the backbone gave zeros for those images)"))
+    out.print(styled("valid", "green"))

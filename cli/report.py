@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from poodle.cli._common import console, friendly_errors, render_table
+from poodle.cli._common import console, friendly_errors, render_table, styled
 from poodle.cli._common import out as stdout
 
 
@@ -43,7 +43,14 @@ def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where:
     """Tables shaped like the paper's (mean ± 95% CI, significant best in bold) and figures."""
     from poodle import report as R
 
-    res = R.load_results(list(results), warn=lambda m: console.print(f"[yellow]note[/]: {m}", highlight=False))
+    R.check_p(p_threshold)
+    if out is not None:
+        from poodle.errors import ConfigError
+
+        for r in results:
+            if out.exists() and r.exists() and out.samefile(r):
+                raise ConfigError(f"--out {out} is the results file being reported; choose another name")
+    res = R.load_results(list(results), warn=lambda m: console.print(styled("note", "yellow", f": {m}")))
     res = R.filter_results(res, R.parse_where(where))
     if figure is not None:
         from poodle import report_figures as F
@@ -80,7 +87,7 @@ def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where:
         from rich.console import Console
 
         with open(out, "w") as f:
-            c = Console(file=f, width=200)
+            c = Console(file=f, width=200, markup=False, highlight=False)
             c.print(rich_table)
             for note in table.notes:
                 c.print(note, highlight=False)

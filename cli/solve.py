@@ -75,6 +75,8 @@ def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, ca
     if not (dataset and backbone):
         raise ConfigError("which features? give --cache FILE, or --dataset NAME and --backbone NAME")
     path = Path(cache_root) / dataset / (backbone + (f"-{tag}" if tag else "") + ".h5")
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory, not a feature cache file")
     if not path.is_file():
         raise ConfigError(f"no feature cache at {path} (run `poodle extract` or give --cache FILE)")
     return path
@@ -155,7 +157,7 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
     if save_episodes:
         console.print(f"episodes written to {save_episodes}")
     spec, eps = res.episodes.spec, res.episodes
-    console.print(f"[bold]{len(eps):,}[/] episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
+    console.print(f"{len(eps):,} episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
                   + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
                   + (f", queries from {spec.query_classes} of the {spec.way} classes" if spec.query_classes else "")
                   + f", split {spec.split} of {path}; negatives: "

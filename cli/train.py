@@ -28,8 +28,8 @@ class TrainDisplay:
 
     def __init__(self) -> None:
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}  acc {task.fields[acc]}  {task.fields[rate]}"),
+            TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  acc {task.fields[acc]}  {task.fields[rate]}", markup=False),
             TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True)
         self.task: Any = None
         self.t0 = 0.0

@@ -10,6 +10,9 @@ A cache is one file per (dataset, backbone, checkpoint), ``<cache-root>/<dataset
     /<split>/paths     utf-8 strings [N], image paths relative to the dataset root (optional)
     /<split>           attrs: complete=True, n_images, feature_dim, raw_mean (float32 [D])
 
+``raw_mean`` is an attribute when it fits the 64 KiB limit of HDF5 attributes (D up to 12,000) and a
+dataset ``/<split>/raw_mean`` beyond; readers accept either.
+
 Optional split attributes written by :mod:`poodle.extract`: ``samples_sha256`` (digest of the image
 list the split was made from), ``n_skipped`` and ``skipped`` (paths of unreadable images left out
 with ``--skip-bad``).
@@ -19,18 +22,22 @@ Writing is safe against interruption: :func:`write_arrays` writes under a tempor
 (flushed after every batch, so an interrupted run resumes from the last batch) that
 :meth:`SplitWriter.commit` copies into a fresh copy of the cache, which then replaces the cache
 with ``os.replace``. The cache file itself is therefore never open for writing, and only ever holds
-complete splits.
+complete splits. Commits of several processes into one cache are serialised by an exclusive lock
+on ``<cache>.lock`` (``fcntl.flock``) held across re-reading the cache, copying it under a name
+unique to the process and renaming it, so each commit starts from the cache the previous one left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import os
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import h5py
 import numpy as np
@@ -40,7 +47,7 @@ from poodle.errors import CacheError
 
 FORMAT = "poodle-features"
 VERSION = 1
-PARTIAL_FORMAT = "poodle-features-partial"
+PARTIAL_FORMAT = "poodle-features-partial-2"  # -2: the state is a dataset (older staging files restart)
 ROOT_ATTRS = ("format", "version", "dataset", "backbone", "checkpoint_sha256", "image_size", "transform",
               "created", "poodle_version")
 # Root attributes that say how features were made: a cache that differs in any of them holds other features.
@@ -52,6 +59,7 @@ STRING = h5py.string_dtype("utf-8")
 _SPLIT_ORDER = ("train", "val", "test")
 _ROWS_PER_BLOCK = 16384  # rows read or copied at once, so memory stays flat for any N
 _MAX_SKIPPED_ATTR_BYTES = 48_000  # HDF5 attributes are limited to 64 KiB in the default file format
+_MAX_VECTOR_ATTR_BYTES = 48_000   # a longer vector (raw_mean of D > 12,000) is stored as a dataset
 
 
 @dataclass
@@ -214,16 +222,66 @@ def _check_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
             ok = False
         if not ok:
             raise CacheError(f"{where}: attribute {key}={_text(g.attrs[key])!r} but the features have {want}")
-    if "raw_mean" not in g.attrs:
+    rm = _get_vector(g, "raw_mean")
+    if rm is None:
         raise CacheError(f"{where}: attribute raw_mean missing")
-    rm = np.asarray(g.attrs["raw_mean"])
     if rm.dtype.kind != "f" or rm.shape != (dim,) or not np.isfinite(rm).all():
         raise CacheError(f"{where}: attribute raw_mean must be finite float [{dim}], got {rm.dtype} {rm.shape}")
     return {"n": n, "dim": dim, "dtype": feats.dtype, "n_classes": int(classes.shape[0])}
 
 
-def read_split(path: str | os.PathLike, split: str) -> SplitFeatures:
-    """Load one complete split. CacheError if the file is foreign, or the split absent or incomplete."""
+def _get_vector(g: h5py.Group, key: str) -> np.ndarray | None:
+    """A per-split vector stored as a dataset ``<split>/<key>`` or as an attribute (older caches)."""
+    if key in g and isinstance(g[key], h5py.Dataset):
+        return np.asarray(g[key][()])
+    if key in g.attrs:
+        return np.asarray(g.attrs[key])
+    return None
+
+
+def _set_vector(g: h5py.Group, key: str, value: np.ndarray) -> None:
+    """Store a vector as an attribute when it fits HDF5's attribute limit, else as a dataset."""
+    value = np.asarray(value)
+    if value.nbytes <= _MAX_VECTOR_ATTR_BYTES:
+        g.attrs[key] = value
+    else:
+        g.create_dataset(key, data=value)
+
+
+def _degenerate(n: int, zero: bool) -> str:
+    what = "zero" if zero else "the same vector"
+    return (f"all {n} feature rows are {what}: the features do not depend on the image (were the backbone's "
+            f"weights loaded? a checkpoint of the wrong dtype or an untrained network gives this)")
+
+
+def check_unit_rows(features: torch.Tensor, where: str, tol: float = 1e-3) -> None:
+    """CacheError naming the first row of ``features [N, D]`` that is not finite or whose L2 norm is
+    neither 1 (within ``tol``) nor 0, or when every row is the same vector. Blockwise, so it costs one
+    pass and little memory."""
+    n = int(features.shape[0])
+    same = n > 1
+    for a in range(0, n, _ROWS_PER_BLOCK):
+        x = features[a:a + _ROWS_PER_BLOCK].double()
+        if same:
+            same = bool((features[a:a + _ROWS_PER_BLOCK] == features[0]).all())
+        finite = torch.isfinite(x).all(1)
+        if not bool(finite.all()):
+            raise CacheError(f"{where}: features row {a + int((~finite).nonzero()[0, 0])} is not finite "
+                             f"(NaN or Inf); re-extract the split or fix the file")
+        norms = torch.linalg.vector_norm(x, dim=1)
+        bad = ((norms - 1).abs() > tol) & (norms != 0)
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0, 0])
+            raise CacheError(f"{where}: features row {a + r} has L2 norm {float(norms[r]):.6f}, expected 1 "
+                             f"(rows must be L2-normalised)")
+    if same:
+        raise CacheError(f"{where}: {_degenerate(n, not bool(features[0].any()))}")
+
+
+def read_split(path: str | os.PathLike, split: str, *, check_rows: bool = True) -> SplitFeatures:
+    """Load one complete split. CacheError if the file is foreign, the split absent or incomplete, or
+    (``check_rows``) a row not finite or not of unit norm: the solvers assume unit rows, and one NaN
+    row silently moves every accuracy that touches it. Zero rows are allowed (see :func:`validate`)."""
     path = Path(path)
     with _Reader(path) as f:
         names = _split_names(f)
@@ -239,9 +297,11 @@ def read_split(path: str | os.PathLike, split: str) -> SplitFeatures:
         labels = torch.from_numpy(np.asarray(g["labels"][()], dtype=np.int64))
         classes = _strings(g["classes"])
         paths = _strings(g["paths"]) if "paths" in g else None
-        raw_mean = torch.from_numpy(np.asarray(g.attrs["raw_mean"], dtype=np.float32))
+        raw_mean = torch.from_numpy(np.asarray(_get_vector(g, "raw_mean"), dtype=np.float32))
     if info["n"] and (int(labels.min()) < 0 or int(labels.max()) >= len(classes)):
         raise CacheError(f"{path}: split {split!r}: labels outside [0, {len(classes)})")
+    if check_rows:
+        check_unit_rows(feats, f"{path}: split {split!r}", NORM_TOLERANCE[info["dtype"]])
     return SplitFeatures(name=split, features=feats, labels=labels, classes=classes, paths=paths,
                          raw_mean=raw_mean)
 
@@ -252,7 +312,9 @@ def validate(path: str | os.PathLike) -> dict[str, Any]:
     Returns ``{"path", "attrs": {root attributes}, "splits": {name: {n_images, n_classes,
     feature_dim, dtype, complete, norm_min, norm_max, zero_rows, has_paths, n_skipped}}}``.
     Raises CacheError naming the file, split and problem. Rows that are exactly zero (a backbone
-    whose output was all zeros for an image) are allowed and counted in ``zero_rows``.
+    whose output was all zeros for an image) are allowed and counted in ``zero_rows``; ``constant``
+    A split whose rows are all the same vector (all zero, or constant: a backbone that ignores its
+    input, e.g. weights that did not load) is a CacheError; ``poodle info`` warns about zero rows.
     """
     path = Path(path)
     with _Reader(path) as f:
@@ -275,11 +337,16 @@ def _validate_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
     tol = NORM_TOLERANCE[dtype]
     counts = np.zeros(n_classes, dtype=np.int64)
     norm_min, norm_max, zero_rows = np.inf, -np.inf, 0
+    first_row: np.ndarray | None = None
+    all_same = n > 1
     for a in range(0, n, _ROWS_PER_BLOCK):
         x = np.asarray(g["features"][a:a + _ROWS_PER_BLOCK], dtype=np.float64)
         if not np.isfinite(x).all():
             row = a + int(np.argwhere(~np.isfinite(x))[0, 0])
             raise CacheError(f"{where}: features row {row} is not finite")
+        if all_same and len(x):
+            first_row = x[0] if first_row is None else first_row
+            all_same = bool((x == first_row).all())
         norms = np.linalg.norm(x, axis=1)
         zero = norms == 0
         zero_rows += int(zero.sum())
@@ -301,6 +368,8 @@ def _validate_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
     if empty.size:
         raise CacheError(f"{where}: class {classes[int(empty[0])]!r} has no rows "
                          f"({empty.size} class(es) without rows)")
+    if all_same and n > 1:
+        raise CacheError(f"{where}: {_degenerate(n, zero_rows == n)}")
     return {"n_images": n, "n_classes": n_classes, "feature_dim": dim, "dtype": str(dtype), "complete": True,
             "norm_min": norm_min if n > zero_rows else 0.0, "norm_max": norm_max if n > zero_rows else 0.0,
             "zero_rows": zero_rows, "has_paths": "paths" in g,
@@ -411,7 +480,7 @@ def write_arrays(path: str | os.PathLike,
                     g.create_dataset("paths", data=np.array(paths, dtype=object), dtype=STRING)
                 g.attrs["n_images"] = int(feats.shape[0])
                 g.attrs["feature_dim"] = int(feats.shape[1])
-                g.attrs["raw_mean"] = raw_mean.astype(np.float32)
+                _set_vector(g, "raw_mean", raw_mean.astype(np.float32))
                 g.attrs["complete"] = True
         try:
             validate(tmp)
@@ -434,15 +503,37 @@ def partial_path(cache_path: str | os.PathLike, split: str) -> Path:
     return p.with_name(f"{p.name}.{split}.partial")
 
 
+@contextlib.contextmanager
+def cache_lock(cache_path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on ``<cache>.lock`` (``fcntl.flock``; blocks until free). The lock file
+    stays: removing it would let a third process lock a new file while the second holds the old one."""
+    p = Path(cache_path)
+    lock = p.with_name(p.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no inter-process lock available
+            pass
+        else:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
 class SplitWriter:
     """Streams one split into its staging file, batch by batch, and commits it into the cache.
 
     The staging file holds resizable ``features``/``labels``/``paths``/``skipped`` datasets, what it
-    was made with, and one float64 attribute ``state`` = [rows written, image-list entries consumed,
-    images skipped, running sum of the raw features (D values, for ``raw_mean``)]. Each
-    :meth:`append` writes its rows first and then ``state`` in a single attribute write, and flushes,
-    so an interrupted run resumes after the last batch whose ``state`` reached the disk (rows past it
-    are overwritten). A staging file that cannot
+    was made with, and the running state [rows written, image-list entries consumed, images skipped,
+    running sum of the raw features (D values, for ``raw_mean``)] in two slots of a float64 dataset
+    ``state [2, 3 + D]`` (a dataset: for large D it exceeds HDF5's attribute limit). Each
+    :meth:`append` writes its rows, then the state into the slot not in use, flushes, and only then
+    points the small attribute ``state_head`` = [slot, rows, consumed, skipped, checksum] at it, so an
+    interrupted run resumes after the last batch whose ``state_head`` reached the disk (rows past it
+    are overwritten; a torn state slot is never the one pointed at). A staging file that cannot
     be read, or that was made with other settings or another image list, is started afresh.
     """
 
@@ -492,8 +583,14 @@ class SplitWriter:
             ok = _text(a.get("format")) == PARTIAL_FORMAT and all(
                 str(_text(a.get(k))) == str(v) for k, v in self._key.items())
             if ok:
-                state = np.asarray(a["state"], dtype=np.float64)
-                ok = state.shape == (3 + self.dim,) and bool(np.isfinite(state).all())
+                head = np.asarray(a["state_head"], dtype=np.float64)
+                slots = f["state"]
+                ok = head.shape == (5,) and slots.shape == (2, 3 + self.dim) and head[0] in (0, 1)
+            if ok:
+                state = np.asarray(slots[int(head[0])], dtype=np.float64)
+                ok = (bool(np.isfinite(state).all()) and bool((state[:3] == head[1:4]).all())
+                      and float(state.sum()) == float(head[4]))
+                self._slot = int(head[0])
             if ok:
                 n_rows, n_consumed, n_skipped = (int(v) for v in state[:3])
                 g = f[self.split]
@@ -519,7 +616,9 @@ class SplitWriter:
         f = self._open("w")
         _set_attrs(f, {"format": PARTIAL_FORMAT, **self._key})
         self._state = np.zeros(3 + self.dim, dtype=np.float64)
-        f.attrs["state"] = self._state
+        self._slot = 0
+        f.create_dataset("state", data=np.zeros((2, 3 + self.dim), dtype=np.float64))
+        f.attrs["state_head"] = np.zeros(5, dtype=np.float64)
         g = f.create_group(self.split)
         chunk_rows = max(1, min(1024, (1 << 20) // max(1, self.dim * self.dtype.itemsize)))
         g.create_dataset("features", shape=(0, self.dim), maxshape=(None, self.dim), dtype=self.dtype,
@@ -576,16 +675,19 @@ class SplitWriter:
             s0 = self.n_skipped
             g["skipped"].resize(s0 + len(skipped), axis=0)
             g["skipped"][s0:] = np.array(list(skipped), dtype=object)
-        # The state goes last, in one attribute write: until it is flushed, a resumed run ignores the
-        # rows just written.
+        # The state goes last: into the free slot, flushed, then the head (one small attribute write)
+        # points at it. Until the head is flushed, a resumed run ignores the rows just written.
         state = self._state.copy()
         state[0] += b
         state[1] += n_consumed
         state[2] += len(skipped)
         state[3:] += raw.astype(np.float64).sum(0)
-        f.attrs["state"] = state
+        slot = 1 - self._slot
+        f["state"][slot] = state
         f.flush()
-        self._state = state
+        f.attrs["state_head"] = np.array([slot, *state[:3], float(state.sum())], dtype=np.float64)
+        f.flush()
+        self._state, self._slot = state, slot
 
     def close(self) -> None:
         if self.f is not None:
@@ -621,42 +723,53 @@ class SplitWriter:
             raise CacheError(f"split {self.split!r}: only {self.n_consumed} of {self.n_total} images done")
         src_f = self.f
         n, name = self.n_rows, self.split
-        tmp = self.cache_path.with_name(self.cache_path.name + ".tmp")
-        try:
-            if self.cache_path.exists() and not fresh:
-                shutil.copyfile(self.cache_path, tmp)
-                dst_f = h5py.File(tmp, "a")
-            else:
-                dst_f = h5py.File(tmp, "w")
-                _set_attrs(dst_f, self.root_attrs)
-            with dst_f:
-                if name in dst_f:
-                    del dst_f[name]
-                src, dst = src_f[name], dst_f.create_group(name)
-                fd = dst.create_dataset("features", shape=(n, self.dim), dtype=self.dtype)
-                ld = dst.create_dataset("labels", shape=(n,), dtype=np.int64)
-                pd = dst.create_dataset("paths", shape=(n,), dtype=STRING)
-                for a in range(0, n, _ROWS_PER_BLOCK):
-                    b = min(n, a + _ROWS_PER_BLOCK)
-                    fd[a:b] = src["features"][a:b]
-                    ld[a:b] = src["labels"][a:b]
-                    pd[a:b] = src["paths"].asstr()[a:b]
-                dst.create_dataset("classes", data=np.array(self.classes, dtype=object), dtype=STRING)
-                raw_mean = self._state[3:] / n if n else np.zeros(self.dim)
-                dst.attrs["n_images"] = n
-                dst.attrs["feature_dim"] = self.dim
-                dst.attrs["raw_mean"] = raw_mean.astype(np.float32)
-                dst.attrs.create("samples_sha256", self._key["samples_sha256"], dtype=STRING)
-                _set_skipped(dst, _strings(src["skipped"])[: self.n_skipped] if self.n_skipped else [])
-                if extra_attrs:
-                    _set_attrs(dst, extra_attrs)
-                dst.attrs["complete"] = True
-                _validate_split(dst, tmp, name)
-            os.replace(tmp, self.cache_path)
-        except BaseException:
-            if tmp.exists():
-                tmp.unlink()
-            raise
+        # A name unique to this process and call: two committing processes never share a temporary.
+        tmp = self.cache_path.with_name(f"{self.cache_path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        with cache_lock(self.cache_path):
+            try:
+                # Re-read under the lock: another process may have committed a split since this one began.
+                if self.cache_path.exists() and not fresh:
+                    try:
+                        now = read_attrs(self.cache_path)
+                    except CacheError as e:
+                        raise CacheError(f"{e}; it changed while this split was extracted") from None
+                    mism = identity_mismatches(now, self.root_attrs)
+                    if mism:
+                        raise CacheError(f"{self.cache_path} was replaced while split {name!r} was extracted "
+                                         f"and now holds features made with {'; '.join(mism)}")
+                    shutil.copyfile(self.cache_path, tmp)
+                    dst_f = h5py.File(tmp, "a")
+                else:
+                    dst_f = h5py.File(tmp, "w")
+                    _set_attrs(dst_f, self.root_attrs)
+                with dst_f:
+                    if name in dst_f:
+                        del dst_f[name]
+                    src, dst = src_f[name], dst_f.create_group(name)
+                    fd = dst.create_dataset("features", shape=(n, self.dim), dtype=self.dtype)
+                    ld = dst.create_dataset("labels", shape=(n,), dtype=np.int64)
+                    pd = dst.create_dataset("paths", shape=(n,), dtype=STRING)
+                    for a in range(0, n, _ROWS_PER_BLOCK):
+                        b = min(n, a + _ROWS_PER_BLOCK)
+                        fd[a:b] = src["features"][a:b]
+                        ld[a:b] = src["labels"][a:b]
+                        pd[a:b] = src["paths"].asstr()[a:b]
+                    dst.create_dataset("classes", data=np.array(self.classes, dtype=object), dtype=STRING)
+                    raw_mean = self._state[3:] / n if n else np.zeros(self.dim)
+                    dst.attrs["n_images"] = n
+                    dst.attrs["feature_dim"] = self.dim
+                    _set_vector(dst, "raw_mean", raw_mean.astype(np.float32))
+                    dst.attrs.create("samples_sha256", self._key["samples_sha256"], dtype=STRING)
+                    _set_skipped(dst, _strings(src["skipped"])[: self.n_skipped] if self.n_skipped else [])
+                    if extra_attrs:
+                        _set_attrs(dst, extra_attrs)
+                    dst.attrs["complete"] = True
+                    _validate_split(dst, tmp, name)
+                os.replace(tmp, self.cache_path)
+            except BaseException:
+                if tmp.exists():
+                    tmp.unlink()
+                raise
         self.close()
         self.path.unlink()
         return self.cache_path

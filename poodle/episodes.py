@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from poodle import defaults
-from poodle.errors import EpisodeError
-from poodle.utils import atomic_path, generator
+from poodle.errors import ConfigError, EpisodeError
+from poodle.utils import atomic_path, check_seed, generator
 
 FORMAT = "poodle-episodes"
 VERSION = 1
@@ -59,14 +59,23 @@ class EpisodeSpec:
     query_classes: int | None = None  # only this many of the way classes have queries; None: all
 
     def validate(self) -> None:
-        """EpisodeError for non-positive counts or concentration."""
-        for name in ("way", "shot", "query"):
+        """EpisodeError for counts below their minimum (a 1-way episode is 100% correct by
+        construction, so ``way`` starts at 2), a non-positive concentration or a seed outside 63 bits.
+        This is the one place these settings are checked, for the command line, grids and the library."""
+        for name, least in (("way", 2), ("shot", 1), ("query", 1)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise EpisodeError(f"{name} must be a positive integer, got {v!r}", params=(name,))
-        if self.imbalance is not None and not (math.isfinite(self.imbalance) and self.imbalance > 0):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
+                what = "an integer >= 2 (a 1-way episode is always right)" if name == "way" else "a positive integer"
+                raise EpisodeError(f"{name} must be {what}, got {v!r}", params=(name,))
+        if self.imbalance is not None and (isinstance(self.imbalance, bool) or not isinstance(
+                self.imbalance, (int, float, np.floating, np.integer)) or not (math.isfinite(self.imbalance)
+                                                                              and self.imbalance > 0)):
             raise EpisodeError(f"imbalance (Dirichlet concentration) must be positive, got {self.imbalance!r}",
                                params=("imbalance",))
+        try:
+            check_seed(self.seed)
+        except ConfigError as e:
+            raise EpisodeError(str(e), params=("seed",)) from None
         n = self.query_classes
         if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.way):
             raise EpisodeError(f"query_classes must be an integer in 1..way={self.way}, got {n!r}",
@@ -137,9 +146,13 @@ class EpisodeSet:
         different labels from different classes); negative indices must fit ``pool_size``."""
         n = int(labels.shape[0])
         for name, t in (("support", self.support), ("query", self.query)):
-            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n):
-                raise EpisodeError(f"{where}: {name} indices reach {int(t.max())} but the split has {n} rows; "
-                                   "the episodes were drawn from another cache or split")
+            if t.numel() and int(t.min()) < 0:
+                e = int((t < 0).any(1).nonzero()[0, 0])
+                raise EpisodeError(f"{where}: {name} index {int(t.min())} (episode {e}) is negative; row "
+                                   f"indices lie in 0..{n - 1}")
+            if t.numel() and int(t.max()) >= n:
+                raise EpisodeError(f"{where}: {name} indices reach {int(t.max())} but the split has {n} rows "
+                                   f"(0..{n - 1}); the episodes were drawn from another cache or split")
         way = self.spec.way
         cls_s = labels[self.support]                                       # [E, Ns]
         cls_q = labels[self.query]
@@ -154,7 +167,10 @@ class EpisodeSet:
                                f"(a label mixes classes); the episodes were drawn from another cache or split")
         if self.negatives is not None and pool_size is not None and self.negatives.numel():
             hi = int(self.negatives.max())
-            if int(self.negatives.min()) < 0 or hi >= pool_size:
+            if int(self.negatives.min()) < 0:
+                raise EpisodeError(f"{where}: negative index {int(self.negatives.min())} is negative; the pool "
+                                   f"{self.negative_source!r} has rows 0..{pool_size - 1}")
+            if hi >= pool_size:
                 raise EpisodeError(f"{where}: negative indices reach {hi} but the negative pool "
                                    f"{self.negative_source!r} has {pool_size} rows")
 
@@ -279,7 +295,13 @@ def save_episodes(path: str | Path, eps: EpisodeSet, **attrs: object) -> Path:
     """Write ``eps`` to HDF5 (layout in docs/stage2.md; extra ``attrs`` are stored too), atomically."""
     import h5py
 
+    from poodle.utils import check_output
+
     path = Path(path)
+    try:
+        check_output(path, "episodes", what="episode file")
+    except ConfigError as e:
+        raise EpisodeError(str(e)) from None
     with atomic_path(path) as tmp:
         with h5py.File(tmp, "w") as f:
             for name in ("support", "query", "support_labels", "query_labels", "index", "class_ids"):
@@ -324,10 +346,25 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
         def txt(v: object) -> str:
             return v.decode() if isinstance(v, bytes) else str(v)
 
-        kappa = float(a.get("imbalance", 0.0))
-        n_qc = int(a.get("query_classes", 0))
-        spec = EpisodeSpec(split=txt(a["split"]), way=int(a["way"]), shot=int(a["shot"]), query=int(a["query"]),
-                           imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa, seed=int(a["seed"]),
+        def num(key: str, default: object = None, what: str = "a number") -> float:
+            v = a.get(key, default)
+            v = v.item() if isinstance(v, np.generic) else v
+            if isinstance(v, np.ndarray) and v.size == 1:
+                v = v.reshape(()).item()
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise EpisodeError(f"{path}: attribute {key!r} must be {what}, got {txt(v)!r}")
+            return float(v) if isinstance(v, float) else v
+
+        def integer(key: str) -> int:
+            v = num(key, what="an integer")
+            if not float(v).is_integer():
+                raise EpisodeError(f"{path}: attribute {key!r} must be an integer, got {v!r}")
+            return int(v)
+
+        kappa = float(num("imbalance", 0.0))
+        n_qc = integer("query_classes") if "query_classes" in a else 0      # 0: every class has queries
+        spec = EpisodeSpec(split=txt(a["split"]), way=integer("way"), shot=integer("shot"), query=integer("query"),
+                           imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa, seed=integer("seed"),
                            query_classes=None if n_qc == 0 else n_qc)
         try:
             spec.validate()
@@ -342,6 +379,8 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
                 arrays[name] = torch.from_numpy(arr.astype(np.int64))
         source = txt(a.get("negative_source", ""))
     E = arrays["support"].shape[0]
+    if E == 0:
+        raise EpisodeError(f"{path}: holds no episodes (/support has shape {tuple(arrays['support'].shape)})")
     shapes = {"support": (E, spec.n_support), "support_labels": (E, spec.n_support),
               "query": (E, spec.n_query), "query_labels": (E, spec.n_query), "index": (E,),
               "class_ids": (E, spec.way)}

@@ -68,6 +68,21 @@ def choose_chunk(n_rows: int, dim: int, way: int, device: torch.device, max_memo
     return max(1, min(by_memory, GPU_MAX_CHUNK))
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
+
+
+def check_memory_bound(budget: int, n_rows: int, dim: int, way: int, workers: int, itemsize: int = 4) -> int:
+    """The number of chunk workers that fits ``budget`` bytes (fewer than asked when one chunk per
+    worker would not fit); ConfigError saying by how much when not even one episode fits."""
+    need = episode_bytes(n_rows, dim, way, itemsize)
+    if need > budget:
+        raise ConfigError(f"--max-memory {_mib(budget)} cannot be met: one episode ({n_rows} rows of D={dim}, "
+                          f"negatives included) needs about {_mib(need)}, {_mib(need - budget)} more; raise "
+                          f"--max-memory to at least {_mib(need)} or lower --n-neg")
+    return max(1, min(workers, budget // need))
+
+
 def prepare_negatives(episodes: EpisodeSet, negatives: NegativeSpec, cache_path: Any,
                       dim: int) -> tuple[EpisodeSet, Tensor | None]:
     """Attach the negative indices of a pool source to ``episodes`` (reusing the ones it holds when
@@ -107,6 +122,8 @@ def _resolve_methods(methods: Sequence[tuple[str, str, Any]]) -> list[tuple[str,
             cfg = solvers.make_config(name, cfg, strict=True)
         elif not isinstance(cfg, info.config):
             raise ConfigError(f"method {name!r}: config must be a {info.config.__name__}, got {type(cfg).__name__}")
+        else:
+            solvers.base.check_config(info.name, cfg)
         if label in seen:
             raise ConfigError(f"two methods share the label {label!r}; give each a distinct label")
         seen.add(label)
@@ -179,6 +196,8 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
         workers = torch.get_num_threads()
     if workers < 1:
         raise ConfigError(f"workers must be at least 1, got {workers}")
+    if chunk_size is None:
+        workers = check_memory_bound(budget, Ns + Nq + M, D, spec.way, workers, itemsize)
     # each worker holds one chunk: the memory bound is shared between them
     chunk = chunk_size or choose_chunk(Ns + Nq + M, D, spec.way, dev, max(1, budget // workers), itemsize)
     chunk = max(1, min(int(chunk), E))

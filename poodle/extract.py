@@ -106,7 +106,7 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
     from poodle import backbones
     from poodle.data import ImageDataset, resolve_dataset
     from poodle.data.transforms import eval_transform
-    from poodle.utils import file_sha256, resolve_device
+    from poodle.utils import check_writable_dir, file_sha256, resolve_device
 
     say = log or (lambda msg: None)
     progress_factory = progress_factory or _no_progress
@@ -125,6 +125,11 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
         raise ConfigError(f"backbone {backbone} needs --image-size >= {spec.min_input_size}, got {image_size}")
     out = cache_path(cache_root, dataset, backbone, tag)
     dev = resolve_device(device)
+    # -- the output place, before any work: a directory in the way, or a place we cannot write,
+    # would otherwise surface only when the first split is committed
+    if out.is_dir():
+        raise CacheError(f"cache path {out} is a directory; remove it or choose another --cache-root/--tag")
+    check_writable_dir(out, "cache")
     # -- data: split files, rows, images exist, no empty class
     source = resolve_dataset(dataset, data_root, Path(cache_root))
     samples = {s: source.samples(s) for s in split_list}

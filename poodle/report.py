@@ -30,7 +30,7 @@ from scipy import stats
 from poodle.defaults import EPISODE_KEYS
 from poodle.errors import ConfigError
 from poodle.evaluate import summarize
-from poodle.results import load_records, record_flat
+from poodle.results import read_results, record_flat
 
 # Keys that identify the episodes a result was solved on: equal keys -> identical episodes.
 PAIRING_KEYS = EPISODE_KEYS
@@ -69,14 +69,49 @@ def _hashable(v: Any) -> Any:
     return v
 
 
-def load_results(paths: Sequence[str | Path], *, warn: Callable[[str], None] | None = None) -> list[Result]:
-    """Cell results of one or more results files (:mod:`poodle.results`), in file and grid order."""
+class Results(list):
+    """A list of :class:`Result` that remembers which files were unfinished (``unfinished``: one
+    sentence per file whose last line was cut, or with fewer cells than its grid had)."""
+
+    unfinished: list[str]
+
+    def __init__(self, items: Iterable[Result] = (), unfinished: Sequence[str] = ()) -> None:
+        super().__init__(items)
+        self.unfinished = list(unfinished)
+
+
+def _unfinished_note(res: Any) -> str | None:
+    """One sentence when a results file (:class:`poodle.results.Results`) is unfinished."""
+    n_cells, n_records = res.header.get("n_cells"), len(res.records)
+    try:
+        cut = res.complete_bytes < Path(res.path).stat().st_size
+    except OSError:
+        cut = False
+    if not cut and (not isinstance(n_cells, int) or n_records >= n_cells):
+        return None
+    what = f"{n_records} of {n_cells} cells finished" if isinstance(n_cells, int) else f"{n_records} cells read"
+    return (f"{res.path}: {what}" + ("; its last line is cut (an interrupted run), so that cell is missing" if cut
+                                     else "") + "; re-run `poodle grid` to finish it")
+
+
+def load_results(paths: Sequence[str | Path], *, warn: Callable[[str], None] | None = None) -> Results:
+    """Cell results of one or more results files (:mod:`poodle.results`), in file and grid order.
+    Files whose last line was cut or that hold fewer cells than their grid are named in
+    ``.unfinished`` (and :func:`build_table` then leaves columns with empty entries unbolded)."""
+    if not paths:
+        raise ConfigError("no results file given")
     out: list[Result] = []
-    for source, r in load_records(paths, warn=warn):
-        out.append(Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), source, len(out)))
+    unfinished: list[str] = []
+    for p in paths:
+        res = read_results(p, warn=warn)
+        note = _unfinished_note(res)
+        if note:
+            unfinished.append(note)
+        for r in sorted(res.records, key=lambda r: r.get("index", 0)):
+            out.append(Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), str(p), len(out)))
     if not out:
         raise ConfigError(f"{', '.join(map(str, paths))}: no finished cells yet")
-    return out
+    return Results(out, unfinished)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +152,7 @@ def filter_results(results: Sequence[Result], where: Mapping[str, Sequence[str]]
     if not kept:
         raise ConfigError("--where: no result matches " +
                           " and ".join(f"{k} in {{{', '.join(v)}}}" for k, v in where.items()))
-    return kept
+    return Results(kept, getattr(results, "unfinished", ()))
 
 
 def varying_keys(results: Sequence[Result]) -> list[str]:
@@ -334,6 +369,8 @@ def build_table(results: Sequence[Result], rows: str | Sequence[str] | None = No
         raise ConfigError(f"--bold {bold!r}: use col, row or none")
     if test not in ("all", "weakest"):
         raise ConfigError(f"--test {test!r}: use all or weakest")
+    check_p(p_threshold)
+    unfinished = list(getattr(results, "unfinished", ()))
     results = list(results)
     known: list[str] = []
     for r in results:
@@ -383,8 +420,23 @@ def build_table(results: Sequence[Result], rows: str | Sequence[str] | None = No
         entries[pos] = Entry(group[0])
     table = Table(row_keys, col_keys, row_vals, col_vals, entries, show_ci=show_ci)
     if bold != "none":
-        _mark_significance(table, bold, test, p_threshold)
+        _mark_significance(table, bold, test, p_threshold, incomplete=bool(unfinished))
+    if unfinished:
+        table.notes.extend(unfinished)
+        missing = [f"{', '.join(table.row_labels(i)) or '(row)'} / {table.col_label(j) or '(column)'}"
+                   for i in range(len(row_vals)) for j in range(len(col_vals)) if (i, j) not in entries]
+        if missing:
+            table.notes.append(f"Empty entries ({len(missing)}), possibly cells not run yet: "
+                               f"{'; '.join(missing[:8])}{'; ...' if len(missing) > 8 else ''}. A "
+                               f"{'column' if bold == 'col' else 'row'} with an empty entry gets no bold.")
     return table
+
+
+def check_p(p_threshold: float) -> float:
+    """ConfigError unless the significance level lies in (0, 1)."""
+    if isinstance(p_threshold, bool) or not isinstance(p_threshold, (int, float)) or not 0 < p_threshold < 1:
+        raise ConfigError(f"--p {p_threshold}: the significance level must lie in (0, 1), e.g. 0.05")
+    return float(p_threshold)
 
 
 def significant_best(results: Sequence[Result], test: str = "all", p_threshold: float = 0.05
@@ -406,13 +458,17 @@ def significant_best(results: Sequence[Result], test: str = "all", p_threshold: 
     return best, None
 
 
-def _mark_significance(table: Table, bold: str, test: str, p_threshold: float) -> None:
+def _mark_significance(table: Table, bold: str, test: str, p_threshold: float, incomplete: bool = False) -> None:
+    """Bold the significant best of each column (row). With ``incomplete`` results (unfinished
+    files), a column with an empty entry is left unmarked: the missing cell might have won."""
     n_rows, n_cols = table.shape
     groups = ([[(i, j) for i in range(n_rows)] for j in range(n_cols)] if bold == "col"
               else [[(i, j) for j in range(n_cols)] for i in range(n_rows)])
     unpaired = []
     for g, positions in enumerate(groups):
         present = [p for p in positions if p in table.entries]
+        if incomplete and len(present) < len(positions):
+            continue
         best, why = significant_best([table.entries[p].result for p in present], test, p_threshold)
         if best is not None:
             table.entries[present[best]].bold = True

@@ -88,6 +88,21 @@ def _episodes(cache: Path, episodes_from: str | os.PathLike | None, given: Mappi
     return features, sample_episodes(features.labels, spec, g["episodes"], classes=features.classes)
 
 
+def check_outputs(cache: Path, episodes_from: str | os.PathLike | None, negatives: str | None,
+                  save_episodes_to: str | os.PathLike | None, out: str | os.PathLike | None) -> None:
+    """Before any work: the output files must be writable, of their own kind (an episode file, a
+    results file; never a cache or another kind of file, judged by content) and never an input."""
+    from poodle.utils import check_output
+
+    inputs = [cache, episodes_from, negatives.split(":")[0] if negatives else None]
+    if save_episodes_to is not None and out is not None and Path(save_episodes_to).resolve() == Path(out).resolve():
+        raise ConfigError(f"--save-episodes and --out both name {out}; give two files")
+    if save_episodes_to is not None:
+        check_output(save_episodes_to, "episodes", inputs=inputs, what="--save-episodes")
+    if out is not None:
+        check_output(out, "results", inputs=inputs, what="--out")
+
+
 def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,), *,
           options: Mapping[str, Mapping[str, Any]] | None = None,
           split: str | None = None, way: int | None = None, shot: int | None = None, query: int | None = None,
@@ -128,8 +143,11 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
     configs = [(m, m, solvers.make_config(m, options.get(m, {}), strict=True)) for m in methods]
     dev = resolve_device(device)
     path = Path(cache)
+    if path.is_dir():
+        raise ConfigError(f"cache {path} is a directory, not a feature cache file")
     if not path.is_file():
         raise ConfigError(f"no feature cache at {path}")
+    check_outputs(path, episodes_from, negatives, save_episodes_to, out)
     features, eps = _episodes(path, episodes_from,
                               dict(split=split, way=way, shot=shot, query=query, episodes=episodes, seed=seed,
                                    imbalance=imbalance, query_classes=query_classes))

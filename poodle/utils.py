@@ -7,8 +7,9 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from poodle.errors import ConfigError
@@ -31,17 +32,71 @@ def parse_size(text: str | int) -> int:
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
-    """``auto`` -> CUDA when available, else CPU; ``cpu``/``cuda``/``cuda:N`` as given."""
+    """The one place a device name is read: ``auto`` -> CUDA when available, else CPU; ``cpu``,
+    ``cuda`` and ``cuda:N`` (N an existing device) as given.
+
+    Anything else (``meta``, ``mps``, ``cuda:-1``, ``cuda:7`` on a one-GPU machine, a typo) is a
+    :class:`ConfigError` naming the value: the solvers and the backbones run on CPU or CUDA only.
+    """
     if isinstance(name, torch.device):
-        return name
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name}: CUDA is not available on this machine (use cpu or auto)")
+        dev, text = name, str(name)
+    else:
+        text = str(name).strip()
+        if text == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        m = re.fullmatch(r"(cpu|cuda)(?::(-?\d+))?", text)
+        if m is None:
+            raise ConfigError(f"--device {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)")
+        if m.group(2) is not None and int(m.group(2)) < 0:
+            raise ConfigError(f"--device {text!r}: the CUDA device index must be >= 0")
+        if m.group(1) == "cpu" and m.group(2) is not None:
+            raise ConfigError(f"--device {text!r}: the CPU takes no index; use cpu")
+        dev = torch.device(text)
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {text}: CUDA is not available on this machine (use cpu or auto)")
+        n = torch.cuda.device_count()
+        if dev.index is not None and not 0 <= dev.index < n:
+            raise ConfigError(f"--device {text}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}")
+    return dev
+
+
+SEED_MAX = 2**63 - 1
+
+
+def check_seed(seed: object, what: str = "seed") -> int:
+    """``seed`` as an int in ``0 .. 2**63 - 1`` (what torch, numpy and HDF5 attributes all hold);
+    ConfigError naming the value otherwise."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ConfigError(f"{what} must be an integer, got {seed!r}")
+    if not 0 <= int(seed) <= SEED_MAX:
+        raise ConfigError(f"{what} {seed} does not fit 63 bits: use 0 .. {SEED_MAX}")
+    return int(seed)
+
+
+def check_writable_dir(path: str | os.PathLike, what: str = "output") -> None:
+    """ConfigError unless a file can be created next to ``path`` (in its directory or, when that is
+    missing, the nearest existing ancestor, where it would be made):
+    checked before the work starts, so an unwritable place fails in a second, not after the run. A
+    real probe file is created and removed, since permission bits do not tell (root, read-only mounts)."""
+    import tempfile
+
+    p = Path(path)
+    parent = p.parent
+    probe = parent
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ConfigError(f"{what} {path}: {probe} is a file, not a directory")
+    # probe the nearest existing folder (the missing ones are made by whoever writes): no side effect
     try:
-        return torch.device(name)
-    except RuntimeError as e:
-        raise ConfigError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from e
+        fd, name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: cannot write in directory {probe} ({e.strerror or e})") from None
 
 
 def derive_seed(*parts: int) -> int:
@@ -73,13 +128,17 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 def atomic_path(path: str | os.PathLike, suffix: str = ".partial") -> Iterator[Path]:
     """Yield a temporary sibling path; rename it onto ``path`` only if the block completes.
 
-    An interrupted write therefore never leaves a file under the final name.
+    An interrupted write therefore never leaves a file under the final name. The temporary name
+    holds the process id and a random part, so concurrent writers never share one.
     """
+    import uuid
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + suffix)
-    if tmp.exists():
-        tmp.unlink()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot create its directory ({e.strerror})") from None
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{suffix}")
     try:
         yield tmp
         os.replace(tmp, path)
@@ -87,3 +146,73 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".partial") -> Iterator[P
         if tmp.exists():
             tmp.unlink()
         raise
+
+
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+# what each kind is called in messages
+KIND_NAMES = {"cache": "a poodle feature cache", "partial": "a split being extracted (poodle staging file)",
+              "episodes": "a poodle episode file", "results": "a poodle results file", "hdf5": "an HDF5 file",
+              "json": "a JSON file",
+              "empty": "an empty file", "other": "a file of unknown content", "directory": "a directory"}
+
+
+def file_kind(path: str | os.PathLike) -> str | None:
+    """What an existing file holds, judged by content: ``cache``, ``partial``, ``episodes``,
+    ``results`` (``poodle solve --json``), ``grid-results``, ``hdf5``, ``json``, ``empty``, ``other``,
+    ``directory``; ``None`` when nothing is there."""
+    import json
+
+    p = Path(path)
+    if not p.exists():
+        return None
+    if p.is_dir():
+        return "directory"
+    try:
+        with open(p, "rb") as f:
+            head = f.read(8)
+            if not head:
+                return "empty"
+            if head == _HDF5_SIGNATURE:
+                import h5py
+
+                try:
+                    with h5py.File(p, "r") as h:
+                        fmt = h.attrs.get("format")
+                except OSError:
+                    return "hdf5"
+                fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+                return {"poodle-features": "cache", "poodle-features-partial": "partial",
+                        "poodle-episodes": "episodes"}.get(str(fmt), "hdf5")
+            f.seek(0)
+            first = f.readline(1 << 20).strip()
+    except OSError:
+        return "other"
+    if first.startswith(b"{"):
+        try:
+            obj = json.loads(first)
+        except ValueError:  # a pretty-printed JSON document: parse it whole
+            try:
+                obj = json.loads(p.read_bytes())
+            except ValueError:
+                return "other"
+        if isinstance(obj, dict) and (obj.get("command") == "solve"
+                                      or obj.get("format") in ("poodle-results", "poodle-grid-results")):
+            return "results"
+        return "json"
+    return "other"
+
+
+def check_output(path: str | os.PathLike, kind: str, *, inputs: Iterable[str | os.PathLike | None] = (),
+                 what: str = "output") -> None:
+    """ConfigError unless ``path`` may receive a file of ``kind``: never one of ``inputs``, never a
+    file of another kind (judged by content; an empty file may be replaced), in a writable directory.
+    A file of the same kind is replaced later, atomically, by whoever writes it."""
+    p = Path(path)
+    for inp in inputs:
+        if inp is not None and Path(inp).exists() and p.exists() and os.path.samefile(p, inp):
+            raise ConfigError(f"{what} {path} is the input file {inp}; choose another name")
+    found = file_kind(p)
+    if found is not None and found not in (kind, "empty"):
+        raise ConfigError(f"{what} {path} already exists and is {KIND_NAMES.get(found, found)}, not "
+                          f"{KIND_NAMES.get(kind, kind)}: refusing to overwrite it (choose another name or remove it)")
+    check_writable_dir(p, what)

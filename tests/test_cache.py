@@ -234,9 +234,11 @@ def test_split_writer_restarts_damaged_or_different_staging(tmp_path):
 
 def test_commit_keeps_other_splits_and_leaves_no_tmp(tmp_path):
     target = tmp_path / "c.h5"
-    cache.write_arrays(target, {"val": (_raw(4, 4), [0, 0, 1, 1], ["v0", "v1"])}, dataset="ds", backbone="bb")
+    cache.write_arrays(target, {"val": (_raw(4, 4), [0, 0, 1, 1], ["v0", "v1"])}, dataset="ds", backbone="bb",
+                       image_size=32, transform="t")
     w = _writer(target, n_total=2)
     w.append(_raw(2, 4, seed=3), [0, 1], ["a", "b"])
     w.commit()
     assert cache.list_splits(target) == ["train", "val"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5"]
+    # the lock file stays (see cache.cache_lock); no temporary is left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5", "c.h5.lock"]

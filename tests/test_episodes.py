@@ -148,7 +148,7 @@ def test_largest_remainder_rounding_and_capacity():
 
 @pytest.mark.parametrize("spec,match", [
     (EpisodeSpec(way=11), "has 10 classes"),
-    (EpisodeSpec(way=0), "way must be a positive integer"),
+    (EpisodeSpec(way=0), "way must be an integer >= 2"),
     (EpisodeSpec(shot=0), "shot must be a positive integer"),
     (EpisodeSpec(query=-1), "query must be a positive integer"),
     (EpisodeSpec(imbalance=0.0), "imbalance"),

@@ -208,5 +208,5 @@ def test_solver_config_errors(make_features):
         solvers.run("ce", batch, label_smoothing=1.5)
     with pytest.raises(ConfigError, match="needs negatives"):
         solvers.run("poodle", EpisodeBatch(batch.support, batch.support_labels, batch.query, None, WAY))
-    with pytest.raises(ConfigError, match="lr must be positive"):
+    with pytest.raises(ConfigError, match="option .lr. must lie in"):
         solvers.run("poodle", batch, lr=0.0)

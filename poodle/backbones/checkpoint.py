@@ -48,10 +48,12 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
             obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types here (UnpicklingError, RuntimeError, EOFError...)
         text = str(e).strip()
-        if "Unsupported global" in text:
-            raise CheckpointError(f"{p} holds Python objects that torch.load(weights_only=True) "
-                                  "refuses to unpickle; only tensors and plain containers are "
-                                  "accepted") from e
+        refused = _refused_globals(p, text)
+        if refused:
+            raise CheckpointError(f"{p} holds Python object(s) that torch.load(weights_only=True) refuses to "
+                                  f"unpickle: {', '.join(refused[:5])}{', ...' if len(refused) > 5 else ''}; "
+                                  f"only tensors and plain containers are accepted (re-save the state dict "
+                                  f"alone)") from None
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         # The weights-only unpickler buries the real cause ("Unsupported operand 100") mid-message.
         detail = next((ln for ln in lines if ln.startswith("Unsupported")), lines[0] if lines else "")
@@ -69,6 +71,26 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
         if not isinstance(k, str) or not isinstance(v, torch.Tensor):
             raise CheckpointError(f"{p}: state dict entry {k!r} is a {type(v).__name__}, not a tensor")
     return dict(state), meta
+
+
+def _refused_globals(path: Path, text: str) -> list[str]:
+    """The globals (``module.Name``) that made the weights-only load fail, or [] if that was not the
+    cause. torch >= 2.5 lists them without unpickling (``get_unsafe_globals_in_checkpoint``); the
+    error text (whose wording changes between versions) is only the fallback."""
+    import re
+
+    if not re.search(r"global", text, re.IGNORECASE):
+        return []
+    lister = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    if lister is not None:
+        try:
+            found = [str(g) for g in lister(path)]
+            if found:
+                return found
+        except Exception:  # noqa: BLE001 - fall back to the message
+            pass
+    return list(dict.fromkeys(re.findall(r"GLOBAL\s+([A-Za-z_][\w.]*)", text, re.IGNORECASE)
+                             or re.findall(r"global[:\s]+([A-Za-z_][\w.]*\.[\w]+)", text, re.IGNORECASE)))
 
 
 def remap_state_dict(model: Backbone, state_dict: Mapping[str, torch.Tensor]
@@ -163,6 +185,15 @@ def load_state_dict_strict(model: Backbone, state_dict: Mapping[str, torch.Tenso
     model = _unwrap(model)
     sd = remap_state_dict(model, state_dict)
     missing, unexpected, mismatched = check_state_dict(model, sd)
+    if not (missing or unexpected or mismatched):
+        # load_state_dict casts silently: integer weights would load "strictly" as truncated values
+        # (an all-zero network from a checkpoint of small floats stored as int).
+        own = model.state_dict()
+        wrong = [f"{k} ({v.dtype})" for k, v in sd.items()
+                 if own[k].is_floating_point() and not v.is_floating_point()]
+        if wrong:
+            raise CheckpointError(f"{source}: {len(wrong)} tensor(s) where {getattr(model, 'name', 'the model')} "
+                                  f"has floating-point values hold non-floating data: {_listing(wrong)}")
     if missing or unexpected or mismatched:
         name = getattr(model, "name", type(model).__name__)
         parts = []

@@ -148,12 +148,23 @@ class CsvSource(DatasetSource):
         rows = [(i, [c.strip() for c in r]) for i, r in rows if any(c.strip() for c in r)]
         if rows and self._is_header(rows[0][1]):
             rows = rows[1:]
+        seen: dict[str, int] = {}
         for line, row in rows:
             if len(row) < 2 or not row[0] or not row[1]:
                 raise DataError(f"{path} line {line}: expected 'filename,label', got {','.join(row)!r}")
             filename, label = row[0], row[1]
+            # Paths are relative to the image folder: an absolute path or one climbing out of it would
+            # be joined wrongly later (and fail only when the image is decoded), so refuse it here.
+            if Path(filename).is_absolute() or filename.startswith(("/", "\\")) or ".." in Path(filename).parts:
+                raise DataError(f"{path} line {line}: image path {filename!r} must be relative to the image "
+                                f"folder {self.image_dir} (no absolute paths, no '..')")
             if not (self.image_dir / filename).is_file():
                 raise DataError(f"{path} line {line}: image {self.image_dir / filename} does not exist")
+            if filename in seen:
+                # a repeated row would make one image two samples: it could be its own query
+                raise DataError(f"{path} lines {seen[filename]} and {line} both list {filename!r}; each image "
+                                f"may appear once per split")
+            seen[filename] = line
             out.append((f"{prefix}/{filename}" if prefix else filename, label))
         if not out:
             raise DataError(f"split file {path} lists no images")

@@ -27,10 +27,43 @@ JITTER = 0.4  # brightness, contrast and colour strength of the release's ImageJ
 
 
 def load_rgb(path: str | Path) -> Image.Image:
-    """Decode an image file into an RGB PIL image (raises what PIL raises on a bad file)."""
+    """Decode an image file into an RGB PIL image (raises what PIL raises on a bad file).
+
+    Images with more than 8 bits per channel (16-bit PNG: modes ``I;16*``/``I``; float TIFF: mode
+    ``F``) are first mapped to 8 bits by their real range, since PIL's RGB conversion clips every
+    value above 255 to white: integers by 65535 (values up to 255 are taken as 8-bit), floats in
+    [0, 1] by 1 and floats in [0, 255] as they are. Anything else is a ValueError naming the range.
+    """
     with open(path, "rb") as fh:
         img = Image.open(fh)
+        if img.mode in ("I", "F") or img.mode.startswith("I;16"):
+            return _wide_to_8bit(img).convert("RGB")
         return img.convert("RGB")
+
+
+def _wide_to_8bit(img: Image.Image) -> Image.Image:
+    import numpy as np
+
+    a = np.asarray(img)
+    a = a.astype(np.float64)
+    if a.size == 0:
+        return Image.fromarray(a.astype(np.uint8), mode="L")
+    lo, hi = float(a.min()), float(a.max())
+    if not np.isfinite(a).all():
+        raise ValueError(f"{img.mode} image has non-finite pixel values")
+    if img.mode == "F":
+        if lo >= 0 and hi <= 1:
+            scale = 255.0
+        elif lo >= 0 and hi <= 255:
+            scale = 1.0
+        else:
+            raise ValueError(f"float image with values in [{lo:g}, {hi:g}]: expected [0, 1] or [0, 255]")
+    else:
+        if lo < 0 or hi > 65535:
+            raise ValueError(f"{img.mode} image with values in [{lo:g}, {hi:g}]: expected 16-bit data (0..65535)")
+        # 16-bit data: full range; an "I" image whose values all fit 8 bits is 8-bit data in a wide mode
+        scale = 255.0 / 65535.0 if (img.mode.startswith("I;16") or hi > 255) else 1.0
+    return Image.fromarray(np.clip(np.rint(a * scale), 0, 255).astype(np.uint8), mode="L")
 
 
 def resize_size(image_size: int) -> int:

@@ -199,9 +199,13 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
     t_start = time.perf_counter()
     cells = list(cells) if cells is not None else expand(spec)
     path = Path(out) if out is not None else default_results_path(spec.path)
+    from poodle.utils import check_output
+
+    # never a cache, the grid file or another kind of file: only a results file gains records
+    check_output(path, "results", inputs=[spec.path, *{resolve_cache(spec, c.cache) for c in cells}], what="--out")
     prints = fingerprints(spec, cells)
     keys = cell_keys(cells, prints)
-    results = ResultsFile(path, warn=warn, name=spec.name, grid_file=str(spec.path))
+    results = ResultsFile(path, warn=warn, name=spec.name, grid_file=str(spec.path), n_cells=len(cells))
 
     done: dict[int, dict[str, Any]] = {}
     if not force:

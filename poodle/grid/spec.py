@@ -47,6 +47,18 @@ def _load_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"grid file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        line = raw_line(path, e.start)
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}, line "
+                          f"{line}); TOML files must be UTF-8") from None
+    except IsADirectoryError:
+        raise ConfigError(f"grid file {path} is a directory") from None
+
+
+def raw_line(path: Path, offset: int) -> int:
+    """1-based line number of byte ``offset`` in ``path``."""
+    with open(path, "rb") as f:
+        return f.read(offset).count(b"\n") + 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,12 +87,20 @@ def _check_general(where: str, key: str, v: Any) -> Any:
             raise ConfigError(f"{where}: option 'negatives' expects base, random, sphere, none, a cache "
                               f"name from [caches] or FILE[:SPLIT], got {v!r}")
         return v
-    if key == "way":
-        return _check_int(where, key, v, 2)
-    if key in ("shot", "query", "episodes", "n_neg"):
+    if key in ("way", "shot", "query", "seed"):
+        # the episode setting's own rule (EpisodeSpec.validate: way >= 2, a 63-bit seed), the one
+        # the command line and the library get too
+        from poodle.episodes import EpisodeSpec
+        from poodle.errors import EpisodeError
+
+        v = _check_int(where, key, v, 0 if key == "seed" else 1)
+        try:
+            EpisodeSpec(**{key: v}).validate()
+        except EpisodeError as e:
+            raise ConfigError(f"{where}: option {key!r}: {e}") from None
+        return v
+    if key in ("episodes", "n_neg"):
         return _check_int(where, key, v, 1)
-    if key == "seed":
-        return _check_int(where, key, v, 0)
     if key == "query_classes":
         if isinstance(v, str) and v.lower() in ("none", "all"):
             return None
@@ -137,7 +157,8 @@ def parse_grid(data: Mapping[str, Any], path: Path, overrides: Mapping[str, Any]
     flat: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for key, value in data.items():
-        if key in SECTIONS:
+        # "episodes" and "negatives" are both section names and options: a plain value is the option
+        if key in SECTIONS and (isinstance(value, dict) or key not in GENERAL_KEYS):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: [{key}] must be a table of options")
             for k, v in value.items():

@@ -71,6 +71,8 @@ def run(name: str, batch: EpisodeBatch, config: Any = None, **options: Any) -> S
         config = build_config(info, options, strict=True)
     elif options:
         raise TypeError("give either a config or keyword options, not both")
+    else:
+        _base.check_config(info.name, config)
     if batch.negatives is None and info.needs_negatives(config):
         raise ConfigError(f"method {name!r} needs negatives (negatives = base, random, sphere or FILE)")
     return info.fn(batch, config)

@@ -31,6 +31,7 @@ benchmarks/compare_official.py runs their class on the same episodes (docs/trans
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -42,6 +43,9 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass
 class AlphaTimConfig:
+    BOUNDS: ClassVar[dict[str, str]] = {"alpha": "[0, inf)", "ce_weight": "[0, inf)", "marginal_weight": "[0, inf)",
+                                        "conditional_weight": "[0, inf)"}
+
     alpha: float = 0.0              # 0: the authors' tuned value (2 at 1 shot, 7 from 5 shots, else 5)
     ce_weight: float = 1.0
     marginal_weight: float = 1.0

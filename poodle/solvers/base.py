@@ -11,6 +11,8 @@ with no Python loop over episodes, classes or queries inside: the loop over opti
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -192,6 +194,56 @@ def build_config(info: SolverInfo, options: Mapping[str, Any], *, strict: bool =
     return validate_config(info.config(**kwargs), info.name)
 
 
+# ---------------------------------------------------------------------------------------------
+# Value checks. Every option value goes through :func:`check_config` once, whether it came from the
+# command line, a grid file or a library call: numbers must be finite and inside their field's
+# interval. A config class states its intervals next to its fields, as a ``BOUNDS`` class variable
+# (``BOUNDS: ClassVar[dict[str, str]] = {"alpha": "[0, inf)"}``); fields it does not list fall back
+# to COMMON_BOUNDS by name, and any other number still has to be finite.
+
+COMMON_BOUNDS: dict[str, str] = {
+    "lr": "(0, inf)", "steps": "[0, inf)", "scale": "(0, inf)", "temperature": "(0, inf)",
+    "label_smoothing": "[0, 1)", "max_iter": "[0, inf)",
+}
+_INTERVAL = re.compile(r"\s*([\[(])\s*(-?inf|-?[0-9.e+-]+)\s*,\s*(-?inf|-?[0-9.e+-]+)\s*([\])])\s*")
+
+
+def parse_interval(text: str) -> tuple[float, bool, float, bool]:
+    """``"[0, 1)"`` -> ``(0.0, True, 1.0, False)``: bounds and whether each is included."""
+    m = _INTERVAL.fullmatch(text)
+    if m is None:
+        raise ValueError(f"not an interval: {text!r}")
+    return float(m.group(2)), m.group(1) == "[", float(m.group(3)), m.group(4) == "]"
+
+
+def check_value(where: str, key: str, value: Any, interval: str | None) -> None:
+    """ConfigError unless a numeric ``value`` is finite and (when given) inside ``interval``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: option {key!r} must be a finite number, got {value}")
+    if interval is None:
+        return
+    lo, lo_in, hi, hi_in = parse_interval(interval)
+    if value < lo or (value == lo and not lo_in) or value > hi or (value == hi and not hi_in):
+        raise ConfigError(f"{where}: option {key!r} must lie in {interval}, got {value:g}")
+
+
+def config_bounds(config: type) -> dict[str, str]:
+    """The interval of every bounded field of ``config`` (its BOUNDS, then COMMON_BOUNDS by name)."""
+    names = set(config_fields(config))
+    out = {k: v for k, v in COMMON_BOUNDS.items() if k in names}
+    out.update(getattr(config, "BOUNDS", {}))
+    return out
+
+
+def check_config(method: str, cfg: Any) -> None:
+    """ConfigError naming the method and option when a value of ``cfg`` is not finite or outside its
+    interval: :func:`validate_config`, for configs built directly in Python (``solvers.run``,
+    ``evaluate``), so they get the same check as options from the command line or a grid."""
+    validate_config(cfg, method)
+
+
 _TYPES_CACHE: dict[type, dict[str, Any]] = {}
 
 
@@ -282,7 +334,8 @@ def validate_config(cfg: Any, method: str = "") -> Any:
     1. A config with a ``preset`` field and a ``PRESETS`` class attribute: an unknown preset is an
        error, and fields still ``None`` take the preset's value (so the config holds the values used).
     2. Every field's value is converted to its annotated type (:func:`coerce_option`).
-    3. Fields declared with :func:`option` bounds are checked against them.
+    3. Every number must be finite, and inside the bounds of its field: :func:`option` metadata,
+       the config's ``BOUNDS`` table (intervals such as ``"[0, inf)"``) or :data:`COMMON_BOUNDS`.
 
     Config classes call :func:`resolve_preset` in ``__post_init__`` too, so a config constructed
     directly also holds the values used.
@@ -290,14 +343,17 @@ def validate_config(cfg: Any, method: str = "") -> Any:
     method = method or type(cfg).__name__
     resolve_preset(cfg, method)
     hints = _field_types(type(cfg))
+    intervals = config_bounds(type(cfg))
     for f in dataclasses.fields(cfg):
         value = coerce_option(method, f.name, getattr(cfg, f.name), hints[f.name])
-        _check_bounds(method, f, value)
+        _check_bounds(method, f, value, intervals.get(f.name))
         object.__setattr__(cfg, f.name, value)  # also for frozen configs: the value is only normalised
     return cfg
 
 
-def _check_bounds(method: str, f: dataclasses.Field, value: Any) -> None:
+def _check_bounds(method: str, f: dataclasses.Field, value: Any, interval: str | None = None) -> None:
+    """Finite, inside the field's :func:`option` bounds and inside its interval (a config's
+    ``BOUNDS`` table or :data:`COMMON_BOUNDS`)."""
     lo, hi = f.metadata.get("min"), f.metadata.get("max")
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return
@@ -306,6 +362,7 @@ def _check_bounds(method: str, f: dataclasses.Field, value: Any) -> None:
         raise ConfigError(f"option {f.name!r} of method {method!r} must be {op} {lo}, got {value}")
     if hi is not None and value > hi:
         raise ConfigError(f"option {f.name!r} of method {method!r} must be <= {hi}, got {value}")
+    check_value(f"method {method!r}", f.name, value, interval)  # finite (NaN passes the comparisons above)
 
 
 def resolve_preset(cfg: Any, method: str = "") -> None:

@@ -35,6 +35,7 @@ episodes (docs/transductive.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,9 @@ from poodle.solvers.pt_map import power_transform
 
 @dataclass
 class BMSConfig:
+    BOUNDS: ClassVar[dict[str, str]] = {"power": "(0, inf)", "lam": "(0, inf)", "steps": "[1, inf)",
+                                        "sinkhorn_iter": "[1, inf)", "epochs": "[0, inf)", "momentum": "[0, 1)"}
+
     power: float = 0.5
     lam: float = 8.5
     steps: int = 20

@@ -18,6 +18,7 @@ and is not part of this solver (as in the POODLE authors' reimplementation).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,10 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass
 class CanTConfig:
+    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
+    BOUNDS: ClassVar[dict[str, str]] = {
+        "step": "[1, inf)",
+        "iterations": "[-1, inf)"}
     step: int = 30            # queries added per iteration (the POODLE authors' reimplementation)
     iterations: int = -1      # -1: Nq // step (2 for 75 queries, as theirs)
     scale: float = 10.0       # cosine temperature of the confidence softmax

@@ -18,6 +18,7 @@ see the entropy term act.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass
 class EntropyMinConfig:
+    BOUNDS: ClassVar[dict[str, str]] = {"entropy_weight": "[0, inf)"}  # checked by solvers.base.validate_config
     steps: int = 25               # Dhillon et al.: 25 epochs (one step on support + query each)
     lr: float = 5e-5              # Dhillon et al.: Adam, lr 5e-5
     entropy_weight: float = 1.0   # Dhillon et al.: CE + entropy, unit weight

@@ -29,6 +29,7 @@ means instead of k-means++ so that it is deterministic).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,10 @@ def kmeans(batch: EpisodeBatch, cfg: KMeansConfig) -> SolverOutput:
 
 @dataclass
 class BayesKMeansConfig:
+    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
+    BOUNDS: ClassVar[dict[str, str]] = {
+        "sigma": "(0, inf)",
+        "reduced_dim": "[0, inf)"}
     # TAFSSL src/utils/misc.py parse_args: sigma 1, n_clusters = way; reduced_dim 10 for "& bkm".
     sigma: float = 1.0
     reduced_dim: int = 10     # 0: no projection

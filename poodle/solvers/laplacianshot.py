@@ -67,7 +67,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 @dataclass
 class LaplacianShotConfig:
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
-
+    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
+    BOUNDS: ClassVar[dict[str, str]] = {
+        "knn": "[1, inf)",
+        "lmd": "[0, inf)",
+        "tol": "[0, inf)",
+        "epsilon": "(0, inf)"}
     knn: int = 3              # Ziko et al.: k = 3 nearest neighbours
     lmd: float = 0.7          # lambda; tuned on validation in the paper (their grid 0.1..1.0)
     steps: int = 20           # bound iterations (authors' bound_update default)

@@ -20,6 +20,7 @@ one support mean for centring (TAFSSL subtracts, per shot index, the mean over c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -30,6 +31,11 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass
 class MeanShiftConfig:
+    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
+    BOUNDS: ClassVar[dict[str, str]] = {
+        "sigma": "(0, inf)",
+        "threshold": "[0, 1]",
+        "reduced_dim": "[0, inf)"}
     # TAFSSL src/utils/misc.py: n_iter_msp 4, sigma 1, most_confident thresh 0.3; "& msp" runs
     # use reduced_dim 10 (exp_table / exp_unbalanced).
     steps: int = 4

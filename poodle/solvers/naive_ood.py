@@ -19,6 +19,7 @@ Inductive.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -30,6 +31,7 @@ from poodle.solvers.ce import check_common, support_targets
 
 @dataclass(frozen=True)
 class NaiveOODConfig:
+    BOUNDS: ClassVar[dict[str, str]] = {"ood_weight": "[0, inf)"}  # checked by solvers.base.validate_config
     steps: int = 250          # as POODLE (paper 5.1)
     lr: float = 1e-3          # as POODLE (paper 5.1)
     scale: float = 10.0       # as POODLE (authors' code)

@@ -36,6 +36,7 @@ benchmarks/compare_official.py runs their class on the same episodes (docs/trans
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -47,6 +48,8 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass
 class PaddleConfig:
+    BOUNDS: ClassVar[dict[str, str]] = {"lmd": "[0, inf)", "steps": "[1, inf)"}
+
     lmd: float = 75.0       # lambda (their "alpha"); 0: lambda = Nq, the query count
     steps: int = 100        # the authors' iter: 100
     scale_features: bool = True   # the authors' per-episode min-max scaling over the queries

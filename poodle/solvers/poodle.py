@@ -20,6 +20,7 @@ summed over the episodes of a chunk. Positives are the support (inductive) or su
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -31,6 +32,7 @@ from poodle.solvers.ce import check_common, support_targets
 
 @dataclass(frozen=True)
 class PoodleConfig:
+    BOUNDS: ClassVar[dict[str, str]] = {"alpha": "[0, inf)", "beta": "[0, inf)"}  # see base.validate_config
     alpha: float = 1.0            # pull weight (paper 5.1; authors' default)
     beta: float = 0.5             # push weight (paper 5.1; authors' default)
     steps: int = 250              # paper 5.1 / authors' number_fc_update

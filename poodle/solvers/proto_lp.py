@@ -43,6 +43,7 @@ the same episodes (docs/transductive.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,11 @@ from poodle.solvers.pt_map import power_transform, sinkhorn
 
 @dataclass
 class ProtoLPConfig:
+    BOUNDS: ClassVar[dict[str, str]] = {"power": "(0, inf)", "reduced_dim": "[0, inf)", "lam": "(0, inf)",
+                                        "alpha": "[0, 1]", "gamma": "(0, inf)", "mix": "[0, 1]",
+                                        "sinkhorn_tol": "[0, inf)", "lp_tol": "[0, inf)",
+                                        "sinkhorn_max_iter": "[1, inf)"}
+
     power: float = 0.5
     reduced_dim: int = 40
     lam: float = 10.0

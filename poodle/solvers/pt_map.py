@@ -22,6 +22,7 @@ converged; a zero vector after centring stays zero instead of becoming NaN.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,13 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass
 class PTMapConfig:
+    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
+    BOUNDS: ClassVar[dict[str, str]] = {
+        "beta": "(0, inf)",
+        "lam": "(0, inf)",
+        "alpha": "[0, 1]",
+        "sinkhorn_tol": "[0, inf)",
+        "sinkhorn_max_iter": "[1, inf)"}
     # Hu et al.'s released test script: beta 0.5, lam 10, alpha 0.2, 20 epochs; Sinkhorn eps 1e-6,
     # at most 1000 iterations.
     beta: float = 0.5

@@ -17,6 +17,7 @@ class whose probabilities all underflow cannot produce ``0/0``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -28,6 +29,12 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 class TimADMConfig:
     """Defaults: mboudiaf/TIM ``src/tim.py`` config (temp 15, loss_weights [0.1, 1.0, 0.1],
     iter 150, alpha 1.0), which the TIM-ADM evaluation scripts use unchanged."""
+    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
+    BOUNDS: ClassVar[dict[str, str]] = {
+        "ce_weight": "[0, inf)",
+        "marginal_weight": "[0, inf)",
+        "conditional_weight": "[0, inf)",
+        "alpha": "(0, 1]"}
 
     ce_weight: float = 0.1
     marginal_weight: float = 1.0

@@ -52,6 +52,9 @@ class TimGDConfig:
     :data:`PRESETS`), so a built config holds the values used."""
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
+    # intervals checked by solvers.base.validate_config (lr, steps, temperature have common ones)
+    BOUNDS: ClassVar[dict[str, str]] = {
+        "ce_weight": "[0, inf)", "marginal_weight": "[0, inf)", "conditional_weight": "[0, inf)"}
 
     preset: str = "tim"
     ce_weight: float | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from poodle.errors import ConfigError
 
@@ -57,6 +57,16 @@ class TrainConfig:
         cache_root: where ``glyphs`` is generated and the default output directory lies.
         out: output directory (default ``<cache_root>/<dataset>/checkpoints/<backbone>-<recipe>``).
     """
+
+    # Intervals of the numeric fields, checked once in :meth:`check` (so the command line and the
+    # library get the same check); every float must also be finite.
+    BOUNDS: ClassVar[dict[str, str]] = {
+        "epochs": "[1, inf)", "batch_size": "[1, inf)", "lr": "(0, inf)", "momentum": "[0, 1)",
+        "weight_decay": "[0, inf)", "gamma": "(0, 1]", "label_smoothing": "[0, 1)", "rot_weight": "[0, inf)",
+        "generations": "[0, inf)", "temperature": "(0, inf)", "sup_weight": "[0, inf)", "kd_weight": "[0, inf)",
+        "image_size": "[1, inf)", "val_every": "[0, inf)", "val_episodes": "[1, inf)", "val_way": "[2, inf)",
+        "val_shot": "[1, inf)", "val_query": "[1, inf)", "workers": "[0, inf)",
+    }
 
     dataset: str
     backbone: str
@@ -104,13 +114,18 @@ class TrainConfig:
             raise ConfigError(f"unknown augmentation {self.augment!r}; choose one of {', '.join(AUGMENTATIONS)}")
         if self.teacher not in TEACHERS:
             raise ConfigError(f"--teacher must be one of {', '.join(TEACHERS)}, got {self.teacher!r}")
-        positive = {"epochs": self.epochs, "batch_size": self.batch_size, "lr": self.lr,
-                    "image_size": self.image_size, "temperature": self.temperature}
-        for name, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ConfigError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        from poodle.solvers.base import check_value
+        from poodle.utils import check_seed
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            try:
+                check_value("train", f.name, value, self.BOUNDS.get(f.name))
+            except ConfigError:
+                raise ConfigError(f"--{f.name.replace('_', '-')} must be "
+                                  + (f"in {self.BOUNDS[f.name]}" if f.name in self.BOUNDS else "finite")
+                                  + f", got {value}") from None
+        check_seed(self.seed, "--seed")
         if self.recipe == "rot-kd" and self.generations < 1:
             raise ConfigError(f"recipe rot-kd needs --generations >= 1, got {self.generations}")
         if self.val_every < 0 or self.workers < 0:

@@ -263,6 +263,11 @@ def train(cfg: TrainConfig, *, callback: Callback | None = None, resume: bool | 
     emit = callback if (callback is not None and dist.main) else (lambda e: None)
 
     if dist.main:
+        from poodle.utils import check_writable_dir
+
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"output directory {out} is a file")
+        check_writable_dir(out / "train.json", "output directory")
         _prepare_out(cfg, out, resume=resume, force=force)
     dist.barrier()
 
@@ -273,6 +278,10 @@ def train(cfg: TrainConfig, *, callback: Callback | None = None, resume: bool | 
     _, classes = dataset_labels(train_set)
     if len(train_set) < 2:
         raise DataError(f"the train split of {cfg.dataset!r} has {len(train_set)} images; need at least 2")
+    if len(classes) < 2:
+        # a one-class classifier has a constant cross-entropy: nothing would be learnt
+        raise DataError(f"the train split of {cfg.dataset!r} has {len(classes)} class ({', '.join(classes)}); "
+                        f"training a classifier needs at least 2")
     validator = None
     if cfg.val_every > 0 and dist.main and _has_split(cfg, cfg.val_split):
         from poodle.train.validate import Validator
