@@ -83,7 +83,19 @@ def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, ca
     return path
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+class _ListsMethods(click.Command):
+    """``--help`` ends with every registered method and its one-line summary (imported lazily, so
+    ``poodle --help`` does not load the solvers)."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from poodle import solvers
+
+        with formatter.section("Methods (--method)"):
+            formatter.write_dl([(n, solvers.get(n).summary) for n in solvers.available()])
+        super().format_epilog(ctx, formatter)
+
+
+@click.command(cls=_ListsMethods, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--cache", type=click.Path(dir_okay=False), help="Feature cache file (HDF5).")
 @click.option("--dataset", help="Dataset name: the cache is CACHE_ROOT/DATASET/BACKBONE[-TAG].h5.")
 @click.option("--backbone", help="Backbone name (with --dataset).")
@@ -110,7 +122,11 @@ def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, ca
 @click.option("--negatives", default=defaults.NEGATIVES, show_default=True,
               metavar="base|random|sphere|none|FILE[:SPLIT]")
 @click.option("--n-neg", default=defaults.N_NEG, show_default=True, type=int, help="Negatives per episode.")
-@click.option("--imbalance", type=float, metavar="KAPPA", help="Dirichlet(KAPPA) query counts per class.")
+@click.option("--imbalance", type=float, metavar="KAPPA",
+              help="Dirichlet(KAPPA) query counts per class (alpha-TIM's protocol: --imbalance 2).")
+@click.option("--query-classes", type=int, metavar="N",
+              help="Queries from only N of the way classes, chosen per episode (PADDLE's K_eff); "
+                   "N * query queries, balanced or Dirichlet (--imbalance) over the N.")
 @click.option("--save-episodes", type=click.Path(dir_okay=False), help="Write the episodes (HDF5).")
 @click.option("--episodes-from", type=click.Path(dir_okay=False), help="Solve the episodes of this file.")
 @click.option("--device", default=defaults.DEVICE, show_default=True, help="auto, cpu, cuda or cuda:N.")
@@ -125,8 +141,8 @@ def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, ca
 @friendly_errors
 def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, way, shot, query, episodes,
           seed, methods, transductive, alpha, beta, steps, lr, label_smoothing, no_stopgrad_pull,
-          no_stopgrad_push, preset, sets, negatives, n_neg, imbalance, save_episodes, episodes_from, device,
-          max_memory, workers, results_path) -> None:
+          no_stopgrad_push, preset, sets, negatives, n_neg, imbalance, query_classes, save_episodes, episodes_from,
+          device, max_memory, workers, results_path) -> None:
     """Sample episodes from a feature cache and solve them all at once."""
     from poodle.distributed import env_world, share
     from poodle.evaluate import paired_difference
@@ -137,7 +153,7 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
     path = _cache_path(cache, dataset, backbone, cache_root, tag)
     # only what the user gave: the library fills the defaults (and takes them from --episodes-from)
     given = {k: ctx.params[k] for k in ("split", "way", "shot", "query", "episodes", "seed", "imbalance",
-                                       "negatives", "n_neg") if _explicit(ctx, k)}
+                                       "query_classes", "negatives", "n_neg") if _explicit(ctx, k)}
     # under torchrun (poodle.distributed) rank 0 alone shows a bar (of its share) and prints
     world, rank, _ = env_world()
     total = None if episodes_from else len(share(episodes, world, rank))
@@ -153,6 +169,7 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
     spec, eps = res.episodes.spec, res.episodes
     console.print(f"{len(eps):,} episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
                   + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
+                  + (f", queries from {spec.query_classes} of the {spec.way} classes" if spec.query_classes else "")
                   + f", split {spec.split} of {path}; negatives: "
                   + (f"{res.negatives.source} x {res.negatives.n_neg}" if res.negatives else "none")
                   + f"; device {res.device}"

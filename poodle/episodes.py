@@ -17,6 +17,11 @@ Drawing one episode, in this order from its generator:
    0 queries. A class whose count would exceed its images minus ``shot`` gets all it has and the
    excess is re-spread over the others in proportion to their shares (never triggers when every
    class has ``shot + way * query`` images, e.g. mini-ImageNet).
+   With ``query_classes=n`` (PADDLE's "K_eff", Martin et al. 2022): first ``n`` of the ``way``
+   labels (``randperm(way)[:n]``) are the only ones with queries; the query set holds ``n * query``
+   queries, ``query`` each, or (with ``imbalance``) Dirichlet shares over those ``n``, rounded and
+   capped as above within the ``n``. Every support class is still present. Without it the draws
+   are exactly those above (episode files written before it existed stay valid).
 3. Per class in label order, a ``randperm`` of its images: the first ``shot`` are support, the
    next ``count`` are queries. Support and query are class-major.
 """
@@ -51,6 +56,7 @@ class EpisodeSpec:
     query: int = defaults.QUERY     # queries per class; the total is way * query
     imbalance: float | None = None  # Dirichlet concentration kappa (paper appendix); None: balanced
     seed: int = defaults.SEED
+    query_classes: int | None = None  # only this many of the way classes have queries; None: all
 
     def validate(self) -> None:
         """EpisodeError for counts below their minimum (a 1-way episode is 100% correct by
@@ -70,6 +76,10 @@ class EpisodeSpec:
             check_seed(self.seed)
         except ConfigError as e:
             raise EpisodeError(str(e), params=("seed",)) from None
+        n = self.query_classes
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.way):
+            raise EpisodeError(f"query_classes must be an integer in 1..way={self.way}, got {n!r}",
+                               params=("query_classes",))
 
     @property
     def n_support(self) -> int:
@@ -77,7 +87,7 @@ class EpisodeSpec:
 
     @property
     def n_query(self) -> int:
-        return self.way * self.query
+        return (self.way if self.query_classes is None else self.query_classes) * self.query
 
 
 @dataclass
@@ -207,17 +217,39 @@ def imbalanced_counts(p: Tensor, total: int, capacity: Tensor) -> Tensor:
         remaining = total - int(counts.sum())
 
 
+def query_counts(g: torch.Generator, spec: EpisodeSpec, capacity: Tensor) -> Tensor:
+    """Queries per label, int64 ``[way]`` summing to ``spec.n_query``, drawn from ``g`` right after
+    the classes (module docstring, step 2). ``capacity [way]``: each class's images minus ``shot``."""
+    way = spec.way
+    if spec.query_classes is None:
+        if spec.imbalance is None:
+            return torch.full((way,), spec.query, dtype=torch.int64)
+        gam = torch._standard_gamma(torch.full((way,), float(spec.imbalance), dtype=torch.float64), generator=g)
+        s = float(gam.sum())
+        p = gam / s if s > 0 else torch.nn.functional.one_hot(torch.tensor(0), way).double()
+        return imbalanced_counts(p, spec.n_query, capacity)
+    n = spec.query_classes
+    chosen = torch.randperm(way, generator=g)[:n]
+    if spec.imbalance is None:
+        counts = torch.zeros(way, dtype=torch.int64)
+        counts[chosen] = spec.query
+        return counts
+    gam = torch._standard_gamma(torch.full((n,), float(spec.imbalance), dtype=torch.float64), generator=g)
+    s = float(gam.sum())
+    share = gam / s if s > 0 else torch.nn.functional.one_hot(torch.tensor(0), n).double()
+    p = torch.zeros(way, dtype=torch.float64)
+    p[chosen] = share
+    # classes without queries have no capacity, so a capped class's excess stays within the n
+    cap = torch.zeros_like(capacity)
+    cap[chosen] = capacity[chosen]
+    return imbalanced_counts(p, spec.n_query, cap)
+
+
 def _draw_episode(g: torch.Generator, spec: EpisodeSpec, eligible: Tensor, members: list[Tensor],
                   counts_all: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     way, shot = spec.way, spec.shot
     cls = eligible[torch.randperm(eligible.shape[0], generator=g)[:way]]
-    if spec.imbalance is None:
-        qcounts = torch.full((way,), spec.query, dtype=torch.int64)
-    else:
-        gam = torch._standard_gamma(torch.full((way,), float(spec.imbalance), dtype=torch.float64), generator=g)
-        s = float(gam.sum())
-        p = gam / s if s > 0 else torch.nn.functional.one_hot(torch.tensor(0), way).double()
-        qcounts = imbalanced_counts(p, spec.n_query, counts_all[cls] - shot)
+    qcounts = query_counts(g, spec, counts_all[cls] - shot)
     sup, qry, qlab = [], [], []
     for k in range(way):
         rows = members[int(cls[k])]
@@ -350,6 +382,7 @@ def save_episodes(path: str | Path, eps: EpisodeSet, **attrs: object) -> Path:
             a["split"], a["way"], a["shot"], a["query"] = eps.spec.split, eps.spec.way, eps.spec.shot, eps.spec.query
             a["imbalance"] = 0.0 if eps.spec.imbalance is None else float(eps.spec.imbalance)  # 0: balanced
             a["seed"] = eps.spec.seed
+            a["query_classes"] = 0 if eps.spec.query_classes is None else int(eps.spec.query_classes)  # 0: all
             a["negative_source"] = eps.negative_source
             a["n_neg"] = 0 if eps.negatives is None else int(eps.negatives.shape[1])
             for k, v in attrs.items():
@@ -398,8 +431,10 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
             return int(v)
 
         kappa = float(num("imbalance", 0.0))
+        n_qc = integer("query_classes") if "query_classes" in a else 0      # 0: every class has queries
         spec = EpisodeSpec(split=txt(a["split"]), way=integer("way"), shot=integer("shot"), query=integer("query"),
-                           imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa, seed=integer("seed"))
+                           imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa, seed=integer("seed"),
+                           query_classes=None if n_qc == 0 else n_qc)
         try:
             spec.validate()
         except EpisodeError as e:
@@ -436,4 +471,4 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
 
 
 __all__ = ["EpisodeSpec", "EpisodeSet", "EpisodeStream", "sample_episodes", "save_episodes", "load_episodes", "check_spec",
-           "imbalanced_counts"]
+           "imbalanced_counts", "query_counts"]

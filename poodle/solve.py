@@ -27,7 +27,7 @@ from poodle.negatives import NegativeSpec, pool_location
 from poodle.results import ResultsFile, cache_identity, make_identity, make_record
 
 # Parameters that choose the episodes; they cannot be combined with ``episodes_from``.
-EPISODE_PARAMS = ("split", "way", "shot", "query", "episodes", "seed", "imbalance")
+EPISODE_PARAMS = ("split", "way", "shot", "query", "episodes", "seed", "imbalance", "query_classes")
 
 
 @dataclass
@@ -80,9 +80,9 @@ def _episodes(cache: Path, episodes_from: str | os.PathLike | None, given: Mappi
         features = read_split(cache, eps.spec.split)
         eps.check_against(features.labels, where=str(episodes_from))
         return features, eps
-    g = {k: (defaults.GENERAL_DEFAULTS[k] if given.get(k) is None else given[k]) for k in EPISODE_PARAMS}
+    g = {k: (defaults.GENERAL_DEFAULTS.get(k) if given.get(k) is None else given[k]) for k in EPISODE_PARAMS}
     spec = EpisodeSpec(split=g["split"], way=g["way"], shot=g["shot"], query=g["query"], imbalance=g["imbalance"],
-                       seed=g["seed"])
+                       seed=g["seed"], query_classes=g["query_classes"])
     spec.validate()
     features = read_split(cache, spec.split)
     # lazy: drawn chunk by chunk while solving (the same episodes), so solving starts at once
@@ -109,7 +109,7 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
           options: Mapping[str, Mapping[str, Any]] | None = None,
           split: str | None = None, way: int | None = None, shot: int | None = None, query: int | None = None,
           episodes: int | None = None, seed: int | None = None, imbalance: float | None = None,
-          negatives: str | None = None, n_neg: int | None = None,
+          query_classes: int | None = None, negatives: str | None = None, n_neg: int | None = None,
           episodes_from: str | os.PathLike | None = None, save_episodes_to: str | os.PathLike | None = None,
           device: str | torch.device = defaults.DEVICE, max_memory: str | int | None = None,
           workers: int | None = None, progress: Callable[[int], None] | None = None,
@@ -122,6 +122,7 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
         options: ``{method: {option: value}}``; a method keeps its defaults for what is not given.
         split, way, shot, query, episodes, seed, imbalance: the episodes (``None``: the protocol's
             default, :mod:`poodle.defaults`); not with ``episodes_from``.
+        query_classes: queries from only this many of the ``way`` classes (``None``: all).
         negatives, n_neg: the negative source and count for the methods that use negatives
             (``None``: those stored with ``episodes_from``, else base and 400). Giving a source other
             than ``none`` when no method uses negatives is an error.
@@ -159,7 +160,7 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
         check_outputs(path, episodes_from, negatives, save_episodes_to, out)
         features, eps = _episodes(path, episodes_from,
                                   dict(split=split, way=way, shot=shot, query=query, episodes=episodes, seed=seed,
-                                       imbalance=imbalance),
+                                       imbalance=imbalance, query_classes=query_classes),
                                   lazy=save_episodes_to is None and not d.enabled)
         if episodes_from is not None:
             if negatives is None and eps.negative_source:
@@ -196,7 +197,8 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
         neg_id = cache_identity(pool_location(neg_spec.source, path)[0])
     spec = eps.spec
     episode = {"split": spec.split, "way": spec.way, "shot": spec.shot, "query": spec.query,
-               "imbalance": spec.imbalance, "seed": spec.seed, "episodes": len(eps)}
+               "imbalance": spec.imbalance, "seed": spec.seed, "episodes": len(eps),
+               "query_classes": spec.query_classes}
     records = []
     for i, (label, name, cfg) in enumerate(configs):
         info = solvers.get(name)

@@ -129,6 +129,6 @@ def test_more_episodes_are_new_cells_but_the_same_backbone(first_run):
 def test_competitor_selection():
     assert competitor_names("none") == []
     assert set(competitor_names("paper")) <= set(PAPER_COMPETITORS)
-    assert "tim-gd" in competitor_names("all")
+    assert {"tim-gd", "alpha-tim", "paddle", "bms", "proto-lp"} <= set(competitor_names("all"))
     with pytest.raises(ConfigError, match="'poodle' is not a registered transductive method"):
         competitor_names("tim-gd,poodle")

@@ -61,6 +61,61 @@ def test_episodes_are_deterministic_and_independent_of_how_many_are_drawn():
     assert not torch.equal(a.support, other.support)
 
 
+def test_the_episode_stream_without_query_classes_is_pinned():
+    # README tables depend on these draws: a change to the sampler must not move them
+    labels = _labels()
+    bal = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=4, seed=3), 4)
+    assert bal.query[:, :6].tolist() == [[81, 70, 76, 61, 144, 127], [54, 58, 40, 53, 182, 194],
+                                         [100, 91, 90, 107, 261, 252], [1, 2, 26, 16, 139, 120]]
+    imb = sample_episodes(labels, EpisodeSpec(way=5, shot=2, query=4, imbalance=2.0, seed=3), 4)
+    assert imb.query[:, :6].tolist() == [[72, 79, 89, 69, 88, 87], [34, 44, 46, 197, 256, 265],
+                                         [112, 101, 267, 255, 265, 251], [26, 11, 0, 13, 16, 3]]
+    assert imb.query_labels.sum(1).tolist() == [29, 49, 50, 36]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_query_classes_balanced(n):
+    labels = _labels()
+    full = sample_episodes(labels, EpisodeSpec(way=5, shot=2, query=3, seed=5), 40)
+    eps = sample_episodes(labels, EpisodeSpec(way=5, shot=2, query=3, seed=5, query_classes=n), 40)
+    assert eps.query.shape == (40, 3 * n) and eps.spec.n_query == 3 * n
+    assert torch.equal(eps.class_ids, full.class_ids)                   # classes drawn first, unchanged
+    assert torch.equal(eps.support_labels, full.support_labels)
+    chosen = set()
+    for e in range(40):
+        present, counts = eps.query_labels[e].unique(return_counts=True)
+        assert len(present) == n and (counts == 3).all()
+        chosen.add(tuple(present.tolist()))
+        assert torch.equal(labels[eps.query[e]], eps.class_ids[e][eps.query_labels[e]])
+        rows = torch.cat([eps.support[e], eps.query[e]])
+        assert rows.unique().numel() == rows.numel()
+    assert len(chosen) > (1 if n in (1, 4) else 5)                      # chosen afresh per episode
+
+
+def test_query_classes_dirichlet_stays_within_the_chosen_classes():
+    labels = _labels(per_class=8)                                       # capacity 7 per class at 1 shot
+    eps = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=6, imbalance=0.5, seed=2, query_classes=2), 60)
+    assert eps.query.shape == (60, 12)
+    sizes = set()
+    for e in range(60):
+        present, counts = eps.query_labels[e].unique(return_counts=True)
+        assert len(present) <= 2 and counts.sum() == 12 and (counts <= 7).all()
+        sizes.add(tuple(sorted(counts.tolist())))
+    assert len(sizes) > 1                                                # imbalanced, capped at 7
+
+
+def test_query_classes_is_validated_and_saved(tmp_path):
+    with pytest.raises(EpisodeError, match="query_classes"):
+        EpisodeSpec(way=5, query_classes=6).validate()
+    with pytest.raises(EpisodeError, match="query_classes"):
+        EpisodeSpec(way=5, query_classes=0).validate()
+    eps = sample_episodes(_labels(), EpisodeSpec(way=5, shot=1, query=3, seed=1, query_classes=3), 5)
+    back = load_episodes(save_episodes(tmp_path / "e.h5", eps))
+    assert back.spec == eps.spec and torch.equal(back.query, eps.query)
+    plain = load_episodes(save_episodes(tmp_path / "p.h5", sample_episodes(_labels(), EpisodeSpec(), 2)))
+    assert plain.spec.query_classes is None
+
+
 def test_shot_settings_are_nested_for_paired_ablations():
     labels = _labels()
     one = sample_episodes(labels, EpisodeSpec(shot=1, query=5), 6)
