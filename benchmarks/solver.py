@@ -1,23 +1,35 @@
-"""Benchmark of the batched POODLE solver on the standard workload.
+"""Benchmark of the batched POODLE solver on the standard workload, with the authors' code side by side.
 
-D = 640, 5-way, 15 queries per class, 400 base negatives, 250 steps, POODLE transductive, 1 and 5
-shots, on clustered random features written to a temporary cache. Prints, from one run: episodes/s,
-peak memory, the FLOP/s of a large matmul measured in the same run, the method's FLOPs per episode
-and the fraction of that roofline reached; then a straightforward autograd implementation (the
-authors' style: [T, n, D] tensors, ||x||^2 recomputed every step, torch.optim.Adam) on the same
-episodes, for context and as a float32 cross-check.
+D = 640, 5-way, 15 queries per class, 375 base negatives (the authors' count: way x queries), 250 steps,
+POODLE transductive, 1 and 5 shots, on clustered random features written to a temporary cache.
+Prints, from one run: the machine (CPU model, torch/numpy/BLAS versions, threads, workers);
+episodes/s, peak memory, the FLOP/s of a large matmul measured in the same run, the method's FLOPs
+per episode and the fraction of that roofline reached; a straightforward autograd implementation
+on a few of the same episodes (float32 cross-check); and, given a checkout of the authors' release
+(github lehduong/poodle; ``--authors-code DIR`` or ``POODLE_AUTHORS_CODE=DIR``), their ``poodle()``
+on the same episodes and negatives (patched only to run on this device): speed ratio, per-episode
+agreement, and the whole-process comparison (``poodle solve`` timed as a subprocess, start-up
+included, against their function alone).
 
     python benchmarks/solver.py                 # full workload (2,000 episodes per shot)
-    python benchmarks/solver.py --quick         # under a minute
+    python benchmarks/solver.py --quick         # a few minutes
+    POODLE_AUTHORS_CODE=/tmp/ext/poodle python benchmarks/solver.py --authors-episodes 100
     python benchmarks/solver.py --device cuda --episodes 10000
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import json
+import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +43,7 @@ from poodle.negatives import NegativeSpec
 from poodle.solvers.base import EpisodeBatch
 from poodle.utils import resolve_device
 
-D, WAY, QUERY, N_NEG, STEPS = 640, 5, 15, 400, 250
+D, WAY, QUERY, N_NEG, STEPS = 640, 5, 15, 375, 250
 
 
 def clustered(n_classes: int, per_class: int, dim: int, seed: int, spread: float = 0.6):
@@ -41,6 +53,30 @@ def clustered(n_classes: int, per_class: int, dim: int, seed: int, spread: float
     x = centres.repeat(per_class, 0) + spread * 4 / np.sqrt(dim) * rng.standard_normal(
         (n_classes * per_class, dim)).astype(np.float32)
     return x, np.arange(n_classes).repeat(per_class)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def blas_summary() -> str:
+    """torch's BLAS/LAPACK/oneDNN lines and numpy's BLAS, in one line each."""
+    keep = ("Math Kernel", "MKL-DNN", "OpenBLAS", "BLAS_INFO", "CPU capability", "OpenMP")
+    lines = [ln.strip(" -") for ln in torch.__config__.show().splitlines() if any(k in ln for k in keep)]
+    lines = [ln if "BLAS_INFO" not in ln else "BLAS_INFO=" + ln.split("BLAS_INFO=")[1].split(",")[0] for ln in lines]
+    try:
+        cfg = np.show_config(mode="dicts")
+        blas = cfg.get("Build Dependencies", {}).get("blas", {})
+        np_blas = f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+    except TypeError:  # numpy < 1.25
+        np_blas = "unknown"
+    return "torch: " + "; ".join(lines) + f"\nnumpy {np.__version__} BLAS: {np_blas}"
 
 
 def matmul_flops(device: torch.device, n: int = 2048, reps: int = 10) -> float:
@@ -110,36 +146,175 @@ def autograd_poodle(batch: EpisodeBatch, steps: int, alpha=1.0, beta=0.5) -> tor
     return w.detach()
 
 
+# ------------------------------------------------------------------ the authors' release, side by side
+
+class _OnDevice:
+    """Stands in for the ``torch`` module inside the authors' file: ``torch.tensor(..., device='cuda:0')``
+    lands on our device instead; everything else is torch itself."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    def tensor(self, *a, device=None, **k):
+        return torch.tensor(*a, device=self._device, **k)
+
+
+class _FixedDraws:
+    """Stands in for ``numpy`` inside the authors' file: ``np.random.randint`` returns our negative
+    indices (so both sides see the same negatives); everything else is numpy itself."""
+
+    def __init__(self, idx: np.ndarray) -> None:
+        def randint(low, high, size):
+            if int(np.prod(size)) != idx.size or high <= int(idx.max()):
+                raise RuntimeError(f"the authors' code asked for {size} negatives from {high} rows; "
+                                   f"we hold {idx.size} indices")
+            return idx.reshape(size)
+        self.random = types.SimpleNamespace(randint=randint)
+
+    def __getattr__(self, name: str):
+        return getattr(np, name)
+
+
+def load_authors(root: str | None):
+    """The authors' ``fsl.poodle`` module from a checkout of github lehduong/poodle, or a reason why not."""
+    if not root:
+        return None, "no checkout given (--authors-code DIR or POODLE_AUTHORS_CODE=DIR, github lehduong/poodle)"
+    src = Path(root) / "src"
+    if not (src / "fsl" / "poodle.py").is_file():
+        return None, f"{root}: no src/fsl/poodle.py (expected a checkout of github lehduong/poodle)"
+    sys.path.insert(0, str(src))
+    try:
+        return importlib.import_module("fsl.poodle"), ""
+    except Exception as e:  # their imports may need packages we do not have
+        return None, f"importing {src}/fsl/poodle.py failed: {type(e).__name__}: {e}"
+
+
+@contextlib.contextmanager
+def _cuda_calls_to(device: torch.device):
+    """``tensor.cuda()`` moves to ``device`` instead (the only other device-specific call in their file)."""
+    before = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self.to(device)
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = before
+
+
+def run_authors(mod, test, train_np: np.ndarray, eps, shot: int, device: torch.device,
+                batch: int) -> tuple[np.ndarray, float]:
+    """Their ``poodle()`` (transductive, alpha 1, beta 0.5, 250 steps) on ``eps`` with our negatives,
+    ``batch`` tasks per call as their evaluation does; returns (per-episode accuracy, seconds)."""
+    accs, secs = [], 0.0
+    args = types.SimpleNamespace(meta_val_way=WAY, number_fc_update=STEPS)
+    feats = test.features.numpy()
+    for a in range(0, len(eps), batch):
+        sub = eps[a:a + batch]
+        mod.np = _FixedDraws(sub.negatives.numpy())
+        mod.torch = _OnDevice(device)
+        g, q = feats[sub.support.numpy()], feats[sub.query.numpy()]
+        ys, yq = sub.support_labels.numpy(), sub.query_labels.numpy()
+        with _cuda_calls_to(device):
+            _sync(device)
+            t = time.perf_counter()
+            out = mod.poodle(g, q, ys, yq, shot, train_feature=train_np, transductive=True, args=args)
+            _sync(device)
+            secs += time.perf_counter() - t
+        accs.extend(float(x) for x in out)
+    return np.asarray(accs), secs
+
+
+def whole_process(cache: Path, shot: int, n_ep: int, workers: int | None) -> dict:
+    """``poodle solve`` on the standard workload as a subprocess: wall seconds, start-up included."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.jsonl"
+        cmd = [sys.executable, "-m", "poodle.cli.main", "solve", "--cache", str(cache), "--method", "poodle",
+               "--transductive", "--negatives", "base", "--n-neg", str(N_NEG), "--steps", str(STEPS),
+               "--shot", str(shot), "--episodes", str(n_ep), "--device", "cpu", "--out", str(out)]
+        if workers:
+            cmd += ["--workers", str(workers)]
+        t = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wall = time.perf_counter() - t
+        rec = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        acc = next(r["acc"] for r in rec if r.get("kind") == "cell")
+    return {"wall": wall, "acc": np.asarray(acc), "cmd": " ".join(cmd[1:])}
+
+
+_STARTUP = r"""
+import os, sys, time
+from poodle.cli import solve as _cli  # the command line's own imports (click, rich)
+from poodle.cache import read_split
+from poodle.episodes import EpisodeSpec, EpisodeStream
+from poodle.evaluate import evaluate
+from poodle.negatives import NegativeSpec
+path, n = sys.argv[1], int(sys.argv[2])
+f = read_split(path, "test")
+eps = EpisodeStream(f.labels, EpisodeSpec(shot=1), n, classes=f.classes)
+def first(_):
+    print(time.time(), flush=True)
+    os._exit(0)
+evaluate(f, eps, [("p", "poodle", {"transductive": True})], negatives=NegativeSpec("base", N_NEG),
+         cache_path=path, device="cpu", progress=first)
+""".replace("N_NEG", str(N_NEG))
+
+
+def startup(cache: Path, n_ep: int) -> float:
+    """Seconds from launching a fresh interpreter to the first chunk of an ``n_ep``-episode run solved
+    (imports, cache read, episode and negative draws included): what ``poodle solve`` does first."""
+    t = time.time()
+    out = subprocess.run([sys.executable, "-c", _STARTUP, str(cache), str(n_ep)], check=True,
+                         capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1]) - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--episodes", type=int, default=2000)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--quick", action="store_true", help="200 episodes, 1-shot only, short autograd check")
+    ap.add_argument("--quick", action="store_true", help="200 episodes, 1-shot only, short cross-checks")
     ap.add_argument("--chunk", type=int, default=None, help="episodes per chunk (default: automatic)")
-    ap.add_argument("--max-memory", default="2GiB")
-    ap.add_argument("--autograd-episodes", type=int, default=32)
+    ap.add_argument("--max-memory", default=None)
+    ap.add_argument("--autograd-episodes", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--workers", type=int, default=None,
                     help="CPU chunks solved at once, each single-threaded (default: the thread count)")
+    ap.add_argument("--authors-code", default=os.environ.get("POODLE_AUTHORS_CODE"),
+                    help="checkout of github lehduong/poodle (default: $POODLE_AUTHORS_CODE)")
+    ap.add_argument("--authors-episodes", type=int, default=100, help="episodes given to the authors' poodle()")
+    ap.add_argument("--authors-batch", type=int, default=50, help="tasks per call of the authors' poodle()")
+    ap.add_argument("--process-episodes", type=int, default=400,
+                    help="episodes of the whole-process `poodle solve` run (CPU; 0 skips it)")
+    ap.add_argument("--startup-episodes", type=int, default=10000, help="episodes of the start-up run (0 skips it)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = resolve_device(args.device)
     n_ep = 200 if args.quick and args.episodes == 2000 else args.episodes
     shots = (1,) if args.quick else (1, 5)
+    authors, why = load_authors(args.authors_code)
 
     with tempfile.TemporaryDirectory() as tmp:
-        xtr, ytr = clustered(64, 120, D, seed=1)
-        xte, yte = clustered(20, 200, D, seed=2, spread=1.2)
+        xtr, ytr = clustered(64, 600, D, seed=1)
+        xte, yte = clustered(20, 600, D, seed=2, spread=1.2)
         path = write_arrays(Path(tmp) / "bench.h5", {"train": (xtr, ytr, [f"b{i}" for i in range(64)]),
                                                      "test": (xte, yte, [f"t{i}" for i in range(20)])})
         test = read_split(path, "test")
+        train = read_split(path, "train")
         flops_mm = matmul_flops(dev)
-        print(f"device {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else platform.processor() or platform.machine()}), "
-              f"torch {torch.__version__}, threads {torch.get_num_threads()}")
-        print(f"large matmul (2048^3, float32): {flops_mm / 1e9:,.1f} GFLOP/s")
+        dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
+        print(f"device {dev} ({dev_name}); python {platform.python_version()}, torch {torch.__version__}, "
+              f"numpy {np.__version__}")
+        print(blas_summary())
+        print(f"torch threads {torch.get_num_threads()}, CPUs visible {len(os.sched_getaffinity(0))}, "
+              f"workers {args.workers or ('1' if dev.type != 'cpu' else f'default ({torch.get_num_threads()})')}")
+        print(f"large matmul (2048^3, float32, {torch.get_num_threads()} thread(s)): {flops_mm / 1e9:,.1f} GFLOP/s "
+              "(the roofline below)")
         info = solvers.get("poodle")
         cfg = solvers.make_config("poodle", {"transductive": True})
+        ours_rate: dict[int, float] = {}
         for shot in shots:
             spec = EpisodeSpec(way=WAY, shot=shot, query=QUERY, seed=0)
             eps = sample_episodes(test.labels, spec, n_ep)
@@ -157,7 +332,7 @@ def main() -> None:
             _sync(dev)
             dt = time.perf_counter() - t
             pk = peak(dev)
-            eps_s = n_ep / dt
+            eps_s = ours_rate[shot] = n_ep / dt
             f_ep = info.flops(WAY * shot, WAY * QUERY, N_NEG, D, WAY, cfg)
             mean, ci = summarize(acc)
             print(f"\n{shot}-shot, {n_ep} episodes, POODLE transductive, {N_NEG} base negatives, {STEPS} steps, "
@@ -170,7 +345,7 @@ def main() -> None:
             k = min(args.autograd_episodes if not args.quick else 8, n_ep)
             sub = eps[:k]
             batch = EpisodeBatch(test.features[sub.support], sub.support_labels, test.features[sub.query],
-                                 read_split(path, "train").features[sub.negatives], WAY).to(dev)
+                                 train.features[sub.negatives], WAY).to(dev)
             _sync(dev)
             t = time.perf_counter()
             w_ref = autograd_poodle(batch, STEPS)
@@ -180,6 +355,27 @@ def main() -> None:
             print(f"  autograd (authors' style) on {k} of the same episodes: {k / dt_ref:,.1f} episodes/s "
                   f"-> ours is {eps_s / (k / dt_ref):,.1f}x faster; max |prototype difference| "
                   f"{float((w_ref - w_ours).abs().max()):.1e}")
+
+            if authors is None:
+                print(f"  authors' poodle(): skipped: {why}")
+                continue
+            ka = min(args.authors_episodes if not args.quick else 20, n_ep)
+            a_acc, a_s = run_authors(authors, test, train.features.numpy(), eps[:ka], shot, dev, args.authors_batch)
+            same = np.asarray(acc[:ka].numpy() == a_acc)
+            print(f"  authors' poodle() (github lehduong/poodle, device patched to {dev}) on {ka} of the same episodes"
+                  f" and negatives, {args.authors_batch} tasks per call: {ka / a_s:,.2f} episodes/s -> ours is "
+                  f"{eps_s / (ka / a_s):,.1f}x faster; per-episode accuracy identical on {int(same.sum())}/{ka}, "
+                  f"max |difference| {float(np.abs(acc[:ka].numpy() - a_acc).max()):.4f}")
+            if dev.type == "cpu" and args.process_episodes and not args.quick:
+                wp = whole_process(path, shot, args.process_episodes, args.workers)
+                rate = args.process_episodes / wp["wall"]
+                print(f"  whole process: `{wp['cmd']}`: {wp['wall']:.1f} s wall = {rate:,.2f} episodes/s, start-up "
+                      f"included -> {rate / (ka / a_s):,.1f}x the authors' poodle() alone")
+
+        if dev.type == "cpu" and args.startup_episodes:
+            s0 = startup(path, args.startup_episodes)
+            print(f"\nstart-up: {s0:.2f} s from launching python to the first chunk solved of a "
+                  f"{args.startup_episodes:,}-episode run (imports, cache read, draws included)")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,11 @@ batched throughput.
 
 Part 1 (accuracy): every transductive method of ``poodle.solvers`` plus the inductive prototype
 classifier and transductive POODLE at beta 0, 0.5, 0.75, 1.0 (alpha 1, base negatives) on one
-cache and one episode set per (shot, imbalance): 5-way, 15 queries per class on average (75 in
-all), shots 1 and 5, ``--imbalance`` none (balanced) and Dirichlet concentrations 0.5, 1, 2, 5.
+cache and one episode set per (way, query classes, imbalance, shot): by default 5-way, 15 queries
+per class on average (75 in all), shots 1 and 5, ``--imbalance`` none (balanced) and Dirichlet
+concentrations 0.5, 1, 2 (alpha-TIM's protocol) and 5. ``--ways 5,20 --query-classes 1,2,3,4,5``
+sweeps PADDLE's setting: queries from only N of the way classes (N x 15 queries).
+``--rows`` keeps only some rows (labels or method names, comma-separated).
 Every method sees the same episodes (paired). Writes ``transductive.md`` (rows = methods, columns =
 imbalance x shot, mean +- 95% CI in %) and ``transductive.json`` into ``--out``; a run that is
 interrupted resumes from the settings already finished (``transductive.partial.json``).
@@ -12,6 +15,7 @@ interrupted resumes from the settings already finished (``transductive.partial.j
 Part 2 (throughput): each method's episodes/s on the standard workload (D=640, 5-way, 1-shot,
 15 queries per class, random clustered features), batched (one call over ``--tp-batch`` episodes)
 against one episode at a time, same configuration. The batched run must not be slower per episode.
+``--tp-methods`` limits it to some rows (e.g. ``alpha-tim,paddle,bms,proto-lp``).
 
     python benchmarks/transductive.py                   # full: 500 episodes per setting (~10 min, 2 quiet cores)
     python benchmarks/transductive.py --quick           # 20 episodes, balanced and kappa=1, small throughput run
@@ -65,12 +69,45 @@ ROWS: list[tuple[str, str, dict[str, Any]]] = [
     ("TIM-GD", "tim-gd", {}),
     ("TIM-GD (POODLE authors' settings)", "tim-gd", {"preset": "poodle-paper"}),
     ("TIM-ADM", "tim-adm", {}),
+    ("LaplacianShot (authors' code, --preset official)", "laplacianshot", {"preset": "official"}),
+    ("alpha-TIM", "alpha-tim", {}),
+    ("PADDLE", "paddle", {}),
+    ("PEMnE-BMS", "bms", {}),
+    ("protoLP", "proto-lp", {}),
 ]
 POODLE_ROWS = [(f"POODLE-B beta={b:g}", "poodle", {"transductive": True, "alpha": 1.0, "beta": b}) for b in BETAS]
 
 
 def imb_key(kappa: float | None) -> str:
     return "none" if kappa is None else f"{kappa:g}"
+
+
+def setting_key(way: int, qc: int | None, kappa: float | None, shot: int) -> str:
+    """The results key; 5-way with every class queried keeps the older ``{shot}-shot/{kappa}`` form."""
+    key = f"{shot}-shot/{imb_key(kappa)}"
+    if way != 5 or qc is not None:
+        key = f"{way}-way/N={'all' if qc is None else qc}/" + key
+    return key
+
+
+def setting_label(way: int, qc: int | None, kappa: float | None, shot: int, ways: list[int]) -> str:
+    parts = [] if ways == [5] else [f"{way}-way"]
+    if qc is not None:
+        parts.append(f"N={qc}")
+    parts.append("balanced" if kappa is None else f"kappa={imb_key(kappa)}")
+    return " ".join(parts + [f"{shot}-shot"])
+
+
+def settings(args: argparse.Namespace) -> list[tuple[int, int | None, float | None, int]]:
+    return [(w, qc, k, s) for w in args.ways for qc in args.query_classes for k in args.imbalance
+            for s in args.shots if qc is None or qc <= w]
+
+
+def chosen_rows(rows: list[tuple[str, str, dict[str, Any]]], spec: str | None) -> list[tuple[str, str, dict[str, Any]]]:
+    if not spec:
+        return rows
+    want = {w.strip() for w in spec.split(",") if w.strip()}
+    return [r for r in rows if r[0] in want or r[1] in want]
 
 
 def clustered(n_classes: int, per_class: int, dim: int, spread: float,
@@ -107,9 +144,11 @@ def find_cache(arg: str | None, tmp: Path) -> tuple[Path, str]:
 
 def run_accuracy(cache: Path, source: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     test = read_split(cache, "test")
-    rows = ROWS + POODLE_ROWS
+    rows = chosen_rows(ROWS, args.rows)
+    prows = chosen_rows(POODLE_ROWS, args.rows)
     meta = {"features": source, "episodes": args.episodes, "imbalance": [imb_key(k) for k in args.imbalance],
-            "shots": args.shots, "seed": args.seed, "way": 5, "query": 15,
+            "shots": args.shots, "seed": args.seed, "ways": args.ways, "query": 15,
+            "query_classes": args.query_classes, "rows": args.rows,
             "n_neg": args.n_neg, "negatives": "base", "dim": test.dim}
     partial = out / "transductive.partial.json"
     done: dict[str, Any] = {}
@@ -118,42 +157,46 @@ def run_accuracy(cache: Path, source: str, args: argparse.Namespace, out: Path) 
         if saved.get("meta") == meta:
             done = saved["results"]
             print(f"resuming: {len(done)} setting(s) already done in {partial}", file=sys.stderr)
-    for shot in args.shots:
-        for kappa in args.imbalance:
-            key = f"{shot}-shot/{imb_key(kappa)}"
-            if key in done:
-                continue
-            spec = EpisodeSpec(split="test", way=5, shot=shot, query=15, imbalance=kappa, seed=args.seed)
-            eps = sample_episodes(test.labels, spec, args.episodes, classes=test.classes)
-            t0 = time.perf_counter()
+    for way, qc, kappa, shot in settings(args):
+        key = setting_key(way, qc, kappa, shot)
+        if key in done:
+            continue
+        spec = EpisodeSpec(split="test", way=way, shot=shot, query=15, imbalance=kappa, seed=args.seed,
+                           query_classes=qc)
+        eps = sample_episodes(test.labels, spec, args.episodes, classes=test.classes)
+        t0 = time.perf_counter()
+        accs: dict[str, Any] = {}
+        secs: dict[str, float] = {}
+        if rows:
             stats_c: dict[str, Any] = {}
+            accs.update(evaluate(test, eps, [(lab, m, o) for lab, m, o in rows], device=args.device,
+                                 chunk_size=args.chunk, stats=stats_c))
+            secs.update(stats_c["seconds"])
+        if prows:
             stats_p: dict[str, Any] = {}
-            comp = evaluate(test, eps, [(lab, m, o) for lab, m, o in ROWS], device=args.device,
-                            chunk_size=args.chunk, stats=stats_c)
-            pood = evaluate(test, eps, [(lab, m, o) for lab, m, o in POODLE_ROWS], device=args.device,
-                            negatives=NegativeSpec("base", args.n_neg), cache_path=cache, stats=stats_p)
-            accs = {**comp, **pood}
-            secs = {**stats_c["seconds"], **stats_p["seconds"]}
-            done[key] = {lab: {"mean": 100 * summarize(a)[0], "ci": 100 * summarize(a)[1], "seconds": secs[lab]}
-                         for lab, a in accs.items()}
-            print(f"{key:14s} {time.perf_counter() - t0:7.1f}s  " +
-                  "  ".join(f"{lab.split(' ')[0]}={v['mean']:.1f}" for lab, v in done[key].items()), file=sys.stderr)
-            with atomic_path(partial) as tmp:
-                tmp.write_text(json.dumps({"meta": meta, "results": done}, indent=1))
-    return {"meta": meta, "results": done, "rows": [lab for lab, _, _ in rows],
-            "imbalance": [imb_key(k) for k in args.imbalance], "shots": args.shots}
+            accs.update(evaluate(test, eps, [(lab, m, o) for lab, m, o in prows], device=args.device,
+                                 negatives=NegativeSpec("base", args.n_neg), cache_path=cache, stats=stats_p))
+            secs.update(stats_p["seconds"])
+        done[key] = {lab: {"mean": 100 * summarize(a)[0], "ci": 100 * summarize(a)[1], "seconds": secs[lab]}
+                     for lab, a in accs.items()}
+        print(f"{key:24s} {time.perf_counter() - t0:7.1f}s  " +
+              "  ".join(f"{lab.split(' ')[0]}={v['mean']:.1f}" for lab, v in done[key].items()), file=sys.stderr)
+        with atomic_path(partial) as tmp:
+            tmp.write_text(json.dumps({"meta": meta, "results": done}, indent=1))
+    return {"meta": meta, "results": done, "rows": [lab for lab, _, _ in rows + prows],
+            "imbalance": [imb_key(k) for k in args.imbalance], "shots": args.shots,
+            "settings": [[w, qc, imb_key(k), s] for w, qc, k, s in settings(args)], "ways": args.ways}
 
 
 def markdown_table(acc: dict[str, Any]) -> str:
-    cols = [(None if k == "none" else float(k), s) for k in acc["imbalance"] for s in acc["shots"]]
-    head1 = "| Method | " + " | ".join(
-        f"kappa={imb_key(k)} {s}-shot" if k is not None else f"balanced {s}-shot" for k, s in cols) + " |"
+    cols = [(w, qc, None if k == "none" else float(k), s) for w, qc, k, s in acc["settings"]]
+    head1 = "| Method | " + " | ".join(setting_label(*c, acc["ways"]) for c in cols) + " |"
     sep = "|---|" + "---|" * len(cols)
     lines = [head1, sep]
     for lab in acc["rows"]:
         cells = []
-        for k, s in cols:
-            v = acc["results"].get(f"{s}-shot/{imb_key(k)}", {}).get(lab)
+        for c in cols:
+            v = acc["results"].get(setting_key(*c), {}).get(lab)
             cells.append("-" if v is None else f"{v['mean']:.2f} ± {v['ci']:.2f}")
         lines.append(f"| {lab} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -174,7 +217,7 @@ def standard_batch(n: int, dim: int = 640, shot: int = 1, seed: int = 0) -> Epis
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     dev = resolve_device(args.device)
-    methods = [(lab, m, o) for lab, m, o in ROWS if m != "proto"]
+    methods = [(lab, m, o) for lab, m, o in chosen_rows(ROWS, args.tp_methods) if m != "proto"]
     if not args.tp_batch:
         # the chunk evaluate() would use for this workload on this device
         args.tp_batch = choose_chunk(80, 640, 5, dev, parse_size("2GiB"))
@@ -233,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--imbalance", default="none,0.5,1,2,5",
                     help="comma-separated query distributions: none (balanced) or Dirichlet kappa values")
+    ap.add_argument("--ways", default="5", help="comma-separated ways")
+    ap.add_argument("--query-classes", default="all",
+                    help="comma-separated N (queries from only N of the way classes) or all")
+    ap.add_argument("--rows", help="only these rows: labels or method names, comma-separated")
+    ap.add_argument("--tp-methods", help="throughput of these rows only (labels or method names)")
     ap.add_argument("--shots", default="1,5", help="comma-separated shots")
     ap.add_argument("--n-neg", type=int, default=400, help="base negatives per episode for POODLE")
     ap.add_argument("--device", default="auto")
@@ -255,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.imbalance = [None if k.strip() == "none" else float(k) for k in args.imbalance.split(",")]
         args.shots = [int(k) for k in args.shots.split(",")]
+        args.ways = [int(k) for k in args.ways.split(",")]
+        args.query_classes = [None if k.strip() == "all" else int(k) for k in args.query_classes.split(",")]
     except ValueError:
         ap.error("--imbalance takes 'none' or numbers and --shots integers, e.g. --imbalance none,0.5,1")
     if args.threads:
@@ -270,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"features: {source}", file=sys.stderr)
             acc = run_accuracy(cache, source, args, out)
             report["accuracy"] = acc
-            md += [f"Features: {source}; {args.episodes} episodes per setting, seed {args.seed}, 5-way, 75 queries "
-                   f"(15 per class on average), POODLE with {args.n_neg} base negatives. Accuracy in %, "
+            md += [f"Features: {source}; {args.episodes} episodes per setting, seed {args.seed}, "
+                   f"{'/'.join(map(str, args.ways))}-way, 15 queries per queried class on average (N x 15 with "
+                   f"N query classes), POODLE with {args.n_neg} base negatives. Accuracy in %, "
                    "mean ± 95% CI.", "", markdown_table(acc), ""]
     if not args.skip_throughput:
         tp = run_throughput(args)

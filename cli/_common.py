@@ -15,9 +15,16 @@ from typing import Any, Callable, Iterator
 
 import click
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.text import Text
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
 
 from poodle.errors import PoodleError
 
@@ -48,6 +55,8 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except PoodleError as e:
+            if getattr(e, "quiet", False):  # another rank of a torchrun run failed and printed its error
+                sys.exit(1)
             text = as_flags(str(e), getattr(e, "params", ()))
             console.print(styled("error:", "bold red", " " + text), soft_wrap=True)
             sys.exit(1)

@@ -6,9 +6,8 @@ import time
 from typing import Any
 
 import click
-from rich.table import Table
 
-from poodle.cli._common import console, friendly_errors, out, progress_bar
+from poodle.cli._common import console, friendly_errors, out, progress_bar, render_table
 
 
 @click.command()
@@ -17,7 +16,8 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar
 @click.option("--episodes", type=int, default=None, help="Episodes per shot count [default: 2000; --quick: 40].")
 @click.option("--backbone", default="conv4_64", show_default=True)
 @click.option("--recipe", type=click.Choice(["simple", "rot", "rot-kd"]), default="simple", show_default=True)
-@click.option("--epochs", type=int, default=None, help="Training epochs [default: the demo's ~3 CPU minutes; --quick: 1].")
+@click.option("--epochs", type=int, default=None,
+              help="Training epochs [default: the demo's ~3 CPU minutes; --quick: 1].")
 @click.option("--image-size", type=int, default=28, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
@@ -39,7 +39,7 @@ def demo(cache_root: str, episodes: int | None, backbone: str, recipe: str, epoc
     import torch
 
     from poodle.cli.train import TrainDisplay
-    from poodle.demo import DemoConfig, quick_config, run_demo
+    from poodle.demo import LEGEND, RESULTS_FILE, DemoConfig, quick_config, run_demo
 
     opts: dict[str, Any] = dict(cache_root=cache_root, backbone=backbone, recipe=recipe, image_size=image_size,
                                 seed=seed, device=device, workers=workers,
@@ -57,22 +57,10 @@ def demo(cache_root: str, episodes: int | None, backbone: str, recipe: str, epoc
                           progress_factory=lambda desc, total: progress_bar(desc, total, "items"))
     total = time.perf_counter() - t0
 
-    table = Table(title=f"glyphs · {cfg.backbone} ({cfg.recipe}, {cfg.epochs} epochs) · {cfg.episodes} episodes "
-                        f"· {cfg.way}-way · accuracy % ± 95% CI")
-    table.add_column("Method")
-    from poodle.demo import COLUMNS, LEGEND
-
-    cols = [(s, k) for s, k in COLUMNS if k in cfg.shots]
-    for s, k in cols:
-        table.add_column(f"{s}\n{k}-shot", justify="right")
-    for row in result.rows:
-        cells = []
-        for s, k in cols:
-            c = result.cells.get((row.label, s, k))
-            cells.append("—" if c is None else f"{c[0]:.2f} ± {c[1]:.2f}")
-        table.add_row(row.label, *cells)
-    out.print(table)
+    title = (f"glyphs · {cfg.backbone} ({cfg.recipe}, {cfg.epochs} epochs) · {cfg.episodes} episodes · "
+             f"{cfg.way}-way · accuracy % ± 95% CI")
+    out.print(render_table(result.table, title=title))
     out.print(LEGEND, highlight=False)
-    out.print(f"table: {result.markdown} (and .json)", highlight=False)
+    out.print(f"table: {result.markdown} (and .json); results: {result.json.parent / RESULTS_FILE}", highlight=False)
     stages = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
     out.print(f"total {total:.1f} s ({stages})", highlight=False)

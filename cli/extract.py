@@ -6,7 +6,7 @@ import click
 
 from poodle.cli._common import console, friendly_errors, out, progress_bar
 
-DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs"]
+DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100"]
 
 
 def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> None:
@@ -34,7 +34,9 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--dataset", required=True, type=click.Choice(DATASETS),
               help="Layout of the images: csv (images/ + <split>.csv), folder (<split>/<class>/<img>), "
-                   "the presets mini, tiered, cub, or the embedded glyphs.")
+                   "the presets mini, tiered, cub, cifar-fs, fc100 (CIFAR-100's binary files), or the embedded glyphs.")
+@click.option("--cub-split", type=click.Choice(["release", "140-30-30"]), default="release", show_default=True,
+              help="cub only: the release's 100/50/50 rule, or the 140/30/30 class lists (cached as cub-140-30-30).")
 @click.option("--data-root", type=click.Path(file_okay=False), default=None,
               help="Folder of the dataset (not needed for glyphs).")
 @click.option("--backbone", required=True,
@@ -46,7 +48,8 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
 @click.option("--splits", default="train,val,test", show_default=True, help="Comma-separated splits to extract.")
 @click.option("--image-size", default=None, type=click.IntRange(min=1),
               help="Centre-crop side fed to the backbone [default: 84 for the release's backbones, resized "
-                   "first to size*256/224; a torchvision/timm model's own input size].")
+                   "first to size*256/224; cifar-fs and fc100: 32, their images as they are; a torchvision/timm "
+                   "model's own input size].")
 @click.option("--crop-pct", default=None, type=click.FloatRange(0, 1, min_open=True),
               help="torchvision/timm: crop side / resize side [default: the model's].")
 @click.option("--interpolation", default=None, type=click.Choice(["bilinear", "bicubic", "nearest"]),
@@ -69,13 +72,16 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
 @click.option("--list-backbones", is_flag=True, is_eager=True, expose_value=False, callback=_list_backbones,
               help="List the backbones available (release, torchvision, timm) and exit.")
 @friendly_errors
-def extract(dataset: str, data_root: str | None, backbone: str, checkpoint: str | None, splits: str,
-            image_size: int | None, crop_pct: float | None, interpolation: str | None, batch_size: int, workers: int | None, device: str, cache_root: str, tag: str | None,
+def extract(dataset: str, cub_split: str, data_root: str | None, backbone: str, checkpoint: str | None, splits: str,
+            image_size: int | None, crop_pct: float | None, interpolation: str | None, batch_size: int,
+            workers: int | None, device: str, cache_root: str, tag: str | None,
             dtype: str, force: bool, skip_bad: bool) -> None:
     """Write L2-normalised features of every split to one HDF5 cache.
 
     Interrupted runs resume: re-run the same command. Complete splits are skipped. The cache's
-    path is printed on stdout.
+    path is printed on stdout. Under `torchrun --nproc-per-node N $(which poodle) extract ...` the
+    processes share every split (one GPU each) and rank 0 writes the cache; an interrupted run
+    resumes with any number of processes.
     """
     from poodle.extract import extract as run_extract
 
@@ -86,5 +92,8 @@ def extract(dataset: str, data_root: str | None, backbone: str, checkpoint: str 
                        image_size=image_size, crop_pct=crop_pct, interpolation=interpolation,
                        batch_size=batch_size, device=device, cache_root=cache_root,
                        tag=tag, dtype=dtype, workers=workers, force=force, skip_bad=skip_bad,
-                       progress_factory=bar, log=lambda msg: console.print(msg, highlight=False, markup=False))
-    out.print(str(path), highlight=False, soft_wrap=True)
+                       cub_split=cub_split, progress_factory=bar, log=lambda msg: console.print(msg, highlight=False, markup=False))
+    from poodle.distributed import is_main_process
+
+    if is_main_process():  # under torchrun, rank 0 speaks for the run
+        out.print(str(path), highlight=False, soft_wrap=True)

@@ -32,7 +32,8 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
 @click.argument("grid_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Results file (JSON Lines). Default: GRID.results.jsonl next to the grid file.")
-@click.option("--cache", "cache", type=click.Path(dir_okay=False), default=None, help="Use this feature cache instead of the grid's `cache`.")
+@click.option("--cache", "cache", type=click.Path(dir_okay=False), default=None,
+              help="Use this feature cache instead of the grid's `cache`.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override a grid option, e.g. --set episodes=200 or --set 'shot=[1,5]'. Repeatable.")
 @click.option("--force", is_flag=True, help="Recompute every cell of the grid; the new records supersede the old "
@@ -40,7 +41,8 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--cells-per-call", type=click.IntRange(1), default=4, show_default=True,
               help="Cells on the same episodes and negatives solved together (one gather per chunk).")
 @click.option("--dry-run", is_flag=True, help="List the cells and what is already done; solve nothing.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto, cpu, cuda or cuda:N (under torchrun: auto, cuda or cpu; each process takes its local GPU).")
 @click.option("--max-memory", type=SizeType(), default="2GiB", show_default=True,
               help="Memory budget per chunk of episodes.")
 @friendly_errors
@@ -51,19 +53,27 @@ def grid(grid_file: Path, out: Path | None, cache: str | None, sets: tuple[str, 
     Cells with the same episode settings share identical episodes and negatives (paired). A re-run
     skips finished cells; an interrupted run resumes.
     """
+    from poodle import distributed
     from poodle import grid as G
 
-    overrides = _parse_set(sets)
-    if cache is not None:
-        overrides["cache"] = str(Path(cache).expanduser().resolve())
-    spec = G.load_grid(grid_file, overrides)
-    cells = G.expand(spec)
-    out = out or G.default_results_path(grid_file)
+    # under torchrun: every rank reads the grid (an error is printed once), rank 0 alone displays
+    d = distributed.init(device) if not dry_run else distributed.Dist()
+    with d.guard():
+        overrides = _parse_set(sets)
+        if cache is not None:
+            overrides["cache"] = str(Path(cache).expanduser().resolve())
+        spec = G.load_grid(grid_file, overrides)
+        cells = G.expand(spec)
+        out = out or G.default_results_path(grid_file)
     if dry_run:
         _dry_run(spec, cells, out)
         return
     n_episodes = sum(c.episode["episodes"] for c in cells)
     t0 = time.perf_counter()
+    if not d.main:
+        G.run_grid(spec, out, force=force, device=device, max_memory=max_memory, cells=cells,
+                   cells_per_call=cells_per_call)
+        return
     with _GridProgress(len(cells), n_episodes, _varying(cells)) as display:
         result = G.run_grid(spec, out, force=force, device=device, max_memory=max_memory,
                             on_cell=display.on_cell, progress=display.advance, cells=cells,
@@ -131,9 +141,14 @@ class _GridProgress:
 
     def __init__(self, n_cells: int, n_episodes: int, keys: list[str]) -> None:
         self.keys = keys
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
-
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
         from rich.table import Column
 
         self.progress = Progress(TextColumn("{task.description}", style="bold", markup=False,
@@ -151,7 +166,7 @@ class _GridProgress:
         self._solved = 0
         self._t0 = time.perf_counter()
 
-    def __enter__(self) -> "_GridProgress":
+    def __enter__(self) -> _GridProgress:
         self.progress.__enter__()
         return self
 

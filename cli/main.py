@@ -10,6 +10,7 @@ import click
 # command name -> (module under poodle.cli, attribute, one-line help shown by `poodle --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "extract": ("extract", "extract", "Write L2-normalised features of every split to one HDF5 cache."),
+    "split": ("split", "split", "Seeded cross-domain negative pools (noisy / disjoint) as csv split files."),
     "info": ("info", "info", "Validate a feature cache and summarise it."),
     "solve": ("solve", "solve", "Sample episodes from a cache and solve them all at once."),
     "train": ("train", "train", "Pre-train a backbone (simple, rot, rot-kd)."),

@@ -3,6 +3,7 @@ methods; print mean accuracy +- 95% CI (and paired differences to the first meth
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,19 @@ def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, ca
     return path
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+class _ListsMethods(click.Command):
+    """``--help`` ends with every registered method and its one-line summary (imported lazily, so
+    ``poodle --help`` does not load the solvers)."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from poodle import solvers
+
+        with formatter.section("Methods (--method)"):
+            formatter.write_dl([(n, solvers.get(n).summary) for n in solvers.available()])
+        super().format_epilog(ctx, formatter)
+
+
+@click.command(cls=_ListsMethods, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--cache", type=click.Path(dir_okay=False), help="Feature cache file (HDF5).")
 @click.option("--dataset", help="Dataset name: the cache is CACHE_ROOT/DATASET/BACKBONE[-TAG].h5.")
 @click.option("--backbone", help="Backbone name (with --dataset).")
@@ -106,14 +119,20 @@ def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, ca
 @click.option("--no-stopgrad-push", is_flag=True, help="Drop the stop-gradient in the push term (Table 9).")
 @click.option("--preset", help="A method's named preset (e.g. tim-gd: poodle-paper).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Any config field of the methods (repeatable).")
-@click.option("--negatives", default=defaults.NEGATIVES, show_default=True, metavar="base|random|sphere|none|FILE[:SPLIT]")
+@click.option("--negatives", default=defaults.NEGATIVES, show_default=True,
+              metavar="base|random|sphere|none|FILE[:SPLIT]")
 @click.option("--n-neg", default=defaults.N_NEG, show_default=True, type=int, help="Negatives per episode.")
-@click.option("--imbalance", type=float, metavar="KAPPA", help="Dirichlet(KAPPA) query counts per class.")
+@click.option("--imbalance", type=float, metavar="KAPPA",
+              help="Dirichlet(KAPPA) query counts per class (alpha-TIM's protocol: --imbalance 2).")
+@click.option("--query-classes", type=int, metavar="N",
+              help="Queries from only N of the way classes, chosen per episode (PADDLE's K_eff); "
+                   "N * query queries, balanced or Dirichlet (--imbalance) over the N.")
 @click.option("--save-episodes", type=click.Path(dir_okay=False), help="Write the episodes (HDF5).")
 @click.option("--episodes-from", type=click.Path(dir_okay=False), help="Solve the episodes of this file.")
 @click.option("--device", default=defaults.DEVICE, show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--max-memory", default=defaults.MAX_MEMORY, show_default=True, type=SizeType(),
-              help="Bound on the working set of the chunks in flight (sets the chunk size).")
+@click.option("--max-memory", default=None, type=SizeType(),
+              help=f"Bound on the working set of the chunks in flight (sets the chunk size) "
+                   f"[{defaults.MAX_MEMORY} on CPU; 80% of the free memory on CUDA].")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="CPU: chunks solved at once, each single-threaded [default: torch's thread count].")
 @click.option("--preprocess", default="l2n", show_default=True, metavar="l2n|cl2n|power[:BETA]",
@@ -125,9 +144,10 @@ def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, ca
 @friendly_errors
 def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, way, shot, query, episodes,
           seed, methods, transductive, alpha, beta, steps, lr, label_smoothing, no_stopgrad_pull,
-          no_stopgrad_push, preset, sets, negatives, n_neg, imbalance, save_episodes, episodes_from, device,
-          max_memory, workers, preprocess, results_path) -> None:
+          no_stopgrad_push, preset, sets, negatives, n_neg, imbalance, query_classes, save_episodes, episodes_from,
+          device, max_memory, workers, preprocess, results_path) -> None:
     """Sample episodes from a feature cache and solve them all at once."""
+    from poodle.distributed import env_world, share
     from poodle.evaluate import paired_difference
     from poodle.solve import solve as run_solve
 
@@ -136,20 +156,29 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
     path = _cache_path(cache, dataset, backbone, cache_root, tag)
     # only what the user gave: the library fills the defaults (and takes them from --episodes-from)
     given = {k: ctx.params[k] for k in ("split", "way", "shot", "query", "episodes", "seed", "imbalance",
-                                       "negatives", "n_neg") if _explicit(ctx, k)}
-    with progress_bar("solving", total=None if episodes_from else episodes, unit="episodes") as advance:
+                                       "query_classes", "negatives", "n_neg") if _explicit(ctx, k)}
+    # under torchrun (poodle.distributed) rank 0 alone shows a bar (of its share) and prints
+    world, rank, _ = env_world()
+    total = None if episodes_from else len(share(episodes, world, rank))
+    bar = progress_bar("solving", total=total, unit="episodes") if rank == 0 else contextlib.nullcontext(None)
+    with bar as advance:
         res = run_solve(path, methods, options=per, episodes_from=episodes_from, save_episodes_to=save_episodes,
                         device=device, max_memory=max_memory, workers=workers, progress=advance,
                         out=results_path, preprocess=preprocess,
                         log=lambda msg: console.print(msg, highlight=False, markup=False), **given)
+    if rank != 0:
+        return
     if save_episodes:
         console.print(f"episodes written to {save_episodes}")
     spec, eps = res.episodes.spec, res.episodes
     console.print(f"{len(eps):,} episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
                   + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
+                  + (f", queries from {spec.query_classes} of the {spec.way} classes" if spec.query_classes else "")
                   + f", split {spec.split} of {path}; negatives: "
                   + (f"{res.negatives.source} x {res.negatives.n_neg}" if res.negatives else "none")
-                  + f"; preprocess {res.records[0].get('preprocess', 'l2n')}; device {res.device}", highlight=False)
+                  + f"; preprocess {res.records[0].get('preprocess', 'l2n')}; device {res.device}"
+                  + (f" x {res.stats['processes']} processes" if res.stats.get("processes", 1) > 1 else ""),
+                  highlight=False)
 
     from rich import box
     from rich.table import Table

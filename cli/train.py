@@ -80,7 +80,7 @@ class TrainDisplay:
 
 
 @click.command()
-@click.option("--dataset", required=True, help="glyphs, mini, tiered, cub, csv or folder.")
+@click.option("--dataset", required=True, help="glyphs, mini, tiered, cub, cifar-fs, fc100 (with --image-size 32), csv or folder.")
 @click.option("--data-root", type=click.Path(file_okay=False), default=None, help="Dataset root folder.")
 @click.option("--backbone", required=True, help="Backbone name (see `poodle extract --help`).")
 @click.option("--recipe", type=click.Choice(["simple", "rot", "rot-kd"]), default="simple", show_default=True)

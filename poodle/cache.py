@@ -559,19 +559,22 @@ class SplitWriter:
 
     def __init__(self, cache_path: str | os.PathLike, split: str, *, root_attrs: Mapping[str, Any],
                  classes: Sequence[str], samples_sha256: str, n_total: int, dim: int,
-                 dtype: str = "float32", restart: bool = False) -> None:
+                 dtype: str = "float32", restart: bool = False, path: str | os.PathLike | None = None,
+                 extra_key: Mapping[str, Any] | None = None) -> None:
+        # path, extra_key: another staging file and what else it must match (poodle.cache_shares)
         if dtype not in FEATURE_DTYPES:
             raise CacheError(f"dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
         self.cache_path = Path(cache_path)
         self.split = split
-        self.path = partial_path(self.cache_path, split)
+        self.path = Path(path) if path is not None else partial_path(self.cache_path, split)
         self.root_attrs = dict(root_attrs)
         self.classes = list(classes)
         self.n_total = int(n_total)
         self.dim = int(dim)
         self.dtype = FEATURE_DTYPES[dtype]
         self._key = {"samples_sha256": samples_sha256, "n_total": self.n_total, "feature_dim": self.dim,
-                     "dtype": str(self.dtype), **{k: str(self.root_attrs[k]) for k in IDENTITY_ATTRS}}
+                     "dtype": str(self.dtype), **{k: str(self.root_attrs[k]) for k in IDENTITY_ATTRS},
+                     **{k: str(v) for k, v in (extra_key or {}).items()}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.f: h5py.File | None = None
         self.resumed = False

@@ -29,9 +29,12 @@ NEGATIVE_KEYWORDS: tuple[str, ...] = ("base", "random", "sphere", "none")
 # Options that choose the episodes: results that agree on all of them were solved on identical
 # episodes (so they are paired). ``cache`` comes first; the rest are EpisodeSpec fields + count.
 EPISODE_KEYS: tuple[str, ...] = ("cache", "split", "way", "shot", "query", "imbalance", "seed", "episodes")
+# Episode options recorded only when set, so that results written before they existed keep their
+# identity: ``query_classes`` (queries from only N of the way classes; None = all).
+OPTIONAL_EPISODE_KEYS: tuple[str, ...] = ("query_classes",)
 NEGATIVE_KEYS: tuple[str, ...] = ("negatives", "n_neg")
 # ``preprocess`` transforms the features (and the negative pool) the cells of one episode set see.
-GENERAL_KEYS: tuple[str, ...] = EPISODE_KEYS + NEGATIVE_KEYS + ("preprocess", "method")
+GENERAL_KEYS: tuple[str, ...] = EPISODE_KEYS + OPTIONAL_EPISODE_KEYS + NEGATIVE_KEYS + ("preprocess", "method")
 
 # Defaults of the general keys (``cache`` has none).
 GENERAL_DEFAULTS: dict[str, Any] = {

@@ -27,18 +27,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
+import numpy as np
 import torch
 
-from poodle import defaults
+from poodle import defaults, solvers
+from poodle.data.glyphs import ensure_glyphs
 from poodle.errors import CacheError, ConfigError
-from poodle.utils import atomic_path, file_sha256
+from poodle.extract import extract
+from poodle.grid import Cell, CellEvent, GridSpec, cell_keys, expand, fingerprints, parse_grid, run_grid
+from poodle.report import Result, Table, build_table, to_markdown
+from poodle.results import ResultsFile, make_record, record_flat
+from poodle.train import TrainConfig, train
+from poodle.utils import atomic_path
 
 DATASET = "glyphs"
 # The transductive methods the paper compares with (Table 4 and appendix Tables 9-10): entropy
 # minimisation, CAN-T, LaplacianShot, TIM-GD, mean-shift, Bayes k-means and soft k-means.
 PAPER_COMPETITORS = ("entropy-min", "can-t", "laplacianshot", "tim-gd", "mean-shift", "bayes-kmeans",
                      "soft-kmeans")
-COLUMNS = (("inductive", 1), ("inductive", 5), ("transductive", 1), ("transductive", 5))
+RESULTS_FILE = "results.jsonl"
 ProgressFactory = Callable[[str, int], ContextManager[Callable[[int], None]]]
 
 
@@ -78,8 +85,6 @@ class DemoConfig:
 
     def train_config(self, dataset: str = DATASET, data_root: str | None = None):
         """The :class:`poodle.train.TrainConfig` of the demo's backbone."""
-        from poodle.train import TrainConfig
-
         return TrainConfig(dataset=dataset, data_root=data_root, backbone=self.backbone, recipe=self.recipe,
                            epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, image_size=self.image_size,
                            augment=self.augment, val_every=self.val_every,
@@ -108,10 +113,11 @@ class Row:
 
 @dataclass
 class DemoResult:
-    """The table: ``cells[(row label, setting, shot)] = (mean %, 95% CI %)``, plus paths and times."""
+    """The table (:class:`poodle.report.Table`), its records (one per cell), paths and times."""
 
     rows: list[Row]
-    cells: dict[tuple[str, str, int], tuple[float, float]]
+    table: Table
+    records: list[dict[str, Any]]
     checkpoint: Path
     features: Path
     markdown: Path
@@ -121,7 +127,14 @@ class DemoResult:
     config: DemoConfig
 
     def markdown_table(self) -> str:
-        return markdown_table(self.rows, self.cells, self.config)
+        return to_markdown(self.table)
+
+    def cell(self, label: str, setting: str, shot: int) -> tuple[float, float] | None:
+        """``(mean %, 95% CI %)`` of a row in one column, or ``None`` when the row lacks it."""
+        for r in self.records:
+            if (r["label"], r["transductive"], r["episode"]["shot"]) == (label, setting == "transductive", shot):
+                return 100 * r["mean"], 100 * r["ci95"]
+        return None
 
 
 def _digest(obj: Any) -> str:
@@ -137,8 +150,6 @@ def competitor_names(which: str | tuple[str, ...] | list[str]) -> list[str]:
     """Registered always-transductive methods selected by ``which``: ``paper`` (those the paper
     compares with, :data:`PAPER_COMPETITORS`), ``all``, ``none``, or names (a tuple or a
     comma-separated string). An unknown or non-transductive name is a ConfigError."""
-    from poodle import solvers
-
     registered = [n for n in solvers.available() if solvers.get(n).transductive == "always"
                   and not solvers.get(n).uses_negatives]
     if isinstance(which, str):
@@ -160,8 +171,6 @@ def competitor_names(which: str | tuple[str, ...] | list[str]) -> list[str]:
 
 def demo_rows(competitors: str | tuple[str, ...] = "paper") -> list[Row]:
     """The methods of the table: proto, CE, POODLE-B/-R, then the transductive competitors."""
-    from poodle import solvers
-
     def settings_of(name: str) -> tuple[str, ...]:
         return solvers.get(name).settings()
 
@@ -175,20 +184,7 @@ def demo_rows(competitors: str | tuple[str, ...] = "paper") -> list[Row]:
     return rows
 
 
-def _fmt(cell: tuple[float, float] | None) -> str:
-    return "—" if cell is None else f"{cell[0]:.2f} ± {cell[1]:.2f}"
-
-
-def markdown_table(rows: list[Row], cells: dict, cfg: DemoConfig) -> str:
-    cols = [(s, k) for s, k in COLUMNS if k in cfg.shots]
-    head = "| Method | " + " | ".join(f"{s} {k}-shot" for s, k in cols) + " |"
-    lines = [head, "|" + "---|" * (len(cols) + 1)]
-    for r in rows:
-        lines.append(f"| {r.label} | " + " | ".join(_fmt(cells.get((r.label, s, k))) for s, k in cols) + " |")
-    return "\n".join(lines)
-
-
-QUICK_GLYPHS = {"max_per_alphabet": 6, "instances": 20}  # ~100 classes, 2,000 images
+QUICK_GLYPHS: dict[str, Any] = {"max_per_alphabet": 6, "instances": 20}  # ~100 classes, 2,000 images
 
 
 def _data(cfg: DemoConfig, progress: Callable[[int], None] | None = None) -> tuple[str, str | None, Path]:
@@ -198,8 +194,6 @@ def _data(cfg: DemoConfig, progress: Callable[[int], None] | None = None) -> tup
     own folder) and reads it as a ``folder`` dataset, with its feature cache under
     ``<cache>/glyphs/quick/`` so it never mixes with the full demo's.
     """
-    from poodle.data.glyphs import ensure_glyphs
-
     cache_root = Path(cfg.cache_root)
     if not cfg.quick:
         ensure_glyphs(cache_root, progress=progress)
@@ -220,10 +214,6 @@ def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = lambda s: None,
         progress_factory: ``(description, total) -> context manager yielding advance(n)`` (as
             :func:`poodle.extract.extract` takes it), used for extraction and evaluation progress.
     """
-    from poodle.cache import read_split
-    from poodle.extract import extract
-    from poodle.train import train
-
     seconds: dict[str, float] = {}
     reused: dict[str, bool] = {}
     cache_root = Path(cfg.cache_root)
@@ -246,9 +236,10 @@ def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = lambda s: None,
         f"({seconds['train']:.1f} s)")
 
     t = time.perf_counter()
-    extract_opts = dict(data_root=data_root, checkpoint=checkpoint, splits=("train", "val", "test"),
-                        image_size=cfg.image_size, batch_size=256, device=cfg.device, cache_root=data_cache,
-                        tag=f"demo-{key}", workers=cfg.workers, progress_factory=progress_factory)
+    extract_opts: dict[str, Any] = dict(
+        data_root=data_root, checkpoint=checkpoint, splits=("train", "val", "test"), image_size=cfg.image_size,
+        batch_size=256, device=cfg.device, cache_root=data_cache, tag=f"demo-{key}", workers=cfg.workers,
+        progress_factory=progress_factory)
     try:
         features = Path(extract(dataset, cfg.backbone, **extract_opts))
     except CacheError as e:
@@ -259,92 +250,128 @@ def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = lambda s: None,
     log(f"features: {features} ({seconds['extract']:.1f} s)")
 
     t = time.perf_counter()
-    test = read_split(features, "test")
     rows = demo_rows(cfg.competitors)
-    cells, n_solved = _evaluate_cells(cfg, rows, test, features, file_sha256(features), demo_dir,
-                                      progress_factory)
-    reused["evaluate"] = n_solved == 0
+    spec = demo_grid(cfg, rows, features, demo_dir)
+    cells = expand(spec)
+    results_path = demo_dir / RESULTS_FILE
+    n_old = _convert_old_cells(cfg, rows, cells, spec, results_path, demo_dir)
+    if n_old:
+        log(f"{n_old} table cells taken over from an earlier version's cache ({demo_dir / 'cells'})")
+    total = sum(c.episode["episodes"] for c in cells)
+    ctx = progress_factory("solving the table", total) if progress_factory else None
+    with (ctx if ctx is not None else contextlib.nullcontext()) as advance:
+        def on_cell(event: CellEvent) -> None:
+            if event.kind == "skip" and advance is not None:
+                advance(event.cell.episode["episodes"])
+
+        run = run_grid(spec, results_path, device=cfg.device, max_memory=cfg.max_memory, cells=cells,
+                       cells_per_call=len(cells), on_cell=on_cell, progress=advance)
+    reused["evaluate"] = run.computed == 0
     seconds["evaluate"] = time.perf_counter() - t
-    log(f"{len(cells)} table cells, {n_solved} solved now ({seconds['evaluate']:.1f} s)")
+    log(f"{len(cells)} table cells, {run.computed} solved now ({seconds['evaluate']:.1f} s: reading the cache "
+        f"{run.load_seconds:.1f} s, sampling episodes {run.sample_seconds:.1f} s, solving {run.solve_seconds:.1f} s)")
 
-    md_path, json_path = _write_table(cfg, rows, cells, demo_dir, key, checkpoint, features, seconds)
-    return DemoResult(rows, cells, checkpoint, features, md_path, json_path, seconds, reused, cfg)
-
-
-def _evaluate_cells(cfg: DemoConfig, rows: list[Row], test, features_path: Path, features_sha: str,
-                    demo_dir: Path, progress_factory: ProgressFactory | None
-                    ) -> tuple[dict[tuple[str, str, int], tuple[float, float]], int]:
-    """Solve (or load) every cell; episodes are shared by all methods of one shot count."""
-    from poodle import solvers
-    from poodle.episodes import EpisodeSpec, sample_episodes
-    from poodle.evaluate import evaluate, summarize
-    from poodle.negatives import NegativeSpec
-
-    cells: dict[tuple[str, str, int], tuple[float, float]] = {}
-    solved = 0
-    for shot in cfg.shots:
-        spec = EpisodeSpec(split="test", way=cfg.way, shot=shot, query=cfg.query, seed=cfg.seed)
-        episodes = None
-        # group the work by negative source: evaluate() takes one NegativeSpec per call
-        todo: dict[str | None, list[tuple[str, str, Any, tuple[str, str, int], Path]]] = {}
-        for row in rows:
-            for setting in row.settings:
-                options = dict(row.options)
-                if solvers.get(row.method).transductive == "optional":
-                    options["transductive"] = setting == "transductive"
-                config = solvers.make_config(row.method, options)
-                ident = {"features": features_sha, "spec": dataclasses.asdict(spec), "episodes": cfg.episodes,
-                         "method": row.method, "config": dataclasses.asdict(config),
-                         "negatives": row.negatives, "n_neg": cfg.n_neg if row.negatives else None,
-                         "version": 1}
-                path = demo_dir / "cells" / f"{_digest(ident)[:20]}.json"
-                cell_key = (row.label, setting, shot)
-                if path.exists():
-                    saved = json.loads(path.read_text())
-                    cells[cell_key] = (saved["mean"], saved["ci"])
-                    continue
-                label = f"{row.label} [{setting}]"
-                todo.setdefault(row.negatives, []).append((label, row.method, config, cell_key, path))
-        for source, items in todo.items():
-            if episodes is None:
-                episodes = sample_episodes(test.labels, spec, cfg.episodes, classes=test.classes)
-            negatives = NegativeSpec(source=source, n_neg=cfg.n_neg) if source else None
-            methods = [(label, method, config) for label, method, config, _, _ in items]
-            desc = f"{shot}-shot, {len(methods)} method(s)" + (f", {source} negatives" if source else "")
-            ctx = progress_factory(desc, cfg.episodes) if progress_factory else None
-            with (ctx if ctx is not None else contextlib.nullcontext()) as advance:
-                accs = evaluate(test, episodes, methods, negatives=negatives, cache_path=features_path,
-                                device=cfg.device, max_memory=cfg.max_memory, progress=advance)
-            for label, method, config, cell_key, path in items:
-                acc = accs[label]
-                mean, ci = summarize(acc * 100.0)
-                cells[cell_key] = (float(mean), float(ci))
-                with atomic_path(path) as tmp:
-                    tmp.write_text(json.dumps({"label": cell_key[0], "setting": cell_key[1], "shot": shot,
-                                               "method": method, "negatives": source, "mean": float(mean),
-                                               "ci": float(ci), "episodes": int(acc.numel()),
-                                               "accuracy": [round(float(a), 6) for a in acc]}))
-                solved += 1
-    return cells, solved
+    table = demo_table(run.records)
+    md_path, json_path = _write_table(cfg, rows, table, run.records, demo_dir, key, checkpoint, features, seconds)
+    return DemoResult(rows, table, run.records, checkpoint, features, md_path, json_path, seconds, reused, cfg)
 
 
-def _write_table(cfg: DemoConfig, rows: list[Row], cells, demo_dir: Path, key: str, checkpoint: Path,
-                 features: Path, seconds: dict[str, float]) -> tuple[Path, Path]:
+def demo_grid(cfg: DemoConfig, rows: list[Row], features: Path, demo_dir: Path) -> GridSpec:
+    """The demo's table as a grid: one explicit cell per row, over the shots and the row's settings,
+    all on the same episodes per shot (so the rows are paired)."""
+    entries = []
+    for r in rows:
+        entry: dict[str, Any] = {"label": r.label, "method": r.method, **r.options}
+        if r.negatives:
+            entry["negatives"] = r.negatives
+        if solvers.get(r.method).transductive == "optional":
+            entry["transductive"] = [s == "transductive" for s in r.settings]
+        entries.append(entry)
+    data = {"name": "demo", "cache": str(Path(features).resolve()), "product": False, "cell": entries,
+            "episodes": {"split": "test", "way": cfg.way, "shot": list(cfg.shots), "query": cfg.query,
+                         "episodes": cfg.episodes, "seed": cfg.seed},
+            "negatives": {"n_neg": cfg.n_neg}}
+    return parse_grid(data, demo_dir / "demo.toml")
+
+
+def demo_table(records: list[dict[str, Any]]) -> Table:
+    """The table of the demo's records: a row per label, columns inductive/transductive x shot."""
+    results = [Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), RESULTS_FILE, i)
+               for i, r in enumerate(records)]
+    table = build_table(results, rows=["label"], cols=["transductive", "shot"], bold="none")
+    table.notes = []
+    return table
+
+
+def _old_cell_path(cfg: DemoConfig, c: Cell, features_sha: str, demo_dir: Path) -> Path:
+    """Where the demo before the results layer kept this cell (a JSON file named by a digest)."""
+    e = c.episode
+    spec = {"split": e["split"], "way": e["way"], "shot": e["shot"], "query": e["query"],
+            "imbalance": e["imbalance"], "seed": e["seed"]}
+    info = solvers.get(c.method)
+    config = dict(c.options)
+    presets = getattr(info.config, "PRESETS", None)
+    if presets is not None:  # it stored None for what the preset supplied
+        for k in presets[config["preset"]]:
+            config[k] = None
+    ident = {"features": features_sha, "spec": spec, "episodes": e["episodes"], "method": c.method,
+             "config": config, "negatives": None if c.negatives == "none" else c.negatives,
+             "n_neg": c.n_neg, "version": 1}
+    return demo_dir / "cells" / f"{_digest(ident)[:20]}.json"
+
+
+def _convert_old_cells(cfg: DemoConfig, rows: list[Row], cells: list[Cell], spec: GridSpec, results_path: Path,
+                       demo_dir: Path) -> int:
+    """Records for the cells an earlier version solved and kept under ``demo_dir/cells``: their
+    per-episode accuracies were stored rounded to 6 digits, which identifies ``k / n_queries``
+    exactly."""
+    if not (demo_dir / "cells").is_dir():
+        return 0
+    prints = fingerprints(spec, cells)
+    keys = cell_keys(cells, prints)
+    results = ResultsFile(results_path, name="demo")
+    n = 0
+    for c in cells:
+        identity, key = keys[c.index]
+        if results.get(key) is not None:
+            continue
+        old = _old_cell_path(cfg, c, prints[c.cache], demo_dir)
+        if not old.is_file():
+            continue
+        try:
+            saved = json.loads(old.read_text())
+            nq = c.episode["way"] * c.episode["query"]
+            acc = [round(float(a) * nq) / nq for a in saved["accuracy"]]
+        except (ValueError, KeyError, TypeError):
+            continue  # a damaged old file: the cell is solved again
+        if len(acc) != c.episode["episodes"]:
+            continue
+        results.append(make_record(identity, acc, label=c.label, cache=c.cache, index=c.index, group="demo",
+                                   converted_from=str(old)))
+        n += 1
+    return n
+
+
+def _write_table(cfg: DemoConfig, rows: list[Row], table: Table, records: list[dict[str, Any]], demo_dir: Path,
+                 key: str, checkpoint: Path, features: Path, seconds: dict[str, float]) -> tuple[Path, Path]:
     md = (f"glyphs, {cfg.backbone} ({cfg.recipe}, {cfg.epochs} epochs, {cfg.image_size} px), "
           f"{cfg.episodes} episodes of {cfg.way}-way with {cfg.query} queries per class; "
-          f"accuracy % with 95% CI\n\n" + markdown_table(rows, cells, cfg) + "\n\n" + LEGEND + "\n")
+          f"accuracy % with 95% CI\n\n" + to_markdown(table) + "\n" + LEGEND + "\n")
+    by_label: dict[str, dict[str, list[float]]] = {}
+    for r in records:
+        setting = "transductive" if r["transductive"] else "inductive"
+        by_label.setdefault(r["label"], {})[f"{setting} {r['episode']['shot']}-shot"] = \
+            [100 * r["mean"], 100 * r["ci95"]]
     payload = {"config": dataclasses.asdict(cfg), "checkpoint": str(checkpoint), "features": str(features),
-               "seconds": seconds,
+               "results": str(demo_dir / RESULTS_FILE), "seconds": seconds,
                "machine": {"platform": platform.platform(), "processor": platform.processor(),
                            "cpu_count": os.cpu_count(), "torch": torch.__version__,
                            "torch_threads": torch.get_num_threads()},
                "rows": [{"label": r.label, "method": r.method, "negatives": r.negatives,
-                         "cells": {f"{s} {k}-shot": list(cells[(r.label, s, k)])
-                                   for s, k in COLUMNS if (r.label, s, k) in cells}} for r in rows]}
+                         "cells": by_label.get(r.label, {})} for r in rows]}
     tag = f"{key}-{_digest([cfg.episodes, cfg.shots, cfg.way, cfg.query, cfg.n_neg, cfg.seed])[:8]}"
     md_path, json_path = demo_dir / f"table-{tag}.md", demo_dir / f"table-{tag}.json"
     for path, text in ((md_path, md), (json_path, json.dumps(payload, indent=1))):
         with atomic_path(path) as tmp:
             tmp.write_text(text)
     return md_path, json_path
-

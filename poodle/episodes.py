@@ -17,6 +17,11 @@ Drawing one episode, in this order from its generator:
    0 queries. A class whose count would exceed its images minus ``shot`` gets all it has and the
    excess is re-spread over the others in proportion to their shares (never triggers when every
    class has ``shot + way * query`` images, e.g. mini-ImageNet).
+   With ``query_classes=n`` (PADDLE's "K_eff", Martin et al. 2022): first ``n`` of the ``way``
+   labels (``randperm(way)[:n]``) are the only ones with queries; the query set holds ``n * query``
+   queries, ``query`` each, or (with ``imbalance``) Dirichlet shares over those ``n``, rounded and
+   capped as above within the ``n``. Every support class is still present. Without it the draws
+   are exactly those above (episode files written before it existed stay valid).
 3. Per class in label order, a ``randperm`` of its images: the first ``shot`` are support, the
    next ``count`` are queries. Support and query are class-major.
 """
@@ -51,6 +56,7 @@ class EpisodeSpec:
     query: int = defaults.QUERY     # queries per class; the total is way * query
     imbalance: float | None = None  # Dirichlet concentration kappa (paper appendix); None: balanced
     seed: int = defaults.SEED
+    query_classes: int | None = None  # only this many of the way classes have queries; None: all
 
     def validate(self) -> None:
         """EpisodeError for counts below their minimum (a 1-way episode is 100% correct by
@@ -70,6 +76,10 @@ class EpisodeSpec:
             check_seed(self.seed)
         except ConfigError as e:
             raise EpisodeError(str(e), params=("seed",)) from None
+        n = self.query_classes
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.way):
+            raise EpisodeError(f"query_classes must be an integer in 1..way={self.way}, got {n!r}",
+                               params=("query_classes",))
 
     @property
     def n_support(self) -> int:
@@ -77,7 +87,7 @@ class EpisodeSpec:
 
     @property
     def n_query(self) -> int:
-        return self.way * self.query
+        return (self.way if self.query_classes is None else self.query_classes) * self.query
 
 
 @dataclass
@@ -207,17 +217,39 @@ def imbalanced_counts(p: Tensor, total: int, capacity: Tensor) -> Tensor:
         remaining = total - int(counts.sum())
 
 
+def query_counts(g: torch.Generator, spec: EpisodeSpec, capacity: Tensor) -> Tensor:
+    """Queries per label, int64 ``[way]`` summing to ``spec.n_query``, drawn from ``g`` right after
+    the classes (module docstring, step 2). ``capacity [way]``: each class's images minus ``shot``."""
+    way = spec.way
+    if spec.query_classes is None:
+        if spec.imbalance is None:
+            return torch.full((way,), spec.query, dtype=torch.int64)
+        gam = torch._standard_gamma(torch.full((way,), float(spec.imbalance), dtype=torch.float64), generator=g)
+        s = float(gam.sum())
+        p = gam / s if s > 0 else torch.nn.functional.one_hot(torch.tensor(0), way).double()
+        return imbalanced_counts(p, spec.n_query, capacity)
+    n = spec.query_classes
+    chosen = torch.randperm(way, generator=g)[:n]
+    if spec.imbalance is None:
+        counts = torch.zeros(way, dtype=torch.int64)
+        counts[chosen] = spec.query
+        return counts
+    gam = torch._standard_gamma(torch.full((n,), float(spec.imbalance), dtype=torch.float64), generator=g)
+    s = float(gam.sum())
+    share = gam / s if s > 0 else torch.nn.functional.one_hot(torch.tensor(0), n).double()
+    p = torch.zeros(way, dtype=torch.float64)
+    p[chosen] = share
+    # classes without queries have no capacity, so a capped class's excess stays within the n
+    cap = torch.zeros_like(capacity)
+    cap[chosen] = capacity[chosen]
+    return imbalanced_counts(p, spec.n_query, cap)
+
+
 def _draw_episode(g: torch.Generator, spec: EpisodeSpec, eligible: Tensor, members: list[Tensor],
                   counts_all: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     way, shot = spec.way, spec.shot
     cls = eligible[torch.randperm(eligible.shape[0], generator=g)[:way]]
-    if spec.imbalance is None:
-        qcounts = torch.full((way,), spec.query, dtype=torch.int64)
-    else:
-        gam = torch._standard_gamma(torch.full((way,), float(spec.imbalance), dtype=torch.float64), generator=g)
-        s = float(gam.sum())
-        p = gam / s if s > 0 else torch.nn.functional.one_hot(torch.tensor(0), way).double()
-        qcounts = imbalanced_counts(p, spec.n_query, counts_all[cls] - shot)
+    qcounts = query_counts(g, spec, counts_all[cls] - shot)
     sup, qry, qlab = [], [], []
     for k in range(way):
         rows = members[int(cls[k])]
@@ -229,6 +261,42 @@ def _draw_episode(g: torch.Generator, spec: EpisodeSpec, eligible: Tensor, membe
     return torch.cat(sup), torch.cat(qry), slab, torch.cat(qlab), cls
 
 
+class _Draw:
+    """What drawing needs from a split's labels, computed once: the classes with images, each
+    class's rows and counts. Drawing episode ``i`` then costs ``1 + way`` small ``randperm`` calls."""
+
+    def __init__(self, labels: Tensor, spec: EpisodeSpec, classes: Sequence[str] | None = None) -> None:
+        labels = torch.as_tensor(labels, dtype=torch.int64).cpu()
+        check_spec(labels, spec, classes)
+        self.spec = spec
+        self.n_rows = int(labels.shape[0])
+        self.counts_all = torch.bincount(labels)
+        self.eligible = (self.counts_all > 0).nonzero().flatten()
+        order = torch.argsort(labels, stable=True)
+        self.members = list(torch.split(order, self.counts_all.tolist()))
+
+    def __call__(self, start: int, n_episodes: int) -> EpisodeSet:
+        spec = self.spec
+        E, Ns = n_episodes, spec.n_support
+        sup, qry, qlab, cls = [], [], [], []
+        slab = torch.arange(spec.way, dtype=torch.int64).repeat_interleave(spec.shot)
+        for e in range(E):
+            s, q, slab, ql, c = _draw_episode(generator(spec.seed, start + e), spec, self.eligible, self.members,
+                                              self.counts_all)
+            sup.append(s)
+            qry.append(q)
+            qlab.append(ql)
+            cls.append(c)
+        return EpisodeSet(torch.stack(sup), torch.stack(qry), slab.unsqueeze(0).expand(E, Ns).contiguous(),
+                          torch.stack(qlab), None, spec, "", torch.arange(start, start + E, dtype=torch.int64),
+                          torch.stack(cls))
+
+
+def _check_count(n_episodes: object) -> None:
+    if isinstance(n_episodes, bool) or not isinstance(n_episodes, (int, np.integer)) or n_episodes < 1:
+        raise EpisodeError(f"the number of episodes must be a positive integer, got {n_episodes!r}")
+
+
 def sample_episodes(labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, classes: list[str] | None = None,
                     start: int = 0) -> EpisodeSet:
     """Draw episodes ``start .. start+n_episodes-1`` from a split with ``labels [N]`` (int64).
@@ -236,25 +304,58 @@ def sample_episodes(labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, class
     EpisodeError before any drawing when the setting is impossible (way above the number of
     classes, classes with fewer than ``shot + query`` images, named; non-positive counts).
     """
-    if isinstance(n_episodes, bool) or not isinstance(n_episodes, (int, np.integer)) or n_episodes < 1:
-        raise EpisodeError(f"the number of episodes must be a positive integer, got {n_episodes!r}")
-    labels = torch.as_tensor(labels, dtype=torch.int64).cpu()
-    check_spec(labels, spec, classes)
-    counts_all = torch.bincount(labels)
-    eligible = (counts_all > 0).nonzero().flatten()
-    order = torch.argsort(labels, stable=True)
-    members = list(torch.split(order, counts_all.tolist()))
-    E, Ns, Nq = n_episodes, spec.n_support, spec.n_query
-    out_s = torch.empty(E, Ns, dtype=torch.int64)
-    out_q = torch.empty(E, Nq, dtype=torch.int64)
-    out_ql = torch.empty(E, Nq, dtype=torch.int64)
-    out_c = torch.empty(E, spec.way, dtype=torch.int64)
-    slab = None
-    for e in range(E):
-        s, q, slab, ql, c = _draw_episode(generator(spec.seed, start + e), spec, eligible, members, counts_all)
-        out_s[e], out_q[e], out_ql[e], out_c[e] = s, q, ql, c
-    return EpisodeSet(out_s, out_q, slab.unsqueeze(0).expand(E, Ns).contiguous(), out_ql, None, spec,
-                      "", torch.arange(start, start + E, dtype=torch.int64), out_c)
+    _check_count(n_episodes)
+    return _Draw(labels, spec, classes)(start, int(n_episodes))
+
+
+class EpisodeStream:
+    """Episodes ``start .. start+n_episodes-1`` of ``(labels, spec)``, drawn only when a slice of them
+    is asked for: ``stream[a:b]`` is exactly ``sample_episodes(labels, spec, b - a, start=start + a)``.
+
+    :func:`poodle.evaluate.evaluate` accepts one in place of an :class:`EpisodeSet`; it draws each
+    chunk's episodes (and negatives) in the worker that solves the chunk, so a run of any length
+    starts solving at once and never holds the index tensors of all its episodes. The setting is
+    checked (EpisodeError) when the stream is made, as by :func:`sample_episodes`.
+    """
+
+    negatives: Tensor | None = None
+    negative_source: str = ""
+
+    def __init__(self, labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, classes: list[str] | None = None,
+                 start: int = 0) -> None:
+        _check_count(n_episodes)
+        self._draw = _Draw(labels, spec, classes)
+        self.spec = spec
+        self.start = int(start)
+        self.n = int(n_episodes)
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def index(self) -> Tensor:
+        """int64 ``[E]`` global episode numbers."""
+        return torch.arange(self.start, self.start + self.n, dtype=torch.int64)
+
+    def __getitem__(self, sl: slice) -> EpisodeSet:
+        if not isinstance(sl, slice):
+            raise TypeError("EpisodeStream supports slicing only, e.g. stream[10:20]")
+        a, b, step = sl.indices(self.n)
+        if step != 1:
+            raise TypeError("EpisodeStream slices must be contiguous (step 1)")
+        if b <= a:
+            raise EpisodeError(f"empty slice [{a}:{b}] of {self.n} episodes")
+        return self._draw(self.start + a, b - a)
+
+    def materialize(self) -> EpisodeSet:
+        """All the episodes, drawn now."""
+        return self[0:self.n]
+
+    def check_against(self, labels: Tensor, *, where: str = "episodes", pool_size: int | None = None) -> None:
+        """EpisodeError unless ``labels`` has as many rows as the split the stream draws from."""
+        if int(labels.shape[0]) != self._draw.n_rows:
+            raise EpisodeError(f"{where}: drawn from a split of {self._draw.n_rows} rows, but the features have "
+                               f"{int(labels.shape[0])}")
 
 
 # ------------------------------------------------------------------------------------------ files
@@ -281,6 +382,7 @@ def save_episodes(path: str | Path, eps: EpisodeSet, **attrs: object) -> Path:
             a["split"], a["way"], a["shot"], a["query"] = eps.spec.split, eps.spec.way, eps.spec.shot, eps.spec.query
             a["imbalance"] = 0.0 if eps.spec.imbalance is None else float(eps.spec.imbalance)  # 0: balanced
             a["seed"] = eps.spec.seed
+            a["query_classes"] = 0 if eps.spec.query_classes is None else int(eps.spec.query_classes)  # 0: all
             a["negative_source"] = eps.negative_source
             a["n_neg"] = 0 if eps.negatives is None else int(eps.negatives.shape[1])
             for k, v in attrs.items():
@@ -329,8 +431,10 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
             return int(v)
 
         kappa = float(num("imbalance", 0.0))
+        n_qc = integer("query_classes") if "query_classes" in a else 0      # 0: every class has queries
         spec = EpisodeSpec(split=txt(a["split"]), way=integer("way"), shot=integer("shot"), query=integer("query"),
-                           imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa, seed=integer("seed"))
+                           imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa, seed=integer("seed"),
+                           query_classes=None if n_qc == 0 else n_qc)
         try:
             spec.validate()
         except EpisodeError as e:
@@ -366,5 +470,5 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
     return eps
 
 
-__all__ = ["EpisodeSpec", "EpisodeSet", "sample_episodes", "save_episodes", "load_episodes", "check_spec",
-           "imbalanced_counts"]
+__all__ = ["EpisodeSpec", "EpisodeSet", "EpisodeStream", "sample_episodes", "save_episodes", "load_episodes", "check_spec",
+           "imbalanced_counts", "query_counts"]

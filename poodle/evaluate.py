@@ -5,7 +5,14 @@ every method sees the same chunk, hence identical episodes and identical negativ
 size is the smaller of what ``max_memory`` allows (a per-episode estimate of the gathered rows and
 the solver's buffers) and, on CPU, what keeps a chunk's rows cache-resident (the fine-tuning
 solvers read them twice per step; see docs/stage2.md for the measurements). Peak memory therefore
-depends on the chunk, not on the number of episodes.
+depends on the chunk, not on the number of episodes: at most two chunks per worker are in flight,
+and an :class:`~poodle.episodes.EpisodeStream` draws each chunk's episodes and negatives in the
+worker that solves it, so nothing is held per episode but its accuracy.
+
+The features and the negative pool are placed on the device once; each chunk is gathered there
+from index tensors (on CUDA the only host-to-device copies, pinned and non-blocking), and the
+solvers' step loops never read a value back to the host. The CUDA path is written for this but
+has not been run (no GPU was available when it was written).
 """
 
 from __future__ import annotations
@@ -13,14 +20,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from poodle import solvers
-from poodle.episodes import EpisodeSet
+from poodle import defaults, solvers
+from poodle.episodes import EpisodeSet, EpisodeStream
 from poodle.errors import ConfigError, EpisodeError
 from poodle.negatives import NegativeSpec, generate, load_pool, sample_indices
 from poodle.solvers.base import EpisodeBatch
@@ -83,7 +90,7 @@ def check_memory_bound(budget: int, n_rows: int, dim: int, way: int, workers: in
     return max(1, min(workers, budget // need))
 
 
-def prepare_negatives(episodes: EpisodeSet, negatives: NegativeSpec, cache_path: Any,
+def prepare_negatives(episodes: EpisodeSet | EpisodeStream, negatives: NegativeSpec, cache_path: Any,
                       dim: int) -> tuple[EpisodeSet, Tensor | None]:
     """Attach the negative indices of a pool source to ``episodes`` (reusing the ones it holds when
     they come from the same source) and return ``(episodes, pool [P, D] | None)``; generated
@@ -95,14 +102,10 @@ def prepare_negatives(episodes: EpisodeSet, negatives: NegativeSpec, cache_path:
     pool = load_pool(negatives.source, cache_path, dim=dim)
     M = negatives.n_neg
     if episodes.negatives is not None and episodes.negative_source == negatives.source:
-        if episodes.negatives.shape[1] != M:
-            raise EpisodeError(f"the episodes hold {episodes.negatives.shape[1]} negatives per episode from "
-                               f"{negatives.source!r}, but n_neg is {M}")
-        hi = int(episodes.negatives.max()) if episodes.negatives.numel() else 0
-        if int(episodes.negatives.min()) < 0 or hi >= pool.shape[0]:
-            raise EpisodeError(f"negative indices reach {hi} but the pool {negatives.source!r} has "
-                               f"{pool.shape[0]} rows; the episodes were saved with another pool")
+        _check_held(episodes.negatives, M, negatives.source, pool.shape[0])
         return episodes, pool
+    if isinstance(episodes, EpisodeStream):
+        episodes = episodes.materialize()
     idx = sample_indices(pool.shape[0], episodes.index, M, episodes.spec.seed)
     return episodes.with_negatives(idx, negatives.source), pool
 
@@ -131,9 +134,18 @@ def _resolve_methods(methods: Sequence[tuple[str, str, Any]]) -> list[tuple[str,
     return out
 
 
-def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, str, Any]], *,
+def default_budget(device: torch.device) -> int:
+    """The bound on the chunks in flight when none is given: ``poodle.defaults.MAX_MEMORY`` on CPU; on CUDA 80% of the
+    device's free memory (``torch.cuda.mem_get_info``) less the features already placed there."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(1 << 26, int(0.8 * free))
+    return parse_size(defaults.MAX_MEMORY)
+
+
+def evaluate(features: Any, episodes: EpisodeSet | EpisodeStream, methods: Sequence[tuple[str, str, Any]], *,
              negatives: NegativeSpec | None = None, cache_path: Any = None, device: str | torch.device = "auto",
-             max_memory: str | int = "2GiB", progress: Callable[[int], None] | None = None,
+             max_memory: str | int | None = None, progress: Callable[[int], None] | None = None,
              chunk_size: int | None = None, dtype: torch.dtype = torch.float32,
              workers: int | None = None, stats: dict | None = None, preprocess: Any = None) -> dict[str, Tensor]:
     """Per-episode accuracies of every method on ``episodes``.
@@ -141,11 +153,16 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
     Args:
         features: a ``poodle.cache.SplitFeatures`` (``features [N, D]`` normalised, ``labels [N]``)
             of the split the episodes index.
-        episodes: the episode set (its ``negatives`` indices are used when their source matches).
+        episodes: the episode set (its ``negatives`` indices are used when their source matches), or
+            an :class:`~poodle.episodes.EpisodeStream`, whose episodes and negatives are then drawn
+            chunk by chunk in the workers (identical results, flat memory, no start-up wait).
         methods: ``(label, method_name, config)`` triples; config a dataclass, a dict of options or None.
         negatives: the negative source and count; ``None`` means no negatives.
         cache_path: the cache file (its ``train`` split is the ``base`` pool).
-        device, max_memory: where to solve and the bound on a chunk's working set.
+        device: where to solve. The features and the negative pool are placed there once and every
+            chunk is gathered there (on CUDA only the small index tensors cross, pinned, non-blocking).
+        max_memory: the bound on the working set of the chunks in flight (all workers together);
+            ``None``: 2 GiB on CPU, 80% of the free device memory on CUDA.
         progress: called with the number of episodes just solved (all methods).
         chunk_size: episodes per chunk, overriding the automatic choice (tests, benchmarks).
         dtype: the solvers' float type (float64 for references).
@@ -153,15 +170,16 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
             solves whole chunks with single-threaded operations: a solver step is a few small
             operations, and splitting each of them across cores costs more in synchronisation than
             it gains (under any other load on the machine, far more). Results do not depend on it.
-        stats: if given, filled with ``chunk_size``, ``n_chunks``, ``device``, ``seconds`` per label.
+        stats: if given, filled with ``chunk_size``, ``n_chunks``, ``device``, ``seconds`` per label,
+            ``first_chunk_s`` (from the call to the first chunk solved).
         preprocess: a :class:`poodle.preprocess.Preprocessor` whose transform the negative pool gets
             (the caller transforms ``features`` itself).
 
     Returns:
         ``{label: float64 [E] accuracies in [0, 1]}`` on the CPU.
     """
+    t_call = time.perf_counter()
     dev = resolve_device(device)
-    budget = parse_size(max_memory)
     methods = _resolve_methods(methods)
     feats: Tensor = features.features
     labels: Tensor = features.labels
@@ -179,20 +197,24 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
     users = [name for _, name, cfg in methods if needs_negatives(name, cfg)]
     neg_spec = negatives if negatives is not None else NegativeSpec("none")
     pool: Tensor | None = None
-    neg_idx: Tensor | None = None
+    held = False   # whether the episodes' own negative indices are used
     M = 0
     if users:
         if neg_spec.is_none:
             raise ConfigError(f"method(s) {', '.join(sorted(set(users)))} need negatives; "
                               "set negatives to base, random, sphere or FILE[:SPLIT]")
-        episodes, pool = prepare_negatives(episodes, neg_spec, cache_path, D)
-        if pool is not None and preprocess is not None:
-            pool = preprocess.pool(neg_spec.source, cache_path, D)
-        neg_idx = episodes.negatives if pool is not None else None
+        neg_spec.validate()
         M = neg_spec.n_neg
+        if not neg_spec.generated:
+            pool = load_pool(neg_spec.source, cache_path, dim=D)
+            if preprocess is not None:
+                pool = preprocess.pool(neg_spec.source, cache_path, D)
+            held = episodes.negatives is not None and episodes.negative_source == neg_spec.source
+            if held:
+                _check_held(episodes.negatives, M, neg_spec.source, pool.shape[0])
 
     E = len(episodes)
-    Ns, Nq = episodes.support.shape[1], episodes.query.shape[1]
+    Ns, Nq = spec.n_support, spec.n_query
     itemsize = torch.empty((), dtype=dtype).element_size()
     if dev.type != "cpu":
         workers = 1
@@ -200,6 +222,10 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
         workers = torch.get_num_threads()
     if workers < 1:
         raise ConfigError(f"workers must be at least 1, got {workers}")
+    # features and pool live on the device, in the solvers' dtype, once (no copy when they already do)
+    feats_d = feats.to(device=dev, dtype=dtype)
+    pool_d = pool.to(device=dev, dtype=dtype) if pool is not None else None
+    budget = parse_size(max_memory) if max_memory is not None else default_budget(dev)
     if chunk_size is None:
         workers = check_memory_bound(budget, Ns + Nq + M, D, spec.way, workers, itemsize)
     # each worker holds one chunk: the memory bound is shared between them
@@ -207,55 +233,93 @@ def evaluate(features: Any, episodes: EpisodeSet, methods: Sequence[tuple[str, s
     chunk = max(1, min(int(chunk), E))
     results = {label: torch.empty(E, dtype=torch.float64) for label, _, _ in methods}
     seconds = {label: 0.0 for label, _, _ in methods}
+    cuda = dev.type == "cuda"
+
+    def to_dev(t: Tensor) -> Tensor:
+        # index tensors are the only host -> device traffic per chunk
+        return t.pin_memory().to(dev, non_blocking=True) if cuda else t
 
     def solve_chunk(a: int, b: int) -> dict[str, tuple[Tensor, float]]:
-        sup = feats[episodes.support[a:b]].to(device=dev, dtype=dtype)
-        qry = feats[episodes.query[a:b]].to(device=dev, dtype=dtype)
+        sub = episodes[a:b]
+        sup = feats_d[to_dev(sub.support)]
+        qry = feats_d[to_dev(sub.query)]
         neg = None
         if users:
-            if pool is not None:
-                neg = pool[neg_idx[a:b]].to(device=dev, dtype=dtype)
+            if pool_d is not None:
+                idx = sub.negatives if held else sample_indices(pool_d.shape[0], sub.index, M, spec.seed)
+                neg = pool_d[to_dev(idx)]
             else:
-                neg = generate(neg_spec.source, episodes.index[a:b], M, D, spec.seed).to(device=dev, dtype=dtype)
-        sup_labels = episodes.support_labels[a:b].to(dev)
-        qlab = episodes.query_labels[a:b].to(dev)
+                neg = to_dev(generate(neg_spec.source, sub.index, M, D, spec.seed)).to(dtype)
+        sup_labels = to_dev(sub.support_labels)
+        qlab = to_dev(sub.query_labels)
         done: dict[str, tuple[Tensor, float]] = {}
         for label, name, cfg in methods:
             t0 = time.perf_counter()
             b_in = EpisodeBatch(sup, sup_labels, qry, neg if needs_negatives(name, cfg) else None, spec.way)
             out = solvers.get(name).fn(b_in, cfg)
-            correct = (out.log_probs.argmax(-1) == qlab).to(torch.float64).mean(1).cpu()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            correct = (out.log_probs.argmax(-1) == qlab).to(torch.float64).mean(1).cpu()   # syncs on CUDA
             done[label] = (correct, time.perf_counter() - t0)
+            del out, b_in
         return done
 
-    bounds = [(a, min(E, a + chunk)) for a in range(0, E, chunk)]
+    # the first chunks ramp up (1, 2, 4, ... episodes up to the chunk size) so the first results come
+    # within a fraction of a second; results do not depend on chunking (tested)
+    bounds, a, size = [], 0, max(1, chunk // 8) if E > 8 * chunk else chunk
+    while a < E:
+        bounds.append((a, min(E, a + size)))
+        a, size = a + size, min(chunk, 2 * size)
     n_workers = min(workers, len(bounds))
+    first_chunk_s: float | None = None
+
+    def collect(a: int, b: int, done: dict[str, tuple[Tensor, float]]) -> None:
+        nonlocal first_chunk_s
+        if first_chunk_s is None:
+            first_chunk_s = time.perf_counter() - t_call
+        for label, (correct, secs) in done.items():
+            results[label][a:b] = correct
+            seconds[label] += secs
+        if progress is not None:
+            progress(b - a)
+
     with _single_threaded_ops(n_workers > 1):
         if n_workers > 1:
-            pool_ex = ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="poodle-chunk")
-            jobs = {pool_ex.submit(solve_chunk, a, b): (a, b) for a, b in bounds}
-            finished = as_completed(jobs)
+            # at most two chunks per worker in flight: memory does not grow with the number of chunks
+            with ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="poodle-chunk") as ex:
+                pending: dict[Future, tuple[int, int]] = {}
+                todo = iter(bounds)
+                try:
+                    for a, b in todo:
+                        pending[ex.submit(solve_chunk, a, b)] = (a, b)
+                        if len(pending) >= 2 * n_workers:
+                            break
+                    while pending:
+                        finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                        for fut in finished:
+                            a, b = pending.pop(fut)
+                            collect(a, b, fut.result())
+                            nxt = next(todo, None)
+                            if nxt is not None:
+                                pending[ex.submit(solve_chunk, *nxt)] = nxt
+                finally:
+                    for fut in pending:
+                        fut.cancel()
         else:
-            pool_ex = None
-            finished = ((a, b) for a, b in bounds)
-        try:
-            for item in finished:
-                a, b = jobs[item] if pool_ex is not None else item
-                done = item.result() if pool_ex is not None else solve_chunk(a, b)
-                for label, (correct, secs) in done.items():
-                    results[label][a:b] = correct
-                    seconds[label] += secs
-                if progress is not None:
-                    progress(b - a)
-        finally:
-            if pool_ex is not None:
-                pool_ex.shutdown(wait=True, cancel_futures=True)
+            for a, b in bounds:
+                collect(a, b, solve_chunk(a, b))
     if stats is not None:
         stats.update(chunk_size=chunk, n_chunks=len(bounds), device=str(dev), seconds=seconds,
-                     n_neg=M if users else 0, workers=n_workers)
+                     n_neg=M if users else 0, workers=n_workers, first_chunk_s=first_chunk_s,
+                     max_memory=budget)
     return results
+
+
+def _check_held(neg: Tensor, M: int, source: str, pool_rows: int) -> None:
+    if neg.shape[1] != M:
+        raise EpisodeError(f"the episodes hold {neg.shape[1]} negatives per episode from {source!r}, but n_neg is {M}")
+    hi = int(neg.max()) if neg.numel() else 0
+    if (int(neg.min()) if neg.numel() else 0) < 0 or hi >= pool_rows:
+        raise EpisodeError(f"negative indices reach {hi} but the pool {source!r} has {pool_rows} rows; "
+                           "the episodes were saved with another pool")
 
 
 def summarize(acc: Tensor) -> tuple[float, float]:

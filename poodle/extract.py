@@ -20,8 +20,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from poodle.cache import (FEATURE_DTYPES, SplitWriter, identity_mismatches, make_root_attrs, read_attrs,
-                          samples_digest)
+from poodle.cache import (
+    FEATURE_DTYPES,
+    SplitWriter,
+    identity_mismatches,
+    make_root_attrs,
+    partial_path,
+    read_attrs,
+    samples_digest,
+)
+from poodle.cache_shares import share_files
 from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
 
 ProgressFactory = Callable[[str, int], ContextManager[Callable[[int], None]]]
@@ -37,8 +45,10 @@ def cache_path(cache_root: str | os.PathLike, dataset: str, backbone: str, tag: 
 
 
 def default_workers() -> int:
-    """DataLoader workers when none are asked for: one per core, at most 8."""
-    return max(0, min(8, (os.cpu_count() or 1)))
+    """DataLoader workers when none are asked for: one per core (shared among torchrun's processes on
+    the node), at most 8."""
+    per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(0, min(8, (os.cpu_count() or 1) // per_node))
 
 
 def _parse_splits(splits: Sequence[str] | str) -> list[str]:
@@ -78,11 +88,11 @@ def _exact_math(device: torch.device) -> Iterator[None]:
 
 def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None = None,
             checkpoint: str | os.PathLike | None = None,
-            splits: Sequence[str] | str = ("train", "val", "test"), image_size: int | None = None,
-            batch_size: int = 64, crop_pct: float | None = None, interpolation: str | None = None,
+            splits: Sequence[str] | str = ("train", "val", "test"), image_size: int | None = None, batch_size: int = 64,
             device: str | torch.device = "auto", cache_root: str | os.PathLike = "cache", tag: str | None = None,
             dtype: str = "float32", workers: int | None = None, force: bool = False, skip_bad: bool = False,
             progress_factory: ProgressFactory | None = None, log: Callable[[str], None] | None = None,
+            cub_split: str = "release", crop_pct: float | None = None, interpolation: str | None = None,
             source: Any = None) -> Path:
     """Extract L2-normalised features of ``splits`` of ``dataset`` with ``backbone`` into the cache.
 
@@ -92,10 +102,9 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
             ``timm:NAME`` (any model of those libraries; see :mod:`poodle.backbones.external`).
         checkpoint: weights to load (strictly); without one the backbone keeps its random
             initialisation, drawn from seed 0, and the cache records ``checkpoint_sha256="none"``.
-        image_size: side of the centre crop fed to the backbone (None: 84, the paper's, for the
-            release's backbones; the model's own input size for torchvision/timm ones).
-        crop_pct, interpolation: override the crop fraction (crop / resize) and the resize
-            interpolation of a torchvision/timm model's evaluation transform.
+        image_size: side of the centre crop fed to the backbone (the paper: 84). None: 84, or the
+            images' own side for datasets of one size (32 for cifar-fs and fc100), which are then fed
+            as they are, without resizing or cropping.
         dtype: float32 or float16, the storage type of the features.
         workers: DataLoader worker processes (None: :func:`default_workers`; 0 decodes in-process).
         force: recompute complete splits, and replace a cache made by another backbone, checkpoint,
@@ -105,84 +114,141 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
         progress_factory: ``(description, total) -> context manager yielding advance(n)``, entered
             once per split extracted.
         log: receives one line per notable event (split skipped, resumed, written).
+        cub_split: ``release`` (100/50/50) or ``140-30-30`` for ``dataset="cub"``; the latter is
+            cached as dataset ``cub-140-30-30``.
+        crop_pct, interpolation: override the crop fraction (crop / resize) and the resize
+            interpolation of a torchvision/timm model's evaluation transform (whose input size is the
+            default ``image_size`` then).
         source: a :class:`poodle.data.DatasetSource` to read instead of resolving ``dataset``
             (``dataset`` then only names the cache; ``poodle predict`` passes its image lists).
+
+    Under torchrun (``WORLD_SIZE`` > 1) every process calls this function; each extracts a share of
+    every split and rank 0 merges them (:mod:`poodle.cache_shares`), logs and reports progress.
 
     Returns:
         The cache path. Every requested split is complete in it.
     """
-    from poodle import backbones
+    from poodle import backbones, distributed
     from poodle.data import ImageDataset, resolve_dataset
-    from poodle.utils import check_writable_dir, file_sha256, resolve_device
+    from poodle.data.transforms import eval_transform, native_eval_transform
+    from poodle.utils import check_writable_dir, file_sha256
 
-    say = log or (lambda msg: None)
-    progress_factory = progress_factory or _no_progress
-    # -- options and names (cheap)
-    if dtype not in FEATURE_DTYPES:
-        raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
-    if (image_size is not None and image_size < 1) or batch_size < 1:
-        raise ConfigError(f"image size and batch size must be positive, got {image_size} and {batch_size}")
-    workers = default_workers() if workers is None else int(workers)
-    if workers < 0:
-        raise ConfigError(f"--workers must be >= 0, got {workers}")
-    split_list = _parse_splits(splits)
-    backbone, tf, image_size, build = resolve_backbone(backbone, image_size=image_size, crop_pct=crop_pct,
-                                                       interpolation=interpolation)
-    out = cache_path(cache_root, dataset, backbones.external.file_stem(backbone), tag)
-    dev = resolve_device(device)
-    # -- the output place, before any work: a directory in the way, or a place we cannot write,
-    # would otherwise surface only when the first split is committed
-    if out.is_dir():
-        raise CacheError(f"cache path {out} is a directory; remove it or choose another --cache-root/--tag")
-    check_writable_dir(out, "cache")
-    # -- data: split files, rows, images exist, no empty class
-    if source is None:
-        source = resolve_dataset(dataset, data_root, Path(cache_root))
-    samples = {s: source.samples(s) for s in split_list}
-    # -- checkpoint file
-    sha = "none"
-    if checkpoint is not None:
-        ck = Path(checkpoint).expanduser()
-        if not ck.is_file():
-            raise CheckpointError(f"checkpoint {ck} does not exist")
-        sha = file_sha256(ck)
-    root_attrs = make_root_attrs(dataset, backbone, checkpoint_sha256=sha, image_size=image_size,
-                                 transform=tf.description, data_root=str(Path(source.root).resolve()))
-    # -- the existing cache: refuse what would mix features of different provenance
-    fresh, done = False, set()
-    if out.exists():
-        try:
-            attrs = read_attrs(out)
-        except CacheError as e:
-            if not force:
-                raise CacheError(f"{e}; pass --force to overwrite it, or --tag NAME to write another file") from None
-            fresh = True
-            say(f"{out} is not a poodle cache: replacing it (--force)")
+    # Under torchrun every rank runs this function: the checks on every rank (they agree), the
+    # writing of the final cache on rank 0 only, which alone reports (see poodle.distributed).
+    d = distributed.init(device)
+    say = (log or (lambda msg: None)) if d.main else (lambda msg: None)
+    progress_factory = (progress_factory or _no_progress) if d.main else _no_progress
+    dev = d.device
+    with d.guard():
+        # -- options and names (cheap)
+        if dtype not in FEATURE_DTYPES:
+            raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
+        if (image_size is not None and image_size < 1) or batch_size < 1:
+            raise ConfigError(f"image size and batch size must be positive, got {image_size} and {batch_size}")
+        workers = default_workers() if workers is None else int(workers)
+        if workers < 0:
+            raise ConfigError(f"--workers must be >= 0, got {workers}")
+        split_list = _parse_splits(splits)
+        if cub_split != "release" and dataset != "cub":
+            raise ConfigError(f"--cub-split {cub_split} is an option of --dataset cub, not {dataset}")
+        external = backbones.is_external(backbone)
+        ext_tf = None
+        if external:
+            # torchvision:/timm: models: the model's own evaluation transform (options override it)
+            ts = backbones.eval_transform_spec(backbone, image_size=image_size, crop_pct=crop_pct,
+                                               interpolation=interpolation)
+            ext_tf, image_size = ts.build(), ts.crop
+            min_size = 1
+            build = lambda: backbones.build_external(backbone, image_size=ts.crop)  # noqa: E731
         else:
-            mism = identity_mismatches(attrs, root_attrs)
-            if mism and not force:
-                raise CacheError(f"{out} holds features made with {'; '.join(mism)}; pass --force to replace "
-                                 f"it, or --tag NAME to write another file")
-            if mism:
+            spec = backbones.get_spec(backbone)
+            backbone = spec.name
+            min_size = spec.min_input_size
+            if crop_pct is not None or interpolation is not None:
+                raise ConfigError(f"--crop-pct and --interpolation apply to torchvision:/timm: backbones; {backbone} "
+                                  f"uses the release's transform (resize to size*256/224, bilinear)")
+            if image_size is not None and image_size < min_size:
+                raise ConfigError(f"backbone {backbone} needs --image-size >= {min_size}, got {image_size}")
+            build = lambda: backbones.build(backbone)  # noqa: E731
+        stem = backbones.external.file_stem(backbone)
+        out = cache_path(cache_root, dataset, stem, tag)
+        given_source = source
+        # -- data: split files, rows, images exist, no empty class (rank 0 first: glyphs may be generated)
+        if d.main:
+            source = given_source or resolve_dataset(dataset, data_root, Path(cache_root), cub_split=cub_split)
+    with d.guard():
+        if not d.main:
+            source = given_source or resolve_dataset(dataset, data_root, Path(cache_root), cub_split=cub_split)
+        if given_source is None:
+            dataset = source.name  # e.g. cub-140-30-30: another split is another dataset in the cache
+        out = cache_path(cache_root, dataset, stem, tag)
+        # -- the output place, before any work: a directory in the way, or a place we cannot write,
+        # would otherwise surface only when the first split is committed
+        if out.is_dir():
+            raise CacheError(f"cache path {out} is a directory; remove it or choose another --cache-root/--tag")
+        check_writable_dir(out, "cache")
+        native = getattr(source, "native_size", None)
+        if image_size is None:
+            image_size = native or 84
+            if image_size < min_size:
+                raise ConfigError(f"backbone {backbone} needs --image-size >= {min_size}; {dataset}'s "
+                                  f"images are {image_size} px")
+        samples = {s: source.samples(s) for s in split_list}
+        # -- checkpoint file
+        sha = "none"
+        if checkpoint is not None:
+            ck = Path(checkpoint).expanduser()
+            if not ck.is_file():
+                raise CheckpointError(f"checkpoint {ck} does not exist")
+            sha = file_sha256(ck)
+        if ext_tf is not None:
+            tf = ext_tf
+        else:
+            tf = native_eval_transform(image_size) if image_size == native else eval_transform(image_size)
+        root_attrs = make_root_attrs(dataset, backbone, checkpoint_sha256=sha, image_size=image_size,
+                                     transform=tf.description, data_root=str(Path(source.root).resolve()))
+        # -- the existing cache: refuse what would mix features of different provenance
+        fresh, done = False, set()
+        if out.exists():
+            try:
+                attrs = read_attrs(out)
+            except CacheError as e:
+                if not force:
+                    raise CacheError(f"{e}; pass --force to overwrite it, or --tag NAME to write another file"
+                                     ) from None
                 fresh = True
-                say(f"{out} was made with other settings: replacing it (--force)")
+                say(f"{out} is not a poodle cache: replacing it (--force)")
             else:
-                done = _complete_splits(out, split_list, samples, dtype, force, say)
-    todo = [s for s in split_list if s not in done]
+                mism = identity_mismatches(attrs, root_attrs)
+                if mism and not force:
+                    raise CacheError(f"{out} holds features made with {'; '.join(mism)}; pass --force to replace "
+                                     f"it, or --tag NAME to write another file")
+                if mism:
+                    fresh = True
+                    say(f"{out} was made with other settings: replacing it (--force)")
+                else:
+                    done = _complete_splits(out, split_list, samples, dtype, force, say)
+        todo = [s for s in split_list if s not in done]
     if not todo:
         return out
     # -- the model (expensive)
-    # Without a checkpoint the weights are random: seed them, so a resumed split is made by the same
-    # network as its first part (and two runs agree).
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = build()
-    if checkpoint is not None:
-        backbones.load_checkpoint(model, checkpoint)
-    model.eval().to(dev)
+    with d.guard():
+        # Without a checkpoint the weights are random: seed them, so a resumed split is made by the same
+        # network as its first part (and two runs, or two ranks, agree).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = build()
+        if checkpoint is not None:
+            backbones.load_checkpoint(model, checkpoint)
+        model.eval().to(dev)
     for split in todo:
         source_classes = source.classes(split)
         ds = ImageDataset(source, split, tf, on_error="sentinel")
+        if d.enabled or share_files(out, split):
+            _extract_shared(d, model, ds, out, split, samples_digest(samples[split]), root_attrs, dtype, batch_size,
+                            workers, skip_bad, progress_factory, say, fresh=fresh, force=force)
+            fresh = False
+            continue
         with SplitWriter(out, split, root_attrs=root_attrs, classes=source_classes,
                          samples_sha256=samples_digest(samples[split]), n_total=len(ds), dim=model.feature_dim,
                          dtype=dtype, restart=force) as writer:
@@ -190,10 +256,7 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
                 say(f"{split}: resuming after image {writer.n_consumed} of {len(ds)}")
             _run_split(model, ds, writer, dev, batch_size, workers, skip_bad, progress_factory)
             counts = writer.class_counts()
-            empty = np.flatnonzero(counts == 0)
-            if empty.size:
-                raise DataError(f"split {split}: class {source_classes[int(empty[0])]!r} has no images left "
-                                f"after skipping unreadable ones")
+            _check_no_empty_class(split, source_classes, counts)
             n_skipped = writer.n_consumed - writer.n_rows
             writer.commit(fresh=fresh)
         fresh = False
@@ -202,26 +265,56 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
     return out
 
 
-def resolve_backbone(backbone: str, *, image_size: int | None = None, crop_pct: float | None = None,
-                     interpolation: str | None = None) -> tuple[str, Any, int, Callable[[], Any]]:
-    """``(canonical name, evaluation transform, crop side, builder)`` of a backbone name, without
-    building the model (cheap; ConfigError for an unknown name or bad option). The transform carries
-    the ``description`` the cache records; the builder returns the model with fresh weights."""
-    from poodle import backbones
-    from poodle.data.transforms import eval_transform
+def _check_no_empty_class(split: str, classes: Sequence[str], counts: np.ndarray) -> None:
+    empty = np.flatnonzero(counts == 0)
+    if empty.size:
+        raise DataError(f"split {split}: class {classes[int(empty[0])]!r} has no images left "
+                        f"after skipping unreadable ones")
 
-    if backbones.is_external(backbone):
-        ts = backbones.eval_transform_spec(backbone, image_size=image_size, crop_pct=crop_pct,
-                                           interpolation=interpolation)
-        return backbone, ts.build(), ts.crop, lambda: backbones.build_external(backbone, image_size=ts.crop)
-    spec = backbones.get_spec(backbone)
-    if crop_pct is not None or interpolation is not None:
-        raise ConfigError(f"--crop-pct and --interpolation apply to torchvision:/timm: backbones; {spec.name} "
-                          f"uses the release's transform (resize to size*256/224, bilinear)")
-    size = 84 if image_size is None else int(image_size)
-    if size < spec.min_input_size:
-        raise ConfigError(f"backbone {spec.name} needs --image-size >= {spec.min_input_size}, got {size}")
-    return spec.name, eval_transform(size), size, lambda: backbones.build(spec.name)
+
+def _extract_shared(d: Any, model: torch.nn.Module, ds: Any, out: Path, split: str, digest: str,
+                    root_attrs: dict[str, Any], dtype: str, batch_size: int, workers: int, skip_bad: bool,
+                    progress_factory: ProgressFactory, say: Callable[[str], None], *, fresh: bool,
+                    force: bool) -> None:
+    """One split across the ranks of ``d``: plan on rank 0, a share per rank, merge on rank 0."""
+    from poodle import cache_shares as cs
+
+    n, dim = len(ds), int(model.feature_dim)
+    key = cs.share_key(digest, n, dim, dtype, root_attrs, batch_size)
+    pieces = None
+    with d.guard():
+        if d.main:
+            if force:
+                for p in [*cs.share_files(out, split), partial_path(out, split)]:
+                    p.unlink(missing_ok=True)
+            covered, stale = cs.scan(out, split, key)
+            for p in stale:
+                p.unlink()
+            staged = sum(c.consumed for c in covered)
+            if staged:
+                say(f"{split}: resuming, {staged} of {n} images already staged in {len(covered)} file(s)")
+            pieces = cs.plan(covered, n, batch_size, d.world)
+    pieces = d.broadcast_json(pieces)
+    mine = [(int(a), int(b)) for a, b in pieces[d.rank]]
+    with d.guard():
+        total = sum(b - a for a, b in mine)
+        desc = split if d.world == 1 else f"{split} (rank 0 of {d.world})"
+        with progress_factory(desc, total) as advance:
+            for a, b in mine:
+                with cs.ShareWriter(out, split, a, b, key=key, root_attrs=root_attrs, classes=ds.classes, dim=dim,
+                                    dtype=dtype) as writer:
+                    _run_split(model, ds, writer, d.device, batch_size, workers, skip_bad,
+                               lambda _desc, _total: contextlib.nullcontext(advance))
+    with d.guard():
+        if d.main:
+            covered, _ = cs.scan(out, split, key)
+            _check_no_empty_class(split, ds.classes, cs.class_counts(covered, split, len(ds.classes)))
+            rows, skipped = cs.commit_shares(out, split, covered, n_split=n, batch_size=batch_size,
+                                             root_attrs=root_attrs, classes=ds.classes, dim=dim, dtype=dtype,
+                                             samples_sha256=digest, fresh=fresh)
+            say(f"{split}: {rows} images, {len(ds.classes)} classes written to {out}"
+                + (f" by {d.world} processes" if d.world > 1 else "")
+                + (f" ({skipped} unreadable images skipped)" if skipped else ""))
 
 
 def _complete_splits(out: Path, split_list: list[str], samples: dict[str, list[tuple[str, str]]], dtype: str,
@@ -256,13 +349,15 @@ def _complete_splits(out: Path, split_list: list[str], samples: dict[str, list[t
 
 def _run_split(model: torch.nn.Module, ds: Any, writer: SplitWriter, dev: torch.device, batch_size: int,
                workers: int, skip_bad: bool, progress_factory: ProgressFactory) -> None:
-    start, n = writer.n_consumed, len(ds)
+    # A share writer (poodle.cache_shares) holds rows [writer.start, writer.stop) of the split.
+    offset = getattr(writer, "start", 0)
+    start, n = offset + writer.n_consumed, offset + writer.n_total
     if start >= n:
         return
     loader = DataLoader(Subset(ds, range(start, n)), batch_size=batch_size, shuffle=False, num_workers=workers,
                         pin_memory=dev.type == "cuda")
     pos = start
-    desc = ds.split if start == 0 else f"{ds.split} (resumed)"
+    desc = ds.split if start == offset else f"{ds.split} (resumed)"
     # Fork the workers while the staging file is closed: they would inherit its lock otherwise.
     writer.close()
     batches = iter(loader)

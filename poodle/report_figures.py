@@ -22,17 +22,26 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+import matplotlib.colors as mcolors
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 from poodle.errors import ConfigError
-from poodle.report import (Result, _hashable, _value_order, drop_derived, format_value, key_name, paired_ttest,
-                           varying_keys)
+from poodle.report import (
+    Result,
+    _hashable,
+    _value_order,
+    drop_derived,
+    format_value,
+    key_name,
+    paired_ttest,
+    varying_keys,
+)
+from poodle.utils import atomic_path
 
 
 def _figure(w: float, h: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(w, h), dpi=150, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
@@ -40,8 +49,6 @@ def _figure(w: float, h: float):
 
 def save_figure(fig: Any, out: str | Path) -> list[Path]:
     """Write ``out`` with suffix .png and .pdf (whatever suffix ``out`` has); returns both paths."""
-    from poodle.utils import atomic_path
-
     out = Path(out)
     stem = out.with_suffix("") if out.suffix.lower() in (".png", ".pdf") else out
     paths = []
@@ -120,8 +127,6 @@ def heatmap(results: Sequence[Result], out: str | Path, *, baseline: str = "zero
     for row in axes:
         for ax in row:
             ax.set_visible(False)
-    import matplotlib.colors as mcolors
-
     panels_data = []
     for values, group in groups:
         if baseline == "zero":

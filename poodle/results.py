@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from poodle import __version__, solvers
-from poodle.defaults import EPISODE_KEYS
+from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
 from poodle.utils import atomic_path, file_sha256
 
@@ -97,7 +97,9 @@ def make_identity(*, cache_id: str, episode: Mapping[str, Any], negatives: str, 
     missing = [k for k in EPISODE_FIELDS if k not in episode]
     if missing:
         raise ConfigError(f"episode settings lack {', '.join(missing)}")
-    identity = {"cache_id": cache_id, "episode": {k: jsonable(episode[k]) for k in EPISODE_FIELDS},
+    ep = {k: jsonable(episode[k]) for k in EPISODE_FIELDS}
+    ep.update({k: jsonable(episode[k]) for k in OPTIONAL_EPISODE_KEYS if episode.get(k) is not None})
+    identity = {"cache_id": cache_id, "episode": ep,
                 "negatives": negatives, "negatives_id": negatives_id,
                 "n_neg": None if negatives == "none" else n_neg, "method": method,
                 "options": jsonable(dict(options)), "transductive": bool(transductive)}

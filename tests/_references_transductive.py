@@ -186,12 +186,37 @@ def bd_cspn(z_s, y, z_q, way, *, epsilon, shift):
     return torch.log_softmax(epsilon * _cos(z_q, p), 1), {"prototypes": p}
 
 
-def laplacianshot(z_s, y, z_q, way, *, knn, lmd, steps, tol, rectify, epsilon):
-    m = _rectify(z_s, y, z_q, way, epsilon, True)[0] if rectify else _means(z_s, y, way)
-    unary = _d2(z_q, m)
+def _released_rectify(z_s, y, z_q, way, epsilon):
+    # imtiazziko/LaplacianShot metric_class_type with proto_rect: every point re-predicted, weights
+    # a softmax over classes, plain mean over the members, empty classes dropped
+    z_q = z_q + (z_s.mean(0) - z_q.mean(0))
+    x = torch.cat([z_s, z_q])
+    base = _means(z_s, y, way)
+    cos = _cos(x, base)
+    pred = cos.argmax(1)
+    weights = torch.softmax(epsilon * cos, 1)
+    kept = [k for k in range(way) if (pred == k).any()]
+    protos = torch.stack([(weights[pred == k, k][:, None] * x[pred == k]).mean(0) for k in kept])
+    return protos, kept, z_q
+
+
+def laplacianshot(z_s, y, z_q, way, *, knn, lmd, steps, tol, rectify, epsilon, preset, self_neighbour,
+                  released_rectification, shifted_unary):
+    official = preset == "official"
+    self_nb, released, shifted = [official if v is None else v
+                                  for v in (self_neighbour, released_rectification, shifted_unary)]
+    kept = list(range(way))
+    if rectify and released:
+        m, kept, z_shift = _released_rectify(z_s, y, z_q, way, epsilon)
+    elif rectify:
+        m, z_shift = _rectify(z_s, y, z_q, way, epsilon, True)
+    else:
+        m, z_shift = _means(z_s, y, way), z_q
+    z_u = z_shift if (shifted and rectify) else z_q
+    unary = _d2(z_u, m)                                     # [Nq, len(kept)]
     n = len(z_q)
     w = torch.zeros(n, n, dtype=z_q.dtype)
-    k = min(knn, n - 1)
+    k = min(knn - 1 if self_nb else knn, n - 1)
     dist = _d2(z_q, z_q).sqrt()
     for i in range(n):
         others = [j for j in torch.argsort(dist[i]).tolist() if j != i]
@@ -209,6 +234,14 @@ def laplacianshot(z_s, y, z_q, way, *, knn, lmd, steps, tol, rectify, epsilon):
         if i > 1 and abs(e - old) <= tol * abs(old):
             break
         old = e
+    if rectify and released:
+        # the shortened prototype list: column j is the j-th kept class, labels past it get nothing
+        probs = torch.zeros(n, way, dtype=z_q.dtype)
+        probs[:, :len(kept)] = y_
+        lp = torch.log_softmax(torch.log(probs.clamp_min(1e-30)), 1)
+        full = torch.zeros(way, z_s.shape[1], dtype=z_s.dtype)
+        full[kept] = m
+        return lp, {"prototypes": full, "iterations": torch.tensor(iters)}
     return torch.log_softmax(logits, 1), {"prototypes": m, "iterations": torch.tensor(iters)}
 
 
@@ -259,8 +292,143 @@ def pt_map(z_s, y, z_q, way, *, beta, lam, alpha, steps, sinkhorn_tol, sinkhorn_
     return torch.log(p / p.sum(1, keepdim=True)), {"prototypes": mu, "assignments": p}
 
 
+# ------------------------------------------------------------------ realistic-query competitors
+def alpha_tim(z_s, y, z_q, way, *, alpha, ce_weight, marginal_weight, conditional_weight, temperature, lr, steps):
+    shot = len(y) // way
+    a = alpha if alpha > 0 else (2.0 if shot == 1 else 7.0 if shot >= 5 else 5.0)
+    w = _means(z_s, y, way).clone().requires_grad_(True)
+    opt = torch.optim.Adam([w], lr=lr)
+    onehot = torch.eye(way, dtype=z_s.dtype)[y]
+    for _ in range(steps):
+        ce = -(onehot * torch.log_softmax(-(temperature / 2) * _d2(z_s, w), 1)).sum(1).mean()
+        p = torch.softmax(-(temperature / 2) * _d2(z_q, w), 1)
+        h_marg = (1 - (p.mean(0) ** a).sum()) / (a - 1)
+        h_cond = ((1 - ((p + 1e-12) ** a).sum(1)) / (a - 1)).mean()
+        loss = ce_weight * ce - (marginal_weight * h_marg - conditional_weight * h_cond)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        return torch.log_softmax(-(temperature / 2) * _d2(z_q, w), 1), {"prototypes": w.detach()}
+
+
+def paddle(z_s, y, z_q, way, *, lmd, steps, scale_features):
+    if scale_features:
+        lo, hi = z_q.min(0).values, z_q.max(0).values
+        rng = torch.where(hi - lo == 0, torch.ones_like(lo), hi - lo)
+        z_s, z_q = (z_s - lo) / rng, (z_q - lo) / rng
+    n_q = len(z_q)
+    lam = lmd if lmd > 0 else n_q
+    w = _means(z_s, y, way)
+    v = torch.zeros(way, dtype=z_q.dtype)
+    onehot = torch.eye(way, dtype=z_s.dtype)[y]
+    for _ in range(steps):
+        u = torch.softmax(-0.5 * _d2(z_q, w) + lam * v / n_q, 1)
+        v = torch.log(u.mean(0) + 1e-6) + 1
+        w = torch.stack([(u[:, k] @ z_q + onehot[:, k] @ z_s) / (u[:, k].sum() + onehot[:, k].sum())
+                         for k in range(way)])
+    return torch.log(u / u.sum(1, keepdim=True)), {"prototypes": w, "assignments": u}
+
+
+def _pt(x, beta):
+    return torch.sign(x) * (x.abs() + 1e-6) ** beta + (x == 0).double() * 1e-6 ** beta
+
+
+def bms(z_s, y, z_q, way, *, power, lam, steps, sinkhorn_iter, epochs, lr, momentum):
+    n_s = len(z_s)
+    z = _unit(_pt(torch.cat([z_s, z_q]), power))
+    z = _unit(z - z.mean(0))
+    onehot = torch.eye(way, dtype=z.dtype)[y]
+    mu = _unit(_means(z[:n_s], y, way))
+    min_size = float(n_s // way)
+    for _ in range(steps):
+        q = torch.softmax(lam * z[n_s:] @ mu.T, 1)
+        for _ in range(sinkhorn_iter):
+            q = q / q.sum(1, keepdim=True)
+            for k in range(way):
+                if q[:, k].sum() < min_size:
+                    q[:, k] = q[:, k] / ((q[:, k] + 1e-20).sum() / min_size)
+        wm = torch.cat([onehot, q])
+        labels = wm.argmax(1)
+        min_size = float(min((labels == k).sum() for k in range(way)))
+        mu = _unit(torch.stack([wm[:, k] @ z / wm[:, k].sum() for k in range(way)]))
+        if epochs > 0:
+            w = mu.clone().requires_grad_(True)
+            s = torch.ones((), dtype=z.dtype, requires_grad=True)
+            opt = torch.optim.SGD([w, s], lr=lr, momentum=momentum)
+            for _ in range(epochs):
+                out = torch.log_softmax(s * z @ _unit(w).T, 1)
+                loss = -(out * wm).sum(1).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                with torch.no_grad():
+                    w /= w.norm(dim=1, keepdim=True)
+            mu = w.detach()
+    return torch.log(q / q.sum(1, keepdim=True)), {"prototypes": mu, "assignments": q}
+
+
+def _sinkhorn_plan(cost, lam, col, tol, max_iter):
+    p = torch.exp(-lam * cost)
+    p = p / p.sum()
+    u = torch.zeros(len(p), dtype=p.dtype)
+    for _ in range(max_iter):
+        if (u - p.sum(1)).abs().max() <= tol:
+            break
+        u = p.sum(1)
+        p = p / u[:, None]
+        p = p * (col / p.sum(0))[None, :]
+    return p
+
+
+def proto_lp(z_s, y, z_q, way, *, power, reduced_dim, lam, alpha, gamma, mix, steps, balanced, sinkhorn_tol,
+             lp_tol, sinkhorn_max_iter):
+    n_s, n_q = len(z_s), len(z_q)
+    x = _unit(_pt(torch.cat([z_s, z_q]), power))
+    if reduced_dim > 0:
+        # top right singular vectors of the uncentred samples
+        _, _, vh = torch.linalg.svd(x, full_matrices=False)
+        x = x @ vh[:min(reduced_dim, *x.shape)].T
+    x = _unit(x - x.mean(0))
+    onehot = torch.eye(way, dtype=x.dtype)[y]
+    mu = _unit(_means(x[:n_s], y, way))
+
+    def assign(mu):
+        cost = _d2(x[n_s:], mu)
+        if balanced:
+            return _sinkhorn_plan(cost, lam, n_q / way, sinkhorn_tol, sinkhorn_max_iter)
+        return torch.softmax(-lam * cost, 1)
+
+    for _ in range(steps):
+        z = torch.cat([onehot, assign(mu)])
+        delta = z.sum(0)
+        w = z.T @ (z / delta[None, :])
+        m = onehot.T @ onehot + gamma * (torch.eye(way, dtype=x.dtype) - w)
+        m = torch.tril(m) + torch.tril(m, -1).T          # the lower triangle, as a Cholesky reads it
+        a = torch.linalg.solve(m, onehot.T @ onehot)
+        p = z @ a
+        if balanced:
+            u = torch.zeros(len(p), dtype=p.dtype)
+            for _ in range(sinkhorn_max_iter):
+                if (u - p.sum(1)).abs().max() <= lp_tol:
+                    break
+                u = p.sum(1)
+                p = p / u[:, None]
+                p = p * ((n_s + n_q) / way / p.sum(0))[None, :]
+                p[:n_s] = onehot
+        else:
+            p = p / p.sum(1, keepdim=True)
+            p[:n_s] = onehot
+        mask = (mix * p + (1 - mix) * z).clamp(0, 1)
+        est = torch.stack([mask[:, k] @ x / mask[:, k].sum() for k in range(way)])
+        mu = mu + alpha * (est - mu)
+    plan = assign(mu)
+    return torch.log(plan / plan.sum(1, keepdim=True)), {"prototypes": mu, "assignments": plan}
+
+
 REFERENCES = {
     "tim-gd": tim_gd, "tim-adm": tim_adm, "soft-kmeans": soft_kmeans, "kmeans": kmeans,
     "bayes-kmeans": bayes_kmeans, "mean-shift": mean_shift, "can-t": can_t, "bd-cspn": bd_cspn,
     "laplacianshot": laplacianshot, "entropy-min": entropy_min, "pt-map": pt_map,
+    "alpha-tim": alpha_tim, "paddle": paddle, "bms": bms, "proto-lp": proto_lp,
 }

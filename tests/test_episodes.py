@@ -4,6 +4,7 @@ HDF5 round trip, negative sources, chunked evaluation, confidence intervals, and
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from poodle.cache import read_split, write_arrays
-from poodle.episodes import (EpisodeSpec, imbalanced_counts, load_episodes, sample_episodes, save_episodes)
+from poodle.episodes import EpisodeSpec, EpisodeStream, imbalanced_counts, load_episodes, sample_episodes, save_episodes
 from poodle.errors import ConfigError, EpisodeError, PoodleError
 from poodle.evaluate import evaluate, paired_difference, summarize
 from poodle.negatives import NegativeSpec, generate, sample_indices
@@ -58,6 +59,61 @@ def test_episodes_are_deterministic_and_independent_of_how_many_are_drawn():
     assert torch.equal(a[7:].query_labels, c.query_labels) and torch.equal(a[7:].index, c.index)
     other = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=4, imbalance=1.0, seed=8), 12)
     assert not torch.equal(a.support, other.support)
+
+
+def test_the_episode_stream_without_query_classes_is_pinned():
+    # README tables depend on these draws: a change to the sampler must not move them
+    labels = _labels()
+    bal = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=4, seed=3), 4)
+    assert bal.query[:, :6].tolist() == [[81, 70, 76, 61, 144, 127], [54, 58, 40, 53, 182, 194],
+                                         [100, 91, 90, 107, 261, 252], [1, 2, 26, 16, 139, 120]]
+    imb = sample_episodes(labels, EpisodeSpec(way=5, shot=2, query=4, imbalance=2.0, seed=3), 4)
+    assert imb.query[:, :6].tolist() == [[72, 79, 89, 69, 88, 87], [34, 44, 46, 197, 256, 265],
+                                         [112, 101, 267, 255, 265, 251], [26, 11, 0, 13, 16, 3]]
+    assert imb.query_labels.sum(1).tolist() == [29, 49, 50, 36]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_query_classes_balanced(n):
+    labels = _labels()
+    full = sample_episodes(labels, EpisodeSpec(way=5, shot=2, query=3, seed=5), 40)
+    eps = sample_episodes(labels, EpisodeSpec(way=5, shot=2, query=3, seed=5, query_classes=n), 40)
+    assert eps.query.shape == (40, 3 * n) and eps.spec.n_query == 3 * n
+    assert torch.equal(eps.class_ids, full.class_ids)                   # classes drawn first, unchanged
+    assert torch.equal(eps.support_labels, full.support_labels)
+    chosen = set()
+    for e in range(40):
+        present, counts = eps.query_labels[e].unique(return_counts=True)
+        assert len(present) == n and (counts == 3).all()
+        chosen.add(tuple(present.tolist()))
+        assert torch.equal(labels[eps.query[e]], eps.class_ids[e][eps.query_labels[e]])
+        rows = torch.cat([eps.support[e], eps.query[e]])
+        assert rows.unique().numel() == rows.numel()
+    assert len(chosen) > (1 if n in (1, 4) else 5)                      # chosen afresh per episode
+
+
+def test_query_classes_dirichlet_stays_within_the_chosen_classes():
+    labels = _labels(per_class=8)                                       # capacity 7 per class at 1 shot
+    eps = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=6, imbalance=0.5, seed=2, query_classes=2), 60)
+    assert eps.query.shape == (60, 12)
+    sizes = set()
+    for e in range(60):
+        present, counts = eps.query_labels[e].unique(return_counts=True)
+        assert len(present) <= 2 and counts.sum() == 12 and (counts <= 7).all()
+        sizes.add(tuple(sorted(counts.tolist())))
+    assert len(sizes) > 1                                                # imbalanced, capped at 7
+
+
+def test_query_classes_is_validated_and_saved(tmp_path):
+    with pytest.raises(EpisodeError, match="query_classes"):
+        EpisodeSpec(way=5, query_classes=6).validate()
+    with pytest.raises(EpisodeError, match="query_classes"):
+        EpisodeSpec(way=5, query_classes=0).validate()
+    eps = sample_episodes(_labels(), EpisodeSpec(way=5, shot=1, query=3, seed=1, query_classes=3), 5)
+    back = load_episodes(save_episodes(tmp_path / "e.h5", eps))
+    assert back.spec == eps.spec and torch.equal(back.query, eps.query)
+    plain = load_episodes(save_episodes(tmp_path / "p.h5", sample_episodes(_labels(), EpisodeSpec(), 2)))
+    assert plain.spec.query_classes is None
 
 
 def test_shot_settings_are_nested_for_paired_ablations():
@@ -231,6 +287,96 @@ def test_evaluate_bad_negatives(cache):
     train = read_split(cache, "train")
     with pytest.raises(EpisodeError, match="drawn from split 'test'"):
         evaluate(train, eps, [("p", "proto", None)])
+
+
+def test_episode_stream_draws_the_same_episodes_slice_by_slice():
+    labels = _labels(10, 30)
+    for spec in (EpisodeSpec(way=4, shot=2, query=3, seed=5), EpisodeSpec(way=3, shot=1, query=4, imbalance=0.7)):
+        full = sample_episodes(labels, spec, 12, start=3)
+        stream = EpisodeStream(labels, spec, 12, start=3)
+        assert len(stream) == 12 and torch.equal(stream.index, full.index)
+        for a, b in ((0, 12), (5, 9), (11, 12)):
+            part = stream[a:b]
+            for f in ("support", "query", "support_labels", "query_labels", "index", "class_ids"):
+                assert torch.equal(getattr(part, f), getattr(full, f)[a:b]), f
+    with pytest.raises(EpisodeError, match="cannot draw 11-way"):
+        EpisodeStream(labels, EpisodeSpec(way=11), 3)
+    with pytest.raises(EpisodeError, match="positive integer"):
+        EpisodeStream(labels, EpisodeSpec(), 0)
+    with pytest.raises(TypeError, match="contiguous"):
+        EpisodeStream(labels, EpisodeSpec(way=3, query=2), 6)[::2]
+
+
+def test_evaluate_on_a_stream_equals_the_drawn_set(cache):
+    """Episodes and negatives drawn chunk by chunk in the workers are those drawn up front."""
+    test = read_split(cache, "test")
+    spec = EpisodeSpec(way=5, shot=1, query=5, seed=4)
+    methods = [("p", "proto", None), ("po", "poodle", {"steps": 10, "transductive": True})]
+    neg = NegativeSpec("base", 20)
+    ref = evaluate(test, sample_episodes(test.labels, spec, 11), methods, negatives=neg, cache_path=cache,
+                   chunk_size=11, workers=1)
+    stats: dict = {}
+    got = evaluate(test, EpisodeStream(test.labels, spec, 11), methods, negatives=neg, cache_path=cache,
+                   chunk_size=3, workers=2, stats=stats)
+    for k in ("p", "po"):
+        assert torch.equal(got[k], ref[k])
+    assert stats["n_chunks"] == 4 and stats["first_chunk_s"] > 0
+    gen = [evaluate(test, e, [("n", "naive-ood", {"steps": 3})], negatives=NegativeSpec("sphere", 6), chunk_size=c)
+           for e, c in ((sample_episodes(test.labels, spec, 5), 5), (EpisodeStream(test.labels, spec, 5), 2))]
+    assert torch.equal(gen[0]["n"], gen[1]["n"])
+
+
+def test_evaluate_ramps_up_its_first_chunks_without_changing_results(cache):
+    test = read_split(cache, "test")
+    stream = EpisodeStream(test.labels, EpisodeSpec(way=5, shot=1, query=5, seed=6), 40)
+    methods = [("po", "poodle", {"steps": 5, "transductive": True})]
+    stats: dict = {}
+    ramped = evaluate(test, stream, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=4,
+                      workers=2, stats=stats)
+    assert stats["chunk_size"] == 4 and stats["n_chunks"] == 12             # 1, 2, then 4 + ... + 4 + 1
+    whole = evaluate(test, stream, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=40)
+    assert torch.equal(ramped["po"], whole["po"])
+
+
+_RSS_SCRIPT = r"""
+import sys
+from pathlib import Path
+import torch
+from poodle.cache import SplitFeatures
+from poodle.episodes import EpisodeSpec, EpisodeStream
+from poodle.evaluate import evaluate
+from poodle.negatives import NegativeSpec
+
+def status(key):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+torch.manual_seed(0)
+x = torch.nn.functional.normalize(torch.randn(8 * 40, 64), dim=-1)
+f = SplitFeatures("test", x, torch.arange(8).repeat_interleave(40), [f"c{i}" for i in range(8)])
+methods = [("po", "poodle", {"steps": 2, "transductive": True})]
+peaks = []
+for n in (300, 3000):
+    Path("/proc/self/clear_refs").write_text("5")    # reset the peak resident size
+    evaluate(f, EpisodeStream(f.labels, EpisodeSpec(way=5, shot=1, query=3), n), methods,
+             negatives=NegativeSpec("sphere", 64), device="cpu", chunk_size=8, workers=2)
+    peaks.append(status("VmHWM"))
+print(peaks[0], peaks[1])
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to read peak RSS")
+def test_memory_does_not_grow_with_the_number_of_episodes(tmp_path):
+    """10x the episodes (375 chunks of generated negatives, two workers) adds almost nothing to the
+    process's peak resident size: nothing per chunk or per episode is kept beyond its accuracy."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT], capture_output=True, text=True, check=True)
+    small, large = (int(v) for v in out.stdout.split())
+    # keeping each chunk's gathered rows would add 3000 x 84 x 64 x 4 B = 64 MiB
+    assert large - small < 16 * 2**20, (small, large)
 
 
 def test_summarize_and_paired_difference_numbers():

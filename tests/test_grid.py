@@ -286,7 +286,8 @@ def test_cli_grid_then_report(tmp_path, cache):
 
 @pytest.mark.parametrize("name, n_cells", [("alpha_beta", 7 * 7 * 2 * 2 + 2), ("negatives", 4 * 2 * 2 + 2),
                                            ("steps", 4 * 2 * 2 + 4 * 2 + 2), ("ood_domains", 4 * 5 + 4),
-                                           ("stopgrad", 2 ** 5 + 2), ("imbalance", 2 * 4 * 4 + 3 * 2 * 4)])
+                                           ("stopgrad", 2 ** 5 + 2), ("imbalance", 2 * 4 * 4 + 3 * 2 * 4),
+                                           ("realistic_queries", 2 * 2 * 5 * (1 + 8))])
 def test_shipped_examples_expand(name, n_cells):
     path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.toml"
     cells = G.expand(G.load_grid(path))
@@ -325,3 +326,23 @@ steps = 3
     assert recs[("proto", "l2n")]["acc"] != recs[("proto", "cl2n")]["acc"]
     with pytest.raises(ConfigError, match="use l2n, cl2n or power"):
         G.load_grid(_grid(tmp_path, 'preprocess = "zca"\n', "bad.toml"))
+
+
+def test_query_classes_is_an_episode_key_recorded_only_when_set(tmp_path, cache):
+    p = _grid(tmp_path, """
+[episodes]
+query = 4
+episodes = 4
+query_classes = ["none", 1, 3]
+[solver]
+method = "proto"
+""")
+    spec = G.load_grid(p)
+    run = G.run_grid(spec, tmp_path / "r.jsonl", device="cpu")
+    assert len(run.records) == 3
+    by = {r["episode"].get("query_classes"): r for r in run.records}
+    assert set(by) == {None, 1, 3} and "query_classes" not in by[None]["episode"]
+    # a grid without the key keeps the cell keys it had before the option existed
+    plain = G.load_grid(_grid(tmp_path, "[episodes]\nquery = 4\nepisodes = 4\n[solver]\nmethod = \"proto\"\n",
+                              name="p.toml"))
+    assert G.expand(plain)[0].key == [c for c in G.expand(spec) if "query_classes" not in c.episode][0].key

@@ -112,3 +112,29 @@ def test_solve_cache_resolution_and_episode_file_mismatch(tmp_path, cache, make_
     assert r.exit_code == 1 and "split has 30 rows" in r.output
     r = _run(["--cache", cache, "--episodes-from", ep, "--shot", 5])
     assert r.exit_code == 1 and "--shot cannot be combined with --episodes-from" in r.output
+
+
+def test_solve_query_classes_recorded_in_json_and_episodes(tmp_path, cache):
+    js, ep = tmp_path / "r.jsonl", tmp_path / "e.h5"
+    r = _run(["--cache", cache, "--episodes", 5, "--query", 4, "--query-classes", 2, "--method", "paddle",
+              "--method", "alpha-tim", "--steps", 5, "--out", js, "--save-episodes", ep])
+    assert r.exit_code == 0, r.output
+    assert "queries from 2 of the 5 classes" in r.output
+    recs = read_results(js).records
+    assert [rec["episode"]["query_classes"] for rec in recs] == [2, 2]
+    # without the option the record's episode settings stay as they were (no query_classes key)
+    js2 = tmp_path / "r2.jsonl"
+    assert _run(["--cache", cache, "--episodes", 2, "--method", "proto", "--out", js2]).exit_code == 0
+    assert "query_classes" not in read_results(js2).records[0]["episode"]
+    eps = load_episodes(ep)
+    assert eps.spec.query_classes == 2 and eps.query.shape == (5, 8)
+    assert all(len(eps.query_labels[e].unique()) == 2 for e in range(5))
+    bad = _run(["--cache", cache, "--query-classes", 6])
+    assert bad.exit_code != 0 and "error: --query-classes must be an integer in 1..way=5, got 6" in bad.output
+
+
+def test_solve_help_lists_the_methods():
+    r = CliRunner().invoke(solve, ["--help"])
+    assert r.exit_code == 0
+    for name in ("alpha-tim", "paddle", "bms", "proto-lp", "laplacianshot", "poodle"):
+        assert f"  {name} " in r.output

@@ -27,11 +27,14 @@ FAST = {
     "entropy-min": {"steps": 15, "lr": 1e-3},
     "pt-map": {"steps": 8},
     "kmeans": {"max_iter": 30},
+    "alpha-tim": {"steps": 40, "lr": 1e-3},
+    "paddle": {"steps": 30, "lmd": 0.0},   # lambda = Nq: the authors' 75 collapses these 32-d features
+    "proto-lp": {"steps": 10},
     "bayes-kmeans": {"max_iter": 30},
 }
 
 # methods whose state lives in a per-episode PCA sub-space
-PROJECTED = ("bayes-kmeans", "mean-shift")
+PROJECTED = ("bayes-kmeans", "mean-shift", "proto-lp")
 
 # query counts per class for each of three episodes (same total Nq = 30; zeros included)
 BALANCED = [[6] * 5] * 3
@@ -299,3 +302,82 @@ def test_support_labels_are_enforced_only_when_asked(name, fix_support):
     c0 = out.state["prototypes"][0, 0]
     # with labels enforced, class 0's centre is pulled towards b by its third support point
     assert (c0[1] > 0.2) == fix_support
+
+
+@pytest.mark.parametrize("name, over", [
+    ("laplacianshot", {"preset": "official"}),
+    ("laplacianshot", {"preset": "official", "rectify": False}),
+    ("laplacianshot", {"shifted_unary": True}),
+    ("laplacianshot", {"preset": "official", "released_rectification": False, "self_neighbour": False}),
+    ("bms", {"epochs": 5}),
+    ("proto-lp", {"balanced": False}),
+    ("alpha-tim", {"alpha": 3.0}),
+    ("paddle", {"lmd": 10.0, "scale_features": False}),
+    ("paddle", {"lmd": 75.0}),
+])
+@pytest.mark.parametrize("shot", [1, 5])
+def test_variants_match_reference(make_features, name, over, shot):
+    batch, _ = build_batch(make_features, shot, IMBALANCED, seed=shot + 10)
+    cfg = config(name, **over)
+    ref_lp, ref_st = run_reference(name, batch, cfg)
+    assert_matches(name, solvers.run(name, batch, cfg), ref_lp, ref_st)
+
+
+def test_laplacianshot_official_drops_an_empty_class_and_shifts_labels():
+    # class 1's support points sit next to classes 0 and 2, no query is near class 1: the released
+    # code drops class 1 and class 2 then answers with label 1
+    e = torch.eye(4, dtype=torch.float64)
+    sup = torch.stack([e[0], e[0], e[0] + 0.2 * e[1], e[2] + 0.2 * e[1], e[2], e[2]])
+    sup = torch.nn.functional.normalize(sup, dim=-1)
+    qry = torch.nn.functional.normalize(torch.stack([e[0], e[2], e[2] + 0.1 * e[3], e[0] + 0.05 * e[3]]), dim=-1)
+    batch = EpisodeBatch(sup[None], torch.tensor([[0, 0, 1, 1, 2, 2]]), qry[None], None, 3)
+    cfg = solvers.make_config("laplacianshot", {"preset": "official", "lmd": 0.0})
+    out = solvers.run("laplacianshot", batch, cfg)
+    ref_lp, _ = run_reference("laplacianshot", batch, cfg)
+    assert out.log_probs[0].argmax(-1).tolist() == ref_lp[0].argmax(-1).tolist() == [0, 1, 1, 0]
+    assert torch.isfinite(out.log_probs).all()
+    # the default variant keeps class 1 and answers 2 for the queries near class 2
+    default = solvers.run("laplacianshot", batch, solvers.make_config("laplacianshot", {"lmd": 0.0}))
+    assert default.log_probs[0].argmax(-1).tolist() == [0, 2, 2, 0]
+
+
+def test_laplacianshot_variant_switches_follow_the_preset():
+    assert solvers.make_config("laplacianshot", {}).resolved() == (False, False, False)
+    assert solvers.make_config("laplacianshot", {"preset": "official"}).resolved() == (True, True, True)
+    cfg = solvers.make_config("laplacianshot", {"preset": "official", "self_neighbour": "false"})
+    assert cfg.resolved() == (False, True, True)
+    with pytest.raises(ConfigError, match="unknown preset 'paper'"):
+        solvers.make_config("laplacianshot", {"preset": "paper"})
+    with pytest.raises(ConfigError, match="shifted_unary"):
+        solvers.make_config("laplacianshot", {"shifted_unary": "maybe"})
+
+
+def test_alpha_tim_uses_the_authors_tuned_alpha(make_features):
+    from poodle.solvers.alpha_tim import tuned_alpha
+    assert [tuned_alpha(s) for s in (1, 2, 4, 5, 10)] == [2.0, 5.0, 5.0, 7.0, 7.0]
+    batch, _ = build_batch(make_features, 1, BALANCED[:1])
+    auto = solvers.run("alpha-tim", batch, config("alpha-tim"))
+    two = solvers.run("alpha-tim", batch, config("alpha-tim", alpha=2.0))
+    seven = solvers.run("alpha-tim", batch, config("alpha-tim", alpha=7.0))
+    assert torch.equal(auto.log_probs, two.log_probs) and not torch.allclose(auto.log_probs, seven.log_probs)
+
+
+def test_paddle_empties_classes_absent_from_the_queries(make_features):
+    # queries from 2 of the 5 classes only: PADDLE's MDL term empties the absent classes. Its data
+    # term has no temperature, so it needs distances of a few units (features x 3 here); on unit
+    # features of this spread it collapses everything into one class (docs/transductive.md)
+    batch, q_lab = build_batch(make_features, 5, [[15, 0, 0, 15, 0]] * 2, seed=4, spread=0.3)
+    big = EpisodeBatch(3 * batch.support, batch.support_labels, 3 * batch.query, None, WAY)
+    out = solvers.run("paddle", big, config("paddle", steps=100, lmd=0.0, scale_features=False))
+    mass = out.state["assignments"].sum(1)                                  # [E, way]
+    assert (mass[:, [1, 2, 4]] < 0.5).all(), mass
+    assert (out.log_probs.argmax(-1) == q_lab).all()
+    soft = solvers.run("pt-map", batch, config("pt-map"))                   # balanced by construction
+    assert (soft.log_probs.argmax(-1) == q_lab).double().mean() < 0.9
+
+
+def test_bms_min_size_is_respected(make_features):
+    from poodle.solvers.bms import min_size_sinkhorn
+    p = torch.softmax(torch.randn(3, 20, 4, dtype=torch.float64) * 3, -1)
+    q = min_size_sinkhorn(p, torch.tensor([2.0, 4.0, 1.0], dtype=torch.float64), 50)
+    assert (q.sum(1) >= torch.tensor([2.0, 4.0, 1.0], dtype=torch.float64)[:, None] - 1e-9).all()

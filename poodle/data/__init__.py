@@ -65,7 +65,7 @@ class ImageDataset(Dataset):
         """The transformed image at ``index``; DataError naming the file if it does not decode."""
         p = self.path(index)
         try:
-            img = load_rgb(p)
+            img = self.source.open_image(self.samples[index][0])
         except Exception as e:  # noqa: BLE001 - PIL raises many types for damaged files
             raise DataError(f"cannot decode image {p}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                             ) from None

@@ -18,8 +18,17 @@ Layouts (see docs/stage1.md):
   or the release's tree, ``<root>/split/tiered/<split>.csv`` with images in
   ``<root>/tiered-imagenet/data/``; or the folder layout.
 - ``cub``: the 200 class folders of CUB-200-2011 in ``<root>/images/`` (or ``<root>`` itself, or
-  ``<root>/CUB_200_2011/images``); the sorted folder list's index i goes to train when i % 2 == 0,
-  val when i % 4 == 1, test when i % 4 == 3 (Chen et al. 2019, the release's split script).
+  ``<root>/CUB_200_2011/images``). ``cub_split="release"``: the sorted folder list's index i goes to
+  train when i % 2 == 0, val when i % 4 == 1, test when i % 4 == 3 (100/50/50; Chen et al. 2019, the
+  release's split script). ``cub_split="140-30-30"``: the class lists shipped in
+  ``poodle/data/splits/cub-140-30-30/`` (the split of easyfsl; see docs/datasets.md); the dataset is
+  then named ``cub-140-30-30`` (its cache directory and the cache's ``dataset`` attribute).
+- ``cifar-fs`` and ``fc100``: CIFAR-100's binary distribution (``train.bin``, ``test.bin``,
+  ``fine_label_names.txt``, ``coarse_label_names.txt``) in ``<root>`` or ``<root>/cifar-100-binary``;
+  both files' records are pooled (600 images per class) and split by the class lists shipped in
+  ``poodle/data/splits/`` (CIFAR-FS: 64/16/20 fine classes, Bertinetto et al. 2019; FC100: 12/4/4
+  superclasses = 60/20/20 fine classes, Oreshkin et al. 2018). Images are served from a memory map
+  of the files; a sample's path is ``<file>#<record index>``, e.g. ``cifar-100-binary/train.bin#123``.
 - ``folder``: ``<root>/<split>/<class>/<image>``.
 - ``glyphs``: the embedded generated dataset (folder layout), created under the cache root on first use.
 """
@@ -30,14 +39,26 @@ import csv
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from poodle.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 HEADER_WORDS = {"filename", "file", "file_name", "path", "image", "image_name", "label", "class", "class_name",
                 "wnid", "target"}
 SPLITS = ("train", "val", "test")
-NAMES = ("csv", "folder", "mini", "tiered", "cub", "glyphs")
+NAMES = ("csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100")
+CUB_SPLITS = ("release", "140-30-30")
+SPLITS_DIR = Path(__file__).with_name("splits")  # package data: class lists of the named splits
+
+
+def split_list(name: str, split: str) -> list[str]:
+    """The class (or superclass) names of ``split`` in the shipped split ``name``, in file order."""
+    path = SPLITS_DIR / name / f"{split}.txt"
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _is_image(name: str) -> bool:
@@ -79,6 +100,16 @@ class DatasetSource(ABC):
 
     def describe(self) -> str:
         return f"{self.name} at {self.root}"
+
+    # Pixel side of every image when the dataset has one size (CIFAR's 32): extract then feeds the
+    # images as they are by default, without resizing and cropping.
+    native_size: int | None = None
+
+    def open_image(self, rel_path: str) -> Image.Image:
+        """The RGB image of a sample path (a file under the root here; overridden by array-backed sets)."""
+        from poodle.data.transforms import load_rgb
+
+        return load_rgb(self.root / rel_path)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()}>"
@@ -177,16 +208,28 @@ class CsvSource(DatasetSource):
 
 
 class CubSource(DatasetSource):
-    """CUB-200-2011 class folders split by sorted index: i%2==0 train, i%4==1 val, i%4==3 test."""
+    """CUB-200-2011 class folders. ``split="release"``: by sorted index, i%2==0 train, i%4==1 val,
+    i%4==3 test; ``split="140-30-30"``: by the shipped class lists."""
 
     RULE = {"train": lambda i: i % 2 == 0, "val": lambda i: i % 4 == 1, "test": lambda i: i % 4 == 3}
 
-    def __init__(self, root: Path, image_dir: Path, name: str = "cub") -> None:
-        super().__init__(name, root)
+    def __init__(self, root: Path, image_dir: Path, name: str = "cub", split: str = "release") -> None:
+        if split not in CUB_SPLITS:
+            raise ConfigError(f"--cub-split {split!r}: use one of {', '.join(CUB_SPLITS)}")
+        super().__init__(name if split == "release" else f"{name}-{split}", root)
+        self.split_rule = split
         self.image_dir = image_dir
         self.class_dirs = sorted(p.name for p in image_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
         if not self.class_dirs:
             raise DataError(f"--dataset cub: no class folders in {image_dir}")
+        if split != "release":
+            have = set(self.class_dirs)
+            self.lists = {s: split_list(f"cub-{split}", s) for s in SPLITS}
+            for s, names in self.lists.items():
+                missing = [c for c in names if c not in have]
+                if missing:
+                    raise DataError(f"--cub-split {split}: class folder {missing[0]!r} of its {s} split is not in "
+                                    f"{image_dir} ({len(missing)} of {len(names)} missing)")
 
     def describe(self) -> str:
         return f"{self.name}: {len(self.class_dirs)} class folders in {self.image_dir}"
@@ -198,8 +241,9 @@ class CubSource(DatasetSource):
         if split not in self.RULE:
             raise DataError(f"--dataset cub has splits train, val, test; not {split!r}")
         out = []
+        wanted = set(self.lists[split]) if self.split_rule != "release" else None
         for i, name in enumerate(self.class_dirs):
-            if not self.RULE[split](i):
+            if not (self.RULE[split](i) if wanted is None else name in wanted):
                 continue
             d = self.image_dir / name
             files = sorted(f for f in os.listdir(d) if _is_image(f))
@@ -236,8 +280,9 @@ def _preset_csv(name: str, root: Path, images: tuple[str, ...], release_csv: str
                     f"{root / release_images}/")
 
 
-def resolve_dataset(name: str, data_root: str | Path | None, cache_root: str | Path = "cache") -> DatasetSource:
-    """The :class:`DatasetSource` of ``--dataset name`` at ``data_root``.
+def resolve_dataset(name: str, data_root: str | Path | None, cache_root: str | Path = "cache", *,
+                    cub_split: str = "release") -> DatasetSource:
+    """The :class:`DatasetSource` of ``--dataset name`` at ``data_root`` (``cub_split``: see ``cub`` above).
 
     Checks only that the root exists (and for presets, which of their layouts is present); the split
     files and images are checked when a split's samples are listed.
@@ -260,8 +305,14 @@ def resolve_dataset(name: str, data_root: str | Path | None, cache_root: str | P
         return _preset_csv("mini", root, ("images",), "split/mini", "images")
     if name == "tiered":
         return _preset_csv("tiered", root, ("data", "images"), "split/tiered", "tiered-imagenet/data")
+    if name in ("cifar-fs", "fc100"):
+        from poodle.data.cifar import CifarSource
+
+        return CifarSource.find(root, name)
     # cub
+    if cub_split not in CUB_SPLITS:
+        raise ConfigError(f"--cub-split {cub_split!r}: use one of {', '.join(CUB_SPLITS)}")
     for cand in (root / "images", root / "CUB_200_2011" / "images", root):
         if cand.is_dir() and any(p.is_dir() for p in cand.iterdir()):
-            return CubSource(root, cand)
+            return CubSource(root, cand, split=cub_split)
     raise DataError(f"--dataset cub: no class folders in {root / 'images'}")

@@ -112,3 +112,22 @@ def train_transform(image_size: int = 84) -> Callable[[Image.Image], torch.Tenso
     tf.description = (f"train: RGB, random resized crop {image_size} (scale 0.08-1, ratio 3/4-4/3), "
                       f"jitter brightness/contrast/colour {JITTER}, horizontal flip, normalize ImageNet mean/std")
     return tf
+
+
+class _ExactSize:
+    """Passes an image of side ``size`` through; any other size is an error, never silently rescaled."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        if img.size != (self.size, self.size):
+            raise ValueError(f"image is {img.size[0]}x{img.size[1]}, expected {self.size}x{self.size}")
+        return img
+
+
+def native_eval_transform(image_size: int) -> Callable[[Image.Image], torch.Tensor]:
+    """For datasets whose images all have side ``image_size`` (CIFAR's 32): no resize, no crop."""
+    tf = T.Compose([_ExactSize(image_size), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    tf.description = f"eval: RGB, native {image_size}x{image_size} (no resize, no crop), normalize ImageNet mean/std"
+    return tf

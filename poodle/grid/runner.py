@@ -160,7 +160,8 @@ class _Inputs:
             t0 = time.perf_counter()
             e = c.episode
             es = EpisodeSpec(split=e["split"], way=e["way"], shot=e["shot"], query=e["query"],
-                             imbalance=e["imbalance"], seed=e["seed"])
+                             imbalance=e["imbalance"], seed=e["seed"],
+                             query_classes=e.get("query_classes"))
             self.episode_sets[ek] = sample_episodes(features.labels, es, e["episodes"], classes=features.classes)
             self.sample_seconds += time.perf_counter() - t0
         return self.episode_sets[ek]
@@ -212,18 +213,32 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
     path = Path(out) if out is not None else default_results_path(spec.path)
     from poodle.utils import check_output
 
-    # never a cache, the grid file or another kind of file: only a results file gains records
-    check_output(path, "results", inputs=[spec.path, *{resolve_cache(spec, c.cache) for c in cells}], what="--out")
     prints = fingerprints(spec, cells)
     keys = cell_keys(cells, prints)
-    results = ResultsFile(path, warn=warn, name=spec.name, grid_file=str(spec.path), n_cells=len(cells))
+    # Under torchrun (poodle.distributed) rank 0 alone reads and writes the results file and tells the
+    # other ranks which cells are done; the calls (or, when fewer than the ranks, their episodes) are
+    # shared out, and rank 0 appends every record in the one-process order.
+    from poodle import distributed
 
+    d = distributed.init(device)
+    results: ResultsFile | None = None
     done: dict[int, dict[str, Any]] = {}
-    if not force:
-        for c in cells:
-            rec = results.get(keys[c.index][1])
-            if rec is not None:
-                done[c.index] = _as_cell(rec, c, spec.name)
+    with d.guard():
+        # never a cache, the grid file or another kind of file: only a results file gains records
+        check_output(path, "results", inputs=[spec.path, *{resolve_cache(spec, c.cache) for c in cells}],
+                     what="--out")
+        if d.main:
+            results = ResultsFile(path, warn=warn, name=spec.name, grid_file=str(spec.path), n_cells=len(cells))
+            if not force:
+                for c in cells:
+                    rec = results.get(keys[c.index][1])
+                    if rec is not None:
+                        done[c.index] = _as_cell(rec, c, spec.name)
+    if d.enabled:
+        done_idx = d.broadcast_json(sorted(done))
+        if not d.main:
+            done = {int(i): {} for i in done_idx}
+            on_cell = progress = None
     total = len(cells)
     n_done = 0
     for c in cells:
@@ -239,18 +254,33 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
     for c in cells:
         if c.index not in done:
             pending.setdefault(keys[c.index][1], c)
-    for batch in batches(schedule(cells, list(pending.values())), cells_per_call):
+
+    def solve(batch: list[Cell], rows: range | None) -> dict[str, tuple[Any, dict[str, Any]]]:
         if on_cell:
             on_cell(CellEvent("start", batch[0], n_done, total, cells=list(batch)))
-        t0 = time.perf_counter()
-        for c, record in _solve_batch(spec, batch, inputs, keys, device, max_memory, progress):
+        return _evaluate_batch(spec, batch, inputs, keys, d.device, max_memory, progress, rows)
+
+    calls = list(batches(schedule(cells, list(pending.values())), cells_per_call))
+    t0 = time.perf_counter()
+    for batch, res in distributed.shared_map(d, calls, solve, lambda b: int(b[0].episode["episodes"])):
+        assert results is not None
+        for c in batch:
+            acc, info = res[keys[c.index][1]]
+            record = make_record(keys[c.index][0], acc.tolist(), label=c.label, cache=c.cache, index=c.index,
+                                 group=spec.name, seconds=info["seconds"],
+                                 call_seconds=round(info["call_seconds"], 4), call_cells=len(batch),
+                                 device=info["device"], chunk_size=info["chunk_size"])
             results.append(record)
             done[c.index] = record
             computed += 1
             n_done += 1
             if on_cell:
                 on_cell(CellEvent("done", c, n_done, total, record))
-        solve_s += time.perf_counter() - t0
+    solve_s = time.perf_counter() - t0
+    if results is None:  # not rank 0
+        return GridRun(path=path, header={}, records=[], computed=0, skipped=0,
+                       seconds=time.perf_counter() - t_start, load_seconds=inputs.load_seconds,
+                       sample_seconds=inputs.sample_seconds, solve_seconds=solve_s)
 
     for c in cells:
         if c.index not in done:  # the same identity as a cell computed above
@@ -269,13 +299,16 @@ def _as_cell(record: dict[str, Any], c: Cell, group: str) -> dict[str, Any]:
     return {**record, "label": c.label, "cache": c.cache, "index": c.index, "group": group}
 
 
-def _solve_batch(spec: GridSpec, batch: Sequence[Cell], inputs: _Inputs, keys: dict[int, tuple[dict, str]],
-                 device: str, max_memory: str | int, progress: Callable[[int], None] | None
-                 ) -> Iterable[tuple[Cell, dict[str, Any]]]:
-    """Solve cells that share episodes and negatives with one call of ``evaluate``; yield their records."""
+def _evaluate_batch(spec: GridSpec, batch: Sequence[Cell], inputs: _Inputs, keys: dict[int, tuple[dict, str]],
+                    device: Any, max_memory: str | int, progress: Callable[[int], None] | None,
+                    rows: range | None = None) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Solve cells that share episodes and negatives with one call of ``evaluate`` (on the episodes
+    ``rows`` only, when given: a rank's share); ``{identity key: (float64 accuracies, timing info)}``."""
     c0 = batch[0]
     features, pre = inputs.preprocessed_for(c0)
     episodes, negatives = inputs.negatives_for(c0)
+    if rows is not None:  # negatives are per episode: they come along with the slice
+        episodes = episodes[rows.start:rows.stop]
     labels = {c.index: keys[c.index][1] for c in batch}
     methods = [(labels[c.index], c.method, solvers.make_config(c.method, dict(c.options), strict=True))
                for c in batch]
@@ -286,14 +319,11 @@ def _solve_batch(spec: GridSpec, batch: Sequence[Cell], inputs: _Inputs, keys: d
     accs = evaluate(features, episodes, methods, negatives=negatives, cache_path=resolve_cache(spec, c0.cache),
                     device=device, max_memory=max_memory, progress=call_progress, stats=stats, preprocess=pre)
     call_seconds = time.perf_counter() - t0
-    for c in batch:
-        acc = accs[labels[c.index]].double().cpu()
-        seconds = float(stats.get("seconds", {}).get(labels[c.index], call_seconds / len(batch)))
-        record = make_record(keys[c.index][0], acc.tolist(), label=c.label, cache=c.cache, index=c.index,
-                             group=spec.name, seconds=seconds, call_seconds=round(call_seconds, 4),
-                             call_cells=len(batch), device=str(stats.get("device", device)),
-                             chunk_size=stats.get("chunk_size"))
-        yield c, record
+    return {labels[c.index]: (accs[labels[c.index]].double().cpu(),
+                              {"seconds": float(stats.get("seconds", {}).get(labels[c.index],
+                                                                            call_seconds / len(batch))),
+                               "call_seconds": call_seconds, "device": str(stats.get("device", device)),
+                               "chunk_size": stats.get("chunk_size")}) for c in batch}
 
 
 __all__ = ["CellEvent", "GridRun", "batches", "cell_keys", "fingerprints", "grid_hash", "run_grid", "schedule"]

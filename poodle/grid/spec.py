@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from poodle import solvers
-from poodle.defaults import EPISODE_KEYS, GENERAL_DEFAULTS, GENERAL_KEYS, NEGATIVE_KEYWORDS
+from poodle.defaults import EPISODE_KEYS, GENERAL_DEFAULTS, GENERAL_KEYS, NEGATIVE_KEYWORDS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
 from poodle.results import canonical_hash, jsonable, make_identity, record_flat
 
@@ -109,6 +109,10 @@ def _check_general(where: str, key: str, v: Any) -> Any:
             raise ConfigError(f"{where}: option {key!r}: {e}") from None
         return v
     if key in ("episodes", "n_neg"):
+        return _check_int(where, key, v, 1)
+    if key == "query_classes":
+        if isinstance(v, str) and v.lower() in ("none", "all"):
+            return None
         return _check_int(where, key, v, 1)
     if key == "imbalance":
         # TOML has no null: "none"/"balanced"/false mean balanced queries.
@@ -208,7 +212,7 @@ def parse_grid(data: Mapping[str, Any], path: Path, overrides: Mapping[str, Any]
     cells = []
     for i, c in enumerate(raw_cells):
         cw = f"{where}: [[cell]] #{i + 1}"
-        cell = {}
+        cell: dict[str, Any] = {}
         for k, v in c.items():
             if isinstance(v, dict):
                 raise ConfigError(f"{cw}: {k!r} is a table; options take a value or a list")
@@ -350,7 +354,7 @@ class Cell:
                              negatives_id=negatives_id, preprocess=self.preprocess)
 
     def episode_key(self) -> tuple:
-        return (self.cache,) + tuple(self.episode[k] for k in EPISODE_KEYS[1:])
+        return (self.cache,) + tuple(self.episode.get(k) for k in EPISODE_KEYS[1:] + OPTIONAL_EPISODE_KEYS)
 
     def negative_key(self) -> tuple:
         """Negatives and preprocessing: cells that agree on it (and on the episodes) are solved together."""
@@ -406,6 +410,7 @@ def _make_cell(combo: Mapping[str, Any], label: str | None, strict_keys: set[str
     options = jsonable(solvers.config_dict(cfg))
     transductive = info.is_transductive(cfg)
     episode = {k: combo.get(k, DEFAULTS.get(k)) for k in EPISODE_KEYS[1:]}
+    episode.update({k: combo[k] for k in OPTIONAL_EPISODE_KEYS if combo.get(k) is not None})
     if info.needs_negatives(cfg):
         negatives, n_neg = combo.get("negatives", DEFAULTS["negatives"]), combo.get("n_neg", DEFAULTS["n_neg"])
         if negatives == "none":

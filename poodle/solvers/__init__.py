@@ -11,6 +11,7 @@ import pkgutil
 from typing import Any, Mapping
 
 from poodle.errors import ConfigError
+from poodle.solvers import base as _base
 from poodle.solvers.base import (
     EpisodeBatch,
     SolverInfo,
@@ -24,7 +25,6 @@ from poodle.solvers.base import (
     register,
     validate_config,
 )
-from poodle.solvers import base as _base
 
 __all__ = ["EpisodeBatch", "SolverInfo", "SolverOutput", "available", "get", "make_config", "run",
            "register", "class_means", "neg_half_sqdist", "one_hot", "build_config", "coerce_option", "config_dict",

@@ -56,16 +56,14 @@ class EpisodeBatch:
         """Support rows per class when shots are equal (the mean, rounded down, otherwise)."""
         return self.support.shape[1] // self.way
 
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "EpisodeBatch":
-        def mv(t: Tensor | None, is_float: bool = True) -> Tensor | None:
-            if t is None:
-                return None
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> EpisodeBatch:
+        def mv(t: Tensor, is_float: bool = True) -> Tensor:
             return t.to(device=device, dtype=dtype if (is_float and dtype is not None) else t.dtype)
 
-        return EpisodeBatch(mv(self.support), mv(self.support_labels, False), mv(self.query),
-                            mv(self.negatives), self.way)
+        neg = None if self.negatives is None else mv(self.negatives)
+        return EpisodeBatch(mv(self.support), mv(self.support_labels, False), mv(self.query), neg, self.way)
 
-    def episode(self, i: int) -> "EpisodeBatch":
+    def episode(self, i: int) -> EpisodeBatch:
         """Episode ``i`` alone, as a batch of one (for per-episode references and debugging)."""
         sl = slice(i, i + 1)
         neg = None if self.negatives is None else self.negatives[sl]
@@ -117,7 +115,7 @@ class SolverInfo:
     def is_transductive(self, cfg: Any) -> bool:
         """Whether this method, configured by ``cfg``, uses the unlabelled queries."""
         if self.transductive == "optional":
-            return bool(getattr(cfg, "transductive"))
+            return bool(cfg.transductive)
         return self.transductive == "always"
 
     def settings(self) -> tuple[str, ...]:

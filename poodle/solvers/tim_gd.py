@@ -90,7 +90,7 @@ def tim_loss(logits_s: Tensor, y_s: Tensor, logits_q: Tensor, w_ce: float, w_mar
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: TimGDConfig) -> float:
     # forward + backward (about 3x the forward) of two distance matrices per step
-    return 3.0 * cfg.steps * dist_flops(Ns + Nq, way, D)
+    return 3.0 * int(cfg.steps or 0) * dist_flops(Ns + Nq, way, D)
 
 
 @register("tim-gd", TimGDConfig, transductive="always", flops=_flops, aliases=("tim",),

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -26,11 +25,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from poodle import distributed
 from poodle.errors import CheckpointError, ConfigError, DataError
 from poodle.train.config import TrainConfig, config_differences
 from poodle.train.losses import distill_kl, rotate_all, smooth_cross_entropy
 from poodle.train.state import capture_rng, restore_rng, seed_everything
-from poodle.utils import atomic_path, derive_seed, resolve_device
+from poodle.utils import atomic_path, derive_seed
 
 CHECKPOINT_FORMAT = "poodle-train"
 
@@ -95,40 +95,13 @@ class _Stop(Exception):
 # distributed helpers
 
 
-@dataclass
-class _Dist:
-    world: int = 1
-    rank: int = 0
-    local_rank: int = 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world > 1
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.enabled:
-            torch.distributed.barrier()
+_Dist = distributed.Dist
 
 
 def _init_distributed(device_name: str) -> tuple[_Dist, torch.device]:
-    """DDP when launched by torchrun (``WORLD_SIZE`` > 1), else a single process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return _Dist(), resolve_device(device_name)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = device_name != "cpu" and torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend="nccl" if use_cuda else "gloo")
-    return _Dist(world, rank, local_rank), device
+    """DDP when launched by torchrun (``WORLD_SIZE`` > 1), else a single process (see poodle.distributed)."""
+    d = distributed.init(device_name)
+    return d, d.device
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,14 +235,14 @@ def train(cfg: TrainConfig, *, callback: Callback | None = None, resume: bool | 
     out = cfg.out_dir()
     emit = callback if (callback is not None and dist.main) else (lambda e: None)
 
-    if dist.main:
-        from poodle.utils import check_writable_dir
+    with dist.guard():  # a refusal (existing run, other settings) is printed once, by rank 0
+        if dist.main:
+            from poodle.utils import check_writable_dir
 
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"output directory {out} is a file")
-        check_writable_dir(out / "train.json", "output directory")
-        _prepare_out(cfg, out, resume=resume, force=force)
-    dist.barrier()
+            if out.exists() and not out.is_dir():
+                raise ConfigError(f"output directory {out} is a file")
+            check_writable_dir(out / "train.json", "output directory")
+            _prepare_out(cfg, out, resume=resume, force=force)
 
     from poodle.train.augment import train_transform
     from poodle.data.transforms import eval_transform

@@ -1,0 +1,66 @@
+"""Where the demo's training time goes: loading (decode + augmentation) versus the model's forward and
+backward pass, on the same batches, side by side in one run.
+
+    python benchmarks/train_input.py [--cache-root cache] [--batches 60]
+
+Needs the demo's glyph images (``poodle demo`` makes them under CACHE_ROOT/glyphs). Prints the
+versions, threads and CPU, then seconds for: the DataLoader (as training uses it, no workers),
+decoding alone, the transform alone, and SGD steps of the demo's backbone on the loaded batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+from poodle.data.transforms import load_rgb
+from poodle.demo import DemoConfig
+from poodle.train.augment import train_transform
+from poodle.train.loop import _build, _dataset
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache-root", default="cache")
+    ap.add_argument("--batches", type=int, default=60)
+    args = ap.parse_args()
+    cfg = DemoConfig(cache_root=args.cache_root).train_config()
+    ds = _dataset(cfg, "train", train_transform(cfg.augment, cfg.image_size))
+    print(f"poodle demo training input: {len(ds)} images, batch {cfg.batch_size}, {args.batches} batches; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, python {platform.python_version()}, "
+          f"{platform.processor() or platform.machine()}")
+    torch.manual_seed(0)
+    loader = DataLoader(ds, batch_size=cfg.batch_size, shuffle=True, num_workers=0)
+    t = time.perf_counter()
+    it = iter(loader)
+    batches = [next(it) for _ in range(args.batches)]
+    t_load = time.perf_counter() - t
+    idx = range(cfg.batch_size * args.batches)
+    t = time.perf_counter()
+    images = [load_rgb(ds.path(i)) for i in idx]
+    t_decode = time.perf_counter() - t
+    t = time.perf_counter()
+    for im in images:
+        ds.transform(im)
+    t_transform = time.perf_counter() - t
+    net = _build(cfg, len(ds.classes), 0)
+    net.train()
+    opt = torch.optim.SGD(net.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    t = time.perf_counter()
+    for x, y in batches:
+        logits, _ = net(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    t_model = time.perf_counter() - t
+    print(f"loader {t_load:.2f} s (decode alone {t_decode:.2f} s, transform alone {t_transform:.2f} s); "
+          f"model forward + backward + step {t_model:.2f} s; loader share {t_load / (t_load + t_model):.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""Several processes, one run: the plumbing `extract`, `solve`, `grid` and `train` share under torchrun.
+
+``torchrun --nproc-per-node N $(which poodle) <command> ...`` starts N copies of the command with
+``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` in their environment. :func:`init` joins them into one
+``torch.distributed`` process group (NCCL when each process has a GPU, gloo on the CPU) and gives
+each process its device (``cuda:LOCAL_RANK``, or the CPU). Without those variables, or with
+``WORLD_SIZE=1``, everything here degrades to a single process and no process group is made.
+
+The stages follow three rules:
+
+- Work is split by :func:`share` (contiguous, deterministic, disjoint ranges), so every rank knows
+  every other rank's share without asking, and the results gathered on rank 0 can be put back in
+  their one-process order.
+- Every piece of work that can fail runs inside :meth:`Dist.guard`. Leaving the block is a
+  collective: the ranks agree (one all-reduce) on whether any of them failed. If one did, the
+  lowest failing rank re-raises its own error (which the command line prints) and every other rank
+  raises :class:`RankFailed`, which the command line turns into a silent exit. So an error is printed
+  once, and no rank is left waiting in a collective that a failed rank will never join. A rank that
+  dies outright (killed, out of memory) is torn down with the others by torchrun itself; the
+  process group's timeout (``POODLE_DIST_TIMEOUT`` seconds, default 3600) is the last resort.
+- Rank 0 alone writes final files and prints; the library functions call their ``log`` and
+  ``progress`` callbacks on rank 0 only.
+
+Objects crossing processes are encoded as JSON in byte tensors (:meth:`Dist.broadcast_json`,
+:meth:`Dist.gather_json`), never pickled; bulk numbers travel as tensors (:meth:`Dist.gather_tensor`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from poodle.errors import ConfigError, PoodleError
+
+DEFAULT_TIMEOUT_S = 3600
+
+
+class RankFailed(PoodleError):
+    """Raised on every rank but the one whose error is reported, when some rank of the run failed.
+
+    ``quiet`` tells the command line to exit 1 without printing: the failing rank prints the error.
+    """
+
+    quiet = True
+
+
+def env_world() -> tuple[int, int, int]:
+    """``(world_size, rank, local_rank)`` from torchrun's environment; ``(1, 0, 0)`` without it."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError as e:
+        raise ConfigError(f"torchrun's environment is malformed: {e}") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} from the environment do not fit together")
+    return world, rank, local
+
+
+def is_main_process() -> bool:
+    """Whether this process is rank 0 (or not under torchrun): the one that prints and writes."""
+    return env_world()[1] == 0
+
+
+def share(n: int, world: int, rank: int, align: int = 1) -> range:
+    """The contiguous share ``[a, b)`` of ``range(n)`` of ``rank`` among ``world`` ranks.
+
+    Shares are disjoint, in rank order, cover ``range(n)`` and differ in size by at most ``align``
+    items; boundaries fall on multiples of ``align`` (except ``n``).
+    """
+    if world < 1 or not 0 <= rank < world or align < 1 or n < 0:
+        raise ValueError(f"share({n}, {world}, {rank}, align={align})")
+    units = -(-n // align)
+    a = min(n, (units * rank // world) * align)
+    b = min(n, (units * (rank + 1) // world) * align)
+    return range(a, b)
+
+
+@dataclass
+class Dist:
+    """This process's place in the run: ``world`` processes, this one ``rank`` (``local_rank`` on its node)."""
+
+    world: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether there is a process group (more than one process)."""
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, n: int, align: int = 1) -> range:
+        """This rank's share of ``range(n)`` (see :func:`share`)."""
+        return share(n, self.world, self.rank, align)
+
+    # -- collectives; the backend's tensors live on ``comm_device`` (the GPU for NCCL)
+    @property
+    def comm_device(self) -> torch.device:
+        if self.enabled and torch.distributed.get_backend() == "nccl":
+            return self.device
+        return torch.device("cpu")
+
+    def barrier(self) -> None:
+        if self.enabled:
+            torch.distributed.barrier()
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Run the block on every rank; on leaving it, fail on every rank if it failed on any.
+
+        Every rank must enter the same guards in the same order (each is one collective).
+        """
+        err: BaseException | None = None
+        try:
+            yield
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
+            err = e
+            if not self.enabled or isinstance(e, KeyboardInterrupt):
+                raise  # an interrupt reaches every rank from torchrun at once: nothing to agree on
+        if not self.enabled:
+            return
+        first = self._first_failed(err is not None)
+        if first < 0:
+            return
+        if first == self.rank and err is not None:
+            raise err
+        raise RankFailed(f"rank {first} of {self.world} failed")
+
+    def _first_failed(self, failed: bool) -> int:
+        """Lowest rank that failed, or -1: one all-reduce (MIN over ``world`` for ranks that did not)."""
+        t = torch.tensor([self.rank if failed else self.world], dtype=torch.int64, device=self.comm_device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        v = int(t.item())
+        return -1 if v >= self.world else v
+
+    def broadcast_json(self, obj: Any = None, src: int = 0) -> Any:
+        """``obj`` of rank ``src`` (JSON-serialisable) on every rank."""
+        if not self.enabled:
+            return obj
+        dev = self.comm_device
+        data = json.dumps(obj).encode() if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        torch.distributed.broadcast(size, src)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=dev)
+        if self.rank == src:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        torch.distributed.broadcast(buf, src)
+        return json.loads(bytes(buf.cpu().tolist()).decode())
+
+    def gather_json(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` (JSON-serialisable), in rank order, on rank 0; None elsewhere."""
+        if not self.enabled:
+            return [obj]
+        data = json.dumps(obj).encode()
+        parts = self.gather_tensor(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+        )
+        if parts is None:
+            return None
+        return [json.loads(bytes(p.tolist()).decode()) for p in parts]
+
+    def gather_tensor(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's 1-d tensor ``t`` (sizes may differ; dtype must agree), in rank order, on
+        rank 0 (on the CPU); None elsewhere."""
+        t = t.reshape(-1)
+        if not self.enabled:
+            return [t.cpu()]
+        dev = self.comm_device
+        n = torch.tensor([t.numel()], dtype=torch.int64, device=dev)
+        sizes = [torch.zeros_like(n) for _ in range(self.world)]
+        torch.distributed.all_gather(sizes, n)
+        counts = [int(s.item()) for s in sizes]
+        # all_gather needs equal sizes: pad to the longest, cut after.
+        longest = max(counts)
+        padded = torch.zeros(longest, dtype=t.dtype, device=dev)
+        padded[: t.numel()] = t.to(dev)
+        bufs = [torch.zeros_like(padded) for _ in range(self.world)]
+        torch.distributed.all_gather(bufs, padded)
+        if not self.main:
+            return None
+        return [b[:c].cpu() for b, c in zip(bufs, counts)]
+
+
+def evaluate_shared(
+    d: Dist,
+    features: Any,
+    episodes: Any,
+    methods: Any,
+    *,
+    progress: Any = None,
+    stats: dict | None = None,
+    **kwargs: Any,
+) -> dict[str, torch.Tensor] | None:
+    """:func:`poodle.evaluate.evaluate` with the episodes split across the ranks of ``d``.
+
+    Each rank solves its contiguous share of ``episodes`` (its own negatives come with them: they
+    are drawn per episode number); rank 0 receives ``{label: float64 [E]}`` in episode order,
+    identical to a one-process call since every episode's result depends on that episode only.
+    Other ranks get None. ``progress`` is called on rank 0 only (for its share); ``stats`` on rank 0
+    gets ``seconds`` per label as the slowest rank's, and ``processes``.
+    """
+    from poodle.evaluate import _resolve_methods, evaluate
+
+    labels = [label for label, _, _ in _resolve_methods(methods)]
+    r = d.share(len(episodes))
+    local: dict[str, Any] = {}
+    with d.guard():
+        if len(r) or not d.enabled:
+            accs = evaluate(
+                features,
+                episodes[r.start : r.stop] if d.enabled else episodes,
+                methods,
+                progress=progress if d.main else None,
+                stats=local,
+                **kwargs,
+            )
+        else:  # more ranks than episodes
+            accs = {label: torch.zeros(0, dtype=torch.float64) for label in labels}
+    if not d.enabled:
+        if stats is not None:
+            stats.update(local, processes=1)
+        return accs
+    out: dict[str, torch.Tensor] = {}
+    for label in labels:
+        parts = d.gather_tensor(accs[label].to(torch.float64))
+        if parts is not None:
+            out[label] = torch.cat(parts)
+    infos = d.gather_json(
+        {
+            "seconds": local.get("seconds", {}),
+            "chunk_size": local.get("chunk_size"),
+            "workers": local.get("workers"),
+            "device": local.get("device"),
+            "n_neg": local.get("n_neg"),
+        }
+    )
+    if infos is None:  # not rank 0
+        return None
+    if stats is not None:
+        first = next((i for i in infos if i["chunk_size"] is not None), infos[0])
+        stats.update({k: first[k] for k in ("chunk_size", "workers", "device", "n_neg")})
+        stats["seconds"] = {label: max(i["seconds"].get(label, 0.0) for i in infos) for label in labels}
+        stats["processes"] = d.world
+    return out
+
+
+Solved = dict[str, tuple[torch.Tensor, dict]]  # {key: (per-row results, info)}
+
+
+def shared_map(
+    d: Dist, units: Sequence[Any], solve: Callable[[Any, range | None], Solved], n_rows: Callable[[Any], int]
+) -> Iterator[tuple[Any, Solved]]:
+    """Solve ``units`` (e.g. a grid's cells) across the ranks; yield ``(unit, results)`` on rank 0, in order.
+
+    ``solve(unit, rows)`` returns ``{key: (float64 [len(rows)] per-row results, info)}`` for the rows
+    ``rows`` of the unit's episodes (``None``: all of them); ``info`` is JSON-serialisable and holds at
+    least ``seconds``. With at least as many units as ranks, the units are dealt out in rounds of one
+    per rank; with fewer, every unit's rows are split across all ranks (``n_rows(unit)`` of them) and
+    the parts are put back in order, ``seconds`` being the slowest rank's. Every rank must iterate the
+    generator to its end (ranks other than 0 get nothing from it); each round is one guard.
+    """
+    if not d.enabled:
+        for u in units:
+            yield u, solve(u, None)
+        return
+    by_cells = len(units) >= d.world
+    rounds = [list(units[i : i + d.world]) for i in range(0, len(units), d.world)] if by_cells else [[u] for u in units]
+    for rnd in rounds:
+        local: dict[str, tuple[torch.Tensor, dict]] = {}
+        with d.guard():
+            if by_cells:
+                if d.rank < len(rnd):
+                    local = solve(rnd[d.rank], None)
+            else:
+                rows = d.share(n_rows(rnd[0]))
+                if len(rows):
+                    local = solve(rnd[0], rows)
+        keys = list(local)
+        flat = (
+            torch.cat([local[k][0].reshape(-1).to(torch.float64).cpu() for k in keys])
+            if keys
+            else torch.zeros(0, dtype=torch.float64)
+        )
+        values = d.gather_tensor(flat)
+        metas = d.gather_json([[k, int(local[k][0].numel()), local[k][1]] for k in keys])
+        if not d.main:
+            continue
+        assert values is not None and metas is not None
+        parts: dict[str, list[tuple[torch.Tensor, dict]]] = {}
+        for v, meta in zip(values, metas):
+            at = 0
+            for k, n, info in meta:
+                parts.setdefault(k, []).append((v[at : at + n], info))
+                at += n
+        merged = {
+            k: (
+                torch.cat([t for t, _ in ps]),
+                {**ps[0][1], "seconds": max(float(i.get("seconds", 0.0)) for _, i in ps)},
+            )
+            for k, ps in parts.items()
+        }
+        for u in rnd:
+            yield u, merged
+
+
+_CURRENT: Dist | None = None
+
+
+def init(device: str | torch.device = "auto") -> Dist:
+    """Join torchrun's process group (once per process) and return this process's :class:`Dist`.
+
+    ``device``: ``auto`` or ``cuda`` take ``cuda:LOCAL_RANK`` when CUDA is present (else the CPU);
+    ``cpu`` keeps every rank on the CPU (gloo). A numbered GPU (``cuda:N``) is refused under torchrun:
+    each process's GPU is its local rank. Without torchrun this is :func:`poodle.utils.resolve_device`.
+    """
+    global _CURRENT
+    from poodle.utils import resolve_device
+
+    world, rank, local = env_world()
+    if world == 1:
+        return Dist(device=resolve_device(device))
+    name = str(device)
+    if _CURRENT is not None and torch.distributed.is_initialized():
+        if name == "cpu" and _CURRENT.device.type != "cpu":
+            raise ConfigError("this process already joined the run on a GPU; --device cpu cannot change that")
+        return _CURRENT
+    if name not in ("auto", "cuda", "cpu"):
+        raise ConfigError(
+            f"--device {name}: under torchrun each process uses cuda:LOCAL_RANK; give --device cuda, auto or cpu"
+        )
+    use_cuda = name != "cpu" and torch.cuda.is_available()
+    if name == "cuda" and not use_cuda:
+        raise ConfigError("--device cuda: CUDA is not available")
+    if use_cuda:
+        if local >= torch.cuda.device_count():
+            raise ConfigError(
+                f"LOCAL_RANK {local} but this node has {torch.cuda.device_count()} GPU(s): start "
+                f"at most that many processes per node"
+            )
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    else:
+        dev = torch.device("cpu")
+    if not torch.distributed.is_initialized():
+        timeout = datetime.timedelta(seconds=float(os.environ.get("POODLE_DIST_TIMEOUT", DEFAULT_TIMEOUT_S)))
+        kwargs: dict[str, Any] = {"backend": "nccl" if use_cuda else "gloo", "timeout": timeout}
+        if use_cuda:
+            kwargs["device_id"] = dev
+        torch.distributed.init_process_group(**kwargs)
+        atexit.register(_shutdown)
+    _CURRENT = Dist(world, rank, local, dev)
+    return _CURRENT
+
+
+def _shutdown() -> None:
+    if torch.distributed.is_initialized():
+        with contextlib.suppress(Exception):
+            torch.distributed.destroy_process_group()
+
+
+__all__ = ["Dist", "RankFailed", "init", "share", "env_world", "is_main_process", "evaluate_shared", "shared_map"]

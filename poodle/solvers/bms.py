@@ -1,0 +1,127 @@
+"""PEMnE-BMS: power/mean/normalisation feature transform, then boosted min-size Sinkhorn.
+
+Yuqing Hu, Stéphane Pateux, Vincent Gripon. "Squeezing Backbone Feature Distributions to the Max
+for Efficient Few-Shot Learning", Algorithms 15(5):147, 2022, arXiv:2110.09446.
+
+Features go through "PEMnE": a power transform ``x -> (x + 1e-6)^power``, unit normalisation,
+centring on the episode's mean (support and queries together), unit normalisation again. Class
+centres start at the unit-normalised support means. Each of ``steps`` iterations:
+
+1. soft assignments of every sample, ``softmax_k(lam * <z, mu_k>)`` (cosine: both are unit), the
+   support rows replaced by their one-hot labels;
+2. the query block goes through ``sinkhorn_iter`` sweeps of the min-size Sinkhorn: rows
+   normalised to 1, then every class whose total mass is below ``min_size`` rescaled to exactly
+   ``min_size`` (classes above it are left alone, so the query set may be imbalanced);
+3. ``min_size`` becomes the size of the smallest class of the argmax labels (support and queries
+   together); it starts at ``shot``;
+4. centres = unit-normalised assignment-weighted means of all samples; with ``epochs > 0`` they
+   are then refined by ``epochs`` SGD steps (lr, momentum) of a cosine classifier with a learned
+   scale on the soft labels, re-normalised after each step.
+
+Queries take the argmax of the last min-size Sinkhorn output. Transductive.
+
+Defaults are the authors' released script (yhu01/BMS ``test_standard_bms.py``, ``--method BMS
+--preprocess PEME``): power 0.5, lam 8.5, 20 steps, 50 Sinkhorn sweeps, ``--epoch 0`` (the README
+also lists 20 and 40), SGD lr 0.1, momentum 0.8.
+
+Differences from the authors' code: the QR reduction after centring is skipped (an isometry of the
+samples' span: no dot product changes); a negative coordinate is transformed as
+``sign(x) (|x| + 1e-6)^power`` (their features are post-ReLU, where this is their formula; theirs
+gives NaN); episodes need not be balanced nor laid out class by class (theirs reshape
+``[shot + queries, way]``). benchmarks/compare_official.py runs their functions on the same
+episodes (docs/transductive.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from poodle.errors import ConfigError
+from poodle.solvers._transductive import dist_flops, grad_ready, log_normalise
+from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
+from poodle.solvers.pt_map import power_transform
+
+
+@dataclass
+class BMSConfig:
+    BOUNDS: ClassVar[dict[str, str]] = {"power": "(0, inf)", "lam": "(0, inf)", "steps": "[1, inf)",
+                                        "sinkhorn_iter": "[1, inf)", "epochs": "[0, inf)", "momentum": "[0, 1)"}
+
+    power: float = 0.5
+    lam: float = 8.5
+    steps: int = 20
+    sinkhorn_iter: int = 50
+    epochs: int = 0
+    lr: float = 0.1
+    momentum: float = 0.8
+
+
+def peme(x: Tensor, power: float) -> Tensor:
+    """PEMnE on all samples of each episode ``[E, N, D]``."""
+    x = F.normalize(power_transform(x, power), dim=-1)
+    return F.normalize(x - x.mean(1, keepdim=True), dim=-1)
+
+
+def min_size_sinkhorn(p: Tensor, min_size: Tensor, n_iter: int) -> Tensor:
+    """``p [E, Nq, K]`` -> rows summing to 1 (before the last column step), every class mass at
+    least ``min_size [E]``."""
+    target = min_size[:, None, None].to(p.dtype)
+    for _ in range(n_iter):
+        p = p / p.sum(2, keepdim=True)
+        small = p.sum(1, keepdim=True) < target                           # [E, 1, K]
+        p = torch.where(small, p / ((p + 1e-20).sum(1, keepdim=True) / target), p)
+    return p
+
+
+def _refine(z: Tensor, w: Tensor, target: Tensor, epochs: int, lr: float, momentum: float) -> Tensor:
+    """The authors' ``train``: SGD on a cosine classifier ``s * <z, w_k / ||w_k||>`` with soft labels
+    ``target [E, N, K]``, centres ``w [E, K, D]`` renormalised after every step; the scale ``s``
+    restarts at 1 and is discarded."""
+    with torch.enable_grad():
+        w = grad_ready(w).detach().clone().requires_grad_(True)
+        s = torch.ones(z.shape[0], 1, 1, dtype=z.dtype, device=z.device, requires_grad=True)
+        zz = grad_ready(z)
+        opt = torch.optim.SGD([w, s], lr=lr, momentum=momentum)
+        for _ in range(epochs):
+            opt.zero_grad(set_to_none=True)
+            scores = torch.bmm(zz, F.normalize(w, dim=-1).transpose(1, 2)) * s
+            loss = -(torch.log_softmax(scores, -1) * target).sum(2).mean(1).sum()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                w.div_(w.norm(dim=-1, keepdim=True))
+    return w.detach()
+
+
+def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BMSConfig) -> float:
+    return cfg.steps * (2 + 3 * cfg.epochs) * dist_flops(Ns + Nq, way, D)
+
+
+@register("bms", BMSConfig, transductive="always", flops=_flops,
+          summary="PEMnE-BMS (Hu et al. 2022): feature transform + boosted min-size Sinkhorn")
+def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
+    """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]`` (transformed space) and
+    ``assignments [E, Nq, way]``."""
+    if cfg.steps < 1:
+        raise ConfigError(f"bms: steps must be >= 1, got {cfg.steps}")
+    n_s, way = batch.support.shape[1], batch.way
+    z = peme(torch.cat([batch.support, batch.query], 1), cfg.power)
+    y_s = one_hot(batch.support_labels, way, z.dtype)
+    mu = F.normalize(torch.bmm(y_s.transpose(1, 2), z[:, :n_s]) / y_s.sum(1).unsqueeze(-1), dim=-1)
+    min_size = torch.full((z.shape[0],), float(batch.shot), dtype=z.dtype, device=z.device)
+    q = None
+    for _ in range(cfg.steps):
+        p_q = torch.softmax(cfg.lam * torch.bmm(z[:, n_s:], mu.transpose(1, 2)), -1)
+        q = min_size_sinkhorn(p_q, min_size, cfg.sinkhorn_iter)
+        w = torch.cat([y_s, q], 1)                                          # [E, N, K]
+        counts = one_hot(w.argmax(-1), way, z.dtype).sum(1)                 # [E, K]
+        min_size = counts.amin(1)
+        mu = F.normalize(torch.bmm(w.transpose(1, 2), z) / w.sum(1).unsqueeze(-1), dim=-1)
+        if cfg.epochs > 0:
+            mu = _refine(z, mu, w, cfg.epochs, cfg.lr, cfg.momentum)
+    return SolverOutput(log_normalise(q), {"prototypes": mu, "assignments": q})
