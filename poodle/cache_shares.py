@@ -354,6 +354,9 @@ def commit_shares(
             fd = dst.create_dataset("features", shape=(n, dim), dtype=fdtype)
             ld = dst.create_dataset("labels", shape=(n,), dtype=np.int64)
             pd = dst.create_dataset("paths", shape=(n,), dtype=STRING)
+            # raw row norms (cache version 2) when every part staged them
+            nd = dst.create_dataset("norms", shape=(n,), dtype=np.float32) \
+                if all("norms" in f[split] for f in files) else None
             total = np.zeros(dim, dtype=np.float64)
             skipped: list[str] = []
             at = 0
@@ -364,6 +367,8 @@ def commit_shares(
                     fd[at + a : at + b] = src["features"][a:b]
                     ld[at + a : at + b] = src["labels"][a:b]
                     pd[at + a : at + b] = src["paths"].asstr()[a:b]
+                    if nd is not None:
+                        nd[at + a : at + b] = src["norms"][a:b]
                 at += rows
                 if n_skip:
                     skipped.extend(_strings(src["skipped"])[:n_skip])
