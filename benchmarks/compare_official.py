@@ -48,35 +48,56 @@ METHODS = ("alpha-tim", "paddle", "bms", "proto-lp", "laplacianshot")
 
 
 # --------------------------------------------------------------------------------- episodes
-def synthetic_episodes(n: int, way: int, shot: int, query: int, dim: int, seed: int, spread: float,
-                       imbalance: float | None, query_classes: int | None):
+def synthetic_episodes(
+    n: int,
+    way: int,
+    shot: int,
+    query: int,
+    dim: int,
+    seed: int,
+    spread: float,
+    imbalance: float | None,
+    query_classes: int | None,
+):
     """Post-ReLU clustered features (a backbone's look) drawn through poodle's episode sampler."""
     from poodle.episodes import EpisodeSpec, sample_episodes
 
     g = torch.Generator().manual_seed(seed)
     n_classes, per_class = max(2 * way, 10), 60
     centres = torch.randn(n_classes, dim, generator=g).clamp_min(0) * 2
-    x = (centres.repeat_interleave(per_class, 0) + spread * torch.randn(n_classes * per_class, dim, generator=g))
+    x = centres.repeat_interleave(per_class, 0) + spread * torch.randn(n_classes * per_class, dim, generator=g)
     x = F.normalize(x.clamp_min(0) + 1e-3, dim=-1)
     labels = torch.arange(n_classes).repeat_interleave(per_class)
     spec = EpisodeSpec(way=way, shot=shot, query=query, imbalance=imbalance, seed=seed, query_classes=query_classes)
     return x, sample_episodes(labels, spec, n)
 
 
-def cache_episodes(path: str, split: str, n: int, way: int, shot: int, query: int, seed: int,
-                   imbalance: float | None, query_classes: int | None):
+def cache_episodes(
+    path: str,
+    split: str,
+    n: int,
+    way: int,
+    shot: int,
+    query: int,
+    seed: int,
+    imbalance: float | None,
+    query_classes: int | None,
+):
     from poodle.cache import read_split
     from poodle.episodes import EpisodeSpec, sample_episodes
 
     feats = read_split(path, split)
-    spec = EpisodeSpec(split=split, way=way, shot=shot, query=query, imbalance=imbalance, seed=seed,
-                       query_classes=query_classes)
+    spec = EpisodeSpec(
+        split=split, way=way, shot=shot, query=query, imbalance=imbalance, seed=seed, query_classes=query_classes
+    )
     return feats.features.float(), sample_episodes(feats.labels, spec, n, classes=feats.classes)
 
 
 def as_batch(x: torch.Tensor, eps) -> tuple[EpisodeBatch, torch.Tensor]:
-    return (EpisodeBatch(x[eps.support], eps.support_labels.clone(), x[eps.query], None, eps.spec.way),
-            eps.query_labels.clone())
+    return (
+        EpisodeBatch(x[eps.support], eps.support_labels.clone(), x[eps.query], None, eps.spec.way),
+        eps.query_labels.clone(),
+    )
 
 
 # ------------------------------------------------------------------------- their code, on CPU
@@ -103,7 +124,7 @@ def _fresh_src(checkout: Path) -> None:
     sys.path.insert(0, str(checkout))
     _package_stub("src", checkout / "src")
     _package_stub("src.methods", checkout / "src" / "methods")
-    if importlib.util.find_spec("requests") is None:      # imported, never used, by PADDLE's utils
+    if importlib.util.find_spec("requests") is None:  # imported, never used, by PADDLE's utils
         sys.modules["requests"] = types.ModuleType("requests")
 
 
@@ -198,8 +219,9 @@ def official_proto_lp(checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, st
     E, n_l, n_u, way = batch.support.shape[0], batch.support.shape[1], batch.query.shape[1], batch.way
     labels = torch.cat([batch.support_labels, y_q], 1)
     g = mod.__dict__
-    g.update(n_runs=E, n_shot=batch.shot, n_ways=way, n_queries=n_u / way, n_lsamples=n_l, n_usamples=n_u,
-             labels=labels)
+    g.update(
+        n_runs=E, n_shot=batch.shot, n_ways=way, n_queries=n_u / way, n_lsamples=n_l, n_usamples=n_u, labels=labels
+    )
     # their __main__: power 0.5, unit, SVD to 40, centre + unit; lam 10, alpha 0.2, 100 epochs
     nd = torch.cat([batch.support, batch.query], 1)
     nd = torch.pow(nd + 1e-6, 0.5)
@@ -216,8 +238,9 @@ def official_proto_lp(checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, st
     return final[:, n_l:].argmax(2), dict(steps=n_epochs, lam=10.0, alpha=0.2, reduced_dim=40)
 
 
-def official_laplacianshot(checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None,
-                           lmd: float = 0.7, knn: int = 3):
+def official_laplacianshot(
+    checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None, lmd: float = 0.7, knn: int = 3
+):
     sys.modules.setdefault("matplotlib", types.ModuleType("matplotlib"))
     plt = types.ModuleType("matplotlib.pyplot")
     sys.modules.setdefault("matplotlib.pyplot", plt)
@@ -232,31 +255,53 @@ def official_laplacianshot(checkout: Path, batch: EpisodeBatch, y_q: torch.Tenso
     # the four functions train_lshot.py's evaluation runs, taken from its source unchanged (the
     # module itself needs their datasets and models at import)
     tree = ast.parse((checkout / "src" / "train_lshot.py").read_text())
-    keep = [n for n in tree.body if isinstance(n, ast.FunctionDef)
-            and n.name in ("get_metric", "metric_class_type", "create_affinity", "lshot_prediction")]
+    keep = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef)
+        and n.name in ("get_metric", "metric_class_type", "create_affinity", "lshot_prediction")
+    ]
     np_shim = types.ModuleType("numpy_with_float")
     np_shim.__dict__.update(np.__dict__)
     np_shim.float = float
-    args = argparse.Namespace(proto_rect=True, meta_val_way=batch.way, lshot=True, lmd=lmd, knn=knn,
-                              plot_converge=False, num_NN=1)
-    ns = dict(np=np_shim, LA=LA, torch=torch, F=F, sparse=sparse, NearestNeighbors=NearestNeighbors,
-              bound_update=L.bound_update, args=args)
+    args = argparse.Namespace(
+        proto_rect=True, meta_val_way=batch.way, lshot=True, lmd=lmd, knn=knn, plot_converge=False, num_NN=1
+    )
+    ns = dict(
+        np=np_shim,
+        LA=LA,
+        torch=torch,
+        F=F,
+        sparse=sparse,
+        NearestNeighbors=NearestNeighbors,
+        bound_update=L.bound_update,
+        args=args,
+    )
     exec(compile(ast.Module(body=keep, type_ignores=[]), "train_lshot.py", "exec"), ns)
     accs = []
     for e in range(batch.support.shape[0]):
         gal = batch.support[e].numpy().astype(np.float32)
         qry = batch.query[e].numpy().astype(np.float32)
-        accs.append(ns["metric_class_type"](gal, qry, batch.support_labels[e].numpy(), y_q[e].tolist(),
-                                            batch.shot, norm_type="L2N"))
+        accs.append(
+            ns["metric_class_type"](
+                gal, qry, batch.support_labels[e].numpy(), y_q[e].tolist(), batch.shot, norm_type="L2N"
+            )
+        )
     return torch.tensor(accs, dtype=torch.float64), dict(preset="official", lmd=lmd, knn=knn)
 
 
-OFFICIAL = {"alpha-tim": official_alpha_tim, "paddle": official_paddle, "bms": official_bms,
-            "proto-lp": official_proto_lp, "laplacianshot": official_laplacianshot}
+OFFICIAL = {
+    "alpha-tim": official_alpha_tim,
+    "paddle": official_paddle,
+    "bms": official_bms,
+    "proto-lp": official_proto_lp,
+    "laplacianshot": official_laplacianshot,
+}
 
 
-def compare(method: str, checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None,
-            their_batch: int = 0) -> dict:
+def compare(
+    method: str, checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None, their_batch: int = 0
+) -> dict:
     """``their_batch``: episodes per call of their code (0: all at once). Their Sinkhorn loops stop when
     the *whole* batch has converged; ours per episode, which is what a batch of one gives."""
     E = batch.support.shape[0]
@@ -271,16 +316,23 @@ def compare(method: str, checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor,
     out = solvers.run(method, batch, **options)
     pred = out.log_probs.argmax(-1)
     ours_acc = (pred == y_q).double().mean(1)
-    if theirs.dtype == torch.float64 and theirs.dim() == 1:          # they report accuracies only
+    if theirs.dtype == torch.float64 and theirs.dim() == 1:  # they report accuracies only
         their_acc, agree = theirs, None
     else:
         their_acc = (theirs == y_q).double().mean(1)
         agree = (theirs == pred).double().mean().item()
-    same = (ours_acc == their_acc)
-    return {"method": method, "options": options, "episodes": len(same), "identical": int(same.sum()),
-            "ours": ours_acc.mean().item(), "theirs": their_acc.mean().item(),
-            "max_diff": (ours_acc - their_acc).abs().max().item(), "prediction_agreement": agree,
-            "differing": [int(i) for i in (~same).nonzero().flatten()[:10]]}
+    same = ours_acc == their_acc
+    return {
+        "method": method,
+        "options": options,
+        "episodes": len(same),
+        "identical": int(same.sum()),
+        "ours": ours_acc.mean().item(),
+        "theirs": their_acc.mean().item(),
+        "max_diff": (ours_acc - their_acc).abs().max().item(),
+        "prediction_agreement": agree,
+        "differing": [int(i) for i in (~same).nonzero().flatten()[:10]],
+    }
 
 
 LAPLACIAN_VARIANTS = [
@@ -301,25 +353,40 @@ def laplacian_ablation(batch: EpisodeBatch, y_q: torch.Tensor, chunk: int = 100)
 
     accs = {}
     for label, opts in LAPLACIAN_VARIANTS:
-        pred = torch.cat([solvers.run("laplacianshot", EpisodeBatch(batch.support[i:i + chunk],
-                                                                  batch.support_labels[i:i + chunk],
-                                                                  batch.query[i:i + chunk], None, batch.way),
-                                      **opts).log_probs.argmax(-1)
-                          for i in range(0, batch.support.shape[0], chunk)])
+        pred = torch.cat(
+            [
+                solvers.run(
+                    "laplacianshot",
+                    EpisodeBatch(
+                        batch.support[i : i + chunk],
+                        batch.support_labels[i : i + chunk],
+                        batch.query[i : i + chunk],
+                        None,
+                        batch.way,
+                    ),
+                    **opts,
+                ).log_probs.argmax(-1)
+                for i in range(0, batch.support.shape[0], chunk)
+            ]
+        )
         accs[label] = (pred == y_q).double().mean(1)
     base = accs[LAPLACIAN_VARIANTS[0][0]]
     for label, acc in accs.items():
         m, ci = summarize(acc)
         d, dci = paired_difference(acc, base)
-        print(f"laplacianshot {label:36s} {100 * m:6.2f} ± {100 * ci:.2f}   "
-              f"vs default {100 * d:+6.2f} ± {100 * dci:.2f}")
+        print(
+            f"laplacianshot {label:36s} {100 * m:6.2f} ± {100 * ci:.2f}   vs default {100 * d:+6.2f} ± {100 * dci:.2f}"
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--method", choices=METHODS, action="append", default=[])
-    ap.add_argument("--laplacian-ablation", action="store_true",
-                    help="ours only: LaplacianShot with each difference from the released code switched alone")
+    ap.add_argument(
+        "--laplacian-ablation",
+        action="store_true",
+        help="ours only: LaplacianShot with each difference from the released code switched alone",
+    )
     ap.add_argument("--checkout", help="the authors' repository (default: $POODLE_OFFICIAL_<METHOD>)")
     ap.add_argument("--cache", help="feature cache (HDF5); default: synthetic features")
     ap.add_argument("--split", default="test")
@@ -333,22 +400,31 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=64, help="synthetic features' dimension")
     ap.add_argument("--spread", type=float, default=1.5, help="synthetic features' within-class spread")
     ap.add_argument("--steps", type=int, help="override both sides' iteration counts (quick checks)")
-    ap.add_argument("--their-batch", type=int, default=0,
-                    help="episodes per call of their code (0: all at once; 1: their batch-wide Sinkhorn "
-                         "stopping becomes per episode, as ours)")
+    ap.add_argument(
+        "--their-batch",
+        type=int,
+        default=0,
+        help="episodes per call of their code (0: all at once; 1: their batch-wide Sinkhorn "
+        "stopping becomes per episode, as ours)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.cache:
-        x, eps = cache_episodes(a.cache, a.split, a.episodes, a.way, a.shot, a.query, a.seed, a.imbalance,
-                                a.query_classes)
+        x, eps = cache_episodes(
+            a.cache, a.split, a.episodes, a.way, a.shot, a.query, a.seed, a.imbalance, a.query_classes
+        )
     else:
-        x, eps = synthetic_episodes(a.episodes, a.way, a.shot, a.query, a.dim, a.seed, a.spread, a.imbalance,
-                                    a.query_classes)
+        x, eps = synthetic_episodes(
+            a.episodes, a.way, a.shot, a.query, a.dim, a.seed, a.spread, a.imbalance, a.query_classes
+        )
     batch, y_q = as_batch(x, eps)
-    print(f"torch {torch.__version__}, numpy {np.__version__}; {a.episodes} episodes {a.way}-way {a.shot}-shot "
-          f"{a.query} queries" + (f", imbalance {a.imbalance:g}" if a.imbalance else "")
-          + (f", query classes {a.query_classes}" if a.query_classes else "")
-          + f", features {'from ' + a.cache if a.cache else f'synthetic D={a.dim}'}")
+    print(
+        f"torch {torch.__version__}, numpy {np.__version__}; {a.episodes} episodes {a.way}-way {a.shot}-shot "
+        f"{a.query} queries"
+        + (f", imbalance {a.imbalance:g}" if a.imbalance else "")
+        + (f", query classes {a.query_classes}" if a.query_classes else "")
+        + f", features {'from ' + a.cache if a.cache else f'synthetic D={a.dim}'}"
+    )
     if a.laplacian_ablation:
         laplacian_ablation(batch, y_q)
     for method in a.method:
@@ -360,10 +436,12 @@ def main() -> None:
         r = compare(method, Path(checkout), batch, y_q, a.steps, a.their_batch)
         pa = r["prediction_agreement"]
         agree = "" if pa is None else f", predictions agree {100 * pa:.2f}%"
-        print(f"{method}: identical accuracy on {r['identical']}/{r['episodes']} episodes{agree}; mean accuracy "
-              f"ours {100 * r['ours']:.2f}%, theirs {100 * r['theirs']:.2f}%; largest per-episode difference "
-              f"{100 * r['max_diff']:.2f} points; options {r['options']}"
-              + (f"; differing episodes {r['differing']}" if r["differing"] else ""))
+        print(
+            f"{method}: identical accuracy on {r['identical']}/{r['episodes']} episodes{agree}; mean accuracy "
+            f"ours {100 * r['ours']:.2f}%, theirs {100 * r['theirs']:.2f}%; largest per-episode difference "
+            f"{100 * r['max_diff']:.2f} points; options {r['options']}"
+            + (f"; differing episodes {r['differing']}" if r["differing"] else "")
+        )
 
 
 if __name__ == "__main__":

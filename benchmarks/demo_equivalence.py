@@ -35,6 +35,8 @@ for c, rec in zip(cells, run.records):
     b = [round(x * nq) for x in rec["acc"]]
     ok = a == b
     same += ok
-    print(f"{c.label:14s} shot={c.episode['shot']} transductive={c.transductive!s:5s} "
-          f"{'identical' if ok else 'DIFFERENT'} ({sum(x != y for x, y in zip(a, b))} episodes differ)")
+    print(
+        f"{c.label:14s} shot={c.episode['shot']} transductive={c.transductive!s:5s} "
+        f"{'identical' if ok else 'DIFFERENT'} ({sum(x != y for x, y in zip(a, b))} episodes differ)"
+    )
 print(f"identical per-episode accuracies: {same} of {len(cells)} cells")

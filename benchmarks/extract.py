@@ -65,8 +65,13 @@ def plain_loop(root: Path, args: argparse.Namespace, dev: torch.device, limit: i
         torch.manual_seed(0)
         model = backbones.build(args.backbone)
     model.eval().to(dev)
-    loader = DataLoader(Plain(paths, eval_transform(args.size)), batch_size=args.batch_size, shuffle=False,
-                        num_workers=args.workers, pin_memory=dev.type == "cuda")
+    loader = DataLoader(
+        Plain(paths, eval_transform(args.size)),
+        batch_size=args.batch_size,
+        shuffle=False,
+        num_workers=args.workers,
+        pin_memory=dev.type == "cuda",
+    )
     feats = []
     with torch.inference_mode():
         for x, _ in loader:
@@ -77,9 +82,18 @@ def plain_loop(root: Path, args: argparse.Namespace, dev: torch.device, limit: i
 
 def poodle_extract(root: Path, cache_root: Path, args: argparse.Namespace) -> float:
     t0 = time.perf_counter()
-    out = extract("folder", args.backbone, data_root=root, splits=("test",), image_size=args.size,
-                  batch_size=args.batch_size, device=args.device, cache_root=cache_root, workers=args.workers,
-                  force=True)
+    out = extract(
+        "folder",
+        args.backbone,
+        data_root=root,
+        splits=("test",),
+        image_size=args.size,
+        batch_size=args.batch_size,
+        device=args.device,
+        cache_root=cache_root,
+        workers=args.workers,
+        force=True,
+    )
     dt = time.perf_counter() - t0
     assert out.exists()
     return args.images / dt
@@ -117,28 +131,46 @@ def main() -> None:
         n = len(list((root / "test").glob("*/*.jpg")))
         if n != args.images:
             sys.exit(f"{root} holds {n} images, not --images {args.images}")
-        print(f"backbone {args.backbone}, image size {args.size}, batch {args.batch_size}, workers {args.workers}, "
-              f"device {dev}, torch threads {torch.get_num_threads()}")
+        print(
+            f"backbone {args.backbone}, image size {args.size}, batch {args.batch_size}, workers {args.workers}, "
+            f"device {dev}, torch threads {torch.get_num_threads()}"
+        )
         plain_loop(root, args, dev, limit=2 * args.batch_size)  # warm-up: imports, page cache, allocator
         plain, ours = [], []
         for r in range(args.repeats):
-            for name in (("plain", "extract") if r % 2 == 0 else ("extract", "plain")):
+            for name in ("plain", "extract") if r % 2 == 0 else ("extract", "plain"):
                 if name == "plain":
                     plain.append(plain_loop(root, args, dev))
                 else:
                     ours.append(poodle_extract(root, Path(tmp) / "cache", args))
                 print(f"  run {r + 1} {name:8s} {(plain if name == 'plain' else ours)[-1]:9.1f} images/s")
     best_plain, best_ours = max(plain), max(ours)
-    print(f"plain DataLoader + model : {best_plain:9.1f} images/s (best of {len(plain)}; "
-          f"median {statistics.median(plain):.1f})")
-    print(f"poodle extract           : {best_ours:9.1f} images/s (best of {len(ours)}; "
-          f"median {statistics.median(ours):.1f})")
+    print(
+        f"plain DataLoader + model : {best_plain:9.1f} images/s (best of {len(plain)}; "
+        f"median {statistics.median(plain):.1f})"
+    )
+    print(
+        f"poodle extract           : {best_ours:9.1f} images/s (best of {len(ours)}; "
+        f"median {statistics.median(ours):.1f})"
+    )
     print(f"ratio extract / plain    : {best_ours / best_plain:9.3f}   (target >= 0.9)")
     if args.json:
-        args.json.write_text(json.dumps({"plain": plain, "extract": ours, "ratio": best_ours / best_plain,
-                                         "images": args.images, "backbone": args.backbone, "size": args.size,
-                                         "batch_size": args.batch_size, "workers": args.workers,
-                                         "device": str(dev)}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "plain": plain,
+                    "extract": ours,
+                    "ratio": best_ours / best_plain,
+                    "images": args.images,
+                    "backbone": args.backbone,
+                    "size": args.size,
+                    "batch_size": args.batch_size,
+                    "workers": args.workers,
+                    "device": str(dev),
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def main() -> None:
         dim, spread = int(a.synthetic.split(",")[0]), float(a.synthetic.split(",")[1])
         g = torch.Generator().manual_seed(a.seed)
         centres = torch.nn.functional.normalize(torch.randn(20, dim, generator=g), dim=-1)
-        x = centres.repeat_interleave(100, 0) + spread * torch.randn(2000, dim, generator=g) / dim ** 0.5
+        x = centres.repeat_interleave(100, 0) + spread * torch.randn(2000, dim, generator=g) / dim**0.5
         x = torch.nn.functional.normalize(x, dim=-1)
         labels, classes, source = torch.arange(20).repeat_interleave(100), None, f"synthetic D={dim} spread {spread}"
     elif a.cache:
@@ -56,8 +56,10 @@ def main() -> None:
         ap.error("give --cache FILE or --synthetic D,SPREAD")
     spec = EpisodeSpec(split=a.split, way=a.way, shot=a.shot, query=a.query, seed=a.seed)
     eps = sample_episodes(labels, spec, a.episodes, classes=classes)
-    print(f"{source}, {a.episodes} episodes {a.way}-way {a.shot}-shot, seed {a.seed}; "
-          f"torch {torch.__version__}, {platform.processor() or platform.machine()}")
+    print(
+        f"{source}, {a.episodes} episodes {a.way}-way {a.shot}-shot, seed {a.seed}; "
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}"
+    )
     preds: dict[str, list[torch.Tensor]] = {m: [] for m in ["proto"] + a.method}
     for lo in range(0, a.episodes, a.chunk):
         sl = slice(lo, lo + a.chunk)
@@ -74,8 +76,10 @@ def main() -> None:
         acc = (p == y).double().mean(1)
         d, dci = paired_difference(acc, acc0)
         moved = (p != base).double().mean().item()
-        print(f"{m} {opts or ''}: {100 * summarize(acc)[0]:.2f} ± {100 * summarize(acc)[1]:.2f}; "
-              f"vs proto {100 * d:+.2f} ± {100 * dci:.2f} points; predictions changed {100 * moved:.1f}%")
+        print(
+            f"{m} {opts or ''}: {100 * summarize(acc)[0]:.2f} ± {100 * summarize(acc)[1]:.2f}; "
+            f"vs proto {100 * d:+.2f} ± {100 * dci:.2f} points; predictions changed {100 * moved:.1f}%"
+        )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,12 @@ from poodle.evaluate import evaluate, summarize
 from poodle.negatives import NegativeSpec
 from poodle.preprocess import Preprocessor, parse
 
-METHODS = [("proto", "proto", {}), ("POODLE", "poodle", {}), ("POODLE transductive", "poodle", {"transductive": True}),
-           ("TIM-GD", "tim-gd", {"preset": "poodle-paper"})]
+METHODS = [
+    ("proto", "proto", {}),
+    ("POODLE", "poodle", {}),
+    ("POODLE transductive", "poodle", {"transductive": True}),
+    ("TIM-GD", "tim-gd", {"preset": "poodle-paper"}),
+]
 
 
 def main() -> None:
@@ -37,8 +41,12 @@ def main() -> None:
     ap.add_argument("--n-neg", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (1: these solvers run many tiny ops; more threads only add overhead)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: these solvers run many tiny ops; more threads only add overhead)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -52,27 +60,43 @@ def main() -> None:
         pre = Preprocessor.from_cache(kind, args.cache, log=print)
         feats = pre.split(raw)
         for shot in shots:
-            eps = sample_episodes(raw.labels, EpisodeSpec(split=args.split, way=5, shot=shot, query=15,
-                                                          seed=args.seed), args.episodes, classes=raw.classes)
-            accs = evaluate(feats, eps, METHODS, negatives=NegativeSpec(args.negatives, args.n_neg),
-                            cache_path=args.cache, device="cpu", workers=args.workers, preprocess=pre)
+            eps = sample_episodes(
+                raw.labels,
+                EpisodeSpec(split=args.split, way=5, shot=shot, query=15, seed=args.seed),
+                args.episodes,
+                classes=raw.classes,
+            )
+            accs = evaluate(
+                feats,
+                eps,
+                METHODS,
+                negatives=NegativeSpec(args.negatives, args.n_neg),
+                cache_path=args.cache,
+                device="cpu",
+                workers=args.workers,
+                preprocess=pre,
+            )
             for label, *_ in METHODS:
                 mean, ci = summarize(accs[label])
                 results.setdefault(f"{label} | {shot}-shot", {})[pre.spec.key] = [100 * mean, 100 * ci]
             print(f"{pre.spec.key} {shot}-shot done ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     keys = [parse(k).key for k in kinds]
-    print(f"\n{args.episodes} episodes per cell (5-way, 15 queries per class, seed {args.seed}), negatives "
-          f"{args.negatives} x {args.n_neg}; cache {args.cache} split {args.split}")
+    print(
+        f"\n{args.episodes} episodes per cell (5-way, 15 queries per class, seed {args.seed}), negatives "
+        f"{args.negatives} x {args.n_neg}; cache {args.cache} split {args.split}"
+    )
     print("| method | shots | " + " | ".join(keys) + " |")
     print("|---|---|" + "---|" * len(keys))
     for row, vals in results.items():
         method, shot = row.split(" | ")
-        print(f"| {method} | {shot.split('-')[0]} | "
-              + " | ".join(f"{vals[k][0]:.2f} ± {vals[k][1]:.2f}" for k in keys) + " |")
+        print(
+            f"| {method} | {shot.split('-')[0]} | "
+            + " | ".join(f"{vals[k][0]:.2f} ± {vals[k][1]:.2f}" for k in keys)
+            + " |"
+        )
     cpu = platform.processor() or platform.machine()
-    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}, "
-          f"{time.perf_counter() - t0:.0f} s")
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}, {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": vars(args), "results": results}, fh, indent=1)

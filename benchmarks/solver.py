@@ -51,7 +51,8 @@ def clustered(n_classes: int, per_class: int, dim: int, seed: int, spread: float
     centres = rng.standard_normal((n_classes, dim)).astype(np.float32)
     centres /= np.linalg.norm(centres, axis=1, keepdims=True)
     x = centres.repeat(per_class, 0) + spread * 4 / np.sqrt(dim) * rng.standard_normal(
-        (n_classes * per_class, dim)).astype(np.float32)
+        (n_classes * per_class, dim)
+    ).astype(np.float32)
     return x, np.arange(n_classes).repeat(per_class)
 
 
@@ -90,7 +91,7 @@ def matmul_flops(device: torch.device, n: int = 2048, reps: int = 10) -> float:
             a @ b
         _sync(device)
         best = min(best, (time.perf_counter() - t) / reps)
-    return 2 * n ** 3 / best
+    return 2 * n**3 / best
 
 
 def _sync(device: torch.device) -> None:
@@ -132,7 +133,7 @@ def autograd_poodle(batch: EpisodeBatch, steps: int, alpha=1.0, beta=0.5) -> tor
     pos = torch.cat([s, q], 1)
 
     def get_logits(x):
-        return g * (x @ w.transpose(1, 2) - 0.5 * (w ** 2).sum(-1).unsqueeze(1) - 0.5 * (x ** 2).sum(-1, keepdim=True))
+        return g * (x @ w.transpose(1, 2) - 0.5 * (w**2).sum(-1).unsqueeze(1) - 0.5 * (x**2).sum(-1, keepdim=True))
 
     for _ in range(steps):
         ls, lp, ln = get_logits(s), get_logits(pos), get_logits(neg)
@@ -147,6 +148,7 @@ def autograd_poodle(batch: EpisodeBatch, steps: int, alpha=1.0, beta=0.5) -> tor
 
 
 # ------------------------------------------------------------------ the authors' release, side by side
+
 
 class _OnDevice:
     """Stands in for the ``torch`` module inside the authors' file: ``torch.tensor(..., device='cuda:0')``
@@ -169,9 +171,11 @@ class _FixedDraws:
     def __init__(self, idx: np.ndarray) -> None:
         def randint(low, high, size):
             if int(np.prod(size)) != idx.size or high <= int(idx.max()):
-                raise RuntimeError(f"the authors' code asked for {size} negatives from {high} rows; "
-                                   f"we hold {idx.size} indices")
+                raise RuntimeError(
+                    f"the authors' code asked for {size} negatives from {high} rows; we hold {idx.size} indices"
+                )
             return idx.reshape(size)
+
         self.random = types.SimpleNamespace(randint=randint)
 
     def __getattr__(self, name: str):
@@ -203,15 +207,16 @@ def _cuda_calls_to(device: torch.device):
         torch.Tensor.cuda = before
 
 
-def run_authors(mod, test, train_np: np.ndarray, eps, shot: int, device: torch.device,
-                batch: int) -> tuple[np.ndarray, float]:
+def run_authors(
+    mod, test, train_np: np.ndarray, eps, shot: int, device: torch.device, batch: int
+) -> tuple[np.ndarray, float]:
     """Their ``poodle()`` (transductive, alpha 1, beta 0.5, 250 steps) on ``eps`` with our negatives,
     ``batch`` tasks per call as their evaluation does; returns (per-episode accuracy, seconds)."""
     accs, secs = [], 0.0
     args = types.SimpleNamespace(meta_val_way=WAY, number_fc_update=STEPS)
     feats = test.features.numpy()
     for a in range(0, len(eps), batch):
-        sub = eps[a:a + batch]
+        sub = eps[a : a + batch]
         mod.np = _FixedDraws(sub.negatives.numpy())
         mod.torch = _OnDevice(device)
         g, q = feats[sub.support.numpy()], feats[sub.query.numpy()]
@@ -230,9 +235,31 @@ def whole_process(cache: Path, shot: int, n_ep: int, workers: int | None) -> dic
     """``poodle solve`` on the standard workload as a subprocess: wall seconds, start-up included."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.jsonl"
-        cmd = [sys.executable, "-m", "poodle.cli.main", "solve", "--cache", str(cache), "--method", "poodle",
-               "--transductive", "--negatives", "base", "--n-neg", str(N_NEG), "--steps", str(STEPS),
-               "--shot", str(shot), "--episodes", str(n_ep), "--device", "cpu", "--out", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "poodle.cli.main",
+            "solve",
+            "--cache",
+            str(cache),
+            "--method",
+            "poodle",
+            "--transductive",
+            "--negatives",
+            "base",
+            "--n-neg",
+            str(N_NEG),
+            "--steps",
+            str(STEPS),
+            "--shot",
+            str(shot),
+            "--episodes",
+            str(n_ep),
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
         if workers:
             cmd += ["--workers", str(workers)]
         t = time.perf_counter()
@@ -265,8 +292,9 @@ def startup(cache: Path, n_ep: int) -> float:
     """Seconds from launching a fresh interpreter to the first chunk of an ``n_ep``-episode run solved
     (imports, cache read, episode and negative draws included): what ``poodle solve`` does first."""
     t = time.time()
-    out = subprocess.run([sys.executable, "-c", _STARTUP, str(cache), str(n_ep)], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _STARTUP, str(cache), str(n_ep)], check=True, capture_output=True, text=True
+    ).stdout
     return float(out.strip().splitlines()[-1]) - t
 
 
@@ -279,14 +307,25 @@ def main() -> None:
     ap.add_argument("--max-memory", default=None)
     ap.add_argument("--autograd-episodes", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--workers", type=int, default=None,
-                    help="CPU chunks solved at once, each single-threaded (default: the thread count)")
-    ap.add_argument("--authors-code", default=os.environ.get("POODLE_AUTHORS_CODE"),
-                    help="checkout of github lehduong/poodle (default: $POODLE_AUTHORS_CODE)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="CPU chunks solved at once, each single-threaded (default: the thread count)",
+    )
+    ap.add_argument(
+        "--authors-code",
+        default=os.environ.get("POODLE_AUTHORS_CODE"),
+        help="checkout of github lehduong/poodle (default: $POODLE_AUTHORS_CODE)",
+    )
     ap.add_argument("--authors-episodes", type=int, default=100, help="episodes given to the authors' poodle()")
     ap.add_argument("--authors-batch", type=int, default=50, help="tasks per call of the authors' poodle()")
-    ap.add_argument("--process-episodes", type=int, default=400,
-                    help="episodes of the whole-process `poodle solve` run (CPU; 0 skips it)")
+    ap.add_argument(
+        "--process-episodes",
+        type=int,
+        default=400,
+        help="episodes of the whole-process `poodle solve` run (CPU; 0 skips it)",
+    )
     ap.add_argument("--startup-episodes", type=int, default=10000, help="episodes of the start-up run (0 skips it)")
     args = ap.parse_args()
     if args.threads:
@@ -299,19 +338,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         xtr, ytr = clustered(64, 600, D, seed=1)
         xte, yte = clustered(20, 600, D, seed=2, spread=1.2)
-        path = write_arrays(Path(tmp) / "bench.h5", {"train": (xtr, ytr, [f"b{i}" for i in range(64)]),
-                                                     "test": (xte, yte, [f"t{i}" for i in range(20)])})
+        path = write_arrays(
+            Path(tmp) / "bench.h5",
+            {"train": (xtr, ytr, [f"b{i}" for i in range(64)]), "test": (xte, yte, [f"t{i}" for i in range(20)])},
+        )
         test = read_split(path, "test")
         train = read_split(path, "train")
         flops_mm = matmul_flops(dev)
         dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
-        print(f"device {dev} ({dev_name}); python {platform.python_version()}, torch {torch.__version__}, "
-              f"numpy {np.__version__}")
+        print(
+            f"device {dev} ({dev_name}); python {platform.python_version()}, torch {torch.__version__}, "
+            f"numpy {np.__version__}"
+        )
         print(blas_summary())
-        print(f"torch threads {torch.get_num_threads()}, CPUs visible {len(os.sched_getaffinity(0))}, "
-              f"workers {args.workers or ('1' if dev.type != 'cpu' else f'default ({torch.get_num_threads()})')}")
-        print(f"large matmul (2048^3, float32, {torch.get_num_threads()} thread(s)): {flops_mm / 1e9:,.1f} GFLOP/s "
-              "(the roofline below)")
+        print(
+            f"torch threads {torch.get_num_threads()}, CPUs visible {len(os.sched_getaffinity(0))}, "
+            f"workers {args.workers or ('1' if dev.type != 'cpu' else f'default ({torch.get_num_threads()})')}"
+        )
+        print(
+            f"large matmul (2048^3, float32, {torch.get_num_threads()} thread(s)): {flops_mm / 1e9:,.1f} GFLOP/s "
+            "(the roofline below)"
+        )
         info = solvers.get("poodle")
         cfg = solvers.make_config("poodle", {"transductive": True})
         ours_rate: dict[int, float] = {}
@@ -320,41 +367,70 @@ def main() -> None:
             eps = sample_episodes(test.labels, spec, n_ep)
             eps, _ = prepare_negatives(eps, NegativeSpec("base", N_NEG), path, D)
             # warm-up (allocator, first-call overheads) on a few episodes
-            evaluate(test, eps[:4], [("p", "poodle", cfg)], negatives=NegativeSpec("base", N_NEG), cache_path=path,
-                     device=dev, chunk_size=args.chunk)
+            evaluate(
+                test,
+                eps[:4],
+                [("p", "poodle", cfg)],
+                negatives=NegativeSpec("base", N_NEG),
+                cache_path=path,
+                device=dev,
+                chunk_size=args.chunk,
+            )
             base = reset_peak(dev)
             stats: dict = {}
             _sync(dev)
             t = time.perf_counter()
-            acc = evaluate(test, eps, [("p", "poodle", cfg)], negatives=NegativeSpec("base", N_NEG), cache_path=path,
-                           device=dev, max_memory=args.max_memory, chunk_size=args.chunk, stats=stats,
-                           workers=args.workers)["p"]
+            acc = evaluate(
+                test,
+                eps,
+                [("p", "poodle", cfg)],
+                negatives=NegativeSpec("base", N_NEG),
+                cache_path=path,
+                device=dev,
+                max_memory=args.max_memory,
+                chunk_size=args.chunk,
+                stats=stats,
+                workers=args.workers,
+            )["p"]
             _sync(dev)
             dt = time.perf_counter() - t
             pk = peak(dev)
             eps_s = ours_rate[shot] = n_ep / dt
             f_ep = info.flops(WAY * shot, WAY * QUERY, N_NEG, D, WAY, cfg)
             mean, ci = summarize(acc)
-            print(f"\n{shot}-shot, {n_ep} episodes, POODLE transductive, {N_NEG} base negatives, {STEPS} steps, "
-                  f"chunks of {stats['chunk_size']}, {stats['workers']} worker(s):")
+            print(
+                f"\n{shot}-shot, {n_ep} episodes, POODLE transductive, {N_NEG} base negatives, {STEPS} steps, "
+                f"chunks of {stats['chunk_size']}, {stats['workers']} worker(s):"
+            )
             print(f"  {eps_s:,.1f} episodes/s ({dt:.2f} s); accuracy {100 * mean:.2f} +- {100 * ci:.2f}")
-            print(f"  peak memory {pk / 2**20:,.0f} MiB ({(pk - base) / 2**20:+,.0f} MiB over the {base / 2**20:,.0f} MiB before)")
-            print(f"  {f_ep / 1e9:.3f} GFLOP per episode -> {f_ep * eps_s / 1e9:,.1f} GFLOP/s = "
-                  f"{100 * f_ep * eps_s / flops_mm:.1f}% of the matmul roofline")
+            print(
+                f"  peak memory {pk / 2**20:,.0f} MiB ({(pk - base) / 2**20:+,.0f} MiB over the {base / 2**20:,.0f} MiB before)"
+            )
+            print(
+                f"  {f_ep / 1e9:.3f} GFLOP per episode -> {f_ep * eps_s / 1e9:,.1f} GFLOP/s = "
+                f"{100 * f_ep * eps_s / flops_mm:.1f}% of the matmul roofline"
+            )
 
             k = min(args.autograd_episodes if not args.quick else 8, n_ep)
             sub = eps[:k]
-            batch = EpisodeBatch(test.features[sub.support], sub.support_labels, test.features[sub.query],
-                                 train.features[sub.negatives], WAY).to(dev)
+            batch = EpisodeBatch(
+                test.features[sub.support],
+                sub.support_labels,
+                test.features[sub.query],
+                train.features[sub.negatives],
+                WAY,
+            ).to(dev)
             _sync(dev)
             t = time.perf_counter()
             w_ref = autograd_poodle(batch, STEPS)
             _sync(dev)
             dt_ref = time.perf_counter() - t
             w_ours = solvers.run("poodle", batch, cfg).state["prototypes"]
-            print(f"  autograd (authors' style) on {k} of the same episodes: {k / dt_ref:,.1f} episodes/s "
-                  f"-> ours is {eps_s / (k / dt_ref):,.1f}x faster; max |prototype difference| "
-                  f"{float((w_ref - w_ours).abs().max()):.1e}")
+            print(
+                f"  autograd (authors' style) on {k} of the same episodes: {k / dt_ref:,.1f} episodes/s "
+                f"-> ours is {eps_s / (k / dt_ref):,.1f}x faster; max |prototype difference| "
+                f"{float((w_ref - w_ours).abs().max()):.1e}"
+            )
 
             if authors is None:
                 print(f"  authors' poodle(): skipped: {why}")
@@ -362,20 +438,26 @@ def main() -> None:
             ka = min(args.authors_episodes if not args.quick else 20, n_ep)
             a_acc, a_s = run_authors(authors, test, train.features.numpy(), eps[:ka], shot, dev, args.authors_batch)
             same = np.asarray(acc[:ka].numpy() == a_acc)
-            print(f"  authors' poodle() (github lehduong/poodle, device patched to {dev}) on {ka} of the same episodes"
-                  f" and negatives, {args.authors_batch} tasks per call: {ka / a_s:,.2f} episodes/s -> ours is "
-                  f"{eps_s / (ka / a_s):,.1f}x faster; per-episode accuracy identical on {int(same.sum())}/{ka}, "
-                  f"max |difference| {float(np.abs(acc[:ka].numpy() - a_acc).max()):.4f}")
+            print(
+                f"  authors' poodle() (github lehduong/poodle, device patched to {dev}) on {ka} of the same episodes"
+                f" and negatives, {args.authors_batch} tasks per call: {ka / a_s:,.2f} episodes/s -> ours is "
+                f"{eps_s / (ka / a_s):,.1f}x faster; per-episode accuracy identical on {int(same.sum())}/{ka}, "
+                f"max |difference| {float(np.abs(acc[:ka].numpy() - a_acc).max()):.4f}"
+            )
             if dev.type == "cpu" and args.process_episodes and not args.quick:
                 wp = whole_process(path, shot, args.process_episodes, args.workers)
                 rate = args.process_episodes / wp["wall"]
-                print(f"  whole process: `{wp['cmd']}`: {wp['wall']:.1f} s wall = {rate:,.2f} episodes/s, start-up "
-                      f"included -> {rate / (ka / a_s):,.1f}x the authors' poodle() alone")
+                print(
+                    f"  whole process: `{wp['cmd']}`: {wp['wall']:.1f} s wall = {rate:,.2f} episodes/s, start-up "
+                    f"included -> {rate / (ka / a_s):,.1f}x the authors' poodle() alone"
+                )
 
         if dev.type == "cpu" and args.startup_episodes:
             s0 = startup(path, args.startup_episodes)
-            print(f"\nstart-up: {s0:.2f} s from launching python to the first chunk solved of a "
-                  f"{args.startup_episodes:,}-episode run (imports, cache read, draws included)")
+            print(
+                f"\nstart-up: {s0:.2f} s from launching python to the first chunk solved of a "
+                f"{args.startup_episodes:,}-episode run (imports, cache read, draws included)"
+            )
 
 
 if __name__ == "__main__":

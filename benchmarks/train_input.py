@@ -30,9 +30,11 @@ def main() -> None:
     args = ap.parse_args()
     cfg = DemoConfig(cache_root=args.cache_root).train_config()
     ds = _dataset(cfg, "train", train_transform(cfg.augment, cfg.image_size))
-    print(f"poodle demo training input: {len(ds)} images, batch {cfg.batch_size}, {args.batches} batches; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, python {platform.python_version()}, "
-          f"{platform.processor() or platform.machine()}")
+    print(
+        f"poodle demo training input: {len(ds)} images, batch {cfg.batch_size}, {args.batches} batches; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, python {platform.python_version()}, "
+        f"{platform.processor() or platform.machine()}"
+    )
     torch.manual_seed(0)
     loader = DataLoader(ds, batch_size=cfg.batch_size, shuffle=True, num_workers=0)
     t = time.perf_counter()
@@ -58,8 +60,10 @@ def main() -> None:
         loss.backward()
         opt.step()
     t_model = time.perf_counter() - t
-    print(f"loader {t_load:.2f} s (decode alone {t_decode:.2f} s, transform alone {t_transform:.2f} s); "
-          f"model forward + backward + step {t_model:.2f} s; loader share {t_load / (t_load + t_model):.1%}")
+    print(
+        f"loader {t_load:.2f} s (decode alone {t_decode:.2f} s, transform alone {t_transform:.2f} s); "
+        f"model forward + backward + step {t_model:.2f} s; loader share {t_load / (t_load + t_model):.1%}"
+    )
 
 
 if __name__ == "__main__":

@@ -99,8 +99,14 @@ def setting_label(way: int, qc: int | None, kappa: float | None, shot: int, ways
 
 
 def settings(args: argparse.Namespace) -> list[tuple[int, int | None, float | None, int]]:
-    return [(w, qc, k, s) for w in args.ways for qc in args.query_classes for k in args.imbalance
-            for s in args.shots if qc is None or qc <= w]
+    return [
+        (w, qc, k, s)
+        for w in args.ways
+        for qc in args.query_classes
+        for k in args.imbalance
+        for s in args.shots
+        if qc is None or qc <= w
+    ]
 
 
 def chosen_rows(rows: list[tuple[str, str, dict[str, Any]]], spec: str | None) -> list[tuple[str, str, dict[str, Any]]]:
@@ -110,8 +116,9 @@ def chosen_rows(rows: list[tuple[str, str, dict[str, Any]]], spec: str | None) -
     return [r for r in rows if r[0] in want or r[1] in want]
 
 
-def clustered(n_classes: int, per_class: int, dim: int, spread: float,
-              rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def clustered(
+    n_classes: int, per_class: int, dim: int, spread: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Features around random unit class centres, ``spread`` the noise norm relative to them."""
     centres = rng.standard_normal((n_classes, dim))
     centres /= np.linalg.norm(centres, axis=1, keepdims=True)
@@ -123,10 +130,15 @@ def synthetic_cache(folder: Path, dim: int = 128, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     tr_x, tr_y = clustered(64, 100, dim, SPREAD, rng)
     te_x, te_y = clustered(20, 100, dim, SPREAD, rng)
-    return write_arrays(folder / "synthetic.h5", {
-        "train": (tr_x, tr_y, [f"base{i}" for i in range(64)]),
-        "test": (te_x, te_y, [f"novel{i}" for i in range(20)]),
-    }, dataset="synthetic-clustered", backbone="none")
+    return write_arrays(
+        folder / "synthetic.h5",
+        {
+            "train": (tr_x, tr_y, [f"base{i}" for i in range(64)]),
+            "test": (te_x, te_y, [f"novel{i}" for i in range(20)]),
+        },
+        dataset="synthetic-clustered",
+        backbone="none",
+    )
 
 
 def find_cache(arg: str | None, tmp: Path) -> tuple[Path, str]:
@@ -146,10 +158,20 @@ def run_accuracy(cache: Path, source: str, args: argparse.Namespace, out: Path) 
     test = read_split(cache, "test")
     rows = chosen_rows(ROWS, args.rows)
     prows = chosen_rows(POODLE_ROWS, args.rows)
-    meta = {"features": source, "episodes": args.episodes, "imbalance": [imb_key(k) for k in args.imbalance],
-            "shots": args.shots, "seed": args.seed, "ways": args.ways, "query": 15,
-            "query_classes": args.query_classes, "rows": args.rows,
-            "n_neg": args.n_neg, "negatives": "base", "dim": test.dim}
+    meta = {
+        "features": source,
+        "episodes": args.episodes,
+        "imbalance": [imb_key(k) for k in args.imbalance],
+        "shots": args.shots,
+        "seed": args.seed,
+        "ways": args.ways,
+        "query": 15,
+        "query_classes": args.query_classes,
+        "rows": args.rows,
+        "n_neg": args.n_neg,
+        "negatives": "base",
+        "dim": test.dim,
+    }
     partial = out / "transductive.partial.json"
     done: dict[str, Any] = {}
     if partial.exists():
@@ -161,31 +183,60 @@ def run_accuracy(cache: Path, source: str, args: argparse.Namespace, out: Path) 
         key = setting_key(way, qc, kappa, shot)
         if key in done:
             continue
-        spec = EpisodeSpec(split="test", way=way, shot=shot, query=15, imbalance=kappa, seed=args.seed,
-                           query_classes=qc)
+        spec = EpisodeSpec(
+            split="test", way=way, shot=shot, query=15, imbalance=kappa, seed=args.seed, query_classes=qc
+        )
         eps = sample_episodes(test.labels, spec, args.episodes, classes=test.classes)
         t0 = time.perf_counter()
         accs: dict[str, Any] = {}
         secs: dict[str, float] = {}
         if rows:
             stats_c: dict[str, Any] = {}
-            accs.update(evaluate(test, eps, [(lab, m, o) for lab, m, o in rows], device=args.device,
-                                 chunk_size=args.chunk, stats=stats_c))
+            accs.update(
+                evaluate(
+                    test,
+                    eps,
+                    [(lab, m, o) for lab, m, o in rows],
+                    device=args.device,
+                    chunk_size=args.chunk,
+                    stats=stats_c,
+                )
+            )
             secs.update(stats_c["seconds"])
         if prows:
             stats_p: dict[str, Any] = {}
-            accs.update(evaluate(test, eps, [(lab, m, o) for lab, m, o in prows], device=args.device,
-                                 negatives=NegativeSpec("base", args.n_neg), cache_path=cache, stats=stats_p))
+            accs.update(
+                evaluate(
+                    test,
+                    eps,
+                    [(lab, m, o) for lab, m, o in prows],
+                    device=args.device,
+                    negatives=NegativeSpec("base", args.n_neg),
+                    cache_path=cache,
+                    stats=stats_p,
+                )
+            )
             secs.update(stats_p["seconds"])
-        done[key] = {lab: {"mean": 100 * summarize(a)[0], "ci": 100 * summarize(a)[1], "seconds": secs[lab]}
-                     for lab, a in accs.items()}
-        print(f"{key:24s} {time.perf_counter() - t0:7.1f}s  " +
-              "  ".join(f"{lab.split(' ')[0]}={v['mean']:.1f}" for lab, v in done[key].items()), file=sys.stderr)
+        done[key] = {
+            lab: {"mean": 100 * summarize(a)[0], "ci": 100 * summarize(a)[1], "seconds": secs[lab]}
+            for lab, a in accs.items()
+        }
+        print(
+            f"{key:24s} {time.perf_counter() - t0:7.1f}s  "
+            + "  ".join(f"{lab.split(' ')[0]}={v['mean']:.1f}" for lab, v in done[key].items()),
+            file=sys.stderr,
+        )
         with atomic_path(partial) as tmp:
             tmp.write_text(json.dumps({"meta": meta, "results": done}, indent=1))
-    return {"meta": meta, "results": done, "rows": [lab for lab, _, _ in rows + prows],
-            "imbalance": [imb_key(k) for k in args.imbalance], "shots": args.shots,
-            "settings": [[w, qc, imb_key(k), s] for w, qc, k, s in settings(args)], "ways": args.ways}
+    return {
+        "meta": meta,
+        "results": done,
+        "rows": [lab for lab, _, _ in rows + prows],
+        "imbalance": [imb_key(k) for k in args.imbalance],
+        "shots": args.shots,
+        "settings": [[w, qc, imb_key(k), s] for w, qc, k, s in settings(args)],
+        "ways": args.ways,
+    }
 
 
 def markdown_table(acc: dict[str, Any]) -> str:
@@ -223,11 +274,15 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         args.tp_batch = choose_chunk(80, 640, 5, dev, parse_size("2GiB"))
     big = standard_batch(max(args.tp_batch, 64)).to(dev)
     res: dict[str, Any] = {}
-    print(f"\nthroughput, standard workload (D=640, 5-way 1-shot, 75 queries), {dev}, "
-          f"{torch.get_num_threads()} thread(s):", file=sys.stderr)
+    print(
+        f"\nthroughput, standard workload (D=640, 5-way 1-shot, 75 queries), {dev}, "
+        f"{torch.get_num_threads()} thread(s):",
+        file=sys.stderr,
+    )
     print(f"{'method':36s} {'batched eps/s':>14s} {'one-at-a-time eps/s':>20s} {'ratio':>7s}", file=sys.stderr)
-    chunk = EpisodeBatch(big.support[:args.tp_batch], big.support_labels[:args.tp_batch],
-                         big.query[:args.tp_batch], None, 5)
+    chunk = EpisodeBatch(
+        big.support[: args.tp_batch], big.support_labels[: args.tp_batch], big.query[: args.tp_batch], None, 5
+    )
     for lab, name, opts in methods:
         cfg = solvers.make_config(name, opts, strict=True)
         info = solvers.get(name)
@@ -253,16 +308,27 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             best_s = min(best_s, t_s / n_single)
         batched, single = 1.0 / best_b, 1.0 / best_s
         flops = info.flops(5, 75, 0, 640, 5, cfg) if info.flops else float("nan")
-        res[lab] = {"batched_eps_per_s": batched, "single_eps_per_s": single, "ratio": batched / single,
-                    "gflop_per_s_batched": batched * flops / 1e9}
+        res[lab] = {
+            "batched_eps_per_s": batched,
+            "single_eps_per_s": single,
+            "ratio": batched / single,
+            "gflop_per_s_batched": batched * flops / 1e9,
+        }
         print(f"{lab:36s} {batched:14.1f} {single:20.1f} {batched / single:7.1f}x", file=sys.stderr)
-    return {"device": str(dev), "threads": torch.get_num_threads(), "batch": args.tp_batch,
-            "single_episodes": args.tp_single, "methods": res}
+    return {
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "batch": args.tp_batch,
+        "single_episodes": args.tp_single,
+        "methods": res,
+    }
 
 
 def throughput_table(tp: dict[str, Any]) -> str:
-    lines = [f"| Method | batched eps/s ({tp['batch']} episodes per call) | one episode at a time, eps/s | ratio |",
-             "|---|---|---|---|"]
+    lines = [
+        f"| Method | batched eps/s ({tp['batch']} episodes per call) | one episode at a time, eps/s | ratio |",
+        "|---|---|---|---|",
+    ]
     for lab, v in tp["methods"].items():
         lines.append(f"| {lab} | {v['batched_eps_per_s']:.1f} | {v['single_eps_per_s']:.1f} | {v['ratio']:.1f}x |")
     return "\n".join(lines)
@@ -271,14 +337,22 @@ def throughput_table(tp: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", help="feature cache (HDF5) with 'test' and 'train' splits")
-    ap.add_argument("--episodes", type=int, default=500,
-                    help="episodes per (shot, imbalance) setting (500: ~10 min on 2 quiet cores)")
+    ap.add_argument(
+        "--episodes",
+        type=int,
+        default=500,
+        help="episodes per (shot, imbalance) setting (500: ~10 min on 2 quiet cores)",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--imbalance", default="none,0.5,1,2,5",
-                    help="comma-separated query distributions: none (balanced) or Dirichlet kappa values")
+    ap.add_argument(
+        "--imbalance",
+        default="none,0.5,1,2,5",
+        help="comma-separated query distributions: none (balanced) or Dirichlet kappa values",
+    )
     ap.add_argument("--ways", default="5", help="comma-separated ways")
-    ap.add_argument("--query-classes", default="all",
-                    help="comma-separated N (queries from only N of the way classes) or all")
+    ap.add_argument(
+        "--query-classes", default="all", help="comma-separated N (queries from only N of the way classes) or all"
+    )
     ap.add_argument("--rows", help="only these rows: labels or method names, comma-separated")
     ap.add_argument("--tp-methods", help="throughput of these rows only (labels or method names)")
     ap.add_argument("--shots", default="1,5", help="comma-separated shots")
@@ -286,14 +360,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--chunk", type=int, default=256, help="episodes per chunk for the competitors")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--tp-batch", type=int, default=0,
-                    help="episodes in the batched throughput call (0: the chunk evaluate() picks)")
+    ap.add_argument(
+        "--tp-batch",
+        type=int,
+        default=0,
+        help="episodes in the batched throughput call (0: the chunk evaluate() picks)",
+    )
     ap.add_argument("--tp-single", type=int, default=4, help="episodes run one at a time")
     ap.add_argument("--repeats", type=int, default=3, help="throughput timings: best of N")
     ap.add_argument("--tp-seconds", type=float, default=1.0, help="minimum work per throughput measurement")
     ap.add_argument("--out", default="cache/results/transductive", help="output folder")
-    ap.add_argument("--quick", action="store_true",
-                    help="20 episodes, balanced and kappa=1 only, small throughput run (~1 min)")
+    ap.add_argument(
+        "--quick", action="store_true", help="20 episodes, balanced and kappa=1 only, small throughput run (~1 min)"
+    )
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
     args = ap.parse_args(argv)
@@ -320,15 +399,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"features: {source}", file=sys.stderr)
             acc = run_accuracy(cache, source, args, out)
             report["accuracy"] = acc
-            md += [f"Features: {source}; {args.episodes} episodes per setting, seed {args.seed}, "
-                   f"{'/'.join(map(str, args.ways))}-way, 15 queries per queried class on average (N x 15 with "
-                   f"N query classes), POODLE with {args.n_neg} base negatives. Accuracy in %, "
-                   "mean ± 95% CI.", "", markdown_table(acc), ""]
+            md += [
+                f"Features: {source}; {args.episodes} episodes per setting, seed {args.seed}, "
+                f"{'/'.join(map(str, args.ways))}-way, 15 queries per queried class on average (N x 15 with "
+                f"N query classes), POODLE with {args.n_neg} base negatives. Accuracy in %, "
+                "mean ± 95% CI.",
+                "",
+                markdown_table(acc),
+                "",
+            ]
     if not args.skip_throughput:
         tp = run_throughput(args)
         report["throughput"] = tp
-        md += [f"Throughput on the standard workload ({tp['device']}, {tp['threads']} thread(s)):", "",
-               throughput_table(tp), ""]
+        md += [
+            f"Throughput on the standard workload ({tp['device']}, {tp['threads']} thread(s)):",
+            "",
+            throughput_table(tp),
+            "",
+        ]
     with atomic_path(out / "transductive.json") as tmp:
         tmp.write_text(json.dumps(report, indent=1))
     with atomic_path(out / "transductive.md") as tmp:

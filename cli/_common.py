@@ -63,13 +63,18 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except OSError as e:
             # what the checks up front could not foresee (disk full, permissions changed mid-run): one
             # line naming the file, not a traceback from deep inside h5py or PIL
-            where = f" {e.filename}" + (f" -> {e.filename2}" if getattr(e, "filename2", None) else "") \
-                if getattr(e, "filename", None) else ""
+            where = (
+                f" {e.filename}" + (f" -> {e.filename2}" if getattr(e, "filename2", None) else "")
+                if getattr(e, "filename", None)
+                else ""
+            )
             console.print(styled("error:", "bold red", f"{where} {e.strerror or e}".rstrip()), soft_wrap=True)
             sys.exit(1)
         except KeyboardInterrupt:
-            console.print(styled("interrupted", "yellow", ": completed work is kept; re-run the same command "
-                                                          "to resume"), soft_wrap=True)
+            console.print(
+                styled("interrupted", "yellow", ": completed work is kept; re-run the same command to resume"),
+                soft_wrap=True,
+            )
             sys.exit(130)
 
     return wrapper
@@ -78,9 +83,15 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 @contextlib.contextmanager
 def progress_bar(description: str, total: int | None, unit: str = "items") -> Iterator[Callable[[int], None]]:
     """A rich progress bar; yields ``advance(n)``, the callback the library functions accept."""
-    columns = [TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
-               TaskProgressColumn(), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
-               TimeRemainingColumn()]
+    columns = [
+        TextColumn("{task.description}", style="bold", markup=False),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task(description, total=total, rate="")
 

@@ -11,25 +11,52 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar, rend
 
 
 @click.command()
-@click.option("--cache-root", type=click.Path(file_okay=False), default="cache", show_default=True,
-              help="Where the glyphs, the checkpoint, the features and the results are kept.")
+@click.option(
+    "--cache-root",
+    type=click.Path(file_okay=False),
+    default="cache",
+    show_default=True,
+    help="Where the glyphs, the checkpoint, the features and the results are kept.",
+)
 @click.option("--episodes", type=int, default=None, help="Episodes per shot count [default: 2000; --quick: 40].")
 @click.option("--backbone", default="conv4_64", show_default=True)
 @click.option("--recipe", type=click.Choice(["simple", "rot", "rot-kd"]), default="simple", show_default=True)
-@click.option("--epochs", type=int, default=None,
-              help="Training epochs [default: the demo's ~3 CPU minutes; --quick: 1].")
+@click.option(
+    "--epochs", type=int, default=None, help="Training epochs [default: the demo's ~3 CPU minutes; --quick: 1]."
+)
 @click.option("--image-size", type=int, default=28, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--workers", type=int, default=0, show_default=True, help="DataLoader worker processes.")
-@click.option("--threads", type=int, default=0, show_default=True,
-              help="CPU threads for torch (0: torch's default, one per core). On a busy machine 1 can be much faster.")
-@click.option("--competitors", default="paper", show_default=True,
-              help="Transductive methods to add: paper (those the paper compares with), all, none, or a comma list.")
+@click.option(
+    "--threads",
+    type=int,
+    default=0,
+    show_default=True,
+    help="CPU threads for torch (0: torch's default, one per core). On a busy machine 1 can be much faster.",
+)
+@click.option(
+    "--competitors",
+    default="paper",
+    show_default=True,
+    help="Transductive methods to add: paper (those the paper compares with), all, none, or a comma list.",
+)
 @click.option("--quick", is_flag=True, help="A tiny run (a few glyph classes, 1 epoch, 40 episodes) for tests.")
 @friendly_errors
-def demo(cache_root: str, episodes: int | None, backbone: str, recipe: str, epochs: int | None, image_size: int,
-         seed: int, device: str, workers: int, threads: int, competitors: str, quick: bool) -> None:
+def demo(
+    cache_root: str,
+    episodes: int | None,
+    backbone: str,
+    recipe: str,
+    epochs: int | None,
+    image_size: int,
+    seed: int,
+    device: str,
+    workers: int,
+    threads: int,
+    competitors: str,
+    quick: bool,
+) -> None:
     """Train a small backbone on the embedded glyphs dataset, extract its features, solve thousands of
     5-way 1-shot and 5-shot episodes with proto, CE, POODLE (base and random negatives) and the
     transductive competitors, and print accuracy with 95% confidence intervals.
@@ -41,9 +68,16 @@ def demo(cache_root: str, episodes: int | None, backbone: str, recipe: str, epoc
     from poodle.cli.train import TrainDisplay
     from poodle.demo import LEGEND, RESULTS_FILE, DemoConfig, quick_config, run_demo
 
-    opts: dict[str, Any] = dict(cache_root=cache_root, backbone=backbone, recipe=recipe, image_size=image_size,
-                                seed=seed, device=device, workers=workers,
-                                competitors=competitors)
+    opts: dict[str, Any] = dict(
+        cache_root=cache_root,
+        backbone=backbone,
+        recipe=recipe,
+        image_size=image_size,
+        seed=seed,
+        device=device,
+        workers=workers,
+        competitors=competitors,
+    )
     if episodes is not None:
         opts["episodes"] = episodes
     if epochs is not None:
@@ -53,12 +87,18 @@ def demo(cache_root: str, episodes: int | None, backbone: str, recipe: str, epoc
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
     with TrainDisplay() as display:
-        result = run_demo(cfg, log=lambda s: console.print(s, highlight=False), train_callback=display,
-                          progress_factory=lambda desc, total: progress_bar(desc, total, "items"))
+        result = run_demo(
+            cfg,
+            log=lambda s: console.print(s, highlight=False),
+            train_callback=display,
+            progress_factory=lambda desc, total: progress_bar(desc, total, "items"),
+        )
     total = time.perf_counter() - t0
 
-    title = (f"glyphs · {cfg.backbone} ({cfg.recipe}, {cfg.epochs} epochs) · {cfg.episodes} episodes · "
-             f"{cfg.way}-way · accuracy % ± 95% CI")
+    title = (
+        f"glyphs · {cfg.backbone} ({cfg.recipe}, {cfg.epochs} epochs) · {cfg.episodes} episodes · "
+        f"{cfg.way}-way · accuracy % ± 95% CI"
+    )
     out.print(render_table(result.table, title=title))
     out.print(LEGEND, highlight=False)
     out.print(f"table: {result.markdown} (and .json); results: {result.json.parent / RESULTS_FILE}", highlight=False)

@@ -32,50 +32,118 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--dataset", required=True, type=click.Choice(DATASETS),
-              help="Layout of the images: csv (images/ + <split>.csv), folder (<split>/<class>/<img>), "
-                   "the presets mini, tiered, cub, cifar-fs, fc100 (CIFAR-100's binary files), or the embedded glyphs.")
-@click.option("--cub-split", type=click.Choice(["release", "140-30-30"]), default="release", show_default=True,
-              help="cub only: the release's 100/50/50 rule, or the 140/30/30 class lists (cached as cub-140-30-30).")
-@click.option("--data-root", type=click.Path(file_okay=False), default=None,
-              help="Folder of the dataset (not needed for glyphs).")
-@click.option("--backbone", required=True,
-              help="Backbone name: resnet12, conv4_64, wrn28_10, ..., or torchvision:NAME / timm:NAME "
-                   "(see --list-backbones).")
-@click.option("--checkpoint", type=click.Path(dir_okay=False), default=None,
-              help="Weights to load strictly: a torch state dict (the release's .pth.tar, ours, torchvision's, "
-                   "timm's) or a .safetensors file; none: random weights.")
+@click.option(
+    "--dataset",
+    required=True,
+    type=click.Choice(DATASETS),
+    help="Layout of the images: csv (images/ + <split>.csv), folder (<split>/<class>/<img>), "
+    "the presets mini, tiered, cub, cifar-fs, fc100 (CIFAR-100's binary files), or the embedded glyphs.",
+)
+@click.option(
+    "--cub-split",
+    type=click.Choice(["release", "140-30-30"]),
+    default="release",
+    show_default=True,
+    help="cub only: the release's 100/50/50 rule, or the 140/30/30 class lists (cached as cub-140-30-30).",
+)
+@click.option(
+    "--data-root", type=click.Path(file_okay=False), default=None, help="Folder of the dataset (not needed for glyphs)."
+)
+@click.option(
+    "--backbone",
+    required=True,
+    help="Backbone name: resnet12, conv4_64, wrn28_10, ..., or torchvision:NAME / timm:NAME (see --list-backbones).",
+)
+@click.option(
+    "--checkpoint",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Weights to load strictly: a torch state dict (the release's .pth.tar, ours, torchvision's, "
+    "timm's) or a .safetensors file; none: random weights.",
+)
 @click.option("--splits", default="train,val,test", show_default=True, help="Comma-separated splits to extract.")
-@click.option("--image-size", default=None, type=click.IntRange(min=1),
-              help="Centre-crop side fed to the backbone [default: 84 for the release's backbones, resized "
-                   "first to size*256/224; cifar-fs and fc100: 32, their images as they are; a torchvision/timm "
-                   "model's own input size].")
-@click.option("--crop-pct", default=None, type=click.FloatRange(0, 1, min_open=True),
-              help="torchvision/timm: crop side / resize side [default: the model's].")
-@click.option("--interpolation", default=None, type=click.Choice(["bilinear", "bicubic", "nearest"]),
-              help="torchvision/timm: resize interpolation [default: the model's].")
+@click.option(
+    "--image-size",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Centre-crop side fed to the backbone [default: 84 for the release's backbones, resized "
+    "first to size*256/224; cifar-fs and fc100: 32, their images as they are; a torchvision/timm "
+    "model's own input size].",
+)
+@click.option(
+    "--crop-pct",
+    default=None,
+    type=click.FloatRange(0, 1, min_open=True),
+    help="torchvision/timm: crop side / resize side [default: the model's].",
+)
+@click.option(
+    "--interpolation",
+    default=None,
+    type=click.Choice(["bilinear", "bicubic", "nearest"]),
+    help="torchvision/timm: resize interpolation [default: the model's].",
+)
 @click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--workers", default=None, type=click.IntRange(min=0),
-              help="DataLoader worker processes decoding images [default: one per core, at most 8].")
+@click.option(
+    "--workers",
+    default=None,
+    type=click.IntRange(min=0),
+    help="DataLoader worker processes decoding images [default: one per core, at most 8].",
+)
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda or cuda:N.")
-@click.option("--cache-root", default="cache", show_default=True, type=click.Path(file_okay=False),
-              help="Cache files go to <cache-root>/<dataset>/<backbone>[-<tag>].h5.")
+@click.option(
+    "--cache-root",
+    default="cache",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Cache files go to <cache-root>/<dataset>/<backbone>[-<tag>].h5.",
+)
 @click.option("--tag", default=None, help="Suffix of the cache file name, to keep several checkpoints apart.")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16"]),
-              help="Storage type of the features.")
-@click.option("--force", is_flag=True,
-              help="Recompute complete splits, and replace a cache made with another checkpoint, backbone, "
-                   "image size or transform.")
-@click.option("--skip-bad", is_flag=True,
-              help="Leave out images that do not decode (their paths are recorded in the cache) "
-                   "instead of stopping.")
-@click.option("--list-backbones", is_flag=True, is_eager=True, expose_value=False, callback=_list_backbones,
-              help="List the backbones available (release, torchvision, timm) and exit.")
+@click.option(
+    "--dtype",
+    default="float32",
+    show_default=True,
+    type=click.Choice(["float32", "float16"]),
+    help="Storage type of the features.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Recompute complete splits, and replace a cache made with another checkpoint, backbone, "
+    "image size or transform.",
+)
+@click.option(
+    "--skip-bad",
+    is_flag=True,
+    help="Leave out images that do not decode (their paths are recorded in the cache) instead of stopping.",
+)
+@click.option(
+    "--list-backbones",
+    is_flag=True,
+    is_eager=True,
+    expose_value=False,
+    callback=_list_backbones,
+    help="List the backbones available (release, torchvision, timm) and exit.",
+)
 @friendly_errors
-def extract(dataset: str, cub_split: str, data_root: str | None, backbone: str, checkpoint: str | None, splits: str,
-            image_size: int | None, crop_pct: float | None, interpolation: str | None, batch_size: int,
-            workers: int | None, device: str, cache_root: str, tag: str | None,
-            dtype: str, force: bool, skip_bad: bool) -> None:
+def extract(
+    dataset: str,
+    cub_split: str,
+    data_root: str | None,
+    backbone: str,
+    checkpoint: str | None,
+    splits: str,
+    image_size: int | None,
+    crop_pct: float | None,
+    interpolation: str | None,
+    batch_size: int,
+    workers: int | None,
+    device: str,
+    cache_root: str,
+    tag: str | None,
+    dtype: str,
+    force: bool,
+    skip_bad: bool,
+) -> None:
     """Write L2-normalised features of every split to one HDF5 cache.
 
     Interrupted runs resume: re-run the same command. Complete splits are skipped. The cache's
@@ -88,11 +156,27 @@ def extract(dataset: str, cub_split: str, data_root: str | None, backbone: str, 
     def bar(desc: str, total: int):
         return progress_bar(desc, total, unit="img")
 
-    path = run_extract(dataset, backbone, data_root=data_root, checkpoint=checkpoint, splits=splits,
-                       image_size=image_size, crop_pct=crop_pct, interpolation=interpolation,
-                       batch_size=batch_size, device=device, cache_root=cache_root,
-                       tag=tag, dtype=dtype, workers=workers, force=force, skip_bad=skip_bad,
-                       cub_split=cub_split, progress_factory=bar, log=lambda msg: console.print(msg, highlight=False, markup=False))
+    path = run_extract(
+        dataset,
+        backbone,
+        data_root=data_root,
+        checkpoint=checkpoint,
+        splits=splits,
+        image_size=image_size,
+        crop_pct=crop_pct,
+        interpolation=interpolation,
+        batch_size=batch_size,
+        device=device,
+        cache_root=cache_root,
+        tag=tag,
+        dtype=dtype,
+        workers=workers,
+        force=force,
+        skip_bad=skip_bad,
+        cub_split=cub_split,
+        progress_factory=bar,
+        log=lambda msg: console.print(msg, highlight=False, markup=False),
+    )
     from poodle.distributed import is_main_process
 
     if is_main_process():  # under torchrun, rank 0 speaks for the run

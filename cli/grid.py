@@ -30,24 +30,61 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
 
 @click.command()
 @click.argument("grid_file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Results file (JSON Lines). Default: GRID.results.jsonl next to the grid file.")
-@click.option("--cache", "cache", type=click.Path(dir_okay=False), default=None,
-              help="Use this feature cache instead of the grid's `cache`.")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-              help="Override a grid option, e.g. --set episodes=200 or --set 'shot=[1,5]'. Repeatable.")
-@click.option("--force", is_flag=True, help="Recompute every cell of the grid; the new records supersede the old "
-                                          "ones (records of other cells stay in the file).")
-@click.option("--cells-per-call", type=click.IntRange(1), default=4, show_default=True,
-              help="Cells on the same episodes and negatives solved together (one gather per chunk).")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Results file (JSON Lines). Default: GRID.results.jsonl next to the grid file.",
+)
+@click.option(
+    "--cache",
+    "cache",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Use this feature cache instead of the grid's `cache`.",
+)
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a grid option, e.g. --set episodes=200 or --set 'shot=[1,5]'. Repeatable.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Recompute every cell of the grid; the new records supersede the old "
+    "ones (records of other cells stay in the file).",
+)
+@click.option(
+    "--cells-per-call",
+    type=click.IntRange(1),
+    default=4,
+    show_default=True,
+    help="Cells on the same episodes and negatives solved together (one gather per chunk).",
+)
 @click.option("--dry-run", is_flag=True, help="List the cells and what is already done; solve nothing.")
-@click.option("--device", default="auto", show_default=True,
-              help="auto, cpu, cuda or cuda:N (under torchrun: auto, cuda or cpu; each process takes its local GPU).")
-@click.option("--max-memory", type=SizeType(), default="2GiB", show_default=True,
-              help="Memory budget per chunk of episodes.")
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="auto, cpu, cuda or cuda:N (under torchrun: auto, cuda or cpu; each process takes its local GPU).",
+)
+@click.option(
+    "--max-memory", type=SizeType(), default="2GiB", show_default=True, help="Memory budget per chunk of episodes."
+)
 @friendly_errors
-def grid(grid_file: Path, out: Path | None, cache: str | None, sets: tuple[str, ...], force: bool,
-         cells_per_call: int, dry_run: bool, device: str, max_memory: int) -> None:
+def grid(
+    grid_file: Path,
+    out: Path | None,
+    cache: str | None,
+    sets: tuple[str, ...],
+    force: bool,
+    cells_per_call: int,
+    dry_run: bool,
+    device: str,
+    max_memory: int,
+) -> None:
     """Run every cell of GRID_FILE (a TOML grid, see docs/grid.md) and append its results.
 
     Cells with the same episode settings share identical episodes and negatives (paired). A re-run
@@ -71,20 +108,38 @@ def grid(grid_file: Path, out: Path | None, cache: str | None, sets: tuple[str, 
     n_episodes = sum(c.episode["episodes"] for c in cells)
     t0 = time.perf_counter()
     if not d.main:
-        G.run_grid(spec, out, force=force, device=device, max_memory=max_memory, cells=cells,
-                   cells_per_call=cells_per_call)
+        G.run_grid(
+            spec, out, force=force, device=device, max_memory=max_memory, cells=cells, cells_per_call=cells_per_call
+        )
         return
     with _GridProgress(len(cells), n_episodes, _varying(cells)) as display:
-        result = G.run_grid(spec, out, force=force, device=device, max_memory=max_memory,
-                            on_cell=display.on_cell, progress=display.advance, cells=cells,
-                            cells_per_call=cells_per_call, warn=_note)
+        result = G.run_grid(
+            spec,
+            out,
+            force=force,
+            device=device,
+            max_memory=max_memory,
+            on_cell=display.on_cell,
+            progress=display.advance,
+            cells=cells,
+            cells_per_call=cells_per_call,
+            warn=_note,
+        )
     wall = time.perf_counter() - t0
-    console.print(styled("done", "green", f": {result.computed} cells computed, {result.skipped} already there; "
-                  f"{wall:.1f} s (reading caches {result.load_seconds:.1f} s, sampling episodes "
-                  f"{result.sample_seconds:.1f} s, solving {result.solve_seconds:.1f} s) -> {out}"))
+    console.print(
+        styled(
+            "done",
+            "green",
+            f": {result.computed} cells computed, {result.skipped} already there; "
+            f"{wall:.1f} s (reading caches {result.load_seconds:.1f} s, sampling episodes "
+            f"{result.sample_seconds:.1f} s, solving {result.solve_seconds:.1f} s) -> {out}",
+        )
+    )
     if result.other_records:
-        _note(f"{out} also holds {result.other_records} record(s) of cells not in this grid (earlier versions of it, "
-              f"or other caches); poodle report shows them too: select with --where")
+        _note(
+            f"{out} also holds {result.other_records} record(s) of cells not in this grid (earlier versions of it, "
+            f"or other caches); poodle report shows them too: select with --where"
+        )
     console.print(f"next: poodle report {out} --rows ... --cols ...", highlight=False)
 
 
@@ -151,13 +206,16 @@ class _GridProgress:
         )
         from rich.table import Column
 
-        self.progress = Progress(TextColumn("{task.description}", style="bold", markup=False,
-                                            table_column=Column(min_width=8)),
-                                 BarColumn(bar_width=30), MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TimeRemainingColumn(),
-                                 TextColumn("{task.fields[info]}", markup=False, table_column=Column(no_wrap=True,
-                                                                                        overflow="ellipsis")),
-                                 console=console, transient=False)
+        self.progress = Progress(
+            TextColumn("{task.description}", style="bold", markup=False, table_column=Column(min_width=8)),
+            BarColumn(bar_width=30),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}", markup=False, table_column=Column(no_wrap=True, overflow="ellipsis")),
+            console=console,
+            transient=False,
+        )
         self.cells = self.progress.add_task("cells", total=n_cells, info="")
         self.episodes = self.progress.add_task("episodes", total=n_episodes, info="")
         self._started = 0.0
@@ -179,8 +237,11 @@ class _GridProgress:
             self.progress.update(self.cells, completed=event.done, info="(finished earlier)")
             self.progress.advance(self.episodes, cell.episode["episodes"])
             # skipped work must not count into the rate: restart the episodes task's clock
-            self.progress.reset(self.episodes, completed=self.progress.tasks[self.episodes].completed,
-                                info=self.progress.tasks[self.episodes].fields.get("info", ""))
+            self.progress.reset(
+                self.episodes,
+                completed=self.progress.tasks[self.episodes].completed,
+                info=self.progress.tasks[self.episodes].fields.get("info", ""),
+            )
         elif event.kind == "start":
             batch = event.cells or [cell]
             self._cell_done = 0
@@ -193,9 +254,12 @@ class _GridProgress:
             if rest > 0:
                 self.advance(rest)
             rec = event.record
-            self.progress.update(self.cells, completed=event.done,
-                                 info=f"last: {cell.describe(self.keys)} {100 * rec['mean']:.2f} ± "
-                                      f"{100 * rec['ci95']:.2f} ({rec['seconds']:.1f} s)")
+            self.progress.update(
+                self.cells,
+                completed=event.done,
+                info=f"last: {cell.describe(self.keys)} {100 * rec['mean']:.2f} ± "
+                f"{100 * rec['ci95']:.2f} ({rec['seconds']:.1f} s)",
+            )
 
     def advance(self, n: int) -> None:
         n = min(n, self._cell_total - self._cell_done)

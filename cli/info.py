@@ -18,24 +18,43 @@ def info(file: str) -> None:
     from poodle.cache import validate
 
     summary = validate(file)
-    table = Table(title=f"{file}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                  collapse_padding=True)
-    for col, just in (("split", "left"), ("images", "right"), ("classes", "right"), ("D", "right"),
-                      ("dtype", "left"), ("complete", "left"), ("norm err", "right"), ("paths", "left"), ("raw norms", "left"),
-                      ("skipped", "right")):
+    table = Table(title=f"{file}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col, just in (
+        ("split", "left"),
+        ("images", "right"),
+        ("classes", "right"),
+        ("D", "right"),
+        ("dtype", "left"),
+        ("complete", "left"),
+        ("norm err", "right"),
+        ("paths", "left"),
+        ("raw norms", "left"),
+        ("skipped", "right"),
+    ):
         table.add_column(col, justify=just)
     for name, s in summary["splits"].items():
         dev = max(abs(s["norm_min"] - 1.0), abs(s["norm_max"] - 1.0)) if s["n_images"] > s["zero_rows"] else 0.0
         norms = f"{dev:.1e}"
         if s["zero_rows"]:
             norms += f" ({s['zero_rows']} zero)"
-        table.add_row(name, f"{s['n_images']:,}", str(s["n_classes"]), str(s["feature_dim"]), s["dtype"],
-                      "yes" if s["complete"] else "no", norms, "yes" if s["has_paths"] else "no",
-                      "yes" if s.get("has_norms") else "no", str(s["n_skipped"]))
+        table.add_row(
+            name,
+            f"{s['n_images']:,}",
+            str(s["n_classes"]),
+            str(s["feature_dim"]),
+            s["dtype"],
+            "yes" if s["complete"] else "no",
+            norms,
+            "yes" if s["has_paths"] else "no",
+            "yes" if s.get("has_norms") else "no",
+            str(s["n_skipped"]),
+        )
     out.print(table)
     if not all(s.get("has_norms") for s in summary["splits"].values()):
-        out.print("[dim]raw norms: a split without them was written before cache version 2; "
-                  "--preprocess cl2n then centres the normalised rows[/]")
+        out.print(
+            "[dim]raw norms: a split without them was written before cache version 2; "
+            "--preprocess cl2n then centres the normalised rows[/]"
+        )
     attrs = Table(show_header=False, box=None, padding=(0, 2))
     attrs.add_column(style="bold")
     attrs.add_column(overflow="fold")
@@ -44,6 +63,12 @@ def info(file: str) -> None:
     out.print(attrs)
     for name, s in summary["splits"].items():
         if s["zero_rows"]:
-            console.print(styled("warning", "yellow", f": split {name!r} has {s['zero_rows']} all-zero feature "
-                                 f"row(s) of {s['n_images']} (the backbone gave zeros for those images)"))
+            console.print(
+                styled(
+                    "warning",
+                    "yellow",
+                    f": split {name!r} has {s['zero_rows']} all-zero feature "
+                    f"row(s) of {s['n_images']} (the backbone gave zeros for those images)",
+                )
+            )
     out.print(styled("valid", "green"))

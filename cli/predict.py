@@ -8,31 +8,70 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--support", "support_dir", type=click.Path(file_okay=False), default=None,
-              help="Folder with one sub-folder of images per class.")
-@click.option("--support-csv", type=click.Path(dir_okay=False), default=None,
-              help="CSV with a path,label header (paths relative to the CSV), instead of --support.")
-@click.option("--query", "query_dir", type=click.Path(file_okay=False), default=None,
-              help="Folder of images to classify (searched recursively).")
-@click.option("--query-csv", type=click.Path(dir_okay=False), default=None,
-              help="CSV with a path[,label] header, instead of --query; labels turn on accuracy reporting.")
+@click.option(
+    "--support",
+    "support_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Folder with one sub-folder of images per class.",
+)
+@click.option(
+    "--support-csv",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="CSV with a path,label header (paths relative to the CSV), instead of --support.",
+)
+@click.option(
+    "--query",
+    "query_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Folder of images to classify (searched recursively).",
+)
+@click.option(
+    "--query-csv",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="CSV with a path[,label] header, instead of --query; labels turn on accuracy reporting.",
+)
 @click.option("--backbone", required=True, help="Backbone: a release name, torchvision:NAME or timm:NAME.")
-@click.option("--checkpoint", type=click.Path(dir_okay=False), default=None,
-              help="Weights (torch state dict or .safetensors), loaded strictly.")
+@click.option(
+    "--checkpoint",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Weights (torch state dict or .safetensors), loaded strictly.",
+)
 @click.option("--method", default="poodle", show_default=True, help="Any method of `poodle solve`.")
 @click.option("--transductive", is_flag=True, help="Use the query images too (methods that can).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="A config field of the method (repeatable).")
-@click.option("--negatives", default=None, type=click.Choice(["base", "random", "sphere", "none"]),
-              help="Negatives for methods that use them [default: base with --negatives-from, else random].")
-@click.option("--negatives-from", type=click.Path(dir_okay=False), default=None,
-              help="A feature cache of the same backbone and checkpoint: its train split is the base pool "
-                   "(and the centre of --preprocess cl2n).")
+@click.option(
+    "--negatives",
+    default=None,
+    type=click.Choice(["base", "random", "sphere", "none"]),
+    help="Negatives for methods that use them [default: base with --negatives-from, else random].",
+)
+@click.option(
+    "--negatives-from",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A feature cache of the same backbone and checkpoint: its train split is the base pool "
+    "(and the centre of --preprocess cl2n).",
+)
 @click.option("--n-neg", default=400, show_default=True, type=click.IntRange(min=1))
 @click.option("--preprocess", default="l2n", show_default=True, metavar="l2n|cl2n|power[:BETA]")
-@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
-              help="CSV to write: path,prediction,confidence and one prob_<class> column per class.")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-              help="Keep the extracted features here for the next call [default: a temporary folder].")
+@click.option(
+    "--out",
+    "out_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="CSV to write: path,prediction,confidence and one prob_<class> column per class.",
+)
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Keep the extracted features here for the next call [default: a temporary folder].",
+)
 @click.option("--image-size", default=None, type=click.IntRange(min=1), help="As for `poodle extract`.")
 @click.option("--crop-pct", default=None, type=click.FloatRange(0, 1, min_open=True))
 @click.option("--interpolation", default=None, type=click.Choice(["bilinear", "bicubic", "nearest"]))
@@ -40,9 +79,29 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar
 @click.option("--workers", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--device", default="auto", show_default=True)
 @friendly_errors
-def predict(support_dir, support_csv, query_dir, query_csv, backbone, checkpoint, method, transductive, sets,
-            negatives, negatives_from, n_neg, preprocess, out_path, cache_dir, image_size, crop_pct, interpolation,
-            batch_size, workers, device) -> None:
+def predict(
+    support_dir,
+    support_csv,
+    query_dir,
+    query_csv,
+    backbone,
+    checkpoint,
+    method,
+    transductive,
+    sets,
+    negatives,
+    negatives_from,
+    n_neg,
+    preprocess,
+    out_path,
+    cache_dir,
+    image_size,
+    crop_pct,
+    interpolation,
+    batch_size,
+    workers,
+    device,
+) -> None:
     """Label a few images per class (--support), classify the rest (--query), write a CSV."""
     from rich import box
     from rich.table import Table
@@ -68,15 +127,34 @@ def predict(support_dir, support_csv, query_dir, query_csv, backbone, checkpoint
     def bar(desc: str, total: int):
         return progress_bar(desc, total, unit="img")
 
-    res = P.predict(support, query, backbone, checkpoint=checkpoint, method=method, options=options,
-                    negatives=negatives, negatives_from=negatives_from, n_neg=n_neg, preprocess=preprocess,
-                    cache_dir=cache_dir, image_size=image_size, crop_pct=crop_pct, interpolation=interpolation,
-                    batch_size=batch_size, device=device, workers=workers, progress_factory=bar,
-                    log=lambda msg: console.print(msg, highlight=False, markup=False))
+    res = P.predict(
+        support,
+        query,
+        backbone,
+        checkpoint=checkpoint,
+        method=method,
+        options=options,
+        negatives=negatives,
+        negatives_from=negatives_from,
+        n_neg=n_neg,
+        preprocess=preprocess,
+        cache_dir=cache_dir,
+        image_size=image_size,
+        crop_pct=crop_pct,
+        interpolation=interpolation,
+        batch_size=batch_size,
+        device=device,
+        workers=workers,
+        progress_factory=bar,
+        log=lambda msg: console.print(msg, highlight=False, markup=False),
+    )
     P.write_csv(res, out_path)
 
-    table = Table(box=box.SIMPLE_HEAD, title=f"{res.method}: {len(res.paths)} queries, {len(res.classes)} classes",
-                  title_justify="left")
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        title=f"{res.method}: {len(res.paths)} queries, {len(res.classes)} classes",
+        title_justify="left",
+    )
     cols = ["class", "support", "predicted"] + (["queries", "correct", "accuracy %"] if res.labels else [])
     for c in cols:
         table.add_column(c, justify="left" if c == "class" else "right")
@@ -89,8 +167,11 @@ def predict(support_dir, support_csv, query_dir, query_csv, backbone, checkpoint
     out.print(table)
     if res.accuracy is not None and res.ci95 is not None:
         lo, hi = res.ci95
-        out.print(f"accuracy {100 * res.accuracy:.2f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}%, Wilson, "
-                  f"{len(res.paths)} queries)", highlight=False)
+        out.print(
+            f"accuracy {100 * res.accuracy:.2f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}%, Wilson, "
+            f"{len(res.paths)} queries)",
+            highlight=False,
+        )
     if res.cache:
         console.print(f"features kept in {res.cache}", highlight=False)
     console.print(f"predictions written to {out_path}", highlight=False)

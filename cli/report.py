@@ -12,34 +12,77 @@ from poodle.cli._common import out as stdout
 
 @click.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--rows", default=None, help="Option keys on the rows, e.g. method,beta (default: the varying "
-                                           "keys not on the columns).")
-@click.option("--cols", default=None, help="Option keys on the columns, e.g. shot,transductive (default: "
-                                           "those of shot, transductive that vary).")
-@click.option("--where", multiple=True, metavar="KEY=V[,V...]",
-              help="Keep results whose KEY is one of the values. Repeatable.")
-@click.option("--format", "fmt", type=click.Choice(["rich", "markdown", "latex"]), default="rich",
-              show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the table (or figure: FILE.png and FILE.pdf) here instead of the terminal.")
-@click.option("--bold", type=click.Choice(["col", "row", "none"]), default="col", show_default=True,
-              help="Mark the significantly best entry of each column or row.")
-@click.option("--test", type=click.Choice(["all", "weakest"]), default="all", show_default=True,
-              help="Bold when the best beats every other entry (all) or the weakest one (paired t-test).")
+@click.option(
+    "--rows",
+    default=None,
+    help="Option keys on the rows, e.g. method,beta (default: the varying keys not on the columns).",
+)
+@click.option(
+    "--cols",
+    default=None,
+    help="Option keys on the columns, e.g. shot,transductive (default: those of shot, transductive that vary).",
+)
+@click.option(
+    "--where", multiple=True, metavar="KEY=V[,V...]", help="Keep results whose KEY is one of the values. Repeatable."
+)
+@click.option("--format", "fmt", type=click.Choice(["rich", "markdown", "latex"]), default="rich", show_default=True)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the table (or figure: FILE.png and FILE.pdf) here instead of the terminal.",
+)
+@click.option(
+    "--bold",
+    type=click.Choice(["col", "row", "none"]),
+    default="col",
+    show_default=True,
+    help="Mark the significantly best entry of each column or row.",
+)
+@click.option(
+    "--test",
+    type=click.Choice(["all", "weakest"]),
+    default="all",
+    show_default=True,
+    help="Bold when the best beats every other entry (all) or the weakest one (paired t-test).",
+)
 @click.option("--p", "p_threshold", type=float, default=0.05, show_default=True, help="Significance level.")
 @click.option("--no-ci", is_flag=True, help="Print means only.")
 @click.option("--caption", default=None, help="LaTeX caption.")
-@click.option("--figure", type=click.Choice(["heatmap", "steps", "negatives"]), default=None,
-              help="Draw a figure instead of a table.")
-@click.option("--baseline", default=None,
-              help="heatmap: 'zero' (alpha=beta=0 cell, default) or a method/label (e.g. proto); "
-                   "steps/negatives: a method/label drawn as a dashed line.")
-@click.option("--panels", default=None, help="Figure: keys that split panels (default: the other varying keys "
-                                             "for the heatmap, shot for line figures).")
+@click.option(
+    "--figure",
+    type=click.Choice(["heatmap", "steps", "negatives"]),
+    default=None,
+    help="Draw a figure instead of a table.",
+)
+@click.option(
+    "--baseline",
+    default=None,
+    help="heatmap: 'zero' (alpha=beta=0 cell, default) or a method/label (e.g. proto); "
+    "steps/negatives: a method/label drawn as a dashed line.",
+)
+@click.option(
+    "--panels",
+    default=None,
+    help="Figure: keys that split panels (default: the other varying keys for the heatmap, shot for line figures).",
+)
 @friendly_errors
-def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where: tuple[str, ...], fmt: str,
-           out: Path | None, bold: str, test: str, p_threshold: float, no_ci: bool, caption: str | None,
-           figure: str | None, baseline: str | None, panels: str | None) -> None:
+def report(
+    results: tuple[Path, ...],
+    rows: str | None,
+    cols: str | None,
+    where: tuple[str, ...],
+    fmt: str,
+    out: Path | None,
+    bold: str,
+    test: str,
+    p_threshold: float,
+    no_ci: bool,
+    caption: str | None,
+    figure: str | None,
+    baseline: str | None,
+    panels: str | None,
+) -> None:
     """Tables shaped like the paper's (mean ± 95% CI, significant best in bold) and figures."""
     from poodle import report as R
 
@@ -56,13 +99,15 @@ def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where:
         from poodle import report_figures as F
 
         panel_keys = R.split_keys(panels)
-        target = out or results[0].with_name(results[0].name.removesuffix(".jsonl").removesuffix(".results")
-                                             + f".{figure}.png")
+        target = out or results[0].with_name(
+            results[0].name.removesuffix(".jsonl").removesuffix(".results") + f".{figure}.png"
+        )
         if figure == "heatmap":
             paths = F.heatmap(res, target, baseline=baseline or "zero", panels=panel_keys, p_threshold=p_threshold)
         else:
-            paths = F.lines(res, target, x="steps" if figure == "steps" else "n_neg", panels=panel_keys,
-                            baseline=baseline)
+            paths = F.lines(
+                res, target, x="steps" if figure == "steps" else "n_neg", panels=panel_keys, baseline=baseline
+            )
         console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
         return
     table = R.build_table(res, rows, cols, bold=bold, test=test, p_threshold=p_threshold, show_ci=not no_ci)
@@ -96,4 +141,3 @@ def report(results: tuple[Path, ...], rows: str | None, cols: str | None, where:
         stdout.print(rich_table)
         for note in table.notes:
             stdout.print(note, highlight=False, style="dim")
-

@@ -15,8 +15,14 @@ from poodle.cli._common import SizeType, console, friendly_errors, out, progress
 
 # CLI option -> (config field, value to pass when the option is given)
 _SOLVER_OPTIONS = {
-    "alpha": "alpha", "beta": "beta", "steps": "steps", "lr": "lr", "label_smoothing": "label_smoothing",
-    "transductive": "transductive", "no_stopgrad_pull": "stopgrad_pull", "no_stopgrad_push": "stopgrad_push",
+    "alpha": "alpha",
+    "beta": "beta",
+    "steps": "steps",
+    "lr": "lr",
+    "label_smoothing": "label_smoothing",
+    "transductive": "transductive",
+    "no_stopgrad_pull": "stopgrad_pull",
+    "no_stopgrad_push": "stopgrad_push",
     "preset": "preset",
 }
 
@@ -35,7 +41,7 @@ def solver_options(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
     from poodle import solvers
     from poodle.errors import ConfigError
 
-    given: dict[str, tuple[str, Any]] = {}          # config field -> (how the user wrote it, value)
+    given: dict[str, tuple[str, Any]] = {}  # config field -> (how the user wrote it, value)
     for opt, field in _SOLVER_OPTIONS.items():
         if _explicit(ctx, opt):
             v = ctx.params[opt]
@@ -65,8 +71,7 @@ def solver_options(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
     return per
 
 
-def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, cache_root: str,
-                tag: str | None) -> Path:
+def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, cache_root: str, tag: str | None) -> Path:
     from poodle.errors import ConfigError
 
     if cache and (dataset or backbone):
@@ -107,8 +112,14 @@ class _ListsMethods(click.Command):
 @click.option("--query", default=defaults.QUERY, show_default=True, type=int, help="Queries per class.")
 @click.option("--episodes", default=defaults.EPISODES, show_default=True, type=int)
 @click.option("--seed", default=defaults.SEED, show_default=True, type=int)
-@click.option("--method", "methods", multiple=True, default=(defaults.METHOD,), show_default=True,
-              help="Method (repeatable); all run on the same episodes and negatives.")
+@click.option(
+    "--method",
+    "methods",
+    multiple=True,
+    default=(defaults.METHOD,),
+    show_default=True,
+    help="Method (repeatable); all run on the same episodes and negatives.",
+)
 @click.option("--transductive", is_flag=True, help="Use the queries (methods that can).")
 @click.option("--alpha", type=float, help="POODLE pull weight [1].")
 @click.option("--beta", type=float, help="POODLE push weight [0.5].")
@@ -119,33 +130,92 @@ class _ListsMethods(click.Command):
 @click.option("--no-stopgrad-push", is_flag=True, help="Drop the stop-gradient in the push term (Table 9).")
 @click.option("--preset", help="A method's named preset (e.g. tim-gd: poodle-paper).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Any config field of the methods (repeatable).")
-@click.option("--negatives", default=defaults.NEGATIVES, show_default=True,
-              metavar="base|random|sphere|none|FILE[:SPLIT]")
+@click.option(
+    "--negatives", default=defaults.NEGATIVES, show_default=True, metavar="base|random|sphere|none|FILE[:SPLIT]"
+)
 @click.option("--n-neg", default=defaults.N_NEG, show_default=True, type=int, help="Negatives per episode.")
-@click.option("--imbalance", type=float, metavar="KAPPA",
-              help="Dirichlet(KAPPA) query counts per class (alpha-TIM's protocol: --imbalance 2).")
-@click.option("--query-classes", type=int, metavar="N",
-              help="Queries from only N of the way classes, chosen per episode (PADDLE's K_eff); "
-                   "N * query queries, balanced or Dirichlet (--imbalance) over the N.")
+@click.option(
+    "--imbalance",
+    type=float,
+    metavar="KAPPA",
+    help="Dirichlet(KAPPA) query counts per class (alpha-TIM's protocol: --imbalance 2).",
+)
+@click.option(
+    "--query-classes",
+    type=int,
+    metavar="N",
+    help="Queries from only N of the way classes, chosen per episode (PADDLE's K_eff); "
+    "N * query queries, balanced or Dirichlet (--imbalance) over the N.",
+)
 @click.option("--save-episodes", type=click.Path(dir_okay=False), help="Write the episodes (HDF5).")
 @click.option("--episodes-from", type=click.Path(dir_okay=False), help="Solve the episodes of this file.")
 @click.option("--device", default=defaults.DEVICE, show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--max-memory", default=None, type=SizeType(),
-              help=f"Bound on the working set of the chunks in flight (sets the chunk size) "
-                   f"[{defaults.MAX_MEMORY} on CPU; 80% of the free memory on CUDA].")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="CPU: chunks solved at once, each single-threaded [default: torch's thread count].")
-@click.option("--preprocess", default="l2n", show_default=True, metavar="l2n|cl2n|power[:BETA]",
-              help="Feature preprocessing: the cached rows, SimpleShot centring on the train split's mean, or "
-                   "PT-MAP's power transform (default BETA 0.5); applied to the split and the negative pool.")
-@click.option("--out", "--json", "results_path", type=click.Path(dir_okay=False),
-              help="Append one results record per method (JSON Lines, read by `poodle report`) to this file.")
+@click.option(
+    "--max-memory",
+    default=None,
+    type=SizeType(),
+    help=f"Bound on the working set of the chunks in flight (sets the chunk size) "
+    f"[{defaults.MAX_MEMORY} on CPU; 80% of the free memory on CUDA].",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CPU: chunks solved at once, each single-threaded [default: torch's thread count].",
+)
+@click.option(
+    "--preprocess",
+    default="l2n",
+    show_default=True,
+    metavar="l2n|cl2n|power[:BETA]",
+    help="Feature preprocessing: the cached rows, SimpleShot centring on the train split's mean, or "
+    "PT-MAP's power transform (default BETA 0.5); applied to the split and the negative pool.",
+)
+@click.option(
+    "--out",
+    "--json",
+    "results_path",
+    type=click.Path(dir_okay=False),
+    help="Append one results record per method (JSON Lines, read by `poodle report`) to this file.",
+)
 @click.pass_context
 @friendly_errors
-def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, way, shot, query, episodes,
-          seed, methods, transductive, alpha, beta, steps, lr, label_smoothing, no_stopgrad_pull,
-          no_stopgrad_push, preset, sets, negatives, n_neg, imbalance, query_classes, save_episodes, episodes_from,
-          device, max_memory, workers, preprocess, results_path) -> None:
+def solve(
+    ctx: click.Context,
+    cache,
+    dataset,
+    backbone,
+    cache_root,
+    tag,
+    split,
+    way,
+    shot,
+    query,
+    episodes,
+    seed,
+    methods,
+    transductive,
+    alpha,
+    beta,
+    steps,
+    lr,
+    label_smoothing,
+    no_stopgrad_pull,
+    no_stopgrad_push,
+    preset,
+    sets,
+    negatives,
+    n_neg,
+    imbalance,
+    query_classes,
+    save_episodes,
+    episodes_from,
+    device,
+    max_memory,
+    workers,
+    preprocess,
+    results_path,
+) -> None:
     """Sample episodes from a feature cache and solve them all at once."""
     from poodle.distributed import env_world, share
     from poodle.evaluate import paired_difference
@@ -155,39 +225,73 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
     per = solver_options(ctx, methods, sets)
     path = _cache_path(cache, dataset, backbone, cache_root, tag)
     # only what the user gave: the library fills the defaults (and takes them from --episodes-from)
-    given = {k: ctx.params[k] for k in ("split", "way", "shot", "query", "episodes", "seed", "imbalance",
-                                       "query_classes", "negatives", "n_neg") if _explicit(ctx, k)}
+    given = {
+        k: ctx.params[k]
+        for k in (
+            "split",
+            "way",
+            "shot",
+            "query",
+            "episodes",
+            "seed",
+            "imbalance",
+            "query_classes",
+            "negatives",
+            "n_neg",
+        )
+        if _explicit(ctx, k)
+    }
     # under torchrun (poodle.distributed) rank 0 alone shows a bar (of its share) and prints
     world, rank, _ = env_world()
     total = None if episodes_from else len(share(episodes, world, rank))
     bar = progress_bar("solving", total=total, unit="episodes") if rank == 0 else contextlib.nullcontext(None)
     with bar as advance:
-        res = run_solve(path, methods, options=per, episodes_from=episodes_from, save_episodes_to=save_episodes,
-                        device=device, max_memory=max_memory, workers=workers, progress=advance,
-                        out=results_path, preprocess=preprocess,
-                        log=lambda msg: console.print(msg, highlight=False, markup=False), **given)
+        res = run_solve(
+            path,
+            methods,
+            options=per,
+            episodes_from=episodes_from,
+            save_episodes_to=save_episodes,
+            device=device,
+            max_memory=max_memory,
+            workers=workers,
+            progress=advance,
+            out=results_path,
+            preprocess=preprocess,
+            log=lambda msg: console.print(msg, highlight=False, markup=False),
+            **given,
+        )
     if rank != 0:
         return
     if save_episodes:
         console.print(f"episodes written to {save_episodes}")
     spec, eps = res.episodes.spec, res.episodes
-    console.print(f"{len(eps):,} episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
-                  + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
-                  + (f", queries from {spec.query_classes} of the {spec.way} classes" if spec.query_classes else "")
-                  + f", split {spec.split} of {path}; negatives: "
-                  + (f"{res.negatives.source} x {res.negatives.n_neg}" if res.negatives else "none")
-                  + f"; preprocess {res.records[0].get('preprocess', 'l2n')}; device {res.device}"
-                  + (f" x {res.stats['processes']} processes" if res.stats.get("processes", 1) > 1 else ""),
-                  highlight=False)
+    console.print(
+        f"{len(eps):,} episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
+        + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
+        + (f", queries from {spec.query_classes} of the {spec.way} classes" if spec.query_classes else "")
+        + f", split {spec.split} of {path}; negatives: "
+        + (f"{res.negatives.source} x {res.negatives.n_neg}" if res.negatives else "none")
+        + f"; preprocess {res.records[0].get('preprocess', 'l2n')}; device {res.device}"
+        + (f" x {res.stats['processes']} processes" if res.stats.get("processes", 1) > 1 else ""),
+        highlight=False,
+    )
 
     from rich import box
     from rich.table import Table
 
     first = methods[0]
-    table = Table(box=box.SIMPLE_HEAD, title=f"{spec.way}-way {spec.shot}-shot, {len(eps):,} episodes",
-                  title_justify="left")
-    for col, just in (("method", "left"), ("accuracy %", "right"), ("95% CI", "right"),
-                      (f"diff vs {first}", "right"), ("95% CI ", "right"), ("s", "right")):
+    table = Table(
+        box=box.SIMPLE_HEAD, title=f"{spec.way}-way {spec.shot}-shot, {len(eps):,} episodes", title_justify="left"
+    )
+    for col, just in (
+        ("method", "left"),
+        ("accuracy %", "right"),
+        ("95% CI", "right"),
+        (f"diff vs {first}", "right"),
+        ("95% CI ", "right"),
+        ("s", "right"),
+    ):
         table.add_column(col, justify=just)
     for rec in res.records:
         label = rec["label"]
@@ -197,7 +301,9 @@ def solve(ctx: click.Context, cache, dataset, backbone, cache_root, tag, split, 
             row[3], row[4] = f"{100 * d:+.2f}", f"± {100 * dci:.2f}"
         table.add_row(*row)
     out.print(table)
-    console.print(f"{len(eps) / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s, chunks of "
-                  f"{res.stats['chunk_size']})")
+    console.print(
+        f"{len(eps) / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s, chunks of "
+        f"{res.stats['chunk_size']})"
+    )
     if results_path:
         console.print(f"results appended to {results_path}")

@@ -7,8 +7,7 @@ import time
 from typing import Any
 
 import click
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from poodle.cli._common import console, friendly_errors
 
@@ -28,15 +27,21 @@ class TrainDisplay:
 
     def __init__(self) -> None:
         self.progress = Progress(
-            TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.description}", style="bold", markup=False),
+            BarColumn(),
+            MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}  acc {task.fields[acc]}  {task.fields[rate]}", markup=False),
-            TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True)
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+        )
         self.task: Any = None
         self.t0 = 0.0
         self.t_end: float | None = None  # end of the epoch's training part (before validation)
         self.images = 0
 
-    def __enter__(self) -> "TrainDisplay":
+    def __enter__(self) -> TrainDisplay:
         self.progress.__enter__()
         return self
 
@@ -64,45 +69,67 @@ class TrainDisplay:
         elif e.kind == "step" and self.task is not None:
             self.images += e.images
             rate = self.images / max(time.perf_counter() - self.t0, 1e-9)
-            p.update(self.task, advance=1, loss=f"{e.loss:.3f}", acc=f"{100 * e.acc:.1f}%",
-                     rate=f"{rate:,.0f} img/s")
+            p.update(self.task, advance=1, loss=f"{e.loss:.3f}", acc=f"{100 * e.acc:.1f}%", rate=f"{rate:,.0f} img/s")
         elif e.kind == "validate" and self.task is not None:
             self.t_end = time.perf_counter()
             p.update(self.task, description=self._prefix(e) + " (validating)")
         elif e.kind == "epoch_end":
             val = "" if e.val_acc is None else f"  val {100 * e.val_acc:.2f}% (best {100 * e.best_acc:.2f}%)"
             rate = self.images / max((self.t_end or time.perf_counter()) - self.t0, 1e-9)
-            console.print(f"{self._prefix(e)}  lr {e.lr:.2g}  loss {e.loss:.4f}  acc {100 * e.acc:.2f}%"
-                          f"{val}  {e.seconds:.1f} s  {rate:,.0f} img/s", highlight=False)
+            console.print(
+                f"{self._prefix(e)}  lr {e.lr:.2g}  loss {e.loss:.4f}  acc {100 * e.acc:.2f}%"
+                f"{val}  {e.seconds:.1f} s  {rate:,.0f} img/s",
+                highlight=False,
+            )
         elif e.kind == "done" and self.task is not None:
             p.remove_task(self.task)
             self.task = None
 
 
 @click.command()
-@click.option("--dataset", required=True, help="glyphs, mini, tiered, cub, cifar-fs, fc100 (with --image-size 32), csv or folder.")
+@click.option(
+    "--dataset", required=True, help="glyphs, mini, tiered, cub, cifar-fs, fc100 (with --image-size 32), csv or folder."
+)
 @click.option("--data-root", type=click.Path(file_okay=False), default=None, help="Dataset root folder.")
 @click.option("--backbone", required=True, help="Backbone name (see `poodle extract --help`).")
 @click.option("--recipe", type=click.Choice(["simple", "rot", "rot-kd"]), default="simple", show_default=True)
 @click.option("--epochs", type=int, default=100, show_default=True)
-@click.option("--batch-size", type=int, default=64, show_default=True, help="Global batch (split over torchrun processes).")
+@click.option(
+    "--batch-size", type=int, default=64, show_default=True, help="Global batch (split over torchrun processes)."
+)
 @click.option("--lr", type=float, default=0.05, show_default=True)
 @click.option("--momentum", type=float, default=0.9, show_default=True)
 @click.option("--weight-decay", type=float, default=5e-4, show_default=True)
-@click.option("--milestones", callback=_milestones, default=None,
-              help="Epochs where lr is multiplied by --gamma, e.g. 60,80 [default: 60%,80% of --epochs; tiered 60/80/90%].")
+@click.option(
+    "--milestones",
+    callback=_milestones,
+    default=None,
+    help="Epochs where lr is multiplied by --gamma, e.g. 60,80 [default: 60%,80% of --epochs; tiered 60/80/90%].",
+)
 @click.option("--gamma", type=float, default=0.1, show_default=True)
 @click.option("--label-smoothing", type=float, default=0.1, show_default=True)
 @click.option("--rot-weight", type=float, default=1.0, show_default=True, help="lambda of the rotation loss.")
 @click.option("--generations", type=int, default=2, show_default=True, help="Born-again students (rot-kd).")
 @click.option("--temperature", type=float, default=4.0, show_default=True, help="Distillation temperature (rot-kd).")
-@click.option("--teacher", type=click.Choice(["last", "best"]), default="last", show_default=True,
-              help="Checkpoint of the previous generation that teaches (paper: last; release: best).")
+@click.option(
+    "--teacher",
+    type=click.Choice(["last", "best"]),
+    default="last",
+    show_default=True,
+    help="Checkpoint of the previous generation that teaches (paper: last; release: best).",
+)
 @click.option("--sup-weight", type=float, default=1.0, show_default=True, help="Supervised loss weight (release: 0.5).")
-@click.option("--kd-weight", type=float, default=1.0, show_default=True, help="Distillation loss weight (release: 0.5).")
+@click.option(
+    "--kd-weight", type=float, default=1.0, show_default=True, help="Distillation loss weight (release: 0.5)."
+)
 @click.option("--image-size", type=int, default=84, show_default=True)
-@click.option("--augment", type=click.Choice(["paper", "crop", "none"]), default="paper", show_default=True,
-              help="paper: random resized crop + jitter + flip; crop: mild crop only (glyphs); none.")
+@click.option(
+    "--augment",
+    type=click.Choice(["paper", "crop", "none"]),
+    default="paper",
+    show_default=True,
+    help="paper: random resized crop + jitter + flip; crop: mild crop only (glyphs); none.",
+)
 @click.option("--val-every", type=int, default=4, show_default=True, help="Meta-validate every N epochs (0: never).")
 @click.option("--val-episodes", type=int, default=500, show_default=True)
 @click.option("--val-way", type=int, default=5, show_default=True)
@@ -113,9 +140,17 @@ class TrainDisplay:
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--amp/--no-amp", default=None, help="Mixed precision [default: on for CUDA, off on CPU].")
 @click.option("--cache-root", type=click.Path(file_okay=False), default="cache", show_default=True)
-@click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="Output folder [default: <cache-root>/<dataset>/checkpoints/<backbone>-<recipe>].")
-@click.option("--resume", is_flag=True, help="Require an interrupted run to continue (one with the same settings is continued anyway).")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Output folder [default: <cache-root>/<dataset>/checkpoints/<backbone>-<recipe>].",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Require an interrupted run to continue (one with the same settings is continued anyway).",
+)
 @click.option("--force", is_flag=True, help="Discard checkpoints in the output folder and start over.")
 @friendly_errors
 def train(**opts: Any) -> None:
@@ -124,7 +159,8 @@ def train(**opts: Any) -> None:
     Checkpoints (release key layout) load in `poodle extract --checkpoint` unchanged. Under
     `torchrun --nproc-per-node N poodle train ...` the same command trains with DistributedDataParallel.
     """
-    from poodle.train import TrainConfig, train as run_train
+    from poodle.train import TrainConfig
+    from poodle.train import train as run_train
 
     resume, force = opts.pop("resume"), opts.pop("force")
     if resume and force:
@@ -134,13 +170,14 @@ def train(**opts: Any) -> None:
     if not main_process:
         run_train(cfg, resume=True if resume else None, force=force)
         return
-    console.print(f"training {cfg.backbone} on {cfg.dataset} ({cfg.recipe}, {cfg.epochs} epochs, "
-                  f"lr decay at {', '.join(map(str, cfg.resolved_milestones())) or 'never'}) -> {cfg.out_dir()}",
-                  highlight=False)
+    console.print(
+        f"training {cfg.backbone} on {cfg.dataset} ({cfg.recipe}, {cfg.epochs} epochs, "
+        f"lr decay at {', '.join(map(str, cfg.resolved_milestones())) or 'never'}) -> {cfg.out_dir()}",
+        highlight=False,
+    )
     with TrainDisplay() as display:
         result = run_train(cfg, callback=display, resume=True if resume else None, force=force)
     best = [g["best_acc"] for g in result.generations]
     best_txt = ", ".join("-" if b is None else f"{100 * b:.2f}%" for b in best)
     console.print(f"done. best val accuracy per generation: {best_txt}")
     click.echo(str(result.checkpoint))
-

@@ -51,10 +51,19 @@ from poodle.errors import CacheError
 
 FORMAT = "poodle-features"
 VERSION = 2
-READABLE_VERSIONS = (1, 2)   # version 1: no /<split>/norms
+READABLE_VERSIONS = (1, 2)  # version 1: no /<split>/norms
 PARTIAL_FORMAT = "poodle-features-partial-3"  # -2: the state is a dataset; -3: raw row norms are staged
-ROOT_ATTRS = ("format", "version", "dataset", "backbone", "checkpoint_sha256", "image_size", "transform",
-              "created", "poodle_version")
+ROOT_ATTRS = (
+    "format",
+    "version",
+    "dataset",
+    "backbone",
+    "checkpoint_sha256",
+    "image_size",
+    "transform",
+    "created",
+    "poodle_version",
+)
 # Root attributes that say how features were made: a cache that differs in any of them holds other features.
 IDENTITY_ATTRS = ("dataset", "backbone", "checkpoint_sha256", "image_size", "transform")
 FEATURE_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
@@ -64,7 +73,7 @@ STRING = h5py.string_dtype("utf-8")
 _SPLIT_ORDER = ("train", "val", "test")
 _ROWS_PER_BLOCK = 16384  # rows read or copied at once, so memory stays flat for any N
 _MAX_SKIPPED_ATTR_BYTES = 48_000  # HDF5 attributes are limited to 64 KiB in the default file format
-_MAX_VECTOR_ATTR_BYTES = 48_000   # a longer vector (raw_mean of D > 12,000) is stored as a dataset
+_MAX_VECTOR_ATTR_BYTES = 48_000  # a longer vector (raw_mean of D > 12,000) is stored as a dataset
 
 
 @dataclass
@@ -99,6 +108,7 @@ class SplitFeatures:
 
 # ------------------------------------------------------------------------------------------ reading
 
+
 def _text(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode("utf-8")
@@ -131,8 +141,9 @@ class _Reader:
         try:
             self.f = h5py.File(self.path, "r")
         except OSError as e:
-            raise CacheError(f"{self.path}: not a poodle feature cache (not a readable HDF5 file: "
-                             f"{str(e).splitlines()[0]})") from None
+            raise CacheError(
+                f"{self.path}: not a poodle feature cache (not a readable HDF5 file: {str(e).splitlines()[0]})"
+            ) from None
         try:
             check_root(self.f, self.path)
         except BaseException:
@@ -159,8 +170,10 @@ def check_root(f: h5py.File, path: Path | str) -> dict[str, Any]:
     except (TypeError, ValueError):
         raise CacheError(f"{path}: root attribute version={attrs['version']!r} is not an integer") from None
     if version not in READABLE_VERSIONS:
-        raise CacheError(f"{path}: cache format version {version}, this poodle reads versions "
-                         f"{', '.join(map(str, READABLE_VERSIONS))}")
+        raise CacheError(
+            f"{path}: cache format version {version}, this poodle reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
+        )
     try:
         attrs["image_size"] = int(attrs["image_size"])
     except (TypeError, ValueError):
@@ -200,8 +213,10 @@ def _check_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
     """Shape/dtype checks of one split (no pass over the rows). Returns n, dim, dtype, n_classes."""
     where = f"{path}: split {name!r}"
     if not _is_complete(g):
-        raise CacheError(f"{where} is incomplete (attribute complete is not True); re-run the command "
-                         f"that writes it (poodle extract resumes)")
+        raise CacheError(
+            f"{where} is incomplete (attribute complete is not True); re-run the command "
+            f"that writes it (poodle extract resumes)"
+        )
     for key in ("features", "labels", "classes"):
         if key not in g or not isinstance(g[key], h5py.Dataset):
             raise CacheError(f"{where}: dataset {name}/{key} missing")
@@ -214,18 +229,22 @@ def _check_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
     if labels.dtype != np.int64 or labels.shape != (n,):
         raise CacheError(f"{where}: labels must be int64 [{n}], got {labels.dtype} {labels.shape}")
     if not _is_string_dataset(classes) or classes.ndim != 1 or classes.shape[0] == 0:
-        raise CacheError(f"{where}: classes must be a non-empty 1-D string dataset, got {classes.dtype} "
-                         f"{classes.shape}")
+        raise CacheError(
+            f"{where}: classes must be a non-empty 1-D string dataset, got {classes.dtype} {classes.shape}"
+        )
     if "paths" in g:
         p = g["paths"]
         if not isinstance(p, h5py.Dataset) or not _is_string_dataset(p) or p.shape != (n,):
-            raise CacheError(f"{where}: paths must be a string dataset [{n}], got "
-                             f"{getattr(p, 'dtype', '?')} {getattr(p, 'shape', '?')}")
+            raise CacheError(
+                f"{where}: paths must be a string dataset [{n}], got "
+                f"{getattr(p, 'dtype', '?')} {getattr(p, 'shape', '?')}"
+            )
     if "norms" in g:
         nm = g["norms"]
         if not isinstance(nm, h5py.Dataset) or nm.dtype.kind != "f" or nm.shape != (n,):
-            raise CacheError(f"{where}: norms must be float [{n}], got {getattr(nm, 'dtype', '?')} "
-                             f"{getattr(nm, 'shape', '?')}")
+            raise CacheError(
+                f"{where}: norms must be float [{n}], got {getattr(nm, 'dtype', '?')} {getattr(nm, 'shape', '?')}"
+            )
     for key, want in (("n_images", n), ("feature_dim", dim)):
         if key not in g.attrs:
             raise CacheError(f"{where}: attribute {key} missing")
@@ -263,8 +282,10 @@ def _set_vector(g: h5py.Group, key: str, value: np.ndarray) -> None:
 
 def _degenerate(n: int, zero: bool) -> str:
     what = "zero" if zero else "the same vector"
-    return (f"all {n} feature rows are {what}: the features do not depend on the image (were the backbone's "
-            f"weights loaded? a checkpoint of the wrong dtype or an untrained network gives this)")
+    return (
+        f"all {n} feature rows are {what}: the features do not depend on the image (were the backbone's "
+        f"weights loaded? a checkpoint of the wrong dtype or an untrained network gives this)"
+    )
 
 
 def check_unit_rows(features: torch.Tensor, where: str, tol: float = 1e-3) -> None:
@@ -274,19 +295,23 @@ def check_unit_rows(features: torch.Tensor, where: str, tol: float = 1e-3) -> No
     n = int(features.shape[0])
     same = n > 1
     for a in range(0, n, _ROWS_PER_BLOCK):
-        x = features[a:a + _ROWS_PER_BLOCK].double()
+        x = features[a : a + _ROWS_PER_BLOCK].double()
         if same:
-            same = bool((features[a:a + _ROWS_PER_BLOCK] == features[0]).all())
+            same = bool((features[a : a + _ROWS_PER_BLOCK] == features[0]).all())
         finite = torch.isfinite(x).all(1)
         if not bool(finite.all()):
-            raise CacheError(f"{where}: features row {a + int((~finite).nonzero()[0, 0])} is not finite "
-                             f"(NaN or Inf); re-extract the split or fix the file")
+            raise CacheError(
+                f"{where}: features row {a + int((~finite).nonzero()[0, 0])} is not finite "
+                f"(NaN or Inf); re-extract the split or fix the file"
+            )
         norms = torch.linalg.vector_norm(x, dim=1)
         bad = ((norms - 1).abs() > tol) & (norms != 0)
         if bool(bad.any()):
             r = int(bad.nonzero()[0, 0])
-            raise CacheError(f"{where}: features row {a + r} has L2 norm {float(norms[r]):.6f}, expected 1 "
-                             f"(rows must be L2-normalised)")
+            raise CacheError(
+                f"{where}: features row {a + r} has L2 norm {float(norms[r]):.6f}, expected 1 "
+                f"(rows must be L2-normalised)"
+            )
     if same:
         raise CacheError(f"{where}: {_degenerate(n, not bool(features[0].any()))}")
 
@@ -303,8 +328,7 @@ def read_split(path: str | os.PathLike, split: str, *, check_rows: bool = True) 
             raise CacheError(f"{path}: no split {split!r}; complete splits: {', '.join(complete) or 'none'}")
         g = f[split]
         if not _is_complete(g):
-            raise CacheError(f"{path}: split {split!r} is incomplete; complete splits: "
-                             f"{', '.join(complete) or 'none'}")
+            raise CacheError(f"{path}: split {split!r} is incomplete; complete splits: {', '.join(complete) or 'none'}")
         info = _check_split(g, path, split)
         feats = torch.from_numpy(np.asarray(g["features"][()], dtype=np.float32))
         labels = torch.from_numpy(np.asarray(g["labels"][()], dtype=np.int64))
@@ -318,8 +342,9 @@ def read_split(path: str | os.PathLike, split: str, *, check_rows: bool = True) 
         raise CacheError(f"{path}: split {split!r}: norms must be finite and non-negative")
     if check_rows:
         check_unit_rows(feats, f"{path}: split {split!r}", NORM_TOLERANCE[info["dtype"]])
-    return SplitFeatures(name=split, features=feats, labels=labels, classes=classes, paths=paths,
-                         raw_mean=raw_mean, norms=norms)
+    return SplitFeatures(
+        name=split, features=feats, labels=labels, classes=classes, paths=paths, raw_mean=raw_mean, norms=norms
+    )
 
 
 def validate(path: str | os.PathLike) -> dict[str, Any]:
@@ -356,7 +381,7 @@ def _validate_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
     first_row: np.ndarray | None = None
     all_same = n > 1
     for a in range(0, n, _ROWS_PER_BLOCK):
-        x = np.asarray(g["features"][a:a + _ROWS_PER_BLOCK], dtype=np.float64)
+        x = np.asarray(g["features"][a : a + _ROWS_PER_BLOCK], dtype=np.float64)
         if not np.isfinite(x).all():
             row = a + int(np.argwhere(~np.isfinite(x))[0, 0])
             raise CacheError(f"{where}: features row {row} is not finite")
@@ -369,12 +394,14 @@ def _validate_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
         bad = np.flatnonzero(~zero & (np.abs(norms - 1.0) > tol))
         if bad.size:
             r = int(bad[0])
-            raise CacheError(f"{where}: features row {a + r} has L2 norm {norms[r]:.6f}, expected 1 "
-                             f"(rows must be L2-normalised; tolerance {tol} for {dtype})")
+            raise CacheError(
+                f"{where}: features row {a + r} has L2 norm {norms[r]:.6f}, expected 1 "
+                f"(rows must be L2-normalised; tolerance {tol} for {dtype})"
+            )
         if (~zero).any():
             norm_min = min(norm_min, float(norms[~zero].min()))
             norm_max = max(norm_max, float(norms[~zero].max()))
-        y = np.asarray(g["labels"][a:a + _ROWS_PER_BLOCK])
+        y = np.asarray(g["labels"][a : a + _ROWS_PER_BLOCK])
         out = np.flatnonzero((y < 0) | (y >= n_classes))
         if out.size:
             r = int(out[0])
@@ -382,27 +409,48 @@ def _validate_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
         counts += np.bincount(y, minlength=n_classes)
     empty = np.flatnonzero(counts == 0)
     if empty.size:
-        raise CacheError(f"{where}: class {classes[int(empty[0])]!r} has no rows "
-                         f"({empty.size} class(es) without rows)")
+        raise CacheError(f"{where}: class {classes[int(empty[0])]!r} has no rows ({empty.size} class(es) without rows)")
     if all_same and n > 1:
         raise CacheError(f"{where}: {_degenerate(n, zero_rows == n)}")
-    return {"n_images": n, "n_classes": n_classes, "feature_dim": dim, "dtype": str(dtype), "complete": True,
-            "norm_min": norm_min if n > zero_rows else 0.0, "norm_max": norm_max if n > zero_rows else 0.0,
-            "zero_rows": zero_rows, "has_paths": "paths" in g, "has_norms": "norms" in g,
-            "n_skipped": int(g.attrs.get("n_skipped", 0))}
+    return {
+        "n_images": n,
+        "n_classes": n_classes,
+        "feature_dim": dim,
+        "dtype": str(dtype),
+        "complete": True,
+        "norm_min": norm_min if n > zero_rows else 0.0,
+        "norm_max": norm_max if n > zero_rows else 0.0,
+        "zero_rows": zero_rows,
+        "has_paths": "paths" in g,
+        "has_norms": "norms" in g,
+        "n_skipped": int(g.attrs.get("n_skipped", 0)),
+    }
 
 
 # ------------------------------------------------------------------------------------------ writing
 
-def make_root_attrs(dataset: str, backbone: str, *, checkpoint_sha256: str = "none", image_size: int = 0,
-                    transform: str = "none", **extra: Any) -> dict[str, Any]:
+
+def make_root_attrs(
+    dataset: str,
+    backbone: str,
+    *,
+    checkpoint_sha256: str = "none",
+    image_size: int = 0,
+    transform: str = "none",
+    **extra: Any,
+) -> dict[str, Any]:
     """Root attributes of a new cache (``created`` is now, ``poodle_version`` this package's)."""
     from poodle import __version__
 
     attrs: dict[str, Any] = {
-        "format": FORMAT, "version": VERSION, "dataset": str(dataset), "backbone": str(backbone),
-        "checkpoint_sha256": str(checkpoint_sha256 or "none"), "image_size": int(image_size),
-        "transform": str(transform), "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "format": FORMAT,
+        "version": VERSION,
+        "dataset": str(dataset),
+        "backbone": str(backbone),
+        "checkpoint_sha256": str(checkpoint_sha256 or "none"),
+        "image_size": int(image_size),
+        "transform": str(transform),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "poodle_version": __version__,
     }
     attrs.update(extra)
@@ -450,10 +498,16 @@ def _l2_normalise(x: np.ndarray) -> np.ndarray:
     return x64 / np.where(norms > 0, norms, 1.0)
 
 
-def write_arrays(path: str | os.PathLike,
-                 splits: Mapping[str, tuple[Any, Any, Sequence[str]] | tuple[Any, Any, Sequence[str], Sequence[str]]],
-                 *, dataset: str = "arrays", backbone: str = "none", normalise: bool = True,
-                 dtype: str = "float32", **attrs: Any) -> Path:
+def write_arrays(
+    path: str | os.PathLike,
+    splits: Mapping[str, tuple[Any, Any, Sequence[str]] | tuple[Any, Any, Sequence[str], Sequence[str]]],
+    *,
+    dataset: str = "arrays",
+    backbone: str = "none",
+    normalise: bool = True,
+    dtype: str = "float32",
+    **attrs: Any,
+) -> Path:
     """Write a complete, valid cache in one go (features imported from elsewhere, tests).
 
     ``splits`` maps a split name to ``(features [N, D], labels [N] ints in [0, C), classes [C])``
@@ -483,8 +537,9 @@ def write_arrays(path: str | os.PathLike,
                 classes = [str(c) for c in item[2]]
                 paths = None if len(item) == 3 or item[3] is None else [str(p) for p in item[3]]
                 if feats.ndim != 2 or labels.shape != (feats.shape[0],):
-                    raise CacheError(f"split {name!r}: features must be [N, D] and labels [N], got "
-                                     f"{feats.shape} and {labels.shape}")
+                    raise CacheError(
+                        f"split {name!r}: features must be [N, D] and labels [N], got {feats.shape} and {labels.shape}"
+                    )
                 if paths is not None and len(paths) != feats.shape[0]:
                     raise CacheError(f"split {name!r}: {len(paths)} paths for {feats.shape[0]} rows")
                 raw_mean = feats.astype(np.float64).mean(0) if len(feats) else np.zeros(feats.shape[1])
@@ -512,7 +567,7 @@ def samples_digest(samples: Iterable[tuple[str, str]]) -> str:
     """sha256 over an image list ``[(relative_path, class_name)]``: tells whether a split was made from it."""
     h = hashlib.sha256()
     for p, c in samples:
-        h.update(f"{p}\t{c}\n".encode("utf-8"))
+        h.update(f"{p}\t{c}\n".encode())
     return h.hexdigest()
 
 
@@ -557,10 +612,21 @@ class SplitWriter:
     be read, or that was made with other settings or another image list, is started afresh.
     """
 
-    def __init__(self, cache_path: str | os.PathLike, split: str, *, root_attrs: Mapping[str, Any],
-                 classes: Sequence[str], samples_sha256: str, n_total: int, dim: int,
-                 dtype: str = "float32", restart: bool = False, path: str | os.PathLike | None = None,
-                 extra_key: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        cache_path: str | os.PathLike,
+        split: str,
+        *,
+        root_attrs: Mapping[str, Any],
+        classes: Sequence[str],
+        samples_sha256: str,
+        n_total: int,
+        dim: int,
+        dtype: str = "float32",
+        restart: bool = False,
+        path: str | os.PathLike | None = None,
+        extra_key: Mapping[str, Any] | None = None,
+    ) -> None:
         # path, extra_key: another staging file and what else it must match (poodle.cache_shares)
         if dtype not in FEATURE_DTYPES:
             raise CacheError(f"dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
@@ -572,9 +638,14 @@ class SplitWriter:
         self.n_total = int(n_total)
         self.dim = int(dim)
         self.dtype = FEATURE_DTYPES[dtype]
-        self._key = {"samples_sha256": samples_sha256, "n_total": self.n_total, "feature_dim": self.dim,
-                     "dtype": str(self.dtype), **{k: str(self.root_attrs[k]) for k in IDENTITY_ATTRS},
-                     **{k: str(v) for k, v in (extra_key or {}).items()}}
+        self._key = {
+            "samples_sha256": samples_sha256,
+            "n_total": self.n_total,
+            "feature_dim": self.dim,
+            "dtype": str(self.dtype),
+            **{k: str(self.root_attrs[k]) for k in IDENTITY_ATTRS},
+            **{k: str(v) for k, v in (extra_key or {}).items()},
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.f: h5py.File | None = None
         self.resumed = False
@@ -589,8 +660,9 @@ class SplitWriter:
             return h5py.File(self.path, mode)
         except OSError as e:
             if "lock" in str(e).lower():
-                raise CacheError(f"{self.path}: in use by another process (is another `poodle extract` "
-                                 f"writing this cache?)") from None
+                raise CacheError(
+                    f"{self.path}: in use by another process (is another `poodle extract` writing this cache?)"
+                ) from None
             raise
 
     def _try_resume(self) -> bool:
@@ -604,23 +676,33 @@ class SplitWriter:
         try:
             a = f.attrs
             ok = _text(a.get("format")) == PARTIAL_FORMAT and all(
-                str(_text(a.get(k))) == str(v) for k, v in self._key.items())
+                str(_text(a.get(k))) == str(v) for k, v in self._key.items()
+            )
             if ok:
                 head = np.asarray(a["state_head"], dtype=np.float64)
                 slots = f["state"]
                 ok = head.shape == (5,) and slots.shape == (2, 3 + self.dim) and head[0] in (0, 1)
             if ok:
                 state = np.asarray(slots[int(head[0])], dtype=np.float64)
-                ok = (bool(np.isfinite(state).all()) and bool((state[:3] == head[1:4]).all())
-                      and float(state.sum()) == float(head[4]))
+                ok = (
+                    bool(np.isfinite(state).all())
+                    and bool((state[:3] == head[1:4]).all())
+                    and float(state.sum()) == float(head[4])
+                )
                 self._slot = int(head[0])
             if ok:
                 n_rows, n_consumed, n_skipped = (int(v) for v in state[:3])
                 g = f[self.split]
-                ok = (g["features"].shape[0] >= n_rows and g["labels"].shape[0] >= n_rows
-                      and "norms" in g and g["norms"].shape[0] >= n_rows
-                      and g["paths"].shape[0] >= n_rows and g["skipped"].shape[0] >= n_skipped
-                      and 0 <= n_rows <= n_consumed <= self.n_total and n_rows + n_skipped == n_consumed)
+                ok = (
+                    g["features"].shape[0] >= n_rows
+                    and g["labels"].shape[0] >= n_rows
+                    and "norms" in g
+                    and g["norms"].shape[0] >= n_rows
+                    and g["paths"].shape[0] >= n_rows
+                    and g["skipped"].shape[0] >= n_skipped
+                    and 0 <= n_rows <= n_consumed <= self.n_total
+                    and n_rows + n_skipped == n_consumed
+                )
                 if ok and n_rows:  # touch the last committed row: a torn write shows up here
                     g["features"][n_rows - 1]
                     g["paths"][n_rows - 1]
@@ -645,8 +727,9 @@ class SplitWriter:
         f.attrs["state_head"] = np.zeros(5, dtype=np.float64)
         g = f.create_group(self.split)
         chunk_rows = max(1, min(1024, (1 << 20) // max(1, self.dim * self.dtype.itemsize)))
-        g.create_dataset("features", shape=(0, self.dim), maxshape=(None, self.dim), dtype=self.dtype,
-                         chunks=(chunk_rows, self.dim))
+        g.create_dataset(
+            "features", shape=(0, self.dim), maxshape=(None, self.dim), dtype=self.dtype, chunks=(chunk_rows, self.dim)
+        )
         g.create_dataset("labels", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(4096,))
         g.create_dataset("paths", shape=(0,), maxshape=(None,), dtype=STRING, chunks=(1024,))
         g.create_dataset("norms", shape=(0,), maxshape=(None,), dtype=np.float32, chunks=(4096,))
@@ -668,8 +751,15 @@ class SplitWriter:
     def n_skipped(self) -> int:
         return int(self._state[2])
 
-    def append(self, raw: np.ndarray | torch.Tensor, labels: Sequence[int] | np.ndarray,
-               paths: Sequence[str], *, n_consumed: int | None = None, skipped: Sequence[str] = ()) -> None:
+    def append(
+        self,
+        raw: np.ndarray | torch.Tensor,
+        labels: Sequence[int] | np.ndarray,
+        paths: Sequence[str],
+        *,
+        n_consumed: int | None = None,
+        skipped: Sequence[str] = (),
+    ) -> None:
         """Add a batch: raw features [B, D] (normalised here), labels [B], paths [B].
 
         ``n_consumed`` is how many image-list entries the batch covers (B plus skipped images).
@@ -680,8 +770,10 @@ class SplitWriter:
         raw = np.asarray(raw)
         b = raw.shape[0]
         if raw.ndim != 2 or raw.shape[1] != self.dim or len(labels) != b or len(paths) != b:
-            raise CacheError(f"batch of shape {raw.shape} with {len(labels)} labels and {len(paths)} paths "
-                             f"does not fit split {self.split!r} of dim {self.dim}")
+            raise CacheError(
+                f"batch of shape {raw.shape} with {len(labels)} labels and {len(paths)} paths "
+                f"does not fit split {self.split!r} of dim {self.dim}"
+            )
         n_consumed = b + len(skipped) if n_consumed is None else int(n_consumed)
         if n_consumed != b + len(skipped):
             raise CacheError(f"batch covers {n_consumed} images but holds {b} rows and {len(skipped)} skipped")
@@ -689,14 +781,16 @@ class SplitWriter:
         n0 = self.n_rows
         if b:
             if not np.isfinite(raw).all():
-                raise CacheError(f"split {self.split!r}: the backbone produced non-finite features for "
-                                 f"{paths[int(np.argwhere(~np.isfinite(raw))[0, 0])]}")
+                raise CacheError(
+                    f"split {self.split!r}: the backbone produced non-finite features for "
+                    f"{paths[int(np.argwhere(~np.isfinite(raw))[0, 0])]}"
+                )
             for key in ("features", "labels", "paths", "norms"):
                 g[key].resize(n0 + b, axis=0)
-            g["features"][n0:n0 + b] = _l2_normalise(raw).astype(self.dtype)
-            g["norms"][n0:n0 + b] = np.linalg.norm(raw.astype(np.float64), axis=1).astype(np.float32)
-            g["labels"][n0:n0 + b] = np.asarray(labels, dtype=np.int64)
-            g["paths"][n0:n0 + b] = np.array(list(paths), dtype=object)
+            g["features"][n0 : n0 + b] = _l2_normalise(raw).astype(self.dtype)
+            g["norms"][n0 : n0 + b] = np.linalg.norm(raw.astype(np.float64), axis=1).astype(np.float32)
+            g["labels"][n0 : n0 + b] = np.asarray(labels, dtype=np.int64)
+            g["paths"][n0 : n0 + b] = np.array(list(paths), dtype=object)
         if skipped:
             s0 = self.n_skipped
             g["skipped"].resize(s0 + len(skipped), axis=0)
@@ -726,7 +820,7 @@ class SplitWriter:
         if self.f is None:
             self.f = self._open("a")
 
-    def __enter__(self) -> "SplitWriter":
+    def __enter__(self) -> SplitWriter:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -761,8 +855,10 @@ class SplitWriter:
                         raise CacheError(f"{e}; it changed while this split was extracted") from None
                     mism = identity_mismatches(now, self.root_attrs)
                     if mism:
-                        raise CacheError(f"{self.cache_path} was replaced while split {name!r} was extracted "
-                                         f"and now holds features made with {'; '.join(mism)}")
+                        raise CacheError(
+                            f"{self.cache_path} was replaced while split {name!r} was extracted "
+                            f"and now holds features made with {'; '.join(mism)}"
+                        )
                     shutil.copyfile(self.cache_path, tmp)
                     dst_f = h5py.File(tmp, "a")
                 else:

@@ -355,8 +355,11 @@ def commit_shares(
             ld = dst.create_dataset("labels", shape=(n,), dtype=np.int64)
             pd = dst.create_dataset("paths", shape=(n,), dtype=STRING)
             # raw row norms (cache version 2) when every part staged them
-            nd = dst.create_dataset("norms", shape=(n,), dtype=np.float32) \
-                if all("norms" in f[split] for f in files) else None
+            nd = (
+                dst.create_dataset("norms", shape=(n,), dtype=np.float32)
+                if all("norms" in f[split] for f in files)
+                else None
+            )
             total = np.zeros(dim, dtype=np.float64)
             skipped: list[str] = []
             at = 0

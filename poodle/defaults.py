@@ -13,13 +13,13 @@ from typing import Any
 SPLIT = "test"
 WAY = 5
 SHOT = 1
-QUERY = 15                  # queries per class; an episode has WAY * QUERY of them
+QUERY = 15  # queries per class; an episode has WAY * QUERY of them
 EPISODES = 2000
 SEED = 0
 NEGATIVES = "base"
 N_NEG = 400
 METHOD = "poodle"
-PREPROCESS = "l2n"          # feature preprocessing (poodle.preprocess): the cached L2-normalised rows
+PREPROCESS = "l2n"  # feature preprocessing (poodle.preprocess): the cached L2-normalised rows
 DEVICE = "auto"
 MAX_MEMORY = "2GiB"
 
@@ -38,8 +38,17 @@ GENERAL_KEYS: tuple[str, ...] = EPISODE_KEYS + OPTIONAL_EPISODE_KEYS + NEGATIVE_
 
 # Defaults of the general keys (``cache`` has none).
 GENERAL_DEFAULTS: dict[str, Any] = {
-    "split": SPLIT, "way": WAY, "shot": SHOT, "query": QUERY, "imbalance": None, "seed": SEED,
-    "episodes": EPISODES, "negatives": NEGATIVES, "n_neg": N_NEG, "preprocess": PREPROCESS, "method": METHOD,
+    "split": SPLIT,
+    "way": WAY,
+    "shot": SHOT,
+    "query": QUERY,
+    "imbalance": None,
+    "seed": SEED,
+    "episodes": EPISODES,
+    "negatives": NEGATIVES,
+    "n_neg": N_NEG,
+    "preprocess": PREPROCESS,
+    "method": METHOD,
 }
 
 # Input normalisation of ImageNet-pretrained backbones (torchvision's constants).

@@ -43,8 +43,7 @@ from poodle.utils import atomic_path
 DATASET = "glyphs"
 # The transductive methods the paper compares with (Table 4 and appendix Tables 9-10): entropy
 # minimisation, CAN-T, LaplacianShot, TIM-GD, mean-shift, Bayes k-means and soft k-means.
-PAPER_COMPETITORS = ("entropy-min", "can-t", "laplacianshot", "tim-gd", "mean-shift", "bayes-kmeans",
-                     "soft-kmeans")
+PAPER_COMPETITORS = ("entropy-min", "can-t", "laplacianshot", "tim-gd", "mean-shift", "bayes-kmeans", "soft-kmeans")
 RESULTS_FILE = "results.jsonl"
 ProgressFactory = Callable[[str, int], ContextManager[Callable[[int], None]]]
 
@@ -85,11 +84,23 @@ class DemoConfig:
 
     def train_config(self, dataset: str = DATASET, data_root: str | None = None):
         """The :class:`poodle.train.TrainConfig` of the demo's backbone."""
-        return TrainConfig(dataset=dataset, data_root=data_root, backbone=self.backbone, recipe=self.recipe,
-                           epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, image_size=self.image_size,
-                           augment=self.augment, val_every=self.val_every,
-                           val_episodes=100 if self.quick else 500, seed=self.seed, workers=self.workers,
-                           device=self.device, cache_root=self.cache_root)
+        return TrainConfig(
+            dataset=dataset,
+            data_root=data_root,
+            backbone=self.backbone,
+            recipe=self.recipe,
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            image_size=self.image_size,
+            augment=self.augment,
+            val_every=self.val_every,
+            val_episodes=100 if self.quick else 500,
+            seed=self.seed,
+            workers=self.workers,
+            device=self.device,
+            cache_root=self.cache_root,
+        )
 
 
 def quick_config(**overrides: Any) -> DemoConfig:
@@ -107,7 +118,7 @@ class Row:
     label: str
     method: str
     options: dict[str, Any] = field(default_factory=dict)
-    negatives: str | None = None          # NegativeSpec source, or None
+    negatives: str | None = None  # NegativeSpec source, or None
     settings: tuple[str, ...] = ("inductive",)
 
 
@@ -141,17 +152,20 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-LEGEND = ("Proto: nearest class mean; CE: prototypes fine-tuned with the support cross-entropy; "
-          "POODLE-B / POODLE-R: CE + pull - push with negatives from the base classes / uniform random "
-          "features; transductive: the queries are used as unlabelled data.")
+LEGEND = (
+    "Proto: nearest class mean; CE: prototypes fine-tuned with the support cross-entropy; "
+    "POODLE-B / POODLE-R: CE + pull - push with negatives from the base classes / uniform random "
+    "features; transductive: the queries are used as unlabelled data."
+)
 
 
 def competitor_names(which: str | tuple[str, ...] | list[str]) -> list[str]:
     """Registered always-transductive methods selected by ``which``: ``paper`` (those the paper
     compares with, :data:`PAPER_COMPETITORS`), ``all``, ``none``, or names (a tuple or a
     comma-separated string). An unknown or non-transductive name is a ConfigError."""
-    registered = [n for n in solvers.available() if solvers.get(n).transductive == "always"
-                  and not solvers.get(n).uses_negatives]
+    registered = [
+        n for n in solvers.available() if solvers.get(n).transductive == "always" and not solvers.get(n).uses_negatives
+    ]
     if isinstance(which, str):
         if which == "all":
             return registered
@@ -164,21 +178,26 @@ def competitor_names(which: str | tuple[str, ...] | list[str]) -> list[str]:
         return [n for n in names if n in registered]  # a missing solver leaves its row out
     for n in names:
         if n not in registered:
-            raise ConfigError(f"--competitors: {n!r} is not a registered transductive method; choose from "
-                              f"{', '.join(registered)} (or paper, all, none)")
+            raise ConfigError(
+                f"--competitors: {n!r} is not a registered transductive method; choose from "
+                f"{', '.join(registered)} (or paper, all, none)"
+            )
     return names
 
 
 def demo_rows(competitors: str | tuple[str, ...] = "paper") -> list[Row]:
     """The methods of the table: proto, CE, POODLE-B/-R, then the transductive competitors."""
+
     def settings_of(name: str) -> tuple[str, ...]:
         return solvers.get(name).settings()
 
     # short labels keep the printed table within 80 columns; LEGEND explains them
-    rows = [Row("Proto", "proto", settings=settings_of("proto")),
-            Row("CE", "ce", settings=settings_of("ce")),
-            Row("POODLE-B", "poodle", negatives="base", settings=settings_of("poodle")),
-            Row("POODLE-R", "poodle", negatives="random", settings=settings_of("poodle"))]
+    rows = [
+        Row("Proto", "proto", settings=settings_of("proto")),
+        Row("CE", "ce", settings=settings_of("ce")),
+        Row("POODLE-B", "poodle", negatives="base", settings=settings_of("poodle")),
+        Row("POODLE-R", "poodle", negatives="random", settings=settings_of("poodle")),
+    ]
     for name in competitor_names(competitors):
         rows.append(Row(name, name, settings=("transductive",)))
     return rows
@@ -202,9 +221,13 @@ def _data(cfg: DemoConfig, progress: Callable[[int], None] | None = None) -> tup
     return "folder", str(root), cache_root / DATASET / "quick"
 
 
-def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = lambda s: None,
-             train_callback: Callable | None = None,
-             progress_factory: ProgressFactory | None = None) -> DemoResult:
+def run_demo(
+    cfg: DemoConfig,
+    *,
+    log: Callable[[str], None] = lambda s: None,
+    train_callback: Callable | None = None,
+    progress_factory: ProgressFactory | None = None,
+) -> DemoResult:
     """Run (or reuse) every stage and return the table.
 
     Args:
@@ -232,14 +255,23 @@ def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = lambda s: None,
     reused["train"] = all(g["epochs_run"] == 0 for g in result.generations)
     seconds["train"] = time.perf_counter() - t
     checkpoint = Path(result.checkpoint)
-    log(f"backbone {cfg.backbone} {'reused' if reused['train'] else 'trained'}: {checkpoint} "
-        f"({seconds['train']:.1f} s)")
+    log(
+        f"backbone {cfg.backbone} {'reused' if reused['train'] else 'trained'}: {checkpoint} ({seconds['train']:.1f} s)"
+    )
 
     t = time.perf_counter()
     extract_opts: dict[str, Any] = dict(
-        data_root=data_root, checkpoint=checkpoint, splits=("train", "val", "test"), image_size=cfg.image_size,
-        batch_size=256, device=cfg.device, cache_root=data_cache, tag=f"demo-{key}", workers=cfg.workers,
-        progress_factory=progress_factory)
+        data_root=data_root,
+        checkpoint=checkpoint,
+        splits=("train", "val", "test"),
+        image_size=cfg.image_size,
+        batch_size=256,
+        device=cfg.device,
+        cache_root=data_cache,
+        tag=f"demo-{key}",
+        workers=cfg.workers,
+        progress_factory=progress_factory,
+    )
     try:
         features = Path(extract(dataset, cfg.backbone, **extract_opts))
     except CacheError as e:
@@ -259,17 +291,28 @@ def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = lambda s: None,
         log(f"{n_old} table cells taken over from an earlier version's cache ({demo_dir / 'cells'})")
     total = sum(c.episode["episodes"] for c in cells)
     ctx = progress_factory("solving the table", total) if progress_factory else None
-    with (ctx if ctx is not None else contextlib.nullcontext()) as advance:
+    with ctx if ctx is not None else contextlib.nullcontext() as advance:
+
         def on_cell(event: CellEvent) -> None:
             if event.kind == "skip" and advance is not None:
                 advance(event.cell.episode["episodes"])
 
-        run = run_grid(spec, results_path, device=cfg.device, max_memory=cfg.max_memory, cells=cells,
-                       cells_per_call=len(cells), on_cell=on_cell, progress=advance)
+        run = run_grid(
+            spec,
+            results_path,
+            device=cfg.device,
+            max_memory=cfg.max_memory,
+            cells=cells,
+            cells_per_call=len(cells),
+            on_cell=on_cell,
+            progress=advance,
+        )
     reused["evaluate"] = run.computed == 0
     seconds["evaluate"] = time.perf_counter() - t
-    log(f"{len(cells)} table cells, {run.computed} solved now ({seconds['evaluate']:.1f} s: reading the cache "
-        f"{run.load_seconds:.1f} s, sampling episodes {run.sample_seconds:.1f} s, solving {run.solve_seconds:.1f} s)")
+    log(
+        f"{len(cells)} table cells, {run.computed} solved now ({seconds['evaluate']:.1f} s: reading the cache "
+        f"{run.load_seconds:.1f} s, sampling episodes {run.sample_seconds:.1f} s, solving {run.solve_seconds:.1f} s)"
+    )
 
     table = demo_table(run.records)
     md_path, json_path = _write_table(cfg, rows, table, run.records, demo_dir, key, checkpoint, features, seconds)
@@ -287,17 +330,29 @@ def demo_grid(cfg: DemoConfig, rows: list[Row], features: Path, demo_dir: Path) 
         if solvers.get(r.method).transductive == "optional":
             entry["transductive"] = [s == "transductive" for s in r.settings]
         entries.append(entry)
-    data = {"name": "demo", "cache": str(Path(features).resolve()), "product": False, "cell": entries,
-            "episodes": {"split": "test", "way": cfg.way, "shot": list(cfg.shots), "query": cfg.query,
-                         "episodes": cfg.episodes, "seed": cfg.seed},
-            "negatives": {"n_neg": cfg.n_neg}}
+    data = {
+        "name": "demo",
+        "cache": str(Path(features).resolve()),
+        "product": False,
+        "cell": entries,
+        "episodes": {
+            "split": "test",
+            "way": cfg.way,
+            "shot": list(cfg.shots),
+            "query": cfg.query,
+            "episodes": cfg.episodes,
+            "seed": cfg.seed,
+        },
+        "negatives": {"n_neg": cfg.n_neg},
+    }
     return parse_grid(data, demo_dir / "demo.toml")
 
 
 def demo_table(records: list[dict[str, Any]]) -> Table:
     """The table of the demo's records: a row per label, columns inductive/transductive x shot."""
-    results = [Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), RESULTS_FILE, i)
-               for i, r in enumerate(records)]
+    results = [
+        Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), RESULTS_FILE, i) for i, r in enumerate(records)
+    ]
     table = build_table(results, rows=["label"], cols=["transductive", "shot"], bold="none")
     table.notes = []
     return table
@@ -306,22 +361,36 @@ def demo_table(records: list[dict[str, Any]]) -> Table:
 def _old_cell_path(cfg: DemoConfig, c: Cell, features_sha: str, demo_dir: Path) -> Path:
     """Where the demo before the results layer kept this cell (a JSON file named by a digest)."""
     e = c.episode
-    spec = {"split": e["split"], "way": e["way"], "shot": e["shot"], "query": e["query"],
-            "imbalance": e["imbalance"], "seed": e["seed"]}
+    spec = {
+        "split": e["split"],
+        "way": e["way"],
+        "shot": e["shot"],
+        "query": e["query"],
+        "imbalance": e["imbalance"],
+        "seed": e["seed"],
+    }
     info = solvers.get(c.method)
     config = dict(c.options)
     presets = getattr(info.config, "PRESETS", None)
     if presets is not None:  # it stored None for what the preset supplied
         for k in presets[config["preset"]]:
             config[k] = None
-    ident = {"features": features_sha, "spec": spec, "episodes": e["episodes"], "method": c.method,
-             "config": config, "negatives": None if c.negatives == "none" else c.negatives,
-             "n_neg": c.n_neg, "version": 1}
+    ident = {
+        "features": features_sha,
+        "spec": spec,
+        "episodes": e["episodes"],
+        "method": c.method,
+        "config": config,
+        "negatives": None if c.negatives == "none" else c.negatives,
+        "n_neg": c.n_neg,
+        "version": 1,
+    }
     return demo_dir / "cells" / f"{_digest(ident)[:20]}.json"
 
 
-def _convert_old_cells(cfg: DemoConfig, rows: list[Row], cells: list[Cell], spec: GridSpec, results_path: Path,
-                       demo_dir: Path) -> int:
+def _convert_old_cells(
+    cfg: DemoConfig, rows: list[Row], cells: list[Cell], spec: GridSpec, results_path: Path, demo_dir: Path
+) -> int:
     """Records for the cells an earlier version solved and kept under ``demo_dir/cells``: their
     per-episode accuracies were stored rounded to 6 digits, which identifies ``k / n_queries``
     exactly."""
@@ -346,29 +415,56 @@ def _convert_old_cells(cfg: DemoConfig, rows: list[Row], cells: list[Cell], spec
             continue  # a damaged old file: the cell is solved again
         if len(acc) != c.episode["episodes"]:
             continue
-        results.append(make_record(identity, acc, label=c.label, cache=c.cache, index=c.index, group="demo",
-                                   converted_from=str(old)))
+        results.append(
+            make_record(
+                identity, acc, label=c.label, cache=c.cache, index=c.index, group="demo", converted_from=str(old)
+            )
+        )
         n += 1
     return n
 
 
-def _write_table(cfg: DemoConfig, rows: list[Row], table: Table, records: list[dict[str, Any]], demo_dir: Path,
-                 key: str, checkpoint: Path, features: Path, seconds: dict[str, float]) -> tuple[Path, Path]:
-    md = (f"glyphs, {cfg.backbone} ({cfg.recipe}, {cfg.epochs} epochs, {cfg.image_size} px), "
-          f"{cfg.episodes} episodes of {cfg.way}-way with {cfg.query} queries per class; "
-          f"accuracy % with 95% CI\n\n" + to_markdown(table) + "\n" + LEGEND + "\n")
+def _write_table(
+    cfg: DemoConfig,
+    rows: list[Row],
+    table: Table,
+    records: list[dict[str, Any]],
+    demo_dir: Path,
+    key: str,
+    checkpoint: Path,
+    features: Path,
+    seconds: dict[str, float],
+) -> tuple[Path, Path]:
+    md = (
+        f"glyphs, {cfg.backbone} ({cfg.recipe}, {cfg.epochs} epochs, {cfg.image_size} px), "
+        f"{cfg.episodes} episodes of {cfg.way}-way with {cfg.query} queries per class; "
+        f"accuracy % with 95% CI\n\n" + to_markdown(table) + "\n" + LEGEND + "\n"
+    )
     by_label: dict[str, dict[str, list[float]]] = {}
     for r in records:
         setting = "transductive" if r["transductive"] else "inductive"
-        by_label.setdefault(r["label"], {})[f"{setting} {r['episode']['shot']}-shot"] = \
-            [100 * r["mean"], 100 * r["ci95"]]
-    payload = {"config": dataclasses.asdict(cfg), "checkpoint": str(checkpoint), "features": str(features),
-               "results": str(demo_dir / RESULTS_FILE), "seconds": seconds,
-               "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                           "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                           "torch_threads": torch.get_num_threads()},
-               "rows": [{"label": r.label, "method": r.method, "negatives": r.negatives,
-                         "cells": by_label.get(r.label, {})} for r in rows]}
+        by_label.setdefault(r["label"], {})[f"{setting} {r['episode']['shot']}-shot"] = [
+            100 * r["mean"],
+            100 * r["ci95"],
+        ]
+    payload = {
+        "config": dataclasses.asdict(cfg),
+        "checkpoint": str(checkpoint),
+        "features": str(features),
+        "results": str(demo_dir / RESULTS_FILE),
+        "seconds": seconds,
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "rows": [
+            {"label": r.label, "method": r.method, "negatives": r.negatives, "cells": by_label.get(r.label, {})}
+            for r in rows
+        ],
+    }
     tag = f"{key}-{_digest([cfg.episodes, cfg.shots, cfg.way, cfg.query, cfg.n_neg, cfg.seed])[:8]}"
     md_path, json_path = demo_dir / f"table-{tag}.md", demo_dir / f"table-{tag}.json"
     for path, text in ((md_path, md), (json_path, json.dumps(payload, indent=1))):

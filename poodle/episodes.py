@@ -53,7 +53,7 @@ class EpisodeSpec:
     split: str = defaults.SPLIT
     way: int = defaults.WAY
     shot: int = defaults.SHOT
-    query: int = defaults.QUERY     # queries per class; the total is way * query
+    query: int = defaults.QUERY  # queries per class; the total is way * query
     imbalance: float | None = None  # Dirichlet concentration kappa (paper appendix); None: balanced
     seed: int = defaults.SEED
     query_classes: int | None = None  # only this many of the way classes have queries; None: all
@@ -67,19 +67,23 @@ class EpisodeSpec:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
                 what = "an integer >= 2 (a 1-way episode is always right)" if name == "way" else "a positive integer"
                 raise EpisodeError(f"{name} must be {what}, got {v!r}", params=(name,))
-        if self.imbalance is not None and (isinstance(self.imbalance, bool) or not isinstance(
-                self.imbalance, (int, float, np.floating, np.integer)) or not (math.isfinite(self.imbalance)
-                                                                              and self.imbalance > 0)):
-            raise EpisodeError(f"imbalance (Dirichlet concentration) must be positive, got {self.imbalance!r}",
-                               params=("imbalance",))
+        if self.imbalance is not None and (
+            isinstance(self.imbalance, bool)
+            or not isinstance(self.imbalance, (int, float, np.floating, np.integer))
+            or not (math.isfinite(self.imbalance) and self.imbalance > 0)
+        ):
+            raise EpisodeError(
+                f"imbalance (Dirichlet concentration) must be positive, got {self.imbalance!r}", params=("imbalance",)
+            )
         try:
             check_seed(self.seed)
         except ConfigError as e:
             raise EpisodeError(str(e), params=("seed",)) from None
         n = self.query_classes
         if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.way):
-            raise EpisodeError(f"query_classes must be an integer in 1..way={self.way}, got {n!r}",
-                               params=("query_classes",))
+            raise EpisodeError(
+                f"query_classes must be an integer in 1..way={self.way}, got {n!r}", params=("query_classes",)
+            )
 
     @property
     def n_support(self) -> int:
@@ -125,18 +129,26 @@ class EpisodeSet:
     def __len__(self) -> int:
         return int(self.support.shape[0])
 
-    def __getitem__(self, sl: slice) -> "EpisodeSet":
+    def __getitem__(self, sl: slice) -> EpisodeSet:
         if not isinstance(sl, slice):
             raise TypeError("EpisodeSet supports slicing only, e.g. eps[10:20]")
 
         def cut(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[sl]
 
-        return EpisodeSet(self.support[sl], self.query[sl], self.support_labels[sl], self.query_labels[sl],
-                          cut(self.negatives), self.spec, self.negative_source, cut(self.index),
-                          cut(self.class_ids))
+        return EpisodeSet(
+            self.support[sl],
+            self.query[sl],
+            self.support_labels[sl],
+            self.query_labels[sl],
+            cut(self.negatives),
+            self.spec,
+            self.negative_source,
+            cut(self.index),
+            cut(self.class_ids),
+        )
 
-    def with_negatives(self, negatives: Tensor | None, source: str) -> "EpisodeSet":
+    def with_negatives(self, negatives: Tensor | None, source: str) -> EpisodeSet:
         """A copy whose negative indices are ``negatives [E, M]`` from ``source``."""
         return dataclasses.replace(self, negatives=negatives, negative_source=source)
 
@@ -148,31 +160,40 @@ class EpisodeSet:
         for name, t in (("support", self.support), ("query", self.query)):
             if t.numel() and int(t.min()) < 0:
                 e = int((t < 0).any(1).nonzero()[0, 0])
-                raise EpisodeError(f"{where}: {name} index {int(t.min())} (episode {e}) is negative; row "
-                                   f"indices lie in 0..{n - 1}")
+                raise EpisodeError(
+                    f"{where}: {name} index {int(t.min())} (episode {e}) is negative; row indices lie in 0..{n - 1}"
+                )
             if t.numel() and int(t.max()) >= n:
-                raise EpisodeError(f"{where}: {name} indices reach {int(t.max())} but the split has {n} rows "
-                                   f"(0..{n - 1}); the episodes were drawn from another cache or split")
+                raise EpisodeError(
+                    f"{where}: {name} indices reach {int(t.max())} but the split has {n} rows "
+                    f"(0..{n - 1}); the episodes were drawn from another cache or split"
+                )
         way = self.spec.way
-        cls_s = labels[self.support]                                       # [E, Ns]
+        cls_s = labels[self.support]  # [E, Ns]
         cls_q = labels[self.query]
-        ref = cls_s.view(len(self), way, self.spec.shot)[:, :, 0]            # [E, way]
+        ref = cls_s.view(len(self), way, self.spec.shot)[:, :, 0]  # [E, way]
         ok_s = (cls_s == ref.gather(1, self.support_labels)).all(1)
         ok_q = (cls_q == ref.gather(1, self.query_labels)).all(1)
         distinct = (ref.unsqueeze(1) != ref.unsqueeze(2)).sum((1, 2)) == way * (way - 1)
         bad = ~(ok_s & ok_q & distinct)
         if bool(bad.any()):
             e = int(bad.nonzero()[0, 0])
-            raise EpisodeError(f"{where}: episode {int(self.index[e])} does not match the split's labels "
-                               f"(a label mixes classes); the episodes were drawn from another cache or split")
+            raise EpisodeError(
+                f"{where}: episode {int(self.index[e])} does not match the split's labels "
+                f"(a label mixes classes); the episodes were drawn from another cache or split"
+            )
         if self.negatives is not None and pool_size is not None and self.negatives.numel():
             hi = int(self.negatives.max())
             if int(self.negatives.min()) < 0:
-                raise EpisodeError(f"{where}: negative index {int(self.negatives.min())} is negative; the pool "
-                                   f"{self.negative_source!r} has rows 0..{pool_size - 1}")
+                raise EpisodeError(
+                    f"{where}: negative index {int(self.negatives.min())} is negative; the pool "
+                    f"{self.negative_source!r} has rows 0..{pool_size - 1}"
+                )
             if hi >= pool_size:
-                raise EpisodeError(f"{where}: negative indices reach {hi} but the negative pool "
-                                   f"{self.negative_source!r} has {pool_size} rows")
+                raise EpisodeError(
+                    f"{where}: negative indices reach {hi} but the negative pool "
+                    f"{self.negative_source!r} has {pool_size} rows"
+                )
 
 
 def check_spec(labels: Tensor, spec: EpisodeSpec, classes: Sequence[str] | None = None) -> None:
@@ -182,21 +203,26 @@ def check_spec(labels: Tensor, spec: EpisodeSpec, classes: Sequence[str] | None 
     present = int((counts > 0).sum())
     names = list(classes) if classes is not None else [str(c) for c in range(len(counts))]
     if spec.way > present:
-        raise EpisodeError(f"split {spec.split!r} has {present} classes with images; cannot draw "
-                           f"{spec.way}-way episodes")
+        raise EpisodeError(
+            f"split {spec.split!r} has {present} classes with images; cannot draw {spec.way}-way episodes"
+        )
     need = spec.shot + spec.query
     short = [(names[c], int(counts[c])) for c in range(len(counts)) if 0 < counts[c] < need]
     if short:
-        shown = ", ".join(f"{n} ({k})" for n, k in short[:10]) + (f", ... ({len(short)} in all)" if len(short) > 10 else "")
-        raise EpisodeError(f"split {spec.split!r}: {len(short)} class(es) have fewer than shot + query = {need} "
-                           f"images: {shown}; lower --shot/--query or drop these classes")
+        shown = ", ".join(f"{n} ({k})" for n, k in short[:10]) + (
+            f", ... ({len(short)} in all)" if len(short) > 10 else ""
+        )
+        raise EpisodeError(
+            f"split {spec.split!r}: {len(short)} class(es) have fewer than shot + query = {need} "
+            f"images: {shown}; lower --shot/--query or drop these classes"
+        )
 
 
 def imbalanced_counts(p: Tensor, total: int, capacity: Tensor) -> Tensor:
     """Largest-remainder rounding of ``total * p`` under per-class ``capacity``: int64 ``[way]``
     summing to ``total`` (requires ``capacity.sum() >= total``)."""
     way = p.shape[0]
-    counts = torch.zeros(way, dtype=torch.int64)     # fixed (clipped) classes hold their capacity
+    counts = torch.zeros(way, dtype=torch.int64)  # fixed (clipped) classes hold their capacity
     free = torch.ones(way, dtype=torch.bool)
     remaining = total
     while True:
@@ -245,8 +271,9 @@ def query_counts(g: torch.Generator, spec: EpisodeSpec, capacity: Tensor) -> Ten
     return imbalanced_counts(p, spec.n_query, cap)
 
 
-def _draw_episode(g: torch.Generator, spec: EpisodeSpec, eligible: Tensor, members: list[Tensor],
-                  counts_all: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _draw_episode(
+    g: torch.Generator, spec: EpisodeSpec, eligible: Tensor, members: list[Tensor], counts_all: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     way, shot = spec.way, spec.shot
     cls = eligible[torch.randperm(eligible.shape[0], generator=g)[:way]]
     qcounts = query_counts(g, spec, counts_all[cls] - shot)
@@ -281,15 +308,24 @@ class _Draw:
         sup, qry, qlab, cls = [], [], [], []
         slab = torch.arange(spec.way, dtype=torch.int64).repeat_interleave(spec.shot)
         for e in range(E):
-            s, q, slab, ql, c = _draw_episode(generator(spec.seed, start + e), spec, self.eligible, self.members,
-                                              self.counts_all)
+            s, q, slab, ql, c = _draw_episode(
+                generator(spec.seed, start + e), spec, self.eligible, self.members, self.counts_all
+            )
             sup.append(s)
             qry.append(q)
             qlab.append(ql)
             cls.append(c)
-        return EpisodeSet(torch.stack(sup), torch.stack(qry), slab.unsqueeze(0).expand(E, Ns).contiguous(),
-                          torch.stack(qlab), None, spec, "", torch.arange(start, start + E, dtype=torch.int64),
-                          torch.stack(cls))
+        return EpisodeSet(
+            torch.stack(sup),
+            torch.stack(qry),
+            slab.unsqueeze(0).expand(E, Ns).contiguous(),
+            torch.stack(qlab),
+            None,
+            spec,
+            "",
+            torch.arange(start, start + E, dtype=torch.int64),
+            torch.stack(cls),
+        )
 
 
 def _check_count(n_episodes: object) -> None:
@@ -297,8 +333,9 @@ def _check_count(n_episodes: object) -> None:
         raise EpisodeError(f"the number of episodes must be a positive integer, got {n_episodes!r}")
 
 
-def sample_episodes(labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, classes: list[str] | None = None,
-                    start: int = 0) -> EpisodeSet:
+def sample_episodes(
+    labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, classes: list[str] | None = None, start: int = 0
+) -> EpisodeSet:
     """Draw episodes ``start .. start+n_episodes-1`` from a split with ``labels [N]`` (int64).
 
     EpisodeError before any drawing when the setting is impossible (way above the number of
@@ -321,8 +358,9 @@ class EpisodeStream:
     negatives: Tensor | None = None
     negative_source: str = ""
 
-    def __init__(self, labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, classes: list[str] | None = None,
-                 start: int = 0) -> None:
+    def __init__(
+        self, labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, classes: list[str] | None = None, start: int = 0
+    ) -> None:
         _check_count(n_episodes)
         self._draw = _Draw(labels, spec, classes)
         self.spec = spec
@@ -349,16 +387,18 @@ class EpisodeStream:
 
     def materialize(self) -> EpisodeSet:
         """All the episodes, drawn now."""
-        return self[0:self.n]
+        return self[0 : self.n]
 
     def check_against(self, labels: Tensor, *, where: str = "episodes", pool_size: int | None = None) -> None:
         """EpisodeError unless ``labels`` has as many rows as the split the stream draws from."""
         if int(labels.shape[0]) != self._draw.n_rows:
-            raise EpisodeError(f"{where}: drawn from a split of {self._draw.n_rows} rows, but the features have "
-                               f"{int(labels.shape[0])}")
+            raise EpisodeError(
+                f"{where}: drawn from a split of {self._draw.n_rows} rows, but the features have {int(labels.shape[0])}"
+            )
 
 
 # ------------------------------------------------------------------------------------------ files
+
 
 def save_episodes(path: str | Path, eps: EpisodeSet, **attrs: object) -> Path:
     """Write ``eps`` to HDF5 (layout in docs/stage2.md; extra ``attrs`` are stored too), atomically."""
@@ -431,10 +471,16 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
             return int(v)
 
         kappa = float(num("imbalance", 0.0))
-        n_qc = integer("query_classes") if "query_classes" in a else 0      # 0: every class has queries
-        spec = EpisodeSpec(split=txt(a["split"]), way=integer("way"), shot=integer("shot"), query=integer("query"),
-                           imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa, seed=integer("seed"),
-                           query_classes=None if n_qc == 0 else n_qc)
+        n_qc = integer("query_classes") if "query_classes" in a else 0  # 0: every class has queries
+        spec = EpisodeSpec(
+            split=txt(a["split"]),
+            way=integer("way"),
+            shot=integer("shot"),
+            query=integer("query"),
+            imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa,
+            seed=integer("seed"),
+            query_classes=None if n_qc == 0 else n_qc,
+        )
         try:
             spec.validate()
         except EpisodeError as e:
@@ -450,25 +496,50 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
     E = arrays["support"].shape[0]
     if E == 0:
         raise EpisodeError(f"{path}: holds no episodes (/support has shape {tuple(arrays['support'].shape)})")
-    shapes = {"support": (E, spec.n_support), "support_labels": (E, spec.n_support),
-              "query": (E, spec.n_query), "query_labels": (E, spec.n_query), "index": (E,),
-              "class_ids": (E, spec.way)}
+    shapes = {
+        "support": (E, spec.n_support),
+        "support_labels": (E, spec.n_support),
+        "query": (E, spec.n_query),
+        "query_labels": (E, spec.n_query),
+        "index": (E,),
+        "class_ids": (E, spec.way),
+    }
     for name, shape in shapes.items():
         if name in arrays and tuple(arrays[name].shape) != shape:
-            raise EpisodeError(f"{path}: /{name} has shape {tuple(arrays[name].shape)}, expected {shape} "
-                               f"for {spec.way}-way {spec.shot}-shot {spec.query}-query episodes")
+            raise EpisodeError(
+                f"{path}: /{name} has shape {tuple(arrays[name].shape)}, expected {shape} "
+                f"for {spec.way}-way {spec.shot}-shot {spec.query}-query episodes"
+            )
     if "negatives" in arrays and (arrays["negatives"].ndim != 2 or arrays["negatives"].shape[0] != E):
         raise EpisodeError(f"{path}: /negatives has shape {tuple(arrays['negatives'].shape)}, expected ({E}, M)")
     for name in ("support_labels", "query_labels"):
         t = arrays[name]
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= spec.way):
             raise EpisodeError(f"{path}: /{name} must lie in 0..{spec.way - 1}")
-    eps = EpisodeSet(arrays["support"], arrays["query"], arrays["support_labels"], arrays["query_labels"],
-                     arrays.get("negatives"), spec, source, arrays.get("index"), arrays.get("class_ids"))
+    eps = EpisodeSet(
+        arrays["support"],
+        arrays["query"],
+        arrays["support_labels"],
+        arrays["query_labels"],
+        arrays.get("negatives"),
+        spec,
+        source,
+        arrays.get("index"),
+        arrays.get("class_ids"),
+    )
     if labels is not None:
         eps.check_against(torch.as_tensor(labels), where=str(path), pool_size=pool_size)
     return eps
 
 
-__all__ = ["EpisodeSpec", "EpisodeSet", "EpisodeStream", "sample_episodes", "save_episodes", "load_episodes", "check_spec",
-           "imbalanced_counts", "query_counts"]
+__all__ = [
+    "EpisodeSpec",
+    "EpisodeSet",
+    "EpisodeStream",
+    "sample_episodes",
+    "save_episodes",
+    "load_episodes",
+    "check_spec",
+    "imbalanced_counts",
+    "query_counts",
+]

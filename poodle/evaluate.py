@@ -66,8 +66,7 @@ def episode_bytes(n_rows: int, dim: int, way: int, itemsize: int = 4) -> int:
     return itemsize * (3 * n_rows * dim + 8 * k * dim + 16 * n_rows * k)
 
 
-def choose_chunk(n_rows: int, dim: int, way: int, device: torch.device, max_memory: int,
-                 itemsize: int = 4) -> int:
+def choose_chunk(n_rows: int, dim: int, way: int, device: torch.device, max_memory: int, itemsize: int = 4) -> int:
     """Episodes per chunk: bounded by ``max_memory`` and, on CPU, by cache residency."""
     by_memory = max(1, max_memory // episode_bytes(n_rows, dim, way, itemsize))
     if device.type == "cpu":
@@ -84,14 +83,17 @@ def check_memory_bound(budget: int, n_rows: int, dim: int, way: int, workers: in
     worker would not fit); ConfigError saying by how much when not even one episode fits."""
     need = episode_bytes(n_rows, dim, way, itemsize)
     if need > budget:
-        raise ConfigError(f"--max-memory {_mib(budget)} cannot be met: one episode ({n_rows} rows of D={dim}, "
-                          f"negatives included) needs about {_mib(need)}, {_mib(need - budget)} more; raise "
-                          f"--max-memory to at least {_mib(need)} or lower --n-neg")
+        raise ConfigError(
+            f"--max-memory {_mib(budget)} cannot be met: one episode ({n_rows} rows of D={dim}, "
+            f"negatives included) needs about {_mib(need)}, {_mib(need - budget)} more; raise "
+            f"--max-memory to at least {_mib(need)} or lower --n-neg"
+        )
     return max(1, min(workers, budget // need))
 
 
-def prepare_negatives(episodes: EpisodeSet | EpisodeStream, negatives: NegativeSpec, cache_path: Any,
-                      dim: int) -> tuple[EpisodeSet, Tensor | None]:
+def prepare_negatives(
+    episodes: EpisodeSet | EpisodeStream, negatives: NegativeSpec, cache_path: Any, dim: int
+) -> tuple[EpisodeSet, Tensor | None]:
     """Attach the negative indices of a pool source to ``episodes`` (reusing the ones it holds when
     they come from the same source) and return ``(episodes, pool [P, D] | None)``; generated
     sources return the episodes unchanged and no pool. Errors (missing pool, dimension mismatch,
@@ -143,11 +145,22 @@ def default_budget(device: torch.device) -> int:
     return parse_size(defaults.MAX_MEMORY)
 
 
-def evaluate(features: Any, episodes: EpisodeSet | EpisodeStream, methods: Sequence[tuple[str, str, Any]], *,
-             negatives: NegativeSpec | None = None, cache_path: Any = None, device: str | torch.device = "auto",
-             max_memory: str | int | None = None, progress: Callable[[int], None] | None = None,
-             chunk_size: int | None = None, dtype: torch.dtype = torch.float32,
-             workers: int | None = None, stats: dict | None = None, preprocess: Any = None) -> dict[str, Tensor]:
+def evaluate(
+    features: Any,
+    episodes: EpisodeSet | EpisodeStream,
+    methods: Sequence[tuple[str, str, Any]],
+    *,
+    negatives: NegativeSpec | None = None,
+    cache_path: Any = None,
+    device: str | torch.device = "auto",
+    max_memory: str | int | None = None,
+    progress: Callable[[int], None] | None = None,
+    chunk_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    workers: int | None = None,
+    stats: dict | None = None,
+    preprocess: Any = None,
+) -> dict[str, Tensor]:
     """Per-episode accuracies of every method on ``episodes``.
 
     Args:
@@ -188,8 +201,9 @@ def evaluate(features: Any, episodes: EpisodeSet | EpisodeStream, methods: Seque
         raise EpisodeError("no episodes to solve")
     split_name = getattr(features, "name", None)
     if split_name and split_name != spec.split:
-        raise EpisodeError(f"the episodes were drawn from split {spec.split!r} but the features are split "
-                           f"{split_name!r}")
+        raise EpisodeError(
+            f"the episodes were drawn from split {spec.split!r} but the features are split {split_name!r}"
+        )
     episodes.check_against(labels)
     N, D = feats.shape
 
@@ -197,12 +211,14 @@ def evaluate(features: Any, episodes: EpisodeSet | EpisodeStream, methods: Seque
     users = [name for _, name, cfg in methods if needs_negatives(name, cfg)]
     neg_spec = negatives if negatives is not None else NegativeSpec("none")
     pool: Tensor | None = None
-    held = False   # whether the episodes' own negative indices are used
+    held = False  # whether the episodes' own negative indices are used
     M = 0
     if users:
         if neg_spec.is_none:
-            raise ConfigError(f"method(s) {', '.join(sorted(set(users)))} need negatives; "
-                              "set negatives to base, random, sphere or FILE[:SPLIT]")
+            raise ConfigError(
+                f"method(s) {', '.join(sorted(set(users)))} need negatives; "
+                "set negatives to base, random, sphere or FILE[:SPLIT]"
+            )
         neg_spec.validate()
         M = neg_spec.n_neg
         if not neg_spec.generated:
@@ -257,7 +273,7 @@ def evaluate(features: Any, episodes: EpisodeSet | EpisodeStream, methods: Seque
             t0 = time.perf_counter()
             b_in = EpisodeBatch(sup, sup_labels, qry, neg if needs_negatives(name, cfg) else None, spec.way)
             out = solvers.get(name).fn(b_in, cfg)
-            correct = (out.log_probs.argmax(-1) == qlab).to(torch.float64).mean(1).cpu()   # syncs on CUDA
+            correct = (out.log_probs.argmax(-1) == qlab).to(torch.float64).mean(1).cpu()  # syncs on CUDA
             done[label] = (correct, time.perf_counter() - t0)
             del out, b_in
         return done
@@ -307,9 +323,16 @@ def evaluate(features: Any, episodes: EpisodeSet | EpisodeStream, methods: Seque
             for a, b in bounds:
                 collect(a, b, solve_chunk(a, b))
     if stats is not None:
-        stats.update(chunk_size=chunk, n_chunks=len(bounds), device=str(dev), seconds=seconds,
-                     n_neg=M if users else 0, workers=n_workers, first_chunk_s=first_chunk_s,
-                     max_memory=budget)
+        stats.update(
+            chunk_size=chunk,
+            n_chunks=len(bounds),
+            device=str(dev),
+            seconds=seconds,
+            n_neg=M if users else 0,
+            workers=n_workers,
+            first_chunk_s=first_chunk_s,
+            max_memory=budget,
+        )
     return results
 
 
@@ -318,8 +341,10 @@ def _check_held(neg: Tensor, M: int, source: str, pool_rows: int) -> None:
         raise EpisodeError(f"the episodes hold {neg.shape[1]} negatives per episode from {source!r}, but n_neg is {M}")
     hi = int(neg.max()) if neg.numel() else 0
     if (int(neg.min()) if neg.numel() else 0) < 0 or hi >= pool_rows:
-        raise EpisodeError(f"negative indices reach {hi} but the pool {source!r} has {pool_rows} rows; "
-                           "the episodes were saved with another pool")
+        raise EpisodeError(
+            f"negative indices reach {hi} but the pool {source!r} has {pool_rows} rows; "
+            "the episodes were saved with another pool"
+        )
 
 
 def summarize(acc: Tensor) -> tuple[float, float]:
@@ -343,4 +368,12 @@ def paired_difference(a: Tensor, b: Tensor) -> tuple[float, float]:
     return summarize(a - b)
 
 
-__all__ = ["evaluate", "prepare_negatives", "summarize", "paired_difference", "choose_chunk", "episode_bytes", "needs_negatives"]
+__all__ = [
+    "evaluate",
+    "prepare_negatives",
+    "summarize",
+    "paired_difference",
+    "choose_chunk",
+    "episode_bytes",
+    "needs_negatives",
+]

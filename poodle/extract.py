@@ -73,9 +73,12 @@ def _no_progress(desc: str, total: int) -> Iterator[Callable[[int], None]]:
 def _exact_math(device: torch.device) -> Iterator[None]:
     # TF32 convolutions are cuDNN's default on Ampere+ GPUs; they would change the cached features.
     if device.type == "cuda":
-        with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled,
-                                        benchmark=torch.backends.cudnn.benchmark,
-                                        deterministic=torch.backends.cudnn.deterministic, allow_tf32=False):
+        with torch.backends.cudnn.flags(
+            enabled=torch.backends.cudnn.enabled,
+            benchmark=torch.backends.cudnn.benchmark,
+            deterministic=torch.backends.cudnn.deterministic,
+            allow_tf32=False,
+        ):
             prev = torch.backends.cuda.matmul.allow_tf32
             torch.backends.cuda.matmul.allow_tf32 = False
             try:
@@ -86,14 +89,29 @@ def _exact_math(device: torch.device) -> Iterator[None]:
         yield
 
 
-def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None = None,
-            checkpoint: str | os.PathLike | None = None,
-            splits: Sequence[str] | str = ("train", "val", "test"), image_size: int | None = None, batch_size: int = 64,
-            device: str | torch.device = "auto", cache_root: str | os.PathLike = "cache", tag: str | None = None,
-            dtype: str = "float32", workers: int | None = None, force: bool = False, skip_bad: bool = False,
-            progress_factory: ProgressFactory | None = None, log: Callable[[str], None] | None = None,
-            cub_split: str = "release", crop_pct: float | None = None, interpolation: str | None = None,
-            source: Any = None) -> Path:
+def extract(
+    dataset: str,
+    backbone: str,
+    *,
+    data_root: str | os.PathLike | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    splits: Sequence[str] | str = ("train", "val", "test"),
+    image_size: int | None = None,
+    batch_size: int = 64,
+    device: str | torch.device = "auto",
+    cache_root: str | os.PathLike = "cache",
+    tag: str | None = None,
+    dtype: str = "float32",
+    workers: int | None = None,
+    force: bool = False,
+    skip_bad: bool = False,
+    progress_factory: ProgressFactory | None = None,
+    log: Callable[[str], None] | None = None,
+    cub_split: str = "release",
+    crop_pct: float | None = None,
+    interpolation: str | None = None,
+    source: Any = None,
+) -> Path:
     """Extract L2-normalised features of ``splits`` of ``dataset`` with ``backbone`` into the cache.
 
     Args:
@@ -155,8 +173,9 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
         ext_tf = None
         if external:
             # torchvision:/timm: models: the model's own evaluation transform (options override it)
-            ts = backbones.eval_transform_spec(backbone, image_size=image_size, crop_pct=crop_pct,
-                                               interpolation=interpolation)
+            ts = backbones.eval_transform_spec(
+                backbone, image_size=image_size, crop_pct=crop_pct, interpolation=interpolation
+            )
             ext_tf, image_size = ts.build(), ts.crop
             min_size = 1
             build = lambda: backbones.build_external(backbone, image_size=ts.crop)  # noqa: E731
@@ -165,8 +184,10 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
             backbone = spec.name
             min_size = spec.min_input_size
             if crop_pct is not None or interpolation is not None:
-                raise ConfigError(f"--crop-pct and --interpolation apply to torchvision:/timm: backbones; {backbone} "
-                                  f"uses the release's transform (resize to size*256/224, bilinear)")
+                raise ConfigError(
+                    f"--crop-pct and --interpolation apply to torchvision:/timm: backbones; {backbone} "
+                    f"uses the release's transform (resize to size*256/224, bilinear)"
+                )
             if image_size is not None and image_size < min_size:
                 raise ConfigError(f"backbone {backbone} needs --image-size >= {min_size}, got {image_size}")
             build = lambda: backbones.build(backbone)  # noqa: E731
@@ -191,8 +212,9 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
         if image_size is None:
             image_size = native or 84
             if image_size < min_size:
-                raise ConfigError(f"backbone {backbone} needs --image-size >= {min_size}; {dataset}'s "
-                                  f"images are {image_size} px")
+                raise ConfigError(
+                    f"backbone {backbone} needs --image-size >= {min_size}; {dataset}'s images are {image_size} px"
+                )
         samples = {s: source.samples(s) for s in split_list}
         # -- checkpoint file
         sha = "none"
@@ -205,8 +227,14 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
             tf = ext_tf
         else:
             tf = native_eval_transform(image_size) if image_size == native else eval_transform(image_size)
-        root_attrs = make_root_attrs(dataset, backbone, checkpoint_sha256=sha, image_size=image_size,
-                                     transform=tf.description, data_root=str(Path(source.root).resolve()))
+        root_attrs = make_root_attrs(
+            dataset,
+            backbone,
+            checkpoint_sha256=sha,
+            image_size=image_size,
+            transform=tf.description,
+            data_root=str(Path(source.root).resolve()),
+        )
         # -- the existing cache: refuse what would mix features of different provenance
         fresh, done = False, set()
         if out.exists():
@@ -214,15 +242,18 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
                 attrs = read_attrs(out)
             except CacheError as e:
                 if not force:
-                    raise CacheError(f"{e}; pass --force to overwrite it, or --tag NAME to write another file"
-                                     ) from None
+                    raise CacheError(
+                        f"{e}; pass --force to overwrite it, or --tag NAME to write another file"
+                    ) from None
                 fresh = True
                 say(f"{out} is not a poodle cache: replacing it (--force)")
             else:
                 mism = identity_mismatches(attrs, root_attrs)
                 if mism and not force:
-                    raise CacheError(f"{out} holds features made with {'; '.join(mism)}; pass --force to replace "
-                                     f"it, or --tag NAME to write another file")
+                    raise CacheError(
+                        f"{out} holds features made with {'; '.join(mism)}; pass --force to replace "
+                        f"it, or --tag NAME to write another file"
+                    )
                 if mism:
                     fresh = True
                     say(f"{out} was made with other settings: replacing it (--force)")
@@ -245,13 +276,36 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
         source_classes = source.classes(split)
         ds = ImageDataset(source, split, tf, on_error="sentinel")
         if d.enabled or share_files(out, split):
-            _extract_shared(d, model, ds, out, split, samples_digest(samples[split]), root_attrs, dtype, batch_size,
-                            workers, skip_bad, progress_factory, say, fresh=fresh, force=force)
+            _extract_shared(
+                d,
+                model,
+                ds,
+                out,
+                split,
+                samples_digest(samples[split]),
+                root_attrs,
+                dtype,
+                batch_size,
+                workers,
+                skip_bad,
+                progress_factory,
+                say,
+                fresh=fresh,
+                force=force,
+            )
             fresh = False
             continue
-        with SplitWriter(out, split, root_attrs=root_attrs, classes=source_classes,
-                         samples_sha256=samples_digest(samples[split]), n_total=len(ds), dim=model.feature_dim,
-                         dtype=dtype, restart=force) as writer:
+        with SplitWriter(
+            out,
+            split,
+            root_attrs=root_attrs,
+            classes=source_classes,
+            samples_sha256=samples_digest(samples[split]),
+            n_total=len(ds),
+            dim=model.feature_dim,
+            dtype=dtype,
+            restart=force,
+        ) as writer:
             if writer.resumed:
                 say(f"{split}: resuming after image {writer.n_consumed} of {len(ds)}")
             _run_split(model, ds, writer, dev, batch_size, workers, skip_bad, progress_factory)
@@ -260,22 +314,39 @@ def extract(dataset: str, backbone: str, *, data_root: str | os.PathLike | None 
             n_skipped = writer.n_consumed - writer.n_rows
             writer.commit(fresh=fresh)
         fresh = False
-        say(f"{split}: {len(ds) - n_skipped} images, {len(source_classes)} classes written to {out}"
-            + (f" ({n_skipped} unreadable images skipped)" if n_skipped else ""))
+        say(
+            f"{split}: {len(ds) - n_skipped} images, {len(source_classes)} classes written to {out}"
+            + (f" ({n_skipped} unreadable images skipped)" if n_skipped else "")
+        )
     return out
 
 
 def _check_no_empty_class(split: str, classes: Sequence[str], counts: np.ndarray) -> None:
     empty = np.flatnonzero(counts == 0)
     if empty.size:
-        raise DataError(f"split {split}: class {classes[int(empty[0])]!r} has no images left "
-                        f"after skipping unreadable ones")
+        raise DataError(
+            f"split {split}: class {classes[int(empty[0])]!r} has no images left after skipping unreadable ones"
+        )
 
 
-def _extract_shared(d: Any, model: torch.nn.Module, ds: Any, out: Path, split: str, digest: str,
-                    root_attrs: dict[str, Any], dtype: str, batch_size: int, workers: int, skip_bad: bool,
-                    progress_factory: ProgressFactory, say: Callable[[str], None], *, fresh: bool,
-                    force: bool) -> None:
+def _extract_shared(
+    d: Any,
+    model: torch.nn.Module,
+    ds: Any,
+    out: Path,
+    split: str,
+    digest: str,
+    root_attrs: dict[str, Any],
+    dtype: str,
+    batch_size: int,
+    workers: int,
+    skip_bad: bool,
+    progress_factory: ProgressFactory,
+    say: Callable[[str], None],
+    *,
+    fresh: bool,
+    force: bool,
+) -> None:
     """One split across the ranks of ``d``: plan on rank 0, a share per rank, merge on rank 0."""
     from poodle import cache_shares as cs
 
@@ -301,24 +372,51 @@ def _extract_shared(d: Any, model: torch.nn.Module, ds: Any, out: Path, split: s
         desc = split if d.world == 1 else f"{split} (rank 0 of {d.world})"
         with progress_factory(desc, total) as advance:
             for a, b in mine:
-                with cs.ShareWriter(out, split, a, b, key=key, root_attrs=root_attrs, classes=ds.classes, dim=dim,
-                                    dtype=dtype) as writer:
-                    _run_split(model, ds, writer, d.device, batch_size, workers, skip_bad,
-                               lambda _desc, _total: contextlib.nullcontext(advance))
+                with cs.ShareWriter(
+                    out, split, a, b, key=key, root_attrs=root_attrs, classes=ds.classes, dim=dim, dtype=dtype
+                ) as writer:
+                    _run_split(
+                        model,
+                        ds,
+                        writer,
+                        d.device,
+                        batch_size,
+                        workers,
+                        skip_bad,
+                        lambda _desc, _total: contextlib.nullcontext(advance),
+                    )
     with d.guard():
         if d.main:
             covered, _ = cs.scan(out, split, key)
             _check_no_empty_class(split, ds.classes, cs.class_counts(covered, split, len(ds.classes)))
-            rows, skipped = cs.commit_shares(out, split, covered, n_split=n, batch_size=batch_size,
-                                             root_attrs=root_attrs, classes=ds.classes, dim=dim, dtype=dtype,
-                                             samples_sha256=digest, fresh=fresh)
-            say(f"{split}: {rows} images, {len(ds.classes)} classes written to {out}"
+            rows, skipped = cs.commit_shares(
+                out,
+                split,
+                covered,
+                n_split=n,
+                batch_size=batch_size,
+                root_attrs=root_attrs,
+                classes=ds.classes,
+                dim=dim,
+                dtype=dtype,
+                samples_sha256=digest,
+                fresh=fresh,
+            )
+            say(
+                f"{split}: {rows} images, {len(ds.classes)} classes written to {out}"
                 + (f" by {d.world} processes" if d.world > 1 else "")
-                + (f" ({skipped} unreadable images skipped)" if skipped else ""))
+                + (f" ({skipped} unreadable images skipped)" if skipped else "")
+            )
 
 
-def _complete_splits(out: Path, split_list: list[str], samples: dict[str, list[tuple[str, str]]], dtype: str,
-                     force: bool, say: Callable[[str], None]) -> set[str]:
+def _complete_splits(
+    out: Path,
+    split_list: list[str],
+    samples: dict[str, list[tuple[str, str]]],
+    dtype: str,
+    force: bool,
+    say: Callable[[str], None],
+) -> set[str]:
     """Requested splits already complete in ``out`` and made from the same images; refuse a mismatch."""
     import h5py
 
@@ -340,22 +438,37 @@ def _complete_splits(out: Path, split_list: list[str], samples: dict[str, list[t
                 if digest != samples_digest(samples[s]):
                     problems.append("was made from a different image list")
             if problems:
-                raise CacheError(f"{out}: split {s!r} {' and '.join(problems)}; pass --force to recompute it, "
-                                 f"or --tag NAME to write another file")
+                raise CacheError(
+                    f"{out}: split {s!r} {' and '.join(problems)}; pass --force to recompute it, "
+                    f"or --tag NAME to write another file"
+                )
             done.add(s)
             say(f"{s}: already complete in {out}, skipped")
     return done
 
 
-def _run_split(model: torch.nn.Module, ds: Any, writer: SplitWriter, dev: torch.device, batch_size: int,
-               workers: int, skip_bad: bool, progress_factory: ProgressFactory) -> None:
+def _run_split(
+    model: torch.nn.Module,
+    ds: Any,
+    writer: SplitWriter,
+    dev: torch.device,
+    batch_size: int,
+    workers: int,
+    skip_bad: bool,
+    progress_factory: ProgressFactory,
+) -> None:
     # A share writer (poodle.cache_shares) holds rows [writer.start, writer.stop) of the split.
     offset = getattr(writer, "start", 0)
     start, n = offset + writer.n_consumed, offset + writer.n_total
     if start >= n:
         return
-    loader = DataLoader(Subset(ds, range(start, n)), batch_size=batch_size, shuffle=False, num_workers=workers,
-                        pin_memory=dev.type == "cuda")
+    loader = DataLoader(
+        Subset(ds, range(start, n)),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=workers,
+        pin_memory=dev.type == "cuda",
+    )
     pos = start
     desc = ds.split if start == offset else f"{ds.split} (resumed)"
     # Fork the workers while the staging file is closed: they would inherit its lock otherwise.
@@ -377,7 +490,12 @@ def _run_split(model: torch.nn.Module, ds: Any, writer: SplitWriter, dev: torch.
                 feats = model.forward_features(x.to(dev, non_blocking=True)).float().cpu()
             else:
                 feats = torch.zeros(0, writer.dim)
-            writer.append(feats.numpy(), y.numpy(), [ds.samples[i][0] for i in good], n_consumed=b,
-                          skipped=[ds.samples[i][0] for i in sorted(bad)])
+            writer.append(
+                feats.numpy(),
+                y.numpy(),
+                [ds.samples[i][0] for i in good],
+                n_consumed=b,
+                skipped=[ds.samples[i][0] for i in sorted(bad)],
+            )
             pos += b
             advance(b)

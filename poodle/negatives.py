@@ -94,8 +94,10 @@ def load_pool(source: str, cache_path: Path | str | None, dim: int | None = None
     if pool.shape[0] == 0:
         raise CacheError(f"negative pool {source!r} ({path}:{split}) has no rows")
     if dim is not None and pool.shape[1] != dim:
-        raise ConfigError(f"negative pool {source!r} ({path}:{split}) has feature dimension {pool.shape[1]}, "
-                          f"but the episodes' features have {dim}")
+        raise ConfigError(
+            f"negative pool {source!r} ({path}:{split}) has feature dimension {pool.shape[1]}, "
+            f"but the episodes' features have {dim}"
+        )
     return pool
 
 
@@ -107,8 +109,9 @@ def sample_indices(pool_size: int, episode_index: Tensor, n_neg: int, seed: int)
     return out
 
 
-def generate(kind: str, episode_index: Tensor, n_neg: int, dim: int, seed: int,
-             dtype: torch.dtype = torch.float32) -> Tensor:
+def generate(
+    kind: str, episode_index: Tensor, n_neg: int, dim: int, seed: int, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """Generated negatives ``[E, n_neg, dim]`` (L2-normalised) for the episodes numbered ``episode_index``.
 
     ``random``: U[0,1) per coordinate (the authors' ``torch.rand_like``), ``sphere``: N(0,1). Drawn
@@ -127,5 +130,4 @@ def generate(kind: str, episode_index: Tensor, n_neg: int, dim: int, seed: int,
     return out.to(dtype)
 
 
-__all__ = ["NegativeSpec", "load_pool", "sample_indices", "generate", "pool_location", "NEG_STREAM",
-           "KEYWORDS"]
+__all__ = ["NegativeSpec", "load_pool", "sample_indices", "generate", "pool_location", "NEG_STREAM", "KEYWORDS"]

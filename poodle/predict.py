@@ -31,7 +31,7 @@ import torch
 from poodle.data.sources import IMAGE_EXTENSIONS, DatasetSource
 from poodle.errors import CacheError, ConfigError, DataError
 
-UNLABELLED = "?"    # the class name of unlabelled query images inside the predict cache
+UNLABELLED = "?"  # the class name of unlabelled query images inside the predict cache
 SEED = 0
 
 
@@ -40,8 +40,9 @@ def _is_image(p: Path) -> bool:
 
 
 def _images_under(d: Path) -> list[Path]:
-    return sorted(p for p in d.rglob("*") if _is_image(p) and not any(part.startswith(".") for part in
-                                                                     p.relative_to(d).parts))
+    return sorted(
+        p for p in d.rglob("*") if _is_image(p) and not any(part.startswith(".") for part in p.relative_to(d).parts)
+    )
 
 
 def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
@@ -56,8 +57,9 @@ def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
     for cd in class_dirs:
         files = _images_under(cd)
         if not files:
-            raise DataError(f"support class {cd.name!r} has no images: {cd} (image extensions: "
-                            f"{' '.join(IMAGE_EXTENSIONS)})")
+            raise DataError(
+                f"support class {cd.name!r} has no images: {cd} (image extensions: {' '.join(IMAGE_EXTENSIONS)})"
+            )
         out += [(str(f.resolve()), cd.name) for f in files]
     return out
 
@@ -72,8 +74,10 @@ def _read_csv(path: str | os.PathLike, what: str, need_label: bool) -> list[tupl
         raise DataError(f"{what} {p} is empty")
     header = [c.strip().lower() for c in rows[0]]
     if "path" not in header:
-        raise DataError(f"{what} {p}: the first line must be a header with a 'path' column"
-                        + (" and a 'label' column" if need_label else " (and optionally 'label')"))
+        raise DataError(
+            f"{what} {p}: the first line must be a header with a 'path' column"
+            + (" and a 'label' column" if need_label else " (and optionally 'label')")
+        )
     ip, il = header.index("path"), header.index("label") if "label" in header else None
     if need_label and il is None:
         raise DataError(f"{what} {p}: no 'label' column in the header")
@@ -164,8 +168,11 @@ class Prediction:
         out = []
         pred = self.predictions.tolist()
         for k, c in enumerate(self.classes):
-            row: dict[str, Any] = {"class": c, "support": self.support_counts[k],
-                                   "predicted": sum(1 for p in pred if p == k)}
+            row: dict[str, Any] = {
+                "class": c,
+                "support": self.support_counts[k],
+                "predicted": sum(1 for p in pred if p == k),
+            }
             if self.labels is not None:
                 idx = [i for i, y in enumerate(self.labels) if y == c]
                 row["queries"] = len(idx)
@@ -197,19 +204,36 @@ def _check_base_cache(path: Path, backbone: str, sha: str) -> None:
 
     attrs = read_attrs(path)
     if attrs["backbone"] != backbone or attrs["checkpoint_sha256"] != sha:
-        raise ConfigError(f"--negatives-from {path} holds features of backbone {attrs['backbone']} (checkpoint "
-                          f"{attrs['checkpoint_sha256'][:12]}), not of {backbone} (checkpoint {sha[:12]}): "
-                          f"its rows would live in another feature space")
+        raise ConfigError(
+            f"--negatives-from {path} holds features of backbone {attrs['backbone']} (checkpoint "
+            f"{attrs['checkpoint_sha256'][:12]}), not of {backbone} (checkpoint {sha[:12]}): "
+            f"its rows would live in another feature space"
+        )
 
 
-def predict(support: Sequence[tuple[str, str]], query: Sequence[tuple[str, str | None]], backbone: str, *,
-            checkpoint: str | os.PathLike | None = None, method: str = "poodle",
-            options: Mapping[str, Any] | None = None, negatives: str | None = None,
-            negatives_from: str | os.PathLike | None = None, n_neg: int = 400, preprocess: str = "l2n",
-            cache_dir: str | os.PathLike | None = None, image_size: int | None = None,
-            crop_pct: float | None = None, interpolation: str | None = None, batch_size: int = 64,
-            device: str | torch.device = "auto", workers: int | None = 0, force: bool = False,
-            progress_factory: Any = None, log: Callable[[str], None] | None = None) -> Prediction:
+def predict(
+    support: Sequence[tuple[str, str]],
+    query: Sequence[tuple[str, str | None]],
+    backbone: str,
+    *,
+    checkpoint: str | os.PathLike | None = None,
+    method: str = "poodle",
+    options: Mapping[str, Any] | None = None,
+    negatives: str | None = None,
+    negatives_from: str | os.PathLike | None = None,
+    n_neg: int = 400,
+    preprocess: str = "l2n",
+    cache_dir: str | os.PathLike | None = None,
+    image_size: int | None = None,
+    crop_pct: float | None = None,
+    interpolation: str | None = None,
+    batch_size: int = 64,
+    device: str | torch.device = "auto",
+    workers: int | None = 0,
+    force: bool = False,
+    progress_factory: Any = None,
+    log: Callable[[str], None] | None = None,
+) -> Prediction:
     """Classify ``query`` images given the labelled ``support`` images.
 
     Args:
@@ -250,8 +274,9 @@ def predict(support: Sequence[tuple[str, str]], query: Sequence[tuple[str, str |
     if labels is not None:
         unknown = sorted(set(labels) - set(classes))
         if unknown:
-            raise DataError(f"query label(s) {', '.join(map(repr, unknown[:5]))} are not support classes "
-                            f"({', '.join(classes)})")
+            raise DataError(
+                f"query label(s) {', '.join(map(repr, unknown[:5]))} are not support classes ({', '.join(classes)})"
+            )
     info = solvers.get(method)
     opts = dict(options or {})
     cfg = solvers.make_config(info.name, opts, strict=True)
@@ -261,20 +286,26 @@ def predict(support: Sequence[tuple[str, str]], query: Sequence[tuple[str, str |
     if negatives not in ("base", "none") + GENERATED:
         raise ConfigError(f"--negatives {negatives!r}: use base (with --negatives-from CACHE), random, sphere or none")
     if negatives == "base" and negatives_from is None:
-        raise ConfigError("--negatives base needs --negatives-from CACHE (a feature cache of the same backbone, "
-                          "whose train split is the pool)")
+        raise ConfigError(
+            "--negatives base needs --negatives-from CACHE (a feature cache of the same backbone, "
+            "whose train split is the pool)"
+        )
     if uses_neg and negatives == "none":
-        raise ConfigError(f"method {info.name!r} with these options needs negatives: use --negatives random, or "
-                          f"base with --negatives-from CACHE")
+        raise ConfigError(
+            f"method {info.name!r} with these options needs negatives: use --negatives random, or "
+            f"base with --negatives-from CACHE"
+        )
     pre_spec = parse(preprocess)
     if pre_spec.needs_base and negatives_from is None:
-        raise ConfigError("--preprocess cl2n centres on base-class features: give --negatives-from CACHE "
-                          "(its train split)")
+        raise ConfigError(
+            "--preprocess cl2n centres on base-class features: give --negatives-from CACHE (its train split)"
+        )
     sha = "none"
     if checkpoint is not None:
         ck = Path(checkpoint).expanduser()
         if not ck.is_file():
             from poodle.errors import CheckpointError
+
             raise CheckpointError(f"checkpoint {ck} does not exist")
         sha = file_sha256(ck)
     base_path = None
@@ -295,11 +326,25 @@ def predict(support: Sequence[tuple[str, str]], query: Sequence[tuple[str, str |
         root = tmp.name
     try:
         try:
-            path = extract("predict", backbone, checkpoint=checkpoint, splits=("support", "query"),
-                           image_size=image_size, crop_pct=crop_pct, interpolation=interpolation,
-                           batch_size=batch_size, device=device, cache_root=root, tag=_digest(lists),
-                           workers=workers, force=force, progress_factory=progress_factory, log=say, source=source)
-        except DataError as e:   # predict has no --skip-bad: every image must decode
+            path = extract(
+                "predict",
+                backbone,
+                checkpoint=checkpoint,
+                splits=("support", "query"),
+                image_size=image_size,
+                crop_pct=crop_pct,
+                interpolation=interpolation,
+                batch_size=batch_size,
+                device=device,
+                cache_root=root,
+                tag=_digest(lists),
+                workers=workers,
+                force=force,
+                progress_factory=progress_factory,
+                log=say,
+                source=source,
+            )
+        except DataError as e:  # predict has no --skip-bad: every image must decode
             raise DataError(str(e).replace(" (--skip-bad leaves unreadable images out)", "")) from None
         s = read_split(path, "support")
         q = read_split(path, "query")
@@ -321,14 +366,15 @@ def predict(support: Sequence[tuple[str, str]], query: Sequence[tuple[str, str |
     if uses_neg:
         if negatives == "base":
             pool = pre.pool("base", base_path, s.dim)
-            assert pool is not None   # "base" is a pool, never generated
+            assert pool is not None  # "base" is a pool, never generated
             idx = torch.randint(pool.shape[0], (n_neg,), generator=generator(SEED, 0, NEG_STREAM))
             neg = pool[idx].unsqueeze(0)
         else:
             NegativeSpec(negatives, n_neg).validate()
             neg = generate(negatives, torch.tensor([0]), n_neg, s.dim, SEED)
-    batch = EpisodeBatch(s.features.unsqueeze(0), s.labels.unsqueeze(0), q.features.unsqueeze(0), neg,
-                         len(classes)).to(dev)
+    batch = EpisodeBatch(s.features.unsqueeze(0), s.labels.unsqueeze(0), q.features.unsqueeze(0), neg, len(classes)).to(
+        dev
+    )
     with torch.no_grad():
         torch.manual_seed(SEED)
         out = solvers.run(info.name, batch, cfg)
@@ -336,9 +382,17 @@ def predict(support: Sequence[tuple[str, str]], query: Sequence[tuple[str, str |
     probs = torch.softmax(logp, -1)
     pred = probs.argmax(-1)
     counts = torch.bincount(s.labels, minlength=len(classes)).tolist()
-    result = Prediction(paths=[p for p, _ in query], classes=classes, probs=probs, predictions=pred,
-                        support_counts=counts, method=info.name, options=opts,
-                        cache=str(path) if cache_dir is not None else None, labels=labels)
+    result = Prediction(
+        paths=[p for p, _ in query],
+        classes=classes,
+        probs=probs,
+        predictions=pred,
+        support_counts=counts,
+        method=info.name,
+        options=opts,
+        cache=str(path) if cache_dir is not None else None,
+        labels=labels,
+    )
     if labels is not None:
         correct = sum(1 for i, y in enumerate(labels) if classes[int(pred[i])] == y)
         result.accuracy = correct / len(labels)

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -37,7 +37,7 @@ from torch import Tensor
 from poodle.errors import ConfigError, DataError
 
 KINDS = ("l2n", "cl2n", "power")
-DEFAULT_BETA = 0.5   # PT-MAP's default
+DEFAULT_BETA = 0.5  # PT-MAP's default
 BASE_SPLIT = "train"
 
 
@@ -96,8 +96,10 @@ def power_transform(x: Tensor, beta: float, where: str = "features") -> Tensor:
     neg = x < 0
     if bool(neg.any()):
         row = int(neg.any(-1).nonzero()[0, 0])
-        raise DataError(f"--preprocess power: {where} row {row} has a negative value ({float(x[row].min()):.3g}); "
-                        f"the power transform needs non-negative (ReLU) features: use l2n or cl2n")
+        raise DataError(
+            f"--preprocess power: {where} row {row} has a negative value ({float(x[row].min()):.3g}); "
+            f"the power transform needs non-negative (ReLU) features: use l2n or cl2n"
+        )
     return _normalise(x.double().pow(beta)).to(x.dtype)
 
 
@@ -132,8 +134,12 @@ class Preprocessor:
             self.base_where = f"split {base.name!r}"
 
     @classmethod
-    def from_cache(cls, spec: str | Preprocess | None, cache_path: str | os.PathLike | None,
-                   log: Callable[[str], None] | None = None) -> Preprocessor:
+    def from_cache(
+        cls,
+        spec: str | Preprocess | None,
+        cache_path: str | os.PathLike | None,
+        log: Callable[[str], None] | None = None,
+    ) -> Preprocessor:
         """Fitted to the ``train`` split of ``cache_path`` (read only when ``spec`` needs it)."""
         p = parse(spec)
         base = None
@@ -143,8 +149,10 @@ class Preprocessor:
             if cache_path is None:
                 raise ConfigError("--preprocess cl2n needs a cache with a train split (the base classes)")
             if BASE_SPLIT not in list_splits(cache_path):
-                raise ConfigError(f"--preprocess cl2n centres on the base split, but {cache_path} has no complete "
-                                  f"{BASE_SPLIT!r} split")
+                raise ConfigError(
+                    f"--preprocess cl2n centres on the base split, but {cache_path} has no complete "
+                    f"{BASE_SPLIT!r} split"
+                )
             base = read_split(cache_path, BASE_SPLIT)
         return cls(p, base, log)
 
@@ -168,9 +176,11 @@ class Preprocessor:
         if self.centre_raw is not None and norms is not None:
             return centre_transform(x, self.centre_raw, norms)
         missing = "the base split" if self.centre_raw is None else where
-        self._say(f"--preprocess cl2n: {missing} has no stored raw norms (a cache written before version 2); "
-                  f"centring the normalised rows instead of the raw features")
-        assert self.centre_normalised is not None   # set in __init__ for cl2n
+        self._say(
+            f"--preprocess cl2n: {missing} has no stored raw norms (a cache written before version 2); "
+            f"centring the normalised rows instead of the raw features"
+        )
+        assert self.centre_normalised is not None  # set in __init__ for cl2n
         return centre_transform(x, self.centre_normalised)
 
     def split(self, split):
@@ -206,8 +216,10 @@ class Preprocessor:
         if pool.shape[0] == 0:
             raise CacheError(f"negative pool {source!r} ({path}:{split}) has no rows")
         if dim is not None and pool.shape[1] != dim:
-            raise ConfigError(f"negative pool {source!r} ({path}:{split}) has feature dimension {pool.shape[1]}, "
-                              f"but the episodes' features have {dim}")
+            raise ConfigError(
+                f"negative pool {source!r} ({path}:{split}) has feature dimension {pool.shape[1]}, "
+                f"but the episodes' features have {dim}"
+            )
         return pool
 
 

@@ -35,8 +35,13 @@ from poodle.results import read_results, record_flat
 # Keys that identify the episodes a result was solved on: equal keys -> identical episodes.
 PAIRING_KEYS = EPISODE_KEYS
 
-_PRETTY = {"alpha": ("α", r"$\alpha$"), "beta": ("β", r"$\beta$"), "gamma": ("γ", r"$\gamma$"),
-           "n_neg": ("negatives", "negatives"), "imbalance": ("κ", r"$\kappa$")}
+_PRETTY = {
+    "alpha": ("α", r"$\alpha$"),
+    "beta": ("β", r"$\beta$"),
+    "gamma": ("γ", r"$\gamma$"),
+    "n_neg": ("negatives", "negatives"),
+    "imbalance": ("κ", r"$\kappa$"),
+}
 
 
 @dataclass
@@ -45,8 +50,8 @@ class Result:
 
     flat: dict[str, Any]
     acc: np.ndarray  # [E] float64 in [0, 1]
-    source: str      # the results file
-    order: int       # position across all loaded files (grid order)
+    source: str  # the results file
+    order: int  # position across all loaded files (grid order)
 
     @property
     def mean(self) -> float:
@@ -90,8 +95,11 @@ def _unfinished_note(res: Any) -> str | None:
     if not cut and (not isinstance(n_cells, int) or n_records >= n_cells):
         return None
     what = f"{n_records} of {n_cells} cells finished" if isinstance(n_cells, int) else f"{n_records} cells read"
-    return (f"{res.path}: {what}" + ("; its last line is cut (an interrupted run), so that cell is missing" if cut
-                                     else "") + "; re-run `poodle grid` to finish it")
+    return (
+        f"{res.path}: {what}"
+        + ("; its last line is cut (an interrupted run), so that cell is missing" if cut else "")
+        + "; re-run `poodle grid` to finish it"
+    )
 
 
 def load_results(paths: Sequence[str | Path], *, warn: Callable[[str], None] | None = None) -> Results:
@@ -150,8 +158,9 @@ def filter_results(results: Sequence[Result], where: Mapping[str, Sequence[str]]
             raise ConfigError(f"--where: unknown key {key!r}; keys in these results: {', '.join(sorted(known))}")
     kept = [r for r in results if all(any(_match(r.flat.get(k), v) for v in vs) for k, vs in where.items())]
     if not kept:
-        raise ConfigError("--where: no result matches " +
-                          " and ".join(f"{k} in {{{', '.join(v)}}}" for k, v in where.items()))
+        raise ConfigError(
+            "--where: no result matches " + " and ".join(f"{k} in {{{', '.join(v)}}}" for k, v in where.items())
+        )
     return Results(kept, getattr(results, "unfinished", ()))
 
 
@@ -188,8 +197,11 @@ def drop_derived(results: Sequence[Result], keys: Sequence[str], given: Sequence
             continue
         others = [x for x in keys if x != k] + list(given)
         seen: dict[tuple, Any] = {}
-        if all(seen.setdefault(tuple(_hashable(r.flat.get(o)) for o in others), _hashable(r.flat.get(k)))
-               == _hashable(r.flat.get(k)) for r in results):
+        if all(
+            seen.setdefault(tuple(_hashable(r.flat.get(o)) for o in others), _hashable(r.flat.get(k)))
+            == _hashable(r.flat.get(k))
+            for r in results
+        ):
             keys.remove(k)
     return keys
 
@@ -257,8 +269,18 @@ def _where_text(v: Any) -> str:
 
 
 def _latex_escape(text: str) -> str:
-    for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("$", r"\$"), ("#", r"\#"),
-                 ("_", r"\_"), ("{", r"\{"), ("}", r"\}"), ("~", r"\textasciitilde{}"), ("^", r"\^{}")):
+    for a, b in (
+        ("\\", r"\textbackslash{}"),
+        ("&", r"\&"),
+        ("%", r"\%"),
+        ("$", r"\$"),
+        ("#", r"\#"),
+        ("_", r"\_"),
+        ("{", r"\{"),
+        ("}", r"\}"),
+        ("~", r"\textasciitilde{}"),
+        ("^", r"\^{}"),
+    ):
         text = text.replace(a, b)
     return text
 
@@ -348,9 +370,16 @@ def split_keys(text: str | Sequence[str] | None) -> list[str] | None:
     return list(text)
 
 
-def build_table(results: Sequence[Result], rows: str | Sequence[str] | None = None,
-                cols: str | Sequence[str] | None = None, *, bold: str = "col", test: str = "all",
-                p_threshold: float = 0.05, show_ci: bool = True) -> Table:
+def build_table(
+    results: Sequence[Result],
+    rows: str | Sequence[str] | None = None,
+    cols: str | Sequence[str] | None = None,
+    *,
+    bold: str = "col",
+    test: str = "all",
+    p_threshold: float = 0.05,
+    show_ci: bool = True,
+) -> Table:
     """Arrange results into a table (see the module docstring for the bold rule).
 
     Args:
@@ -407,28 +436,43 @@ def build_table(results: Sequence[Result], rows: str | Sequence[str] | None = No
     for pos, group in groups.items():
         if len(group) > 1:
             differ = [k for k in known if len({_hashable(r.flat.get(k)) for r in group}) > 1]
-            where = ", ".join(f"{k}={format_value(k, v)}" for k, v in
-                              zip(row_keys + col_keys, row_vals[pos[0]] + col_vals[pos[1]])) or "the table"
+            where = (
+                ", ".join(
+                    f"{k}={format_value(k, v)}"
+                    for k, v in zip(row_keys + col_keys, row_vals[pos[0]] + col_vals[pos[1]])
+                )
+                or "the table"
+            )
             if not differ:
-                raise ConfigError(f"{len(group)} results with identical options at {where} (from "
-                                  f"{', '.join(sorted({r.source for r in group}))}); report one file or filter "
-                                  f"with --where")
+                raise ConfigError(
+                    f"{len(group)} results with identical options at {where} (from "
+                    f"{', '.join(sorted({r.source for r in group}))}); report one file or filter "
+                    f"with --where"
+                )
             k0 = differ[0]
-            raise ConfigError(f"several results fall at {where}: they differ in {', '.join(differ)}; add "
-                              f"{k0} to --rows or --cols, or pick one with --where "
-                              f"{k0}={_where_text(group[0].flat.get(k0))}")
+            raise ConfigError(
+                f"several results fall at {where}: they differ in {', '.join(differ)}; add "
+                f"{k0} to --rows or --cols, or pick one with --where "
+                f"{k0}={_where_text(group[0].flat.get(k0))}"
+            )
         entries[pos] = Entry(group[0])
     table = Table(row_keys, col_keys, row_vals, col_vals, entries, show_ci=show_ci)
     if bold != "none":
         _mark_significance(table, bold, test, p_threshold, incomplete=bool(unfinished))
     if unfinished:
         table.notes.extend(unfinished)
-        missing = [f"{', '.join(table.row_labels(i)) or '(row)'} / {table.col_label(j) or '(column)'}"
-                   for i in range(len(row_vals)) for j in range(len(col_vals)) if (i, j) not in entries]
+        missing = [
+            f"{', '.join(table.row_labels(i)) or '(row)'} / {table.col_label(j) or '(column)'}"
+            for i in range(len(row_vals))
+            for j in range(len(col_vals))
+            if (i, j) not in entries
+        ]
         if missing:
-            table.notes.append(f"Empty entries ({len(missing)}), possibly cells not run yet: "
-                               f"{'; '.join(missing[:8])}{'; ...' if len(missing) > 8 else ''}. A "
-                               f"{'column' if bold == 'col' else 'row'} with an empty entry gets no bold.")
+            table.notes.append(
+                f"Empty entries ({len(missing)}), possibly cells not run yet: "
+                f"{'; '.join(missing[:8])}{'; ...' if len(missing) > 8 else ''}. A "
+                f"{'column' if bold == 'col' else 'row'} with an empty entry gets no bold."
+            )
     return table
 
 
@@ -439,8 +483,9 @@ def check_p(p_threshold: float) -> float:
     return float(p_threshold)
 
 
-def significant_best(results: Sequence[Result], test: str = "all", p_threshold: float = 0.05
-                     ) -> tuple[int | None, str | None]:
+def significant_best(
+    results: Sequence[Result], test: str = "all", p_threshold: float = 0.05
+) -> tuple[int | None, str | None]:
     """Index of the entry to bold among ``results`` (one column), or ``None`` and why not."""
     if len(results) < 2:
         return None, None
@@ -462,8 +507,11 @@ def _mark_significance(table: Table, bold: str, test: str, p_threshold: float, i
     """Bold the significant best of each column (row). With ``incomplete`` results (unfinished
     files), a column with an empty entry is left unmarked: the missing cell might have won."""
     n_rows, n_cols = table.shape
-    groups = ([[(i, j) for i in range(n_rows)] for j in range(n_cols)] if bold == "col"
-              else [[(i, j) for j in range(n_cols)] for i in range(n_rows)])
+    groups = (
+        [[(i, j) for i in range(n_rows)] for j in range(n_cols)]
+        if bold == "col"
+        else [[(i, j) for j in range(n_cols)] for i in range(n_rows)]
+    )
     unpaired = []
     for g, positions in enumerate(groups):
         present = [p for p in positions if p in table.entries]
@@ -476,8 +524,10 @@ def _mark_significance(table: Table, bold: str, test: str, p_threshold: float, i
             unpaired.append(table.col_label(g) if bold == "col" else ", ".join(table.row_labels(g)))
     axis = "column" if bold == "col" else "row"
     versus = "every other entry" if test == "all" else "the weakest entry"
-    table.notes.append(f"Accuracy (%) mean ± 95% CI over episodes. Bold: best of its {axis}, better than "
-                       f"{versus} of the {axis} by a two-sided paired t-test over episodes, p ≤ {p_threshold:g}.")
+    table.notes.append(
+        f"Accuracy (%) mean ± 95% CI over episodes. Bold: best of its {axis}, better than "
+        f"{versus} of the {axis} by a two-sided paired t-test over episodes, p ≤ {p_threshold:g}."
+    )
     if unpaired:
         table.notes.append(f"Not tested (entries not on identical episodes): {'; '.join(unpaired)}.")
 
@@ -489,8 +539,10 @@ def _mark_significance(table: Table, bold: str, test: str, p_threshold: float, i
 def to_markdown(table: Table) -> str:
     """A GitHub-flavoured Markdown table (one header row; column keys joined by ", ")."""
     head = [key_name(k) for k in table.row_keys] + [table.col_label(j) for j in range(len(table.cols))]
-    lines = ["| " + " | ".join(head) + " |",
-             "|" + "|".join([":--"] * len(table.row_keys) + ["--:"] * len(table.cols)) + "|"]
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join([":--"] * len(table.row_keys) + ["--:"] * len(table.cols)) + "|",
+    ]
     for i in range(len(table.rows)):
         cells = table.row_labels(i)
         for j in range(len(table.cols)):

@@ -75,29 +75,44 @@ def _panel_title(keys: Sequence[str], values: tuple) -> str:
 
 def _find_baseline(results: Sequence[Result], name: str, like: Result) -> Result:
     pairing = like.pairing()
-    found = [r for r in results if (r.flat.get("label") == name or r.flat.get("method") == name)
-             and r.pairing() == pairing and len(r.acc) == len(like.acc)]
+    found = [
+        r
+        for r in results
+        if (r.flat.get("label") == name or r.flat.get("method") == name)
+        and r.pairing() == pairing
+        and len(r.acc) == len(like.acc)
+    ]
     if not found:
-        raise ConfigError(f"baseline {name!r}: no result with that label or method on the episodes of "
-                          f"{like.flat.get('label')} ({format_value('shot', like.flat.get('shot'))}); add a "
-                          f"[[cell]] with method = \"{name}\" to the grid, or use --baseline zero")
+        raise ConfigError(
+            f"baseline {name!r}: no result with that label or method on the episodes of "
+            f"{like.flat.get('label')} ({format_value('shot', like.flat.get('shot'))}); add a "
+            f'[[cell]] with method = "{name}" to the grid, or use --baseline zero'
+        )
     if len({_hashable(tuple(sorted((k, _hashable(v)) for k, v in r.flat.items()))) for r in found}) > 1:
         labels = sorted({str(r.flat.get("label")) for r in found})
-        raise ConfigError(f"baseline {name!r} is ambiguous: {len(found)} results match ({', '.join(labels)}); "
-                          f"filter with --where")
+        raise ConfigError(
+            f"baseline {name!r} is ambiguous: {len(found)} results match ({', '.join(labels)}); filter with --where"
+        )
     return found[0]
 
 
-def heatmap(results: Sequence[Result], out: str | Path, *, baseline: str = "zero", x: str = "alpha",
-            y: str = "beta", panels: Sequence[str] | None = None, p_threshold: float = 0.05,
-            title: str | None = None) -> list[Path]:
+def heatmap(
+    results: Sequence[Result],
+    out: str | Path,
+    *,
+    baseline: str = "zero",
+    x: str = "alpha",
+    y: str = "beta",
+    panels: Sequence[str] | None = None,
+    p_threshold: float = 0.05,
+    title: str | None = None,
+) -> list[Path]:
     """Accuracy gain (percentage points) over ``baseline`` on an ``x`` by ``y`` grid, per panel.
 
     ``panels`` defaults to the keys that vary among the (x, y) results other than x and y (and
     keys that merely repeat them). Returns the written PNG and PDF paths.
     """
-    cells = [r for r in results if x in r.flat and y in r.flat and r.flat[x] is not None
-             and r.flat[y] is not None]
+    cells = [r for r in results if x in r.flat and y in r.flat and r.flat[x] is not None and r.flat[y] is not None]
     if not cells:
         raise ConfigError(f"heatmap: no result has both {x!r} and {y!r} (run a grid over them)")
     if baseline != "zero":
@@ -132,9 +147,11 @@ def heatmap(results: Sequence[Result], out: str | Path, *, baseline: str = "zero
         if baseline == "zero":
             zero = [r for r in group if r.flat[x] == 0 and r.flat[y] == 0]
             if len(zero) != 1:
-                raise ConfigError(f"heatmap: panel {_panel_title(panels, values) or 'all'} has "
-                                  f"{len(zero)} cells with {x}={y}=0; --baseline zero needs exactly one "
-                                  f"(or name a baseline method)")
+                raise ConfigError(
+                    f"heatmap: panel {_panel_title(panels, values) or 'all'} has "
+                    f"{len(zero)} cells with {x}={y}=0; --baseline zero needs exactly one "
+                    f"(or name a baseline method)"
+                )
             base = zero[0]
         else:
             base = _find_baseline(results, baseline, group[0])
@@ -142,12 +159,15 @@ def heatmap(results: Sequence[Result], out: str | Path, *, baseline: str = "zero
         sig = np.zeros_like(gain, dtype=bool)
         for r in group:
             if r.pairing() != base.pairing():
-                raise ConfigError(f"heatmap: {r.flat.get('label')} and the baseline were not solved on the "
-                                  f"same episodes")
+                raise ConfigError(
+                    f"heatmap: {r.flat.get('label')} and the baseline were not solved on the same episodes"
+                )
             i, j = ys_all.index(r.flat[y]), xs_all.index(r.flat[x])
             if not np.isnan(gain[i, j]):
-                raise ConfigError(f"heatmap: several results at {x}={r.flat[x]}, {y}={r.flat[y]} in panel "
-                                  f"{_panel_title(panels, values) or 'all'}; choose with --where or --panels")
+                raise ConfigError(
+                    f"heatmap: several results at {x}={r.flat[x]}, {y}={r.flat[y]} in panel "
+                    f"{_panel_title(panels, values) or 'all'}; choose with --where or --panels"
+                )
             gain[i, j] = 100 * float(np.mean(r.acc - base.acc))
             sig[i, j] = r is not base and paired_ttest(r.acc, base.acc)[1] <= p_threshold
         panels_data.append((values, gain, sig, base))
@@ -173,22 +193,39 @@ def heatmap(results: Sequence[Result], out: str | Path, *, baseline: str = "zero
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy gain (points)")
     name = "no fine-tuning" if baseline != "zero" else f"{x}={y}=0"
-    fig.suptitle(title or f"Accuracy gain over {baseline if baseline != 'zero' else name} "
-                          f"(grey: paired t-test p > {p_threshold:g})", fontsize=10)
+    fig.suptitle(
+        title
+        or f"Accuracy gain over {baseline if baseline != 'zero' else name} (grey: paired t-test p > {p_threshold:g})",
+        fontsize=10,
+    )
     return save_figure(fig, out)
 
 
-def lines(results: Sequence[Result], out: str | Path, *, x: str = "steps", panels: Sequence[str] | None = None,
-          baseline: str | None = None, title: str | None = None) -> list[Path]:
+def lines(
+    results: Sequence[Result],
+    out: str | Path,
+    *,
+    x: str = "steps",
+    panels: Sequence[str] | None = None,
+    baseline: str | None = None,
+    title: str | None = None,
+) -> list[Path]:
     """Accuracy (%) against the numeric option ``x``, mean with a 95% CI band, one line per
     setting; ``baseline`` (a label or method) is drawn as a dashed horizontal line with its band."""
-    cells = [r for r in results if isinstance(r.flat.get(x), (int, float)) and not isinstance(r.flat.get(x), bool)
-             and (baseline is None or baseline not in (r.flat.get("label"), r.flat.get("method")))]
+    cells = [
+        r
+        for r in results
+        if isinstance(r.flat.get(x), (int, float))
+        and not isinstance(r.flat.get(x), bool)
+        and (baseline is None or baseline not in (r.flat.get("label"), r.flat.get("method")))
+    ]
     if not cells:
         raise ConfigError(f"figure: no result has a numeric {x!r}")
     if len({r.flat[x] for r in cells}) < 2:
-        raise ConfigError(f"figure: every result has {x} = {format_value(x, cells[0].flat[x])}; run a grid over "
-                          f"several values of {x!r}")
+        raise ConfigError(
+            f"figure: every result has {x} = {format_value(x, cells[0].flat[x])}; run a grid over "
+            f"several values of {x!r}"
+        )
     vary = drop_derived(cells, [k for k in varying_keys(cells) if k != x], (x,))
     if panels is None:
         panels = [k for k in ("shot",) if k in vary]
@@ -208,12 +245,18 @@ def lines(results: Sequence[Result], out: str | Path, *, x: str = "steps", panel
             series = sorted(series, key=lambda r: r.flat[x])
             xs = np.array([r.flat[x] for r in series], dtype=float)
             if len(set(xs.tolist())) != len(xs):
-                raise ConfigError(f"figure: several results share {x}={xs[0]:g} in one series; add a key with "
-                                  f"--panels or filter with --where")
+                raise ConfigError(
+                    f"figure: several results share {x}={xs[0]:g} in one series; add a key with "
+                    f"--panels or filter with --where"
+                )
             m = np.array([100 * r.mean for r in series])
             c = np.array([100 * r.ci95 for r in series])
-            label = ", ".join(format_value(k, v) if k in ("shot", "transductive", "imbalance")
-                              else f"{key_name(k)}={format_value(k, v)}" for k, v in zip(series_keys, svals))
+            label = ", ".join(
+                format_value(k, v)
+                if k in ("shot", "transductive", "imbalance")
+                else f"{key_name(k)}={format_value(k, v)}"
+                for k, v in zip(series_keys, svals)
+            )
             (line,) = ax.plot(xs, m, marker="o", ms=3, label=label or None)
             ax.fill_between(xs, m - c, m + c, color=line.get_color(), alpha=0.2, linewidth=0)
         if baseline is not None:

@@ -50,8 +50,17 @@ VERSION = 2
 GRID_FORMAT_V1 = "poodle-grid-results"
 
 # Fields of a record that make up its identity.
-IDENTITY_FIELDS: tuple[str, ...] = ("cache_id", "episode", "negatives", "negatives_id", "n_neg", "method",
-                                    "options", "transductive", "preprocess")
+IDENTITY_FIELDS: tuple[str, ...] = (
+    "cache_id",
+    "episode",
+    "negatives",
+    "negatives_id",
+    "n_neg",
+    "method",
+    "options",
+    "transductive",
+    "preprocess",
+)
 # Identity fields left out of the key (and of the identity) when they hold their default value.
 _OPTIONAL_IDENTITY: dict[str, Any] = {"preprocess": "l2n"}
 EPISODE_FIELDS: tuple[str, ...] = EPISODE_KEYS[1:]
@@ -90,19 +99,34 @@ def canonical_hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def make_identity(*, cache_id: str, episode: Mapping[str, Any], negatives: str, n_neg: int | None, method: str,
-                  options: Mapping[str, Any], transductive: bool, negatives_id: str | None = None,
-                  preprocess: str | None = None) -> dict[str, Any]:
+def make_identity(
+    *,
+    cache_id: str,
+    episode: Mapping[str, Any],
+    negatives: str,
+    n_neg: int | None,
+    method: str,
+    options: Mapping[str, Any],
+    transductive: bool,
+    negatives_id: str | None = None,
+    preprocess: str | None = None,
+) -> dict[str, Any]:
     """A cell's identity (see the module docstring); ``episode`` must hold every episode field."""
     missing = [k for k in EPISODE_FIELDS if k not in episode]
     if missing:
         raise ConfigError(f"episode settings lack {', '.join(missing)}")
     ep = {k: jsonable(episode[k]) for k in EPISODE_FIELDS}
     ep.update({k: jsonable(episode[k]) for k in OPTIONAL_EPISODE_KEYS if episode.get(k) is not None})
-    identity = {"cache_id": cache_id, "episode": ep,
-                "negatives": negatives, "negatives_id": negatives_id,
-                "n_neg": None if negatives == "none" else n_neg, "method": method,
-                "options": jsonable(dict(options)), "transductive": bool(transductive)}
+    identity = {
+        "cache_id": cache_id,
+        "episode": ep,
+        "negatives": negatives,
+        "negatives_id": negatives_id,
+        "n_neg": None if negatives == "none" else n_neg,
+        "method": method,
+        "options": jsonable(dict(options)),
+        "transductive": bool(transductive),
+    }
     if preprocess is not None and preprocess != _OPTIONAL_IDENTITY["preprocess"]:
         identity["preprocess"] = str(preprocess)
     return identity
@@ -126,8 +150,17 @@ def identity_of(record: Mapping[str, Any]) -> dict[str, Any]:
     return _identity_fields(record)
 
 
-def make_record(identity: Mapping[str, Any], acc: Sequence[float], *, label: str, cache: str, index: int = 0,
-                group: str = "", seconds: float | None = None, **extra: Any) -> dict[str, Any]:
+def make_record(
+    identity: Mapping[str, Any],
+    acc: Sequence[float],
+    *,
+    label: str,
+    cache: str,
+    index: int = 0,
+    group: str = "",
+    seconds: float | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
     """A cell record: the identity, its key, display fields, per-episode accuracies ``acc [E]`` in
     [0, 1], their mean and 95% half-width (1.96 * population std / sqrt(E)), and ``extra`` fields
     (timings, device, ...)."""
@@ -135,9 +168,18 @@ def make_record(identity: Mapping[str, Any], acc: Sequence[float], *, label: str
     n = len(values)
     mean = sum(values) / n if n else float("nan")
     var = sum((a - mean) ** 2 for a in values) / n if n else float("nan")
-    record: dict[str, Any] = {"kind": "cell", "key": identity_key(identity), **identity, "label": label,
-                              "cache": cache, "index": index, "group": group, "mean": mean,
-                              "ci95": 1.96 * var ** 0.5 / n ** 0.5 if n else float("nan"), "n": n}
+    record: dict[str, Any] = {
+        "kind": "cell",
+        "key": identity_key(identity),
+        **identity,
+        "label": label,
+        "cache": cache,
+        "index": index,
+        "group": group,
+        "mean": mean,
+        "ci95": 1.96 * var**0.5 / n**0.5 if n else float("nan"),
+        "n": n,
+    }
     if seconds is not None:
         record["seconds"] = round(float(seconds), 4)
         record["episodes_per_s"] = round(n / seconds, 2) if seconds > 0 else None
@@ -150,9 +192,15 @@ def make_record(identity: Mapping[str, Any], acc: Sequence[float], *, label: str
 def record_flat(record: Mapping[str, Any]) -> dict[str, Any]:
     """A record as one namespace for reports: label, cache (as written), episode settings,
     negatives, method, the method's options and ``transductive``."""
-    d = {"label": record["label"], "cache": record["cache"], **record["episode"],
-         "negatives": record["negatives"], "n_neg": record["n_neg"],
-         "preprocess": record.get("preprocess") or _OPTIONAL_IDENTITY["preprocess"], "method": record["method"]}
+    d = {
+        "label": record["label"],
+        "cache": record["cache"],
+        **record["episode"],
+        "negatives": record["negatives"],
+        "n_neg": record["n_neg"],
+        "preprocess": record.get("preprocess") or _OPTIONAL_IDENTITY["preprocess"],
+        "method": record["method"],
+    }
     for k, v in record.get("options", {}).items():
         d.setdefault(k, v)
     d["transductive"] = record.get("transductive", False)
@@ -243,14 +291,18 @@ def read_results(path: str | os.PathLike, *, warn: Callable[[str], None] | None 
     if fmt == GRID_FORMAT_V1 and version == 1:
         res = _convert_grid_v1(path, header, objs[1:], complete)
         if warn:
-            warn(f"{path}: a version 1 grid results file; its {len(res.records)} records are converted on read "
-                 f"(and the file is rewritten in version {VERSION} when results are added)")
+            warn(
+                f"{path}: a version 1 grid results file; its {len(res.records)} records are converted on read "
+                f"(and the file is rewritten in version {VERSION} when results are added)"
+            )
         return res
     if fmt != FORMAT:
         raise ConfigError(f"{path} is not a poodle results file (its first line has no format={FORMAT!r})")
     if version != VERSION:
-        raise ConfigError(f"{path}: results format version {version} is not supported (this poodle reads "
-                          f"version {VERSION} and converts version 1)")
+        raise ConfigError(
+            f"{path}: results format version {version} is not supported (this poodle reads "
+            f"version {VERSION} and converts version 1)"
+        )
     records: dict[str, dict[str, Any]] = {}
     for line, obj in objs[1:]:
         if obj.get("kind") != "cell":
@@ -263,8 +315,9 @@ def read_results(path: str | os.PathLike, *, warn: Callable[[str], None] | None 
     return Results(path, header, list(records.values()), complete)
 
 
-def _convert_grid_v1(path: Path, header: dict[str, Any], objs: Iterable[tuple[int, dict[str, Any]]],
-                     complete: int) -> Results:
+def _convert_grid_v1(
+    path: Path, header: dict[str, Any], objs: Iterable[tuple[int, dict[str, Any]]], complete: int
+) -> Results:
     caches = header.get("caches", {}) or {}
     records: dict[str, dict[str, Any]] = {}
     for line, obj in objs:
@@ -280,11 +333,16 @@ def _convert_grid_v1(path: Path, header: dict[str, Any], objs: Iterable[tuple[in
             pass
         neg = obj.get("negatives", "none")
         neg_name = neg.partition(":")[0] if isinstance(neg, str) else None
-        identity = make_identity(cache_id=caches.get(obj.get("cache"), UNKNOWN_CACHE), episode=obj["episode"],
-                                 negatives=neg, n_neg=obj.get("n_neg"), method=obj["method"], options=options,
-                                 transductive=obj.get("transductive", False),
-                                 negatives_id=caches.get(neg_name) if neg_name not in (None, "base", "random",
-                                                                                        "sphere", "none") else None)
+        identity = make_identity(
+            cache_id=caches.get(obj.get("cache"), UNKNOWN_CACHE),
+            episode=obj["episode"],
+            negatives=neg,
+            n_neg=obj.get("n_neg"),
+            method=obj["method"],
+            options=options,
+            transductive=obj.get("transductive", False),
+            negatives_id=caches.get(neg_name) if neg_name not in (None, "base", "random", "sphere", "none") else None,
+        )
         rec = {**obj, **identity, "key": identity_key(identity), "group": header.get("name", "")}
         records.pop(rec["key"], None)
         records[rec["key"]] = rec
@@ -315,13 +373,30 @@ def _try_solve_json(path: Path, raw: bytes) -> Results | None:
                 trans, uses = bool(options.get("transductive", False)), False
             episode = {k: cfg.get(k) for k in EPISODE_FIELDS}
             episode["episodes"] = cfg["episodes"]
-            identity = make_identity(cache_id=UNKNOWN_CACHE, episode=episode,
-                                     negatives=cfg.get("negatives", "none") if uses else "none",
-                                     n_neg=cfg.get("n_neg") if uses else None, method=name, options=options,
-                                     transductive=trans)
-            out.append({"kind": "cell", "key": identity_key(identity), **identity, "label": label,
-                        "cache": cfg["cache"], "index": i, "group": "solve", "mean": r.get("mean"),
-                        "ci95": r.get("ci95"), "n": len(r["acc"]), "acc": r["acc"]})
+            identity = make_identity(
+                cache_id=UNKNOWN_CACHE,
+                episode=episode,
+                negatives=cfg.get("negatives", "none") if uses else "none",
+                n_neg=cfg.get("n_neg") if uses else None,
+                method=name,
+                options=options,
+                transductive=trans,
+            )
+            out.append(
+                {
+                    "kind": "cell",
+                    "key": identity_key(identity),
+                    **identity,
+                    "label": label,
+                    "cache": cfg["cache"],
+                    "index": i,
+                    "group": "solve",
+                    "mean": r.get("mean"),
+                    "ci95": r.get("ci95"),
+                    "n": len(r["acc"]),
+                    "acc": r["acc"],
+                }
+            )
     except (KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{path}: a poodle solve --json file without the expected field {e}") from None
     header = {"format": FORMAT, "version": VERSION, "kind": "header", "converted_from": "solve --json"}
@@ -333,8 +408,14 @@ def _try_solve_json(path: Path, raw: bytes) -> Results | None:
 
 
 def new_header(**meta: Any) -> dict[str, Any]:
-    return {"format": FORMAT, "version": VERSION, "kind": "header", "poodle_version": __version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **jsonable(meta)}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": "header",
+        "poodle_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **jsonable(meta),
+    }
 
 
 class ResultsFile:
@@ -345,8 +426,9 @@ class ResultsFile:
     (atomically, after reading all of it). A cut last line is cut off before the first append.
     """
 
-    def __init__(self, path: str | os.PathLike, *, fresh: bool = False, warn: Callable[[str], None] | None = None,
-                 **meta: Any) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, fresh: bool = False, warn: Callable[[str], None] | None = None, **meta: Any
+    ) -> None:
         self.path = Path(path)
         if self.path.exists() and not fresh:
             res = read_results(self.path, warn=warn)
@@ -366,9 +448,14 @@ class ResultsFile:
 
     def _rewrite(self, header: dict[str, Any], records: Sequence[Mapping[str, Any]], converted: str | None) -> None:
         if converted is not None:
-            header = new_header(**{k: v for k, v in header.items()
-                                   if k not in ("format", "version", "kind", "poodle_version", "created")},
-                                converted_from=converted)
+            header = new_header(
+                **{
+                    k: v
+                    for k, v in header.items()
+                    if k not in ("format", "version", "kind", "poodle_version", "created")
+                },
+                converted_from=converted,
+            )
         with atomic_path(self.path) as tmp:
             with open(tmp, "wb") as f:
                 for obj in [header, *records]:
@@ -405,8 +492,9 @@ def _line(obj: Mapping[str, Any]) -> bytes:
     return (json.dumps(obj, separators=(",", ":"), allow_nan=True) + "\n").encode()
 
 
-def load_records(paths: Sequence[str | os.PathLike], *, warn: Callable[[str], None] | None = None
-                 ) -> list[tuple[str, dict[str, Any]]]:
+def load_records(
+    paths: Sequence[str | os.PathLike], *, warn: Callable[[str], None] | None = None
+) -> list[tuple[str, dict[str, Any]]]:
     """``(file, record)`` of every record of ``paths``, in file order and, within a file, by ``index``
     (stable), for reports."""
     if not paths:
@@ -419,6 +507,21 @@ def load_records(paths: Sequence[str | os.PathLike], *, warn: Callable[[str], No
     return out
 
 
-__all__ = ["FORMAT", "VERSION", "IDENTITY_FIELDS", "Results", "ResultsFile", "cache_identity", "canonical_hash",
-           "identity_key", "identity_of", "jsonable", "load_records", "make_identity", "make_record",
-           "new_header", "read_results", "record_flat"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "IDENTITY_FIELDS",
+    "Results",
+    "ResultsFile",
+    "cache_identity",
+    "canonical_hash",
+    "identity_key",
+    "identity_of",
+    "jsonable",
+    "load_records",
+    "make_identity",
+    "make_record",
+    "new_header",
+    "read_results",
+    "record_flat",
+]

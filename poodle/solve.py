@@ -70,20 +70,30 @@ def machine(device: torch.device) -> str:
     return f"{device} ({platform.processor() or platform.machine()})"
 
 
-def _episodes(cache: Path, episodes_from: str | os.PathLike | None, given: Mapping[str, Any], lazy: bool = False
-              ) -> tuple[SplitFeatures, EpisodeSet | EpisodeStream]:
+def _episodes(
+    cache: Path, episodes_from: str | os.PathLike | None, given: Mapping[str, Any], lazy: bool = False
+) -> tuple[SplitFeatures, EpisodeSet | EpisodeStream]:
     if episodes_from is not None:
         clash = [k for k in EPISODE_PARAMS if given.get(k) is not None]
         if clash:
-            raise ConfigError(f"{', '.join(clash)} cannot be combined with episodes_from (the file fixes them)",
-                              params=(*clash, "episodes_from"))
+            raise ConfigError(
+                f"{', '.join(clash)} cannot be combined with episodes_from (the file fixes them)",
+                params=(*clash, "episodes_from"),
+            )
         eps = load_episodes(Path(episodes_from))
         features = read_split(cache, eps.spec.split)
         eps.check_against(features.labels, where=str(episodes_from))
         return features, eps
     g = {k: (defaults.GENERAL_DEFAULTS.get(k) if given.get(k) is None else given[k]) for k in EPISODE_PARAMS}
-    spec = EpisodeSpec(split=g["split"], way=g["way"], shot=g["shot"], query=g["query"], imbalance=g["imbalance"],
-                       seed=g["seed"], query_classes=g["query_classes"])
+    spec = EpisodeSpec(
+        split=g["split"],
+        way=g["way"],
+        shot=g["shot"],
+        query=g["query"],
+        imbalance=g["imbalance"],
+        seed=g["seed"],
+        query_classes=g["query_classes"],
+    )
     spec.validate()
     features = read_split(cache, spec.split)
     # lazy: drawn chunk by chunk while solving (the same episodes), so solving starts at once
@@ -91,8 +101,13 @@ def _episodes(cache: Path, episodes_from: str | os.PathLike | None, given: Mappi
     return features, draw(features.labels, spec, g["episodes"], classes=features.classes)
 
 
-def check_outputs(cache: Path, episodes_from: str | os.PathLike | None, negatives: str | None,
-                  save_episodes_to: str | os.PathLike | None, out: str | os.PathLike | None) -> None:
+def check_outputs(
+    cache: Path,
+    episodes_from: str | os.PathLike | None,
+    negatives: str | None,
+    save_episodes_to: str | os.PathLike | None,
+    out: str | os.PathLike | None,
+) -> None:
     """Before any work: the output files must be writable, of their own kind (an episode file, a
     results file; never a cache or another kind of file, judged by content) and never an input."""
     from poodle.utils import check_output
@@ -106,16 +121,31 @@ def check_outputs(cache: Path, episodes_from: str | os.PathLike | None, negative
         check_output(out, "results", inputs=inputs, what="--out")
 
 
-def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,), *,
-          options: Mapping[str, Mapping[str, Any]] | None = None,
-          split: str | None = None, way: int | None = None, shot: int | None = None, query: int | None = None,
-          episodes: int | None = None, seed: int | None = None, imbalance: float | None = None,
-          query_classes: int | None = None, negatives: str | None = None, n_neg: int | None = None,
-          episodes_from: str | os.PathLike | None = None, save_episodes_to: str | os.PathLike | None = None,
-          device: str | torch.device = defaults.DEVICE, max_memory: str | int | None = None,
-          workers: int | None = None, progress: Callable[[int], None] | None = None,
-          out: str | os.PathLike | None = None, preprocess: str | None = None,
-          log: Callable[[str], None] | None = None) -> SolveResult:
+def solve(
+    cache: str | os.PathLike,
+    methods: Sequence[str] = (defaults.METHOD,),
+    *,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    split: str | None = None,
+    way: int | None = None,
+    shot: int | None = None,
+    query: int | None = None,
+    episodes: int | None = None,
+    seed: int | None = None,
+    imbalance: float | None = None,
+    query_classes: int | None = None,
+    negatives: str | None = None,
+    n_neg: int | None = None,
+    episodes_from: str | os.PathLike | None = None,
+    save_episodes_to: str | os.PathLike | None = None,
+    device: str | torch.device = defaults.DEVICE,
+    max_memory: str | int | None = None,
+    workers: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    out: str | os.PathLike | None = None,
+    preprocess: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> SolveResult:
     """Solve one episode setting with ``methods`` on identical episodes and negatives.
 
     Args:
@@ -163,10 +193,21 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
         if not path.is_file():
             raise ConfigError(f"no feature cache at {path}")
         check_outputs(path, episodes_from, negatives, save_episodes_to, out)
-        features, eps = _episodes(path, episodes_from,
-                                  dict(split=split, way=way, shot=shot, query=query, episodes=episodes, seed=seed,
-                                       imbalance=imbalance, query_classes=query_classes),
-                                  lazy=save_episodes_to is None and not d.enabled)
+        features, eps = _episodes(
+            path,
+            episodes_from,
+            dict(
+                split=split,
+                way=way,
+                shot=shot,
+                query=query,
+                episodes=episodes,
+                seed=seed,
+                imbalance=imbalance,
+                query_classes=query_classes,
+            ),
+            lazy=save_episodes_to is None and not d.enabled,
+        )
         if episodes_from is not None:
             if negatives is None and eps.negative_source:
                 negatives = eps.negative_source
@@ -178,23 +219,38 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
         count = defaults.N_NEG if n_neg is None else n_neg
         neg_spec = NegativeSpec(source, count) if users else None
         if users and source == "none":
-            raise ConfigError(f"negatives none: method(s) {', '.join(users)} need negatives; use base, random, sphere "
-                              f"or FILE", params=("negatives",))
+            raise ConfigError(
+                f"negatives none: method(s) {', '.join(users)} need negatives; use base, random, sphere or FILE",
+                params=("negatives",),
+            )
         if not users and negatives is not None and negatives != "none":
-            raise ConfigError(f"negatives {negatives}: none of the chosen methods ({', '.join(methods)}) uses "
-                              f"negatives", params=("negatives",))
+            raise ConfigError(
+                f"negatives {negatives}: none of the chosen methods ({', '.join(methods)}) uses negatives",
+                params=("negatives",),
+            )
         pre = Preprocessor.from_cache(preprocess, path, log=log)
         features = pre.split(features)
-        if not isinstance(eps, EpisodeStream):   # a stream draws its negatives per chunk in evaluate()
+        if not isinstance(eps, EpisodeStream):  # a stream draws its negatives per chunk in evaluate()
             eps, _ = prepare_negatives(eps, neg_spec or NegativeSpec("none", count), path, features.dim)
         if save_episodes_to is not None and d.main:
             save_episodes(save_episodes_to, eps, cache=str(path))
 
     stats: dict[str, Any] = {}
     t0 = time.perf_counter()
-    accs = distributed.evaluate_shared(d, features, eps, configs, negatives=neg_spec, cache_path=path, device=dev,
-                                       max_memory=max_memory, progress=progress, stats=stats, workers=workers,
-                                       preprocess=pre)
+    accs = distributed.evaluate_shared(
+        d,
+        features,
+        eps,
+        configs,
+        negatives=neg_spec,
+        cache_path=path,
+        device=dev,
+        max_memory=max_memory,
+        progress=progress,
+        stats=stats,
+        workers=workers,
+        preprocess=pre,
+    )
     solve_s = time.perf_counter() - t0
     if accs is None:  # not rank 0
         return SolveResult([], {}, eps, neg_spec, features, path, dev, stats, solve_s, time.perf_counter() - t_start)
@@ -204,30 +260,56 @@ def solve(cache: str | os.PathLike, methods: Sequence[str] = (defaults.METHOD,),
     if neg_spec is not None and not neg_spec.generated and neg_spec.source != "base":
         neg_id = cache_identity(pool_location(neg_spec.source, path)[0])
     spec = eps.spec
-    episode = {"split": spec.split, "way": spec.way, "shot": spec.shot, "query": spec.query,
-               "imbalance": spec.imbalance, "seed": spec.seed, "episodes": len(eps),
-               "query_classes": spec.query_classes}
+    episode = {
+        "split": spec.split,
+        "way": spec.way,
+        "shot": spec.shot,
+        "query": spec.query,
+        "imbalance": spec.imbalance,
+        "seed": spec.seed,
+        "episodes": len(eps),
+        "query_classes": spec.query_classes,
+    }
     records = []
     for i, (label, name, cfg) in enumerate(configs):
         info = solvers.get(name)
         uses = info.needs_negatives(cfg)
-        identity = make_identity(cache_id=cache_id, episode=episode,
-                                 negatives=neg_spec.source if (uses and neg_spec) else "none",
-                                 n_neg=neg_spec.n_neg if (uses and neg_spec) else None, method=name,
-                                 options=solvers.config_dict(cfg), transductive=info.is_transductive(cfg),
-                                 negatives_id=neg_id if uses else None, preprocess=pre.spec.key)
-        extra: dict[str, Any] = {"episodes_from": None if episodes_from is None else str(episodes_from),
-                                 "device": machine(dev), "chunk_size": stats.get("chunk_size"),
-                                 "workers": stats.get("workers"), "processes": stats.get("processes", 1),
-                                 "versions": versions()}
-        records.append(make_record(identity, accs[label].tolist(), label=label, cache=str(path), index=i,
-                                   group="solve", seconds=float(stats["seconds"][label]), **extra))
+        identity = make_identity(
+            cache_id=cache_id,
+            episode=episode,
+            negatives=neg_spec.source if (uses and neg_spec) else "none",
+            n_neg=neg_spec.n_neg if (uses and neg_spec) else None,
+            method=name,
+            options=solvers.config_dict(cfg),
+            transductive=info.is_transductive(cfg),
+            negatives_id=neg_id if uses else None,
+            preprocess=pre.spec.key,
+        )
+        extra: dict[str, Any] = {
+            "episodes_from": None if episodes_from is None else str(episodes_from),
+            "device": machine(dev),
+            "chunk_size": stats.get("chunk_size"),
+            "workers": stats.get("workers"),
+            "processes": stats.get("processes", 1),
+            "versions": versions(),
+        }
+        records.append(
+            make_record(
+                identity,
+                accs[label].tolist(),
+                label=label,
+                cache=str(path),
+                index=i,
+                group="solve",
+                seconds=float(stats["seconds"][label]),
+                **extra,
+            )
+        )
     if out is not None:
         results = ResultsFile(out, command="solve")
         for r in records:
             results.append(r)
-    return SolveResult(records, accs, eps, neg_spec, features, path, dev, stats, solve_s,
-                       time.perf_counter() - t_start)
+    return SolveResult(records, accs, eps, neg_spec, features, path, dev, stats, solve_s, time.perf_counter() - t_start)
 
 
 __all__ = ["EPISODE_PARAMS", "SolveResult", "machine", "solve", "versions"]

@@ -14,8 +14,18 @@ import torch
 
 from poodle.errors import ConfigError
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -150,10 +160,17 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".partial") -> Iterator[P
 
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 # what each kind is called in messages
-KIND_NAMES = {"cache": "a poodle feature cache", "partial": "a split being extracted (poodle staging file)",
-              "episodes": "a poodle episode file", "results": "a poodle results file", "hdf5": "an HDF5 file",
-              "json": "a JSON file",
-              "empty": "an empty file", "other": "a file of unknown content", "directory": "a directory"}
+KIND_NAMES = {
+    "cache": "a poodle feature cache",
+    "partial": "a split being extracted (poodle staging file)",
+    "episodes": "a poodle episode file",
+    "results": "a poodle results file",
+    "hdf5": "an HDF5 file",
+    "json": "a JSON file",
+    "empty": "an empty file",
+    "other": "a file of unknown content",
+    "directory": "a directory",
+}
 
 
 def file_kind(path: str | os.PathLike) -> str | None:
@@ -181,8 +198,11 @@ def file_kind(path: str | os.PathLike) -> str | None:
                 except OSError:
                     return "hdf5"
                 fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
-                return {"poodle-features": "cache", "poodle-features-partial": "partial",
-                        "poodle-episodes": "episodes"}.get(str(fmt), "hdf5")
+                return {
+                    "poodle-features": "cache",
+                    "poodle-features-partial": "partial",
+                    "poodle-episodes": "episodes",
+                }.get(str(fmt), "hdf5")
             f.seek(0)
             first = f.readline(1 << 20).strip()
     except OSError:
@@ -195,15 +215,17 @@ def file_kind(path: str | os.PathLike) -> str | None:
                 obj = json.loads(p.read_bytes())
             except ValueError:
                 return "other"
-        if isinstance(obj, dict) and (obj.get("command") == "solve"
-                                      or obj.get("format") in ("poodle-results", "poodle-grid-results")):
+        if isinstance(obj, dict) and (
+            obj.get("command") == "solve" or obj.get("format") in ("poodle-results", "poodle-grid-results")
+        ):
             return "results"
         return "json"
     return "other"
 
 
-def check_output(path: str | os.PathLike, kind: str, *, inputs: Iterable[str | os.PathLike | None] = (),
-                 what: str = "output") -> None:
+def check_output(
+    path: str | os.PathLike, kind: str, *, inputs: Iterable[str | os.PathLike | None] = (), what: str = "output"
+) -> None:
     """ConfigError unless ``path`` may receive a file of ``kind``: never one of ``inputs``, never a
     file of another kind (judged by content; an empty file may be replaced), in a writable directory.
     A file of the same kind is replaced later, atomically, by whoever writes it."""
@@ -213,6 +235,8 @@ def check_output(path: str | os.PathLike, kind: str, *, inputs: Iterable[str | o
             raise ConfigError(f"{what} {path} is the input file {inp}; choose another name")
     found = file_kind(p)
     if found is not None and found not in (kind, "empty"):
-        raise ConfigError(f"{what} {path} already exists and is {KIND_NAMES.get(found, found)}, not "
-                          f"{KIND_NAMES.get(kind, kind)}: refusing to overwrite it (choose another name or remove it)")
+        raise ConfigError(
+            f"{what} {path} already exists and is {KIND_NAMES.get(found, found)}, not "
+            f"{KIND_NAMES.get(kind, kind)}: refusing to overwrite it (choose another name or remove it)"
+        )
     check_writable_dir(p, what)

@@ -50,9 +50,16 @@ def make_image(class_index: int, image_index: int, size: int = 24, seed: int = 0
     return img
 
 
-def write_folder(root: str | Path, classes_per_split: int | Mapping[str, int] = DEFAULT_CLASSES,
-                 images_per_class: int = 5, *, size: int = 24, seed: int = 0,
-                 splits: tuple[str, ...] = ("train", "val", "test"), ext: str = "png") -> Path:
+def write_folder(
+    root: str | Path,
+    classes_per_split: int | Mapping[str, int] = DEFAULT_CLASSES,
+    images_per_class: int = 5,
+    *,
+    size: int = 24,
+    seed: int = 0,
+    splits: tuple[str, ...] = ("train", "val", "test"),
+    ext: str = "png",
+) -> Path:
     """Write ``root/<split>/<class>/<i>.<ext>``; class names ``<split>_cNN``. Returns ``root``."""
     root = Path(root)
     k = 0
@@ -66,10 +73,19 @@ def write_folder(root: str | Path, classes_per_split: int | Mapping[str, int] = 
     return root
 
 
-def write_csv(root: str | Path, classes_per_split: int | Mapping[str, int] = DEFAULT_CLASSES,
-              images_per_class: int = 5, *, size: int = 24, seed: int = 0, header: bool = True,
-              splits: tuple[str, ...] = ("train", "val", "test"), image_dir: str = "images",
-              csv_dir: str = ".", numeric_labels: bool = False) -> Path:
+def write_csv(
+    root: str | Path,
+    classes_per_split: int | Mapping[str, int] = DEFAULT_CLASSES,
+    images_per_class: int = 5,
+    *,
+    size: int = 24,
+    seed: int = 0,
+    header: bool = True,
+    splits: tuple[str, ...] = ("train", "val", "test"),
+    image_dir: str = "images",
+    csv_dir: str = ".",
+    numeric_labels: bool = False,
+) -> Path:
     """Write the mini-ImageNet layout: ``root/<image_dir>/<file>.png`` and ``root/<csv_dir>/<split>.csv``.
 
     Labels are wnid-like (``n0000NNNN``) or, with ``numeric_labels``, integers as the release's split
@@ -96,8 +112,9 @@ def write_csv(root: str | Path, classes_per_split: int | Mapping[str, int] = DEF
     return root
 
 
-def write_cub(root: str | Path, n_classes: int = 8, images_per_class: int = 3, *, size: int = 24,
-              seed: int = 0) -> Path:
+def write_cub(
+    root: str | Path, n_classes: int = 8, images_per_class: int = 3, *, size: int = 24, seed: int = 0
+) -> Path:
     """Write ``root/images/<NNN.Class_k>/<k>_<i>.jpg`` class folders (CUB's layout). Returns ``root``."""
     root = Path(root)
     for c in range(n_classes):

@@ -29,8 +29,9 @@ def _cos(a, b):
 
 
 # --------------------------------------------------------------------------------------------- TIM
-def tim_gd(z_s, y, z_q, way, *, ce_weight, marginal_weight, conditional_weight, temperature,
-           learn_temperature, lr, steps):
+def tim_gd(
+    z_s, y, z_q, way, *, ce_weight, marginal_weight, conditional_weight, temperature, learn_temperature, lr, steps
+):
     w = _means(z_s, y, way).clone().requires_grad_(True)
     t = torch.tensor(float(temperature), dtype=z_s.dtype, requires_grad=learn_temperature)
     params = [w] + ([t] if learn_temperature else [])
@@ -61,7 +62,7 @@ def tim_adm(z_s, y, z_q, way, *, ce_weight, marginal_weight, conditional_weight,
         p_q = torch.softmax(-(temperature / 2) * _d2(z_q, w), 1)
         a = 1 + conditional_weight
         b = marginal_weight / (marginal_weight + 1)
-        q = p_q ** a / (p_q ** a).sum(0, keepdim=True) ** b
+        q = p_q**a / (p_q**a).sum(0, keepdim=True) ** b
         q = q / q.sum(1, keepdim=True)
         p_s = torch.softmax(-(temperature / 2) * _d2(z_s, w), 1)
         cs = ce_weight / (1 + conditional_weight)
@@ -82,8 +83,7 @@ def soft_kmeans(z_s, y, z_q, way, *, steps, scale, fix_support):
     for _ in range(steps):
         a_q = torch.softmax(-(scale / 2) * _d2(z_q, p), 1)
         a_s = torch.eye(way, dtype=z_s.dtype)[y] if fix_support else torch.softmax(-(scale / 2) * _d2(z_s, p), 1)
-        p = torch.stack([(a_s[:, k] @ z_s + a_q[:, k] @ z_q) / (a_s[:, k].sum() + a_q[:, k].sum())
-                         for k in range(way)])
+        p = torch.stack([(a_s[:, k] @ z_s + a_q[:, k] @ z_q) / (a_s[:, k].sum() + a_q[:, k].sum()) for k in range(way)])
     return torch.log_softmax(-(scale / 2) * _d2(z_q, p), 1), {"prototypes": p, "assignments": a_q}
 
 
@@ -131,8 +131,8 @@ def bayes_kmeans(z_s, y, z_q, way, *, sigma, reduced_dim, centre, max_iter):
     c, cq, _ = _kmeans(z_s, y, z_q, _means(z_s, y, way), max_iter, fix_support=False)
     if cq is None:
         cq = _d2(z_q, c).argmin(1)
-    p_cs = torch.softmax(-sigma * _d2(z_s, _unit(c)), 1)             # p(cluster | support)
-    kern = torch.exp(-sigma * _d2(z_s, z_q))                          # [Ns, Nq]
+    p_cs = torch.softmax(-sigma * _d2(z_s, _unit(c)), 1)  # p(cluster | support)
+    kern = torch.exp(-sigma * _d2(z_s, z_q))  # [Ns, Nq]
     out = torch.empty(len(z_q), way, dtype=z_s.dtype)
     for i in range(len(z_q)):
         weight = kern[:, i] * p_cs[:, cq[i]]
@@ -163,8 +163,7 @@ def can_t(z_s, y, z_q, way, *, step, iterations, scale):
         prob = torch.softmax(scale * _cos(z_q, p), 1)
         conf, pseudo = prob.max(1)
         top = torch.argsort(conf, descending=True)[: min((i + 1) * step, len(z_q))]
-        p = _unit(torch.stack([torch.cat([z_s[y == k], z_q[top][pseudo[top] == k]]).mean(0)
-                               for k in range(way)]))
+        p = _unit(torch.stack([torch.cat([z_s[y == k], z_q[top][pseudo[top] == k]]).mean(0) for k in range(way)]))
     return torch.log_softmax(scale * _cos(z_q, p), 1), {"prototypes": p}
 
 
@@ -176,7 +175,7 @@ def _rectify(z_s, y, z_q, way, epsilon, shift):
     protos = []
     for k in range(way):
         members = torch.cat([z_s[y == k], z_q[pseudo == k]])
-        weights = torch.softmax(epsilon * _cos(members, base[k:k + 1])[:, 0], 0)
+        weights = torch.softmax(epsilon * _cos(members, base[k : k + 1])[:, 0], 0)
         protos.append(weights @ members)
     return torch.stack(protos), z_q
 
@@ -200,11 +199,27 @@ def _released_rectify(z_s, y, z_q, way, epsilon):
     return protos, kept, z_q
 
 
-def laplacianshot(z_s, y, z_q, way, *, knn, lmd, steps, tol, rectify, epsilon, preset, self_neighbour,
-                  released_rectification, shifted_unary):
+def laplacianshot(
+    z_s,
+    y,
+    z_q,
+    way,
+    *,
+    knn,
+    lmd,
+    steps,
+    tol,
+    rectify,
+    epsilon,
+    preset,
+    self_neighbour,
+    released_rectification,
+    shifted_unary,
+):
     official = preset == "official"
-    self_nb, released, shifted = [official if v is None else v
-                                  for v in (self_neighbour, released_rectification, shifted_unary)]
+    self_nb, released, shifted = [
+        official if v is None else v for v in (self_neighbour, released_rectification, shifted_unary)
+    ]
     kept = list(range(way))
     if rectify and released:
         m, kept, z_shift = _released_rectify(z_s, y, z_q, way, epsilon)
@@ -213,7 +228,7 @@ def laplacianshot(z_s, y, z_q, way, *, knn, lmd, steps, tol, rectify, epsilon, p
     else:
         m, z_shift = _means(z_s, y, way), z_q
     z_u = z_shift if (shifted and rectify) else z_q
-    unary = _d2(z_u, m)                                     # [Nq, len(kept)]
+    unary = _d2(z_u, m)  # [Nq, len(kept)]
     n = len(z_q)
     w = torch.zeros(n, n, dtype=z_q.dtype)
     k = min(knn - 1 if self_nb else knn, n - 1)
@@ -237,7 +252,7 @@ def laplacianshot(z_s, y, z_q, way, *, knn, lmd, steps, tol, rectify, epsilon, p
     if rectify and released:
         # the shortened prototype list: column j is the j-th kept class, labels past it get nothing
         probs = torch.zeros(n, way, dtype=z_q.dtype)
-        probs[:, :len(kept)] = y_
+        probs[:, : len(kept)] = y_
         lp = torch.log_softmax(torch.log(probs.clamp_min(1e-30)), 1)
         full = torch.zeros(way, z_s.shape[1], dtype=z_s.dtype)
         full[kept] = m
@@ -263,7 +278,7 @@ def entropy_min(z_s, y, z_q, way, *, steps, lr, entropy_weight, scale):
 
 def pt_map(z_s, y, z_q, way, *, beta, lam, alpha, steps, sinkhorn_tol, sinkhorn_max_iter):
     def pt(x):
-        return torch.sign(x) * (x.abs() + 1e-6) ** beta + (x == 0).double() * 1e-6 ** beta
+        return torch.sign(x) * (x.abs() + 1e-6) ** beta + (x == 0).double() * 1e-6**beta
 
     z_s, z_q = _unit(pt(z_s)), _unit(pt(z_q))
     z_s, z_q = _unit(z_s - z_s.mean(0)), _unit(z_q - z_q.mean(0))
@@ -285,8 +300,9 @@ def pt_map(z_s, y, z_q, way, *, beta, lam, alpha, steps, sinkhorn_tol, sinkhorn_
     onehot = torch.eye(way, dtype=z_s.dtype)[y]
     for _ in range(steps):
         p = plan_of(mu)
-        est = torch.stack([(onehot[:, k] @ z_s + p[:, k] @ z_q) / (onehot[:, k].sum() + p[:, k].sum())
-                           for k in range(way)])
+        est = torch.stack(
+            [(onehot[:, k] @ z_s + p[:, k] @ z_q) / (onehot[:, k].sum() + p[:, k].sum()) for k in range(way)]
+        )
         mu = mu + alpha * (est - mu)
     p = plan_of(mu)
     return torch.log(p / p.sum(1, keepdim=True)), {"prototypes": mu, "assignments": p}
@@ -325,13 +341,14 @@ def paddle(z_s, y, z_q, way, *, lmd, steps, scale_features):
     for _ in range(steps):
         u = torch.softmax(-0.5 * _d2(z_q, w) + lam * v / n_q, 1)
         v = torch.log(u.mean(0) + 1e-6) + 1
-        w = torch.stack([(u[:, k] @ z_q + onehot[:, k] @ z_s) / (u[:, k].sum() + onehot[:, k].sum())
-                         for k in range(way)])
+        w = torch.stack(
+            [(u[:, k] @ z_q + onehot[:, k] @ z_s) / (u[:, k].sum() + onehot[:, k].sum()) for k in range(way)]
+        )
     return torch.log(u / u.sum(1, keepdim=True)), {"prototypes": w, "assignments": u}
 
 
 def _pt(x, beta):
-    return torch.sign(x) * (x.abs() + 1e-6) ** beta + (x == 0).double() * 1e-6 ** beta
+    return torch.sign(x) * (x.abs() + 1e-6) ** beta + (x == 0).double() * 1e-6**beta
 
 
 def bms(z_s, y, z_q, way, *, power, lam, steps, sinkhorn_iter, epochs, lr, momentum):
@@ -381,14 +398,30 @@ def _sinkhorn_plan(cost, lam, col, tol, max_iter):
     return p
 
 
-def proto_lp(z_s, y, z_q, way, *, power, reduced_dim, lam, alpha, gamma, mix, steps, balanced, sinkhorn_tol,
-             lp_tol, sinkhorn_max_iter):
+def proto_lp(
+    z_s,
+    y,
+    z_q,
+    way,
+    *,
+    power,
+    reduced_dim,
+    lam,
+    alpha,
+    gamma,
+    mix,
+    steps,
+    balanced,
+    sinkhorn_tol,
+    lp_tol,
+    sinkhorn_max_iter,
+):
     n_s, n_q = len(z_s), len(z_q)
     x = _unit(_pt(torch.cat([z_s, z_q]), power))
     if reduced_dim > 0:
         # top right singular vectors of the uncentred samples
         _, _, vh = torch.linalg.svd(x, full_matrices=False)
-        x = x @ vh[:min(reduced_dim, *x.shape)].T
+        x = x @ vh[: min(reduced_dim, *x.shape)].T
     x = _unit(x - x.mean(0))
     onehot = torch.eye(way, dtype=x.dtype)[y]
     mu = _unit(_means(x[:n_s], y, way))
@@ -404,7 +437,7 @@ def proto_lp(z_s, y, z_q, way, *, power, reduced_dim, lam, alpha, gamma, mix, st
         delta = z.sum(0)
         w = z.T @ (z / delta[None, :])
         m = onehot.T @ onehot + gamma * (torch.eye(way, dtype=x.dtype) - w)
-        m = torch.tril(m) + torch.tril(m, -1).T          # the lower triangle, as a Cholesky reads it
+        m = torch.tril(m) + torch.tril(m, -1).T  # the lower triangle, as a Cholesky reads it
         a = torch.linalg.solve(m, onehot.T @ onehot)
         p = z @ a
         if balanced:
@@ -427,8 +460,19 @@ def proto_lp(z_s, y, z_q, way, *, power, reduced_dim, lam, alpha, gamma, mix, st
 
 
 REFERENCES = {
-    "tim-gd": tim_gd, "tim-adm": tim_adm, "soft-kmeans": soft_kmeans, "kmeans": kmeans,
-    "bayes-kmeans": bayes_kmeans, "mean-shift": mean_shift, "can-t": can_t, "bd-cspn": bd_cspn,
-    "laplacianshot": laplacianshot, "entropy-min": entropy_min, "pt-map": pt_map,
-    "alpha-tim": alpha_tim, "paddle": paddle, "bms": bms, "proto-lp": proto_lp,
+    "tim-gd": tim_gd,
+    "tim-adm": tim_adm,
+    "soft-kmeans": soft_kmeans,
+    "kmeans": kmeans,
+    "bayes-kmeans": bayes_kmeans,
+    "mean-shift": mean_shift,
+    "can-t": can_t,
+    "bd-cspn": bd_cspn,
+    "laplacianshot": laplacianshot,
+    "entropy-min": entropy_min,
+    "pt-map": pt_map,
+    "alpha-tim": alpha_tim,
+    "paddle": paddle,
+    "bms": bms,
+    "proto-lp": proto_lp,
 }

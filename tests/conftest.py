@@ -7,8 +7,9 @@ import pytest
 import torch
 
 
-def clustered_features(n_classes: int, per_class: int, dim: int, seed: int = 0,
-                       spread: float = 0.6) -> tuple[np.ndarray, np.ndarray]:
+def clustered_features(
+    n_classes: int, per_class: int, dim: int, seed: int = 0, spread: float = 0.6
+) -> tuple[np.ndarray, np.ndarray]:
     """L2-normalised float32 features ``[n_classes * per_class, dim]`` around random class centres,
     and int64 labels ``[N]`` (class-major). ``spread`` is the noise scale relative to the centres."""
     rng = np.random.default_rng(seed)

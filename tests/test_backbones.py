@@ -53,6 +53,7 @@ def images(side: int, batch: int = 2, seed: int = 0) -> torch.Tensor:
 
 # ---- registry ---------------------------------------------------------------------------------
 
+
 def test_registry_lists_every_backbone():
     assert backbones.available() == NAMES
     for name in NAMES:
@@ -72,6 +73,7 @@ def test_release_arch_name_is_an_alias_and_bad_num_classes_refused():
 
 
 # ---- structure as in the release -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", NAMES)
 def test_structure_matches_release(name):
@@ -101,37 +103,72 @@ def test_resnet12_without_classifier_has_104_keys_in_release_order():
     keys = list(meta_build("resnet12", num_classes=64, rotation_head=True).state_dict())
     assert keys[:3] == ["layer1.0.conv1.weight", "layer1.0.bn1.weight", "layer1.0.bn1.bias"]
     assert keys[-10:] == ["further.layers.Conv.weight"] + [
-        f"further.layers.BatchNorm.{s}" for s in
-        ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")] + [
-        "fc2.weight", "fc2.bias", "fc.weight", "fc.bias"]
+        f"further.layers.BatchNorm.{s}"
+        for s in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+    ] + ["fc2.weight", "fc2.bias", "fc.weight", "fc.bias"]
     # ConvNet and DenseNet list the classifier before the rotation head.
     assert list(meta_build("conv4_64", num_classes=5, rotation_head=True).state_dict())[28:31] == [
-        "fc.weight", "fc.bias", "further.layers.Conv.weight"]
+        "fc.weight",
+        "fc.bias",
+        "further.layers.Conv.weight",
+    ]
 
 
-@pytest.mark.parametrize("name, present, absent", [
-    ("resnet12", ["layer1.0.downsample.0.weight", "layer4.0.downsample.1.running_var",
-                  "layer3.0.conv3.weight", "further.layers.Conv.weight",
-                  "further.layers.BatchNorm.num_batches_tracked", "fc2.bias", "fc.weight"],
-     ["conv1.weight", "layer1.1.conv1.weight"]),
-    ("conv4_64", ["encoder.0.0.weight", "encoder.0.0.bias", "encoder.3.1.running_mean", "fc.bias"],
-     ["encoder.4.0.weight"]),
-    ("wrn28_10", ["conv1.bias", "layer1.0.shortcut.0.weight", "layer3.3.conv2.bias",
-                  "bn1.running_var", "linear.weight"],
-     ["layer1.1.shortcut.0.weight", "layer4.0.conv1.weight"]),
-    ("densenet121", ["features.conv0.weight", "features.denseblock1.denselayer1.norm1.weight",
-                     "features.denseblock4.denselayer16.conv2.weight",
-                     "features.transition3.conv.weight", "features.norm5.bias",
-                     "classifier.weight"],
-     ["features.norm0.weight", "features.denseblock1.denselayer7.conv1.weight"]),
-    ("mobilenet", ["conv1.weight", "bn1.bias", "layers.0.conv1.weight", "layers.12.bn2.weight",
-                   "linear.bias"],
-     ["layers.13.conv1.weight", "conv1.bias"]),
-    ("resnet10", ["conv1.weight", "layer2.0.downsample.0.weight", "layer4.0.bn2.weight"],
-     ["layer1.0.downsample.0.weight", "layer1.1.conv1.weight"]),
-    ("resnet18", ["layer1.1.conv2.weight", "layer4.0.downsample.1.weight", "fc.weight"],
-     ["layer1.0.downsample.0.weight", "layer2.1.downsample.0.weight"]),
-])
+@pytest.mark.parametrize(
+    "name, present, absent",
+    [
+        (
+            "resnet12",
+            [
+                "layer1.0.downsample.0.weight",
+                "layer4.0.downsample.1.running_var",
+                "layer3.0.conv3.weight",
+                "further.layers.Conv.weight",
+                "further.layers.BatchNorm.num_batches_tracked",
+                "fc2.bias",
+                "fc.weight",
+            ],
+            ["conv1.weight", "layer1.1.conv1.weight"],
+        ),
+        (
+            "conv4_64",
+            ["encoder.0.0.weight", "encoder.0.0.bias", "encoder.3.1.running_mean", "fc.bias"],
+            ["encoder.4.0.weight"],
+        ),
+        (
+            "wrn28_10",
+            ["conv1.bias", "layer1.0.shortcut.0.weight", "layer3.3.conv2.bias", "bn1.running_var", "linear.weight"],
+            ["layer1.1.shortcut.0.weight", "layer4.0.conv1.weight"],
+        ),
+        (
+            "densenet121",
+            [
+                "features.conv0.weight",
+                "features.denseblock1.denselayer1.norm1.weight",
+                "features.denseblock4.denselayer16.conv2.weight",
+                "features.transition3.conv.weight",
+                "features.norm5.bias",
+                "classifier.weight",
+            ],
+            ["features.norm0.weight", "features.denseblock1.denselayer7.conv1.weight"],
+        ),
+        (
+            "mobilenet",
+            ["conv1.weight", "bn1.bias", "layers.0.conv1.weight", "layers.12.bn2.weight", "linear.bias"],
+            ["layers.13.conv1.weight", "conv1.bias"],
+        ),
+        (
+            "resnet10",
+            ["conv1.weight", "layer2.0.downsample.0.weight", "layer4.0.bn2.weight"],
+            ["layer1.0.downsample.0.weight", "layer1.1.conv1.weight"],
+        ),
+        (
+            "resnet18",
+            ["layer1.1.conv2.weight", "layer4.0.downsample.1.weight", "fc.weight"],
+            ["layer1.0.downsample.0.weight", "layer2.1.downsample.0.weight"],
+        ),
+    ],
+)
 def test_known_release_keys(name, present, absent):
     sd = meta_build(name, num_classes=64, rotation_head=True).state_dict()
     assert set(present) <= set(sd)
@@ -172,7 +209,7 @@ def test_saved_checkpoint_reloads_with_identical_features(name, tmp_path):
     heads = name not in BIG
     src = backbones.build(name, num_classes=5, rotation_head=heads)
     src.train()
-    logits, rot = src(x)   # moves the BN running statistics away from their initial values
+    logits, rot = src(x)  # moves the BN running statistics away from their initial values
     assert logits.shape == (2, 5) and (rot.shape == (2, 4) if heads else rot is None)
     src.eval()
     with torch.no_grad():
@@ -225,6 +262,7 @@ def test_resnet12_features_can_be_negative_and_others_not():
 
 # ---- ResNet-12 regularisation ----------------------------------------------------------------
 
+
 def test_resnet12_dropout_and_dropblock_only_in_training():
     m = backbones.build("resnet12")
     x = images(16)
@@ -263,7 +301,7 @@ def test_dropblock_drops_whole_squares_and_rescales():
     kept = y[~zero]
     assert torch.allclose(kept, torch.full_like(kept, y.numel() / (~zero).sum().item()))
     # Every dropped pixel lies in a 5x5 square that is dropped entirely.
-    covered = -nn.functional.max_pool2d(-zero.float(), 5, stride=1)        # all-zero 5x5 windows
+    covered = -nn.functional.max_pool2d(-zero.float(), 5, stride=1)  # all-zero 5x5 windows
     grown = nn.functional.max_pool2d(nn.functional.pad(covered, (4, 4, 4, 4)), 5, stride=1)
     assert torch.equal(grown.bool(), zero)
     # On a 5x5 map (layer 4 at 84x84) a block is the whole map: channels are dropped whole.
@@ -273,6 +311,7 @@ def test_dropblock_drops_whole_squares_and_rescales():
 
 
 # ---- strict checkpoint loading ---------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def conv4_state() -> dict[str, torch.Tensor]:
@@ -288,8 +327,7 @@ def _same_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_load_bare_or_wrapped_with_or_without_prefix(conv4_state, tmp_path, prefix, wrapped):
     sd = {prefix + k: v for k, v in conv4_state.items()}
-    torch.save({"state_dict": sd, "arch": "conv4_64", "epoch": 3} if wrapped else sd,
-               tmp_path / "c.pth")
+    torch.save({"state_dict": sd, "arch": "conv4_64", "epoch": 3} if wrapped else sd, tmp_path / "c.pth")
     for kw in ({"num_classes": 64, "rotation_head": True}, {"num_classes": 64}, {}):
         model = backbones.build("conv4_64", **kw)
         backbones.load_checkpoint(model, tmp_path / "c.pth")
@@ -308,8 +346,9 @@ def test_heads_the_model_has_are_required(conv4_state, tmp_path):
     torch.save(sd, tmp_path / "bare.pth")
     backbones.load_checkpoint(backbones.build("conv4_64"), tmp_path / "bare.pth")
     with pytest.raises(CheckpointError) as e:
-        backbones.load_checkpoint(backbones.build("conv4_64", num_classes=64, rotation_head=True),
-                                  tmp_path / "bare.pth")
+        backbones.load_checkpoint(
+            backbones.build("conv4_64", num_classes=64, rotation_head=True), tmp_path / "bare.pth"
+        )
     msg = str(e.value)
     assert "bare.pth" in msg and "10 missing keys" in msg and "further.layers.Conv.weight" in msg
 
@@ -326,12 +365,11 @@ def test_unexpected_keys_and_shape_mismatches_are_listed(conv4_state, tmp_path):
         backbones.load_checkpoint(model, tmp_path / "c.pth")
     assert "fc.weight: checkpoint [64, 64], model [100, 64]" in str(e.value)
     assert "num_classes=64" in str(e.value)
-    assert _same_weights(model, before)          # nothing was half-loaded
+    assert _same_weights(model, before)  # nothing was half-loaded
 
 
 def test_checkpoint_of_another_architecture_is_refused_with_a_guess(conv4_state, tmp_path):
-    torch.save({"state_dict": {"module." + k: v for k, v in conv4_state.items()}},
-               tmp_path / "c.pth")
+    torch.save({"state_dict": {"module." + k: v for k, v in conv4_state.items()}}, tmp_path / "c.pth")
     with pytest.raises(CheckpointError) as e:
         backbones.load_checkpoint(backbones.build("resnet12"), tmp_path / "c.pth")
     msg = str(e.value)
@@ -340,21 +378,25 @@ def test_checkpoint_of_another_architecture_is_refused_with_a_guess(conv4_state,
     assert msg.endswith("it looks like a conv4_64 checkpoint")
     # Same key names, other widths: the shapes tell conv4_512 from conv4_64.
     other = backbones.build("conv4_512").state_dict()
-    with pytest.raises(CheckpointError, match="encoder.3.0.weight: checkpoint \\[512, 64, 3, 3\\].*"
-                                              "looks like a conv4_512 checkpoint"):
+    with pytest.raises(
+        CheckpointError, match="encoder.3.0.weight: checkpoint \\[512, 64, 3, 3\\].*looks like a conv4_512 checkpoint"
+    ):
         backbones.load_state_dict_strict(backbones.build("conv4_64"), other)
     assert backbones.guess_architecture(meta_build("resnet18").state_dict()) == ("resnet18", True)
 
 
-@pytest.mark.parametrize("content, match", [
-    (b"definitely not a checkpoint", "is not a torch checkpoint"),
-    (b"", "is not a torch checkpoint"),
-    (pickle.dumps({"state_dict": {}}), "is not a torch checkpoint"),
-    (None, "refuses to unpickle"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"definitely not a checkpoint", "is not a torch checkpoint"),
+        (b"", "is not a torch checkpoint"),
+        (pickle.dumps({"state_dict": {}}), "is not a torch checkpoint"),
+        (None, "refuses to unpickle"),
+    ],
+)
 def test_garbage_files_are_refused_naming_the_file(tmp_path, content, match):
     path = tmp_path / "bad.pth"
-    if content is None:   # a real torch file, but with a pickled object weights_only must refuse
+    if content is None:  # a real torch file, but with a pickled object weights_only must refuse
         torch.save({"state_dict": {}, "config": ConfigError("x")}, path)
     else:
         path.write_bytes(content)
@@ -377,8 +419,10 @@ def test_files_without_a_state_dict_are_refused(tmp_path):
 def test_densenet_release_fc2_keeps_its_four_rotation_rows(tmp_path):
     src = meta_build("densenet121", num_classes=64, rotation_head=True)
     g = torch.Generator().manual_seed(0)
-    sd = {k: (torch.randn(v.shape, generator=g) if v.is_floating_point()
-              else torch.zeros((), dtype=v.dtype)) for k, v in src.state_dict().items()}
+    sd = {
+        k: (torch.randn(v.shape, generator=g) if v.is_floating_point() else torch.zeros((), dtype=v.dtype))
+        for k, v in src.state_dict().items()
+    }
     sd["fc2.weight"], sd["fc2.bias"] = torch.randn(64, 1024, generator=g), torch.randn(64, generator=g)
     model = backbones.build("densenet121", num_classes=64, rotation_head=True)
     backbones.load_state_dict_strict(model, {"module." + k: v for k, v in sd.items()})

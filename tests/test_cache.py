@@ -20,9 +20,14 @@ def _raw(n: int, d: int, seed: int = 0) -> np.ndarray:
 def test_write_arrays_round_trip(tmp_path):
     x, y = _raw(12, 5), np.repeat(np.arange(3), 4)
     paths = [f"img/{i}.png" for i in range(12)]
-    p = cache.write_arrays(tmp_path / "c.h5", {"test": (x[:6], y[:6] % 2, ["t0", "t1"]),
-                                               "train": (x, y, ["a", "b", "c"], paths)},
-                           dataset="mine", backbone="bb", checkpoint_sha256="ab" * 32, image_size=84)
+    p = cache.write_arrays(
+        tmp_path / "c.h5",
+        {"test": (x[:6], y[:6] % 2, ["t0", "t1"]), "train": (x, y, ["a", "b", "c"], paths)},
+        dataset="mine",
+        backbone="bb",
+        checkpoint_sha256="ab" * 32,
+        image_size=84,
+    )
     assert cache.list_splits(p) == ["train", "test"]
     s = cache.read_split(p, "train")
     assert s.features.dtype == torch.float32 and s.features.shape == (12, 5)
@@ -69,9 +74,15 @@ def _hand_written(path, *, fixed_length_strings=False):
     """A cache written with nothing but h5py and numpy, following the schema in the docs."""
     rng = np.random.default_rng(0)
     with h5py.File(path, "w") as f:
-        for k, v in {"format": "poodle-features", "dataset": "mine", "backbone": "other-tool",
-                     "checkpoint_sha256": "none", "transform": "whatever", "created": "2024-01-01",
-                     "poodle_version": "external"}.items():
+        for k, v in {
+            "format": "poodle-features",
+            "dataset": "mine",
+            "backbone": "other-tool",
+            "checkpoint_sha256": "none",
+            "transform": "whatever",
+            "created": "2024-01-01",
+            "poodle_version": "external",
+        }.items():
             f.attrs[k] = v
         f.attrs["version"] = 1
         f.attrs["image_size"] = 84
@@ -141,23 +152,26 @@ def _mutate(path, how):
             g.create_dataset("paths", data=["a.png"], dtype=h5py.string_dtype())
 
 
-@pytest.mark.parametrize("how, message", [
-    ("foreign", "not a poodle feature cache .*format='something-else'"),
-    ("no-format", "not a poodle feature cache .*no 'format' attribute"),
-    ("missing-attr", "root attribute.* transform missing"),
-    ("version", "version 7"),
-    ("incomplete", "split 'train' is incomplete"),
-    ("float64", "features must be float32 or float16, got float64"),
-    ("int32-labels", "labels must be int64"),
-    ("norm", "row 3 has L2 norm 1.5"),
-    ("nan", "row 2 is not finite"),
-    ("label-range", r"labels row 4 is 3, outside \[0, 3\)"),
-    ("n_images", "n_images=99"),
-    ("empty-class", "class 'train2' has no rows"),
-    ("raw_mean", r"raw_mean must be finite float \[8\]"),
-    ("no-features", "train/features missing"),
-    ("paths-length", r"paths must be a string dataset \[15\]"),
-])
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("foreign", "not a poodle feature cache .*format='something-else'"),
+        ("no-format", "not a poodle feature cache .*no 'format' attribute"),
+        ("missing-attr", "root attribute.* transform missing"),
+        ("version", "version 7"),
+        ("incomplete", "split 'train' is incomplete"),
+        ("float64", "features must be float32 or float16, got float64"),
+        ("int32-labels", "labels must be int64"),
+        ("norm", "row 3 has L2 norm 1.5"),
+        ("nan", "row 2 is not finite"),
+        ("label-range", r"labels row 4 is 3, outside \[0, 3\)"),
+        ("n_images", "n_images=99"),
+        ("empty-class", "class 'train2' has no rows"),
+        ("raw_mean", r"raw_mean must be finite float \[8\]"),
+        ("no-features", "train/features missing"),
+        ("paths-length", r"paths must be a string dataset \[15\]"),
+    ],
+)
 def test_validate_names_the_problem(tmp_path, how, message):
     p = _hand_written(tmp_path / "bad.h5")
     _mutate(p, how)
@@ -192,8 +206,14 @@ def test_read_split_lists_the_complete_splits(tmp_path):
 
 
 def _writer(path, **kw):
-    args = dict(root_attrs=cache.make_root_attrs("ds", "bb", image_size=32, transform="t"), classes=["a", "b"],
-                samples_sha256="s", n_total=6, dim=4, dtype="float32")
+    args = dict(
+        root_attrs=cache.make_root_attrs("ds", "bb", image_size=32, transform="t"),
+        classes=["a", "b"],
+        samples_sha256="s",
+        n_total=6,
+        dim=4,
+        dtype="float32",
+    )
     args.update(kw)
     return cache.SplitWriter(path, "train", **args)
 
@@ -234,8 +254,14 @@ def test_split_writer_restarts_damaged_or_different_staging(tmp_path):
 
 def test_commit_keeps_other_splits_and_leaves_no_tmp(tmp_path):
     target = tmp_path / "c.h5"
-    cache.write_arrays(target, {"val": (_raw(4, 4), [0, 0, 1, 1], ["v0", "v1"])}, dataset="ds", backbone="bb",
-                       image_size=32, transform="t")
+    cache.write_arrays(
+        target,
+        {"val": (_raw(4, 4), [0, 0, 1, 1], ["v0", "v1"])},
+        dataset="ds",
+        backbone="bb",
+        image_size=32,
+        transform="t",
+    )
     w = _writer(target, n_total=2)
     w.append(_raw(2, 4, seed=3), [0, 1], ["a", "b"])
     w.commit()

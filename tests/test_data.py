@@ -16,8 +16,8 @@ from poodle.data import ImageDataset, checked, resolve_dataset
 from poodle.data.transforms import IMAGENET_MEAN, IMAGENET_STD, ImageJitter, eval_transform, train_transform
 from poodle.errors import ConfigError, DataError
 
-
 # --------------------------------------------------------------------------------------- transforms
+
 
 def test_eval_transform_is_resize_96_then_centre_crop_84():
     rng = np.random.default_rng(0)
@@ -27,7 +27,7 @@ def test_eval_transform_is_resize_96_then_centre_crop_84():
     # by hand: shorter side 120 -> 96, so 200 -> 160; crop the centre 84x84; ImageNet normalisation
     small = np.asarray(img.resize((160, 96), Image.BILINEAR), dtype=np.float32) / 255
     top, left = (96 - 84) // 2, (160 - 84) // 2
-    crop = small[top:top + 84, left:left + 84]
+    crop = small[top : top + 84, left : left + 84]
     ref = (crop - np.array(IMAGENET_MEAN)) / np.array(IMAGENET_STD)
     np.testing.assert_allclose(x.permute(1, 2, 0).numpy(), ref, rtol=0, atol=1e-5)
     assert "resize shorter side to 96" in eval_transform(84).description
@@ -62,6 +62,7 @@ def test_train_transform_jitters_brightness_contrast_colour_in_order():
 
 
 # ------------------------------------------------------------------------------------------ layouts
+
 
 def test_folder_layout(tmp_path):
     _images.write_folder(tmp_path, {"train": 3, "test": 2}, 4, splits=("train", "test"))
@@ -147,14 +148,28 @@ def test_mini_and_tiered_presets(tmp_path):
     mini = _images.write_csv(tmp_path / "mini", {"train": 2, "test": 1}, 2, splits=("train", "test"))
     assert resolve_dataset("mini", mini).samples("test")[0][0].startswith("images/")
     # tiered as the release's split script writes it: header-less rows, specific label, PNGs in data/
-    tiered = _images.write_csv(tmp_path / "tiered", {"train": 2, "test": 2}, 2, header=False, image_dir="data",
-                               numeric_labels=True, splits=("train", "test"))
+    tiered = _images.write_csv(
+        tmp_path / "tiered",
+        {"train": 2, "test": 2},
+        2,
+        header=False,
+        image_dir="data",
+        numeric_labels=True,
+        splits=("train", "test"),
+    )
     src = resolve_dataset("tiered", tiered)
     assert len(src.samples("train")) == 4 and src.samples("train")[0][0].startswith("data/")
     assert src.classes("test") == ["2", "3"]
     # the release's own tree, with --data-root at its data/ folder
-    rel = _images.write_csv(tmp_path / "release", {"train": 1}, 2, header=False, image_dir="tiered-imagenet/data",
-                            csv_dir="split/tiered", splits=("train",))
+    rel = _images.write_csv(
+        tmp_path / "release",
+        {"train": 1},
+        2,
+        header=False,
+        image_dir="tiered-imagenet/data",
+        csv_dir="split/tiered",
+        splits=("train",),
+    )
     assert resolve_dataset("tiered", rel).samples("train")[1][0].startswith("tiered-imagenet/data/")
     with pytest.raises(DataError, match="--dataset mini: no split files"):
         resolve_dataset("mini", tmp_path / "release")
@@ -172,6 +187,7 @@ def test_glyphs_resolves_lazily_through_ensure_glyphs(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------- bad images
+
 
 def test_bad_image_in_main_process_and_in_a_worker(tmp_path):
     _images.write_folder(tmp_path, {"train": 2}, 3, splits=("train",))

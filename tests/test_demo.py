@@ -120,8 +120,7 @@ def test_cells_of_the_earlier_demo_cache_are_taken_over(first_run, tmp_path):
 
 def test_more_episodes_are_new_cells_but_the_same_backbone(first_run):
     cache, _, _ = first_run
-    result = run_demo(quick_config(cache_root=str(cache), episodes=EPISODES + 5, device="cpu",
-                                   competitors="none"))
+    result = run_demo(quick_config(cache_root=str(cache), episodes=EPISODES + 5, device="cpu", competitors="none"))
     assert result.reused["train"] and not result.reused["evaluate"]
     assert {r.label for r in result.rows} == {r.label for r in demo_rows("none")}
 

@@ -29,11 +29,14 @@ def cache(tmp_path, make_features):
     xo, yo = make_features(3, 10, 16, seed=3)
     xw, yw = make_features(3, 10, 12, seed=4)
     write_arrays(tmp_path / "other.h5", {"pool": (xo, yo, ["o0", "o1", "o2"]), "wide": (xw, yw, ["w0", "w1", "w2"])})
-    return write_arrays(tmp_path / "c.h5", {"train": (xtr, ytr, [f"b{i}" for i in range(12)]),
-                                            "test": (xte, yte, [f"t{i}" for i in range(8)])})
+    return write_arrays(
+        tmp_path / "c.h5",
+        {"train": (xtr, ytr, [f"b{i}" for i in range(12)]), "test": (xte, yte, [f"t{i}" for i in range(8)])},
+    )
 
 
 # ------------------------------------------------------------------------- sampling
+
 
 def test_episode_structure_class_major_and_labels():
     labels = _labels()
@@ -43,17 +46,17 @@ def test_episode_structure_class_major_and_labels():
     assert torch.equal(eps.query_labels[0], torch.arange(5).repeat_interleave(3))
     for e in range(20):
         rows = torch.cat([eps.support[e], eps.query[e]])
-        assert rows.unique().numel() == rows.numel()                    # images without replacement
+        assert rows.unique().numel() == rows.numel()  # images without replacement
         assert torch.equal(labels[eps.support[e]].view(5, 2)[:, 0], eps.class_ids[e])
         assert torch.equal(labels[eps.query[e]], eps.class_ids[e][eps.query_labels[e]])
-        assert eps.class_ids[e].unique().numel() == 5                   # classes without replacement
+        assert eps.class_ids[e].unique().numel() == 5  # classes without replacement
 
 
 def test_episodes_are_deterministic_and_independent_of_how_many_are_drawn():
     labels, spec = _labels(), EpisodeSpec(way=5, shot=1, query=4, imbalance=1.0, seed=7)
     a = sample_episodes(labels, spec, 12)
     b = sample_episodes(labels, spec, 12)
-    c = sample_episodes(labels, spec, 5, start=7)                          # a later chunk alone
+    c = sample_episodes(labels, spec, 5, start=7)  # a later chunk alone
     assert torch.equal(a.support, b.support) and torch.equal(a.query, b.query)
     assert torch.equal(a.support[7:], c.support) and torch.equal(a.query[7:], c.query)
     assert torch.equal(a[7:].query_labels, c.query_labels) and torch.equal(a[7:].index, c.index)
@@ -65,11 +68,19 @@ def test_the_episode_stream_without_query_classes_is_pinned():
     # README tables depend on these draws: a change to the sampler must not move them
     labels = _labels()
     bal = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=4, seed=3), 4)
-    assert bal.query[:, :6].tolist() == [[81, 70, 76, 61, 144, 127], [54, 58, 40, 53, 182, 194],
-                                         [100, 91, 90, 107, 261, 252], [1, 2, 26, 16, 139, 120]]
+    assert bal.query[:, :6].tolist() == [
+        [81, 70, 76, 61, 144, 127],
+        [54, 58, 40, 53, 182, 194],
+        [100, 91, 90, 107, 261, 252],
+        [1, 2, 26, 16, 139, 120],
+    ]
     imb = sample_episodes(labels, EpisodeSpec(way=5, shot=2, query=4, imbalance=2.0, seed=3), 4)
-    assert imb.query[:, :6].tolist() == [[72, 79, 89, 69, 88, 87], [34, 44, 46, 197, 256, 265],
-                                         [112, 101, 267, 255, 265, 251], [26, 11, 0, 13, 16, 3]]
+    assert imb.query[:, :6].tolist() == [
+        [72, 79, 89, 69, 88, 87],
+        [34, 44, 46, 197, 256, 265],
+        [112, 101, 267, 255, 265, 251],
+        [26, 11, 0, 13, 16, 3],
+    ]
     assert imb.query_labels.sum(1).tolist() == [29, 49, 50, 36]
 
 
@@ -79,7 +90,7 @@ def test_query_classes_balanced(n):
     full = sample_episodes(labels, EpisodeSpec(way=5, shot=2, query=3, seed=5), 40)
     eps = sample_episodes(labels, EpisodeSpec(way=5, shot=2, query=3, seed=5, query_classes=n), 40)
     assert eps.query.shape == (40, 3 * n) and eps.spec.n_query == 3 * n
-    assert torch.equal(eps.class_ids, full.class_ids)                   # classes drawn first, unchanged
+    assert torch.equal(eps.class_ids, full.class_ids)  # classes drawn first, unchanged
     assert torch.equal(eps.support_labels, full.support_labels)
     chosen = set()
     for e in range(40):
@@ -89,11 +100,11 @@ def test_query_classes_balanced(n):
         assert torch.equal(labels[eps.query[e]], eps.class_ids[e][eps.query_labels[e]])
         rows = torch.cat([eps.support[e], eps.query[e]])
         assert rows.unique().numel() == rows.numel()
-    assert len(chosen) > (1 if n in (1, 4) else 5)                      # chosen afresh per episode
+    assert len(chosen) > (1 if n in (1, 4) else 5)  # chosen afresh per episode
 
 
 def test_query_classes_dirichlet_stays_within_the_chosen_classes():
-    labels = _labels(per_class=8)                                       # capacity 7 per class at 1 shot
+    labels = _labels(per_class=8)  # capacity 7 per class at 1 shot
     eps = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=6, imbalance=0.5, seed=2, query_classes=2), 60)
     assert eps.query.shape == (60, 12)
     sizes = set()
@@ -101,7 +112,7 @@ def test_query_classes_dirichlet_stays_within_the_chosen_classes():
         present, counts = eps.query_labels[e].unique(return_counts=True)
         assert len(present) <= 2 and counts.sum() == 12 and (counts <= 7).all()
         sizes.add(tuple(sorted(counts.tolist())))
-    assert len(sizes) > 1                                                # imbalanced, capped at 7
+    assert len(sizes) > 1  # imbalanced, capped at 7
 
 
 def test_query_classes_is_validated_and_saved(tmp_path):
@@ -129,11 +140,11 @@ def test_imbalanced_counts_vary_and_sum_exactly():
     eps = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=6, imbalance=0.5, seed=1), 200)
     counts = torch.stack([torch.bincount(q, minlength=5) for q in eps.query_labels])
     assert (counts.sum(1) == 30).all()
-    assert counts.max() > 12 and (counts == 0).any()                      # kappa 0.5 is very skewed
-    assert (eps.query_labels.diff(dim=1) >= 0).all()                      # class-major
+    assert counts.max() > 12 and (counts == 0).any()  # kappa 0.5 is very skewed
+    assert (eps.query_labels.diff(dim=1) >= 0).all()  # class-major
     bal = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=6, imbalance=100.0, seed=1), 200)
     cb = torch.stack([torch.bincount(q, minlength=5) for q in bal.query_labels])
-    assert cb.float().std() < counts.float().std() / 2                    # kappa large: near balanced
+    assert cb.float().std() < counts.float().std() / 2  # kappa large: near balanced
 
 
 def test_largest_remainder_rounding_and_capacity():
@@ -141,19 +152,28 @@ def test_largest_remainder_rounding_and_capacity():
     # 10 * p = 5.2, 2.7, 2.1: floors 5, 2, 2 and the one left goes to the largest remainder (0.7)
     assert imbalanced_counts(p, 10, torch.tensor([99, 99, 99])).tolist() == [5, 3, 2]
     # ties go to the lower label
-    assert imbalanced_counts(torch.full((4,), 0.25, dtype=torch.float64), 6, torch.tensor([9] * 4)).tolist() == [2, 2, 1, 1]
+    assert imbalanced_counts(torch.full((4,), 0.25, dtype=torch.float64), 6, torch.tensor([9] * 4)).tolist() == [
+        2,
+        2,
+        1,
+        1,
+    ]
     # a class without enough images keeps all it has; the rest is spread by the others' shares
-    assert imbalanced_counts(torch.tensor([0.9, 0.06, 0.04], dtype=torch.float64), 30,
-                             torch.tensor([10, 100, 100])).tolist() == [10, 12, 8]
+    assert imbalanced_counts(
+        torch.tensor([0.9, 0.06, 0.04], dtype=torch.float64), 30, torch.tensor([10, 100, 100])
+    ).tolist() == [10, 12, 8]
 
 
-@pytest.mark.parametrize("spec,match", [
-    (EpisodeSpec(way=11), "has 10 classes"),
-    (EpisodeSpec(way=0), "way must be an integer >= 2"),
-    (EpisodeSpec(shot=0), "shot must be a positive integer"),
-    (EpisodeSpec(query=-1), "query must be a positive integer"),
-    (EpisodeSpec(imbalance=0.0), "imbalance"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        (EpisodeSpec(way=11), "has 10 classes"),
+        (EpisodeSpec(way=0), "way must be an integer >= 2"),
+        (EpisodeSpec(shot=0), "shot must be a positive integer"),
+        (EpisodeSpec(query=-1), "query must be a positive integer"),
+        (EpisodeSpec(imbalance=0.0), "imbalance"),
+    ],
+)
 def test_impossible_settings_are_rejected(spec, match):
     with pytest.raises(EpisodeError, match=match):
         sample_episodes(_labels(), spec, 3)
@@ -162,13 +182,16 @@ def test_impossible_settings_are_rejected(spec, match):
 def test_short_classes_are_named():
     labels = torch.cat([_labels(6, 20), torch.full((5,), 6), torch.full((3,), 7)])
     names = [f"n{i:02d}" for i in range(8)]
-    with pytest.raises(EpisodeError, match=r"2 class\(es\) have fewer than shot \+ query = 16 images: n06 \(5\), n07 \(3\)"):
+    with pytest.raises(
+        EpisodeError, match=r"2 class\(es\) have fewer than shot \+ query = 16 images: n06 \(5\), n07 \(3\)"
+    ):
         sample_episodes(labels, EpisodeSpec(shot=1, query=15), 3, classes=names)
     with pytest.raises(EpisodeError, match="positive integer"):
         sample_episodes(_labels(), EpisodeSpec(), 0)
 
 
 # ------------------------------------------------------------------------- files
+
 
 def test_save_load_round_trip_with_negatives(tmp_path):
     labels = _labels()
@@ -188,7 +211,8 @@ def test_save_load_round_trip_with_negatives(tmp_path):
 def test_loading_rejects_files_that_do_not_fit(tmp_path):
     labels = _labels()
     eps = sample_episodes(labels, EpisodeSpec(way=5, shot=1, query=3), 4).with_negatives(
-        sample_indices(50, torch.arange(4), 5, 0), "base")
+        sample_indices(50, torch.arange(4), 5, 0), "base"
+    )
     path = save_episodes(tmp_path / "e.h5", eps)
     with pytest.raises(EpisodeError, match="split has 40 rows"):
         load_episodes(path, labels=labels[:40])
@@ -210,33 +234,42 @@ def test_loading_rejects_files_that_do_not_fit(tmp_path):
 
 # ------------------------------------------------------------------------- negatives
 
+
 def test_generated_negatives_are_normalised_and_per_episode():
     r = generate("random", torch.tensor([3, 4]), 50, 64, seed=1)
     assert r.shape == (2, 50, 64) and torch.allclose(r.norm(dim=-1), torch.ones(2, 50), atol=1e-5)
-    assert (r >= 0).all()                                                 # the authors' positive orthant
+    assert (r >= 0).all()  # the authors' positive orthant
     diag = torch.full((64,), 1 / 8.0)
     assert abs(float((r @ diag).mean()) - math.sqrt(3) / 2) < 0.02
     s = generate("sphere", torch.tensor([3, 4]), 50, 64, seed=1)
     assert abs(float((s @ diag).mean())) < 0.05 and (s < 0).any()
     assert torch.equal(generate("random", torch.tensor([4]), 50, 64, seed=1)[0], r[1])  # chunk independent
-    assert torch.equal(sample_indices(100, torch.tensor([5, 6]), 9, 2)[1], sample_indices(100, torch.tensor([6]), 9, 2)[0])
+    assert torch.equal(
+        sample_indices(100, torch.tensor([5, 6]), 9, 2)[1], sample_indices(100, torch.tensor([6]), 9, 2)[0]
+    )
 
 
 # ------------------------------------------------------------------------- evaluate
+
 
 def test_evaluate_identical_for_any_chunk_size(cache):
     test = read_split(cache, "test")
     eps = sample_episodes(test.labels, EpisodeSpec(way=5, shot=1, query=5, seed=2), 15)
     methods = [("p", "proto", None), ("po", "poodle", {"steps": 20, "transductive": True})]
-    runs = [evaluate(test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=c,
-                     dtype=torch.float64) for c in (1, 7, 15)]
+    runs = [
+        evaluate(
+            test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=c, dtype=torch.float64
+        )
+        for c in (1, 7, 15)
+    ]
     for r in runs[1:]:
         for k in ("p", "po"):
             assert torch.equal(r[k], runs[0][k]) and r[k].dtype == torch.float64
     auto_stats: dict = {}
-    auto = evaluate(test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, max_memory=40_000,
-                    stats=auto_stats)
-    assert 1 <= auto_stats["chunk_size"] < 15                             # the memory bound sets the chunk
+    auto = evaluate(
+        test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, max_memory=40_000, stats=auto_stats
+    )
+    assert 1 <= auto_stats["chunk_size"] < 15  # the memory bound sets the chunk
     assert torch.equal(auto["p"], runs[0]["p"])
 
 
@@ -245,13 +278,17 @@ def test_evaluate_identical_for_any_number_of_workers(cache):
     eps = sample_episodes(test.labels, EpisodeSpec(way=5, shot=1, query=5, seed=3), 13)
     methods = [("po", "poodle", {"steps": 15, "transductive": True})]
     stats: list[dict] = [{}, {}, {}]
-    runs = [evaluate(test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=2,
-                     workers=w, stats=st) for w, st in zip((1, 2, 3), stats)]
+    runs = [
+        evaluate(
+            test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=2, workers=w, stats=st
+        )
+        for w, st in zip((1, 2, 3), stats)
+    ]
     assert [st["workers"] for st in stats] == [1, 2, 3]
     assert torch.equal(runs[1]["po"], runs[0]["po"]) and torch.equal(runs[2]["po"], runs[0]["po"])
     before = torch.get_num_threads()
     evaluate(test, eps[:4], methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=1, workers=2)
-    assert torch.get_num_threads() == before                             # the thread setting is restored
+    assert torch.get_num_threads() == before  # the thread setting is restored
     with pytest.raises(ConfigError, match="workers must be at least 1"):
         evaluate(test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, workers=0)
 
@@ -261,10 +298,12 @@ def test_evaluate_negative_sources(cache, source):
     test = read_split(cache, "test")
     source = source.replace("OTHER", str(cache.parent / "other.h5"))
     eps = sample_episodes(test.labels, EpisodeSpec(way=3, shot=1, query=3), 4)
-    r1 = evaluate(test, eps, [("n", "naive-ood", {"steps": 5})], negatives=NegativeSpec(source, 8),
-                  cache_path=cache, chunk_size=1)
-    r2 = evaluate(test, eps, [("n", "naive-ood", {"steps": 5})], negatives=NegativeSpec(source, 8),
-                  cache_path=cache, chunk_size=4)
+    r1 = evaluate(
+        test, eps, [("n", "naive-ood", {"steps": 5})], negatives=NegativeSpec(source, 8), cache_path=cache, chunk_size=1
+    )
+    r2 = evaluate(
+        test, eps, [("n", "naive-ood", {"steps": 5})], negatives=NegativeSpec(source, 8), cache_path=cache, chunk_size=4
+    )
     assert torch.equal(r1["n"], r2["n"])
 
 
@@ -313,16 +352,27 @@ def test_evaluate_on_a_stream_equals_the_drawn_set(cache):
     spec = EpisodeSpec(way=5, shot=1, query=5, seed=4)
     methods = [("p", "proto", None), ("po", "poodle", {"steps": 10, "transductive": True})]
     neg = NegativeSpec("base", 20)
-    ref = evaluate(test, sample_episodes(test.labels, spec, 11), methods, negatives=neg, cache_path=cache,
-                   chunk_size=11, workers=1)
+    ref = evaluate(
+        test, sample_episodes(test.labels, spec, 11), methods, negatives=neg, cache_path=cache, chunk_size=11, workers=1
+    )
     stats: dict = {}
-    got = evaluate(test, EpisodeStream(test.labels, spec, 11), methods, negatives=neg, cache_path=cache,
-                   chunk_size=3, workers=2, stats=stats)
+    got = evaluate(
+        test,
+        EpisodeStream(test.labels, spec, 11),
+        methods,
+        negatives=neg,
+        cache_path=cache,
+        chunk_size=3,
+        workers=2,
+        stats=stats,
+    )
     for k in ("p", "po"):
         assert torch.equal(got[k], ref[k])
     assert stats["n_chunks"] == 4 and stats["first_chunk_s"] > 0
-    gen = [evaluate(test, e, [("n", "naive-ood", {"steps": 3})], negatives=NegativeSpec("sphere", 6), chunk_size=c)
-           for e, c in ((sample_episodes(test.labels, spec, 5), 5), (EpisodeStream(test.labels, spec, 5), 2))]
+    gen = [
+        evaluate(test, e, [("n", "naive-ood", {"steps": 3})], negatives=NegativeSpec("sphere", 6), chunk_size=c)
+        for e, c in ((sample_episodes(test.labels, spec, 5), 5), (EpisodeStream(test.labels, spec, 5), 2))
+    ]
     assert torch.equal(gen[0]["n"], gen[1]["n"])
 
 
@@ -331,9 +381,17 @@ def test_evaluate_ramps_up_its_first_chunks_without_changing_results(cache):
     stream = EpisodeStream(test.labels, EpisodeSpec(way=5, shot=1, query=5, seed=6), 40)
     methods = [("po", "poodle", {"steps": 5, "transductive": True})]
     stats: dict = {}
-    ramped = evaluate(test, stream, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=4,
-                      workers=2, stats=stats)
-    assert stats["chunk_size"] == 4 and stats["n_chunks"] == 12             # 1, 2, then 4 + ... + 4 + 1
+    ramped = evaluate(
+        test,
+        stream,
+        methods,
+        negatives=NegativeSpec("base", 20),
+        cache_path=cache,
+        chunk_size=4,
+        workers=2,
+        stats=stats,
+    )
+    assert stats["chunk_size"] == 4 and stats["n_chunks"] == 12  # 1, 2, then 4 + ... + 4 + 1
     whole = evaluate(test, stream, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=40)
     assert torch.equal(ramped["po"], whole["po"])
 
@@ -383,6 +441,6 @@ def test_summarize_and_paired_difference_numbers():
     acc = torch.tensor([0.5, 0.7, 0.9, 0.7], dtype=torch.float64)
     mean, ci = summarize(acc)
     assert mean == pytest.approx(0.7)
-    assert ci == pytest.approx(1.96 * math.sqrt(0.02) / 2)               # population std 0.1414, n = 4
+    assert ci == pytest.approx(1.96 * math.sqrt(0.02) / 2)  # population std 0.1414, n = 4
     d, dci = paired_difference(acc, acc - torch.tensor([0.1, 0.1, 0.2, 0.0], dtype=torch.float64))
     assert d == pytest.approx(0.1) and dci == pytest.approx(1.96 * math.sqrt(0.005) / 2)

@@ -27,15 +27,18 @@ SIZE = 64
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return _images.write_folder(tmp_path_factory.mktemp("data"), {"train": 2, "test": 2}, 3, size=48,
-                                splits=("train", "test"))
+    return _images.write_folder(
+        tmp_path_factory.mktemp("data"), {"train": 2, "test": 2}, 3, size=48, splits=("train", "test")
+    )
 
 
 @pytest.fixture
 def no_network(monkeypatch):
     """Any socket connection fails the test: nothing may be fetched."""
+
     def refuse(*args, **kwargs):
         raise AssertionError(f"network access attempted: {args}")
+
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
 
@@ -83,8 +86,18 @@ def test_torchvision_resnet18_cached_rows_are_its_pre_logits(data, tmp_path, no_
     ck = tmp_path / "r18.pth"
     # a DataParallel-style file under "model": both wrappers are looked through
     torch.save({"model": {"module." + k: v for k, v in net.state_dict().items()}, "epoch": 3}, ck)
-    path = extract("folder", "torchvision:resnet18", data_root=data, checkpoint=ck, image_size=SIZE, batch_size=4,
-                   cache_root=tmp_path / "c", workers=0, device="cpu", splits="train,test")
+    path = extract(
+        "folder",
+        "torchvision:resnet18",
+        data_root=data,
+        checkpoint=ck,
+        image_size=SIZE,
+        batch_size=4,
+        cache_root=tmp_path / "c",
+        workers=0,
+        device="cpu",
+        splits="train,test",
+    )
     assert path.name == "torchvision-resnet18.h5"
     attrs = read_attrs(path)
     assert attrs["backbone"] == "torchvision:resnet18" and attrs["image_size"] == SIZE
@@ -103,13 +116,22 @@ def test_timm_model_from_safetensors_uses_its_data_config(data, tmp_path, no_net
     from timm.data import create_transform, resolve_data_config
 
     torch.manual_seed(4)
-    net = timm.create_model("test_efficientnet", pretrained=False)   # with its 1000-way classifier
+    net = timm.create_model("test_efficientnet", pretrained=False)  # with its 1000-way classifier
     _randomise_bn(net)
     net.eval()
     ck = tmp_path / "te.safetensors"
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(ck))
-    path = extract("folder", "timm:test_efficientnet", data_root=data, checkpoint=ck, batch_size=4,
-                   cache_root=tmp_path / "c", workers=0, device="cpu", splits="test")
+    path = extract(
+        "folder",
+        "timm:test_efficientnet",
+        data_root=data,
+        checkpoint=ck,
+        batch_size=4,
+        cache_root=tmp_path / "c",
+        workers=0,
+        device="cpu",
+        splits="test",
+    )
     cfg = resolve_data_config({}, model=net)
     attrs = read_attrs(path)
     assert attrs["image_size"] == cfg["input_size"][-1] == 160
@@ -125,11 +147,21 @@ def test_timm_vit_at_another_image_size_loads_its_default_size_checkpoint(data, 
     timm = pytest.importorskip("timm")
 
     torch.manual_seed(5)
-    net = timm.create_model("test_vit", pretrained=False).eval()        # built for 160 px
+    net = timm.create_model("test_vit", pretrained=False).eval()  # built for 160 px
     ck = tmp_path / "vit.pth"
     torch.save(net.state_dict(), ck)
-    path = extract("folder", "timm:test_vit", data_root=data, checkpoint=ck, image_size=64, batch_size=8,
-                   cache_root=tmp_path / "c", workers=0, device="cpu", splits="test")
+    path = extract(
+        "folder",
+        "timm:test_vit",
+        data_root=data,
+        checkpoint=ck,
+        image_size=64,
+        batch_size=8,
+        cache_root=tmp_path / "c",
+        workers=0,
+        device="cpu",
+        splits="test",
+    )
     assert read_attrs(path)["image_size"] == 64
     ref = timm.create_model("test_vit", pretrained=False, dynamic_img_size=True).eval()
     ref.load_state_dict(net.state_dict())
@@ -159,8 +191,10 @@ def test_another_models_state_dict_is_refused_with_the_keys(tmp_path):
         backbones.load_checkpoint(model, bad)
 
 
-@pytest.mark.parametrize("name", ["mobilenet_v3_small", "squeezenet1_1", "shufflenet_v2_x0_5", "efficientnet_b0",
-                                  "regnet_x_400mf", "densenet121"])
+@pytest.mark.parametrize(
+    "name",
+    ["mobilenet_v3_small", "squeezenet1_1", "shufflenet_v2_x0_5", "efficientnet_b0", "regnet_x_400mf", "densenet121"],
+)
 def test_torchvision_families_give_the_input_of_their_classifier(name):
     import torchvision
 
@@ -231,12 +265,25 @@ def test_a_builder_that_downloads_is_a_clear_error(monkeypatch, no_network):
 
 
 def test_without_timm_the_error_says_how_to_install_it(monkeypatch, data, tmp_path):
-    monkeypatch.setitem(sys.modules, "timm", None)      # import timm -> ImportError
+    monkeypatch.setitem(sys.modules, "timm", None)  # import timm -> ImportError
     monkeypatch.setitem(sys.modules, "timm.data", None)
     with pytest.raises(ConfigError, match=r"pip install 'poodle\[timm\]'"):
         build_external("timm:resnet10t")
-    result = CliRunner().invoke(extract_cmd, ["--dataset", "folder", "--data-root", str(data), "--backbone",
-                                              "timm:resnet10t", "--cache-root", str(tmp_path), "--workers", "0"])
+    result = CliRunner().invoke(
+        extract_cmd,
+        [
+            "--dataset",
+            "folder",
+            "--data-root",
+            str(data),
+            "--backbone",
+            "timm:resnet10t",
+            "--cache-root",
+            str(tmp_path),
+            "--workers",
+            "0",
+        ],
+    )
     assert result.exit_code == 1
     assert TIMM_HINT in " ".join(result.output.split()) and result.output.count("error:") == 1
     listing = CliRunner().invoke(extract_cmd, ["--list-backbones"])

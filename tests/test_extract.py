@@ -47,8 +47,17 @@ def ckpt(tmp_path_factory):
 def reference(data, ckpt, tmp_path_factory):
     """An uninterrupted extraction of all three splits."""
     root = tmp_path_factory.mktemp("ref")
-    return extract("folder", "conv4_64", data_root=data, checkpoint=ckpt, image_size=SIZE, batch_size=4,
-                   cache_root=root, workers=0, device="cpu")
+    return extract(
+        "folder",
+        "conv4_64",
+        data_root=data,
+        checkpoint=ckpt,
+        image_size=SIZE,
+        batch_size=4,
+        cache_root=root,
+        workers=0,
+        device="cpu",
+    )
 
 
 def _cli(*args):
@@ -109,8 +118,9 @@ def _interrupt_after(split, batches):
 
 
 def test_interrupted_run_resumes_to_the_same_cache(reference, data, ckpt, tmp_path, monkeypatch):
-    kw = dict(data_root=data, checkpoint=ckpt, image_size=SIZE, batch_size=4, cache_root=tmp_path, workers=0,
-              device="cpu")
+    kw = dict(
+        data_root=data, checkpoint=ckpt, image_size=SIZE, batch_size=4, cache_root=tmp_path, workers=0, device="cpu"
+    )
     factory, _ = _interrupt_after("val", 2)
     with pytest.raises(_Stop):
         extract("folder", "conv4_64", progress_factory=factory, **kw)
@@ -132,13 +142,24 @@ def test_interrupted_run_resumes_to_the_same_cache(reference, data, ckpt, tmp_pa
 
 
 def test_float16_cache(reference, data, ckpt, tmp_path):
-    out = extract("folder", "conv4_64", data_root=data, checkpoint=ckpt, image_size=SIZE, cache_root=tmp_path,
-                  workers=0, splits="test", dtype="float16", tag="half")
+    out = extract(
+        "folder",
+        "conv4_64",
+        data_root=data,
+        checkpoint=ckpt,
+        image_size=SIZE,
+        cache_root=tmp_path,
+        workers=0,
+        splits="test",
+        dtype="float16",
+        tag="half",
+    )
     assert out.name == "conv4_64-half.h5" and cache.list_splits(out) == ["test"]
     with h5py.File(out) as f:
         assert f["test/features"].dtype == np.float16
-    torch.testing.assert_close(cache.read_split(out, "test").features, cache.read_split(reference, "test").features,
-                               rtol=0, atol=1e-3)
+    torch.testing.assert_close(
+        cache.read_split(out, "test").features, cache.read_split(reference, "test").features, rtol=0, atol=1e-3
+    )
     assert cache.validate(out)["splits"]["test"]["dtype"] == "float16"
 
 
@@ -153,8 +174,24 @@ def test_another_checkpoints_cache_is_refused_without_force(reference, data, tmp
     dst = _copy_reference(reference, tmp_path)
     before = file_sha256(dst)
     other = _checkpoint(tmp_path / "other.pth.tar", seed=2)
-    args = ["--dataset", "folder", "--data-root", data, "--backbone", "conv4_64", "--checkpoint", other,
-            "--image-size", SIZE, "--cache-root", tmp_path, "--workers", 0, "--splits", "test"]
+    args = [
+        "--dataset",
+        "folder",
+        "--data-root",
+        data,
+        "--backbone",
+        "conv4_64",
+        "--checkpoint",
+        other,
+        "--image-size",
+        SIZE,
+        "--cache-root",
+        tmp_path,
+        "--workers",
+        0,
+        "--splits",
+        "test",
+    ]
     r = _cli(*args)
     assert r.exit_code == 1
     assert f"error: {dst} holds features made with checkpoint_sha256=" in r.output and "--force" in r.output
@@ -166,14 +203,33 @@ def test_another_checkpoints_cache_is_refused_without_force(reference, data, tmp
     assert str(dst) in r.output and "test" in r.output
 
 
-@pytest.mark.parametrize("change, message", [
-    (["--image-size", 36], "image_size="),
-    (["--dtype", "float16"], "split 'test' is stored as float32 (this run: --dtype float16)"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (["--image-size", 36], "image_size="),
+        (["--dtype", "float16"], "split 'test' is stored as float32 (this run: --dtype float16)"),
+    ],
+)
 def test_other_settings_are_refused(reference, data, ckpt, tmp_path, change, message):
     _copy_reference(reference, tmp_path)
-    args = ["--dataset", "folder", "--data-root", data, "--backbone", "conv4_64", "--checkpoint", ckpt,
-            "--image-size", SIZE, "--cache-root", tmp_path, "--workers", 0, "--splits", "test"]
+    args = [
+        "--dataset",
+        "folder",
+        "--data-root",
+        data,
+        "--backbone",
+        "conv4_64",
+        "--checkpoint",
+        ckpt,
+        "--image-size",
+        SIZE,
+        "--cache-root",
+        tmp_path,
+        "--workers",
+        0,
+        "--splits",
+        "test",
+    ]
     r = _cli(*args, *change)
     assert r.exit_code == 1 and message in r.output and "--force" in r.output
 
@@ -182,8 +238,22 @@ def test_foreign_file_is_refused_then_replaced_with_force(data, tmp_path):
     dst = tmp_path / "folder" / "conv4_64.h5"
     dst.parent.mkdir(parents=True)
     dst.write_text("my notes")
-    args = ["--dataset", "folder", "--data-root", data, "--backbone", "conv4_64", "--image-size", SIZE,
-            "--cache-root", tmp_path, "--workers", 0, "--splits", "val"]
+    args = [
+        "--dataset",
+        "folder",
+        "--data-root",
+        data,
+        "--backbone",
+        "conv4_64",
+        "--image-size",
+        SIZE,
+        "--cache-root",
+        tmp_path,
+        "--workers",
+        0,
+        "--splits",
+        "val",
+    ]
     r = _cli(*args)
     assert r.exit_code == 1 and "not a poodle feature cache" in r.output and "--force" in r.output
     assert dst.read_text() == "my notes"
@@ -194,8 +264,22 @@ def test_foreign_file_is_refused_then_replaced_with_force(data, tmp_path):
 def test_bad_image_stops_or_is_skipped_and_recorded(tmp_path):
     data = _images.write_folder(tmp_path / "data", {"test": 2}, 4, size=SIZE, splits=("test",))
     bad = _images.write_bad_image(data / "test" / "test_c01" / "002.png")
-    args = ["--dataset", "folder", "--data-root", data, "--backbone", "conv4_64", "--image-size", SIZE,
-            "--cache-root", tmp_path / "cache", "--splits", "test", "--batch-size", 3]
+    args = [
+        "--dataset",
+        "folder",
+        "--data-root",
+        data,
+        "--backbone",
+        "conv4_64",
+        "--image-size",
+        SIZE,
+        "--cache-root",
+        tmp_path / "cache",
+        "--splits",
+        "test",
+        "--batch-size",
+        3,
+    ]
     for workers in (0, 1):  # in a DataLoader worker too, the error names the image, without a traceback
         r = _cli(*args, "--workers", workers)
         assert r.exit_code == 1
@@ -216,8 +300,23 @@ def test_skipping_every_image_of_a_class_is_an_error(tmp_path):
     data = _images.write_folder(tmp_path / "data", {"test": 2}, 2, size=SIZE, splits=("test",))
     for i in range(2):
         _images.write_bad_image(data / "test" / "test_c00" / f"00{i}.png")
-    r = _cli("--dataset", "folder", "--data-root", data, "--backbone", "conv4_64", "--image-size", SIZE,
-             "--cache-root", tmp_path / "cache", "--splits", "test", "--workers", 0, "--skip-bad")
+    r = _cli(
+        "--dataset",
+        "folder",
+        "--data-root",
+        data,
+        "--backbone",
+        "conv4_64",
+        "--image-size",
+        SIZE,
+        "--cache-root",
+        tmp_path / "cache",
+        "--splits",
+        "test",
+        "--workers",
+        0,
+        "--skip-bad",
+    )
     assert r.exit_code == 1 and "class 'test_c00' has no images left" in r.output
     assert _h5_files(tmp_path / "cache") == []
 
@@ -231,20 +330,29 @@ def _bad_inputs(tmp_path, ckpt):
     wrong = _checkpoint(tmp_path / "c512.pth.tar", seed=0, arch="conv4_512")
     return [
         (["--dataset", "csv", "--data-root", tmp_path / "absent"], f"data root {tmp_path / 'absent'} does not exist"),
-        (["--dataset", "csv", "--data-root", csv_root, "--splits", "train,val"],
-         f"split file {csv_root / 'val.csv'} does not exist"),
-        (["--dataset", "csv", "--data-root", holey, "--splits", "train"],
-         f"{holey / 'train.csv'} line 5: image {holey / 'images' / 'train_n00000001_0001.png'} does not exist"),
+        (
+            ["--dataset", "csv", "--data-root", csv_root, "--splits", "train,val"],
+            f"split file {csv_root / 'val.csv'} does not exist",
+        ),
+        (
+            ["--dataset", "csv", "--data-root", holey, "--splits", "train"],
+            f"{holey / 'train.csv'} line 5: image {holey / 'images' / 'train_n00000001_0001.png'} does not exist",
+        ),
         (["--dataset", "folder", "--data-root", empty, "--splits", "train"], "class 'train_c09' has no images"),
-        (["--dataset", "csv", "--data-root", csv_root, "--splits", "train", "--backbone", "resnet99"],
-         "unknown backbone 'resnet99'; known backbones: conv4_512, conv4_64"),
-        (["--dataset", "csv", "--data-root", csv_root, "--splits", "train", "--checkpoint", wrong],
-         f"checkpoint {wrong} does not fit conv4_64"),
-        (["--dataset", "csv", "--data-root", csv_root, "--splits", "train", "--checkpoint", tmp_path / "nope.pt"],
-         f"checkpoint {tmp_path / 'nope.pt'} does not exist"),
+        (
+            ["--dataset", "csv", "--data-root", csv_root, "--splits", "train", "--backbone", "resnet99"],
+            "unknown backbone 'resnet99'; known backbones: conv4_512, conv4_64",
+        ),
+        (
+            ["--dataset", "csv", "--data-root", csv_root, "--splits", "train", "--checkpoint", wrong],
+            f"checkpoint {wrong} does not fit conv4_64",
+        ),
+        (
+            ["--dataset", "csv", "--data-root", csv_root, "--splits", "train", "--checkpoint", tmp_path / "nope.pt"],
+            f"checkpoint {tmp_path / 'nope.pt'} does not exist",
+        ),
         # cheap checks come first: a missing split file is reported before the (bad) checkpoint is read
-        (["--dataset", "csv", "--data-root", csv_root, "--splits", "val", "--checkpoint", wrong],
-         "split file"),
+        (["--dataset", "csv", "--data-root", csv_root, "--splits", "val", "--checkpoint", wrong], "split file"),
     ]
 
 

@@ -55,17 +55,14 @@ def test_instances_cycle_through_every_face_of_the_class(classes):
 
 
 def test_generation_is_deterministic_for_any_worker_count(tmp_path):
-    m1 = g.generate_glyphs(tmp_path / "a", seed=0, alphabets=SUBSET, max_per_alphabet=4,
-                           instances=3, workers=1)
-    m2 = g.generate_glyphs(tmp_path / "b", seed=0, alphabets=SUBSET, max_per_alphabet=4,
-                           instances=3, workers=2)
-    m3 = g.generate_glyphs(tmp_path / "c", seed=1, alphabets=SUBSET, max_per_alphabet=4,
-                           instances=3, workers=1)
+    m1 = g.generate_glyphs(tmp_path / "a", seed=0, alphabets=SUBSET, max_per_alphabet=4, instances=3, workers=1)
+    m2 = g.generate_glyphs(tmp_path / "b", seed=0, alphabets=SUBSET, max_per_alphabet=4, instances=3, workers=2)
+    m3 = g.generate_glyphs(tmp_path / "c", seed=1, alphabets=SUBSET, max_per_alphabet=4, instances=3, workers=1)
     a, b, c = _files(tmp_path / "a"), _files(tmp_path / "b"), _files(tmp_path / "c")
     assert len(a) == 5 * 4 * 3 == m1["n_images"]
     assert a == b and m1["checksum"] == m2["checksum"]
     assert a.keys() == c.keys() and m3["checksum"] != m1["checksum"]
-    assert sum(a[k] != c[k] for k in a) == len(a)     # every image changes with the seed
+    assert sum(a[k] != c[k] for k in a) == len(a)  # every image changes with the seed
 
 
 def test_splits_are_disjoint_in_classes_and_alphabets(tmp_path):
@@ -89,7 +86,7 @@ def test_images_are_grey_28px_pngs_and_no_class_is_blank(tmp_path, classes):
             assert im.mode == "L" and im.size == (28, 28)
     paths = {f.name: f.path for f in faces()}
     for c in classes[::7]:
-        for name in c.faces:   # every face listed for a class really draws it (no empty box)
+        for name in c.faces:  # every face listed for a class really draws it (no empty box)
             assert clean_frame(paths[name], c.codepoint, 28).max() > 0.5, (c.name, name)
         rng = np.random.default_rng(0)
         assert render_ink(paths[c.faces[0]], c.codepoint, 28, rng, g.Distortion()).max() > 0.2
@@ -105,7 +102,7 @@ def test_faces_come_from_matplotlib_and_skip_missing_glyphs(classes):
         assert len(c.faces) >= 6
         for name in c.faces:
             assert c.codepoint in face_covers(by_name[name])
-        if set(c.faces) & cm:   # Computer Modern only draws ASCII letters and digits
+        if set(c.faces) & cm:  # Computer Modern only draws ASCII letters and digits
             assert c.char.isascii() and c.char.isalnum()
     armenian = [c for c in classes if c.alphabet == "armenian"]
     assert armenian and all(not any(f.startswith("STIX") for f in c.faces) for c in armenian)
@@ -113,8 +110,8 @@ def test_faces_come_from_matplotlib_and_skip_missing_glyphs(classes):
 
 def test_lookalikes_across_scripts_are_kept_once(classes):
     chars = {c.char for c in classes}
-    assert "A" in chars and "\u0391" not in chars and "\u0410" not in chars   # Latin/Greek/Cyrillic A
-    assert "\u03b1" in chars and "\u0436" in chars                           # alpha, zhe stay
+    assert "A" in chars and "\u0391" not in chars and "\u0410" not in chars  # Latin/Greek/Cyrillic A
+    assert "\u03b1" in chars and "\u0436" in chars  # alpha, zhe stay
     removed = dict(g.removed_lookalikes(SUBSET))
     assert removed["\u0391"] == "A" and removed["\u0410"] == "A"
     # No accented or compatibility forms.
@@ -133,7 +130,7 @@ def test_manifest_records_the_set_and_verification_catches_changes(tmp_path):
     assert sorted(zero["faces"]) == sorted(g.face_order(g.glyph_classes(SUBSET)[0], 3))
     victim = next(root.rglob("001.png"))
     victim.write_bytes(victim.read_bytes()[:-8] + b"\0" * 8)
-    g.verify_glyphs(root)                         # the cheap check sees the file, not its bytes
+    g.verify_glyphs(root)  # the cheap check sees the file, not its bytes
     with pytest.raises(DataError, match="checksum"):
         g.verify_glyphs(root, checksum=True)
     with pytest.raises(DataError, match="checksum"):
@@ -193,7 +190,7 @@ def test_sample_grid_writes_a_png(tmp_path):
     root = g.ensure_glyphs(tmp_path, **SMALL)
     out = g.sample_grid(root, tmp_path / "grid.png", per_alphabet=1, columns=3)
     with Image.open(out) as im:
-        assert im.size[1] == 5 * (28 * 2 + 2) + 2    # one row per alphabet
+        assert im.size[1] == 5 * (28 * 2 + 2) + 2  # one row per alphabet
         assert np.asarray(im.convert("L")).min() < 64
 
 

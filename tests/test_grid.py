@@ -20,8 +20,7 @@ def cache(tmp_path, make_features):
     x, y = make_features(10, 24, 16, seed=3, spread=0.9)
     xb, yb = make_features(8, 20, 16, seed=4, spread=0.9)
     path = tmp_path / "feat.h5"
-    write_arrays(path, {"test": (x, y, [f"t{i}" for i in range(10)]),
-                        "train": (xb, yb, [f"b{i}" for i in range(8)])})
+    write_arrays(path, {"test": (x, y, [f"t{i}" for i in range(10)]), "train": (xb, yb, [f"b{i}" for i in range(8)])})
     return path
 
 
@@ -51,7 +50,10 @@ steps = 3
 
 
 def test_product_skips_options_a_method_lacks_and_adds_explicit_cells(tmp_path, cache):
-    p = _grid(tmp_path, SMALL + """
+    p = _grid(
+        tmp_path,
+        SMALL
+        + """
 transductive = [false, true]
 
 [[cell]]
@@ -63,7 +65,8 @@ steps = [1, 2]
 [[cell]]
 method = "proto"
 shot = 10
-""")
+""",
+    )
     cells = G.expand(G.load_grid(p))
     proto = [c for c in cells if c.method == "proto"]
     poodle = [c for c in cells if c.method == "poodle" and c.label == "poodle"]
@@ -72,9 +75,10 @@ shot = 10
     assert sorted(c.episode["shot"] for c in proto) == [1, 5, 10]
     assert all(not c.transductive and c.negatives == "none" and c.n_neg is None for c in proto)
     assert all("alpha" not in c.options for c in proto)
-    assert len(poodle) == 2 * 2 * 2 * 2                  # shot x alpha x beta x transductive
+    assert len(poodle) == 2 * 2 * 2 * 2  # shot x alpha x beta x transductive
     assert {(c.options["alpha"], c.options["beta"], c.transductive) for c in poodle} == {
-        (a, b, t) for a in (0.0, 1.0) for b in (0.0, 0.5) for t in (False, True)}
+        (a, b, t) for a in (0.0, 1.0) for b in (0.0, 0.5) for t in (False, True)
+    }
     assert all(c.episode["query"] == 5 for c in poodle)
     # POODLE with beta = 0 consumes no negatives: recorded as such (and n_neg lists would not
     # multiply it); with beta > 0 it uses the grid's negatives.
@@ -100,23 +104,30 @@ def test_grid_hash_ignores_formatting_but_not_cells(tmp_path, cache):
 # Bad input
 
 
-@pytest.mark.parametrize("body, message", [
-    ("[solver]\nmethod = 'poodle'\nalpah = [1.0]\n",
-     r"unknown option 'alpah' for method poodle; known options: cache, split.*solver options: .*alpha.*beta"),
-    ("[solver]\nmethod = 'proto'\nbeta = 0.5\n",
-     r"unknown option 'beta' for method proto \(it is an option of .*poodle"),
-    ("[solver]\nalpha = ['abc']\n", r"option 'alpha' of method 'poodle' expects a float, got 'abc'"),
-    ("[solver]\nsteps = 2.5\n", r"option 'steps' of method 'poodle' expects an int, got 2.5"),
-    ("[episodes]\nshot = [1, 'five']\n", r"option 'shot' expects an integer, got 'five'"),
-    ("[episodes]\nimbalance = -1\n", r"option 'imbalance' expects a Dirichlet concentration > 0"),
-    ("[episodes]\nway = true\n", r"option 'way' expects an integer, got True"),
-    ("[solver]\nmethod = 'nope'\n", r"unknown method 'nope'; known methods: .*poodle"),
-    ("[solvers]\nalpha = 1\n", r"unknown section \[solvers\]"),
-    ("[[cell]]\nmethod = 'proto'\ntransductive = true\n", r"'proto' is inductive only"),
-    ("[[cell]]\nmethod = 'proto'\nalpha = 1.0\n", r"\[\[cell\]\] #1: unknown option 'alpha' for method proto"),
-    ("[episodes]\nshot = 1\n[solver]\nshot = 5\n", r"option 'shot' is given twice"),
-    ("alpha = [\n", r"not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            "[solver]\nmethod = 'poodle'\nalpah = [1.0]\n",
+            r"unknown option 'alpah' for method poodle; known options: cache, split.*solver options: .*alpha.*beta",
+        ),
+        (
+            "[solver]\nmethod = 'proto'\nbeta = 0.5\n",
+            r"unknown option 'beta' for method proto \(it is an option of .*poodle",
+        ),
+        ("[solver]\nalpha = ['abc']\n", r"option 'alpha' of method 'poodle' expects a float, got 'abc'"),
+        ("[solver]\nsteps = 2.5\n", r"option 'steps' of method 'poodle' expects an int, got 2.5"),
+        ("[episodes]\nshot = [1, 'five']\n", r"option 'shot' expects an integer, got 'five'"),
+        ("[episodes]\nimbalance = -1\n", r"option 'imbalance' expects a Dirichlet concentration > 0"),
+        ("[episodes]\nway = true\n", r"option 'way' expects an integer, got True"),
+        ("[solver]\nmethod = 'nope'\n", r"unknown method 'nope'; known methods: .*poodle"),
+        ("[solvers]\nalpha = 1\n", r"unknown section \[solvers\]"),
+        ("[[cell]]\nmethod = 'proto'\ntransductive = true\n", r"'proto' is inductive only"),
+        ("[[cell]]\nmethod = 'proto'\nalpha = 1.0\n", r"\[\[cell\]\] #1: unknown option 'alpha' for method proto"),
+        ("[episodes]\nshot = 1\n[solver]\nshot = 5\n", r"option 'shot' is given twice"),
+        ("alpha = [\n", r"not valid TOML"),
+    ],
+)
 def test_bad_grid_files_give_one_line_errors(tmp_path, body, message):
     p = _grid(tmp_path, body)
     with pytest.raises(ConfigError, match=message) as e:
@@ -148,19 +159,22 @@ def test_cache_read_once_episodes_sampled_once_per_setting_and_cells_paired(tmp_
     reads, samples, episode_sets, negative_draws = [], [], {}, {}
     real_read, real_sample, real_eval = cache_mod.read_split, episodes_mod.sample_episodes, evaluate_mod.evaluate
     monkeypatch.setattr(cache_mod, "read_split", lambda *a, **k: reads.append(a[1]) or real_read(*a, **k))
-    monkeypatch.setattr(episodes_mod, "sample_episodes",
-                        lambda *a, **k: samples.append(a[1]) or real_sample(*a, **k))
+    monkeypatch.setattr(episodes_mod, "sample_episodes", lambda *a, **k: samples.append(a[1]) or real_sample(*a, **k))
 
     def spy(features, episodes, methods, **kw):
         # the same support/query index tensors (negative indices may be attached to a copy)
         episode_sets.setdefault(episodes.spec.shot, set()).add((id(episodes.support), id(episodes.query)))
         if kw.get("negatives") is not None:
             negative_draws.setdefault((episodes.spec.shot, kw["negatives"]), set()).add(
-                None if episodes.negatives is None else id(episodes.negatives))
+                None if episodes.negatives is None else id(episodes.negatives)
+            )
         return real_eval(features, episodes, methods, **kw)
 
     monkeypatch.setattr(evaluate_mod, "evaluate", spy)
-    p = _grid(tmp_path, SMALL + """
+    p = _grid(
+        tmp_path,
+        SMALL
+        + """
 [[cell]]
 label = "twin-a"
 method = "poodle"
@@ -171,13 +185,14 @@ label = "twin-b"
 method = "poodle"
 alpha = 1.0
 beta = 0.5
-""")
+""",
+    )
     run = G.run_grid(G.load_grid(p), tmp_path / "r.jsonl", device="cpu")
     # the twins have the configuration of a product cell: one computation serves all three
     assert len(run.records) == 2 * (1 + 4 + 2) and run.computed == 2 * (1 + 4)
     assert len(_records(run.path)) == run.computed
-    assert reads.count("test") == 1                          # one cache, one split: read once
-    assert sorted(s.shot for s in samples) == [1, 5]         # one episode set per setting
+    assert reads.count("test") == 1  # one cache, one split: read once
+    assert sorted(s.shot for s in samples) == [1, 5]  # one episode set per setting
     assert all(len(ids) == 1 for ids in episode_sets.values())  # every cell got that same set
     assert all(len(ids) == 1 for ids in negative_draws.values())  # and the same negatives, drawn once
     by = {(r["label"], r["episode"]["shot"]): r for r in run.records}
@@ -208,12 +223,14 @@ def test_interrupted_grid_resumes_and_matches_an_uninterrupted_run(tmp_path, cac
     with open(out, "ab") as f:
         f.write(b'{"kind":"cell","key":"0123","acc":[0.5,')
     started = []
-    rest = G.run_grid(spec, out, device="cpu",
-                      on_cell=lambda e: started.append(e.cell.key) if e.kind == "done" else None)
+    rest = G.run_grid(
+        spec, out, device="cpu", on_cell=lambda e: started.append(e.cell.key) if e.kind == "done" else None
+    )
     assert rest.computed == len(started) == len(full.records) - k and rest.skipped == k
     assert out.read_bytes().endswith(b"\n")
-    assert {key: r["acc"] for key, r in _records(out).items()} == \
-           {key: r["acc"] for key, r in _records(full.path).items()}
+    assert {key: r["acc"] for key, r in _records(out).items()} == {
+        key: r["acc"] for key, r in _records(full.path).items()
+    }
     # A third run has nothing to do.
     assert G.run_grid(spec, out, device="cpu").computed == 0
 
@@ -284,10 +301,18 @@ def test_cli_grid_then_report(tmp_path, cache):
     assert res.exit_code == 1 and "error: " in res.output and "alpah" in res.output
 
 
-@pytest.mark.parametrize("name, n_cells", [("alpha_beta", 7 * 7 * 2 * 2 + 2), ("negatives", 4 * 2 * 2 + 2),
-                                           ("steps", 4 * 2 * 2 + 4 * 2 + 2), ("ood_domains", 4 * 5 + 4),
-                                           ("stopgrad", 2 ** 5 + 2), ("imbalance", 2 * 4 * 4 + 3 * 2 * 4),
-                                           ("realistic_queries", 2 * 2 * 5 * (1 + 8))])
+@pytest.mark.parametrize(
+    "name, n_cells",
+    [
+        ("alpha_beta", 7 * 7 * 2 * 2 + 2),
+        ("negatives", 4 * 2 * 2 + 2),
+        ("steps", 4 * 2 * 2 + 4 * 2 + 2),
+        ("ood_domains", 4 * 5 + 4),
+        ("stopgrad", 2**5 + 2),
+        ("imbalance", 2 * 4 * 4 + 3 * 2 * 4),
+        ("realistic_queries", 2 * 2 * 5 * (1 + 8)),
+    ],
+)
 def test_shipped_examples_expand(name, n_cells):
     path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.toml"
     cells = G.expand(G.load_grid(path))
@@ -298,7 +323,9 @@ def test_preprocess_key_is_an_axis_recorded_in_results_and_matches_solve(tmp_pat
     from poodle.results import read_results
     from poodle.solve import solve
 
-    p = _grid(tmp_path, f"""
+    p = _grid(
+        tmp_path,
+        f"""
 [episodes]
 shot = 1
 query = 5
@@ -309,7 +336,8 @@ preprocess = ["l2n", "cl2n"]
 [solver]
 method = ["proto", "poodle"]
 steps = 3
-""")
+""",
+    )
     spec = G.load_grid(p)
     cells = G.expand(spec)
     assert sorted(c.preprocess for c in cells) == ["cl2n", "cl2n", "l2n", "l2n"]
@@ -319,8 +347,17 @@ steps = 3
     recs = {(r["method"], r.get("preprocess", "l2n")): r for r in read_results(tmp_path / "r.jsonl").records}
     assert len(recs) == 4
     for pre in ("l2n", "cl2n"):
-        res = solve(cache, ["proto", "poodle"], options={"poodle": {"steps": 3}}, shot=1, query=5, episodes=N_EP,
-                    n_neg=20, preprocess=pre, device="cpu")
+        res = solve(
+            cache,
+            ["proto", "poodle"],
+            options={"poodle": {"steps": 3}},
+            shot=1,
+            query=5,
+            episodes=N_EP,
+            n_neg=20,
+            preprocess=pre,
+            device="cpu",
+        )
         for r in res.records:
             assert r["acc"] == recs[(r["method"], pre)]["acc"] and r["key"] == recs[(r["method"], pre)]["key"]
     assert recs[("proto", "l2n")]["acc"] != recs[("proto", "cl2n")]["acc"]
@@ -329,20 +366,24 @@ steps = 3
 
 
 def test_query_classes_is_an_episode_key_recorded_only_when_set(tmp_path, cache):
-    p = _grid(tmp_path, """
+    p = _grid(
+        tmp_path,
+        """
 [episodes]
 query = 4
 episodes = 4
 query_classes = ["none", 1, 3]
 [solver]
 method = "proto"
-""")
+""",
+    )
     spec = G.load_grid(p)
     run = G.run_grid(spec, tmp_path / "r.jsonl", device="cpu")
     assert len(run.records) == 3
     by = {r["episode"].get("query_classes"): r for r in run.records}
     assert set(by) == {None, 1, 3} and "query_classes" not in by[None]["episode"]
     # a grid without the key keeps the cell keys it had before the option existed
-    plain = G.load_grid(_grid(tmp_path, "[episodes]\nquery = 4\nepisodes = 4\n[solver]\nmethod = \"proto\"\n",
-                              name="p.toml"))
+    plain = G.load_grid(
+        _grid(tmp_path, '[episodes]\nquery = 4\nepisodes = 4\n[solver]\nmethod = "proto"\n', name="p.toml")
+    )
     assert G.expand(plain)[0].key == [c for c in G.expand(spec) if "query_classes" not in c.episode][0].key

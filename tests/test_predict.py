@@ -16,8 +16,8 @@ from poodle.cli.predict import predict as predict_cmd
 from poodle.errors import ConfigError
 from poodle.predict import predict, query_from_folder, support_from_folder, wilson_interval, write_csv
 
-SHOTS = {"circle": 1, "square": 3, "triangle": 2}   # unequal shots per class
-KIND = {"circle": 0, "square": 1, "triangle": 2}    # _images draws shape class_index % 3
+SHOTS = {"circle": 1, "square": 3, "triangle": 2}  # unequal shots per class
+KIND = {"circle": 0, "square": 1, "triangle": 2}  # _images draws shape class_index % 3
 BACKBONE = ["conv4_64", "--image-size", "32"]
 
 
@@ -73,17 +73,28 @@ def _read(path):
         return list(csv.DictReader(fh))
 
 
-@pytest.mark.parametrize("method,extra", [("proto", []), ("poodle", []), ("poodle", ["--transductive"]),
-                                          ("tim-gd", ["--set", "steps=50"])])
+@pytest.mark.parametrize(
+    "method,extra", [("proto", []), ("poodle", []), ("poodle", ["--transductive"]), ("tim-gd", ["--set", "steps=50"])]
+)
 def test_every_query_right_with_unequal_shots(task, tmp_path, method, extra):
     root, truth = task
     out = tmp_path / "pred.csv"
-    r = _run("--support", root / "support", "--query", root / "query", "--backbone", *BACKBONE, "--method", method,
-             *extra, "--out", out)
+    r = _run(
+        "--support",
+        root / "support",
+        "--query",
+        root / "query",
+        "--backbone",
+        *BACKBONE,
+        "--method",
+        method,
+        *extra,
+        "--out",
+        out,
+    )
     assert r.exit_code == 0, r.output
     rows = _read(out)
-    assert [c for c in rows[0]] == ["path", "prediction", "confidence", "prob_circle", "prob_square",
-                                    "prob_triangle"]
+    assert [c for c in rows[0]] == ["path", "prediction", "confidence", "prob_circle", "prob_square", "prob_triangle"]
     assert len(rows) == len(truth)
     for row in rows:
         name = row["path"].rsplit("/", 1)[-1]
@@ -98,8 +109,20 @@ def test_every_query_right_with_unequal_shots(task, tmp_path, method, extra):
 def test_labelled_query_csv_reports_accuracy_and_cache_dir_is_reused(task, tmp_path):
     root, _ = task
     cache = tmp_path / "feats"
-    args = ["--support", root / "support", "--query-csv", root / "query.csv", "--backbone", *BACKBONE,
-            "--method", "proto", "--out", tmp_path / "p.csv", "--cache-dir", cache]
+    args = [
+        "--support",
+        root / "support",
+        "--query-csv",
+        root / "query.csv",
+        "--backbone",
+        *BACKBONE,
+        "--method",
+        "proto",
+        "--out",
+        tmp_path / "p.csv",
+        "--cache-dir",
+        cache,
+    ]
     r = _run(*args)
     assert r.exit_code == 0, r.output
     assert "accuracy 100.00%" in r.output and "12 queries" in r.output
@@ -111,13 +134,19 @@ def test_labelled_query_csv_reports_accuracy_and_cache_dir_is_reused(task, tmp_p
 
 def test_library_result_and_wilson_interval(task):
     root, truth = task
-    res = predict(support_from_folder(root / "support"), query_from_folder(root / "query"), "conv4_64",
-                  image_size=32, method="naive-ood", options={"steps": 30})
+    res = predict(
+        support_from_folder(root / "support"),
+        query_from_folder(root / "query"),
+        "conv4_64",
+        image_size=32,
+        method="naive-ood",
+        options={"steps": 30},
+    )
     assert res.support_counts == [1, 3, 2]
     assert [res.classes[int(k)] for k in res.predictions] == [truth[p.rsplit("/", 1)[-1]] for p in res.paths]
     assert res.accuracy is None and [r["predicted"] for r in res.per_class()] == [4, 4, 4]
     lo, hi = wilson_interval(12, 12)
-    assert hi == 1.0 and 0.75 < lo < 0.76        # 12/12: [0.7575, 1]
+    assert hi == 1.0 and 0.75 < lo < 0.76  # 12/12: [0.7575, 1]
     lo, hi = wilson_interval(5, 10)
     assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)
 
@@ -126,20 +155,46 @@ def test_base_negatives_come_from_a_cache_of_the_same_backbone(task, tmp_path):
     root, _ = task
     rng = np.random.default_rng(0)
     base = tmp_path / "base.h5"
-    write_arrays(base, {"train": (np.abs(rng.standard_normal((20, 64))), np.arange(20) % 4, list("abcd"))},
-                 dataset="x", backbone="conv4_64")
-    res = predict(support_from_folder(root / "support"), query_from_folder(root / "query"), "conv4_64",
-                  image_size=32, method="poodle", options={"steps": 20}, negatives_from=base, preprocess="cl2n")
+    write_arrays(
+        base,
+        {"train": (np.abs(rng.standard_normal((20, 64))), np.arange(20) % 4, list("abcd"))},
+        dataset="x",
+        backbone="conv4_64",
+    )
+    res = predict(
+        support_from_folder(root / "support"),
+        query_from_folder(root / "query"),
+        "conv4_64",
+        image_size=32,
+        method="poodle",
+        options={"steps": 20},
+        negatives_from=base,
+        preprocess="cl2n",
+    )
     assert len(res.paths) == 12
     other = tmp_path / "other.h5"
-    write_arrays(other, {"train": (rng.standard_normal((20, 64)), np.arange(20) % 4, list("abcd"))},
-                 dataset="x", backbone="resnet12")
+    write_arrays(
+        other,
+        {"train": (rng.standard_normal((20, 64)), np.arange(20) % 4, list("abcd"))},
+        dataset="x",
+        backbone="resnet12",
+    )
     with pytest.raises(ConfigError, match="holds features of backbone resnet12"):
-        predict(support_from_folder(root / "support"), query_from_folder(root / "query"), "conv4_64",
-                image_size=32, negatives_from=other)
+        predict(
+            support_from_folder(root / "support"),
+            query_from_folder(root / "query"),
+            "conv4_64",
+            image_size=32,
+            negatives_from=other,
+        )
     with pytest.raises(ConfigError, match="cl2n centres on base-class features"):
-        predict(support_from_folder(root / "support"), query_from_folder(root / "query"), "conv4_64",
-                image_size=32, preprocess="cl2n")
+        predict(
+            support_from_folder(root / "support"),
+            query_from_folder(root / "query"),
+            "conv4_64",
+            image_size=32,
+            preprocess="cl2n",
+        )
 
 
 def _one_line_error(r, *needles):
@@ -159,42 +214,70 @@ def test_bad_inputs_are_one_line_errors(task, tmp_path):
     for c in ("a", "b"):
         (sup / c).mkdir(parents=True)
     _img("circle", 0).save(sup / "a" / "0.png")
-    _one_line_error(_run("--support", sup, "--query", q, "--backbone", *BACKBONE, "--out", out),
-                    "class 'b' has no images")
+    _one_line_error(
+        _run("--support", sup, "--query", q, "--backbone", *BACKBONE, "--out", out), "class 'b' has no images"
+    )
     # one class only
     sup2 = tmp_path / "s2"
     (sup2 / "a").mkdir(parents=True)
     _img("circle", 0).save(sup2 / "a" / "0.png")
-    _one_line_error(_run("--support", sup2, "--query", q, "--backbone", *BACKBONE, "--out", out),
-                    "one class only", "'a'")
+    _one_line_error(
+        _run("--support", sup2, "--query", q, "--backbone", *BACKBONE, "--out", out), "one class only", "'a'"
+    )
     # a query folder without images
     empty = tmp_path / "emptyq"
     (empty / "sub").mkdir(parents=True)
     (empty / "notes.txt").write_text("no images here")
-    _one_line_error(_run("--support", root / "support", "--query", empty, "--backbone", *BACKBONE, "--out", out),
-                    "holds no images")
+    _one_line_error(
+        _run("--support", root / "support", "--query", empty, "--backbone", *BACKBONE, "--out", out), "holds no images"
+    )
     # an unreadable image
     badq = tmp_path / "badq"
     badq.mkdir()
     _img("circle", 20).save(badq / "ok.png")
     (badq / "broken.png").write_bytes(b"\x89PNG not really")
-    _one_line_error(_run("--support", root / "support", "--query", badq, "--backbone", *BACKBONE, "--out", out),
-                    "cannot decode image", "broken.png")
+    _one_line_error(
+        _run("--support", root / "support", "--query", badq, "--backbone", *BACKBONE, "--out", out),
+        "cannot decode image",
+        "broken.png",
+    )
     assert not out.exists()
     # a query label that is not a support class
     bad_csv = tmp_path / "q.csv"
     bad_csv.write_text(f"path,label\n{root / 'query' / 'ci10.png'},dog\n")
-    _one_line_error(_run("--support", root / "support", "--query-csv", bad_csv, "--backbone", *BACKBONE,
-                         "--out", out), "'dog'", "not support classes")
+    _one_line_error(
+        _run("--support", root / "support", "--query-csv", bad_csv, "--backbone", *BACKBONE, "--out", out),
+        "'dog'",
+        "not support classes",
+    )
     # a method that is inductive only, asked to be transductive
-    _one_line_error(_run("--support", root / "support", "--query", q, "--backbone", *BACKBONE, "--method", "proto",
-                         "--transductive", "--out", out), "inductive only")
+    _one_line_error(
+        _run(
+            "--support",
+            root / "support",
+            "--query",
+            q,
+            "--backbone",
+            *BACKBONE,
+            "--method",
+            "proto",
+            "--transductive",
+            "--out",
+            out,
+        ),
+        "inductive only",
+    )
 
 
 def test_write_csv_is_atomic(task, tmp_path, monkeypatch):
     root, _ = task
-    res = predict(support_from_folder(root / "support"), query_from_folder(root / "query"), "conv4_64",
-                  image_size=32, method="proto")
+    res = predict(
+        support_from_folder(root / "support"),
+        query_from_folder(root / "query"),
+        "conv4_64",
+        image_size=32,
+        method="proto",
+    )
     target = tmp_path / "out.csv"
     target.write_text("previous\n")
 
@@ -218,7 +301,8 @@ def test_every_registered_method_classifies_the_task(task, tmp_path):
         opts = dict(FAST.get(name, {}))
         if name in ("ce", "poodle", "naive-ood"):
             opts["steps"] = 30
-        res = predict(support, query, "conv4_64", image_size=32, method=name, options=opts,
-                      cache_dir=tmp_path)    # extracted once, reused by every method
+        res = predict(
+            support, query, "conv4_64", image_size=32, method=name, options=opts, cache_dir=tmp_path
+        )  # extracted once, reused by every method
         got = [res.classes[int(k)] for k in res.predictions]
         assert got == [truth[p.rsplit("/", 1)[-1]] for p in res.paths], name

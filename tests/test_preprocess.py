@@ -36,15 +36,21 @@ def raw():
 @pytest.fixture
 def cache(raw, tmp_path):
     tr, y_tr, te, y_te = raw
-    return write_arrays(tmp_path / "c.h5", {"train": (tr, y_tr, [f"b{i}" for i in range(6)]),
-                                            "test": (te, y_te, [f"n{i}" for i in range(4)])})
+    return write_arrays(
+        tmp_path / "c.h5",
+        {"train": (tr, y_tr, [f"b{i}" for i in range(6)]), "test": (te, y_te, [f"n{i}" for i in range(4)])},
+    )
 
 
 def test_parse_and_keys():
     assert parse(None) == Preprocess("l2n") and parse("cl2n").key == "cl2n"
     assert parse("power") == Preprocess("power", 0.5) and parse("power:0.25").key == "power:0.25"
-    for bad, msg in (("zca", "use l2n, cl2n or power"), ("power:x", "must be a number"),
-                     ("power:-1", "must be positive"), ("l2n:2", "takes no argument")):
+    for bad, msg in (
+        ("zca", "use l2n, cl2n or power"),
+        ("power:x", "must be a number"),
+        ("power:-1", "must be positive"),
+        ("l2n:2", "takes no argument"),
+    ):
         with pytest.raises(ConfigError, match=msg):
             parse(bad)
 
@@ -71,8 +77,14 @@ def test_cl2n_centres_the_raw_features_on_the_base_mean(raw, cache):
 
 def test_cl2n_without_norms_centres_the_normalised_rows_and_says_so(raw, tmp_path):
     tr, y_tr, te, y_te = raw
-    old = write_arrays(tmp_path / "old.h5", {"train": (_unit(tr), y_tr, [f"b{i}" for i in range(6)]),
-                                             "test": (_unit(te), y_te, [f"n{i}" for i in range(4)])}, normalise=False)
+    old = write_arrays(
+        tmp_path / "old.h5",
+        {
+            "train": (_unit(tr), y_tr, [f"b{i}" for i in range(6)]),
+            "test": (_unit(te), y_te, [f"n{i}" for i in range(4)]),
+        },
+        normalise=False,
+    )
     assert read_split(old, "test").norms is None
     said = []
     pre = Preprocessor.from_cache("cl2n", old, log=said.append)
@@ -101,9 +113,14 @@ def test_evaluate_with_preprocessing_equals_solving_pre_transformed_features(raw
     pre = Preprocessor.from_cache(kind, cache)
     te = pre.split(read_split(cache, "test"))
     tr = pre.split(read_split(cache, "train"))
-    done = write_arrays(tmp_path / "done.h5", {"train": (tr.features.numpy(), tr.labels.numpy(), tr.classes),
-                                               "test": (te.features.numpy(), te.labels.numpy(), te.classes)},
-                        normalise=False)
+    done = write_arrays(
+        tmp_path / "done.h5",
+        {
+            "train": (tr.features.numpy(), tr.labels.numpy(), tr.classes),
+            "test": (te.features.numpy(), te.labels.numpy(), te.classes),
+        },
+        normalise=False,
+    )
     eps = sample_episodes(te.labels, EpisodeSpec(way=4, shot=1, query=5, seed=1), 6)
     methods = [("poodle", "poodle", {"steps": 20})]
     neg = NegativeSpec("base", 50)
@@ -116,21 +133,72 @@ def test_evaluate_with_preprocessing_equals_solving_pre_transformed_features(raw
 
 def test_solve_records_the_preprocessing(cache, tmp_path):
     out = tmp_path / "r.json"
-    r = CliRunner().invoke(solve, ["--cache", str(cache), "--way", "4", "--shot", "1", "--query", "5", "--episodes",
-                                   "20", "--method", "proto", "--preprocess", "cl2n", "--json", str(out)])
+    r = CliRunner().invoke(
+        solve,
+        [
+            "--cache",
+            str(cache),
+            "--way",
+            "4",
+            "--shot",
+            "1",
+            "--query",
+            "5",
+            "--episodes",
+            "20",
+            "--method",
+            "proto",
+            "--preprocess",
+            "cl2n",
+            "--json",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "preprocess cl2n" in " ".join(r.output.split())
     rec = read_results(out).records[0]
     assert rec["preprocess"] == "cl2n" and record_flat(rec)["preprocess"] == "cl2n"
     # the default is left out of the identity, so records made before the option keep their keys
-    r = CliRunner().invoke(solve, ["--cache", str(cache), "--way", "4", "--shot", "1", "--query", "5", "--episodes",
-                                   "20", "--method", "proto", "--out", str(out)])
+    r = CliRunner().invoke(
+        solve,
+        [
+            "--cache",
+            str(cache),
+            "--way",
+            "4",
+            "--shot",
+            "1",
+            "--query",
+            "5",
+            "--episodes",
+            "20",
+            "--method",
+            "proto",
+            "--out",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     recs = read_results(out).records
     assert len(recs) == 2 and "preprocess" not in recs[1] and record_flat(recs[1])["preprocess"] == "l2n"
     assert recs[0]["key"] != recs[1]["key"]
     ident = {k: recs[1][k] for k in IDENTITY_FIELDS if k != "preprocess"}
     assert identity_key(ident) == recs[1]["key"]
-    r = CliRunner().invoke(solve, ["--cache", str(cache), "--way", "4", "--episodes", "5", "--query", "5",
-                                   "--method", "proto", "--preprocess", "zca"])
+    r = CliRunner().invoke(
+        solve,
+        [
+            "--cache",
+            str(cache),
+            "--way",
+            "4",
+            "--episodes",
+            "5",
+            "--query",
+            "5",
+            "--method",
+            "proto",
+            "--preprocess",
+            "zca",
+        ],
+    )
     assert r.exit_code == 1 and "use l2n, cl2n or power" in r.output

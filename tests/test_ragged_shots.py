@@ -17,8 +17,12 @@ from poodle.solvers import EpisodeBatch
 WAY = 5
 DIM = 32
 SHOTS = [1, 3, 2, 5, 1]
-CORE = {"proto": (ref_proto, {}), "ce": (ref_ce, {"steps": 40}), "poodle": (ref_poodle, {"steps": 40}),
-        "naive-ood": (ref_naive_ood, {"steps": 40})}
+CORE = {
+    "proto": (ref_proto, {}),
+    "ce": (ref_ce, {"steps": 40}),
+    "poodle": (ref_poodle, {"steps": 40}),
+    "naive-ood": (ref_naive_ood, {"steps": 40}),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -42,9 +46,9 @@ def ragged_batch(make_features, n_episodes: int = 3, seed: int = 0, n_neg: int =
         for k, c in enumerate(classes.tolist()):
             rows = torch.nonzero(lab == c).flatten()
             rows = rows[torch.randperm(len(rows), generator=g)]
-            s.append(x[rows[:SHOTS[k]]])
+            s.append(x[rows[: SHOTS[k]]])
             y += [k] * SHOTS[k]
-            q.append(x[rows[SHOTS[k]:SHOTS[k] + 6]])
+            q.append(x[rows[SHOTS[k] : SHOTS[k] + 6]])
         s, y, q = torch.cat(s), torch.tensor(y), torch.cat(q)
         ps, pq = torch.randperm(len(s), generator=g), torch.randperm(len(q), generator=g)
         sup.append(s[ps])
@@ -62,7 +66,7 @@ def test_every_registered_method_is_covered():
 @pytest.mark.parametrize("name", sorted(CORE))
 def test_core_methods_match_reference_with_unequal_shots(make_features, name):
     batch = ragged_batch(make_features)
-    assert not torch.equal(batch.support_labels[0], batch.support_labels[0].sort().values)   # not class-major
+    assert not torch.equal(batch.support_labels[0], batch.support_labels[0].sort().values)  # not class-major
     ref, kw = CORE[name]
     opts = dict(kw)
     if name == "poodle":

@@ -20,15 +20,32 @@ E = 200
 
 
 def _cell(label, acc, *, shot=1, transductive=False, method="poodle", seed=0, **options):
-    episode = {"split": "test", "way": 5, "shot": shot, "query": 15, "imbalance": None, "seed": seed,
-               "episodes": len(acc)}
+    episode = {
+        "split": "test",
+        "way": 5,
+        "shot": shot,
+        "query": 15,
+        "imbalance": None,
+        "seed": seed,
+        "episodes": len(acc),
+    }
     opts = {"alpha": 1.0, "beta": 0.5, "steps": 250, "transductive": transductive, **options}
     if method != "poodle":
         opts = {}
     key = f"{label}-{shot}-{transductive}-{seed}-{sorted(options.items())}"
-    return {"kind": "cell", "key": key, "label": label, "cache": "feat.h5", "episode": episode,
-            "negatives": "base" if method == "poodle" else "none", "n_neg": 400 if method == "poodle" else None,
-            "method": method, "options": opts, "transductive": transductive, "acc": [float(a) for a in acc]}
+    return {
+        "kind": "cell",
+        "key": key,
+        "label": label,
+        "cache": "feat.h5",
+        "episode": episode,
+        "negatives": "base" if method == "poodle" else "none",
+        "n_neg": 400 if method == "poodle" else None,
+        "method": method,
+        "options": opts,
+        "transductive": transductive,
+        "acc": [float(a) for a in acc],
+    }
 
 
 def _write(path: Path, cells: list[dict]) -> Path:
@@ -67,19 +84,20 @@ def test_paired_ttest_matches_hand_computation():
 
 def test_bold_only_when_best_beats_every_other_entry(tmp_path):
     rng = np.random.default_rng(1)
-    base = rng.uniform(0.4, 0.9, size=E)          # a shared per-episode difficulty: entries are paired
+    base = rng.uniform(0.4, 0.9, size=E)  # a shared per-episode difficulty: entries are paired
     a = _acc(rng, base + 0.05)
-    b_close = _acc(rng, base + 0.045)             # barely worse than a: not significant
-    b_far = _acc(rng, base - 0.02)                # clearly worse
+    b_close = _acc(rng, base + 0.045)  # barely worse than a: not significant
+    b_far = _acc(rng, base - 0.02)  # clearly worse
     c = _acc(rng, base)
     p_ab_close = _hand_ttest(a, b_close)[1]
     p_ab_far, p_ac = _hand_ttest(a, b_far)[1], _hand_ttest(a, c)[1]
-    assert p_ab_close > 0.05 and p_ab_far <= 0.05 and p_ac <= 0.05   # the scenario is what we think
+    assert p_ab_close > 0.05 and p_ab_far <= 0.05 and p_ac <= 0.05  # the scenario is what we think
     assert a.mean() > max(b_close.mean(), b_far.mean(), c.mean())
 
     def bold_labels(b):
-        path = _write(tmp_path / "r.jsonl", [_cell("A", a, beta=0.5), _cell("B", b, beta=0.75),
-                                             _cell("C", c, beta=1.0)])
+        path = _write(
+            tmp_path / "r.jsonl", [_cell("A", a, beta=0.5), _cell("B", b, beta=0.75), _cell("C", c, beta=1.0)]
+        )
         table = R.build_table(R.load_results([path]), rows="beta", cols="shot")
         return [table.rows[i][0] for (i, j), e in table.entries.items() if e.bold], table
 
@@ -89,10 +107,11 @@ def test_bold_only_when_best_beats_every_other_entry(tmp_path):
     assert f"**{100 * a.mean():.2f} ± {100 * R.Result({}, a, '', 0).ci95:.2f}**" in md
     assert r"\mathbf{" in R.to_latex(table)
     bold, _ = bold_labels(b_close)
-    assert bold == []                              # a is best but not significantly better than b
+    assert bold == []  # a is best but not significantly better than b
     # The paper's other rule (Tables 8 and 10): best vs the weakest entry only.
-    path = _write(tmp_path / "w.jsonl", [_cell("A", a, beta=0.5), _cell("B", b_close, beta=0.75),
-                                         _cell("C", c, beta=1.0)])
+    path = _write(
+        tmp_path / "w.jsonl", [_cell("A", a, beta=0.5), _cell("B", b_close, beta=0.75), _cell("C", c, beta=1.0)]
+    )
     t = R.build_table(R.load_results([path]), rows="beta", cols="shot", test="weakest")
     assert [t.rows[i][0] for (i, j), e in t.entries.items() if e.bold] == [0.5]
 
@@ -126,7 +145,7 @@ def test_table_shapes_markdown_and_latex(tmp_path):
     # rows: proto (beta none) + poodle x 3 betas; cols: 1/5-shot x inductive/transductive
     assert table.shape == (4, 4)
     assert table.rows[0] == ("proto", None) and table.cols[1] == (1, True)
-    assert (0, 1) not in table.entries                       # proto is inductive only: an empty cell
+    assert (0, 1) not in table.entries  # proto is inductive only: an empty cell
     md = [ln for ln in R.to_markdown(table).splitlines() if ln.startswith("|")]
     assert len(md) == 2 + 4
     assert all(ln.count("|") == 2 + 4 + 1 for ln in md)
@@ -143,12 +162,16 @@ def test_table_shapes_markdown_and_latex(tmp_path):
 
 def test_collision_names_the_distinguishing_key(tmp_path):
     results = R.load_results([_grid_results(tmp_path)])
-    with pytest.raises(ConfigError, match=r"several results fall at method=poodle, shot=1-shot: they differ in "
-                                          r"transductive, beta; add transductive to --rows or --cols, or pick one with "
-                                          r"--where transductive=false"):
+    with pytest.raises(
+        ConfigError,
+        match=r"several results fall at method=poodle, shot=1-shot: they differ in "
+        r"transductive, beta; add transductive to --rows or --cols, or pick one with "
+        r"--where transductive=false",
+    ):
         R.build_table(results, rows="method", cols="shot,beta".split(",")[:1])
-    table = R.build_table(R.filter_results(results, R.parse_where(["transductive=false", "method=poodle"])),
-                          rows="beta", cols="shot")
+    table = R.build_table(
+        R.filter_results(results, R.parse_where(["transductive=false", "method=poodle"])), rows="beta", cols="shot"
+    )
     assert table.shape == (3, 2)
     with pytest.raises(ConfigError, match="unknown key 'gamma_init'"):
         R.build_table(results, rows="gamma_init")
@@ -169,21 +192,30 @@ def test_heatmap_and_line_figures_are_written(tmp_path):
     for alpha in (0.0, 0.5, 1.0):
         for beta in (0.0, 0.5):
             for trans in (False, True):
-                cells.append(_cell("poodle", _acc(rng, base + 0.02 * alpha - 0.01 * beta), transductive=trans,
-                                   alpha=alpha, beta=beta))
+                cells.append(
+                    _cell(
+                        "poodle",
+                        _acc(rng, base + 0.02 * alpha - 0.01 * beta),
+                        transductive=trans,
+                        alpha=alpha,
+                        beta=beta,
+                    )
+                )
     for steps in (10, 50, 100):
         cells.append(_cell("poodle", _acc(rng, base + 0.001 * steps), steps=steps, alpha=1.0, beta=0.5))
     path = _write(tmp_path / "r.jsonl", cells)
     results = R.load_results([path])
     heat = R.filter_results(results, R.parse_where(["steps=250"]))
     for baseline in ("zero", "proto"):
-        pngpdf = F.heatmap(heat + [r for r in results if r.flat["method"] == "proto"],
-                           tmp_path / f"heat-{baseline}.png", baseline=baseline)
+        pngpdf = F.heatmap(
+            heat + [r for r in results if r.flat["method"] == "proto"],
+            tmp_path / f"heat-{baseline}.png",
+            baseline=baseline,
+        )
         assert [p.suffix for p in pngpdf] == [".png", ".pdf"]
         assert _is_png(pngpdf[0]) and pngpdf[0].stat().st_size > 5000
         assert pngpdf[1].read_bytes()[:5] == b"%PDF-" and pngpdf[1].stat().st_size > 1000
-    steps = R.filter_results(results, R.parse_where(["transductive=false", "method=poodle", "beta=0.5",
-                                                     "alpha=1"]))
+    steps = R.filter_results(results, R.parse_where(["transductive=false", "method=poodle", "beta=0.5", "alpha=1"]))
     out = F.lines(steps + [results[0]], tmp_path / "steps", x="steps", baseline="proto")
     assert _is_png(out[0]) and out[0].stat().st_size > 5000 and out[1].exists()
     with pytest.raises(ConfigError, match="baseline 'nope'"):
@@ -197,8 +229,20 @@ def test_report_cli_latex_to_file_and_figure(tmp_path):
 
     path = _grid_results(tmp_path)
     runner = CliRunner()
-    res = runner.invoke(report, [str(path), "--rows", "method,beta", "--cols", "shot,transductive",
-                                 "--format", "latex", "--out", str(tmp_path / "t.tex")])
+    res = runner.invoke(
+        report,
+        [
+            str(path),
+            "--rows",
+            "method,beta",
+            "--cols",
+            "shot,transductive",
+            "--format",
+            "latex",
+            "--out",
+            str(tmp_path / "t.tex"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert (tmp_path / "t.tex").read_text().count(r"\\") == 2 + 4
     res = runner.invoke(report, [str(path), "--rows", "method"])
@@ -214,16 +258,41 @@ def test_solve_json_files_are_reported_with_grid_results(tmp_path, make_features
     from poodle.cli.solve import solve
 
     x, y = make_features(8, 20, 16, seed=5)
-    cache = write_arrays(tmp_path / "f.h5", {"test": (x, y, [f"c{i}" for i in range(8)]),
-                                            "train": (x, y, [f"c{i}" for i in range(8)])})
+    cache = write_arrays(
+        tmp_path / "f.h5", {"test": (x, y, [f"c{i}" for i in range(8)]), "train": (x, y, [f"c{i}" for i in range(8)])}
+    )
     runner = CliRunner()
     for shot in (1, 5):
-        res = runner.invoke(solve, ["--cache", str(cache), "--shot", str(shot), "--query", "5", "--episodes", "6",
-                                    "--method", "proto", "--method", "ce", "--steps", "2", "--device", "cpu",
-                                    "--json", str(tmp_path / f"s{shot}.json")])
+        res = runner.invoke(
+            solve,
+            [
+                "--cache",
+                str(cache),
+                "--shot",
+                str(shot),
+                "--query",
+                "5",
+                "--episodes",
+                "6",
+                "--method",
+                "proto",
+                "--method",
+                "ce",
+                "--steps",
+                "2",
+                "--device",
+                "cpu",
+                "--json",
+                str(tmp_path / f"s{shot}.json"),
+            ],
+        )
         assert res.exit_code == 0, res.output
     results = R.load_results([tmp_path / "s1.json", tmp_path / "s5.json"])
     assert [(r.flat["method"], r.flat["shot"], len(r.acc)) for r in results] == [
-        ("proto", 1, 6), ("ce", 1, 6), ("proto", 5, 6), ("ce", 5, 6)]
+        ("proto", 1, 6),
+        ("ce", 1, 6),
+        ("proto", 5, 6),
+        ("ce", 5, 6),
+    ]
     table = R.build_table(results)
     assert table.row_keys == ["label"] and table.col_keys == ["shot"] and table.shape == (2, 2)

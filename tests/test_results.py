@@ -15,8 +15,15 @@ EPISODE = {"split": "test", "way": 5, "shot": 1, "query": 15, "imbalance": None,
 
 
 def _identity(cache_id="abc", **kw):
-    opts = dict(cache_id=cache_id, episode=EPISODE, negatives="base", n_neg=400, method="poodle",
-                options={"alpha": 1.0, "beta": 0.5}, transductive=False)
+    opts = dict(
+        cache_id=cache_id,
+        episode=EPISODE,
+        negatives="base",
+        n_neg=400,
+        method="poodle",
+        options={"alpha": 1.0, "beta": 0.5},
+        transductive=False,
+    )
     opts.update(kw)
     return RS.make_identity(**opts)
 
@@ -30,10 +37,11 @@ def test_identity_key_covers_the_configuration_and_the_cache_but_not_the_label()
     assert RS.identity_key(_identity(options={"alpha": 1.0, "beta": 0.25})) != a["key"]
     assert RS.identity_key(_identity(episode={**EPISODE, "seed": 1})) != a["key"]
     # without negatives the count is not part of the cell
-    assert RS.identity_key(_identity(negatives="none", n_neg=400)) == RS.identity_key(_identity(negatives="none",
-                                                                                              n_neg=7))
+    assert RS.identity_key(_identity(negatives="none", n_neg=400)) == RS.identity_key(
+        _identity(negatives="none", n_neg=7)
+    )
     assert a["mean"] == pytest.approx(0.6) and a["n"] == 3
-    assert a["ci95"] == pytest.approx(1.96 * (0.02 / 3) ** 0.5 / 3 ** 0.5)
+    assert a["ci95"] == pytest.approx(1.96 * (0.02 / 3) ** 0.5 / 3**0.5)
 
 
 def test_append_lookup_last_wins_and_a_cut_last_line_is_dropped(tmp_path):
@@ -50,7 +58,7 @@ def test_append_lookup_last_wins_and_a_cut_last_line_is_dropped(tmp_path):
     with open(path, "ab") as fh:
         fh.write(b'{"kind":"cell","key":"0123","acc":[0.5,')
     assert len(RS.read_results(path)) == 2
-    f2 = RS.ResultsFile(path)                      # opening for appends cuts the partial line off
+    f2 = RS.ResultsFile(path)  # opening for appends cuts the partial line off
     assert path.read_bytes().endswith(b"\n") and len(f2.records) == 2
     lines = path.read_text().splitlines()
     lines.insert(1, "not json")
@@ -61,14 +69,42 @@ def test_append_lookup_last_wins_and_a_cut_last_line_is_dropped(tmp_path):
 
 def test_version_1_grid_files_are_converted_with_their_cache_fingerprints(tmp_path):
     old = tmp_path / "old.jsonl"
-    header = {"format": "poodle-grid-results", "version": 1, "kind": "header", "grid_hash": "x", "name": "g",
-              "caches": {"feat.h5": "f" * 64}}
+    header = {
+        "format": "poodle-grid-results",
+        "version": 1,
+        "kind": "header",
+        "grid_hash": "x",
+        "name": "g",
+        "caches": {"feat.h5": "f" * 64},
+    }
     # tim-gd with the preset's values left None: converted, they hold the values used
-    cells = [{"kind": "cell", "key": "k1", "index": 0, "label": "tim", "cache": "feat.h5", "episode": EPISODE,
-              "negatives": "none", "n_neg": None, "method": "tim-gd",
-              "options": {"preset": "tim", "steps": None, "lr": None, "ce_weight": None, "marginal_weight": None,
-                          "conditional_weight": None, "temperature": None, "learn_temperature": None},
-              "transductive": True, "mean": 0.5, "ci95": 0.1, "acc": [0.5, 0.5, 0.5]}]
+    cells = [
+        {
+            "kind": "cell",
+            "key": "k1",
+            "index": 0,
+            "label": "tim",
+            "cache": "feat.h5",
+            "episode": EPISODE,
+            "negatives": "none",
+            "n_neg": None,
+            "method": "tim-gd",
+            "options": {
+                "preset": "tim",
+                "steps": None,
+                "lr": None,
+                "ce_weight": None,
+                "marginal_weight": None,
+                "conditional_weight": None,
+                "temperature": None,
+                "learn_temperature": None,
+            },
+            "transductive": True,
+            "mean": 0.5,
+            "ci95": 0.1,
+            "acc": [0.5, 0.5, 0.5],
+        }
+    ]
     old.write_text("\n".join(json.dumps(o) for o in [header, *cells]) + "\n")
     notes = []
     res = RS.read_results(old, warn=notes.append)
@@ -76,8 +112,15 @@ def test_version_1_grid_files_are_converted_with_their_cache_fingerprints(tmp_pa
     rec = res.records[0]
     assert rec["cache_id"] == "f" * 64 and rec["options"]["steps"] == 1000 and rec["options"]["lr"] == 1e-4
     cfg = solvers.make_config("tim-gd", {})
-    same = RS.make_identity(cache_id="f" * 64, episode=EPISODE, negatives="none", n_neg=None, method="tim-gd",
-                            options=solvers.config_dict(cfg), transductive=True)
+    same = RS.make_identity(
+        cache_id="f" * 64,
+        episode=EPISODE,
+        negatives="none",
+        n_neg=None,
+        method="tim-gd",
+        options=solvers.config_dict(cfg),
+        transductive=True,
+    )
     assert rec["key"] == RS.identity_key(same)
     # opening it for appends rewrites it in the current format, records kept
     f = RS.ResultsFile(old)
@@ -88,7 +131,7 @@ def test_version_1_grid_files_are_converted_with_their_cache_fingerprints(tmp_pa
 def test_configs_hold_the_values_used_and_values_are_checked_in_one_place():
     a = solvers.make_config("tim-gd", {})
     b = solvers.make_config("tim-gd", {"steps": 1000})
-    assert a == b and a.steps == 1000 and a.temperature == 15.0       # preset resolved when built
+    assert a == b and a.steps == 1000 and a.temperature == 15.0  # preset resolved when built
     p = solvers.make_config("tim-gd", {"preset": "poodle-paper", "steps": "7"})
     assert p.steps == 7 and p.lr == 1e-3 and p.learn_temperature is True
     with pytest.raises(ConfigError, match=r"option 'steps' of method 'tim-gd' must be >= 0"):

@@ -21,9 +21,14 @@ def cache(tmp_path, make_features):
     xs, ys = make_features(6, 3, 16, seed=3)
     xw, yw = make_features(3, 10, 8, seed=4)
     write_arrays(tmp_path / "wide.h5", {"train": (xw, yw, ["a", "b", "c"])})
-    return write_arrays(tmp_path / "c.h5", {"train": (xtr, ytr, [f"b{i}" for i in range(10)]),
-                                            "test": (xte, yte, [f"t{i}" for i in range(6)]),
-                                            "small": (xs, ys, [f"s{i}" for i in range(6)])})
+    return write_arrays(
+        tmp_path / "c.h5",
+        {
+            "train": (xtr, ytr, [f"b{i}" for i in range(10)]),
+            "test": (xte, yte, [f"t{i}" for i in range(6)]),
+            "small": (xs, ys, [f"s{i}" for i in range(6)]),
+        },
+    )
 
 
 def _run(args):
@@ -32,9 +37,31 @@ def _run(args):
 
 def test_solve_several_methods_table_json_and_episodes(tmp_path, cache):
     js, ep = tmp_path / "r.json", tmp_path / "e.h5"
-    r = _run(["--cache", cache, "--episodes", 12, "--query", 5, "--method", "proto", "--method", "poodle",
-              "--method", "ce", "--transductive", "--steps", 15, "--n-neg", 10, "--json", js,
-              "--save-episodes", ep])
+    r = _run(
+        [
+            "--cache",
+            cache,
+            "--episodes",
+            12,
+            "--query",
+            5,
+            "--method",
+            "proto",
+            "--method",
+            "poodle",
+            "--method",
+            "ce",
+            "--transductive",
+            "--steps",
+            15,
+            "--n-neg",
+            10,
+            "--json",
+            js,
+            "--save-episodes",
+            ep,
+        ]
+    )
     assert r.exit_code == 0, r.output
     assert "diff vs proto" in r.output and "poodle" in r.output and "episodes/s" in r.output
     res = read_results(js)
@@ -59,8 +86,9 @@ def test_solve_several_methods_table_json_and_episodes(tmp_path, cache):
 
     # the same episodes and negatives from the file give the same numbers
     js2 = tmp_path / "r2.json"
-    r2 = _run(["--cache", cache, "--episodes-from", ep, "--method", "poodle", "--transductive", "--steps", 15,
-               "--json", js2])
+    r2 = _run(
+        ["--cache", cache, "--episodes-from", ep, "--method", "poodle", "--transductive", "--steps", 15, "--json", js2]
+    )
     assert r2.exit_code == 0, r2.output
     again = read_results(js2).records[0]
     assert again["acc"] == d["poodle"]["acc"] and again["key"] == d["poodle"]["key"]
@@ -68,30 +96,55 @@ def test_solve_several_methods_table_json_and_episodes(tmp_path, cache):
 
 def test_solve_imbalanced_random_negatives(tmp_path, cache):
     js = tmp_path / "r.json"
-    r = _run(["--cache", cache, "--episodes", 6, "--query", 4, "--imbalance", 0.5, "--negatives", "random",
-              "--n-neg", 7, "--steps", 5, "--method", "poodle", "--method", "naive-ood", "--json", js])
+    r = _run(
+        [
+            "--cache",
+            cache,
+            "--episodes",
+            6,
+            "--query",
+            4,
+            "--imbalance",
+            0.5,
+            "--negatives",
+            "random",
+            "--n-neg",
+            7,
+            "--steps",
+            5,
+            "--method",
+            "poodle",
+            "--method",
+            "naive-ood",
+            "--json",
+            js,
+        ]
+    )
     assert r.exit_code == 0, r.output
     d = {r["label"]: r for r in read_results(js).records}
     assert d["poodle"]["episode"]["imbalance"] == 0.5 and d["poodle"]["negatives"] == "random"
     assert d["naive-ood"]["n_neg"] == 7
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--way", 7], "has 6 classes"),
-    (["--split", "small", "--query", 5], "fewer than shot + query = 6 images: s0 (3)"),
-    (["--shot", 0], "shot must be a positive integer"),
-    (["--episodes", 0], "number of episodes must be a positive integer"),
-    (["--method", "nope"], "unknown method 'nope'"),
-    (["--method", "proto", "--alpha", 2], "option --alpha is not an option of the chosen method(s) proto"),
-    (["--method", "proto", "--transductive"], "option --transductive"),
-    (["--set", "gamma=3"], "option --set gamma"),
-    (["--set", "steps"], "expected KEY=VALUE"),
-    (["--negatives", "WIDE"], "has feature dimension 8, but the episodes' features have 16"),
-    (["--negatives", "none"], "need negatives"),
-    (["--method", "proto", "--negatives", "random"], "none of the chosen methods"),
-    (["--split", "val"], "no split 'val'"),
-    (["--steps", "x"], "is not a valid integer"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--way", 7], "has 6 classes"),
+        (["--split", "small", "--query", 5], "fewer than shot + query = 6 images: s0 (3)"),
+        (["--shot", 0], "shot must be a positive integer"),
+        (["--episodes", 0], "number of episodes must be a positive integer"),
+        (["--method", "nope"], "unknown method 'nope'"),
+        (["--method", "proto", "--alpha", 2], "option --alpha is not an option of the chosen method(s) proto"),
+        (["--method", "proto", "--transductive"], "option --transductive"),
+        (["--set", "gamma=3"], "option --set gamma"),
+        (["--set", "steps"], "expected KEY=VALUE"),
+        (["--negatives", "WIDE"], "has feature dimension 8, but the episodes' features have 16"),
+        (["--negatives", "none"], "need negatives"),
+        (["--method", "proto", "--negatives", "random"], "none of the chosen methods"),
+        (["--split", "val"], "no split 'val'"),
+        (["--steps", "x"], "is not a valid integer"),
+    ],
+)
 def test_solve_bad_input_one_line_errors(tmp_path, cache, args, message):
     args = [str(a).replace("WIDE", str(tmp_path / "wide.h5")) for a in args]
     r = _run(["--cache", cache, "--episodes", 3, *args])
@@ -116,8 +169,28 @@ def test_solve_cache_resolution_and_episode_file_mismatch(tmp_path, cache, make_
 
 def test_solve_query_classes_recorded_in_json_and_episodes(tmp_path, cache):
     js, ep = tmp_path / "r.jsonl", tmp_path / "e.h5"
-    r = _run(["--cache", cache, "--episodes", 5, "--query", 4, "--query-classes", 2, "--method", "paddle",
-              "--method", "alpha-tim", "--steps", 5, "--out", js, "--save-episodes", ep])
+    r = _run(
+        [
+            "--cache",
+            cache,
+            "--episodes",
+            5,
+            "--query",
+            4,
+            "--query-classes",
+            2,
+            "--method",
+            "paddle",
+            "--method",
+            "alpha-tim",
+            "--steps",
+            5,
+            "--out",
+            js,
+            "--save-episodes",
+            ep,
+        ]
+    )
     assert r.exit_code == 0, r.output
     assert "queries from 2 of the 5 classes" in r.output
     recs = read_results(js).records

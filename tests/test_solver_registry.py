@@ -60,13 +60,30 @@ def test_class_means_and_logits_match_plain_formulas():
     plain = -(scale / 2) * ((x[:, :, None, :] - w[:, None, :, :]) ** 2).sum(-1)
     assert torch.allclose(logits, plain)
     # a class with no member gives a zero prototype, not NaN
-    assert torch.equal(class_means(x, torch.zeros(3, 6, dtype=torch.long), 3)[:, 2], torch.zeros(3, 4, dtype=torch.float64))
+    assert torch.equal(
+        class_means(x, torch.zeros(3, 6, dtype=torch.long), 3)[:, 2], torch.zeros(3, 4, dtype=torch.float64)
+    )
 
 
 def test_every_method_registered_with_a_summary_and_an_alias_resolves():
     names = solvers.available()
-    for expected in ["proto", "ce", "poodle", "naive-ood", "tim-gd", "tim-adm", "soft-kmeans", "kmeans",
-                     "bayes-kmeans", "mean-shift", "can-t", "laplacianshot", "bd-cspn", "entropy-min", "pt-map"]:
+    for expected in [
+        "proto",
+        "ce",
+        "poodle",
+        "naive-ood",
+        "tim-gd",
+        "tim-adm",
+        "soft-kmeans",
+        "kmeans",
+        "bayes-kmeans",
+        "mean-shift",
+        "can-t",
+        "laplacianshot",
+        "bd-cspn",
+        "entropy-min",
+        "pt-map",
+    ]:
         assert expected in names
         assert solvers.get(expected).summary
     assert "tim" not in names and solvers.get("tim").name == "tim-gd"

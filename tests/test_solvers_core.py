@@ -17,6 +17,7 @@ WAY = 5
 
 # ------------------------------------------------------------------------- plain references
 
+
 def _sqd(x, w):
     """||x - w||^2 for x [N, D], w [K, D] -> [N, K], written directly."""
     return ((x[:, None, :] - w[None, :, :]) ** 2).sum(-1)
@@ -54,12 +55,25 @@ def ref_ce(s, ys, q, way=WAY, steps=40, lr=1e-3, label_smoothing=0.0, scale=10.0
     return torch.log_softmax(-(g / 2) * _sqd(q, w), -1), w, g
 
 
-def ref_poodle(s, ys, q, neg, way=WAY, steps=40, lr=1e-3, alpha=1.0, beta=0.5, transductive=False,
-               stopgrad_pull=True, stopgrad_push=True, scale=10.0):
+def ref_poodle(
+    s,
+    ys,
+    q,
+    neg,
+    way=WAY,
+    steps=40,
+    lr=1e-3,
+    alpha=1.0,
+    beta=0.5,
+    transductive=False,
+    stopgrad_pull=True,
+    stopgrad_push=True,
+    scale=10.0,
+):
     pos = torch.cat([s, q]) if transductive else s
 
     def loss(w, g):
-        ce = F.cross_entropy(-(g / 2) * _sqd(s, w), ys)                     # mean over support
+        ce = F.cross_entropy(-(g / 2) * _sqd(s, w), ys)  # mean over support
         lp = -(g / 2) * _sqd(pos, w)
         pp = lp.softmax(-1)
         pull = (-lp * (pp.detach() if stopgrad_pull else pp)).sum(-1).mean()
@@ -77,8 +91,7 @@ def ref_naive_ood(s, ys, q, neg, way=WAY, steps=40, lr=1e-3, scale=10.0):
     y_ood = torch.full((neg.shape[0],), way)
 
     def loss(w, g):
-        return (F.cross_entropy(-(g / 2) * _sqd(s, w), ys)
-                + F.cross_entropy(-(g / 2) * _sqd(neg, w), y_ood))
+        return F.cross_entropy(-(g / 2) * _sqd(s, w), ys) + F.cross_entropy(-(g / 2) * _sqd(neg, w), y_ood)
 
     w, g = _adam_fit(w0, torch.tensor(scale, dtype=s.dtype), loss, steps, lr)
     return torch.log_softmax(-(g / 2) * _sqd(q, w[:way]), -1), w[:way], g
@@ -86,12 +99,15 @@ def ref_naive_ood(s, ys, q, neg, way=WAY, steps=40, lr=1e-3, scale=10.0):
 
 # ------------------------------------------------------------------------- fixtures
 
-def _batch(make_features, *, shot=1, imbalance=None, n_episodes=4, dim=24, n_neg=30, query=4, seed=0,
-           dtype=torch.float64):
+
+def _batch(
+    make_features, *, shot=1, imbalance=None, n_episodes=4, dim=24, n_neg=30, query=4, seed=0, dtype=torch.float64
+):
     x, y = make_features(10, 30, dim, seed=seed, spread=1.0)
     x = torch.from_numpy(x)
-    eps = sample_episodes(torch.from_numpy(y), EpisodeSpec(way=WAY, shot=shot, query=query, imbalance=imbalance,
-                                                           seed=seed), n_episodes)
+    eps = sample_episodes(
+        torch.from_numpy(y), EpisodeSpec(way=WAY, shot=shot, query=query, imbalance=imbalance, seed=seed), n_episodes
+    )
     g = torch.Generator().manual_seed(seed + 100)
     neg = F.normalize(torch.randn(n_episodes, n_neg, dim, generator=g), dim=-1)
     batch = EpisodeBatch(x[eps.support], eps.support_labels, x[eps.query], neg, WAY).to("cpu", dtype)
@@ -111,6 +127,7 @@ def _compare(batch, out, ref_fn, **kw):
 
 
 # ------------------------------------------------------------------------- tests
+
 
 def test_proto_matches_reference(make_features):
     batch, _ = _batch(make_features, shot=5)
@@ -136,17 +153,19 @@ def test_batched_poodle_matches_reference(make_features, shot, transductive, imb
 @pytest.mark.parametrize("pull,push", [(False, True), (True, False), (False, False)])
 def test_poodle_without_stopgrad_matches_reference(make_features, pull, push):
     batch, _ = _batch(make_features, shot=1, n_episodes=4)
-    out = solvers.run("poodle", batch, steps=40, transductive=True, stopgrad_pull=pull, stopgrad_push=push,
-                      alpha=1.0, beta=0.75)
-    _compare(batch, out, ref_poodle, steps=40, transductive=True, stopgrad_pull=pull, stopgrad_push=push,
-             beta=0.75)
+    out = solvers.run(
+        "poodle", batch, steps=40, transductive=True, stopgrad_pull=pull, stopgrad_push=push, alpha=1.0, beta=0.75
+    )
+    _compare(batch, out, ref_poodle, steps=40, transductive=True, stopgrad_pull=pull, stopgrad_push=push, beta=0.75)
 
 
 def test_poodle_beta_zero_ignores_negatives_and_is_ce_plus_pull(make_features):
     batch, _ = _batch(make_features, shot=1, n_episodes=4)
     with_neg = solvers.run("poodle", batch, steps=30, beta=0.0, transductive=True)
-    no_neg = solvers.get("poodle").fn(EpisodeBatch(batch.support, batch.support_labels, batch.query, None, WAY),
-                                      solvers.make_config("poodle", {"steps": 30, "beta": 0.0, "transductive": True}))
+    no_neg = solvers.get("poodle").fn(
+        EpisodeBatch(batch.support, batch.support_labels, batch.query, None, WAY),
+        solvers.make_config("poodle", {"steps": 30, "beta": 0.0, "transductive": True}),
+    )
     assert torch.equal(with_neg.state["prototypes"], no_neg.state["prototypes"])
     _compare(batch, with_neg, ref_poodle, steps=30, beta=0.0, transductive=True)
 
@@ -184,8 +203,12 @@ def test_chunked_solving_equals_one_batch(make_features, chunk):
     whole = solvers.run("poodle", batch, steps=30, transductive=True)
     for a in range(0, 9, chunk):
         sl = slice(a, a + chunk)
-        part = solvers.run("poodle", EpisodeBatch(batch.support[sl], batch.support_labels[sl], batch.query[sl],
-                                                  batch.negatives[sl], WAY), steps=30, transductive=True)
+        part = solvers.run(
+            "poodle",
+            EpisodeBatch(batch.support[sl], batch.support_labels[sl], batch.query[sl], batch.negatives[sl], WAY),
+            steps=30,
+            transductive=True,
+        )
         assert torch.allclose(part.state["prototypes"], whole.state["prototypes"][sl], atol=1e-12)
 
 

@@ -8,12 +8,11 @@ import dataclasses
 
 import pytest
 import torch
+from _references_transductive import REFERENCES
 
 from poodle import solvers
 from poodle.errors import ConfigError
 from poodle.solvers import EpisodeBatch
-
-from _references_transductive import REFERENCES
 
 METHODS = sorted(REFERENCES)
 WAY = 5
@@ -28,7 +27,7 @@ FAST = {
     "pt-map": {"steps": 8},
     "kmeans": {"max_iter": 30},
     "alpha-tim": {"steps": 40, "lr": 1e-3},
-    "paddle": {"steps": 30, "lmd": 0.0},   # lambda = Nq: the authors' 75 collapses these 32-d features
+    "paddle": {"steps": 30, "lmd": 0.0},  # lambda = Nq: the authors' 75 collapses these 32-d features
     "proto-lp": {"steps": 10},
     "bayes-kmeans": {"max_iter": 30},
 }
@@ -51,8 +50,9 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def build_batch(make_features, shot: int, counts: list[list[int]], seed: int = 0,
-                spread: float = 0.9) -> tuple[EpisodeBatch, torch.Tensor]:
+def build_batch(
+    make_features, shot: int, counts: list[list[int]], seed: int = 0, spread: float = 0.9
+) -> tuple[EpisodeBatch, torch.Tensor]:
     """Episodes from clustered features: each episode draws 5 of 8 classes, ``shot`` support
     points and ``counts[e][k]`` queries of class ``k`` (queries shuffled). Returns the batch
     (float64) and the query labels ``[E, Nq]``."""
@@ -68,7 +68,7 @@ def build_batch(make_features, shot: int, counts: list[list[int]], seed: int = 0
             rows = torch.nonzero(lab == c).flatten()
             rows = rows[torch.randperm(len(rows), generator=g)]
             s.append(x[rows[:shot]])
-            q.append(x[rows[shot:shot + cnt[k]]])
+            q.append(x[rows[shot : shot + cnt[k]]])
             ql += [k] * cnt[k]
         q = torch.cat(q)
         perm = torch.randperm(len(q), generator=g)
@@ -94,8 +94,7 @@ def run_reference(name: str, batch: EpisodeBatch, cfg) -> tuple[list[torch.Tenso
     fn = REFERENCES[name]
     outs, states = [], []
     for e in range(batch.n_episodes):
-        lp, st = fn(batch.support[e], batch.support_labels[e], batch.query[e], batch.way,
-                    **reference_kwargs(name, cfg))
+        lp, st = fn(batch.support[e], batch.support_labels[e], batch.query[e], batch.way, **reference_kwargs(name, cfg))
         outs.append(lp)
         states.append(st)
     return outs, states
@@ -157,24 +156,49 @@ def _degenerate_batches(make_features):
     x = torch.from_numpy(x)
     v = x[0]
     # 1. every feature identical
-    same = EpisodeBatch(v.expand(2, 10, DIM).clone(), torch.arange(WAY).repeat_interleave(2).expand(2, -1).clone(),
-                        v.expand(2, 30, DIM).clone(), None, WAY)
+    same = EpisodeBatch(
+        v.expand(2, 10, DIM).clone(),
+        torch.arange(WAY).repeat_interleave(2).expand(2, -1).clone(),
+        v.expand(2, 30, DIM).clone(),
+        None,
+        WAY,
+    )
     # 2. all queries from one class, two classes with the same support point (an empty cluster
     #    for unsupervised k-means, classes with no confident query for the pseudo-labellers)
     sup = torch.stack([x[0], x[0], x[10], x[20], x[20]]).expand(2, WAY, DIM).clone()
-    one_class = EpisodeBatch(sup, torch.arange(WAY).expand(2, -1).clone(),
-                             x[1:10].repeat(2, 1).expand(2, 18, DIM).clone(),
-                             None, WAY)
+    one_class = EpisodeBatch(
+        sup, torch.arange(WAY).expand(2, -1).clone(), x[1:10].repeat(2, 1).expand(2, 18, DIM).clone(), None, WAY
+    )
     # 3. tiny query sets: one and two queries (kNN with k > Nq - 1, a top-k larger than Nq)
-    tiny1 = EpisodeBatch(x[[0, 10, 20, 5, 15]].expand(2, WAY, DIM).clone(), torch.arange(WAY).expand(2, -1).clone(),
-                         x[[1]].expand(2, 1, DIM).clone(), None, WAY)
-    tiny2 = EpisodeBatch(x[[0, 10, 20, 5, 15]].expand(2, WAY, DIM).clone(), torch.arange(WAY).expand(2, -1).clone(),
-                         x[[1, 11]].expand(2, 2, DIM).clone(), None, WAY)
+    tiny1 = EpisodeBatch(
+        x[[0, 10, 20, 5, 15]].expand(2, WAY, DIM).clone(),
+        torch.arange(WAY).expand(2, -1).clone(),
+        x[[1]].expand(2, 1, DIM).clone(),
+        None,
+        WAY,
+    )
+    tiny2 = EpisodeBatch(
+        x[[0, 10, 20, 5, 15]].expand(2, WAY, DIM).clone(),
+        torch.arange(WAY).expand(2, -1).clone(),
+        x[[1, 11]].expand(2, 2, DIM).clone(),
+        None,
+        WAY,
+    )
     # 4. features with large negative coordinates (pt-map's power transform)
-    neg = EpisodeBatch(-x[[0, 10, 20, 5, 15]].abs().expand(1, WAY, DIM).clone(), torch.arange(WAY).view(1, -1),
-                       -x[1:9].abs().unsqueeze(0), None, WAY)
-    return {"all-equal": same, "one-class-queries": one_class, "one-query": tiny1, "two-queries": tiny2,
-            "negative": neg}
+    neg = EpisodeBatch(
+        -x[[0, 10, 20, 5, 15]].abs().expand(1, WAY, DIM).clone(),
+        torch.arange(WAY).view(1, -1),
+        -x[1:9].abs().unsqueeze(0),
+        None,
+        WAY,
+    )
+    return {
+        "all-equal": same,
+        "one-class-queries": one_class,
+        "one-query": tiny1,
+        "two-queries": tiny2,
+        "negative": neg,
+    }
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -209,8 +233,15 @@ def test_solvers_accept_inference_mode_inputs(make_features):
 
 def test_tim_gd_presets_and_overrides():
     cfg = solvers.make_config("tim-gd", {})
-    assert cfg.resolved() == dict(ce_weight=0.1, marginal_weight=1.0, conditional_weight=0.1, temperature=15.0,
-                                  learn_temperature=False, lr=1e-4, steps=1000)
+    assert cfg.resolved() == dict(
+        ce_weight=0.1,
+        marginal_weight=1.0,
+        conditional_weight=0.1,
+        temperature=15.0,
+        learn_temperature=False,
+        lr=1e-4,
+        steps=1000,
+    )
     paper = solvers.make_config("tim-gd", {"preset": "poodle-paper"}).resolved()
     assert (paper["ce_weight"], paper["marginal_weight"], paper["conditional_weight"]) == (1.0, 10.0, 1.0)
     assert (paper["temperature"], paper["learn_temperature"], paper["lr"], paper["steps"]) == (10.0, True, 1e-3, 250)
@@ -304,17 +335,20 @@ def test_support_labels_are_enforced_only_when_asked(name, fix_support):
     assert (c0[1] > 0.2) == fix_support
 
 
-@pytest.mark.parametrize("name, over", [
-    ("laplacianshot", {"preset": "official"}),
-    ("laplacianshot", {"preset": "official", "rectify": False}),
-    ("laplacianshot", {"shifted_unary": True}),
-    ("laplacianshot", {"preset": "official", "released_rectification": False, "self_neighbour": False}),
-    ("bms", {"epochs": 5}),
-    ("proto-lp", {"balanced": False}),
-    ("alpha-tim", {"alpha": 3.0}),
-    ("paddle", {"lmd": 10.0, "scale_features": False}),
-    ("paddle", {"lmd": 75.0}),
-])
+@pytest.mark.parametrize(
+    "name, over",
+    [
+        ("laplacianshot", {"preset": "official"}),
+        ("laplacianshot", {"preset": "official", "rectify": False}),
+        ("laplacianshot", {"shifted_unary": True}),
+        ("laplacianshot", {"preset": "official", "released_rectification": False, "self_neighbour": False}),
+        ("bms", {"epochs": 5}),
+        ("proto-lp", {"balanced": False}),
+        ("alpha-tim", {"alpha": 3.0}),
+        ("paddle", {"lmd": 10.0, "scale_features": False}),
+        ("paddle", {"lmd": 75.0}),
+    ],
+)
 @pytest.mark.parametrize("shot", [1, 5])
 def test_variants_match_reference(make_features, name, over, shot):
     batch, _ = build_batch(make_features, shot, IMBALANCED, seed=shot + 10)
@@ -354,6 +388,7 @@ def test_laplacianshot_variant_switches_follow_the_preset():
 
 def test_alpha_tim_uses_the_authors_tuned_alpha(make_features):
     from poodle.solvers.alpha_tim import tuned_alpha
+
     assert [tuned_alpha(s) for s in (1, 2, 4, 5, 10)] == [2.0, 5.0, 5.0, 7.0, 7.0]
     batch, _ = build_batch(make_features, 1, BALANCED[:1])
     auto = solvers.run("alpha-tim", batch, config("alpha-tim"))
@@ -369,15 +404,16 @@ def test_paddle_empties_classes_absent_from_the_queries(make_features):
     batch, q_lab = build_batch(make_features, 5, [[15, 0, 0, 15, 0]] * 2, seed=4, spread=0.3)
     big = EpisodeBatch(3 * batch.support, batch.support_labels, 3 * batch.query, None, WAY)
     out = solvers.run("paddle", big, config("paddle", steps=100, lmd=0.0, scale_features=False))
-    mass = out.state["assignments"].sum(1)                                  # [E, way]
+    mass = out.state["assignments"].sum(1)  # [E, way]
     assert (mass[:, [1, 2, 4]] < 0.5).all(), mass
     assert (out.log_probs.argmax(-1) == q_lab).all()
-    soft = solvers.run("pt-map", batch, config("pt-map"))                   # balanced by construction
+    soft = solvers.run("pt-map", batch, config("pt-map"))  # balanced by construction
     assert (soft.log_probs.argmax(-1) == q_lab).double().mean() < 0.9
 
 
 def test_bms_min_size_is_respected(make_features):
     from poodle.solvers.bms import min_size_sinkhorn
+
     p = torch.softmax(torch.randn(3, 20, 4, dtype=torch.float64) * 3, -1)
     q = min_size_sinkhorn(p, torch.tensor([2.0, 4.0, 1.0], dtype=torch.float64), 50)
     assert (q.sum(1) >= torch.tensor([2.0, 4.0, 1.0], dtype=torch.float64)[:, None] - 1e-9).all()

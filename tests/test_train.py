@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import _images
 import pytest
 import torch
 import torch.nn.functional as F
 
-import _images
 from poodle.errors import ConfigError
 from poodle.train import TrainConfig, train
 from poodle.train.losses import distill_kl, rotate_all, smooth_cross_entropy
@@ -26,10 +26,26 @@ def image_root(tmp_path_factory) -> Path:
 
 
 def _cfg(root: Path, tmp: Path, **kw) -> TrainConfig:
-    opts = dict(dataset="folder", data_root=str(root), backbone="conv4_64", recipe="simple", epochs=4,
-                batch_size=8, lr=0.05, image_size=SIZE, augment="none", val_every=2, val_episodes=20,
-                val_way=3, val_shot=1, val_query=2, workers=0, device="cpu", cache_root=str(tmp / "cache"),
-                out=str(tmp / "run"))
+    opts = dict(
+        dataset="folder",
+        data_root=str(root),
+        backbone="conv4_64",
+        recipe="simple",
+        epochs=4,
+        batch_size=8,
+        lr=0.05,
+        image_size=SIZE,
+        augment="none",
+        val_every=2,
+        val_episodes=20,
+        val_way=3,
+        val_shot=1,
+        val_query=2,
+        workers=0,
+        device="cpu",
+        cache_root=str(tmp / "cache"),
+        out=str(tmp / "run"),
+    )
     opts.update(kw)
     return TrainConfig(**opts)
 
@@ -84,9 +100,15 @@ def test_lr_decays_at_the_milestone_epoch_not_one_late():
     assert TrainConfig(dataset="mini", backbone="x", epochs=10, milestones=[3]).lr_at(3) == pytest.approx(0.005)
 
 
-@pytest.mark.parametrize("bad, culprit", [({"recipe": "kd"}, "recipe"), ({"epochs": 0}, "--epochs"),
-                                          ({"milestones": (100,)}, "milestone 100"),
-                                          ({"label_smoothing": 1.0}, "--label-smoothing")])
+@pytest.mark.parametrize(
+    "bad, culprit",
+    [
+        ({"recipe": "kd"}, "recipe"),
+        ({"epochs": 0}, "--epochs"),
+        ({"milestones": (100,)}, "milestone 100"),
+        ({"label_smoothing": 1.0}, "--label-smoothing"),
+    ],
+)
 def test_bad_settings_name_the_culprit(bad, culprit):
     with pytest.raises(ConfigError, match=culprit):
         TrainConfig(dataset="mini", backbone="resnet12", **bad)
@@ -150,13 +172,26 @@ def test_checkpoint_has_the_release_layout_and_loads_in_extract(image_root, tmp_
     ckpt = torch.load(result.checkpoint, map_location="cpu", weights_only=True)
     assert ckpt["arch"] == "conv4_64" and ckpt["epoch"] in (1, 2)
     assert all(k.startswith("module.") for k in ckpt["state_dict"])
-    assert {"module.encoder.0.0.weight", "module.fc.weight", "module.further.layers.Conv.weight",
-            "module.fc2.weight"} <= set(ckpt["state_dict"])
+    assert {
+        "module.encoder.0.0.weight",
+        "module.fc.weight",
+        "module.further.layers.Conv.weight",
+        "module.fc2.weight",
+    } <= set(ckpt["state_dict"])
     assert 0.0 <= ckpt["best_prec1"] <= 1.0
 
-    cache = extract("folder", "conv4_64", data_root=image_root, checkpoint=result.checkpoint,
-                    splits=("test",), image_size=SIZE, batch_size=16, device="cpu",
-                    cache_root=tmp_path / "cache", workers=0)
+    cache = extract(
+        "folder",
+        "conv4_64",
+        data_root=image_root,
+        checkpoint=result.checkpoint,
+        splits=("test",),
+        image_size=SIZE,
+        batch_size=16,
+        device="cpu",
+        cache_root=tmp_path / "cache",
+        workers=0,
+    )
     assert read_attrs(cache)["checkpoint_sha256"] == file_sha256(result.checkpoint)
     feats = read_split(cache, "test")
     # the cached features are the trained model's, not a fresh initialisation's
@@ -212,11 +247,41 @@ def test_cli_train_prints_the_checkpoint(image_root, tmp_path):
     from poodle.cli.main import cli
 
     out = tmp_path / "cli-run"
-    args = ["train", "--dataset", "folder", "--data-root", str(image_root), "--backbone", "conv4_64",
-            "--recipe", "simple", "--epochs", "2", "--batch-size", "8", "--image-size", str(SIZE),
-            "--augment", "crop", "--val-every", "1", "--val-episodes", "10", "--val-way", "3",
-            "--val-query", "2", "--workers", "0", "--device", "cpu", "--cache-root", str(tmp_path / "c"),
-            "--out", str(out)]
+    args = [
+        "train",
+        "--dataset",
+        "folder",
+        "--data-root",
+        str(image_root),
+        "--backbone",
+        "conv4_64",
+        "--recipe",
+        "simple",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--image-size",
+        str(SIZE),
+        "--augment",
+        "crop",
+        "--val-every",
+        "1",
+        "--val-episodes",
+        "10",
+        "--val-way",
+        "3",
+        "--val-query",
+        "2",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--cache-root",
+        str(tmp_path / "c"),
+        "--out",
+        str(out),
+    ]
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
     assert str(out / "best.pt") in res.output

@@ -14,19 +14,45 @@ the authors' checkpoints load strictly.
 for pre-training; ``model(x)`` then returns ``(class_logits [B, 64], rot_logits [B, 4])``.
 """
 
-from poodle.backbones.base import (ALIASES, BACKBONES, Backbone, BackboneSpec, available, build,
-                                   get_spec, register)
 # Importing a family module registers its variants.
 from poodle.backbones import conv4, densenet, mobilenet, resnet, resnet12, wrn  # noqa: F401,E402
-from poodle.backbones.checkpoint import (check_state_dict, guess_architecture, load_checkpoint,
-                                         load_state_dict_strict, read_checkpoint, remap_state_dict,
-                                         save_checkpoint)
-from poodle.backbones.external import (EvalTransformSpec, ExternalBackbone, build_external, eval_transform_spec,
-                                       is_external)
+from poodle.backbones.base import ALIASES, BACKBONES, Backbone, BackboneSpec, available, build, get_spec, register
+from poodle.backbones.checkpoint import (
+    check_state_dict,
+    guess_architecture,
+    load_checkpoint,
+    load_state_dict_strict,
+    read_checkpoint,
+    remap_state_dict,
+    save_checkpoint,
+)
+from poodle.backbones.external import (
+    EvalTransformSpec,
+    ExternalBackbone,
+    build_external,
+    eval_transform_spec,
+    is_external,
+)
 
 __all__ = [
-    "ALIASES", "BACKBONES", "Backbone", "BackboneSpec", "available", "build", "get_spec", "register",
-    "check_state_dict", "guess_architecture", "load_checkpoint", "load_state_dict_strict",
-    "read_checkpoint", "remap_state_dict", "save_checkpoint",
-    "EvalTransformSpec", "ExternalBackbone", "build_external", "eval_transform_spec", "is_external",
+    "ALIASES",
+    "BACKBONES",
+    "Backbone",
+    "BackboneSpec",
+    "available",
+    "build",
+    "get_spec",
+    "register",
+    "check_state_dict",
+    "guess_architecture",
+    "load_checkpoint",
+    "load_state_dict_strict",
+    "read_checkpoint",
+    "remap_state_dict",
+    "save_checkpoint",
+    "EvalTransformSpec",
+    "ExternalBackbone",
+    "build_external",
+    "eval_transform_spec",
+    "is_external",
 ]

@@ -61,9 +61,11 @@ class Backbone(nn.Module):
 
     def head_prefixes(self) -> dict[str, bool]:
         """State-dict prefixes of the heads (``"fc."``, ``"further."``, ``"fc2."``) -> present?"""
-        return {self.classifier_name + ".": self.class_head is not None,
-                "further.": self.further is not None,
-                "fc2.": self.fc2 is not None}
+        return {
+            self.classifier_name + ".": self.class_head is not None,
+            "further.": self.further is not None,
+            "fc2.": self.fc2 is not None,
+        }
 
     def remap_release(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Family-specific fixes of a release state dict (prefix already stripped). Default: none."""
@@ -76,11 +78,12 @@ class Backbone(nn.Module):
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 4 or x.shape[1] != 3:
-            raise ConfigError(f"{self.name} expects images [B, 3, H, W], got a tensor of shape "
-                              f"{list(x.shape)}")
+            raise ConfigError(f"{self.name} expects images [B, 3, H, W], got a tensor of shape {list(x.shape)}")
         if min(x.shape[-2:]) < self.min_input_size:
-            raise ConfigError(f"{self.name} needs inputs of at least {self.min_input_size}x"
-                              f"{self.min_input_size} pixels, got {x.shape[-2]}x{x.shape[-1]}")
+            raise ConfigError(
+                f"{self.name} needs inputs of at least {self.min_input_size}x"
+                f"{self.min_input_size} pixels, got {x.shape[-2]}x{x.shape[-1]}"
+            )
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Pooled pre-logit features, ``x [B, 3, H, W] -> [B, D]`` (what the release caches)."""
@@ -100,12 +103,15 @@ class Backbone(nn.Module):
         return logits, rot
 
     def extra_repr(self) -> str:
-        return (f"name={self.name}, feature_dim={self.feature_dim}, num_classes={self.num_classes}, "
-                f"rotation_head={self.rotation_head}")
+        return (
+            f"name={self.name}, feature_dim={self.feature_dim}, num_classes={self.num_classes}, "
+            f"rotation_head={self.rotation_head}"
+        )
 
 
-def init_weights(module: nn.Module, conv_init: Callable[[torch.Tensor], object], *,
-                 zero_linear_bias: bool = False) -> None:
+def init_weights(
+    module: nn.Module, conv_init: Callable[[torch.Tensor], object], *, zero_linear_bias: bool = False
+) -> None:
     """``conv_init`` on every Conv2d weight, BatchNorm weight 1 and bias 0 (and Linear bias 0).
 
     Does nothing on the meta device, where only shapes exist (random draws there are slow).
@@ -142,14 +148,17 @@ BACKBONES: dict[str, BackboneSpec] = {}
 ALIASES: dict[str, str] = {"wideres": "wrn28_10"}
 
 
-def register(name: str, *, feature_dim: int, min_input_size: int, summary: str
-             ) -> Callable[[Callable[..., Backbone]], Callable[..., Backbone]]:
+def register(
+    name: str, *, feature_dim: int, min_input_size: int, summary: str
+) -> Callable[[Callable[..., Backbone]], Callable[..., Backbone]]:
     """Decorator that adds a constructor to :data:`BACKBONES` under ``name``."""
+
     def deco(fn: Callable[..., Backbone]) -> Callable[..., Backbone]:
         if name in BACKBONES:
             raise RuntimeError(f"backbone {name!r} registered twice")
         BACKBONES[name] = BackboneSpec(name, fn, feature_dim, min_input_size, summary)
         return fn
+
     return deco
 
 

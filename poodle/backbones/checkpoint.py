@@ -27,7 +27,7 @@ from poodle.utils import atomic_path, file_sha256
 PREFIX = "module."
 # First key component of every head any registered backbone may carry.
 HEAD_ROOTS = frozenset({"fc", "linear", "classifier", "further", "fc2"})
-_SHOWN = 5   # keys listed per category in an error message
+_SHOWN = 5  # keys listed per category in an error message
 # Top-level keys under which checkpoint files of the release, timm, DeiT, MAE, ... keep the weights.
 WRAPPERS = ("state_dict", "model")
 
@@ -69,23 +69,25 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
         text = str(e).strip()
         refused = _refused_globals(p, text)
         if refused:
-            raise CheckpointError(f"{p} holds Python object(s) that torch.load(weights_only=True) refuses to "
-                                  f"unpickle: {', '.join(refused[:5])}{', ...' if len(refused) > 5 else ''}; "
-                                  f"only tensors and plain containers are accepted (re-save the state dict "
-                                  f"alone)") from None
+            raise CheckpointError(
+                f"{p} holds Python object(s) that torch.load(weights_only=True) refuses to "
+                f"unpickle: {', '.join(refused[:5])}{', ...' if len(refused) > 5 else ''}; "
+                f"only tensors and plain containers are accepted (re-save the state dict "
+                f"alone)"
+            ) from None
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         # The weights-only unpickler buries the real cause ("Unsupported operand 100") mid-message.
         detail = next((ln for ln in lines if ln.startswith("Unsupported")), lines[0] if lines else "")
-        raise CheckpointError(f"{p} is not a torch checkpoint ({type(e).__name__}: "
-                              f"{detail[:160]})") from e
+        raise CheckpointError(f"{p} is not a torch checkpoint ({type(e).__name__}: {detail[:160]})") from e
     wrapper = next((k for k in WRAPPERS if isinstance(obj, Mapping) and isinstance(obj.get(k), Mapping)), None)
     if wrapper is not None:
         state, meta = obj[wrapper], {k: v for k, v in obj.items() if k != wrapper}
     elif isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         state, meta = obj, {}
     else:
-        what = f"a dict with keys {sorted(map(str, obj))[:8]}" if isinstance(obj, Mapping) \
-            else f"a {type(obj).__name__}"
+        what = (
+            f"a dict with keys {sorted(map(str, obj))[:8]}" if isinstance(obj, Mapping) else f"a {type(obj).__name__}"
+        )
         raise CheckpointError(f"{p} holds {what}, not a state dict or {{'state_dict': ...}}")
     for k, v in state.items():
         if not isinstance(k, str) or not isinstance(v, torch.Tensor):
@@ -109,12 +111,15 @@ def _refused_globals(path: Path, text: str) -> list[str]:
                 return found
         except Exception:  # noqa: BLE001 - fall back to the message
             pass
-    return list(dict.fromkeys(re.findall(r"GLOBAL\s+([A-Za-z_][\w.]*)", text, re.IGNORECASE)
-                             or re.findall(r"global[:\s]+([A-Za-z_][\w.]*\.[\w]+)", text, re.IGNORECASE)))
+    return list(
+        dict.fromkeys(
+            re.findall(r"GLOBAL\s+([A-Za-z_][\w.]*)", text, re.IGNORECASE)
+            or re.findall(r"global[:\s]+([A-Za-z_][\w.]*\.[\w]+)", text, re.IGNORECASE)
+        )
+    )
 
 
-def remap_state_dict(model: Backbone, state_dict: Mapping[str, torch.Tensor]
-                     ) -> dict[str, torch.Tensor]:
+def remap_state_dict(model: Backbone, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Turn a foreign state dict into one for ``model`` (the input is not modified).
 
     1. strip the ``module.`` prefix of DataParallel / DistributedDataParallel;
@@ -129,8 +134,11 @@ def remap_state_dict(model: Backbone, state_dict: Mapping[str, torch.Tensor]
     if absent:
         sd = {k: v for k, v in sd.items() if not k.startswith(absent)}
     for k, v in _weights_module(model).state_dict().items():
-        if k.endswith(".num_batches_tracked") and k not in sd \
-                and k[: -len("num_batches_tracked")] + "running_mean" in sd:
+        if (
+            k.endswith(".num_batches_tracked")
+            and k not in sd
+            and k[: -len("num_batches_tracked")] + "running_mean" in sd
+        ):
             sd[k] = torch.zeros_like(v)
     return sd
 
@@ -144,7 +152,7 @@ def _weights_module(model: nn.Module) -> nn.Module:
 
 def _strip(key: str) -> str:
     while key.startswith(PREFIX):
-        key = key[len(PREFIX):]
+        key = key[len(PREFIX) :]
     return key
 
 
@@ -164,7 +172,7 @@ def _listing(keys: list[str]) -> str:
     return ", ".join(keys[:_SHOWN]) + more
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _signature(name: str) -> frozenset[tuple[str, tuple[int, ...]]]:
     """(key, shape) pairs of backbone ``name`` without heads; built on the meta device (no memory)."""
     with torch.device("meta"):
@@ -190,20 +198,29 @@ def guess_architecture(state_dict: Mapping[str, torch.Tensor]) -> tuple[str, boo
     return (best, False) if best is not None else None
 
 
-def check_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]
-                     ) -> tuple[list[str], list[str], list[str]]:
+def check_state_dict(
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor]
+) -> tuple[list[str], list[str], list[str]]:
     """``(missing, unexpected, mismatched)`` of loading ``state_dict`` strictly into ``model``;
     mismatched entries read ``"key: checkpoint [a, b], model [c, d]"``."""
     own = model.state_dict()
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
-    mismatched = [f"{k}: checkpoint {_shape(v)}, model {_shape(own[k])}"
-                  for k, v in state_dict.items() if k in own and v.shape != own[k].shape]
+    mismatched = [
+        f"{k}: checkpoint {_shape(v)}, model {_shape(own[k])}"
+        for k, v in state_dict.items()
+        if k in own and v.shape != own[k].shape
+    ]
     return missing, unexpected, mismatched
 
 
-def load_state_dict_strict(model: Backbone, state_dict: Mapping[str, torch.Tensor], *,
-                           source: str = "state dict", meta: Mapping[str, Any] | None = None) -> None:
+def load_state_dict_strict(
+    model: Backbone,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    source: str = "state dict",
+    meta: Mapping[str, Any] | None = None,
+) -> None:
     """Remap ``state_dict`` (:func:`remap_state_dict`) and load it strictly into ``model``.
 
     Raises CheckpointError listing missing keys, unexpected keys and shape mismatches, and naming
@@ -217,11 +234,12 @@ def load_state_dict_strict(model: Backbone, state_dict: Mapping[str, torch.Tenso
         # load_state_dict casts silently: integer weights would load "strictly" as truncated values
         # (an all-zero network from a checkpoint of small floats stored as int).
         own = target.state_dict()
-        wrong = [f"{k} ({v.dtype})" for k, v in sd.items()
-                 if own[k].is_floating_point() and not v.is_floating_point()]
+        wrong = [f"{k} ({v.dtype})" for k, v in sd.items() if own[k].is_floating_point() and not v.is_floating_point()]
         if wrong:
-            raise CheckpointError(f"{source}: {len(wrong)} tensor(s) where {getattr(model, 'name', 'the model')} "
-                                  f"has floating-point values hold non-floating data: {_listing(wrong)}")
+            raise CheckpointError(
+                f"{source}: {len(wrong)} tensor(s) where {getattr(model, 'name', 'the model')} "
+                f"has floating-point values hold non-floating data: {_listing(wrong)}"
+            )
     if missing or unexpected or mismatched:
         name = getattr(model, "name", type(model).__name__)
         parts = []
@@ -236,16 +254,22 @@ def load_state_dict_strict(model: Backbone, state_dict: Mapping[str, torch.Tenso
         guess = None if model is not target else guess_architecture(state_dict)
         file_arch = (meta or {}).get("arch")
         if guess is not None and guess[0] != name:
-            msg += f"; it looks like a {guess[0]} checkpoint" if guess[1] \
-                else f"; it is closest to {guess[0]}"
+            msg += f"; it looks like a {guess[0]} checkpoint" if guess[1] else f"; it is closest to {guess[0]}"
         elif guess is None and isinstance(file_arch, str) and file_arch != name:
             msg += f"; the file says arch {file_arch!r}"
         head = getattr(model, "classifier_name", None)
         w = sd.get(f"{head}.weight")
-        if not missing and not unexpected and head and w is not None and all(
-                m.startswith(f"{head}.") for m in mismatched):
-            msg += (f"; its classifier has {w.shape[0]} classes: build with num_classes="
-                    f"{w.shape[0]}, or 0 to leave the classifier out")
+        if (
+            not missing
+            and not unexpected
+            and head
+            and w is not None
+            and all(m.startswith(f"{head}.") for m in mismatched)
+        ):
+            msg += (
+                f"; its classifier has {w.shape[0]} classes: build with num_classes="
+                f"{w.shape[0]}, or 0 to leave the classifier out"
+            )
         raise CheckpointError(msg)
     target.load_state_dict(sd, strict=True)
 

@@ -63,12 +63,16 @@ class DenseBlock(nn.ModuleDict):
 
 def transition(in_channels: int, out_channels: int) -> nn.Sequential:
     """BN-ReLU-1x1 conv-2x2 avg-pool: ``[B, C_in, H, W] -> [B, C_out, H//2, W//2]``."""
-    return nn.Sequential(OrderedDict([
-        ("norm", nn.BatchNorm2d(in_channels)),
-        ("relu", nn.ReLU(inplace=True)),
-        ("conv", nn.Conv2d(in_channels, out_channels, 1, bias=False)),
-        ("pool", nn.AvgPool2d(2, stride=2)),
-    ]))
+    return nn.Sequential(
+        OrderedDict(
+            [
+                ("norm", nn.BatchNorm2d(in_channels)),
+                ("relu", nn.ReLU(inplace=True)),
+                ("conv", nn.Conv2d(in_channels, out_channels, 1, bias=False)),
+                ("pool", nn.AvgPool2d(2, stride=2)),
+            ]
+        )
+    )
 
 
 class DenseNet(Backbone):
@@ -78,12 +82,18 @@ class DenseNet(Backbone):
     classifier_name = "classifier"
     min_input_size = 8
 
-    def __init__(self, *, growth: int = 32, blocks: tuple[int, ...] = (6, 12, 24, 16),
-                 bn_size: int = 4, compression: float = 0.5, num_classes: int = 0,
-                 rotation_head: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        growth: int = 32,
+        blocks: tuple[int, ...] = (6, 12, 24, 16),
+        bn_size: int = 4,
+        compression: float = 0.5,
+        num_classes: int = 0,
+        rotation_head: bool = False,
+    ) -> None:
         channels = 2 * growth
-        modules: list[tuple[str, nn.Module]] = [
-            ("conv0", nn.Conv2d(3, channels, 3, stride=1, padding=1, bias=False))]
+        modules: list[tuple[str, nn.Module]] = [("conv0", nn.Conv2d(3, channels, 3, stride=1, padding=1, bias=False))]
         for i, n in enumerate(blocks):
             modules.append((f"denseblock{i + 1}", DenseBlock(n, channels, growth, bn_size)))
             channels += n * growth
@@ -94,7 +104,7 @@ class DenseNet(Backbone):
         modules.append(("norm5", nn.BatchNorm2d(channels)))
         super().__init__(channels)
         self.features = nn.Sequential(OrderedDict(modules))
-        self._add_classifier(num_classes)          # the release lists classifier before further
+        self._add_classifier(num_classes)  # the release lists classifier before further
         self._add_rotation_head(rotation_head)
         init_weights(self, nn.init.kaiming_normal_, zero_linear_bias=True)
 
@@ -104,14 +114,21 @@ class DenseNet(Backbone):
     def remap_release(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Cut the release's ``fc2`` ``[num_classes, 1024]`` to its first 4 rows (see module doc)."""
         w, b = state_dict.get("fc2.weight"), state_dict.get("fc2.bias")
-        if (self.fc2 is not None and w is not None and b is not None and w.dim() == 2
-                and w.shape[0] > ROTATIONS and w.shape[1] == self.feature_dim):
+        if (
+            self.fc2 is not None
+            and w is not None
+            and b is not None
+            and w.dim() == 2
+            and w.shape[0] > ROTATIONS
+            and w.shape[1] == self.feature_dim
+        ):
             state_dict = dict(state_dict)
             state_dict["fc2.weight"], state_dict["fc2.bias"] = w[:ROTATIONS], b[:ROTATIONS]
         return state_dict
 
 
-@register("densenet121", feature_dim=1024, min_input_size=8,
-          summary="DenseNet-121 (BC, growth 32), 3x3 stem without pooling")
+@register(
+    "densenet121", feature_dim=1024, min_input_size=8, summary="DenseNet-121 (BC, growth 32), 3x3 stem without pooling"
+)
 def densenet121(*, num_classes: int = 0, rotation_head: bool = False) -> DenseNet:
     return DenseNet(num_classes=num_classes, rotation_head=rotation_head)

@@ -75,13 +75,18 @@ def no_downloads(name: str) -> Iterator[None]:
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         url = next((a for a in args if isinstance(a, str)), kwargs.get("url", ""))
-        raise ConfigError(f"backbone {name}: building it tries to download weights ({str(url)[:80]}); poodle never "
-                          f"downloads: give the weights with --checkpoint FILE")
+        raise ConfigError(
+            f"backbone {name}: building it tries to download weights ({str(url)[:80]}); poodle never "
+            f"downloads: give the weights with --checkpoint FILE"
+        )
 
-    patches: list[tuple[Any, str, Any]] = [(torch.hub, "load_state_dict_from_url", refuse),
-                                           (torch.hub, "download_url_to_file", refuse)]
+    patches: list[tuple[Any, str, Any]] = [
+        (torch.hub, "load_state_dict_from_url", refuse),
+        (torch.hub, "download_url_to_file", refuse),
+    ]
     try:
         import huggingface_hub
+
         patches += [(huggingface_hub, "hf_hub_download", refuse), (huggingface_hub, "snapshot_download", refuse)]
     except ImportError:
         pass
@@ -103,6 +108,7 @@ def no_downloads(name: str) -> Iterator[None]:
 
 # ------------------------------------------------------------------------------------------ listing
 
+
 def torchvision_names() -> list[str]:
     """Classification model builders of torchvision, sorted."""
     import torchvision
@@ -121,6 +127,7 @@ def timm_names() -> list[str] | None:
 
 # ------------------------------------------------------------------------------------------ transforms
 
+
 @dataclass(frozen=True)
 class EvalTransformSpec:
     """A resolved evaluation transform: resize the shorter side to ``resize``, centre crop ``crop``,
@@ -137,22 +144,31 @@ class EvalTransformSpec:
     def description(self) -> str:
         mean = ", ".join(f"{v:.4g}" for v in self.mean)
         std = ", ".join(f"{v:.4g}" for v in self.std)
-        return (f"eval ({self.origin}): RGB, resize shorter side to {self.resize} ({self.interpolation}, antialias), "
-                f"center crop {self.crop}, normalize mean=({mean}) std=({std})")
+        return (
+            f"eval ({self.origin}): RGB, resize shorter side to {self.resize} ({self.interpolation}, antialias), "
+            f"center crop {self.crop}, normalize mean=({mean}) std=({std})"
+        )
 
     def build(self) -> Callable[[Any], torch.Tensor]:
         """PIL RGB image -> float32 ``[3, crop, crop]`` tensor."""
         from torchvision import transforms as T
 
         mode = T.InterpolationMode(self.interpolation)
-        tf = T.Compose([T.Resize(self.resize, interpolation=mode, antialias=True), T.CenterCrop(self.crop),
-                        T.ToTensor(), T.Normalize(self.mean, self.std)])
+        tf = T.Compose(
+            [
+                T.Resize(self.resize, interpolation=mode, antialias=True),
+                T.CenterCrop(self.crop),
+                T.ToTensor(),
+                T.Normalize(self.mean, self.std),
+            ]
+        )
         tf.description = self.description  # type: ignore[attr-defined]
         return tf
 
 
-def _override(crop: int, resize: int, interpolation: str, image_size: int | None, crop_pct: float | None,
-              interp: str | None) -> tuple[int, int, str]:
+def _override(
+    crop: int, resize: int, interpolation: str, image_size: int | None, crop_pct: float | None, interp: str | None
+) -> tuple[int, int, str]:
     if interp is not None and interp not in INTERPOLATIONS:
         raise ConfigError(f"--interpolation {interp!r}: use one of {', '.join(INTERPOLATIONS)}")
     if crop_pct is not None and not 0 < crop_pct <= 1:
@@ -161,12 +177,13 @@ def _override(crop: int, resize: int, interpolation: str, image_size: int | None
     if image_size is not None:
         crop = int(image_size)
     if image_size is not None or crop_pct is not None:
-        resize = int(crop / pct)   # timm's and torchvision's rounding: floor(size / crop_pct)
+        resize = int(crop / pct)  # timm's and torchvision's rounding: floor(size / crop_pct)
     return crop, resize, interp or interpolation
 
 
-def eval_transform_spec(name: str, *, image_size: int | None = None, crop_pct: float | None = None,
-                        interpolation: str | None = None) -> EvalTransformSpec:
+def eval_transform_spec(
+    name: str, *, image_size: int | None = None, crop_pct: float | None = None, interpolation: str | None = None
+) -> EvalTransformSpec:
     """The evaluation transform of external backbone ``name`` (from its own configuration),
     with ``image_size`` (crop side), ``crop_pct`` (crop / resize) and ``interpolation`` overriding it."""
     source, model = split_name(name)
@@ -185,8 +202,9 @@ def eval_transform_spec(name: str, *, image_size: int | None = None, crop_pct: f
         interp = str(dc["interpolation"])
         interp = interp if interp in INTERPOLATIONS else "bicubic"
         crop, resize, interp = _override(crop, resize, interp, image_size, crop_pct, interpolation)
-        return EvalTransformSpec(crop, resize, interp, tuple(map(float, dc["mean"])), tuple(map(float, dc["std"])),
-                                 "timm data config")
+        return EvalTransformSpec(
+            crop, resize, interp, tuple(map(float, dc["mean"])), tuple(map(float, dc["std"])), "timm data config"
+        )
     import torchvision
     from torchvision.transforms import InterpolationMode
 
@@ -194,7 +212,7 @@ def eval_transform_spec(name: str, *, image_size: int | None = None, crop_pct: f
     kw: dict[str, Any] = {}
     try:
         enum = torchvision.models.get_model_weights(model)
-        preset = next(iter(enum)).transforms       # functools.partial(ImageClassification, crop_size=...)
+        preset = next(iter(enum)).transforms  # functools.partial(ImageClassification, crop_size=...)
         kw = dict(getattr(preset, "keywords", {}))
     except (ValueError, StopIteration, AttributeError):
         pass
@@ -209,12 +227,14 @@ def eval_transform_spec(name: str, *, image_size: int | None = None, crop_pct: f
 
 # ------------------------------------------------------------------------------------------ models
 
+
 def _builder(model: str) -> Callable[..., nn.Module]:
     import torchvision
 
     if model not in torchvision.models.list_models(module=torchvision.models):
-        raise ConfigError(f"torchvision has no classification model {model!r} (poodle extract --list-backbones "
-                          f"lists them)")
+        raise ConfigError(
+            f"torchvision has no classification model {model!r} (poodle extract --list-backbones lists them)"
+        )
     return torchvision.models.get_model_builder(model)
 
 
@@ -242,8 +262,14 @@ class ExternalBackbone(Backbone):
     the classification layer that was removed (``head_prefix``) are dropped from a checkpoint.
     """
 
-    def __init__(self, name: str, net: nn.Module, feature_dim: int, head_prefixes: tuple[str, ...],
-                 forward_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        name: str,
+        net: nn.Module,
+        feature_dim: int,
+        head_prefixes: tuple[str, ...],
+        forward_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    ) -> None:
         super().__init__(feature_dim)
         self.name = name
         self.net = net
@@ -303,7 +329,7 @@ def build_external(name: str, image_size: int | None = None) -> ExternalBackbone
             if image_size is not None and default is not None and int(image_size) != default:
                 try:
                     net = timm.create_model(model, pretrained=False, num_classes=0, dynamic_img_size=True)
-                except TypeError:   # a model without that option (CNNs take any size anyway)
+                except TypeError:  # a model without that option (CNNs take any size anyway)
                     net = None
             if net is None:
                 net = timm.create_model(model, pretrained=False, num_classes=0)
@@ -315,11 +341,11 @@ def build_external(name: str, image_size: int | None = None) -> ExternalBackbone
     builder = _builder(model)
     kwargs: dict[str, Any] = {"weights": None}
     if model in ("googlenet", "inception_v3"):
-        kwargs["aux_logits"] = False   # released weights have no auxiliary heads; eval never uses them
+        kwargs["aux_logits"] = False  # released weights have no auxiliary heads; eval never uses them
         kwargs["init_weights"] = False
     with no_downloads(name):
         net = builder(**kwargs)
     path, layer = _last_layer(net, model)
-    dim = int(layer.in_features) if isinstance(layer, nn.Linear) else int(getattr(layer, "in_channels"))
+    dim = int(layer.in_features) if isinstance(layer, nn.Linear) else int(layer.in_channels)
     _set_module(net, path, nn.Identity())
     return ExternalBackbone(name, net, dim, (path + ".",), _torchvision_forward)

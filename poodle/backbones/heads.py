@@ -33,12 +33,16 @@ class ConvBlock(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int) -> None:
         super().__init__()
-        self.layers = nn.Sequential(OrderedDict([
-            ("Conv", nn.Conv2d(in_channels, out_channels, 3, stride=1, padding=1, bias=False)),
-            ("BatchNorm", nn.BatchNorm2d(out_channels)),
-            ("ReLU", nn.ReLU(inplace=True)),
-            ("MaxPool", nn.MaxPool2d(2)),
-        ]))
+        self.layers = nn.Sequential(
+            OrderedDict(
+                [
+                    ("Conv", nn.Conv2d(in_channels, out_channels, 3, stride=1, padding=1, bias=False)),
+                    ("BatchNorm", nn.BatchNorm2d(out_channels)),
+                    ("ReLU", nn.ReLU(inplace=True)),
+                    ("MaxPool", nn.MaxPool2d(2)),
+                ]
+            )
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, C_in, H, W] -> [B, C_out, H//2, W//2]`` (``[B, C_out, H, W]`` when H or W < 2)."""

@@ -19,8 +19,21 @@ from torch import nn
 from poodle.backbones.base import Backbone, register
 
 # (output channels, stride) of the 13 blocks.
-CFG = ((64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2),
-       (512, 1), (512, 1), (512, 1), (512, 1), (512, 1), (1024, 2), (1024, 1))
+CFG = (
+    (64, 1),
+    (128, 2),
+    (128, 1),
+    (256, 2),
+    (256, 1),
+    (512, 2),
+    (512, 1),
+    (512, 1),
+    (512, 1),
+    (512, 1),
+    (512, 1),
+    (1024, 2),
+    (1024, 1),
+)
 
 
 class Block(nn.Module):
@@ -31,8 +44,7 @@ class Block(nn.Module):
 
     def __init__(self, in_planes: int, out_planes: int, stride: int) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(in_planes, in_planes, 3, stride=stride, padding=1,
-                               groups=in_planes, bias=False)
+        self.conv1 = nn.Conv2d(in_planes, in_planes, 3, stride=stride, padding=1, groups=in_planes, bias=False)
         self.bn1 = nn.BatchNorm2d(in_planes)
         self.conv2 = nn.Conv2d(in_planes, out_planes, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_planes)
@@ -56,14 +68,15 @@ class MobileNet(Backbone):
             blocks.append(Block(in_planes, out_planes, stride))
             in_planes = out_planes
         self.layers = nn.Sequential(*blocks)
-        self._add_rotation_head(rotation_head)     # release order: further, fc2, linear
+        self._add_rotation_head(rotation_head)  # release order: further, fc2, linear
         self._add_classifier(num_classes)
 
     def forward_map(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(F.relu(self.bn1(self.conv1(x))))
 
 
-@register("mobilenet", feature_dim=1024, min_input_size=1,
-          summary="MobileNet v1 without its first two down-sampling steps")
+@register(
+    "mobilenet", feature_dim=1024, min_input_size=1, summary="MobileNet v1 without its first two down-sampling steps"
+)
 def mobilenet(*, num_classes: int = 0, rotation_head: bool = False) -> MobileNet:
     return MobileNet(num_classes=num_classes, rotation_head=rotation_head)

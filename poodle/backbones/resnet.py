@@ -28,8 +28,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(planes)
         self.downsample = None
         if stride != 1 or in_planes != planes:
-            self.downsample = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False),
-                                            nn.BatchNorm2d(planes))
+            self.downsample = nn.Sequential(
+                nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
@@ -43,8 +44,7 @@ class ResNet(Backbone):
     classifier_name = "fc"
     min_input_size = 1
 
-    def __init__(self, blocks: tuple[int, int, int, int], *, num_classes: int = 0,
-                 rotation_head: bool = False) -> None:
+    def __init__(self, blocks: tuple[int, int, int, int], *, num_classes: int = 0, rotation_head: bool = False) -> None:
         super().__init__(512)
         self.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
@@ -56,7 +56,7 @@ class ResNet(Backbone):
                 in_planes = planes
             setattr(self, f"layer{i + 1}", nn.Sequential(*layer))
         init_weights(self, lambda w: nn.init.kaiming_normal_(w, mode="fan_out", nonlinearity="relu"))
-        self._add_rotation_head(rotation_head)     # release order: further, fc2, fc
+        self._add_rotation_head(rotation_head)  # release order: further, fc2, fc
         self._add_classifier(num_classes)
 
     def forward_map(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,13 +64,15 @@ class ResNet(Backbone):
         return self.layer4(self.layer3(self.layer2(self.layer1(out))))
 
 
-@register("resnet10", feature_dim=512, min_input_size=1,
-          summary="ResNet-10 (BasicBlock [1,1,1,1]), 3x3 stem, no max-pool")
+@register(
+    "resnet10", feature_dim=512, min_input_size=1, summary="ResNet-10 (BasicBlock [1,1,1,1]), 3x3 stem, no max-pool"
+)
 def resnet10(*, num_classes: int = 0, rotation_head: bool = False) -> ResNet:
     return ResNet((1, 1, 1, 1), num_classes=num_classes, rotation_head=rotation_head)
 
 
-@register("resnet18", feature_dim=512, min_input_size=1,
-          summary="ResNet-18 (BasicBlock [2,2,2,2]), 3x3 stem, no max-pool")
+@register(
+    "resnet18", feature_dim=512, min_input_size=1, summary="ResNet-18 (BasicBlock [2,2,2,2]), 3x3 stem, no max-pool"
+)
 def resnet18(*, num_classes: int = 0, rotation_head: bool = False) -> ResNet:
     return ResNet((2, 2, 2, 2), num_classes=num_classes, rotation_head=rotation_head)

@@ -20,7 +20,7 @@ from torch import nn
 from poodle.backbones.base import Backbone, init_weights, register
 
 WIDTHS = (64, 160, 320, 640)
-DROP_RATE = 0.1          # release default drop_rate
+DROP_RATE = 0.1  # release default drop_rate
 DROPBLOCK_SIZE = 5
 ANNEAL_STEPS = 20 * 2000  # training forwards over which the DropBlock keep rate falls to 1 - DROP_RATE
 
@@ -44,8 +44,7 @@ class DropBlock(nn.Module):
         b, c, h, w = x.shape
         # Seeds only where a whole block fits; max-pooling the zero-padded seed map grows each seed
         # into the bs x bs block that starts at it.
-        seeds = torch.bernoulli(torch.full((b, c, h - bs + 1, w - bs + 1), gamma,
-                                           device=x.device, dtype=x.dtype))
+        seeds = torch.bernoulli(torch.full((b, c, h - bs + 1, w - bs + 1), gamma, device=x.device, dtype=x.dtype))
         dropped = F.max_pool2d(F.pad(seeds, (bs - 1,) * 4), bs, stride=1)
         keep = 1.0 - dropped
         return x * keep * (keep.numel() / keep.sum().clamp_min(1.0))
@@ -66,8 +65,7 @@ class ResNet12Block(nn.Module):
         self.bn2 = nn.BatchNorm2d(planes)
         self.conv3 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
         self.bn3 = nn.BatchNorm2d(planes)
-        self.downsample = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride=1, bias=False),
-                                        nn.BatchNorm2d(planes))
+        self.downsample = nn.Sequential(nn.Conv2d(in_planes, planes, 1, stride=1, bias=False), nn.BatchNorm2d(planes))
         self.maxpool = nn.MaxPool2d(2)
         self.drop_rate = drop_rate
         self.use_dropblock = use_dropblock
@@ -106,8 +104,14 @@ class ResNet12(Backbone):
     classifier_name = "fc"
     min_input_size = 16
 
-    def __init__(self, *, num_classes: int = 0, rotation_head: bool = False,
-                 widths: tuple[int, ...] = WIDTHS, drop_rate: float = DROP_RATE) -> None:
+    def __init__(
+        self,
+        *,
+        num_classes: int = 0,
+        rotation_head: bool = False,
+        widths: tuple[int, ...] = WIDTHS,
+        drop_rate: float = DROP_RATE,
+    ) -> None:
         super().__init__(widths[-1])
         in_planes = 3
         for i, planes in enumerate(widths):
@@ -116,16 +120,19 @@ class ResNet12(Backbone):
             setattr(self, f"layer{i + 1}", nn.Sequential(block))
             in_planes = planes
         # The release initialises before creating the heads, so the heads keep PyTorch's defaults.
-        init_weights(self, lambda w: nn.init.kaiming_normal_(w, mode="fan_out",
-                                                             nonlinearity="leaky_relu"))
-        self._add_rotation_head(rotation_head)   # order of the release: further, fc2, fc
+        init_weights(self, lambda w: nn.init.kaiming_normal_(w, mode="fan_out", nonlinearity="leaky_relu"))
+        self._add_rotation_head(rotation_head)  # order of the release: further, fc2, fc
         self._add_classifier(num_classes)
 
     def forward_map(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer4(self.layer3(self.layer2(self.layer1(x))))
 
 
-@register("resnet12", feature_dim=640, min_input_size=16,
-          summary="ResNet-12 64-160-320-640 with DropBlock (the paper's main backbone)")
+@register(
+    "resnet12",
+    feature_dim=640,
+    min_input_size=16,
+    summary="ResNet-12 64-160-320-640 with DropBlock (the paper's main backbone)",
+)
 def resnet12(*, num_classes: int = 0, rotation_head: bool = False) -> ResNet12:
     return ResNet12(num_classes=num_classes, rotation_head=rotation_head)

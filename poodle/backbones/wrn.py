@@ -44,8 +44,9 @@ class WideResNet(Backbone):
     classifier_name = "linear"
     min_input_size = 1
 
-    def __init__(self, *, depth: int = 28, widen_factor: int = 10, num_classes: int = 0,
-                 rotation_head: bool = False) -> None:
+    def __init__(
+        self, *, depth: int = 28, widen_factor: int = 10, num_classes: int = 0, rotation_head: bool = False
+    ) -> None:
         if (depth - 4) % 6:
             raise ValueError("WRN depth must be 6n + 4")
         n = (depth - 4) // 6
@@ -60,7 +61,7 @@ class WideResNet(Backbone):
                 in_planes = planes
             setattr(self, f"layer{i + 1}", nn.Sequential(*blocks))
         self.bn1 = nn.BatchNorm2d(widths[-1], momentum=0.9)
-        self._add_rotation_head(rotation_head)     # release order: further, fc2, linear
+        self._add_rotation_head(rotation_head)  # release order: further, fc2, linear
         self._add_classifier(num_classes)
 
     def forward_map(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,6 @@ class WideResNet(Backbone):
         return F.relu(self.bn1(out))
 
 
-@register("wrn28_10", feature_dim=640, min_input_size=1,
-          summary="Wide ResNet 28-10 (release --arch wideres)")
+@register("wrn28_10", feature_dim=640, min_input_size=1, summary="Wide ResNet 28-10 (release --arch wideres)")
 def wrn28_10(*, num_classes: int = 0, rotation_head: bool = False) -> WideResNet:
     return WideResNet(depth=28, widen_factor=10, num_classes=num_classes, rotation_head=rotation_head)

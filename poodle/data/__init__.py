@@ -20,13 +20,32 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from poodle.data.sources import (IMAGE_EXTENSIONS, NAMES, CsvSource, CubSource, DatasetSource, FolderSource,
-                                 resolve_dataset)
+from poodle.data.sources import (
+    IMAGE_EXTENSIONS,
+    NAMES,
+    CsvSource,
+    CubSource,
+    DatasetSource,
+    FolderSource,
+    resolve_dataset,
+)
 from poodle.data.transforms import eval_transform, load_rgb, train_transform
 from poodle.errors import ConfigError, DataError
 
-__all__ = ["DatasetSource", "CsvSource", "FolderSource", "CubSource", "resolve_dataset", "ImageDataset",
-           "checked", "eval_transform", "train_transform", "load_rgb", "NAMES", "IMAGE_EXTENSIONS"]
+__all__ = [
+    "DatasetSource",
+    "CsvSource",
+    "FolderSource",
+    "CubSource",
+    "resolve_dataset",
+    "ImageDataset",
+    "checked",
+    "eval_transform",
+    "train_transform",
+    "load_rgb",
+    "NAMES",
+    "IMAGE_EXTENSIONS",
+]
 
 
 class ImageDataset(Dataset):
@@ -40,8 +59,9 @@ class ImageDataset(Dataset):
     - ``"sentinel"``: always return the sentinel ``(zeros, -(index + 1))``; the caller skips or raises.
     """
 
-    def __init__(self, source: DatasetSource, split: str, transform: Callable | None = None, *,
-                 on_error: str = "raise") -> None:
+    def __init__(
+        self, source: DatasetSource, split: str, transform: Callable | None = None, *, on_error: str = "raise"
+    ) -> None:
         if on_error not in ("raise", "sentinel"):
             raise ConfigError(f"on_error must be 'raise' or 'sentinel', got {on_error!r}")
         self.source = source
@@ -67,8 +87,9 @@ class ImageDataset(Dataset):
         try:
             img = self.source.open_image(self.samples[index][0])
         except Exception as e:  # noqa: BLE001 - PIL raises many types for damaged files
-            raise DataError(f"cannot decode image {p}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                            ) from None
+            raise DataError(
+                f"cannot decode image {p}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ) from None
         return self.transform(img)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
@@ -110,8 +131,9 @@ class ImageDataset(Dataset):
             raise self.error(bad[0])
 
 
-def checked(loader: Iterable[tuple[torch.Tensor, torch.Tensor]], dataset: ImageDataset
-            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def checked(
+    loader: Iterable[tuple[torch.Tensor, torch.Tensor]], dataset: ImageDataset
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Iterate a DataLoader over ``dataset``, raising a clean DataError at the first bad image."""
     for x, y in loader:
         dataset.check(y)

@@ -18,10 +18,10 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 from scipy import ndimage
 
-OVERSAMPLE = 2          # glyphs are drawn and warped at this multiple of the output size
-EM = 0.70               # font size (em) as a fraction of the frame side
-BASELINE = 0.68         # baseline height from the top, as a fraction of the frame side
-MARGIN = 2.0            # output pixels kept free at every edge when a glyph must be fitted
+OVERSAMPLE = 2  # glyphs are drawn and warped at this multiple of the output size
+EM = 0.70  # font size (em) as a fraction of the frame side
+BASELINE = 0.68  # baseline height from the top, as a fraction of the frame side
+MARGIN = 2.0  # output pixels kept free at every edge when a glyph must be fitted
 
 
 @dataclass(frozen=True)
@@ -30,23 +30,23 @@ class Distortion:
 
     Defaults are the tuned values (docs/glyphs.md gives the difficulty they produce)."""
 
-    rotation: float = 12.0          # uniform in [-rotation, rotation]
-    shear: float = 0.25             # uniform shear factor in [-shear, shear]
+    rotation: float = 12.0  # uniform in [-rotation, rotation]
+    shear: float = 0.25  # uniform shear factor in [-shear, shear]
     scale: tuple[float, float] = (0.8, 1.15)
-    aspect: float = 0.15            # log-uniform x/y stretch in [1/(1+a), 1+a]
-    shift: float = 2.0              # uniform translation in [-shift, shift] per axis
-    elastic: float = 1.2            # amplitude of the smooth displacement field
-    elastic_waves: int = 4          # plane waves summed into that field
+    aspect: float = 0.15  # log-uniform x/y stretch in [1/(1+a), 1+a]
+    shift: float = 2.0  # uniform translation in [-shift, shift] per axis
+    elastic: float = 1.2  # amplitude of the smooth displacement field
+    elastic_waves: int = 4  # plane waves summed into that field
     stroke: tuple[float, ...] = (0.45, 0.4, 0.15)  # P(stroke +0 px, +1 px, +2 px)
-    stray_p: float = 0.4            # probability of stray strokes
-    stray_max: int = 2              # at most this many
+    stray_p: float = 0.4  # probability of stray strokes
+    stray_max: int = 2  # at most this many
     stray_length: tuple[float, float] = (0.1, 0.35)  # as a fraction of the frame
-    erase_p: float = 0.35           # probability of erasing patches of ink
+    erase_p: float = 0.35  # probability of erasing patches of ink
     erase_size: tuple[float, float] = (0.10, 0.22)  # patch side as a fraction of the frame
     blur_p: float = 0.5
     blur_sigma: tuple[float, float] = (0.3, 0.9)
     noise: tuple[float, float] = (0.02, 0.08)  # std of additive Gaussian noise (ink units)
-    ink: tuple[float, float] = (0.6, 1.0)      # ink darkness
+    ink: tuple[float, float] = (0.6, 1.0)  # ink darkness
     background: tuple[float, float] = (0.0, 0.15)
 
     def to_dict(self) -> dict:
@@ -76,12 +76,13 @@ def _mask(font: ImageFont.FreeTypeFont, ch: str) -> tuple[np.ndarray, int, int]:
         w, h = core.size
         img = Image.new("L", (w + 8, h + 8))
         ImageDraw.Draw(img).text((4 - ox, 4 - oy), ch, font=font, fill=255, anchor="ms")
-        arr = np.asarray(img)[4:4 + h, 4:4 + w]
+        arr = np.asarray(img)[4 : 4 + h, 4 : 4 + w]
     return arr, ox, oy
 
 
-def glyph_bitmap(path: str | Path, cp: int, size: int, oversample: int = OVERSAMPLE
-                 ) -> tuple[np.ndarray, float, float] | None:
+def glyph_bitmap(
+    path: str | Path, cp: int, size: int, oversample: int = OVERSAMPLE
+) -> tuple[np.ndarray, float, float] | None:
     """The clean glyph drawn for an output frame of side ``size`` at ``oversample`` resolution.
 
     Returns ``(ink [h, w] float32 in [0, 1], anchor_x, anchor_y)``: the bitmap cropped to its ink
@@ -112,8 +113,16 @@ def _ink_box(ink: np.ndarray) -> tuple[int, int, int, int]:
     return cols[0], rows[0], cols[-1] + 1, rows[-1] + 1
 
 
-def place(ink: np.ndarray, ax: float, ay: float, side: int, fwd: np.ndarray, shift: np.ndarray,
-          field: tuple[np.ndarray, np.ndarray] | None = None, margin: float = 0.0) -> np.ndarray:
+def place(
+    ink: np.ndarray,
+    ax: float,
+    ay: float,
+    side: int,
+    fwd: np.ndarray,
+    shift: np.ndarray,
+    field: tuple[np.ndarray, np.ndarray] | None = None,
+    margin: float = 0.0,
+) -> np.ndarray:
     """Resample the bitmap into a ``side x side`` frame: the anchor goes to the frame's baseline
     point (+``shift``) and the bitmap is transformed by the 2x2 matrix ``fwd`` (bitmap -> frame).
     A glyph that would leave the frame (minus ``margin``) is shrunk and moved just enough to fit.
@@ -130,18 +139,18 @@ def place(ink: np.ndarray, ax: float, ay: float, side: int, fwd: np.ndarray, shi
     origin = origin + np.maximum(0.0, margin - lo) - np.maximum(0.0, hi - (side - margin))
     inv = np.linalg.inv(fwd)
     t = np.arange(side) + 0.5
-    px, py = t - origin[0], t - origin[1]   # frame coordinates along x (columns) and y (rows)
+    px, py = t - origin[0], t - origin[1]  # frame coordinates along x (columns) and y (rows)
     sx = (inv[0, 0] * px + ax - 0.5)[None, :] + (inv[0, 1] * py)[:, None]
     sy = (inv[1, 0] * px)[None, :] + (inv[1, 1] * py + ay - 0.5)[:, None]
     if field is not None:
         sy = sy + field[0]
         sx = sx + field[1]
-    return ndimage.map_coordinates(ink, [sy, sx], order=1, mode="constant", cval=0.0,
-                                   prefilter=False).astype(np.float32)
+    return ndimage.map_coordinates(ink, [sy, sx], order=1, mode="constant", cval=0.0, prefilter=False).astype(
+        np.float32
+    )
 
 
-def clean_frame(path: str | Path, cp: int, size: int, oversample: int = OVERSAMPLE
-                ) -> np.ndarray | None:
+def clean_frame(path: str | Path, cp: int, size: int, oversample: int = OVERSAMPLE) -> np.ndarray | None:
     """The undistorted glyph in its frame, ``[size, size]`` float32 ink in [0, 1] (None if empty).
 
     Used to find look-alike characters: the same framing as the instances, no randomness."""
@@ -156,17 +165,16 @@ def clean_frame(path: str | Path, cp: int, size: int, oversample: int = OVERSAMP
     h, w = ink.shape
     if top + 2 >= m and left + 2 >= m and top + h - 2 <= side - m and left + w - 2 <= side - m:
         big = np.zeros((side + 8, side + 8), dtype=np.float32)  # fits: paste, no resampling
-        big[top + 4:top + 4 + h, left + 4:left + 4 + w] = ink
+        big[top + 4 : top + 4 + h, left + 4 : left + 4 + w] = ink
         big = big[4:-4, 4:-4]
     else:
         big = place(ink, ax, ay, side, np.eye(2), np.zeros(2), margin=m)
     if oversample == 1:
         return big
-    return big.reshape(size, oversample, size, oversample).sum(axis=(1, 3)) * (1 / oversample ** 2)
+    return big.reshape(size, oversample, size, oversample).sum(axis=(1, 3)) * (1 / oversample**2)
 
 
-def _elastic(rng: np.random.Generator, side: int, amp: float, waves: int
-             ) -> tuple[np.ndarray, np.ndarray]:
+def _elastic(rng: np.random.Generator, side: int, amp: float, waves: int) -> tuple[np.ndarray, np.ndarray]:
     """A smooth random displacement field ``(dy, dx)``, each a sum of ``waves`` plane waves of
     0.5-1.5 cycles per frame. sin(a x + b y + p) = cos(b y + p) sin(a x) + sin(b y + p) cos(a x),
     so each field is two small matrix products of 1-D profiles."""
@@ -175,17 +183,16 @@ def _elastic(rng: np.random.Generator, side: int, amp: float, waves: int
     phase = rng.uniform(0, 2 * math.pi, size=(2, waves))
     a = rng.normal(size=(2, waves)) * (amp / math.sqrt(waves))
     t = (np.arange(side) + 0.5) / side
-    fx = (2 * math.pi * freq * np.cos(theta))[..., None] * t           # [2, waves, side]
+    fx = (2 * math.pi * freq * np.cos(theta))[..., None] * t  # [2, waves, side]
     fy = (2 * math.pi * freq * np.sin(theta))[..., None] * t + phase[..., None]
     out = []
     for k in range(2):
         cy, sy = np.cos(fy[k]) * a[k][:, None], np.sin(fy[k]) * a[k][:, None]
-        out.append(cy.T @ np.sin(fx[k]) + sy.T @ np.cos(fx[k]))     # [side (y), side (x)]
+        out.append(cy.T @ np.sin(fx[k]) + sy.T @ np.cos(fx[k]))  # [side (y), side (x)]
     return out[0], out[1]
 
 
-def render_ink(path: str | Path, cp: int, size: int, rng: np.random.Generator,
-               dist: Distortion) -> np.ndarray:
+def render_ink(path: str | Path, cp: int, size: int, rng: np.random.Generator, dist: Distortion) -> np.ndarray:
     """One distorted instance as ink in [0, 1], ``[size, size]`` float32 (1 = full ink).
 
     Raises ValueError when the face draws nothing for ``cp`` (callers choose faces that do)."""
@@ -207,11 +214,13 @@ def render_ink(path: str | Path, cp: int, size: int, rng: np.random.Generator,
     s = rng.uniform(*dist.scale)
     asp = math.exp(rng.uniform(-1, 1) * math.log1p(dist.aspect))
     c, si = math.cos(rot), math.sin(rot)
-    fwd = np.array([[c, -si], [si, c]]) @ np.array([[1.0, sh], [0.0, 1.0]]) \
+    fwd = (
+        np.array([[c, -si], [si, c]])
+        @ np.array([[1.0, sh], [0.0, 1.0]])
         @ np.diag([s * math.sqrt(asp), s / math.sqrt(asp)])
+    )
     shift = rng.uniform(-dist.shift, dist.shift, size=2) * OVERSAMPLE
-    field = _elastic(rng, side, dist.elastic * OVERSAMPLE, dist.elastic_waves) \
-        if dist.elastic > 0 else None
+    field = _elastic(rng, side, dist.elastic * OVERSAMPLE, dist.elastic_waves) if dist.elastic > 0 else None
     frame = place(ink, ax, ay, side, fwd, shift, field, margin=MARGIN * OVERSAMPLE)
     # Stray strokes: short lines or arcs, drawn with the pen width of a thin stroke.
     if rng.random() < dist.stray_p:
@@ -228,8 +237,7 @@ def render_ink(path: str | Path, cp: int, size: int, rng: np.random.Generator,
             else:
                 r = length / 2
                 start = rng.uniform(0, 360)
-                draw.arc([cx - r, cy - r, cx + r, cy + r], start, start + rng.uniform(60, 200),
-                         fill=255, width=width)
+                draw.arc([cx - r, cy - r, cx + r, cy + r], start, start + rng.uniform(60, 200), fill=255, width=width)
         frame = np.maximum(frame, np.asarray(canvas, dtype=np.float32) / 255.0)
     # Erased patches: centred on an inked pixel so they remove part of the character.
     if rng.random() < dist.erase_p:
@@ -247,7 +255,7 @@ def render_ink(path: str | Path, cp: int, size: int, rng: np.random.Generator,
             # A patch that takes most of a small glyph would leave only the strays: keep it then.
             if erased.sum() >= 0.5 * before:
                 frame = erased
-    out = frame.reshape(size, OVERSAMPLE, size, OVERSAMPLE).sum(axis=(1, 3)) * (1 / OVERSAMPLE ** 2)
+    out = frame.reshape(size, OVERSAMPLE, size, OVERSAMPLE).sum(axis=(1, 3)) * (1 / OVERSAMPLE**2)
     if rng.random() < dist.blur_p:
         out = ndimage.gaussian_filter(out, rng.uniform(*dist.blur_sigma), mode="constant")
     return out.astype(np.float32)
@@ -261,8 +269,7 @@ def to_image(ink: np.ndarray, rng: np.random.Generator, dist: Distortion) -> np.
     return np.round(255.0 * (1.0 - np.clip(v, 0.0, 1.0))).astype(np.uint8)
 
 
-def render_array(path: str | Path, cp: int, size: int, seed_parts: tuple[int, ...],
-                 dist: Distortion) -> np.ndarray:
+def render_array(path: str | Path, cp: int, size: int, seed_parts: tuple[int, ...], dist: Distortion) -> np.ndarray:
     """uint8 ``[size, size]`` pixels of one instance; ``seed_parts`` seed its generator."""
     rng = np.random.default_rng(np.random.SeedSequence(list(seed_parts)))
     return to_image(render_ink(path, cp, size, rng, dist), rng, dist)

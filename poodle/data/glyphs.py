@@ -44,23 +44,32 @@ from poodle.data._glyph_render import (
 from poodle.errors import ConfigError, DataError
 
 __all__ = [
-    "ALPHABETS", "SPLITS", "Distortion", "GlyphClass", "DEFAULT_INSTANCES", "ensure_glyphs",
-    "generate_glyphs", "glyph_alphabets", "glyph_classes", "render_glyph", "sample_grid",
+    "ALPHABETS",
+    "SPLITS",
+    "Distortion",
+    "GlyphClass",
+    "DEFAULT_INSTANCES",
+    "ensure_glyphs",
+    "generate_glyphs",
+    "glyph_alphabets",
+    "glyph_classes",
+    "render_glyph",
+    "sample_grid",
     "verify_glyphs",
 ]
 
-FORMAT = 1                 # bump when the rendering changes, so old sets are not taken as current
-DEFAULT_INSTANCES = 20     # images per class, as in Omniglot
+FORMAT = 1  # bump when the rendering changes, so old sets are not taken as current
+DEFAULT_INSTANCES = 20  # images per class, as in Omniglot
 MANIFEST = "manifest.json"
-_TAG_FACES, _TAG_INSTANCE = 1, 2   # first seed word: keeps the two random streams apart
+_TAG_FACES, _TAG_INSTANCE = 1, 2  # first seed word: keeps the two random streams apart
 
 Progress = Callable[[int], None] | None
 
 
 # ----------------------------------------------------------------------------- classes
 
-def glyph_classes(alphabets: Sequence[str] | None = None,
-                  max_per_alphabet: int | None = None) -> list[GlyphClass]:
+
+def glyph_classes(alphabets: Sequence[str] | None = None, max_per_alphabet: int | None = None) -> list[GlyphClass]:
     """The classes (characters) of the dataset, in alphabet order then code point order.
 
     ``alphabets``: only these (look-alikes are then removed among them only);
@@ -71,8 +80,11 @@ def glyph_classes(alphabets: Sequence[str] | None = None,
         if max_per_alphabet < 1:
             raise ConfigError(f"glyphs: max_per_alphabet must be >= 1, got {max_per_alphabet}")
         seen: dict[str, int] = {}
-        out = [c for c in out if (seen.__setitem__(c.alphabet, seen.get(c.alphabet, 0) + 1)
-                                  or seen[c.alphabet] <= max_per_alphabet)]
+        out = [
+            c
+            for c in out
+            if (seen.__setitem__(c.alphabet, seen.get(c.alphabet, 0) + 1) or seen[c.alphabet] <= max_per_alphabet)
+        ]
     return out
 
 
@@ -87,8 +99,10 @@ def glyph_alphabets() -> dict[str, dict]:
     counts: dict[str, int] = {}
     for c in glyph_classes():
         counts[c.alphabet] = counts.get(c.alphabet, 0) + 1
-    return {name: {"description": desc, "split": split, "classes": counts.get(name, 0)}
-            for name, (desc, split, _) in ALPHABETS.items()}
+    return {
+        name: {"description": desc, "split": split, "classes": counts.get(name, 0)}
+        for name, (desc, split, _) in ALPHABETS.items()
+    }
 
 
 def _find_class(cls: GlyphClass | str | int) -> GlyphClass:
@@ -97,11 +111,13 @@ def _find_class(cls: GlyphClass | str | int) -> GlyphClass:
     for c in glyph_classes():
         if (isinstance(cls, int) and c.codepoint == cls) or c.name == cls or c.char == cls:
             return c
-    raise DataError(f"glyphs: no class {cls!r} (give a GlyphClass, a class name such as "
-                    f"'latin_0041', a character or a code point)")
+    raise DataError(
+        f"glyphs: no class {cls!r} (give a GlyphClass, a class name such as 'latin_0041', a character or a code point)"
+    )
 
 
 # ----------------------------------------------------------------------------- rendering
+
 
 def _check_seed(seed: int) -> None:
     if not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -114,8 +130,9 @@ def face_order(cls: GlyphClass, seed: int) -> list[str]:
     return [cls.faces[int(k)] for k in rng.permutation(len(cls.faces))]
 
 
-def render_glyph(cls: GlyphClass | str | int, index: int, seed: int = 0, image_size: int = 28,
-                 distortion: Distortion | None = None) -> np.ndarray:
+def render_glyph(
+    cls: GlyphClass | str | int, index: int, seed: int = 0, image_size: int = 28, distortion: Distortion | None = None
+) -> np.ndarray:
     """Instance ``index`` of a class: uint8 grey pixels ``[image_size, image_size]`` (dark ink on
     a light background). A pure function of (class, index, seed, size, distortion) for a given
     Pillow/FreeType build: instance i uses face ``face_order(cls, seed)[i % n_faces]``."""
@@ -123,8 +140,9 @@ def render_glyph(cls: GlyphClass | str | int, index: int, seed: int = 0, image_s
     c = _find_class(cls)
     name = face_order(c, seed)[index % len(c.faces)]
     path = {f.name: f.path for f in faces()}[name]
-    return render_array(path, c.codepoint, image_size,
-                        (_TAG_INSTANCE, int(seed), c.codepoint, int(index)), distortion or Distortion())
+    return render_array(
+        path, c.codepoint, image_size, (_TAG_INSTANCE, int(seed), c.codepoint, int(index)), distortion or Distortion()
+    )
 
 
 def _render_class(task: tuple) -> tuple[str, list[tuple[str, str]], float]:
@@ -166,23 +184,47 @@ def _versions() -> dict[str, str]:
     import scipy
     from PIL import features
 
-    return {"pillow": PIL.__version__, "freetype": str(features.version("freetype2")),
-            "matplotlib": matplotlib.__version__, "numpy": np.__version__,
-            "scipy": scipy.__version__, "python": platform.python_version()}
+    return {
+        "pillow": PIL.__version__,
+        "freetype": str(features.version("freetype2")),
+        "matplotlib": matplotlib.__version__,
+        "numpy": np.__version__,
+        "scipy": scipy.__version__,
+        "python": platform.python_version(),
+    }
 
 
-def _config(seed: int, image_size: int, instances: int, alphabets: Sequence[str] | None,
-            max_per_alphabet: int | None, distortion: Distortion) -> dict:
-    return {"format": FORMAT, "seed": int(seed), "image_size": int(image_size),
-            "instances": int(instances),
-            "selected_alphabets": list(alphabets) if alphabets is not None else None,
-            "max_per_alphabet": max_per_alphabet, "distortion": distortion.to_dict()}
+def _config(
+    seed: int,
+    image_size: int,
+    instances: int,
+    alphabets: Sequence[str] | None,
+    max_per_alphabet: int | None,
+    distortion: Distortion,
+) -> dict:
+    return {
+        "format": FORMAT,
+        "seed": int(seed),
+        "image_size": int(image_size),
+        "instances": int(instances),
+        "selected_alphabets": list(alphabets) if alphabets is not None else None,
+        "max_per_alphabet": max_per_alphabet,
+        "distortion": distortion.to_dict(),
+    }
 
 
-def generate_glyphs(out_dir: str | Path, *, seed: int = 0, image_size: int = 28,
-                    instances: int = DEFAULT_INSTANCES, alphabets: Sequence[str] | None = None,
-                    max_per_alphabet: int | None = None, distortion: Distortion | None = None,
-                    workers: int | None = None, progress: Progress = None) -> dict:
+def generate_glyphs(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    image_size: int = 28,
+    instances: int = DEFAULT_INSTANCES,
+    alphabets: Sequence[str] | None = None,
+    max_per_alphabet: int | None = None,
+    distortion: Distortion | None = None,
+    workers: int | None = None,
+    progress: Progress = None,
+) -> dict:
     """Render the dataset into the empty or missing folder ``out_dir`` and write its manifest.
 
     Not atomic by itself (:func:`ensure_glyphs` generates into a temporary folder and renames).
@@ -201,8 +243,20 @@ def generate_glyphs(out_dir: str | Path, *, seed: int = 0, image_size: int = 28,
     classes = glyph_classes(alphabets, max_per_alphabet)
     if not classes:
         raise DataError("glyphs: no class survives the selection; choose other alphabets")
-    tasks = [(str(out), c.split, c.name, c.codepoint, [path[n] for n in face_order(c, seed)],
-              int(seed), int(image_size), int(instances), dist) for c in classes]
+    tasks = [
+        (
+            str(out),
+            c.split,
+            c.name,
+            c.codepoint,
+            [path[n] for n in face_order(c, seed)],
+            int(seed),
+            int(image_size),
+            int(instances),
+            dist,
+        )
+        for c in classes
+    ]
     n_workers = min(8, _cores()) if workers is None else max(1, int(workers))
     files: list[tuple[str, str]] = []
     faint: list[str] = []
@@ -227,38 +281,57 @@ def generate_glyphs(out_dir: str | Path, *, seed: int = 0, image_size: int = 28,
             for r in pool.map(_render_class, tasks, chunksize=max(1, len(tasks) // (8 * n_workers))):
                 collect(r)
     if faint:
-        raise DataError(f"glyphs: class(es) {', '.join(faint[:5])} rendered an image without "
-                        f"ink (a font that lacks the glyph?)")
+        raise DataError(
+            f"glyphs: class(es) {', '.join(faint[:5])} rendered an image without ink (a font that lacks the glyph?)"
+        )
     by_split = {s: [c for c in classes if c.split == s] for s in SPLITS}
     digests = fonts_digest(fs)
     manifest = {
         "dataset": "glyphs",
         **_config(seed, image_size, instances, alphabets, max_per_alphabet, dist),
-        "splits": {s: {"classes": len(cs), "images": len(cs) * instances,
-                       "alphabets": sorted({c.alphabet for c in cs}, key=list(ALPHABETS).index)}
-                   for s, cs in by_split.items()},
-        "alphabets": {a: {"description": ALPHABETS[a][0], "split": ALPHABETS[a][1],
-                          "classes": sum(c.alphabet == a for c in classes)}
-                      for a in ALPHABETS if any(c.alphabet == a for c in classes)},
-        "classes": {c.name: {"char": c.char, "codepoint": f"U+{c.codepoint:04X}",
-                             "alphabet": c.alphabet, "split": c.split,
-                             "faces": face_order(c, seed)} for c in classes},
+        "splits": {
+            s: {
+                "classes": len(cs),
+                "images": len(cs) * instances,
+                "alphabets": sorted({c.alphabet for c in cs}, key=list(ALPHABETS).index),
+            }
+            for s, cs in by_split.items()
+        },
+        "alphabets": {
+            a: {
+                "description": ALPHABETS[a][0],
+                "split": ALPHABETS[a][1],
+                "classes": sum(c.alphabet == a for c in classes),
+            }
+            for a in ALPHABETS
+            if any(c.alphabet == a for c in classes)
+        },
+        "classes": {
+            c.name: {
+                "char": c.char,
+                "codepoint": f"U+{c.codepoint:04X}",
+                "alphabet": c.alphabet,
+                "split": c.split,
+                "faces": face_order(c, seed),
+            }
+            for c in classes
+        },
         "fonts": {f.name: {"file": f.path.name, "sha256": digests[f.name]} for f in fs},
-        "removed_lookalikes": [f"{a} U+{ord(a):04X} -> {b} U+{ord(b):04X}"
-                               for a, b in removed_lookalikes(alphabets)],
+        "removed_lookalikes": [f"{a} U+{ord(a):04X} -> {b} U+{ord(b):04X}" for a, b in removed_lookalikes(alphabets)],
         "versions": _versions(),
         "checksum": _checksum(files),
         "n_images": len(files),
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n",
-                                encoding="utf-8")
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return manifest
 
 
 # ----------------------------------------------------------------------------- cache folder
 
-def _folder_name(seed: int, image_size: int, instances: int, alphabets: Sequence[str] | None,
-                 max_per_alphabet: int | None) -> str:
+
+def _folder_name(
+    seed: int, image_size: int, instances: int, alphabets: Sequence[str] | None, max_per_alphabet: int | None
+) -> str:
     """``images`` for the default set; other settings get their own folder, never a rewrite."""
     if (seed, image_size, instances, alphabets, max_per_alphabet) == (0, 28, DEFAULT_INSTANCES, None, None):
         return "images"
@@ -279,43 +352,62 @@ def verify_glyphs(root: str | Path, *, checksum: bool = False) -> dict:
     root = Path(root)
     mpath = root / MANIFEST
     if not mpath.is_file():
-        raise DataError(f"glyphs: {root} has no {MANIFEST}; it was not made by ensure_glyphs or "
-                        f"its generation did not finish (delete the folder, or pass force=True)")
+        raise DataError(
+            f"glyphs: {root} has no {MANIFEST}; it was not made by ensure_glyphs or "
+            f"its generation did not finish (delete the folder, or pass force=True)"
+        )
     try:
         m = json.loads(mpath.read_text(encoding="utf-8"))
         classes, n = m["classes"], int(m["instances"])
         recorded = m["checksum"]
     except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"glyphs: {mpath} is unreadable or incomplete ({e}); delete {root} "
-                        f"or pass force=True to regenerate") from e
+        raise DataError(
+            f"glyphs: {mpath} is unreadable or incomplete ({e}); delete {root} or pass force=True to regenerate"
+        ) from e
     if m.get("format") != FORMAT:
-        raise DataError(f"glyphs: {root} was made by format {m.get('format')}, this poodle writes "
-                        f"format {FORMAT}; delete it or pass force=True to regenerate")
+        raise DataError(
+            f"glyphs: {root} was made by format {m.get('format')}, this poodle writes "
+            f"format {FORMAT}; delete it or pass force=True to regenerate"
+        )
     files: list[tuple[str, str]] = []
     for name, info in classes.items():
         folder = root / info["split"] / name
         try:
             pngs = sorted(e.name for e in os.scandir(folder) if e.name.endswith(".png"))
         except FileNotFoundError:
-            raise DataError(f"glyphs: class folder {folder} is missing; delete {root} or pass "
-                            f"force=True to regenerate") from None
+            raise DataError(
+                f"glyphs: class folder {folder} is missing; delete {root} or pass force=True to regenerate"
+            ) from None
         if pngs != [f"{i:03d}.png" for i in range(n)]:
-            raise DataError(f"glyphs: {folder} holds {len(pngs)} images, the manifest says {n}; "
-                            f"delete {root} or pass force=True to regenerate")
+            raise DataError(
+                f"glyphs: {folder} holds {len(pngs)} images, the manifest says {n}; "
+                f"delete {root} or pass force=True to regenerate"
+            )
         if checksum:
             for p in pngs:
                 data = (folder / p).read_bytes()
                 files.append((f"{info['split']}/{name}/{p}", hashlib.sha256(data).hexdigest()))
     if checksum and _checksum(files) != recorded:
-        raise DataError(f"glyphs: the images under {root} do not match the checksum in its "
-                        f"manifest (modified files?); delete it or pass force=True to regenerate")
+        raise DataError(
+            f"glyphs: the images under {root} do not match the checksum in its "
+            f"manifest (modified files?); delete it or pass force=True to regenerate"
+        )
     return m
 
 
-def ensure_glyphs(cache_root: str | Path, *, seed: int = 0, image_size: int = 28,
-                  progress: Progress = None, instances: int = DEFAULT_INSTANCES,
-                  alphabets: Sequence[str] | None = None, max_per_alphabet: int | None = None,
-                  workers: int | None = None, force: bool = False, verify: bool = False) -> Path:
+def ensure_glyphs(
+    cache_root: str | Path,
+    *,
+    seed: int = 0,
+    image_size: int = 28,
+    progress: Progress = None,
+    instances: int = DEFAULT_INSTANCES,
+    alphabets: Sequence[str] | None = None,
+    max_per_alphabet: int | None = None,
+    workers: int | None = None,
+    force: bool = False,
+    verify: bool = False,
+) -> Path:
     """The folder-layout root of the glyphs dataset, generated on first use.
 
     The default set lives in ``<cache_root>/glyphs/images``; any other seed, size or selection
@@ -334,8 +426,9 @@ def ensure_glyphs(cache_root: str | Path, *, seed: int = 0, image_size: int = 28
         got = {k: m.get(k) for k in want}
         if got != want:
             diff = ", ".join(f"{k}={got[k]!r} (wanted {want[k]!r})" for k in want if got[k] != want[k])
-            raise DataError(f"glyphs: {root} was generated with other settings: {diff}; "
-                            f"delete it or pass force=True to regenerate")
+            raise DataError(
+                f"glyphs: {root} was generated with other settings: {diff}; delete it or pass force=True to regenerate"
+            )
         return root
     base.mkdir(parents=True, exist_ok=True)
     for stale in base.glob(f".{root.name}.tmp-*"):
@@ -345,9 +438,16 @@ def ensure_glyphs(cache_root: str | Path, *, seed: int = 0, image_size: int = 28
             shutil.rmtree(stale, ignore_errors=True)
     tmp = base / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        generate_glyphs(tmp, seed=seed, image_size=image_size, instances=instances,
-                        alphabets=alphabets, max_per_alphabet=max_per_alphabet, workers=workers,
-                        progress=progress)
+        generate_glyphs(
+            tmp,
+            seed=seed,
+            image_size=image_size,
+            instances=instances,
+            alphabets=alphabets,
+            max_per_alphabet=max_per_alphabet,
+            workers=workers,
+            progress=progress,
+        )
         if force and root.exists():
             old = base / f".{root.name}.old-{uuid.uuid4().hex[:8]}"
             os.rename(root, old)
@@ -380,8 +480,10 @@ def _alive(tmp: Path) -> bool:
 
 # ----------------------------------------------------------------------------- samples
 
-def sample_grid(root: str | Path, out_png: str | Path, *, per_alphabet: int = 2,
-                columns: int = 10, scale: int = 2) -> Path:
+
+def sample_grid(
+    root: str | Path, out_png: str | Path, *, per_alphabet: int = 2, columns: int = 10, scale: int = 2
+) -> Path:
     """A PNG of samples from a generated set: one row per class (``per_alphabet`` classes from
     every alphabet, labelled with the alphabet and split), a clean reference rendering of the
     character, then ``columns`` instances. Returns ``out_png``."""
@@ -405,8 +507,7 @@ def sample_grid(root: str | Path, out_png: str | Path, *, per_alphabet: int = 2,
     path = {f.name: f.path for f in faces()}
     for r, (name, info) in enumerate(rows):
         y = gap + r * (cell + gap)
-        draw.text((4, y + cell // 2), f"{info['alphabet']} ({info['split']})", fill=0, font=font,
-                  anchor="lm")
+        draw.text((4, y + cell // 2), f"{info['alphabet']} ({info['split']})", fill=0, font=font, anchor="lm")
         draw.text((label_w - 8, y + cell // 2), info["codepoint"], fill=96, font=font, anchor="rm")
         clean = clean_frame(path[info["faces"][0]], int(info["codepoint"][2:], 16), size)
         ref = Image.fromarray(np.round(255 * (1 - clean)).astype(np.uint8))

@@ -47,8 +47,19 @@ if TYPE_CHECKING:
     from PIL import Image
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
-HEADER_WORDS = {"filename", "file", "file_name", "path", "image", "image_name", "label", "class", "class_name",
-                "wnid", "target"}
+HEADER_WORDS = {
+    "filename",
+    "file",
+    "file_name",
+    "path",
+    "image",
+    "image_name",
+    "label",
+    "class",
+    "class_name",
+    "wnid",
+    "target",
+}
 SPLITS = ("train", "val", "test")
 NAMES = ("csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100")
 CUB_SPLITS = ("release", "140-30-30")
@@ -82,8 +93,7 @@ class DatasetSource(ABC):
         """Names of the splits present on disk."""
 
     @abstractmethod
-    def _list(self, split: str) -> list[tuple[str, str]]:
-        ...
+    def _list(self, split: str) -> list[tuple[str, str]]: ...
 
     def samples(self, split: str) -> list[tuple[str, str]]:
         """``[(path relative to root, class name)]`` in the split's order (file rows, or sorted).
@@ -128,8 +138,10 @@ class FolderSource(DatasetSource):
     def _list(self, split: str) -> list[tuple[str, str]]:
         d = self.root / split
         if not d.is_dir():
-            raise DataError(f"no split folder {d} (found: {', '.join(self.splits()) or 'none'}; "
-                            f"the folder layout is <root>/<split>/<class>/<image>)")
+            raise DataError(
+                f"no split folder {d} (found: {', '.join(self.splits()) or 'none'}; "
+                f"the folder layout is <root>/<split>/<class>/<image>)"
+            )
         class_dirs = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
         if not class_dirs:
             raise DataError(f"split folder {d} has no class folders (layout: <root>/<split>/<class>/<image>)")
@@ -137,8 +149,9 @@ class FolderSource(DatasetSource):
         for cd in class_dirs:
             files = sorted(f for f in os.listdir(cd) if _is_image(f))
             if not files:
-                raise DataError(f"class {cd.name!r} has no images: {cd} (image extensions: "
-                                f"{' '.join(IMAGE_EXTENSIONS)})")
+                raise DataError(
+                    f"class {cd.name!r} has no images: {cd} (image extensions: {' '.join(IMAGE_EXTENSIONS)})"
+                )
             out.extend((_rel(cd / f, self.root), cd.name) for f in files)
         return out
 
@@ -146,8 +159,9 @@ class FolderSource(DatasetSource):
 class CsvSource(DatasetSource):
     """Split files ``<csv_dir>/<split>.csv`` of ``filename,label`` rows, images in ``image_dir``."""
 
-    def __init__(self, root: Path, name: str = "csv", image_dir: Path | None = None,
-                 csv_dir: Path | None = None) -> None:
+    def __init__(
+        self, root: Path, name: str = "csv", image_dir: Path | None = None, csv_dir: Path | None = None
+    ) -> None:
         super().__init__(name, root)
         self.image_dir = Path(image_dir) if image_dir is not None else self.root / "images"
         self.csv_dir = Path(csv_dir) if csv_dir is not None else self.root
@@ -165,8 +179,10 @@ class CsvSource(DatasetSource):
     def _list(self, split: str) -> list[tuple[str, str]]:
         path = self.split_file(split)
         if not path.is_file():
-            raise DataError(f"split file {path} does not exist (found: "
-                            f"{', '.join(s + '.csv' for s in self.splits()) or 'no .csv files'})")
+            raise DataError(
+                f"split file {path} does not exist (found: "
+                f"{', '.join(s + '.csv' for s in self.splits()) or 'no .csv files'})"
+            )
         if not self.image_dir.is_dir():
             raise DataError(f"image folder {self.image_dir} does not exist (split files name images in it)")
         prefix = _rel(self.image_dir, self.root) if self.image_dir != self.root else ""
@@ -187,14 +203,18 @@ class CsvSource(DatasetSource):
             # Paths are relative to the image folder: an absolute path or one climbing out of it would
             # be joined wrongly later (and fail only when the image is decoded), so refuse it here.
             if Path(filename).is_absolute() or filename.startswith(("/", "\\")) or ".." in Path(filename).parts:
-                raise DataError(f"{path} line {line}: image path {filename!r} must be relative to the image "
-                                f"folder {self.image_dir} (no absolute paths, no '..')")
+                raise DataError(
+                    f"{path} line {line}: image path {filename!r} must be relative to the image "
+                    f"folder {self.image_dir} (no absolute paths, no '..')"
+                )
             if not (self.image_dir / filename).is_file():
                 raise DataError(f"{path} line {line}: image {self.image_dir / filename} does not exist")
             if filename in seen:
                 # a repeated row would make one image two samples: it could be its own query
-                raise DataError(f"{path} lines {seen[filename]} and {line} both list {filename!r}; each image "
-                                f"may appear once per split")
+                raise DataError(
+                    f"{path} lines {seen[filename]} and {line} both list {filename!r}; each image "
+                    f"may appear once per split"
+                )
             seen[filename] = line
             out.append((f"{prefix}/{filename}" if prefix else filename, label))
         if not out:
@@ -203,8 +223,11 @@ class CsvSource(DatasetSource):
 
     def _is_header(self, row: list[str]) -> bool:
         # A header names no image; requiring header-like words too keeps a missing first image an error.
-        return (len(row) >= 2 and not (self.image_dir / row[0]).is_file()
-                and all(c.lower().replace(" ", "_") in HEADER_WORDS for c in row[:2]))
+        return (
+            len(row) >= 2
+            and not (self.image_dir / row[0]).is_file()
+            and all(c.lower().replace(" ", "_") in HEADER_WORDS for c in row[:2])
+        )
 
 
 class CubSource(DatasetSource):
@@ -228,8 +251,10 @@ class CubSource(DatasetSource):
             for s, names in self.lists.items():
                 missing = [c for c in names if c not in have]
                 if missing:
-                    raise DataError(f"--cub-split {split}: class folder {missing[0]!r} of its {s} split is not in "
-                                    f"{image_dir} ({len(missing)} of {len(names)} missing)")
+                    raise DataError(
+                        f"--cub-split {split}: class folder {missing[0]!r} of its {s} split is not in "
+                        f"{image_dir} ({len(missing)} of {len(names)} missing)"
+                    )
 
     def describe(self) -> str:
         return f"{self.name}: {len(self.class_dirs)} class folders in {self.image_dir}"
@@ -251,8 +276,10 @@ class CubSource(DatasetSource):
                 raise DataError(f"class {name!r} has no images: {d}")
             out.extend((_rel(d / f, self.root), name) for f in files)
         if not out:
-            raise DataError(f"--dataset cub: split {split!r} gets no classes from the "
-                            f"{len(self.class_dirs)} class folders in {self.image_dir}")
+            raise DataError(
+                f"--dataset cub: split {split!r} gets no classes from the "
+                f"{len(self.class_dirs)} class folders in {self.image_dir}"
+            )
         return out
 
 
@@ -275,13 +302,16 @@ def _preset_csv(name: str, root: Path, images: tuple[str, ...], release_csv: str
         return CsvSource(root, name, image_dir=root / release_images, csv_dir=root / release_csv)
     if name == "tiered" and (root / "train").is_dir():
         return FolderSource(root, name)
-    raise DataError(f"--dataset {name}: no split files in {root}: expected {root / 'train.csv'} with images in "
-                    f"{root / images[0]}/, or the release's {root / release_csv}/train.csv with images in "
-                    f"{root / release_images}/")
+    raise DataError(
+        f"--dataset {name}: no split files in {root}: expected {root / 'train.csv'} with images in "
+        f"{root / images[0]}/, or the release's {root / release_csv}/train.csv with images in "
+        f"{root / release_images}/"
+    )
 
 
-def resolve_dataset(name: str, data_root: str | Path | None, cache_root: str | Path = "cache", *,
-                    cub_split: str = "release") -> DatasetSource:
+def resolve_dataset(
+    name: str, data_root: str | Path | None, cache_root: str | Path = "cache", *, cub_split: str = "release"
+) -> DatasetSource:
     """The :class:`DatasetSource` of ``--dataset name`` at ``data_root`` (``cub_split``: see ``cub`` above).
 
     Checks only that the root exists (and for presets, which of their layouts is present); the split

@@ -79,8 +79,11 @@ class ImageJitter:
     """
 
     def __init__(self, brightness: float = JITTER, contrast: float = JITTER, color: float = JITTER) -> None:
-        self.params = [(ImageEnhance.Brightness, brightness), (ImageEnhance.Contrast, contrast),
-                       (ImageEnhance.Color, color)]
+        self.params = [
+            (ImageEnhance.Brightness, brightness),
+            (ImageEnhance.Contrast, contrast),
+            (ImageEnhance.Color, color),
+        ]
 
     def __call__(self, img: Image.Image) -> Image.Image:
         u = torch.rand(len(self.params))
@@ -98,8 +101,9 @@ def eval_transform(image_size: int = 84) -> Callable[[Image.Image], torch.Tensor
         raise ValueError(f"image size must be positive, got {image_size}")
     r = resize_size(image_size)
     tf = T.Compose([T.Resize(r), T.CenterCrop(image_size), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-    tf.description = (f"eval: RGB, resize shorter side to {r} (bilinear), center crop {image_size}, "
-                      f"normalize ImageNet mean/std")
+    tf.description = (
+        f"eval: RGB, resize shorter side to {r} (bilinear), center crop {image_size}, normalize ImageNet mean/std"
+    )
     return tf
 
 
@@ -107,10 +111,19 @@ def train_transform(image_size: int = 84) -> Callable[[Image.Image], torch.Tenso
     """PIL RGB image -> augmented float32 [3, image_size, image_size] tensor (the paper's training)."""
     if image_size < 1:
         raise ValueError(f"image size must be positive, got {image_size}")
-    tf = T.Compose([T.RandomResizedCrop(image_size), ImageJitter(), T.RandomHorizontalFlip(), T.ToTensor(),
-                    T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-    tf.description = (f"train: RGB, random resized crop {image_size} (scale 0.08-1, ratio 3/4-4/3), "
-                      f"jitter brightness/contrast/colour {JITTER}, horizontal flip, normalize ImageNet mean/std")
+    tf = T.Compose(
+        [
+            T.RandomResizedCrop(image_size),
+            ImageJitter(),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
+    tf.description = (
+        f"train: RGB, random resized crop {image_size} (scale 0.08-1, ratio 3/4-4/3), "
+        f"jitter brightness/contrast/colour {JITTER}, horizontal flip, normalize ImageNet mean/std"
+    )
     return tf
 
 

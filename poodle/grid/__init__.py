@@ -21,6 +21,26 @@ from poodle.grid.spec import (
 )
 from poodle.results import read_results, record_flat
 
-__all__ = ["DEFAULTS", "Cell", "CellEvent", "GridRun", "GridSpec", "batches", "cell_keys", "default_results_path",
-           "expand", "fingerprints", "format_option", "grid_hash", "load_grid", "parse_grid", "read_results",
-           "record_flat", "resolve_cache", "resolve_negatives", "run_grid", "schedule", "tomllib"]
+__all__ = [
+    "DEFAULTS",
+    "Cell",
+    "CellEvent",
+    "GridRun",
+    "GridSpec",
+    "batches",
+    "cell_keys",
+    "default_results_path",
+    "expand",
+    "fingerprints",
+    "format_option",
+    "grid_hash",
+    "load_grid",
+    "parse_grid",
+    "read_results",
+    "record_flat",
+    "resolve_cache",
+    "resolve_negatives",
+    "run_grid",
+    "schedule",
+    "tomllib",
+]

@@ -20,13 +20,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 from poodle import solvers
 from poodle.cache import SplitFeatures, read_split
-from poodle.preprocess import Preprocessor
 from poodle.defaults import NEGATIVE_KEYWORDS
 from poodle.episodes import EpisodeSet, EpisodeSpec, sample_episodes
 from poodle.errors import ConfigError
 from poodle.evaluate import evaluate, prepare_negatives
 from poodle.grid.spec import Cell, GridSpec, default_results_path, expand, grid_hash, resolve_cache, resolve_negatives
 from poodle.negatives import NegativeSpec
+from poodle.preprocess import Preprocessor
 from poodle.results import ResultsFile, cache_identity, identity_key, make_record
 
 
@@ -99,8 +99,9 @@ def schedule(cells: Sequence[Cell], pending: Sequence[Cell]) -> list[Cell]:
     cache_order = {k: i for i, k in reversed(list(enumerate(c.cache for c in cells)))}
     ep_order = {k: i for i, k in reversed(list(enumerate(c.episode_key() for c in cells)))}
     neg_order = {k: i for i, k in reversed(list(enumerate(c.negative_key() for c in cells)))}
-    return sorted(pending, key=lambda c: (cache_order[c.cache], ep_order[c.episode_key()],
-                                          neg_order[c.negative_key()], c.index))
+    return sorted(
+        pending, key=lambda c: (cache_order[c.cache], ep_order[c.episode_key()], neg_order[c.negative_key()], c.index)
+    )
 
 
 def batches(pending: Sequence[Cell], size: int) -> Iterable[list[Cell]]:
@@ -108,8 +109,10 @@ def batches(pending: Sequence[Cell], size: int) -> Iterable[list[Cell]]:
     size = max(1, int(size))
     batch: list[Cell] = []
     for c in pending:
-        if batch and (len(batch) >= size or (c.episode_key(), c.negative_key()) !=
-                      (batch[0].episode_key(), batch[0].negative_key())):
+        if batch and (
+            len(batch) >= size
+            or (c.episode_key(), c.negative_key()) != (batch[0].episode_key(), batch[0].negative_key())
+        ):
             yield batch
             batch = []
         batch.append(c)
@@ -159,9 +162,15 @@ class _Inputs:
         if ek not in self.episode_sets:
             t0 = time.perf_counter()
             e = c.episode
-            es = EpisodeSpec(split=e["split"], way=e["way"], shot=e["shot"], query=e["query"],
-                             imbalance=e["imbalance"], seed=e["seed"],
-                             query_classes=e.get("query_classes"))
+            es = EpisodeSpec(
+                split=e["split"],
+                way=e["way"],
+                shot=e["shot"],
+                query=e["query"],
+                imbalance=e["imbalance"],
+                seed=e["seed"],
+                query_classes=e.get("query_classes"),
+            )
             self.episode_sets[ek] = sample_episodes(features.labels, es, e["episodes"], classes=features.classes)
             self.sample_seconds += time.perf_counter() - t0
         return self.episode_sets[ek]
@@ -177,17 +186,25 @@ class _Inputs:
         if nk not in self.prepared:
             self.prepared.clear()
             assert self.features is not None
-            self.prepared[nk] = prepare_negatives(episodes, negatives, resolve_cache(self.spec, c.cache),
-                                                  self.features.features.shape[1])[0]
+            self.prepared[nk] = prepare_negatives(
+                episodes, negatives, resolve_cache(self.spec, c.cache), self.features.features.shape[1]
+            )[0]
         return self.prepared[nk], negatives
 
 
-def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: bool = False,
-             device: str = "auto", max_memory: str | int = "2GiB",
-             on_cell: Callable[[CellEvent], None] | None = None,
-             progress: Callable[[int], None] | None = None,
-             cells: Sequence[Cell] | None = None, cells_per_call: int = 4,
-             warn: Callable[[str], None] | None = None) -> GridRun:
+def run_grid(
+    spec: GridSpec,
+    out: str | os.PathLike | None = None,
+    *,
+    force: bool = False,
+    device: str = "auto",
+    max_memory: str | int = "2GiB",
+    on_cell: Callable[[CellEvent], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+    cells: Sequence[Cell] | None = None,
+    cells_per_call: int = 4,
+    warn: Callable[[str], None] | None = None,
+) -> GridRun:
     """Run every cell of ``spec`` that the results file ``out`` does not hold yet.
 
     Args:
@@ -225,8 +242,7 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
     done: dict[int, dict[str, Any]] = {}
     with d.guard():
         # never a cache, the grid file or another kind of file: only a results file gains records
-        check_output(path, "results", inputs=[spec.path, *{resolve_cache(spec, c.cache) for c in cells}],
-                     what="--out")
+        check_output(path, "results", inputs=[spec.path, *{resolve_cache(spec, c.cache) for c in cells}], what="--out")
         if d.main:
             results = ResultsFile(path, warn=warn, name=spec.name, grid_file=str(spec.path), n_cells=len(cells))
             if not force:
@@ -266,10 +282,19 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
         assert results is not None
         for c in batch:
             acc, info = res[keys[c.index][1]]
-            record = make_record(keys[c.index][0], acc.tolist(), label=c.label, cache=c.cache, index=c.index,
-                                 group=spec.name, seconds=info["seconds"],
-                                 call_seconds=round(info["call_seconds"], 4), call_cells=len(batch),
-                                 device=info["device"], chunk_size=info["chunk_size"])
+            record = make_record(
+                keys[c.index][0],
+                acc.tolist(),
+                label=c.label,
+                cache=c.cache,
+                index=c.index,
+                group=spec.name,
+                seconds=info["seconds"],
+                call_seconds=round(info["call_seconds"], 4),
+                call_cells=len(batch),
+                device=info["device"],
+                chunk_size=info["chunk_size"],
+            )
             results.append(record)
             done[c.index] = record
             computed += 1
@@ -278,9 +303,17 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
                 on_cell(CellEvent("done", c, n_done, total, record))
     solve_s = time.perf_counter() - t0
     if results is None:  # not rank 0
-        return GridRun(path=path, header={}, records=[], computed=0, skipped=0,
-                       seconds=time.perf_counter() - t_start, load_seconds=inputs.load_seconds,
-                       sample_seconds=inputs.sample_seconds, solve_seconds=solve_s)
+        return GridRun(
+            path=path,
+            header={},
+            records=[],
+            computed=0,
+            skipped=0,
+            seconds=time.perf_counter() - t_start,
+            load_seconds=inputs.load_seconds,
+            sample_seconds=inputs.sample_seconds,
+            solve_seconds=solve_s,
+        )
 
     for c in cells:
         if c.index not in done:  # the same identity as a cell computed above
@@ -288,10 +321,18 @@ def run_grid(spec: GridSpec, out: str | os.PathLike | None = None, *, force: boo
             assert rec is not None
             done[c.index] = _as_cell(rec, c, spec.name)
     own = {k for _, k in keys.values()}
-    return GridRun(path=path, header=results.header, records=[done[c.index] for c in cells], computed=computed,
-                   skipped=total - computed, seconds=time.perf_counter() - t_start,
-                   load_seconds=inputs.load_seconds, sample_seconds=inputs.sample_seconds, solve_seconds=solve_s,
-                   other_records=sum(1 for r in results.records if r["key"] not in own))
+    return GridRun(
+        path=path,
+        header=results.header,
+        records=[done[c.index] for c in cells],
+        computed=computed,
+        skipped=total - computed,
+        seconds=time.perf_counter() - t_start,
+        load_seconds=inputs.load_seconds,
+        sample_seconds=inputs.sample_seconds,
+        solve_seconds=solve_s,
+        other_records=sum(1 for r in results.records if r["key"] not in own),
+    )
 
 
 def _as_cell(record: dict[str, Any], c: Cell, group: str) -> dict[str, Any]:
@@ -299,31 +340,54 @@ def _as_cell(record: dict[str, Any], c: Cell, group: str) -> dict[str, Any]:
     return {**record, "label": c.label, "cache": c.cache, "index": c.index, "group": group}
 
 
-def _evaluate_batch(spec: GridSpec, batch: Sequence[Cell], inputs: _Inputs, keys: dict[int, tuple[dict, str]],
-                    device: Any, max_memory: str | int, progress: Callable[[int], None] | None,
-                    rows: range | None = None) -> dict[str, tuple[Any, dict[str, Any]]]:
+def _evaluate_batch(
+    spec: GridSpec,
+    batch: Sequence[Cell],
+    inputs: _Inputs,
+    keys: dict[int, tuple[dict, str]],
+    device: Any,
+    max_memory: str | int,
+    progress: Callable[[int], None] | None,
+    rows: range | None = None,
+) -> dict[str, tuple[Any, dict[str, Any]]]:
     """Solve cells that share episodes and negatives with one call of ``evaluate`` (on the episodes
     ``rows`` only, when given: a rank's share); ``{identity key: (float64 accuracies, timing info)}``."""
     c0 = batch[0]
     features, pre = inputs.preprocessed_for(c0)
     episodes, negatives = inputs.negatives_for(c0)
     if rows is not None:  # negatives are per episode: they come along with the slice
-        episodes = episodes[rows.start:rows.stop]
+        episodes = episodes[rows.start : rows.stop]
     labels = {c.index: keys[c.index][1] for c in batch}
-    methods = [(labels[c.index], c.method, solvers.make_config(c.method, dict(c.options), strict=True))
-               for c in batch]
+    methods = [(labels[c.index], c.method, solvers.make_config(c.method, dict(c.options), strict=True)) for c in batch]
     # evaluate reports episodes per chunk for all the methods of the call: count cell-episodes
     call_progress = None if progress is None else (lambda n, k=len(batch): progress(n * k))
     stats: dict[str, Any] = {}
     t0 = time.perf_counter()
-    accs = evaluate(features, episodes, methods, negatives=negatives, cache_path=resolve_cache(spec, c0.cache),
-                    device=device, max_memory=max_memory, progress=call_progress, stats=stats, preprocess=pre)
+    accs = evaluate(
+        features,
+        episodes,
+        methods,
+        negatives=negatives,
+        cache_path=resolve_cache(spec, c0.cache),
+        device=device,
+        max_memory=max_memory,
+        progress=call_progress,
+        stats=stats,
+        preprocess=pre,
+    )
     call_seconds = time.perf_counter() - t0
-    return {labels[c.index]: (accs[labels[c.index]].double().cpu(),
-                              {"seconds": float(stats.get("seconds", {}).get(labels[c.index],
-                                                                            call_seconds / len(batch))),
-                               "call_seconds": call_seconds, "device": str(stats.get("device", device)),
-                               "chunk_size": stats.get("chunk_size")}) for c in batch}
+    return {
+        labels[c.index]: (
+            accs[labels[c.index]].double().cpu(),
+            {
+                "seconds": float(stats.get("seconds", {}).get(labels[c.index], call_seconds / len(batch))),
+                "call_seconds": call_seconds,
+                "device": str(stats.get("device", device)),
+                "chunk_size": stats.get("chunk_size"),
+            },
+        )
+        for c in batch
+    }
 
 
 __all__ = ["CellEvent", "GridRun", "batches", "cell_keys", "fingerprints", "grid_hash", "run_grid", "schedule"]

@@ -49,8 +49,10 @@ def _load_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     except UnicodeDecodeError as e:
         line = raw_line(path, e.start)
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}, line "
-                          f"{line}); TOML files must be UTF-8") from None
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}, line "
+            f"{line}); TOML files must be UTF-8"
+        ) from None
     except IsADirectoryError:
         raise ConfigError(f"grid file {path} is a directory") from None
 
@@ -84,8 +86,10 @@ def _check_general(where: str, key: str, v: Any) -> Any:
         return v
     if key == "negatives":
         if not isinstance(v, str) or not v:
-            raise ConfigError(f"{where}: option 'negatives' expects base, random, sphere, none, a cache "
-                              f"name from [caches] or FILE[:SPLIT], got {v!r}")
+            raise ConfigError(
+                f"{where}: option 'negatives' expects base, random, sphere, none, a cache "
+                f"name from [caches] or FILE[:SPLIT], got {v!r}"
+            )
         return v
     if key == "preprocess":
         from poodle.preprocess import parse
@@ -119,8 +123,9 @@ def _check_general(where: str, key: str, v: Any) -> Any:
         if v is False or (isinstance(v, str) and v.lower() in ("none", "balanced")):
             return None
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ConfigError(f"{where}: option 'imbalance' expects a Dirichlet concentration > 0 or "
-                              f"\"none\", got {v!r}")
+            raise ConfigError(
+                f"{where}: option 'imbalance' expects a Dirichlet concentration > 0 or \"none\", got {v!r}"
+            )
         return float(v)
     raise AssertionError(key)
 
@@ -180,8 +185,10 @@ def parse_grid(data: Mapping[str, Any], path: Path, overrides: Mapping[str, Any]
             continue
         else:
             if isinstance(value, dict):
-                raise ConfigError(f"{where}: unknown section [{key}]; sections are "
-                                  f"{', '.join('[' + s + ']' for s in SECTIONS)}, [caches] and [[cell]]")
+                raise ConfigError(
+                    f"{where}: unknown section [{key}]; sections are "
+                    f"{', '.join('[' + s + ']' for s in SECTIONS)}, [caches] and [[cell]]"
+                )
             if key in flat:
                 raise ConfigError(f"{where}: option {key!r} is given twice")
             flat[key], origin[key] = value, "top level"
@@ -225,15 +232,15 @@ def parse_grid(data: Mapping[str, Any], path: Path, overrides: Mapping[str, Any]
         cells.append(cell)
 
     if "cache" not in axes and (product or not all("cache" in c for c in cells)):
-        raise ConfigError(f"{where}: no cache given: set cache = \"FILE.h5\" (or a name from [caches]), "
-                          f"or pass --cache")
+        raise ConfigError(f'{where}: no cache given: set cache = "FILE.h5" (or a name from [caches]), or pass --cache')
     if "label" in axes:
         raise ConfigError(f"{where}: 'label' names one explicit cell; set it inside a [[cell]]")
     if not product and not cells:
         raise ConfigError(f"{where}: product = false but there is no [[cell]]: the grid is empty")
 
-    spec = GridSpec(path=path, name=name, caches=dict(caches), axes=axes, cells=cells,
-                    product=product, description=str(description))
+    spec = GridSpec(
+        path=path, name=name, caches=dict(caches), axes=axes, cells=cells, product=product, description=str(description)
+    )
     _check_option_names(spec, fields_by_method)
     return spec
 
@@ -275,8 +282,10 @@ def _check_option_names(spec: GridSpec, fields_by_method: Mapping[str, set[str]]
         owners = sorted(m for m, f in fields_by_method.items() if key in f)
         hint = f" (it is an option of {', '.join(owners)})" if owners else ""
         opts = sorted(known(methods) - set(GENERAL_KEYS))
-        raise ConfigError(f"{w}: unknown option {key!r} for method {', '.join(methods)}{hint}; known options: "
-                          f"{', '.join(GENERAL_KEYS)}; solver options: {', '.join(opts)}")
+        raise ConfigError(
+            f"{w}: unknown option {key!r} for method {', '.join(methods)}{hint}; known options: "
+            f"{', '.join(GENERAL_KEYS)}; solver options: {', '.join(opts)}"
+        )
 
     k_all = known(all_methods)
     for key in spec.axes:
@@ -334,10 +343,17 @@ class Cell:
     preprocess: str = "l2n"
 
     def identity(self) -> dict[str, Any]:
-        ident = {"label": self.label, "cache": self.cache, "episode": self.episode,
-                 "negatives": self.negatives, "n_neg": self.n_neg, "method": self.method,
-                 "options": self.options, "transductive": self.transductive}
-        if self.preprocess != DEFAULTS["preprocess"]:   # absent by default: older grids keep their keys
+        ident = {
+            "label": self.label,
+            "cache": self.cache,
+            "episode": self.episode,
+            "negatives": self.negatives,
+            "n_neg": self.n_neg,
+            "method": self.method,
+            "options": self.options,
+            "transductive": self.transductive,
+        }
+        if self.preprocess != DEFAULTS["preprocess"]:  # absent by default: older grids keep their keys
             ident["preprocess"] = self.preprocess
         return ident
 
@@ -349,9 +365,17 @@ class Cell:
 
     def result_identity(self, cache_id: str, negatives_id: str | None = None) -> dict[str, Any]:
         """The cell's identity in the results layer (:func:`poodle.results.make_identity`)."""
-        return make_identity(cache_id=cache_id, episode=self.episode, negatives=self.negatives, n_neg=self.n_neg,
-                             method=self.method, options=self.options, transductive=self.transductive,
-                             negatives_id=negatives_id, preprocess=self.preprocess)
+        return make_identity(
+            cache_id=cache_id,
+            episode=self.episode,
+            negatives=self.negatives,
+            n_neg=self.n_neg,
+            method=self.method,
+            options=self.options,
+            transductive=self.transductive,
+            negatives_id=negatives_id,
+            preprocess=self.preprocess,
+        )
 
     def episode_key(self) -> tuple:
         return (self.cache,) + tuple(self.episode.get(k) for k in EPISODE_KEYS[1:] + OPTIONAL_EPISODE_KEYS)
@@ -401,8 +425,9 @@ def _make_cell(combo: Mapping[str, Any], label: str | None, strict_keys: set[str
         if k in fields:
             opts[k] = v
         elif k in strict_keys:
-            raise ConfigError(f"{where}: method {method!r} has no option {k!r}; its options are: "
-                              f"{', '.join(sorted(fields))}")
+            raise ConfigError(
+                f"{where}: method {method!r} has no option {k!r}; its options are: {', '.join(sorted(fields))}"
+            )
     try:
         cfg = solvers.make_config(method, opts, strict=True)
     except ConfigError as e:
@@ -414,18 +439,28 @@ def _make_cell(combo: Mapping[str, Any], label: str | None, strict_keys: set[str
     if info.needs_negatives(cfg):
         negatives, n_neg = combo.get("negatives", DEFAULTS["negatives"]), combo.get("n_neg", DEFAULTS["n_neg"])
         if negatives == "none":
-            raise ConfigError(f"{where}: method {method!r} with these options needs negatives, but negatives = "
-                              f"\"none\" (use base, random, sphere, a [caches] name or FILE[:SPLIT])")
+            raise ConfigError(
+                f"{where}: method {method!r} with these options needs negatives, but negatives = "
+                f'"none" (use base, random, sphere, a [caches] name or FILE[:SPLIT])'
+            )
     else:
         # No negatives consumed (a method without them, or POODLE with beta = 0): the cell does not
         # depend on negatives/n_neg, so their lists do not multiply it.
         negatives, n_neg = "none", None
     cache = combo.get("cache")
     if cache is None:
-        raise ConfigError(f"{where}: no cache given (set cache = \"FILE.h5\" or pass --cache)")
-    return Cell(label=label or method, cache=cache, episode=episode, negatives=negatives, n_neg=n_neg,
-                method=method, options=options, transductive=transductive,
-                preprocess=combo.get("preprocess", DEFAULTS["preprocess"]))
+        raise ConfigError(f'{where}: no cache given (set cache = "FILE.h5" or pass --cache)')
+    return Cell(
+        label=label or method,
+        cache=cache,
+        episode=episode,
+        negatives=negatives,
+        n_neg=n_neg,
+        method=method,
+        options=options,
+        transductive=transductive,
+        preprocess=combo.get("preprocess", DEFAULTS["preprocess"]),
+    )
 
 
 def _product(axes: Mapping[str, list[Any]]) -> Iterable[dict[str, Any]]:

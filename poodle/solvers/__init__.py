@@ -26,9 +26,23 @@ from poodle.solvers.base import (
     validate_config,
 )
 
-__all__ = ["EpisodeBatch", "SolverInfo", "SolverOutput", "available", "get", "make_config", "run",
-           "register", "class_means", "neg_half_sqdist", "one_hot", "build_config", "coerce_option", "config_dict",
-           "validate_config"]
+__all__ = [
+    "EpisodeBatch",
+    "SolverInfo",
+    "SolverOutput",
+    "available",
+    "get",
+    "make_config",
+    "run",
+    "register",
+    "class_means",
+    "neg_half_sqdist",
+    "one_hot",
+    "build_config",
+    "coerce_option",
+    "config_dict",
+    "validate_config",
+]
 
 _LOADED = False
 

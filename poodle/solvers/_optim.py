@@ -63,9 +63,18 @@ class RowTerms:
     free: Tensor | None = None
 
 
-def fit_weighted_distance(x: Tensor, terms: RowTerms, w0: Tensor, *, scale0: float = 10.0,
-                          steps: int = 250, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                          eps: float = 1e-8, learn_scale: bool = True) -> tuple[Tensor, Tensor]:
+def fit_weighted_distance(
+    x: Tensor,
+    terms: RowTerms,
+    w0: Tensor,
+    *,
+    scale0: float = 10.0,
+    steps: int = 250,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    learn_scale: bool = True,
+) -> tuple[Tensor, Tensor]:
     """Fine-tune the prototypes and scales of ``E`` episodes at once.
 
     Args:
@@ -110,21 +119,21 @@ def fit_weighted_distance(x: Tensor, terms: RowTerms, w0: Tensor, *, scale0: flo
     lbar = torch.empty(E, 1, n, device=dev, dtype=dt) if free is not None else None
     T1 = torch.empty_like(S) if free is not None else None
 
-    x2 = (x * x).sum(-1).unsqueeze(1)                                    # [E, 1, n]
+    x2 = (x * x).sum(-1).unsqueeze(1)  # [E, 1, n]
     r = (terms.ce + terms.coef).expand(E, 1, n).contiguous()
     targets = terms.targets.expand(E, K, n).contiguous()
     # the ||x||^2 part of dL/dgamma, -sum_i c_i ||x_i||^2 / 2, is constant over the steps
-    c0 = (terms.coef * x2).sum((1, 2)).mul_(0.5)                          # [E]
+    c0 = (terms.coef * x2).sum((1, 2)).mul_(0.5)  # [E]
 
     b1, b2 = betas
     softmax_out = torch.ops.aten._softmax.out
     for step in range(1, steps + 1):
-        torch.bmm(W, xt, out=S)                                          # x.w
+        torch.bmm(W, xt, out=S)  # x.w
         torch.linalg.vecdot(W, W, out=w2)
-        torch.sub(S, w2.unsqueeze(-1), alpha=0.5, out=Z)                 # x.w - |w|^2/2
-        torch.mul(Z, gamma, out=L)                                       # logits + gamma|x|^2/2
+        torch.sub(S, w2.unsqueeze(-1), alpha=0.5, out=Z)  # x.w - |w|^2/2
+        torch.mul(Z, gamma, out=L)  # logits + gamma|x|^2/2
         softmax_out(L, 1, False, out=P)
-        torch.mul(P, r, out=G)                                           # dL/dlogits
+        torch.mul(P, r, out=G)  # dL/dlogits
         G.sub_(targets)
         if free is not None:
             torch.mul(P, L, out=T1)
@@ -137,18 +146,18 @@ def fit_weighted_distance(x: Tensor, terms: RowTerms, w0: Tensor, *, scale0: flo
             torch.sum(GZ.view(E, -1), 1, out=gg)
             gg.sub_(c0)
         torch.sum(G, 2, out=colsum)
-        torch.bmm(G, x, out=GX)                                          # (an in-place baddbmm on the
-        torch.addcmul(GX, W, colsum.unsqueeze(-1), value=-1.0, out=gW)   # strided gW runs per episode)
+        torch.bmm(G, x, out=GX)  # (an in-place baddbmm on the
+        torch.addcmul(GX, W, colsum.unsqueeze(-1), value=-1.0, out=gW)  # strided gW runs per episode)
         gW.mul_(gamma)
 
         # torch.optim.Adam (its single-tensor path), operation for operation
         m.lerp_(grad, 1 - b1)
         v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        bias_correction1 = 1 - b1 ** step
-        bias_correction2 = 1 - b2 ** step
+        bias_correction1 = 1 - b1**step
+        bias_correction2 = 1 - b2**step
         step_size = lr / bias_correction1
         torch.sqrt(v, out=den)
-        den.div_(bias_correction2 ** 0.5).add_(eps)
+        den.div_(bias_correction2**0.5).add_(eps)
         theta.addcdiv_(m, den, value=-step_size)
     return W.clone(), gamma.clone()
 

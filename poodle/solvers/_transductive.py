@@ -65,7 +65,7 @@ def weighted_means(a_s: Tensor, z_s: Tensor, a_q: Tensor, z_q: Tensor, fallback:
     weight keeps ``fallback [E, K, D]`` (its previous centre) instead of becoming NaN.
     """
     num = torch.bmm(a_s.transpose(1, 2), z_s) + torch.bmm(a_q.transpose(1, 2), z_q)
-    den = (a_s.sum(1) + a_q.sum(1)).unsqueeze(-1)                     # [E, K, 1]
+    den = (a_s.sum(1) + a_q.sum(1)).unsqueeze(-1)  # [E, K, 1]
     empty = den <= 0
     return torch.where(empty, fallback, num / torch.where(empty, torch.ones_like(den), den))
 
@@ -98,16 +98,16 @@ def centre_and_project(z_s: Tensor, z_q: Tensor, reduced_dim: int) -> tuple[Tens
     z_q = F.normalize(z_q - z_q.mean(1, keepdim=True), dim=-1)
     if reduced_dim <= 0:
         return z_s, z_q
-    x = torch.cat([z_s, z_q], 1)                                        # [E, N, D]
+    x = torch.cat([z_s, z_q], 1)  # [E, N, D]
     n = x.shape[1]
     r = min(reduced_dim, n, x.shape[2])
     # Coordinates in the top-r principal directions, x V_r = U_r S_r, from the eigen-decomposition
     # of the small N x N Gram matrix (cheaper than an SVD of N x D). Distances after projection do
     # not depend on the sign/rotation ambiguity of the basis within the sub-space.
-    evals, evecs = torch.linalg.eigh(torch.bmm(x, x.transpose(1, 2)))   # ascending
-    top = evecs[:, :, n - r:] * evals[:, n - r:].clamp_min(0).sqrt().unsqueeze(1)
+    evals, evecs = torch.linalg.eigh(torch.bmm(x, x.transpose(1, 2)))  # ascending
+    top = evecs[:, :, n - r :] * evals[:, n - r :].clamp_min(0).sqrt().unsqueeze(1)
     top = F.normalize(top, dim=-1)
-    return top[:, :z_s.shape[1]], top[:, z_s.shape[1]:]
+    return top[:, : z_s.shape[1]], top[:, z_s.shape[1] :]
 
 
 def log_normalise(p: Tensor) -> Tensor:
@@ -120,8 +120,9 @@ def dist_flops(n: int, k: int, d: int) -> float:
     return 2.0 * n * k * d
 
 
-def rectified_prototypes(z_s: Tensor, labels_s: Tensor, z_q: Tensor, way: int, epsilon: float,
-                         shift: bool = True) -> tuple[Tensor, Tensor]:
+def rectified_prototypes(
+    z_s: Tensor, labels_s: Tensor, z_q: Tensor, way: int, epsilon: float, shift: bool = True
+) -> tuple[Tensor, Tensor]:
     """BD-CSPN's bias-diminished prototypes (Liu et al. 2020, Eqs. 5-8).
 
     Cross-class bias: queries are shifted by ``delta = mean(z_s) - mean(z_q)`` (when ``shift``).
@@ -140,12 +141,12 @@ def rectified_prototypes(z_s: Tensor, labels_s: Tensor, z_q: Tensor, way: int, e
     cos_s = cosine(z_s, base)
     cos_q = shifted_cosine(z_q, delta, base)
     member_q = F.one_hot(cos_q.argmax(-1), way).bool()
-    logits = (epsilon * torch.cat([cos_s, cos_q], 1)).masked_fill(~torch.cat([y_s.bool(), member_q], 1),
-                                                                   float("-inf"))
-    w = torch.softmax(logits, dim=1)                                         # over the set's members
-    w_s, w_q = w[:, :z_s.shape[1]], w[:, z_s.shape[1]:]
-    protos = (torch.bmm(w_s.transpose(1, 2), z_s) + torch.bmm(w_q.transpose(1, 2), z_q)
-              + w_q.sum(1).unsqueeze(-1) * delta)
+    logits = (epsilon * torch.cat([cos_s, cos_q], 1)).masked_fill(~torch.cat([y_s.bool(), member_q], 1), float("-inf"))
+    w = torch.softmax(logits, dim=1)  # over the set's members
+    w_s, w_q = w[:, : z_s.shape[1]], w[:, z_s.shape[1] :]
+    protos = (
+        torch.bmm(w_s.transpose(1, 2), z_s) + torch.bmm(w_q.transpose(1, 2), z_q) + w_q.sum(1).unsqueeze(-1) * delta
+    )
     return protos, delta
 
 

@@ -43,10 +43,14 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass
 class AlphaTimConfig:
-    BOUNDS: ClassVar[dict[str, str]] = {"alpha": "[0, inf)", "ce_weight": "[0, inf)", "marginal_weight": "[0, inf)",
-                                        "conditional_weight": "[0, inf)"}
+    BOUNDS: ClassVar[dict[str, str]] = {
+        "alpha": "[0, inf)",
+        "ce_weight": "[0, inf)",
+        "marginal_weight": "[0, inf)",
+        "conditional_weight": "[0, inf)",
+    }
 
-    alpha: float = 0.0              # 0: the authors' tuned value (2 at 1 shot, 7 from 5 shots, else 5)
+    alpha: float = 0.0  # 0: the authors' tuned value (2 at 1 shot, 7 from 5 shots, else 5)
     ce_weight: float = 1.0
     marginal_weight: float = 1.0
     conditional_weight: float = 1.0
@@ -65,8 +69,9 @@ def alpha_entropy(p: Tensor, a: float) -> Tensor:
     return (1.0 - p.pow(a).sum(-1)) / (a - 1.0)
 
 
-def alpha_tim_loss(logits_s: Tensor, y_s: Tensor, logits_q: Tensor, a: float, w_ce: float, w_marg: float,
-                   w_cond: float) -> Tensor:
+def alpha_tim_loss(
+    logits_s: Tensor, y_s: Tensor, logits_q: Tensor, a: float, w_ce: float, w_marg: float, w_cond: float
+) -> Tensor:
     """alpha-TIM's loss per episode ``[E]``; ``logits_s [E, Ns, K]``, ``y_s [E, Ns, K]`` one-hot,
     ``logits_q [E, Nq, K]``."""
     ce = -(y_s * torch.log_softmax(logits_s, -1)).sum(-1).mean(1)
@@ -80,8 +85,13 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: AlphaTimConfig) -> f
     return 3.0 * cfg.steps * dist_flops(Ns + Nq, way, D)
 
 
-@register("alpha-tim", AlphaTimConfig, transductive="always", flops=_flops,
-          summary="alpha-TIM (Veilleux et al. 2021): TIM with alpha-entropies, robust to imbalanced queries")
+@register(
+    "alpha-tim",
+    AlphaTimConfig,
+    transductive="always",
+    flops=_flops,
+    summary="alpha-TIM (Veilleux et al. 2021): TIM with alpha-entropies, robust to imbalanced queries",
+)
 def alpha_tim(batch: EpisodeBatch, cfg: AlphaTimConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]``."""
     a = cfg.alpha if cfg.alpha > 0 else tuned_alpha(batch.shot)
@@ -94,8 +104,15 @@ def alpha_tim(batch: EpisodeBatch, cfg: AlphaTimConfig) -> SolverOutput:
     w = class_means(z_s, batch.support_labels, batch.way).detach().clone().requires_grad_(True)
 
     def loss() -> Tensor:
-        return alpha_tim_loss(softmax_logits(z_s, w, cfg.temperature), y_s, softmax_logits(z_q, w, cfg.temperature),
-                              a, cfg.ce_weight, cfg.marginal_weight, cfg.conditional_weight).sum()
+        return alpha_tim_loss(
+            softmax_logits(z_s, w, cfg.temperature),
+            y_s,
+            softmax_logits(z_q, w, cfg.temperature),
+            a,
+            cfg.ce_weight,
+            cfg.marginal_weight,
+            cfg.conditional_weight,
+        ).sum()
 
     adam_minimise([w], loss, cfg.steps, cfg.lr)
     with torch.no_grad():

@@ -120,8 +120,9 @@ class SolverInfo:
 
     def settings(self) -> tuple[str, ...]:
         """The settings the method can run in: ``("inductive",)``, ``("transductive",)`` or both."""
-        return {"never": ("inductive",), "optional": ("inductive", "transductive"),
-                "always": ("transductive",)}[self.transductive]
+        return {"never": ("inductive",), "optional": ("inductive", "transductive"), "always": ("transductive",)}[
+            self.transductive
+        ]
 
     def options(self) -> tuple[str, ...]:
         """The names of the method's config fields."""
@@ -133,9 +134,16 @@ _REGISTRY: dict[str, SolverInfo] = {}
 _ALIASES: dict[str, str] = {}
 
 
-def register(name: str, config: type, *, transductive: Transductivity = "never",
-             uses_negatives: bool | Callable[[Any], bool] = False, flops: Callable[..., float] | None = None,
-             summary: str = "", aliases: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+def register(
+    name: str,
+    config: type,
+    *,
+    transductive: Transductivity = "never",
+    uses_negatives: bool | Callable[[Any], bool] = False,
+    flops: Callable[..., float] | None = None,
+    summary: str = "",
+    aliases: tuple[str, ...] = (),
+) -> Callable[[Callable], Callable]:
     """Decorator: register a batched solver under ``name`` (and ``aliases``) with its config dataclass."""
     if not dataclasses.is_dataclass(config):
         raise TypeError(f"config of solver {name!r} must be a dataclass")
@@ -162,8 +170,9 @@ def config_dict(cfg: Any) -> dict[str, Any]:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
-def option(default: Any, *, min: float | None = None, max: float | None = None, min_open: bool = False,
-           help: str = "") -> Any:
+def option(
+    default: Any, *, min: float | None = None, max: float | None = None, min_open: bool = False, help: str = ""
+) -> Any:
     """A config field with bounds that :func:`validate_config` checks: ``min <= value <= max``
     (``min < value`` with ``min_open``). ``help`` is for listings."""
     meta = {"min": min, "max": max, "min_open": min_open, "help": help}
@@ -203,8 +212,12 @@ def build_config(info: SolverInfo, options: Mapping[str, Any], *, strict: bool =
 # to COMMON_BOUNDS by name, and any other number still has to be finite.
 
 COMMON_BOUNDS: dict[str, str] = {
-    "lr": "(0, inf)", "steps": "[0, inf)", "scale": "(0, inf)", "temperature": "(0, inf)",
-    "label_smoothing": "[0, 1)", "max_iter": "[0, inf)",
+    "lr": "(0, inf)",
+    "steps": "[0, inf)",
+    "scale": "(0, inf)",
+    "temperature": "(0, inf)",
+    "label_smoothing": "[0, 1)",
+    "max_iter": "[0, inf)",
 }
 _INTERVAL = re.compile(r"\s*([\[(])\s*(-?inf|-?[0-9.e+-]+)\s*,\s*(-?inf|-?[0-9.e+-]+)\s*([\])])\s*")
 
@@ -396,8 +409,8 @@ def class_means(x: Tensor, labels: Tensor, way: int) -> Tensor:
 
     A class with no member gets the zero vector (never NaN).
     """
-    y = one_hot(labels, way, x.dtype)                      # [E, N, way]
-    counts = y.sum(1).clamp_min(1.0).unsqueeze(-1)         # [E, way, 1]
+    y = one_hot(labels, way, x.dtype)  # [E, N, way]
+    counts = y.sum(1).clamp_min(1.0).unsqueeze(-1)  # [E, way, 1]
     return torch.bmm(y.transpose(1, 2), x) / counts
 
 

@@ -30,19 +30,23 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, register
 @dataclass
 class BDCSPNConfig:
     BOUNDS: ClassVar[dict[str, str]] = {"epsilon": "(0, inf)"}  # checked by solvers.base.validate_config
-    epsilon: float = 10.0     # Liu et al. Sec. 4: epsilon = 10
-    shift: bool = True        # the cross-class bias reduction
+    epsilon: float = 10.0  # Liu et al. Sec. 4: epsilon = 10
+    shift: bool = True  # the cross-class bias reduction
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BDCSPNConfig) -> float:
     return 2 * dist_flops(Ns + Nq, way, D) + dist_flops(Nq, way, D)
 
 
-@register("bd-cspn", BDCSPNConfig, transductive="always", flops=_flops,
-          summary="BD-CSPN prototype rectification (Liu et al. 2020)")
+@register(
+    "bd-cspn",
+    BDCSPNConfig,
+    transductive="always",
+    flops=_flops,
+    summary="BD-CSPN prototype rectification (Liu et al. 2020)",
+)
 def bd_cspn(batch: EpisodeBatch, cfg: BDCSPNConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]`` (rectified)."""
-    p, delta = rectified_prototypes(batch.support, batch.support_labels, batch.query, batch.way,
-                                    cfg.epsilon, cfg.shift)
+    p, delta = rectified_prototypes(batch.support, batch.support_labels, batch.query, batch.way, cfg.epsilon, cfg.shift)
     log_probs = torch.log_softmax(cfg.epsilon * shifted_cosine(batch.query, delta, p), -1)
     return SolverOutput(log_probs, {"prototypes": p})

@@ -49,8 +49,14 @@ from poodle.solvers.pt_map import power_transform
 
 @dataclass
 class BMSConfig:
-    BOUNDS: ClassVar[dict[str, str]] = {"power": "(0, inf)", "lam": "(0, inf)", "steps": "[1, inf)",
-                                        "sinkhorn_iter": "[1, inf)", "epochs": "[0, inf)", "momentum": "[0, 1)"}
+    BOUNDS: ClassVar[dict[str, str]] = {
+        "power": "(0, inf)",
+        "lam": "(0, inf)",
+        "steps": "[1, inf)",
+        "sinkhorn_iter": "[1, inf)",
+        "epochs": "[0, inf)",
+        "momentum": "[0, 1)",
+    }
 
     power: float = 0.5
     lam: float = 8.5
@@ -73,7 +79,7 @@ def min_size_sinkhorn(p: Tensor, min_size: Tensor, n_iter: int) -> Tensor:
     target = min_size[:, None, None].to(p.dtype)
     for _ in range(n_iter):
         p = p / p.sum(2, keepdim=True)
-        small = p.sum(1, keepdim=True) < target                           # [E, 1, K]
+        small = p.sum(1, keepdim=True) < target  # [E, 1, K]
         p = torch.where(small, p / ((p + 1e-20).sum(1, keepdim=True) / target), p)
     return p
 
@@ -102,8 +108,13 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BMSConfig) -> float:
     return cfg.steps * (2 + 3 * cfg.epochs) * dist_flops(Ns + Nq, way, D)
 
 
-@register("bms", BMSConfig, transductive="always", flops=_flops,
-          summary="PEMnE-BMS (Hu et al. 2022): feature transform + boosted min-size Sinkhorn")
+@register(
+    "bms",
+    BMSConfig,
+    transductive="always",
+    flops=_flops,
+    summary="PEMnE-BMS (Hu et al. 2022): feature transform + boosted min-size Sinkhorn",
+)
 def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]`` (transformed space) and
     ``assignments [E, Nq, way]``."""
@@ -118,8 +129,8 @@ def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
     for _ in range(cfg.steps):
         p_q = torch.softmax(cfg.lam * torch.bmm(z[:, n_s:], mu.transpose(1, 2)), -1)
         q = min_size_sinkhorn(p_q, min_size, cfg.sinkhorn_iter)
-        w = torch.cat([y_s, q], 1)                                          # [E, N, K]
-        counts = one_hot(w.argmax(-1), way, z.dtype).sum(1)                 # [E, K]
+        w = torch.cat([y_s, q], 1)  # [E, N, K]
+        counts = one_hot(w.argmax(-1), way, z.dtype).sum(1)  # [E, K]
         min_size = counts.amin(1)
         mu = F.normalize(torch.bmm(w.transpose(1, 2), z) / w.sum(1).unsqueeze(-1), dim=-1)
         if cfg.epochs > 0:

@@ -31,12 +31,10 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 @dataclass
 class CanTConfig:
     # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
-    BOUNDS: ClassVar[dict[str, str]] = {
-        "step": "[1, inf)",
-        "iterations": "[-1, inf)"}
-    step: int = 30            # queries added per iteration (the POODLE authors' reimplementation)
-    iterations: int = -1      # -1: Nq // step (2 for 75 queries, as theirs)
-    scale: float = 10.0       # cosine temperature of the confidence softmax
+    BOUNDS: ClassVar[dict[str, str]] = {"step": "[1, inf)", "iterations": "[-1, inf)"}
+    step: int = 30  # queries added per iteration (the POODLE authors' reimplementation)
+    iterations: int = -1  # -1: Nq // step (2 for 75 queries, as theirs)
+    scale: float = 10.0  # cosine temperature of the confidence softmax
 
 
 def _n_iter(cfg: CanTConfig, n_q: int) -> int:
@@ -49,8 +47,13 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: CanTConfig) -> float
     return (_n_iter(cfg, Nq) + 1) * (dist_flops(Nq, way, D) + dist_flops(Ns + Nq, way, D))
 
 
-@register("can-t", CanTConfig, transductive="always", flops=_flops,
-          summary="CAN-T (Hou et al. 2019): iterative pseudo-labelling of the most confident queries")
+@register(
+    "can-t",
+    CanTConfig,
+    transductive="always",
+    flops=_flops,
+    summary="CAN-T (Hou et al. 2019): iterative pseudo-labelling of the most confident queries",
+)
 def can_t(batch: EpisodeBatch, cfg: CanTConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]`` (unit norm)."""
     z_s, z_q = batch.support, batch.query
@@ -60,10 +63,10 @@ def can_t(batch: EpisodeBatch, cfg: CanTConfig) -> SolverOutput:
     q_norm = torch.linalg.vector_norm(z_q, dim=-1, keepdim=True)
     for i in range(_n_iter(cfg, n_q)):
         prob = torch.softmax(cfg.scale * cosine(z_q, p, q_norm), -1)
-        conf, pseudo = prob.max(-1)                                       # [E, Nq]
+        conf, pseudo = prob.max(-1)  # [E, Nq]
         k = min((i + 1) * cfg.step, n_q)
         top = conf.topk(k, dim=1).indices
-        chosen = torch.zeros_like(conf).scatter(1, top, 1.0)             # [E, Nq]
+        chosen = torch.zeros_like(conf).scatter(1, top, 1.0)  # [E, Nq]
         a_q = one_hot(pseudo, batch.way, z_s.dtype) * chosen.unsqueeze(-1)
         # every class keeps its support points, so the mean is never 0/0
         num = torch.bmm(y_s.transpose(1, 2), z_s) + torch.bmm(a_q.transpose(1, 2), z_q)

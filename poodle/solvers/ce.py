@@ -23,9 +23,9 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass(frozen=True)
 class CEConfig:
-    steps: int = 250             # paper 5.1 / authors' number_fc_update
-    lr: float = 1e-3             # paper 5.1: Adam, lr 1e-3
-    scale: float = 10.0          # authors' code: learnable gamma initialised at 10
+    steps: int = 250  # paper 5.1 / authors' number_fc_update
+    lr: float = 1e-3  # paper 5.1: Adam, lr 1e-3
+    scale: float = 10.0  # authors' code: learnable gamma initialised at 10
     label_smoothing: float = 0.0  # Table 6 row 4 uses 0.1
 
 
@@ -50,8 +50,14 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: CEConfig) -> float:
     return weighted_distance_flops(Ns, D, way, cfg.steps) + 2.0 * Nq * D * way
 
 
-@register("ce", CEConfig, transductive="never", uses_negatives=False, flops=_flops,
-          summary="prototypes and scale fine-tuned with the support cross-entropy (Table 6 row 1)")
+@register(
+    "ce",
+    CEConfig,
+    transductive="never",
+    uses_negatives=False,
+    flops=_flops,
+    summary="prototypes and scale fine-tuned with the support cross-entropy (Table 6 row 1)",
+)
 def ce(batch: EpisodeBatch, cfg: CEConfig) -> SolverOutput:
     """Support rows only: ``X = support [E, Ns, D]``, CE weight ``1/Ns`` per row."""
     check_common(cfg, "ce")
@@ -59,7 +65,10 @@ def ce(batch: EpisodeBatch, cfg: CEConfig) -> SolverOutput:
     E, Ns, _ = x.shape
     w0 = class_means(x, batch.support_labels, way)
     wt = torch.full((1, 1, Ns), 1.0 / Ns, dtype=x.dtype, device=x.device)
-    terms = RowTerms(targets=support_targets(batch.support_labels, way, cfg.label_smoothing, x.dtype) * wt,
-                     ce=wt, coef=torch.zeros_like(wt))
+    terms = RowTerms(
+        targets=support_targets(batch.support_labels, way, cfg.label_smoothing, x.dtype) * wt,
+        ce=wt,
+        coef=torch.zeros_like(wt),
+    )
     w, scale = fit_weighted_distance(x, terms, w0, scale0=cfg.scale, steps=cfg.steps, lr=cfg.lr)
     return SolverOutput(torch.log_softmax(logits(batch.query, w, scale), -1), {"prototypes": w, "scale": scale})

@@ -30,18 +30,23 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 @dataclass
 class EntropyMinConfig:
     BOUNDS: ClassVar[dict[str, str]] = {"entropy_weight": "[0, inf)"}  # checked by solvers.base.validate_config
-    steps: int = 25               # Dhillon et al.: 25 epochs (one step on support + query each)
-    lr: float = 5e-5              # Dhillon et al.: Adam, lr 5e-5
-    entropy_weight: float = 1.0   # Dhillon et al.: CE + entropy, unit weight
-    scale: float = 10.0           # fixed temperature (the POODLE authors' initial scale)
+    steps: int = 25  # Dhillon et al.: 25 epochs (one step on support + query each)
+    lr: float = 5e-5  # Dhillon et al.: Adam, lr 5e-5
+    entropy_weight: float = 1.0  # Dhillon et al.: CE + entropy, unit weight
+    scale: float = 10.0  # fixed temperature (the POODLE authors' initial scale)
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: EntropyMinConfig) -> float:
     return 3.0 * cfg.steps * dist_flops(Ns + Nq, way, D)
 
 
-@register("entropy-min", EntropyMinConfig, transductive="always", flops=_flops,
-          summary="Transductive entropy minimisation on the classifier (Dhillon et al. 2020)")
+@register(
+    "entropy-min",
+    EntropyMinConfig,
+    transductive="always",
+    flops=_flops,
+    summary="Transductive entropy minimisation on the classifier (Dhillon et al. 2020)",
+)
 def entropy_min(batch: EpisodeBatch, cfg: EntropyMinConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]``."""
     z_s, z_q = grad_ready(batch.support), grad_ready(batch.query)

@@ -35,13 +35,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from poodle.solvers._transductive import (centre_and_project, dist_flops, row_sqnorm, softmax_logits, sqdist,
-                                          weighted_means)
+from poodle.solvers._transductive import (
+    centre_and_project,
+    dist_flops,
+    row_sqnorm,
+    softmax_logits,
+    sqdist,
+    weighted_means,
+)
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
 
-def kmeans_loop(z_s: Tensor, labels_s: Tensor, z_q: Tensor, centres: Tensor, max_iter: int,
-                fix_support: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def kmeans_loop(
+    z_s: Tensor, labels_s: Tensor, z_q: Tensor, centres: Tensor, max_iter: int, fix_support: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Batched hard k-means with per-episode convergence.
 
     ``z_s [E, Ns, D]``, ``labels_s [E, Ns]``, ``z_q [E, Nq, D]``, ``centres [E, K, D]`` (start).
@@ -72,9 +79,9 @@ def kmeans_loop(z_s: Tensor, labels_s: Tensor, z_q: Tensor, centres: Tensor, max
 
 @dataclass
 class KMeansConfig:
-    max_iter: int = 250       # the POODLE authors' cap (number_fc_update)
+    max_iter: int = 250  # the POODLE authors' cap (number_fc_update)
     fix_support: bool = True  # support points keep their labels (seeded/constrained k-means)
-    scale: float = 10.0       # only shapes the returned probabilities: -(scale/2)||z - mu||^2
+    scale: float = 10.0  # only shapes the returned probabilities: -(scale/2)||z - mu||^2
 
 
 def _flops_km(Ns: int, Nq: int, M: int, D: int, way: int, cfg: KMeansConfig) -> float:
@@ -82,8 +89,13 @@ def _flops_km(Ns: int, Nq: int, M: int, D: int, way: int, cfg: KMeansConfig) -> 
     return cfg.max_iter * 2 * dist_flops(Ns + Nq, way, D)
 
 
-@register("kmeans", KMeansConfig, transductive="always", flops=_flops_km,
-          summary="Seeded hard k-means over support + query (TAFSSL baseline / POODLE authors)")
+@register(
+    "kmeans",
+    KMeansConfig,
+    transductive="always",
+    flops=_flops_km,
+    summary="Seeded hard k-means over support + query (TAFSSL baseline / POODLE authors)",
+)
 def kmeans(batch: EpisodeBatch, cfg: KMeansConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes`` (final centres) and ``iterations [E]``."""
     z_s, z_q = batch.support, batch.query
@@ -96,25 +108,28 @@ def kmeans(batch: EpisodeBatch, cfg: KMeansConfig) -> SolverOutput:
 @dataclass
 class BayesKMeansConfig:
     # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
-    BOUNDS: ClassVar[dict[str, str]] = {
-        "sigma": "(0, inf)",
-        "reduced_dim": "[0, inf)"}
+    BOUNDS: ClassVar[dict[str, str]] = {"sigma": "(0, inf)", "reduced_dim": "[0, inf)"}
     # TAFSSL src/utils/misc.py parse_args: sigma 1, n_clusters = way; reduced_dim 10 for "& bkm".
     sigma: float = 1.0
-    reduced_dim: int = 10     # 0: no projection
-    centre: bool = True       # subtract the support mean and the query mean (TAFSSL "ber")
-    max_iter: int = 300       # scikit-learn KMeans default, which TAFSSL uses
+    reduced_dim: int = 10  # 0: no projection
+    centre: bool = True  # subtract the support mean and the query mean (TAFSSL "ber")
+    max_iter: int = 300  # scikit-learn KMeans default, which TAFSSL uses
 
 
 def _flops_bkm(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BayesKMeansConfig) -> float:
     n = Ns + Nq
     r = min(cfg.reduced_dim, n, D) if cfg.reduced_dim > 0 else D
-    pca = 2.0 * n * n * D + 9.0 * n ** 3 if cfg.reduced_dim > 0 else 0.0   # Gram + eigh
+    pca = 2.0 * n * n * D + 9.0 * n**3 if cfg.reduced_dim > 0 else 0.0  # Gram + eigh
     return pca + cfg.max_iter * dist_flops(n, way, r) + dist_flops(Ns, Nq, r)
 
 
-@register("bayes-kmeans", BayesKMeansConfig, transductive="always", flops=_flops_bkm,
-          summary="Bayesian k-means in a task-adaptive PCA sub-space (TAFSSL, Lichtenstein et al. 2020)")
+@register(
+    "bayes-kmeans",
+    BayesKMeansConfig,
+    transductive="always",
+    flops=_flops_bkm,
+    summary="Bayesian k-means in a task-adaptive PCA sub-space (TAFSSL, Lichtenstein et al. 2020)",
+)
 def bayes_kmeans(batch: EpisodeBatch, cfg: BayesKMeansConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``centres [E, way, r]`` (in the projected space),
     ``clusters [E, Nq]`` (each query's cluster)."""
@@ -125,13 +140,13 @@ def bayes_kmeans(batch: EpisodeBatch, cfg: BayesKMeansConfig) -> SolverOutput:
     c0 = class_means(z_s, batch.support_labels, way)
     c, cq, _, _ = kmeans_loop(z_s, batch.support_labels, z_q, c0, cfg.max_iter, fix_support=False)
     # p(c|s) against unit-norm centres, as TAFSSL
-    log_pcs = torch.log_softmax(-cfg.sigma * sqdist(z_s, F.normalize(c, dim=-1)), -1)          # [E, Ns, K]
-    log_kern = -cfg.sigma * sqdist(z_s, z_q)                                                     # [E, Ns, Nq]
+    log_pcs = torch.log_softmax(-cfg.sigma * sqdist(z_s, F.normalize(c, dim=-1)), -1)  # [E, Ns, K]
+    log_kern = -cfg.sigma * sqdist(z_s, z_q)  # [E, Ns, Nq]
     E, Ns, Nq = log_kern.shape
-    log_pcs_q = torch.gather(log_pcs, 2, cq.unsqueeze(1).expand(E, Ns, Nq))                       # p(c*(q)|s)
-    joint = log_kern + log_pcs_q                                                                 # [E, Ns, Nq]
-    member = one_hot(batch.support_labels, way, z_s.dtype)                                       # [E, Ns, way]
-    log_member = torch.log(member).unsqueeze(2)                                                  # 0 / -inf
-    per_class = torch.logsumexp(joint.unsqueeze(-1) + log_member, dim=1)                         # [E, Nq, way]
+    log_pcs_q = torch.gather(log_pcs, 2, cq.unsqueeze(1).expand(E, Ns, Nq))  # p(c*(q)|s)
+    joint = log_kern + log_pcs_q  # [E, Ns, Nq]
+    member = one_hot(batch.support_labels, way, z_s.dtype)  # [E, Ns, way]
+    log_member = torch.log(member).unsqueeze(2)  # 0 / -inf
+    per_class = torch.logsumexp(joint.unsqueeze(-1) + log_member, dim=1)  # [E, Nq, way]
     log_probs = torch.log_softmax(per_class, -1)
     return SolverOutput(log_probs, {"centres": c, "clusters": cq})

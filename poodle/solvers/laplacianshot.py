@@ -68,22 +68,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 class LaplacianShotConfig:
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
     # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
-    BOUNDS: ClassVar[dict[str, str]] = {
-        "knn": "[1, inf)",
-        "lmd": "[0, inf)",
-        "tol": "[0, inf)",
-        "epsilon": "(0, inf)"}
-    knn: int = 3              # Ziko et al.: k = 3 nearest neighbours
-    lmd: float = 0.7          # lambda; tuned on validation in the paper (their grid 0.1..1.0)
-    steps: int = 20           # bound iterations (authors' bound_update default)
-    tol: float = 1e-6         # relative energy change that stops an episode
-    rectify: bool = True      # BD-CSPN prototype rectification (the authors' proto_rect)
-    epsilon: float = 10.0     # rectification temperature
-    preset: str = "default"   # "official": the authors' released code exactly (see the module docstring)
+    BOUNDS: ClassVar[dict[str, str]] = {"knn": "[1, inf)", "lmd": "[0, inf)", "tol": "[0, inf)", "epsilon": "(0, inf)"}
+    knn: int = 3  # Ziko et al.: k = 3 nearest neighbours
+    lmd: float = 0.7  # lambda; tuned on validation in the paper (their grid 0.1..1.0)
+    steps: int = 20  # bound iterations (authors' bound_update default)
+    tol: float = 1e-6  # relative energy change that stops an episode
+    rectify: bool = True  # BD-CSPN prototype rectification (the authors' proto_rect)
+    epsilon: float = 10.0  # rectification temperature
+    preset: str = "default"  # "official": the authors' released code exactly (see the module docstring)
     # The three differences one at a time (None: the preset's value), to measure each one's effect:
-    self_neighbour: bool | None = None            # knn counts the point itself
-    released_rectification: bool | None = None    # the released prototype rectification
-    shifted_unary: bool | None = None             # unary term on the shifted queries
+    self_neighbour: bool | None = None  # knn counts the point itself
+    released_rectification: bool | None = None  # the released prototype rectification
+    shifted_unary: bool | None = None  # unary term on the shifted queries
 
     def __post_init__(self) -> None:
         validate_config(self, "laplacianshot")
@@ -107,8 +103,9 @@ def knn_graph(z_q: Tensor, k: int) -> Tensor:
     return w.scatter(2, idx, 1.0)
 
 
-def released_rectification(z_s: Tensor, labels_s: Tensor, z_q: Tensor, way: int,
-                           epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
+def released_rectification(
+    z_s: Tensor, labels_s: Tensor, z_q: Tensor, way: int, epsilon: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """The released code's prototype rectification (see the module docstring).
 
     ``z_s [E, Ns, D]``, ``labels_s [E, Ns]``, ``z_q [E, Nq, D]`` -> ``(prototypes [E, way, D],
@@ -117,10 +114,10 @@ def released_rectification(z_s: Tensor, labels_s: Tensor, z_q: Tensor, way: int,
     z_q = z_q + (z_s.mean(1, keepdim=True) - z_q.mean(1, keepdim=True))
     base = class_means(z_s, labels_s, way)
     x = torch.cat([z_s, z_q], 1)
-    cos = cosine(x, base)                                                   # [E, N, way]
-    member = F.one_hot(cos.argmax(-1), way).to(x.dtype)                    # [E, N, way]
+    cos = cosine(x, base)  # [E, N, way]
+    member = F.one_hot(cos.argmax(-1), way).to(x.dtype)  # [E, N, way]
     w = torch.softmax(epsilon * cos, -1) * member
-    count = member.sum(1)                                                   # [E, way]
+    count = member.sum(1)  # [E, way]
     protos = torch.bmm(w.transpose(1, 2), x) / count.clamp_min(1.0).unsqueeze(-1)
     return protos, count > 0, z_q
 
@@ -136,8 +133,13 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: LaplacianShotConfig)
     return rect + dist_flops(Nq, Nq, D) + dist_flops(Nq, way, D) + cfg.steps * 2 * dist_flops(Nq, way, Nq)
 
 
-@register("laplacianshot", LaplacianShotConfig, transductive="always", flops=_flops,
-          summary="LaplacianShot (Ziko et al. 2020): kNN Laplacian regularisation, bound updates")
+@register(
+    "laplacianshot",
+    LaplacianShotConfig,
+    transductive="always",
+    flops=_flops,
+    summary="LaplacianShot (Ziko et al. 2020): kNN Laplacian regularisation, bound updates",
+)
 def laplacianshot(batch: EpisodeBatch, cfg: LaplacianShotConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final assignments ``Y``); state
     ``prototypes [E, way, D]``, ``iterations [E]``."""
@@ -154,7 +156,7 @@ def laplacianshot(batch: EpisodeBatch, cfg: LaplacianShotConfig) -> SolverOutput
         m, z_shift = class_means(z_s, batch.support_labels, batch.way), z_q
     if shifted and cfg.rectify:
         z_u = z_shift
-    unary = sqdist(z_u, m)                                              # [E, Nq, way]
+    unary = sqdist(z_u, m)  # [E, Nq, way]
     if kept is not None:
         # a dropped class takes no query: infinite unary (its softmax weight is exactly 0)
         unary = unary.masked_fill(~kept.unsqueeze(1), float("inf"))
@@ -181,9 +183,11 @@ def laplacianshot(batch: EpisodeBatch, cfg: LaplacianShotConfig) -> SolverOutput
     if kept is not None:
         # As released: the prototype list shrinks, so kept class number j (in class order) answers
         # with label j. A stable sort puts the kept classes first, in order.
-        order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices      # [E, way]
+        order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices  # [E, way]
         y = y.gather(2, order.unsqueeze(1).expand_as(y))
-        return SolverOutput(torch.log_softmax(torch.log(y.clamp_min(TINY)), -1),
-                            {"prototypes": m, "iterations": iters, "assignments": y.clamp_min(TINY)})
+        return SolverOutput(
+            torch.log_softmax(torch.log(y.clamp_min(TINY)), -1),
+            {"prototypes": m, "iterations": iters, "assignments": y.clamp_min(TINY)},
+        )
     log_probs = torch.log_softmax(logits, -1)
     return SolverOutput(log_probs, {"prototypes": m, "iterations": iters, "assignments": y.clamp_min(TINY)})

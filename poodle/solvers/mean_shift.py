@@ -32,16 +32,13 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 @dataclass
 class MeanShiftConfig:
     # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
-    BOUNDS: ClassVar[dict[str, str]] = {
-        "sigma": "(0, inf)",
-        "threshold": "[0, 1]",
-        "reduced_dim": "[0, inf)"}
+    BOUNDS: ClassVar[dict[str, str]] = {"sigma": "(0, inf)", "threshold": "[0, 1]", "reduced_dim": "[0, inf)"}
     # TAFSSL src/utils/misc.py: n_iter_msp 4, sigma 1, most_confident thresh 0.3; "& msp" runs
     # use reduced_dim 10 (exp_table / exp_unbalanced).
     steps: int = 4
     sigma: float = 1.0
     threshold: float = 0.3
-    reduced_dim: int = 10     # 0: no projection
+    reduced_dim: int = 10  # 0: no projection
     centre: bool = True
 
 
@@ -52,8 +49,8 @@ def confident_top_d(p_q: Tensor, threshold: float) -> Tensor:
     ``k``, with ``d_e`` the number of ranks at which every class's query has ``p > threshold``.
     """
     E, Nq, K = p_q.shape
-    srt, order = p_q.sort(dim=1, descending=True, stable=True)       # [E, Nq, K]
-    d = (srt.min(dim=2).values > threshold).sum(1)                     # [E]
+    srt, order = p_q.sort(dim=1, descending=True, stable=True)  # [E, Nq, K]
+    d = (srt.min(dim=2).values > threshold).sum(1)  # [E]
     within = (torch.arange(Nq, device=p_q.device).view(1, Nq, 1) < d.view(E, 1, 1)).to(p_q.dtype)
     return torch.zeros_like(p_q).scatter(1, order, within.expand(E, Nq, K))
 
@@ -61,12 +58,17 @@ def confident_top_d(p_q: Tensor, threshold: float) -> Tensor:
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: MeanShiftConfig) -> float:
     n = Ns + Nq
     r = min(cfg.reduced_dim, n, D) if cfg.reduced_dim > 0 else D
-    pca = 2.0 * n * n * D + 9.0 * n ** 3 if cfg.reduced_dim > 0 else 0.0   # Gram + eigh
+    pca = 2.0 * n * n * D + 9.0 * n**3 if cfg.reduced_dim > 0 else 0.0  # Gram + eigh
     return pca + (cfg.steps + 1) * 2 * dist_flops(Nq, way, r)
 
 
-@register("mean-shift", MeanShiftConfig, transductive="always", flops=_flops,
-          summary="TAFSSL mean-shift propagation in a task-adaptive PCA sub-space (Lichtenstein et al. 2020)")
+@register(
+    "mean-shift",
+    MeanShiftConfig,
+    transductive="always",
+    flops=_flops,
+    summary="TAFSSL mean-shift propagation in a task-adaptive PCA sub-space (Lichtenstein et al. 2020)",
+)
 def mean_shift(batch: EpisodeBatch, cfg: MeanShiftConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, r]`` (projected space) and
     ``selected [E]`` (queries added per class at the last step)."""
@@ -79,9 +81,9 @@ def mean_shift(batch: EpisodeBatch, cfg: MeanShiftConfig) -> SolverOutput:
     log_p = torch.log_softmax(-cfg.sigma * sqdist(z_q, mu), -1)
     selected = torch.zeros(z_s.shape[0], dtype=torch.long, device=z_s.device)
     for _ in range(cfg.steps):
-        sel = confident_top_d(log_p.exp(), cfg.threshold)               # [E, Nq, K]
+        sel = confident_top_d(log_p.exp(), cfg.threshold)  # [E, Nq, K]
         num = torch.bmm(y_s.transpose(1, 2), z_s) + torch.bmm(sel.transpose(1, 2), z_q)
-        den = (y_s.sum(1) + sel.sum(1)).unsqueeze(-1)                   # >= shots >= 1
+        den = (y_s.sum(1) + sel.sum(1)).unsqueeze(-1)  # >= shots >= 1
         mu = num / den.clamp_min(1.0)
         log_p = torch.log_softmax(-cfg.sigma * sqdist(z_q, mu), -1)
         selected = sel.sum(1)[:, 0].long()

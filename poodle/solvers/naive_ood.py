@@ -32,18 +32,24 @@ from poodle.solvers.ce import check_common, support_targets
 @dataclass(frozen=True)
 class NaiveOODConfig:
     BOUNDS: ClassVar[dict[str, str]] = {"ood_weight": "[0, inf)"}  # checked by solvers.base.validate_config
-    steps: int = 250          # as POODLE (paper 5.1)
-    lr: float = 1e-3          # as POODLE (paper 5.1)
-    scale: float = 10.0       # as POODLE (authors' code)
-    ood_weight: float = 1.0   # weight of the negatives' mean CE relative to the support's (our choice)
+    steps: int = 250  # as POODLE (paper 5.1)
+    lr: float = 1e-3  # as POODLE (paper 5.1)
+    scale: float = 10.0  # as POODLE (authors' code)
+    ood_weight: float = 1.0  # weight of the negatives' mean CE relative to the support's (our choice)
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: NaiveOODConfig) -> float:
     return weighted_distance_flops(Ns + M, D, way + 1, cfg.steps) + 2.0 * Nq * D * way
 
 
-@register("naive-ood", NaiveOODConfig, transductive="never", uses_negatives=True, flops=_flops,
-          summary="(way+1)-way classifier whose extra class is fitted to the negatives (Table 6 row 2)")
+@register(
+    "naive-ood",
+    NaiveOODConfig,
+    transductive="never",
+    uses_negatives=True,
+    flops=_flops,
+    summary="(way+1)-way classifier whose extra class is fitted to the negatives (Table 6 row 2)",
+)
 def naive_ood(batch: EpisodeBatch, cfg: NaiveOODConfig) -> SolverOutput:
     """Query log-probs ``[E, Nq, way]`` over the real classes; state: the ``way`` real prototypes,
     the OOD prototype ``[E, 1, D]`` and the scale."""
@@ -64,8 +70,11 @@ def naive_ood(batch: EpisodeBatch, cfg: NaiveOODConfig) -> SolverOutput:
     targets[:, way, Ns:] = 1.0
     targets *= ce
     w0 = torch.cat([class_means(s, batch.support_labels, way), neg.mean(1, keepdim=True)], 1)
-    w, scale = fit_weighted_distance(x, RowTerms(targets, ce, torch.zeros_like(ce)), w0, scale0=cfg.scale,
-                                     steps=cfg.steps, lr=cfg.lr)
+    w, scale = fit_weighted_distance(
+        x, RowTerms(targets, ce, torch.zeros_like(ce)), w0, scale0=cfg.scale, steps=cfg.steps, lr=cfg.lr
+    )
     real = w[:, :way]
-    return SolverOutput(torch.log_softmax(logits(batch.query, real, scale), -1),
-                        {"prototypes": real, "ood_prototype": w[:, way:], "scale": scale})
+    return SolverOutput(
+        torch.log_softmax(logits(batch.query, real, scale), -1),
+        {"prototypes": real, "ood_prototype": w[:, way:], "scale": scale},
+    )

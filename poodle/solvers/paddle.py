@@ -50,9 +50,9 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 class PaddleConfig:
     BOUNDS: ClassVar[dict[str, str]] = {"lmd": "[0, inf)", "steps": "[1, inf)"}
 
-    lmd: float = 75.0       # lambda (their "alpha"); 0: lambda = Nq, the query count
-    steps: int = 100        # the authors' iter: 100
-    scale_features: bool = True   # the authors' per-episode min-max scaling over the queries
+    lmd: float = 75.0  # lambda (their "alpha"); 0: lambda = Nq, the query count
+    steps: int = 100  # the authors' iter: 100
+    scale_features: bool = True  # the authors' per-episode min-max scaling over the queries
 
 
 def minmax_scale(z_s: Tensor, z_q: Tensor) -> tuple[Tensor, Tensor]:
@@ -68,8 +68,13 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PaddleConfig) -> flo
     return cfg.steps * (dist_flops(Nq, way, D) + dist_flops(Ns + Nq, way, D))
 
 
-@register("paddle", PaddleConfig, transductive="always", flops=_flops,
-          summary="PADDLE (Martin et al. 2022): MDL-penalised clustering; query classes may be absent")
+@register(
+    "paddle",
+    PaddleConfig,
+    transductive="always",
+    flops=_flops,
+    summary="PADDLE (Martin et al. 2022): MDL-penalised clustering; query classes may be absent",
+)
 def paddle(batch: EpisodeBatch, cfg: PaddleConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final assignments ``u``); state ``prototypes
     [E, way, D]`` (in the scaled space) and ``assignments [E, Nq, way]``."""
@@ -82,12 +87,12 @@ def paddle(batch: EpisodeBatch, cfg: PaddleConfig) -> SolverOutput:
     coef = (cfg.lmd if cfg.lmd > 0 else float(n_q)) / n_q
     y_s = one_hot(batch.support_labels, way, z_s.dtype)
     ys_t_zs = torch.bmm(y_s.transpose(1, 2), z_s)
-    n_s = y_s.sum(1)                                                    # [E, K], >= 1 per class
+    n_s = y_s.sum(1)  # [E, K], >= 1 per class
     w = class_means(z_s, batch.support_labels, way)
     v = torch.zeros(E, 1, way, dtype=z_q.dtype, device=z_q.device)
     u = None
     for _ in range(cfg.steps):
         u = torch.softmax(softmax_logits(z_q, w, 1.0) + coef * v, -1)
-        v = (torch.log(u.mean(1, keepdim=True) + 1e-6) + 1.0)
+        v = torch.log(u.mean(1, keepdim=True) + 1e-6) + 1.0
         w = (torch.bmm(u.transpose(1, 2), z_q) + ys_t_zs) / (u.sum(1) + n_s).unsqueeze(-1)
     return SolverOutput(torch.log_softmax(torch.log(u.clamp_min(1e-30)), -1), {"prototypes": w, "assignments": u})

@@ -33,14 +33,14 @@ from poodle.solvers.ce import check_common, support_targets
 @dataclass(frozen=True)
 class PoodleConfig:
     BOUNDS: ClassVar[dict[str, str]] = {"alpha": "[0, inf)", "beta": "[0, inf)"}  # see base.validate_config
-    alpha: float = 1.0            # pull weight (paper 5.1; authors' default)
-    beta: float = 0.5             # push weight (paper 5.1; authors' default)
-    steps: int = 250              # paper 5.1 / authors' number_fc_update
-    lr: float = 1e-3              # paper 5.1: Adam, lr 1e-3, default betas
-    scale: float = 10.0           # authors' code: learnable gamma per episode, init 10
-    transductive: bool = False    # authors' evaluate path runs inductive POODLE
-    stopgrad_pull: bool = True    # Table 9: stop-gradient on p in the pull term
-    stopgrad_push: bool = True    # Table 9: stop-gradient on p in the push term
+    alpha: float = 1.0  # pull weight (paper 5.1; authors' default)
+    beta: float = 0.5  # push weight (paper 5.1; authors' default)
+    steps: int = 250  # paper 5.1 / authors' number_fc_update
+    lr: float = 1e-3  # paper 5.1: Adam, lr 1e-3, default betas
+    scale: float = 10.0  # authors' code: learnable gamma per episode, init 10
+    transductive: bool = False  # authors' evaluate path runs inductive POODLE
+    stopgrad_pull: bool = True  # Table 9: stop-gradient on p in the pull term
+    stopgrad_push: bool = True  # Table 9: stop-gradient on p in the push term
 
 
 def build_rows(batch: EpisodeBatch, cfg: PoodleConfig) -> tuple[torch.Tensor, RowTerms, int]:
@@ -77,8 +77,14 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PoodleConfig) -> flo
     return weighted_distance_flops(n, D, way, cfg.steps, free) + 2.0 * Nq * D * way
 
 
-@register("poodle", PoodleConfig, transductive="optional", uses_negatives=lambda cfg: cfg.beta != 0, flops=_flops,
-          summary="POODLE: CE + alpha*pull (in-distribution) - beta*push (negatives), Le et al. 2021")
+@register(
+    "poodle",
+    PoodleConfig,
+    transductive="optional",
+    uses_negatives=lambda cfg: cfg.beta != 0,
+    flops=_flops,
+    summary="POODLE: CE + alpha*pull (in-distribution) - beta*push (negatives), Le et al. 2021",
+)
 def poodle(batch: EpisodeBatch, cfg: PoodleConfig) -> SolverOutput:
     """Query log-probs ``[E, Nq, way]``; state: prototypes ``[E, way, D]``, scale ``[E, 1, 1]``."""
     check_common(cfg, "poodle")

@@ -28,11 +28,16 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: ProtoConfig) -> floa
     return 2.0 * Ns * D + 2.0 * Nq * D * way + 3.0 * way * D
 
 
-@register("proto", ProtoConfig, transductive="never", uses_negatives=False, flops=_flops,
-          summary="nearest class mean of the normalised support features (no fine-tuning)")
+@register(
+    "proto",
+    ProtoConfig,
+    transductive="never",
+    uses_negatives=False,
+    flops=_flops,
+    summary="nearest class mean of the normalised support features (no fine-tuning)",
+)
 def proto(batch: EpisodeBatch, cfg: ProtoConfig) -> SolverOutput:
     """Prototypes ``[E, way, D]`` = class means; log-probs ``[E, Nq, way]`` of ``-(scale/2)||q - w||^2``."""
     w = class_means(batch.support, batch.support_labels, batch.way)
     scale = torch.full((w.shape[0], 1, 1), cfg.scale, dtype=w.dtype, device=w.device)
-    return SolverOutput(torch.log_softmax(logits(batch.query, w, scale), -1),
-                        {"prototypes": w, "scale": scale})
+    return SolverOutput(torch.log_softmax(logits(batch.query, w, scale), -1), {"prototypes": w, "scale": scale})

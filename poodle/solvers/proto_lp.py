@@ -57,10 +57,17 @@ from poodle.solvers.pt_map import power_transform, sinkhorn
 
 @dataclass
 class ProtoLPConfig:
-    BOUNDS: ClassVar[dict[str, str]] = {"power": "(0, inf)", "reduced_dim": "[0, inf)", "lam": "(0, inf)",
-                                        "alpha": "[0, 1]", "gamma": "(0, inf)", "mix": "[0, 1]",
-                                        "sinkhorn_tol": "[0, inf)", "lp_tol": "[0, inf)",
-                                        "sinkhorn_max_iter": "[1, inf)"}
+    BOUNDS: ClassVar[dict[str, str]] = {
+        "power": "(0, inf)",
+        "reduced_dim": "[0, inf)",
+        "lam": "(0, inf)",
+        "alpha": "[0, 1]",
+        "gamma": "(0, inf)",
+        "mix": "[0, 1]",
+        "sinkhorn_tol": "[0, inf)",
+        "lp_tol": "[0, inf)",
+        "sinkhorn_max_iter": "[1, inf)",
+    }
 
     power: float = 0.5
     reduced_dim: int = 40
@@ -81,7 +88,7 @@ def svd_project(x: Tensor, dim: int) -> Tensor:
     itself, not an eigen-decomposition of its Gram matrix: in float32 the Gram matrix loses the
     weaker directions' precision, which changed about 1% of the predictions on the glyph features."""
     r = min(dim, x.shape[1], x.shape[2])
-    vh = torch.linalg.svd(x, full_matrices=False).Vh                    # [E, min(N, D), D]
+    vh = torch.linalg.svd(x, full_matrices=False).Vh  # [E, min(N, D), D]
     return torch.bmm(x, vh[:, :r].transpose(1, 2))
 
 
@@ -102,7 +109,7 @@ def propagate(z: Tensor, y_s: Tensor, gamma: float) -> Tensor:
     """Label propagation over the prototype graph: ``z [E, N, K]`` assignments (support rows first,
     one-hot), ``y_s [E, Ns, K]`` -> ``P = z A [E, N, K]``."""
     n_s, k = y_s.shape[1], z.shape[2]
-    delta = z.sum(1).clamp_min(TINY)                                            # [E, K]
+    delta = z.sum(1).clamp_min(TINY)  # [E, K]
     w = torch.bmm(z.transpose(1, 2), z / delta.unsqueeze(1))
     eye = torch.eye(k, dtype=z.dtype, device=z.device)
     z_l = z[:, :n_s]
@@ -146,8 +153,13 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: ProtoLPConfig) -> fl
     return dist_flops(Ns + Nq, Ns + Nq, D) + (cfg.steps + 1) * per_step
 
 
-@register("proto-lp", ProtoLPConfig, transductive="always", flops=_flops,
-          summary="protoLP (Zhu & Koniusz 2023): label propagation over a prototype graph, refined iteratively")
+@register(
+    "proto-lp",
+    ProtoLPConfig,
+    transductive="always",
+    flops=_flops,
+    summary="protoLP (Zhu & Koniusz 2023): label propagation over a prototype graph, refined iteratively",
+)
 def proto_lp(batch: EpisodeBatch, cfg: ProtoLPConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final plan's rows, normalised); state
     ``prototypes [E, way, d]`` (transformed space) and ``assignments [E, Nq, way]``."""
@@ -167,11 +179,12 @@ def proto_lp(batch: EpisodeBatch, cfg: ProtoLPConfig) -> SolverOutput:
         return torch.softmax(-cfg.lam * cost, -1)
 
     for _ in range(cfg.steps):
-        zz = torch.cat([y_s, assign(mu)], 1)                                    # [E, N, K]
-        p = lp_normalise(propagate(zz, y_s, cfg.gamma), y_s, (n_s + n_q) / way, cfg.balanced, cfg.lp_tol,
-                         cfg.sinkhorn_max_iter)
+        zz = torch.cat([y_s, assign(mu)], 1)  # [E, N, K]
+        p = lp_normalise(
+            propagate(zz, y_s, cfg.gamma), y_s, (n_s + n_q) / way, cfg.balanced, cfg.lp_tol, cfg.sinkhorn_max_iter
+        )
         mask = (cfg.mix * p + (1 - cfg.mix) * zz).clamp(0, 1)
-        den = mask.sum(1).unsqueeze(-1)                                         # [E, K, 1] >= support
+        den = mask.sum(1).unsqueeze(-1)  # [E, K, 1] >= support
         est = torch.bmm(mask.transpose(1, 2), z) / den.clamp_min(TINY)
         mu = mu + cfg.alpha * (est - mu)
     plan = assign(mu)

@@ -40,7 +40,8 @@ class PTMapConfig:
         "lam": "(0, inf)",
         "alpha": "[0, 1]",
         "sinkhorn_tol": "[0, inf)",
-        "sinkhorn_max_iter": "[1, inf)"}
+        "sinkhorn_max_iter": "[1, inf)",
+    }
     # Hu et al.'s released test script: beta 0.5, lam 10, alpha 0.2, 20 epochs; Sinkhorn eps 1e-6,
     # at most 1000 iterations.
     beta: float = 0.5
@@ -53,7 +54,7 @@ class PTMapConfig:
 
 def power_transform(x: Tensor, beta: float) -> Tensor:
     """``sign(x) (|x| + 1e-6)^beta`` (= the paper's ``(x + 1e-6)^beta`` for ``x >= 0``)."""
-    return torch.sign(x) * (x.abs() + 1e-6) ** beta + (x == 0).to(x.dtype) * (1e-6 ** beta)
+    return torch.sign(x) * (x.abs() + 1e-6) ** beta + (x == 0).to(x.dtype) * (1e-6**beta)
 
 
 def preprocess(z_s: Tensor, z_q: Tensor, beta: float) -> tuple[Tensor, Tensor]:
@@ -91,8 +92,13 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PTMapConfig) -> floa
     return (cfg.steps + 1) * (dist_flops(Nq, way, D) + dist_flops(Ns + Nq, way, D))
 
 
-@register("pt-map", PTMapConfig, transductive="always", flops=_flops,
-          summary="PT-MAP (Hu et al. 2021): power transform + Sinkhorn MAP centre estimation")
+@register(
+    "pt-map",
+    PTMapConfig,
+    transductive="always",
+    flops=_flops,
+    summary="PT-MAP (Hu et al. 2021): power transform + Sinkhorn MAP centre estimation",
+)
 def pt_map(batch: EpisodeBatch, cfg: PTMapConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final plan's rows, normalised); state
     ``prototypes [E, way, D]`` (in the transformed space) and ``assignments [E, Nq, way]``."""
@@ -105,7 +111,7 @@ def pt_map(batch: EpisodeBatch, cfg: PTMapConfig) -> SolverOutput:
     for _ in range(cfg.steps):
         plan = sinkhorn(sqdist(z_q, mu, q2), cfg.lam, col, cfg.sinkhorn_tol, cfg.sinkhorn_max_iter)
         num = torch.bmm(y_s.transpose(1, 2), z_s) + torch.bmm(plan.transpose(1, 2), z_q)
-        est = num / (y_s.sum(1) + plan.sum(1)).unsqueeze(-1)            # >= shots > 0
+        est = num / (y_s.sum(1) + plan.sum(1)).unsqueeze(-1)  # >= shots > 0
         mu = mu + cfg.alpha * (est - mu)
     plan = sinkhorn(sqdist(z_q, mu, q2), cfg.lam, col, cfg.sinkhorn_tol, cfg.sinkhorn_max_iter)
     return SolverOutput(log_normalise(plan), {"prototypes": mu, "assignments": plan})

@@ -27,7 +27,7 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass
 class SoftKMeansConfig:
-    steps: int = 1            # Ren et al.: a single refinement step
+    steps: int = 1  # Ren et al.: a single refinement step
     # Ren et al. use -||x-p||^2 on unnormalised features; on unit features a temperature is needed:
     # the POODLE authors' 10 (as -(10/2)||x-p||^2, their get_logits).
     scale: float = 10.0
@@ -38,8 +38,13 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: SoftKMeansConfig) ->
     return (cfg.steps + 1) * 2 * dist_flops(Ns + Nq, way, D)
 
 
-@register("soft-kmeans", SoftKMeansConfig, transductive="always", flops=_flops,
-          summary="Soft k-means refinement of the prototypes (Ren et al. 2018)")
+@register(
+    "soft-kmeans",
+    SoftKMeansConfig,
+    transductive="always",
+    flops=_flops,
+    summary="Soft k-means refinement of the prototypes (Ren et al. 2018)",
+)
 def soft_kmeans(batch: EpisodeBatch, cfg: SoftKMeansConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``, state ``prototypes [E, way, D]``, ``assignments``
     (the queries' last soft assignments ``[E, Nq, way]``)."""

@@ -29,27 +29,34 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 class TimADMConfig:
     """Defaults: mboudiaf/TIM ``src/tim.py`` config (temp 15, loss_weights [0.1, 1.0, 0.1],
     iter 150, alpha 1.0), which the TIM-ADM evaluation scripts use unchanged."""
+
     # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
     BOUNDS: ClassVar[dict[str, str]] = {
         "ce_weight": "[0, inf)",
         "marginal_weight": "[0, inf)",
         "conditional_weight": "[0, inf)",
-        "alpha": "(0, 1]"}
+        "alpha": "(0, 1]",
+    }
 
     ce_weight: float = 0.1
     marginal_weight: float = 1.0
     conditional_weight: float = 0.1
     temperature: float = 15.0
     steps: int = 150
-    alpha: float = 1.0   # damping of the prototype update (1 = take the closed form)
+    alpha: float = 1.0  # damping of the prototype update (1 = take the closed form)
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: TimADMConfig) -> float:
     return cfg.steps * (2 * dist_flops(Ns + Nq, way, D) + dist_flops(Ns + Nq, way, D))
 
 
-@register("tim-adm", TimADMConfig, transductive="always", flops=_flops,
-          summary="TIM-ADM (Boudiaf et al. 2020): alternating closed-form updates of TIM's objective")
+@register(
+    "tim-adm",
+    TimADMConfig,
+    transductive="always",
+    flops=_flops,
+    summary="TIM-ADM (Boudiaf et al. 2020): alternating closed-form updates of TIM's objective",
+)
 def tim_adm(batch: EpisodeBatch, cfg: TimADMConfig) -> SolverOutput:
     """Solve ``batch`` with TIM-ADM. Returns ``log_probs [E, Nq, way]``, state ``prototypes``,
     ``assignments`` (the final ``Q``, ``[E, Nq, way]``)."""
@@ -58,21 +65,23 @@ def tim_adm(batch: EpisodeBatch, cfg: TimADMConfig) -> SolverOutput:
     y_s = one_hot(batch.support_labels, batch.way, z_s.dtype)
     w = class_means(z_s, batch.support_labels, batch.way)
     l_ce, l_marg, l_cond = cfg.ce_weight, cfg.marginal_weight, cfg.conditional_weight
-    power = 1.0 + l_cond           # KL-penalty weight fixed to 1, as the TIM authors
+    power = 1.0 + l_cond  # KL-penalty weight fixed to 1, as the TIM authors
     beta = l_marg / (l_marg + 1.0)
     c_s = l_ce / (1.0 + l_cond)
     c_q = n_s / n_q
     q = torch.softmax(softmax_logits(z_q, w, cfg.temperature), -1)
     for _ in range(cfg.steps):
         p_q = torch.softmax(softmax_logits(z_q, w, cfg.temperature), -1)
-        pw = p_q ** power
+        pw = p_q**power
         q = pw / pw.sum(1, keepdim=True).clamp_min(TINY) ** beta
         q = q / q.sum(2, keepdim=True).clamp_min(TINY)
         p_s = torch.softmax(softmax_logits(z_s, w, cfg.temperature), -1)
-        num = c_s * (torch.bmm(y_s.transpose(1, 2), z_s)
-                     + w * p_s.sum(1).unsqueeze(-1) - torch.bmm(p_s.transpose(1, 2), z_s))
-        num = num + c_q * (torch.bmm(q.transpose(1, 2), z_q)
-                           + w * p_q.sum(1).unsqueeze(-1) - torch.bmm(p_q.transpose(1, 2), z_q))
+        num = c_s * (
+            torch.bmm(y_s.transpose(1, 2), z_s) + w * p_s.sum(1).unsqueeze(-1) - torch.bmm(p_s.transpose(1, 2), z_s)
+        )
+        num = num + c_q * (
+            torch.bmm(q.transpose(1, 2), z_q) + w * p_q.sum(1).unsqueeze(-1) - torch.bmm(p_q.transpose(1, 2), z_q)
+        )
         den = (c_s * y_s.sum(1) + c_q * q.sum(1)).unsqueeze(-1).clamp_min(TINY)
         w = w + cfg.alpha * (num / den - w)
     log_probs = torch.log_softmax(softmax_logits(z_q, w, cfg.temperature), -1)

@@ -37,12 +37,26 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 PRESETS: dict[str, dict[str, Any]] = {
     # mboudiaf/TIM: src/tim.py config (temp 15, loss_weights [0.1, 1.0, 0.1]) and
     # scripts/evaluate/tim_gd/*.sh (tim.iter=1000, lr 1e-4).
-    "tim": dict(ce_weight=0.1, marginal_weight=1.0, conditional_weight=0.1, temperature=15.0,
-                learn_temperature=False, lr=1e-4, steps=1000),
+    "tim": dict(
+        ce_weight=0.1,
+        marginal_weight=1.0,
+        conditional_weight=0.1,
+        temperature=15.0,
+        learn_temperature=False,
+        lr=1e-4,
+        steps=1000,
+    ),
     # POODLE release src/fsl/tim.py (docs/reference.md §2): alpha 10, beta 1, CE 1, scale init 10
     # learnable, Adam lr 1e-3, number_fc_update 250.
-    "poodle-paper": dict(ce_weight=1.0, marginal_weight=10.0, conditional_weight=1.0, temperature=10.0,
-                         learn_temperature=True, lr=1e-3, steps=250),
+    "poodle-paper": dict(
+        ce_weight=1.0,
+        marginal_weight=10.0,
+        conditional_weight=1.0,
+        temperature=10.0,
+        learn_temperature=True,
+        lr=1e-3,
+        steps=250,
+    ),
 }
 
 
@@ -54,13 +68,16 @@ class TimGDConfig:
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
     # intervals checked by solvers.base.validate_config (lr, steps, temperature have common ones)
     BOUNDS: ClassVar[dict[str, str]] = {
-        "ce_weight": "[0, inf)", "marginal_weight": "[0, inf)", "conditional_weight": "[0, inf)"}
+        "ce_weight": "[0, inf)",
+        "marginal_weight": "[0, inf)",
+        "conditional_weight": "[0, inf)",
+    }
 
     preset: str = "tim"
     ce_weight: float | None = None
     marginal_weight: float | None = None
     conditional_weight: float | None = None
-    temperature: float | None = None          # initial value when learn_temperature
+    temperature: float | None = None  # initial value when learn_temperature
     learn_temperature: bool | None = None
     lr: float | None = None
     steps: int | None = option(None, min=0)
@@ -73,8 +90,7 @@ class TimGDConfig:
         return {k: getattr(self, k) for k in PRESETS[self.preset]}
 
 
-def tim_loss(logits_s: Tensor, y_s: Tensor, logits_q: Tensor, w_ce: float, w_marg: float,
-             w_cond: float) -> Tensor:
+def tim_loss(logits_s: Tensor, y_s: Tensor, logits_q: Tensor, w_ce: float, w_marg: float, w_cond: float) -> Tensor:
     """TIM's loss per episode ``[E]``: ``w_ce*CE - (w_marg*H(Y_q) - w_cond*H(Y_q|X_q))``.
 
     ``logits_s [E, Ns, K]``, ``y_s [E, Ns, K]`` one-hot, ``logits_q [E, Nq, K]``. Means over samples
@@ -93,8 +109,14 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: TimGDConfig) -> floa
     return 3.0 * int(cfg.steps or 0) * dist_flops(Ns + Nq, way, D)
 
 
-@register("tim-gd", TimGDConfig, transductive="always", flops=_flops, aliases=("tim",),
-          summary="TIM-GD (Boudiaf et al. 2020): CE + query mutual information, Adam on the prototypes")
+@register(
+    "tim-gd",
+    TimGDConfig,
+    transductive="always",
+    flops=_flops,
+    aliases=("tim",),
+    summary="TIM-GD (Boudiaf et al. 2020): CE + query mutual information, Adam on the prototypes",
+)
 def tim_gd(batch: EpisodeBatch, cfg: TimGDConfig) -> SolverOutput:
     """Solve ``batch`` with TIM-GD. Returns ``log_probs [E, Nq, way]`` and state ``prototypes
     [E, way, D]``, ``scale [E, 1, 1]``."""
@@ -109,8 +131,14 @@ def tim_gd(batch: EpisodeBatch, cfg: TimGDConfig) -> SolverOutput:
         params.append(scale)
 
     def loss() -> Tensor:
-        per_episode = tim_loss(softmax_logits(z_s, w, scale), y_s, softmax_logits(z_q, w, scale),
-                               s["ce_weight"], s["marginal_weight"], s["conditional_weight"])
+        per_episode = tim_loss(
+            softmax_logits(z_s, w, scale),
+            y_s,
+            softmax_logits(z_q, w, scale),
+            s["ce_weight"],
+            s["marginal_weight"],
+            s["conditional_weight"],
+        )
         return per_episode.sum()
 
     adam_minimise(params, loss, s["steps"], s["lr"])

@@ -25,8 +25,14 @@ def mild_crop_transform(image_size: int) -> Callable:
     """
     from torchvision import transforms as T
 
-    return T.Compose([_ToRGB(), T.RandomResizedCrop(image_size, scale=(0.5, 1.0), ratio=(0.9, 1.1)),
-                      T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    return T.Compose(
+        [
+            _ToRGB(),
+            T.RandomResizedCrop(image_size, scale=(0.5, 1.0), ratio=(0.9, 1.1)),
+            T.ToTensor(),
+            T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        ]
+    )
 
 
 def train_transform(kind: str, image_size: int) -> Callable:

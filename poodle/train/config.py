@@ -61,37 +61,51 @@ class TrainConfig:
     # Intervals of the numeric fields, checked once in :meth:`check` (so the command line and the
     # library get the same check); every float must also be finite.
     BOUNDS: ClassVar[dict[str, str]] = {
-        "epochs": "[1, inf)", "batch_size": "[1, inf)", "lr": "(0, inf)", "momentum": "[0, 1)",
-        "weight_decay": "[0, inf)", "gamma": "(0, 1]", "label_smoothing": "[0, 1)", "rot_weight": "[0, inf)",
-        "generations": "[0, inf)", "temperature": "(0, inf)", "sup_weight": "[0, inf)", "kd_weight": "[0, inf)",
-        "image_size": "[1, inf)", "val_every": "[0, inf)", "val_episodes": "[1, inf)", "val_way": "[2, inf)",
-        "val_shot": "[1, inf)", "val_query": "[1, inf)", "workers": "[0, inf)",
+        "epochs": "[1, inf)",
+        "batch_size": "[1, inf)",
+        "lr": "(0, inf)",
+        "momentum": "[0, 1)",
+        "weight_decay": "[0, inf)",
+        "gamma": "(0, 1]",
+        "label_smoothing": "[0, 1)",
+        "rot_weight": "[0, inf)",
+        "generations": "[0, inf)",
+        "temperature": "(0, inf)",
+        "sup_weight": "[0, inf)",
+        "kd_weight": "[0, inf)",
+        "image_size": "[1, inf)",
+        "val_every": "[0, inf)",
+        "val_episodes": "[1, inf)",
+        "val_way": "[2, inf)",
+        "val_shot": "[1, inf)",
+        "val_query": "[1, inf)",
+        "workers": "[0, inf)",
     }
 
     dataset: str
     backbone: str
     recipe: str = "simple"
     data_root: str | None = None
-    epochs: int = 100                      # paper 5.1
-    batch_size: int = 64                   # paper 5.1
-    lr: float = 0.05                       # paper 5.1
-    momentum: float = 0.9                  # release configs (SGD, nesterov off)
-    weight_decay: float = 5e-4             # paper 5.1
+    epochs: int = 100  # paper 5.1
+    batch_size: int = 64  # paper 5.1
+    lr: float = 0.05  # paper 5.1
+    momentum: float = 0.9  # release configs (SGD, nesterov off)
+    weight_decay: float = 5e-4  # paper 5.1
     milestones: tuple[int, ...] | None = None  # paper 5.1: 60/80 (tiered 60/80/90) of 100
-    gamma: float = 0.1                     # paper 5.1: "decreased by a factor of 10"
-    label_smoothing: float = 0.1           # release default (SmoothCrossEntropy)
-    rot_weight: float = 1.0                # appendix A: lambda_ssl = 1
-    generations: int = 2                   # appendix A: T = 2
-    temperature: float = 4.0               # appendix A: tau = 4
-    teacher: str = "last"                  # appendix A: "the last checkpoint"
-    sup_weight: float = 1.0                # appendix A: lambdas = 1 (release: 0.5)
-    kd_weight: float = 1.0                 # appendix A: lambdas = 1 (release: 0.5)
-    image_size: int = 84                   # paper 5.1
-    augment: str = "paper"                 # release transform.py with_augment
-    val_every: int = 4                     # release meta_val_interval
-    val_episodes: int = 500                # release meta_val
+    gamma: float = 0.1  # paper 5.1: "decreased by a factor of 10"
+    label_smoothing: float = 0.1  # release default (SmoothCrossEntropy)
+    rot_weight: float = 1.0  # appendix A: lambda_ssl = 1
+    generations: int = 2  # appendix A: T = 2
+    temperature: float = 4.0  # appendix A: tau = 4
+    teacher: str = "last"  # appendix A: "the last checkpoint"
+    sup_weight: float = 1.0  # appendix A: lambdas = 1 (release: 0.5)
+    kd_weight: float = 1.0  # appendix A: lambdas = 1 (release: 0.5)
+    image_size: int = 84  # paper 5.1
+    augment: str = "paper"  # release transform.py with_augment
+    val_every: int = 4  # release meta_val_interval
+    val_episodes: int = 500  # release meta_val
     val_way: int = 5
-    val_shot: int = 1                      # release meta_val_shot
+    val_shot: int = 1  # release meta_val_shot
     val_query: int = 15
     val_split: str = "val"
     seed: int = 0
@@ -122,9 +136,11 @@ class TrainConfig:
             try:
                 check_value("train", f.name, value, self.BOUNDS.get(f.name))
             except ConfigError:
-                raise ConfigError(f"--{f.name.replace('_', '-')} must be "
-                                  + (f"in {self.BOUNDS[f.name]}" if f.name in self.BOUNDS else "finite")
-                                  + f", got {value}") from None
+                raise ConfigError(
+                    f"--{f.name.replace('_', '-')} must be "
+                    + (f"in {self.BOUNDS[f.name]}" if f.name in self.BOUNDS else "finite")
+                    + f", got {value}"
+                ) from None
         check_seed(self.seed, "--seed")
         if self.recipe == "rot-kd" and self.generations < 1:
             raise ConfigError(f"recipe rot-kd needs --generations >= 1, got {self.generations}")
@@ -191,4 +207,3 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
         if a != b:
             diffs.append(f"{key}: {a!r} -> {b!r}")
     return diffs
-

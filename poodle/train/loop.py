@@ -126,10 +126,10 @@ def _has_split(cfg: TrainConfig, split: str) -> bool:
 def dataset_labels(dataset: Dataset) -> tuple[torch.Tensor, list[str]]:
     """``(labels [N] int64, class names)`` of an :class:`poodle.data.ImageDataset`, without
     decoding any image."""
-    classes = list(getattr(dataset, "classes"))
+    classes = list(dataset.classes)
     labels = getattr(dataset, "labels", None)
     if labels is None:
-        labels = getattr(dataset, "targets")
+        labels = dataset.targets
     return torch.as_tensor(labels, dtype=torch.int64), classes
 
 
@@ -143,8 +143,9 @@ def _read_checkpoint(path: Path) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - torch raises many types for a damaged file
         raise CheckpointError(f"{path}: cannot read checkpoint ({type(e).__name__}: {e})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path}: not a checkpoint written by `poodle train`; "
-                              "use --force to start over or another --out")
+        raise CheckpointError(
+            f"{path}: not a checkpoint written by `poodle train`; use --force to start over or another --out"
+        )
     return ckpt
 
 
@@ -156,8 +157,10 @@ def _copy_atomic(src: Path, dst: Path) -> None:
 def _check_config(path: Path, saved: dict[str, Any], cfg: TrainConfig) -> None:
     diffs = config_differences(saved, cfg.defining())
     if diffs:
-        raise ConfigError(f"{path} was trained with other settings ({'; '.join(diffs)}); "
-                          "use --force to start over or choose another --out")
+        raise ConfigError(
+            f"{path} was trained with other settings ({'; '.join(diffs)}); "
+            "use --force to start over or choose another --out"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,8 +173,12 @@ _COUNTERS = ("dropblock_step",)
 
 
 def _get_counters(model: nn.Module) -> dict[str, int]:
-    return {f"{name}.{attr}": int(getattr(m, attr)) for name, m in model.named_modules()
-            for attr in _COUNTERS if isinstance(getattr(m, attr, None), int)}
+    return {
+        f"{name}.{attr}": int(getattr(m, attr))
+        for name, m in model.named_modules()
+        for attr in _COUNTERS
+        if isinstance(getattr(m, attr, None), int)
+    }
 
 
 def _set_counters(model: nn.Module, counters: dict[str, int]) -> None:
@@ -213,8 +220,14 @@ class _Running:
         return self.correct / max(self.n, 1)
 
 
-def train(cfg: TrainConfig, *, callback: Callback | None = None, resume: bool | None = None,
-          force: bool = False, stop_after: int | None = None) -> TrainResult:
+def train(
+    cfg: TrainConfig,
+    *,
+    callback: Callback | None = None,
+    resume: bool | None = None,
+    force: bool = False,
+    stop_after: int | None = None,
+) -> TrainResult:
     """Pre-train ``cfg.backbone`` on the base (train) split of ``cfg.dataset`` with ``cfg.recipe``.
 
     Args:
@@ -244,8 +257,8 @@ def train(cfg: TrainConfig, *, callback: Callback | None = None, resume: bool | 
             check_writable_dir(out / "train.json", "output directory")
             _prepare_out(cfg, out, resume=resume, force=force)
 
-    from poodle.train.augment import train_transform
     from poodle.data.transforms import eval_transform
+    from poodle.train.augment import train_transform
 
     train_set = _dataset(cfg, "train", train_transform(cfg.augment, cfg.image_size))
     _, classes = dataset_labels(train_set)
@@ -253,24 +266,33 @@ def train(cfg: TrainConfig, *, callback: Callback | None = None, resume: bool | 
         raise DataError(f"the train split of {cfg.dataset!r} has {len(train_set)} images; need at least 2")
     if len(classes) < 2:
         # a one-class classifier has a constant cross-entropy: nothing would be learnt
-        raise DataError(f"the train split of {cfg.dataset!r} has {len(classes)} class ({', '.join(classes)}); "
-                        f"training a classifier needs at least 2")
+        raise DataError(
+            f"the train split of {cfg.dataset!r} has {len(classes)} class ({', '.join(classes)}); "
+            f"training a classifier needs at least 2"
+        )
     validator = None
     if cfg.val_every > 0 and dist.main and _has_split(cfg, cfg.val_split):
         from poodle.train.validate import Validator
 
         val_set = _dataset(cfg, cfg.val_split, eval_transform(cfg.image_size))
         val_labels, val_classes = dataset_labels(val_set)
-        validator = Validator(val_set, val_labels, val_classes, way=cfg.val_way, shot=cfg.val_shot,
-                              query=cfg.val_query, n_episodes=cfg.val_episodes, seed=cfg.seed,
-                              split=cfg.val_split)
+        validator = Validator(
+            val_set,
+            val_labels,
+            val_classes,
+            way=cfg.val_way,
+            shot=cfg.val_shot,
+            query=cfg.val_query,
+            n_episodes=cfg.val_episodes,
+            seed=cfg.seed,
+            split=cfg.val_split,
+        )
 
     result = TrainResult(out, out, out)
     budget = [stop_after]
     try:
         for g in range(cfg.n_generations):
-            info = _train_generation(cfg, g, classes, train_set, validator, dist, device, amp, emit,
-                                     budget, result)
+            info = _train_generation(cfg, g, classes, train_set, validator, dist, device, amp, emit, budget, result)
             result.generations.append(info)
     except _Stop:
         result.complete = False
@@ -299,14 +321,26 @@ def _prepare_out(cfg: TrainConfig, out: Path, *, resume: bool | None, force: boo
         return
     saved = _read_checkpoint(last)
     if resume is False:
-        raise ConfigError(f"{out} already holds a run (epoch {saved.get('epoch')}/{cfg.epochs}); "
-                          "resume it, use --force to start over or choose another --out")
+        raise ConfigError(
+            f"{out} already holds a run (epoch {saved.get('epoch')}/{cfg.epochs}); "
+            "resume it, use --force to start over or choose another --out"
+        )
     _check_config(last, saved.get("config", {}), cfg)
 
 
-def _train_generation(cfg: TrainConfig, g: int, classes: list[str], train_set: Dataset, validator,
-                      dist: _Dist, device: torch.device, amp: bool, emit: Callback,
-                      budget: list[int | None], result: TrainResult) -> dict[str, Any]:
+def _train_generation(
+    cfg: TrainConfig,
+    g: int,
+    classes: list[str],
+    train_set: Dataset,
+    validator,
+    dist: _Dist,
+    device: torch.device,
+    amp: bool,
+    emit: Callback,
+    budget: list[int | None],
+    result: TrainResult,
+) -> dict[str, Any]:
     from poodle.backbones import load_checkpoint, save_checkpoint
 
     gdir = cfg.generation_dir(g)
@@ -339,10 +373,10 @@ def _train_generation(cfg: TrainConfig, g: int, classes: list[str], train_set: D
     net: nn.Module = model
     if dist.enabled:
         net = nn.SyncBatchNorm.convert_sync_batchnorm(model) if device.type == "cuda" else model
-        net = nn.parallel.DistributedDataParallel(
-            net, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(net.parameters(), lr=cfg.lr_at(start), momentum=cfg.momentum,
-                                weight_decay=cfg.weight_decay)
+        net = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(
+        net.parameters(), lr=cfg.lr_at(start), momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=amp)
     if optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
@@ -350,11 +384,23 @@ def _train_generation(cfg: TrainConfig, g: int, classes: list[str], train_set: D
             scaler.load_state_dict(scaler_state)
         restore_rng(rng)
 
-    sampler = DistributedSampler(train_set, num_replicas=dist.world, rank=dist.rank, shuffle=True,
-                                 seed=derive_seed(cfg.seed, g) % 2**62, drop_last=False)
+    sampler = DistributedSampler(
+        train_set,
+        num_replicas=dist.world,
+        rank=dist.rank,
+        shuffle=True,
+        seed=derive_seed(cfg.seed, g) % 2**62,
+        drop_last=False,
+    )
     per_rank = cfg.batch_size // dist.world
-    loader = DataLoader(train_set, batch_size=per_rank, sampler=sampler, num_workers=cfg.workers,
-                        pin_memory=device.type == "cuda", drop_last=False)
+    loader = DataLoader(
+        train_set,
+        batch_size=per_rank,
+        sampler=sampler,
+        num_workers=cfg.workers,
+        pin_memory=device.type == "cuda",
+        drop_last=False,
+    )
     emit(TrainEvent("generation", g, cfg.n_generations, start, cfg.epochs, best_acc=best_acc))
     epochs_run = 0
     for epoch in range(start, cfg.epochs):
@@ -370,29 +416,65 @@ def _train_generation(cfg: TrainConfig, g: int, classes: list[str], train_set: D
         is_val_epoch = cfg.val_every > 0 and ((epoch + 1) % cfg.val_every == 0 or epoch + 1 == cfg.epochs)
         if validator is not None and is_val_epoch:
             emit(TrainEvent("validate", g, cfg.n_generations, epoch, cfg.epochs, total=len(validator.dataset)))
-            val_acc = validator(model, batch_size=max(per_rank, 64), device=device, workers=cfg.workers, amp=amp,
-                                progress=lambda n: emit(TrainEvent("validate_step", g, images=n)))
+            val_acc = validator(
+                model,
+                batch_size=max(per_rank, 64),
+                device=device,
+                workers=cfg.workers,
+                amp=amp,
+                progress=lambda n: emit(TrainEvent("validate_step", g, images=n)),
+            )
         improved = val_acc is not None and (best_acc is None or val_acc > best_acc)
         if improved:
             best_acc = val_acc
         seconds = time.perf_counter() - t0
-        record = {"generation": g, "epoch": epoch, "lr": lr, "loss": stats.mean_loss, "acc": stats.acc,
-                  "val_acc": val_acc, "seconds": seconds}
+        record = {
+            "generation": g,
+            "epoch": epoch,
+            "lr": lr,
+            "loss": stats.mean_loss,
+            "acc": stats.acc,
+            "val_acc": val_acc,
+            "seconds": seconds,
+        }
         history.append(record)
         result.history.append(record)
         if dist.main:
-            save_checkpoint(model, last, format=CHECKPOINT_FORMAT, epoch=epoch + 1, best_prec1=best_acc,
-                            optimizer=optimizer.state_dict(),
-                            scheduler={"milestones": list(cfg.resolved_milestones()), "gamma": cfg.gamma,
-                                       "last_epoch": epoch},
-                            scaler=scaler.state_dict(), rng=capture_rng(), counters=_get_counters(model),
-                            history=history,
-                            config=cfg.to_dict(), classes=classes, recipe=cfg.recipe, generation=g)
+            save_checkpoint(
+                model,
+                last,
+                format=CHECKPOINT_FORMAT,
+                epoch=epoch + 1,
+                best_prec1=best_acc,
+                optimizer=optimizer.state_dict(),
+                scheduler={"milestones": list(cfg.resolved_milestones()), "gamma": cfg.gamma, "last_epoch": epoch},
+                scaler=scaler.state_dict(),
+                rng=capture_rng(),
+                counters=_get_counters(model),
+                history=history,
+                config=cfg.to_dict(),
+                classes=classes,
+                recipe=cfg.recipe,
+                generation=g,
+            )
             if improved or (epoch + 1 == cfg.epochs and (best_acc is None or not best.exists())):
                 _copy_atomic(last, best)
         dist.barrier()
-        emit(TrainEvent("epoch_end", g, cfg.n_generations, epoch, cfg.epochs, loss=stats.mean_loss,
-                        acc=stats.acc, lr=lr, val_acc=val_acc, best_acc=best_acc, seconds=seconds))
+        emit(
+            TrainEvent(
+                "epoch_end",
+                g,
+                cfg.n_generations,
+                epoch,
+                cfg.epochs,
+                loss=stats.mean_loss,
+                acc=stats.acc,
+                lr=lr,
+                val_acc=val_acc,
+                best_acc=best_acc,
+                seconds=seconds,
+            )
+        )
         epochs_run += 1
         if budget[0] is not None:
             budget[0] -= 1
@@ -401,9 +483,20 @@ def _train_generation(cfg: TrainConfig, g: int, classes: list[str], train_set: D
     return {"dir": str(gdir), "best_acc": best_acc, "epochs_run": epochs_run}
 
 
-def _run_epoch(cfg: TrainConfig, net: nn.Module, teacher: nn.Module | None, loader: DataLoader,
-               optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, device: torch.device,
-               amp: bool, dist: _Dist, emit: Callback, g: int, epoch: int) -> _Running:
+def _run_epoch(
+    cfg: TrainConfig,
+    net: nn.Module,
+    teacher: nn.Module | None,
+    loader: DataLoader,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    device: torch.device,
+    amp: bool,
+    dist: _Dist,
+    emit: Callback,
+    g: int,
+    epoch: int,
+) -> _Running:
     net.train()
     stats = _Running()
     for images, labels in loader:
@@ -430,24 +523,36 @@ def _run_epoch(cfg: TrainConfig, net: nn.Module, teacher: nn.Module | None, load
                     kd = kd + distill_kl(rot_logits, t_rot, cfg.temperature)
                 loss = cfg.sup_weight * loss + cfg.kd_weight * kd
         if not torch.isfinite(loss):
-            raise ConfigError(f"the loss became {loss.item()} in generation {g}, epoch {epoch}: "
-                              "lower --lr or disable AMP (--no-amp)")
+            raise ConfigError(
+                f"the loss became {loss.item()} in generation {g}, epoch {epoch}: lower --lr or disable AMP (--no-amp)"
+            )
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
         correct = (logits.detach().argmax(1) == labels).sum().item()
         stats.add(loss.item(), correct, labels.shape[0])
-        emit(TrainEvent("step", g, epoch=epoch, images=images.shape[0] // (4 if cfg.rotation else 1) * dist.world,
-                        loss=stats.mean_loss, acc=stats.acc))
+        emit(
+            TrainEvent(
+                "step",
+                g,
+                epoch=epoch,
+                images=images.shape[0] // (4 if cfg.rotation else 1) * dist.world,
+                loss=stats.mean_loss,
+                acc=stats.acc,
+            )
+        )
     return stats
 
 
 def _write_summary(cfg: TrainConfig, result: TrainResult) -> None:
-    summary = {"config": cfg.to_dict(), "checkpoint": str(result.checkpoint),
-               "last_checkpoint": str(result.last_checkpoint), "generations": result.generations,
-               "history": result.history}
+    summary = {
+        "config": cfg.to_dict(),
+        "checkpoint": str(result.checkpoint),
+        "last_checkpoint": str(result.last_checkpoint),
+        "generations": result.generations,
+        "history": result.history,
+    }
     path = cfg.out_dir() / "train.json"
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(summary, indent=1))
-

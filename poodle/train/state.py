@@ -18,8 +18,13 @@ def capture_rng() -> dict[str, Any]:
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     state: dict[str, Any] = {
         "python": [py_version, list(py_state), py_gauss],
-        "numpy": [np_kind, torch.from_numpy(np.asarray(np_keys, dtype=np.int64)), int(np_pos),
-                  int(np_has_gauss), float(np_gauss)],
+        "numpy": [
+            np_kind,
+            torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+            int(np_pos),
+            int(np_has_gauss),
+            float(np_gauss),
+        ],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():

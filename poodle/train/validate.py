@@ -15,13 +15,21 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from poodle.solvers import EpisodeBatch, run as run_solver
+from poodle.solvers import EpisodeBatch
+from poodle.solvers import run as run_solver
 
 
 @torch.no_grad()
-def embed(model: torch.nn.Module, dataset: Dataset, *, batch_size: int, device: torch.device,
-          workers: int = 0, amp: bool = False,
-          progress: Callable[[int], None] | None = None) -> Tensor:
+def embed(
+    model: torch.nn.Module,
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    device: torch.device,
+    workers: int = 0,
+    amp: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> Tensor:
     """L2-normalised ``forward_features`` of every image of ``dataset``, in order: ``[N, D]`` float32 on CPU.
 
     The model is put in eval mode and restored to its previous mode afterwards.
@@ -49,9 +57,8 @@ def episode_accuracy(features: Tensor, episodes, method: str = "proto", chunk: i
     :class:`poodle.episodes.EpisodeSet` indexing rows of ``features [N, D]``)."""
     accs = []
     for a in range(0, len(episodes), chunk):
-        eps = episodes[a:a + chunk]
-        batch = EpisodeBatch(features[eps.support], eps.support_labels, features[eps.query], None,
-                             eps.spec.way)
+        eps = episodes[a : a + chunk]
+        batch = EpisodeBatch(features[eps.support], eps.support_labels, features[eps.query], None, eps.spec.way)
         pred = run_solver(method, batch).log_probs.argmax(-1)
         accs.append((pred == eps.query_labels).double().mean(1))
     return torch.cat(accs)
@@ -66,18 +73,37 @@ class Validator:
         way, shot, query, n_episodes, seed: the episode setting (release: 5, 1, 15, 500).
     """
 
-    def __init__(self, dataset: Dataset, labels: Tensor, classes: list[str] | None, *, way: int,
-                 shot: int, query: int, n_episodes: int, seed: int, split: str = "val") -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        labels: Tensor,
+        classes: list[str] | None,
+        *,
+        way: int,
+        shot: int,
+        query: int,
+        n_episodes: int,
+        seed: int,
+        split: str = "val",
+    ) -> None:
         from poodle.episodes import EpisodeSpec, sample_episodes
 
         self.dataset = dataset
         spec = EpisodeSpec(split=split, way=way, shot=shot, query=query, seed=seed)
         self.episodes = sample_episodes(labels, spec, n_episodes, classes=classes)
 
-    def __call__(self, model: torch.nn.Module, *, batch_size: int, device: torch.device,
-                 workers: int = 0, amp: bool = False,
-                 progress: Callable[[int], None] | None = None) -> float:
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        *,
+        batch_size: int,
+        device: torch.device,
+        workers: int = 0,
+        amp: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> float:
         """Mean nearest-prototype accuracy (a fraction in [0, 1])."""
-        feats = embed(model, self.dataset, batch_size=batch_size, device=device, workers=workers,
-                      amp=amp, progress=progress)
+        feats = embed(
+            model, self.dataset, batch_size=batch_size, device=device, workers=workers, amp=amp, progress=progress
+        )
         return float(episode_accuracy(feats, self.episodes).mean())
