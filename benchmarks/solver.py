@@ -404,7 +404,8 @@ def main() -> None:
             )
             print(f"  {eps_s:,.1f} episodes/s ({dt:.2f} s); accuracy {100 * mean:.2f} +- {100 * ci:.2f}")
             print(
-                f"  peak memory {pk / 2**20:,.0f} MiB ({(pk - base) / 2**20:+,.0f} MiB over the {base / 2**20:,.0f} MiB before)"
+                f"  peak memory {pk / 2**20:,.0f} MiB ({(pk - base) / 2**20:+,.0f} MiB"
+                f" over the {base / 2**20:,.0f} MiB before)"
             )
             print(
                 f"  {f_ep / 1e9:.3f} GFLOP per episode -> {f_ep * eps_s / 1e9:,.1f} GFLOP/s = "

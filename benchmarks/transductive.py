@@ -296,14 +296,16 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
         # warm-up, and enough work per measurement (>= --tp-seconds) that timer noise and a busy
         # machine matter less; batched and one-at-a-time alternate, best of --repeats each
-        t_one = clock(lambda: info.fn(big.episode(0), cfg))
-        t_chunk = clock(lambda: info.fn(chunk, cfg))
+        t_one = clock(lambda info=info, cfg=cfg: info.fn(big.episode(0), cfg))
+        t_chunk = clock(lambda info=info, cfg=cfg: info.fn(chunk, cfg))
         n_calls = max(1, math.ceil(args.tp_seconds / max(t_chunk, 1e-6)))
         n_single = min(big.n_episodes, max(args.tp_single, math.ceil(args.tp_seconds / max(t_one, 1e-6))))
         best_b = best_s = float("inf")
         for _ in range(args.repeats):
-            t_b = clock(lambda: [info.fn(chunk, cfg) for _ in range(n_calls)])
-            t_s = clock(lambda: [info.fn(big.episode(i), cfg) for i in range(n_single)])
+            t_b = clock(lambda info=info, cfg=cfg, n_calls=n_calls: [info.fn(chunk, cfg) for _ in range(n_calls)])
+            t_s = clock(
+                lambda info=info, cfg=cfg, n_single=n_single: [info.fn(big.episode(i), cfg) for i in range(n_single)]
+            )
             best_b = min(best_b, t_b / (n_calls * args.tp_batch))
             best_s = min(best_s, t_s / n_single)
         batched, single = 1.0 / best_b, 1.0 / best_s

@@ -97,7 +97,7 @@ def write_csv(
     k = 0
     for split, n_classes in _classes(classes_per_split, splits).items():
         rows = []
-        for c in range(n_classes):
+        for _c in range(n_classes):
             label = str(k) if numeric_labels else f"n{k:08d}"
             for i in range(images_per_class):
                 name = f"{split}_{label}_{i:04d}.png"

@@ -51,7 +51,8 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     """Load ``path`` with ``weights_only=True`` onto the CPU.
 
     Returns ``(state_dict, meta)``: the state dict (from ``{"state_dict": ...}``, ``{"model": ...}``
-    or a bare state dict, keys as stored; a ``.safetensors`` file is read with safetensors) and the file's other top-level entries (``arch``, ``epoch``, ...).
+    or a bare state dict, keys as stored; a ``.safetensors`` file is read with safetensors) and
+    the file's other top-level entries (``arch``, ``epoch``, ...).
     Raises CheckpointError naming the file when it is missing, not a torch file, not loadable
     with ``weights_only=True``, or holds no state dict.
     """
