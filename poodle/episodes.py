@@ -178,6 +178,7 @@ class EpisodeSet:
         bad = ~(ok_s & ok_q & distinct)
         if bool(bad.any()):
             e = int(bad.nonzero()[0, 0])
+            assert self.index is not None  # set in __post_init__
             raise EpisodeError(
                 f"{where}: episode {int(self.index[e])} does not match the split's labels "
                 f"(a label mixes classes); the episodes were drawn from another cache or split"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence, cast
 
 import numpy as np
 import torch
@@ -350,7 +350,7 @@ def _extract_shared(
     """One split across the ranks of ``d``: plan on rank 0, a share per rank, merge on rank 0."""
     from poodle import cache_shares as cs
 
-    n, dim = len(ds), int(model.feature_dim)
+    n, dim = len(ds), int(cast(int, model.feature_dim))
     key = cs.share_key(digest, n, dim, dtype, root_attrs, batch_size)
     pieces = None
     with d.guard():

@@ -99,7 +99,10 @@ class Backbone(nn.Module):
         fmap = self.forward_map(x)
         head = self.class_head
         logits = head(global_pool(fmap)) if head is not None else None
-        rot = self.fc2(global_pool(self.further(fmap))) if self.further is not None else None
+        rot = None
+        if self.further is not None:
+            assert self.fc2 is not None  # further and fc2 exist together
+            rot = self.fc2(global_pool(self.further(fmap)))
         return logits, rot
 
     def extra_repr(self) -> str:

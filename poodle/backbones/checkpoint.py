@@ -15,7 +15,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -160,7 +160,7 @@ def _strip(key: str) -> str:
 def _unwrap(model: nn.Module) -> nn.Module:
     """The model inside DataParallel / DistributedDataParallel wrappers."""
     while not isinstance(model, Backbone) and isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
+        model = cast(nn.Module, model.module)
     return model
 
 
@@ -216,7 +216,7 @@ def check_state_dict(
 
 
 def load_state_dict_strict(
-    model: Backbone,
+    model: nn.Module,
     state_dict: Mapping[str, torch.Tensor],
     *,
     source: str = "state dict",
@@ -227,7 +227,7 @@ def load_state_dict_strict(
     Raises CheckpointError listing missing keys, unexpected keys and shape mismatches, and naming
     the architecture the checkpoint seems to be for.
     """
-    model = _unwrap(model)
+    model = cast(Backbone, _unwrap(model))
     sd = remap_state_dict(model, state_dict)
     target = _weights_module(model)
     missing, unexpected, mismatched = check_state_dict(target, sd)
@@ -275,7 +275,7 @@ def load_state_dict_strict(
     target.load_state_dict(sd, strict=True)
 
 
-def load_checkpoint(model: Backbone, path: str | os.PathLike) -> str:
+def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> str:
     """Load the checkpoint file ``path`` strictly into ``model``; return the file's sha256 (hex).
 
     Accepts ``{"state_dict": ...}`` or a bare state dict, keys with or without ``module.``; heads
@@ -287,7 +287,7 @@ def load_checkpoint(model: Backbone, path: str | os.PathLike) -> str:
     return file_sha256(path)
 
 
-def save_checkpoint(model: Backbone, path: str | os.PathLike, **extra: Any) -> Path:
+def save_checkpoint(model: nn.Module, path: str | os.PathLike, **extra: Any) -> Path:
     """Write ``{"state_dict": {"module." + key: tensor}, "arch": model.name, **extra}`` (the
     release's layout) to ``path`` atomically; tensors are stored on the CPU. A DataParallel /
     DistributedDataParallel wrapper is looked through. ``extra`` values must be loadable with

@@ -27,7 +27,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -346,6 +346,6 @@ def build_external(name: str, image_size: int | None = None) -> ExternalBackbone
     with no_downloads(name):
         net = builder(**kwargs)
     path, layer = _last_layer(net, model)
-    dim = int(layer.in_features) if isinstance(layer, nn.Linear) else int(layer.in_channels)
+    dim = int(layer.in_features) if isinstance(layer, nn.Linear) else int(cast(int, layer.in_channels))
     _set_module(net, path, nn.Identity())
     return ExternalBackbone(name, net, dim, (path + ".",), _torchvision_forward)

@@ -59,6 +59,11 @@ class ResNet(Backbone):
         self._add_rotation_head(rotation_head)  # release order: further, fc2, fc
         self._add_classifier(num_classes)
 
+    layer1: nn.Module  # set with setattr in __init__
+    layer2: nn.Module  # set with setattr in __init__
+    layer3: nn.Module  # set with setattr in __init__
+    layer4: nn.Module  # set with setattr in __init__
+
     def forward_map(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
         return self.layer4(self.layer3(self.layer2(self.layer1(out))))

@@ -124,6 +124,11 @@ class ResNet12(Backbone):
         self._add_rotation_head(rotation_head)  # order of the release: further, fc2, fc
         self._add_classifier(num_classes)
 
+    layer1: nn.Module  # set with setattr in __init__
+    layer2: nn.Module  # set with setattr in __init__
+    layer3: nn.Module  # set with setattr in __init__
+    layer4: nn.Module  # set with setattr in __init__
+
     def forward_map(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer4(self.layer3(self.layer2(self.layer1(x))))
 

@@ -80,11 +80,12 @@ def glyph_classes(alphabets: Sequence[str] | None = None, max_per_alphabet: int 
         if max_per_alphabet < 1:
             raise ConfigError(f"glyphs: max_per_alphabet must be >= 1, got {max_per_alphabet}")
         seen: dict[str, int] = {}
-        out = [
-            c
-            for c in out
-            if (seen.__setitem__(c.alphabet, seen.get(c.alphabet, 0) + 1) or seen[c.alphabet] <= max_per_alphabet)
-        ]
+        kept = []
+        for c in out:
+            seen[c.alphabet] = seen.get(c.alphabet, 0) + 1
+            if seen[c.alphabet] <= max_per_alphabet:
+                kept.append(c)
+        out = kept
     return out
 
 
@@ -510,11 +511,12 @@ def sample_grid(
         draw.text((4, y + cell // 2), f"{info['alphabet']} ({info['split']})", fill=0, font=font, anchor="lm")
         draw.text((label_w - 8, y + cell // 2), info["codepoint"], fill=96, font=font, anchor="rm")
         clean = clean_frame(path[info["faces"][0]], int(info["codepoint"][2:], 16), size)
+        assert clean is not None  # the class was kept because its glyph renders
         ref = Image.fromarray(np.round(255 * (1 - clean)).astype(np.uint8))
-        sheet.paste(ref.resize((cell, cell), Image.NEAREST), (label_w, y))
+        sheet.paste(ref.resize((cell, cell), Image.Resampling.NEAREST), (label_w, y))
         for k in range(columns):
             with Image.open(root / info["split"] / name / f"{k:03d}.png") as im:
-                tile = im.convert("L").resize((cell, cell), Image.NEAREST)
+                tile = im.convert("L").resize((cell, cell), Image.Resampling.NEAREST)
             sheet.paste(tile, (label_w + (k + 1) * (cell + gap) + gap, y))
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -145,7 +145,7 @@ class FolderSource(DatasetSource):
         class_dirs = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
         if not class_dirs:
             raise DataError(f"split folder {d} has no class folders (layout: <root>/<split>/<class>/<image>)")
-        out = []
+        out: list[tuple[str, str]] = []
         for cd in class_dirs:
             files = sorted(f for f in os.listdir(cd) if _is_image(f))
             if not files:
@@ -265,7 +265,7 @@ class CubSource(DatasetSource):
     def _list(self, split: str) -> list[tuple[str, str]]:
         if split not in self.RULE:
             raise DataError(f"--dataset cub has splits train, val, test; not {split!r}")
-        out = []
+        out: list[tuple[str, str]] = []
         wanted = set(self.lists[split]) if self.split_rule != "release" else None
         for i, name in enumerate(self.class_dirs):
             if not (self.RULE[split](i) if wanted is None else name in wanted):

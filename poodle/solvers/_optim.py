@@ -136,6 +136,7 @@ def fit_weighted_distance(
         torch.mul(P, r, out=G)  # dL/dlogits
         G.sub_(targets)
         if free is not None:
+            assert T1 is not None and lbar is not None
             torch.mul(P, L, out=T1)
             torch.sum(T1, 1, keepdim=True, out=lbar)
             torch.sub(L, lbar, out=T1)

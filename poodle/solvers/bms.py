@@ -135,4 +135,5 @@ def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
         mu = F.normalize(torch.bmm(w.transpose(1, 2), z) / w.sum(1).unsqueeze(-1), dim=-1)
         if cfg.epochs > 0:
             mu = _refine(z, mu, w, cfg.epochs, cfg.lr, cfg.momentum)
+    assert q is not None  # cfg.steps >= 1
     return SolverOutput(log_normalise(q), {"prototypes": mu, "assignments": q})

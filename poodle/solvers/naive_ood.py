@@ -19,7 +19,7 @@ Inductive.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -61,7 +61,7 @@ def naive_ood(batch: EpisodeBatch, cfg: NaiveOODConfig) -> SolverOutput:
     M = neg.shape[1]
     x = torch.cat([s, neg], 1)
     n = Ns + M
-    kw = dict(dtype=s.dtype, device=s.device)
+    kw: dict[str, Any] = dict(dtype=s.dtype, device=s.device)
     ce = torch.empty(1, 1, n, **kw)
     ce[..., :Ns] = 1.0 / Ns
     ce[..., Ns:] = cfg.ood_weight / M

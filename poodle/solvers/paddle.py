@@ -95,4 +95,5 @@ def paddle(batch: EpisodeBatch, cfg: PaddleConfig) -> SolverOutput:
         u = torch.softmax(softmax_logits(z_q, w, 1.0) + coef * v, -1)
         v = torch.log(u.mean(1, keepdim=True) + 1e-6) + 1.0
         w = (torch.bmm(u.transpose(1, 2), z_q) + ys_t_zs) / (u.sum(1) + n_s).unsqueeze(-1)
+    assert u is not None  # cfg.steps >= 1
     return SolverOutput(torch.log_softmax(torch.log(u.clamp_min(1e-30)), -1), {"prototypes": w, "assignments": u})

@@ -20,7 +20,7 @@ summed over the episodes of a chunk. Positives are the support (inductive) or su
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -52,7 +52,7 @@ def build_rows(batch: EpisodeBatch, cfg: PoodleConfig) -> tuple[torch.Tensor, Ro
     n = x.shape[1]
     n_pos = Ns + (q.shape[1] if cfg.transductive else 0)
     M = n - n_pos
-    kw = dict(dtype=s.dtype, device=s.device)
+    kw: dict[str, Any] = dict(dtype=s.dtype, device=s.device)
     ce = torch.zeros(1, 1, n, **kw)
     ce[..., :Ns] = 1.0 / Ns
     coef = torch.zeros(1, 1, n, **kw)

@@ -8,7 +8,7 @@ mean accuracy is kept. The episodes are drawn once per run, so successive valida
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,8 @@ def embed(
             if workers > 0 and hasattr(dataset, "check"):
                 dataset.check(labels)  # a bad image in a worker arrives as a sentinel label
             with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
-                f = model.forward_features(images.to(device, non_blocking=True))
+                forward_features = cast(Callable[[Tensor], Tensor], model.forward_features)
+                f = forward_features(images.to(device, non_blocking=True))
             chunks.append(F.normalize(f.float(), dim=1).cpu())
             if progress is not None:
                 progress(images.shape[0])
