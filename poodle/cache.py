@@ -66,7 +66,7 @@ ROOT_ATTRS = (
 )
 # Root attributes that say how features were made: a cache that differs in any of them holds other features.
 IDENTITY_ATTRS = ("dataset", "backbone", "checkpoint_sha256", "image_size", "transform")
-FEATURE_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
+FEATURE_DTYPES: dict[str, np.dtype[Any]] = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
 # |norm - 1| allowed per row: float16 rounds each coordinate to ~5e-4 relative, float32 to ~6e-8.
 NORM_TOLERANCE = {np.dtype(np.float32): 1e-3, np.dtype(np.float16): 5e-3}
 STRING = h5py.string_dtype("utf-8")
@@ -155,7 +155,7 @@ class _Reader:
         self.f.close()
 
 
-def check_root(f: h5py.File, path: Path | str) -> dict[str, Any]:
+def check_root(f: h5py.File, path: str | os.PathLike) -> dict[str, Any]:
     """Check the root attributes of an open file; return them as Python values. CacheError if foreign."""
     fmt = _text(f.attrs.get("format"))
     if fmt != FORMAT:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -401,7 +402,7 @@ class EpisodeStream:
 # ------------------------------------------------------------------------------------------ files
 
 
-def save_episodes(path: str | Path, eps: EpisodeSet, **attrs: object) -> Path:
+def save_episodes(path: str | os.PathLike, eps: EpisodeSet, **attrs: object) -> Path:
     """Write ``eps`` to HDF5 (layout in docs/stage2.md; extra ``attrs`` are stored too), atomically."""
     import h5py
 

@@ -21,7 +21,7 @@ import contextlib
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, overload
 
 import torch
 from torch import Tensor
@@ -91,9 +91,21 @@ def check_memory_bound(budget: int, n_rows: int, dim: int, way: int, workers: in
     return max(1, min(workers, budget // need))
 
 
+@overload
+def prepare_negatives(
+    episodes: EpisodeSet, negatives: NegativeSpec, cache_path: Any, dim: int
+) -> tuple[EpisodeSet, Tensor | None]: ...
+
+
+@overload
 def prepare_negatives(
     episodes: EpisodeSet | EpisodeStream, negatives: NegativeSpec, cache_path: Any, dim: int
-) -> tuple[EpisodeSet, Tensor | None]:
+) -> tuple[EpisodeSet | EpisodeStream, Tensor | None]: ...
+
+
+def prepare_negatives(
+    episodes: EpisodeSet | EpisodeStream, negatives: NegativeSpec, cache_path: Any, dim: int
+) -> tuple[EpisodeSet | EpisodeStream, Tensor | None]:
     """Attach the negative indices of a pool source to ``episodes`` (reusing the ones it holds when
     they come from the same source) and return ``(episodes, pool [P, D] | None)``; generated
     sources return the episodes unchanged and no pool. Errors (missing pool, dimension mismatch,
@@ -108,6 +120,7 @@ def prepare_negatives(
         return episodes, pool
     if isinstance(episodes, EpisodeStream):
         episodes = episodes.materialize()
+    assert episodes.index is not None  # set in EpisodeSet.__post_init__
     idx = sample_indices(pool.shape[0], episodes.index, M, episodes.spec.seed)
     return episodes.with_negatives(idx, negatives.source), pool
 
@@ -227,6 +240,7 @@ def evaluate(
                 pool = preprocess.pool(neg_spec.source, cache_path, D)
             held = episodes.negatives is not None and episodes.negative_source == neg_spec.source
             if held:
+                assert episodes.negatives is not None
                 _check_held(episodes.negatives, M, neg_spec.source, pool.shape[0])
 
     E = len(episodes)
@@ -261,8 +275,10 @@ def evaluate(
         qry = feats_d[to_dev(sub.query)]
         neg = None
         if users:
+            assert sub.index is not None  # set in EpisodeSet.__post_init__
             if pool_d is not None:
                 idx = sub.negatives if held else sample_indices(pool_d.shape[0], sub.index, M, spec.seed)
+                assert idx is not None  # held: the episodes carry their negatives
                 neg = pool_d[to_dev(idx)]
             else:
                 neg = to_dev(generate(neg_spec.source, sub.index, M, D, spec.seed)).to(dtype)

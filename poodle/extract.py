@@ -178,7 +178,9 @@ def extract(
             )
             ext_tf, image_size = ts.build(), ts.crop
             min_size = 1
-            build = lambda: backbones.build_external(backbone, image_size=ts.crop)  # noqa: E731
+            build: Callable[[], backbones.Backbone] = lambda: backbones.build_external(  # noqa: E731
+                backbone, image_size=ts.crop
+            )
         else:
             spec = backbones.get_spec(backbone)
             backbone = spec.name
@@ -232,7 +234,7 @@ def extract(
             backbone,
             checkpoint_sha256=sha,
             image_size=image_size,
-            transform=tf.description,
+            transform=cast(Any, tf).description,
             data_root=str(Path(source.root).resolve()),
         )
         # -- the existing cache: refuse what would mix features of different provenance
@@ -487,7 +489,8 @@ def _run_split(
                 keep = y >= 0
                 x, y = x[keep], y[keep]
             if len(good):
-                feats = model.forward_features(x.to(dev, non_blocking=True)).float().cpu()
+                forward_features = cast(Callable[[torch.Tensor], torch.Tensor], model.forward_features)
+                feats = forward_features(x.to(dev, non_blocking=True)).float().cpu()
             else:
                 feats = torch.zeros(0, writer.dim)
             writer.append(

@@ -84,7 +84,9 @@ def _episodes(
         features = read_split(cache, eps.spec.split)
         eps.check_against(features.labels, where=str(episodes_from))
         return features, eps
-    g = {k: (defaults.GENERAL_DEFAULTS.get(k) if given.get(k) is None else given[k]) for k in EPISODE_PARAMS}
+    g: dict[str, Any] = {
+        k: (defaults.GENERAL_DEFAULTS.get(k) if given.get(k) is None else given[k]) for k in EPISODE_PARAMS
+    }
     spec = EpisodeSpec(
         split=g["split"],
         way=g["way"],
@@ -233,6 +235,7 @@ def solve(
         if not isinstance(eps, EpisodeStream):  # a stream draws its negatives per chunk in evaluate()
             eps, _ = prepare_negatives(eps, neg_spec or NegativeSpec("none", count), path, features.dim)
         if save_episodes_to is not None and d.main:
+            assert isinstance(eps, EpisodeSet)  # drawn eagerly when saved (lazy=False)
             save_episodes(save_episodes_to, eps, cache=str(path))
 
     stats: dict[str, Any] = {}

@@ -283,7 +283,7 @@ class CubSource(DatasetSource):
         return out
 
 
-def _need_root(name: str, data_root: str | Path | None) -> Path:
+def _need_root(name: str, data_root: str | os.PathLike | None) -> Path:
     if data_root is None:
         raise ConfigError(f"--dataset {name} needs --data-root DIR")
     root = Path(data_root).expanduser()
@@ -310,7 +310,7 @@ def _preset_csv(name: str, root: Path, images: tuple[str, ...], release_csv: str
 
 
 def resolve_dataset(
-    name: str, data_root: str | Path | None, cache_root: str | Path = "cache", *, cub_split: str = "release"
+    name: str, data_root: str | os.PathLike | None, cache_root: str | Path = "cache", *, cub_split: str = "release"
 ) -> DatasetSource:
     """The :class:`DatasetSource` of ``--dataset name`` at ``data_root`` (``cub_split``: see ``cub`` above).
 

@@ -19,7 +19,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ from poodle.train.config import TrainConfig, config_differences
 from poodle.train.losses import distill_kl, rotate_all, smooth_cross_entropy
 from poodle.train.state import capture_rng, restore_rng, seed_everything
 from poodle.utils import atomic_path, derive_seed
+
+if TYPE_CHECKING:
+    from poodle.data import ImageDataset
 
 CHECKPOINT_FORMAT = "poodle-train"
 
@@ -108,7 +111,7 @@ def _init_distributed(device_name: str) -> tuple[_Dist, torch.device]:
 # data
 
 
-def _dataset(cfg: TrainConfig, split: str, transform: Callable) -> Dataset:
+def _dataset(cfg: TrainConfig, split: str, transform: Callable) -> ImageDataset:
     from poodle.data import ImageDataset, resolve_dataset
 
     source = resolve_dataset(cfg.dataset, cfg.data_root, Path(cfg.cache_root))
@@ -126,10 +129,11 @@ def _has_split(cfg: TrainConfig, split: str) -> bool:
 def dataset_labels(dataset: Dataset) -> tuple[torch.Tensor, list[str]]:
     """``(labels [N] int64, class names)`` of an :class:`poodle.data.ImageDataset`, without
     decoding any image."""
-    classes = list(dataset.classes)
-    labels = getattr(dataset, "labels", None)
+    ds = cast(Any, dataset)  # an ImageDataset, or a torchvision-style dataset with ``targets``
+    classes = list(ds.classes)
+    labels = getattr(ds, "labels", None)
     if labels is None:
-        labels = dataset.targets
+        labels = ds.targets
     return torch.as_tensor(labels, dtype=torch.int64), classes
 
 
@@ -382,9 +386,10 @@ def _train_generation(
         optimizer.load_state_dict(optimizer_state)
         if scaler_state:
             scaler.load_state_dict(scaler_state)
+        assert rng is not None  # written with the optimizer state by save_checkpoint below
         restore_rng(rng)
 
-    sampler = DistributedSampler(
+    sampler: DistributedSampler[int] = DistributedSampler(
         train_set,
         num_replicas=dist.world,
         rank=dist.rank,
