@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from poodle.cli._common import console, friendly_errors, out, progress_bar
+from poodle.cli._common import console, friendly_errors, out, progress_bar, styled
 
 DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100"]
 
@@ -15,18 +15,18 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
     from poodle.backbones import BACKBONES
     from poodle.backbones.external import TIMM_HINT, timm_names, torchvision_names
 
-    out.print("[bold]The POODLE release's backbones[/] (--backbone NAME):")
+    out.print(styled("The POODLE release's backbones", "bold", " (--backbone NAME):"))
     for name in sorted(BACKBONES):
         spec = BACKBONES[name]
         out.print(f"  {name:<14} D={spec.feature_dim:<5} {spec.summary}", highlight=False)
     tv = torchvision_names()
-    out.print(f"\n[bold]torchvision[/] ({len(tv)} models; --backbone torchvision:NAME):")
+    out.print(styled("\ntorchvision", "bold", f" ({len(tv)} models; --backbone torchvision:NAME):"))
     out.print("  " + ", ".join(tv), highlight=False)
     tm = timm_names()
     if tm is None:
-        out.print(f"\n[bold]timm[/]: {TIMM_HINT}", highlight=False)
+        out.print(styled("\ntimm", "bold", f": {TIMM_HINT}"), highlight=False)
     else:
-        out.print(f"\n[bold]timm[/] ({len(tm)} models; --backbone timm:NAME):")
+        out.print(styled("\ntimm", "bold", f" ({len(tm)} models; --backbone timm:NAME):"))
         out.print("  " + ", ".join(tm), highlight=False)
     ctx.exit(0)
 

@@ -52,8 +52,11 @@ def info(file: str) -> None:
     out.print(table)
     if not all(s.get("has_norms") for s in summary["splits"].values()):
         out.print(
-            "[dim]raw norms: a split without them was written before cache version 2; "
-            "--preprocess cl2n then centres the normalised rows[/]"
+            styled(
+                "raw norms: a split without them was written before cache version 2; "
+                "--preprocess cl2n then centres the normalised rows",
+                "dim",
+            )
         )
     attrs = Table(show_header=False, box=None, padding=(0, 2))
     attrs.add_column(style="bold")

@@ -27,13 +27,13 @@ import numpy as np
 import torch
 from scipy import stats
 
-from poodle.defaults import EPISODE_KEYS
+from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
 from poodle.evaluate import summarize
 from poodle.results import read_results, record_flat
 
 # Keys that identify the episodes a result was solved on: equal keys -> identical episodes.
-PAIRING_KEYS = EPISODE_KEYS
+PAIRING_KEYS = EPISODE_KEYS + OPTIONAL_EPISODE_KEYS
 
 _PRETTY = {
     "alpha": ("α", r"$\alpha$"),

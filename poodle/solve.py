@@ -210,13 +210,15 @@ def solve(
             ),
             lazy=save_episodes_to is None and not d.enabled,
         )
-        if episodes_from is not None:
+        users = [m for _, m, c in configs if solvers.get(m).needs_negatives(c)]
+        # an episode file's negatives are the default only for methods that use negatives: replaying
+        # POODLE's episodes with proto alone must not ask for them
+        if episodes_from is not None and users:
             if negatives is None and eps.negative_source:
                 negatives = eps.negative_source
             if n_neg is None and eps.negatives is not None:
                 n_neg = int(eps.negatives.shape[1])
 
-        users = [m for _, m, c in configs if solvers.get(m).needs_negatives(c)]
         source = defaults.NEGATIVES if negatives is None else negatives
         count = defaults.N_NEG if n_neg is None else n_neg
         neg_spec = NegativeSpec(source, count) if users else None

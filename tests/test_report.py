@@ -124,6 +124,17 @@ def test_unpaired_entries_are_not_marked(tmp_path):
     assert any("Not tested" in n for n in table.notes)
 
 
+def test_entries_on_different_query_classes_are_not_paired(tmp_path):
+    # same seed and counts, but B's queries come from 3 of the 5 classes: other episodes, no t-test
+    rng = np.random.default_rng(4)
+    b = _cell("B", _acc(rng, 0.5))
+    b["episode"]["query_classes"] = 3
+    path = _write(tmp_path / "r.jsonl", [_cell("A", _acc(rng, 0.9)), b])
+    table = R.build_table(R.load_results([path]), rows="label", cols="shot")
+    assert not any(e.bold for e in table.entries.values())
+    assert any("Not tested" in n for n in table.notes)
+
+
 # ---------------------------------------------------------------------------------------------
 # Table shapes
 

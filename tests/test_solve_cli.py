@@ -93,6 +93,12 @@ def test_solve_several_methods_table_json_and_episodes(tmp_path, cache):
     again = read_results(js2).records[0]
     assert again["acc"] == d["poodle"]["acc"] and again["key"] == d["poodle"]["key"]
 
+    # replaying POODLE's episode file with a method that uses no negatives needs no --negatives none
+    js3 = tmp_path / "r3.json"
+    r3 = _run(["--cache", cache, "--episodes-from", ep, "--method", "proto", "--json", js3])
+    assert r3.exit_code == 0, r3.output
+    assert read_results(js3).records[0]["acc"] == d["proto"]["acc"]
+
 
 def test_solve_imbalanced_random_negatives(tmp_path, cache):
     js = tmp_path / "r.json"
