@@ -82,6 +82,12 @@ def draw(
                 raise DataError(f"class {c!r}: --fraction {fraction} of its {len(files)} images leaves none to test")
             pool += [(f"{c}/{f}", c) for i, f in enumerate(files) if i in chosen]
             test += [(f"{c}/{f}", c) for i, f in enumerate(files) if i not in chosen]
+        if not pool:
+            most = max(len(f) for f in classes.values())
+            raise DataError(
+                f"--fraction {fraction} of at most {most} images per class puts no image in the pool "
+                f"(the count per class is rounded down); raise --fraction or use more images per class"
+            )
     else:
         k = int(round(fraction * len(names)))
         if not 0 < k < len(names):

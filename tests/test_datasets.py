@@ -226,3 +226,12 @@ def test_disjoint_split_holds_out_whole_classes(domain, tmp_path):
     assert not {r[1] for r in pool} & {r[1] for r in test} and len(test) == 15
     with pytest.raises(ConfigError, match="strictly between 0 and 1"):
         make_split(domain, tmp_path / "e", setting="disjoint", seed=0, fraction=1.0)
+
+
+def test_noisy_split_that_would_leave_the_pool_empty_is_refused(domain, tmp_path):
+    # int(0.1 * 5) = 0 images of each class: an empty pool, which --negatives base cannot use
+    res = CliRunner().invoke(
+        split_cmd, ["--data-root", str(domain), "--out", str(tmp_path / "z"), "--setting", "noisy", "--fraction", "0.1"]
+    )
+    assert res.exit_code == 1 and "puts no image in the pool" in res.output, res.output
+    assert not (tmp_path / "z" / "train.csv").exists()
