@@ -33,7 +33,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -58,6 +58,20 @@ class EpisodeSpec:
     imbalance: float | None = None  # Dirichlet concentration kappa (paper appendix); None: balanced
     seed: int = defaults.SEED
     query_classes: int | None = None  # only this many of the way classes have queries; None: all
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> EpisodeSpec:
+        """The spec of an episode-settings mapping (a results record's ``episode``, the solve
+        parameters): its spec fields, with ``query_classes`` optional; other keys (``episodes``) ignored."""
+        return cls(
+            split=settings["split"],
+            way=settings["way"],
+            shot=settings["shot"],
+            query=settings["query"],
+            imbalance=settings["imbalance"],
+            seed=settings["seed"],
+            query_classes=settings.get("query_classes"),
+        )
 
     def validate(self) -> None:
         """EpisodeError for counts below their minimum (a 1-way episode is 100% correct by

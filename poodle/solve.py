@@ -87,15 +87,7 @@ def _episodes(
     g: dict[str, Any] = {
         k: (defaults.GENERAL_DEFAULTS.get(k) if given.get(k) is None else given[k]) for k in EPISODE_PARAMS
     }
-    spec = EpisodeSpec(
-        split=g["split"],
-        way=g["way"],
-        shot=g["shot"],
-        query=g["query"],
-        imbalance=g["imbalance"],
-        seed=g["seed"],
-        query_classes=g["query_classes"],
-    )
+    spec = EpisodeSpec.from_settings(g)
     spec.validate()
     features = read_split(cache, spec.split)
     # lazy: drawn chunk by chunk while solving (the same episodes), so solving starts at once

@@ -162,15 +162,7 @@ class _Inputs:
         if ek not in self.episode_sets:
             t0 = time.perf_counter()
             e = c.episode
-            es = EpisodeSpec(
-                split=e["split"],
-                way=e["way"],
-                shot=e["shot"],
-                query=e["query"],
-                imbalance=e["imbalance"],
-                seed=e["seed"],
-                query_classes=e.get("query_classes"),
-            )
+            es = EpisodeSpec.from_settings(e)
             self.episode_sets[ek] = sample_episodes(features.labels, es, e["episodes"], classes=features.classes)
             self.sample_seconds += time.perf_counter() - t0
         return self.episode_sets[ek]
