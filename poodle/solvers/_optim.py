@@ -35,6 +35,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from poodle.solvers import _native
+
+# Whether CPU fits may use the fused C kernel (see _native.py); the tests switch it off to check the
+# torch formulation against the same references.
+USE_NATIVE = True
+
 # Padding of each episode's parameter row: keeps the K*D prototype block and the scale in one
 # buffer (one Adam for both) while every episode's row starts on a 64-byte boundary.
 _PAD = 16
@@ -92,6 +98,12 @@ def fit_weighted_distance(
     K = w0.shape[1]
     F = K * D
     dev, dt = x.device, x.dtype
+    if USE_NATIVE and _native.usable(x):
+        x2n = (x * x).sum(-1).unsqueeze(1)
+        c0n = (terms.coef * x2n).sum((1, 2)).mul_(0.5)
+        return _native.fit(
+            x, terms.targets, terms.ce + terms.coef, terms.free, c0n, w0, scale0, steps, lr, betas, eps, learn_scale
+        )
     theta = torch.zeros(E, F + _PAD, device=dev, dtype=dt)
     theta[:, :F] = w0.reshape(E, F)
     theta[:, F] = scale0
