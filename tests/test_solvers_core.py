@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from poodle import solvers
 from poodle.episodes import EpisodeSpec, sample_episodes
 from poodle.errors import ConfigError
+from poodle.solvers import _native, _optim
 from poodle.solvers.base import EpisodeBatch
 
 WAY = 5
@@ -98,6 +99,16 @@ def ref_naive_ood(s, ys, q, neg, way=WAY, steps=40, lr=1e-3, scale=10.0):
 
 
 # ------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def formulation(request, monkeypatch):
+    """Every test runs on both CPU formulations of the fine-tuning solvers: the fused C kernel and
+    the torch one it falls back to."""
+    if request.param == "native" and not _native.usable(torch.zeros(1)):
+        pytest.skip(f"fused kernel unavailable here: {_native.status()}")
+    monkeypatch.setattr(_optim, "USE_NATIVE", request.param == "native")
+    return request.param
 
 
 def _batch(

@@ -26,20 +26,24 @@ int wd_kernel_version(void) { return 1; }
 #define REAL float
 #define SUF _f32
 #define EXPR expf
+#define IS_FLOAT 1
 #define SQRTR sqrtf
 #include __FILE__
 #undef REAL
 #undef SUF
 #undef EXPR
+#undef IS_FLOAT
 #undef SQRTR
 #define REAL double
 #define SUF _f64
 #define EXPR exp
+#define IS_FLOAT 0
 #define SQRTR sqrt
 #include __FILE__
 #undef REAL
 #undef SUF
 #undef EXPR
+#undef IS_FLOAT
 #undef SQRTR
 
 #else /* the body, once per REAL */
@@ -98,7 +102,7 @@ static void CAT(accum, SUF)(const REAL *const *xr, int nb, const REAL *g, int ld
             V x0 = CAT(ld, SUF)(xr[b] + d), x1 = CAT(ld, SUF)(xr[b] + d + VL);
 #pragma GCC unroll 8
             for (int k = 0; k < KB; k++) {
-                REAL gk = g[b * ldg + k];
+                REAL gk = g[k * ldg + b];
                 a0[k] += gk * x0;
                 a1[k] += gk * x1;
             }
@@ -111,7 +115,7 @@ static void CAT(accum, SUF)(const REAL *const *xr, int nb, const REAL *g, int ld
     for (; d < D; d++)
         for (int k = 0; k < KB; k++) {
             REAL a = GX[k * ldw + d];
-            for (int b = 0; b < nb; b++) a += g[b * ldg + k] * xr[b][d];
+            for (int b = 0; b < nb; b++) a += g[k * ldg + b] * xr[b][d];
             GX[k * ldw + d] = a;
         }
 }
@@ -129,6 +133,55 @@ static void CAT(adam, SUF)(REAL *restrict m, REAL *restrict v, const REAL *restr
 }
 #define Adam CAT(adam, SUF)
 
+/* lane-wise max(a, b) (C has no vector ?:) */
+static inline V CAT(vmax, SUF)(V a, V b) {
+#if IS_FLOAT
+    typedef int VM __attribute__((vector_size(32)));
+#else
+    typedef long long VM __attribute__((vector_size(32)));
+#endif
+    VM mask = a > b, ai, bi;
+    memcpy(&ai, &a, sizeof a);
+    memcpy(&bi, &b, sizeof b);
+    ai = (ai & mask) | (bi & ~mask);
+    memcpy(&a, &ai, sizeof a);
+    return a;
+}
+
+#if IS_FLOAT
+/* exp of 8 floats at once: Cephes' expf (range reduction by ln 2, degree-6 polynomial, 2^n put in
+ * the exponent bits), within 2 ulp of expf; arguments here are <= 0 (logits minus their maximum). */
+static inline V CAT(vexp, SUF)(V x) {
+    typedef int VI __attribute__((vector_size(32)));
+    const V lo = (V){0} - (REAL)87.3f;
+    x = CAT(vmax, SUF)(x, lo);
+    V fx = x * (REAL)1.44269504088896341f + (REAL)0.5f;
+    VI i = __builtin_convertvector(fx, VI);
+    V fi = __builtin_convertvector(i, V);
+    VI gt = fi > fx; /* -1 where truncation rounded up: floor */
+    i += gt;
+    fi = __builtin_convertvector(i, V);
+    V r = x - fi * (REAL)0.693359375f;
+    r = r - fi * (REAL)-2.12194440e-4f;
+    V p = (V){0} + (REAL)1.9875691500E-4f;
+    p = p * r + (REAL)1.3981999507E-3f;
+    p = p * r + (REAL)8.3334519073E-3f;
+    p = p * r + (REAL)4.1665795894E-2f;
+    p = p * r + (REAL)1.6666665459E-1f;
+    p = p * r + (REAL)5.0000001201E-1f;
+    V y = p * r * r + r + (REAL)1.0f;
+    VI bits = (i + 127) << 23;
+    V scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+#else
+static inline V CAT(vexp, SUF)(V x) {
+    for (int l = 0; l < VL; l++) x[l] = exp(x[l]);
+    return x;
+}
+#endif
+
 /* Fit E episodes; see fit_weighted_distance in _optim.py for the loss and the argument shapes.
  * x [E, n, D]; targets [E, K, n] (or shared: estride 0); r, free [E, n] (free may be NULL);
  * c0 [E]; W [E, K, D] in: w0, out: fitted; gamma [E] in: gamma0, out: fitted.
@@ -145,12 +198,16 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
     REAL *v = calloc((size_t)F + 1, sizeof(REAL));
     REAL *grad = calloc((size_t)F + 1, sizeof(REAL));
     REAL *w2 = calloc((size_t)Kp, sizeof(REAL));
-    REAL *colsum = calloc((size_t)Kp, sizeof(REAL));
-    REAL *S = calloc((size_t)RB * Kp, sizeof(REAL));
-    REAL *P = calloc((size_t)K, sizeof(REAL));
-    REAL *L = calloc((size_t)K, sizeof(REAL));
-    REAL *Z = calloc((size_t)K, sizeof(REAL));
-    int ok = Wp && GX && m && v && grad && w2 && colsum && S && P && L && Z;
+    /* one block of rows, class-major ([class][row]) so that the per-row work runs across rows in
+     * vector lanes: x.w (then dL/dlogits), x.w - |w|^2/2, logits, targets */
+    REAL *ST = calloc((size_t)Kp * RB, sizeof(REAL));
+    REAL *ZT = calloc((size_t)Kp * RB, sizeof(REAL));
+    REAL *LT = calloc((size_t)Kp * RB, sizeof(REAL));
+    REAL *TT = calloc((size_t)Kp * RB, sizeof(REAL));
+    /* per-lane partial sums over rows: column sums of dL/dlogits [class][lane], then dL/dgamma */
+    REAL *acc = calloc((size_t)(Kp + 1) * RB, sizeof(REAL));
+    REAL rr[RB], ff[RB];
+    int ok = Wp && GX && m && v && grad && w2 && ST && ZT && LT && TT && acc;
     const REAL omb1 = (REAL)(1.0 - b1), rb2 = (REAL)b2, omb2 = (REAL)(1.0 - b2), reps = (REAL)eps;
     for (int e = 0; ok && e < E; e++) {
         const REAL *xe = x + (long)e * n * D, *te = targets + e * t_es, *re = r + e * r_es;
@@ -162,60 +219,81 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
         memset(v, 0, sizeof(REAL) * (F + 1));
         for (int step = 1; step <= steps; step++) {
             for (int k = 0; k < K; k++) {
-                REAL s = 0;
-                for (int d = 0; d < D; d++) s += Wp[(long)k * D + d] * Wp[(long)k * D + d];
-                w2[k] = s;
+                REAL o[2][KB];
+                CAT(dots, SUF)(Wp + (long)k * D, Wp + (long)k * D, Wp + (long)k * D, 0, D, o);
+                w2[k] = o[0][0];
             }
             memset(GX, 0, sizeof(REAL) * Kp * D);
-            memset(colsum, 0, sizeof(REAL) * Kp);
-            REAL gg = 0;
+            memset(acc, 0, sizeof(REAL) * (Kp + 1) * RB);
             for (int i0 = 0; i0 < n; i0 += RB) {
                 int nb = n - i0 < RB ? n - i0 : RB;
                 const REAL *xr[RB];
-                for (int b = 0; b < nb; b++) xr[b] = xe + (long)(i0 + b) * D;
-                for (int b = 0; b < nb; b += 2) {
-                    const REAL *x1 = b + 1 < nb ? xr[b + 1] : xr[b];
+                for (int b = 0; b < RB; b++) xr[b] = xe + (long)(i0 + (b < nb ? b : nb - 1)) * D;
+                for (int b = 0; b < nb; b += 2)
                     for (int kg = 0; kg < Kp; kg += KB) {
-                        REAL out[2][KB];
-                        CAT(dots, SUF)(xr[b], x1, Wp + (long)kg * D, D, D, out);
+                        REAL o[2][KB];
+                        CAT(dots, SUF)(xr[b], xr[b + 1 < nb ? b + 1 : b], Wp + (long)kg * D, D, D, o);
                         for (int k = 0; k < KB; k++) {
-                            S[b * Kp + kg + k] = out[0][k];
-                            if (b + 1 < nb) S[(b + 1) * Kp + kg + k] = out[1][k];
+                            ST[(kg + k) * RB + b] = o[0][k];
+                            ST[(kg + k) * RB + b + 1] = o[1][k]; /* b + 1 < RB: RB is even */
                         }
                     }
-                }
-                /* per row: logits, softmax over classes, dL/dlogits (written over S) */
-                for (int b = 0; b < nb; b++) {
-                    int i = i0 + b;
-                    REAL *s = S + b * Kp, mx;
+                /* rows past the end of the episode carry zero weights: they add nothing */
+                for (int b = 0; b < RB; b++) {
+                    int ok_row = b < nb;
+                    rr[b] = ok_row ? re[i0 + b] : 0;
+                    ff[b] = ok_row && fe ? fe[i0 + b] : 0;
                     for (int k = 0; k < K; k++) {
-                        Z[k] = s[k] - (REAL)0.5 * w2[k];
-                        L[k] = Z[k] * gamma;
+                        TT[k * RB + b] = ok_row ? te[(long)k * n + i0 + b] : 0;
+                        if (!ok_row) ST[k * RB + b] = 0;
                     }
-                    mx = L[0];
-                    for (int k = 1; k < K; k++) mx = L[k] > mx ? L[k] : mx;
-                    REAL sum = 0;
-                    for (int k = 0; k < K; k++) sum += (P[k] = EXPR(L[k] - mx));
-                    for (int k = 0; k < K; k++) P[k] /= sum;
-                    REAL lbar = 0;
-                    if (fe)
-                        for (int k = 0; k < K; k++) lbar += P[k] * L[k];
-                    for (int k = 0; k < K; k++) {
-                        REAL gk = P[k] * re[i] - te[(long)k * n + i];
-                        if (fe) gk += (P[k] * (L[k] - lbar)) * fe[i];
-                        s[k] = gk;
-                        gg += gk * Z[k];
-                        colsum[k] += gk;
-                    }
-                    for (int k = K; k < Kp; k++) s[k] = 0;
                 }
-                for (int kg = 0; kg < Kp; kg += KB) CAT(accum, SUF)(xr, nb, S + kg, Kp, GX + (long)kg * D, D, D);
+                /* logits, softmax over classes and dL/dlogits, VL rows at a time */
+                for (int l = 0; l < RB; l += VL) {
+#define AT(buf, k) CAT(ld, SUF)((buf) + (k) * RB + l)
+                    V mx, sum = (V){0}, lbar = (V){0}, rv = CAT(ld, SUF)(rr + l), fv = CAT(ld, SUF)(ff + l);
+                    for (int k = 0; k < K; k++) {
+                        V z = AT(ST, k) - (REAL)0.5 * w2[k];
+                        V lg = z * gamma;
+                        CAT(st, SUF)(ZT + k * RB + l, z);
+                        CAT(st, SUF)(LT + k * RB + l, lg);
+                        mx = k == 0 ? lg : CAT(vmax, SUF)(lg, mx);
+                    }
+                    for (int k = 0; k < K; k++) {
+                        V p = CAT(vexp, SUF)(AT(LT, k) - mx);
+                        sum += p;
+                        CAT(st, SUF)(ST + k * RB + l, p);
+                    }
+                    for (int k = 0; k < K; k++) {
+                        V p = AT(ST, k) / sum;
+                        CAT(st, SUF)(ST + k * RB + l, p);
+                        if (fe) lbar += p * AT(LT, k);
+                    }
+                    V gg = CAT(ld, SUF)(acc + Kp * RB + l);
+                    for (int k = 0; k < K; k++) {
+                        V p = AT(ST, k);
+                        V g = p * rv - AT(TT, k);
+                        if (fe) g += (p * (AT(LT, k) - lbar)) * fv;
+                        CAT(st, SUF)(ST + k * RB + l, g);
+                        gg += g * AT(ZT, k);
+                        CAT(st, SUF)(acc + k * RB + l, AT(acc, k) + g);
+                    }
+                    CAT(st, SUF)(acc + Kp * RB + l, gg);
+#undef AT
+                }
+                for (int k = K; k < Kp; k++) memset(ST + k * RB, 0, sizeof(REAL) * RB);
+                for (int kg = 0; kg < Kp; kg += KB) CAT(accum, SUF)(xr, nb, ST + kg * RB, RB, GX + (long)kg * D, D, D);
             }
-            for (int k = 0; k < K; k++)
+            REAL gg = 0;
+            for (int b = 0; b < RB; b++) gg += acc[Kp * RB + b];
+            for (int k = 0; k < K; k++) {
+                REAL colsum = 0;
+                for (int b = 0; b < RB; b++) colsum += acc[k * RB + b];
                 for (int d = 0; d < D; d++) {
                     long j = (long)k * D + d;
-                    grad[j] = (GX[j] - Wp[j] * colsum[k]) * gamma;
+                    grad[j] = (GX[j] - Wp[j] * colsum) * gamma;
                 }
+            }
             grad[F] = learn_scale ? gg - c0[e] : 0;
             /* torch.optim.Adam, single-tensor path, operation for operation */
             double bc1 = 1.0 - pow(b1, step), bc2 = 1.0 - pow(b2, step);
@@ -236,11 +314,11 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
     free(v);
     free(grad);
     free(w2);
-    free(colsum);
-    free(S);
-    free(P);
-    free(L);
-    free(Z);
+    free(ST);
+    free(ZT);
+    free(LT);
+    free(TT);
+    free(acc);
     return ok ? 0 : -1;
 }
 #undef V
