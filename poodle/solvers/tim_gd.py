@@ -31,7 +31,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from poodle.solvers._transductive import TINY, adam_minimise, dist_flops, grad_ready, softmax_logits
+from poodle.solvers._optim import fit_logit_loss
+from poodle.solvers._transductive import TINY, dist_flops, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, option, register, validate_config
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -121,27 +122,33 @@ def tim_gd(batch: EpisodeBatch, cfg: TimGDConfig) -> SolverOutput:
     """Solve ``batch`` with TIM-GD. Returns ``log_probs [E, Nq, way]`` and state ``prototypes
     [E, way, D]``, ``scale [E, 1, 1]``."""
     s = cfg.resolved()
-    z_s, z_q = grad_ready(batch.support), grad_ready(batch.query)
-    y_s = one_hot(batch.support_labels, batch.way, z_s.dtype)
-    w = class_means(z_s, batch.support_labels, batch.way).detach().clone().requires_grad_(True)
-    scale = torch.full((z_s.shape[0], 1, 1), s["temperature"], dtype=z_s.dtype, device=z_s.device)
-    params = [w]
-    if s["learn_temperature"]:
-        scale.requires_grad_(True)
-        params.append(scale)
+    z_s, z_q = batch.support, batch.query
+    Ns, Nq = z_s.shape[1], z_q.shape[1]
+    w0 = class_means(z_s, batch.support_labels, batch.way)
+    y_t = one_hot(batch.support_labels, batch.way, z_s.dtype).transpose(1, 2)  # [E, K, Ns]
+    w_ce, w_marg, w_cond = s["ce_weight"], s["marginal_weight"], s["conditional_weight"]
 
-    def loss() -> Tensor:
-        per_episode = tim_loss(
-            softmax_logits(z_s, w, scale),
-            y_s,
-            softmax_logits(z_q, w, scale),
-            s["ce_weight"],
-            s["marginal_weight"],
-            s["conditional_weight"],
-        )
-        return per_episode.sum()
+    def grad_logits(P: Tensor, L: Tensor, G: Tensor) -> None:
+        # dL/dlogits of tim_loss, row by row (rows along the last axis: support, then queries)
+        torch.sub(P[..., :Ns], y_t, out=G[..., :Ns]).mul_(w_ce / Ns)
+        pq = P[..., Ns:]
+        marg = pq.mean(2, keepdim=True)  # [E, K, 1]
+        # d(-w_marg * H(marg)) / d marg = w_marg * (log marg + 1), the clamp's zero gradient included
+        u = (torch.log(marg.clamp_min(TINY)) + (marg >= TINY).to(P.dtype)).mul_(w_marg)
+        # d(w_cond * H(p)) / dp = -w_cond * (log(p + 1e-12) + p / (p + 1e-12)), H as in tim_loss
+        a = torch.log(pq + 1e-12).add_(pq / (pq + 1e-12))
+        u = (u - w_cond * a).div_(Nq)  # dL/dp for every query row [E, K, Nq]
+        # through the softmax: dL/dl_j = p_j (u_j - sum_k p_k u_k)
+        torch.mul(pq, u - (pq * u).sum(1, keepdim=True), out=G[..., Ns:])
 
-    adam_minimise(params, loss, s["steps"], s["lr"])
-    with torch.no_grad():
-        log_probs = torch.log_softmax(softmax_logits(z_q, w, scale), -1)
-    return SolverOutput(log_probs, {"prototypes": w.detach(), "scale": scale.detach()})
+    w, scale = fit_logit_loss(
+        torch.cat([z_s, z_q], 1),
+        w0,
+        grad_logits,
+        scale0=s["temperature"],
+        steps=s["steps"],
+        lr=s["lr"],
+        learn_scale=s["learn_temperature"],
+    )
+    log_probs = torch.log_softmax(softmax_logits(z_q, w, scale), -1)
+    return SolverOutput(log_probs, {"prototypes": w, "scale": scale})
