@@ -132,10 +132,13 @@ def render_table(table: Any, title: str | None = None) -> Any:
         t.add_column(key_name(k))
     for j in range(len(table.cols)):
         t.add_column(table.col_label(j, sep="\n"), justify="right")
+    for title, _ in table.extra:
+        t.add_column(title, justify="right")
     for i in range(len(table.rows)):
         cells = [Text(v) for v in table.row_labels(i)]
         for j in range(len(table.cols)):
             e = table.entries.get((i, j))
             cells.append(Text(table.cell_text(i, j), style="bold green" if e is not None and e.bold else ""))
+        cells += [Text(texts[i]) for _, texts in table.extra]
         t.add_row(*cells)
     return t

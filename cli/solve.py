@@ -218,7 +218,6 @@ def solve(
 ) -> None:
     """Sample episodes from a feature cache and solve them all at once."""
     from poodle.distributed import env_world, share
-    from poodle.evaluate import paired_difference
     from poodle.solve import solve as run_solve
 
     methods = list(methods)
@@ -277,30 +276,10 @@ def solve(
         highlight=False,
     )
 
-    from rich import box
-    from rich.table import Table
+    from poodle.cli._common import render_table
+    from poodle.report import solve_table
 
-    first = methods[0]
-    table = Table(
-        box=box.SIMPLE_HEAD, title=f"{spec.way}-way {spec.shot}-shot, {len(eps):,} episodes", title_justify="left"
-    )
-    for col, just in (
-        ("method", "left"),
-        ("accuracy %", "right"),
-        ("95% CI", "right"),
-        (f"diff vs {first}", "right"),
-        ("95% CI ", "right"),
-        ("s", "right"),
-    ):
-        table.add_column(col, justify=just)
-    for rec in res.records:
-        label = rec["label"]
-        row = [label, f"{100 * rec['mean']:.2f}", f"± {100 * rec['ci95']:.2f}", "", "", f"{rec['seconds']:.1f}"]
-        if label != first:
-            d, dci = paired_difference(res.accs[label], res.accs[first])
-            row[3], row[4] = f"{100 * d:+.2f}", f"± {100 * dci:.2f}"
-        table.add_row(*row)
-    out.print(table)
+    out.print(render_table(solve_table(res.records), title=f"{spec.way}-way {spec.shot}-shot, {len(eps):,} episodes"))
     console.print(
         f"{len(eps) / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s, chunks of "
         f"{res.stats['chunk_size']})"

@@ -29,7 +29,7 @@ from scipy import stats
 
 from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
-from poodle.evaluate import summarize
+from poodle.evaluate import paired_difference, summarize
 from poodle.results import read_results, record_flat
 
 # Keys that identify the episodes a result was solved on: equal keys -> identical episodes.
@@ -339,6 +339,8 @@ class Table:
     entries: dict[tuple[int, int], Entry]
     notes: list[str] = field(default_factory=list)
     show_ci: bool = True
+    # further per-row text columns after the entries: (title, one text per row)
+    extra: list[tuple[str, list[str]]] = field(default_factory=list)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -476,6 +478,33 @@ def build_table(
     return table
 
 
+def solve_table(records: Sequence[Mapping[str, Any]], seconds: bool = True) -> Table:
+    """The summary of one ``poodle solve`` run: a row per method (its label), the accuracy, and the
+    paired difference of every other method from the first (mean and 95% CI over the same
+    episodes) and, with ``seconds``, each method's solve time. ``records``: results-layer cell
+    records of one episode set (:func:`poodle.results.make_record`)."""
+    results = [
+        Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), "solve", i) for i, r in enumerate(records)
+    ]
+    table = build_table(results, rows=["label"], cols=[], bold="none")
+    by_label = {r.flat["label"]: r for r in results}
+    first = results[0]
+    diffs, cis = [], []
+    for (label,) in table.rows:
+        if label == first.flat["label"]:
+            diffs.append("")
+            cis.append("")
+            continue
+        d, c = paired_difference(torch.from_numpy(by_label[label].acc), torch.from_numpy(first.acc))
+        diffs.append(f"{100 * d:+.2f}")
+        cis.append(f"± {100 * c:.2f}")
+    table.extra = [(f"diff vs {first.flat['label']}", diffs), ("95% CI", cis)]
+    if seconds:
+        secs = {r["label"]: r.get("seconds", float("nan")) for r in records}
+        table.extra.append(("s", [f"{secs[label]:.1f}" for (label,) in table.rows]))
+    return table
+
+
 def check_p(p_threshold: float) -> float:
     """ConfigError unless the significance level lies in (0, 1)."""
     if isinstance(p_threshold, bool) or not isinstance(p_threshold, (int, float)) or not 0 < p_threshold < 1:
@@ -539,9 +568,10 @@ def _mark_significance(table: Table, bold: str, test: str, p_threshold: float, i
 def to_markdown(table: Table) -> str:
     """A GitHub-flavoured Markdown table (one header row; column keys joined by ", ")."""
     head = [key_name(k) for k in table.row_keys] + [table.col_label(j) for j in range(len(table.cols))]
+    head += [title for title, _ in table.extra]
     lines = [
         "| " + " | ".join(head) + " |",
-        "|" + "|".join([":--"] * len(table.row_keys) + ["--:"] * len(table.cols)) + "|",
+        "|" + "|".join([":--"] * len(table.row_keys) + ["--:"] * (len(table.cols) + len(table.extra))) + "|",
     ]
     for i in range(len(table.rows)):
         cells = table.row_labels(i)
@@ -549,6 +579,7 @@ def to_markdown(table: Table) -> str:
             text = table.cell_text(i, j)
             e = table.entries.get((i, j))
             cells.append(f"**{text}**" if e is not None and e.bold else text)
+        cells += [texts[i] for _, texts in table.extra]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in table.notes)
 

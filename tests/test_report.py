@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from scipy import stats
 
 from poodle import report as R
@@ -307,3 +308,36 @@ def test_solve_json_files_are_reported_with_grid_results(tmp_path, make_features
     ]
     table = R.build_table(results)
     assert table.row_keys == ["label"] and table.col_keys == ["shot"] and table.shape == (2, 2)
+
+
+def test_solve_table_rows_differences_and_markdown():
+    # poodle solve's summary goes through the one Table (and so the one renderer)
+    from poodle.evaluate import paired_difference
+    from poodle.report import solve_table, to_markdown
+    from poodle.results import make_record
+
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 2, 40).astype(float)
+    b = np.clip(a + rng.integers(0, 2, 40), 0, 1)
+    from poodle.results import make_identity
+
+    ep = {"split": "test", "way": 5, "shot": 1, "query": 15, "imbalance": None, "seed": 0, "episodes": 40}
+
+    def ident(method):
+        return make_identity(
+            cache_id="c", episode=ep, negatives="none", n_neg=None, method=method, options={}, transductive=False
+        )
+
+    recs = [
+        make_record(ident("proto"), a.tolist(), label="proto", cache="c", seconds=0.5),
+        make_record(ident("poodle"), b.tolist(), label="poodle", cache="c", seconds=2.0),
+    ]
+    t = solve_table(recs)
+    assert [r[0] for r in t.rows] == ["proto", "poodle"]
+    d, c = paired_difference(torch.from_numpy(b), torch.from_numpy(a))
+    assert t.extra[0] == ("diff vs proto", ["", f"{100 * d:+.2f}"])
+    assert t.extra[1] == ("95% CI", ["", f"± {100 * c:.2f}"])
+    assert t.extra[2] == ("s", ["0.5", "2.0"])
+    md = to_markdown(t)
+    assert "| label | accuracy | diff vs proto | 95% CI | s |" in md
+    assert f"| poodle | {100 * b.mean():.2f} ± " in md and f"{100 * d:+.2f} | ± {100 * c:.2f} | 2.0 |" in md

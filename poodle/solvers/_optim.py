@@ -257,16 +257,10 @@ def weighted_distance_flops(n: int, D: int, K: int, steps: int, free: bool = Fal
     return steps * per_step
 
 
-def logits(x: Tensor, w: Tensor, scale: Tensor) -> Tensor:
-    """``-(scale/2) ||x - w||^2`` without the ``||x||^2`` term, which no softmax over classes sees:
-    ``x [E, N, D]``, ``w [E, K, D]``, ``scale [E, 1, 1]`` -> ``[E, N, K]``."""
-    return scale * (torch.bmm(x, w.transpose(1, 2)) - 0.5 * (w * w).sum(-1).unsqueeze(1))
-
-
 def episode_bytes(n: int, D: int, K: int, itemsize: int = 4) -> int:
     """Working set of one episode in :func:`fit_weighted_distance` (bytes): the rows, the
     parameter/Adam buffers and the ``[n, K]`` temporaries."""
     return itemsize * (n * D + 6 * (K * D + _PAD) + 10 * n * K + 2 * n)
 
 
-__all__ = ["RowTerms", "fit_weighted_distance", "fit_logit_loss", "weighted_distance_flops", "logits", "episode_bytes"]
+__all__ = ["RowTerms", "fit_weighted_distance", "fit_logit_loss", "weighted_distance_flops", "episode_bytes"]

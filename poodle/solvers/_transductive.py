@@ -42,7 +42,7 @@ def sqdist(x: Tensor, w: Tensor, x2: Tensor | None = None) -> Tensor:
     return d.clamp_min(0.0)
 
 
-def softmax_logits(x: Tensor, w: Tensor, scale: Tensor | float) -> Tensor:
+def softmax_logits(x: Tensor, w: Tensor, scale: Tensor | float) -> Tensor:  # the one definition, every solver
     """``scale * (x.w - ||w||^2/2)``: the logits ``-(scale/2)||x - w||^2`` less the per-row constant
     ``-(scale/2)||x||^2``, which no softmax over classes (and no argmax) sees. ``[E, N, K]``."""
     return scale * torch.baddbmm(-0.5 * row_sqnorm(w).transpose(1, 2), x, w.transpose(1, 2))

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from poodle.errors import ConfigError
-from poodle.solvers._optim import RowTerms, fit_weighted_distance, logits, weighted_distance_flops
+from poodle.solvers._optim import RowTerms, fit_weighted_distance, weighted_distance_flops
+from poodle.solvers._transductive import softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
 
@@ -71,4 +72,4 @@ def ce(batch: EpisodeBatch, cfg: CEConfig) -> SolverOutput:
         coef=torch.zeros_like(wt),
     )
     w, scale = fit_weighted_distance(x, terms, w0, scale0=cfg.scale, steps=cfg.steps, lr=cfg.lr)
-    return SolverOutput(torch.log_softmax(logits(batch.query, w, scale), -1), {"prototypes": w, "scale": scale})
+    return SolverOutput(torch.log_softmax(softmax_logits(batch.query, w, scale), -1), {"prototypes": w, "scale": scale})

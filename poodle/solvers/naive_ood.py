@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 import torch
 
 from poodle.errors import ConfigError
-from poodle.solvers._optim import RowTerms, fit_weighted_distance, logits, weighted_distance_flops
+from poodle.solvers._optim import RowTerms, fit_weighted_distance, weighted_distance_flops
+from poodle.solvers._transductive import softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register
 from poodle.solvers.ce import check_common, support_targets
 
@@ -75,6 +76,6 @@ def naive_ood(batch: EpisodeBatch, cfg: NaiveOODConfig) -> SolverOutput:
     )
     real = w[:, :way]
     return SolverOutput(
-        torch.log_softmax(logits(batch.query, real, scale), -1),
+        torch.log_softmax(softmax_logits(batch.query, real, scale), -1),
         {"prototypes": real, "ood_prototype": w[:, way:], "scale": scale},
     )

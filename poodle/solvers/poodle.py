@@ -25,7 +25,8 @@ from typing import Any, ClassVar
 import torch
 
 from poodle.errors import ConfigError
-from poodle.solvers._optim import RowTerms, fit_weighted_distance, logits, weighted_distance_flops
+from poodle.solvers._optim import RowTerms, fit_weighted_distance, weighted_distance_flops
+from poodle.solvers._transductive import softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register
 from poodle.solvers.ce import check_common, support_targets
 
@@ -93,4 +94,4 @@ def poodle(batch: EpisodeBatch, cfg: PoodleConfig) -> SolverOutput:
     x, terms, _ = build_rows(batch, cfg)
     w0 = class_means(batch.support, batch.support_labels, batch.way)
     w, scale = fit_weighted_distance(x, terms, w0, scale0=cfg.scale, steps=cfg.steps, lr=cfg.lr)
-    return SolverOutput(torch.log_softmax(logits(batch.query, w, scale), -1), {"prototypes": w, "scale": scale})
+    return SolverOutput(torch.log_softmax(softmax_logits(batch.query, w, scale), -1), {"prototypes": w, "scale": scale})

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from poodle.solvers._optim import logits
+from poodle.solvers._transductive import softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register
 
 
@@ -40,4 +40,4 @@ def proto(batch: EpisodeBatch, cfg: ProtoConfig) -> SolverOutput:
     """Prototypes ``[E, way, D]`` = class means; log-probs ``[E, Nq, way]`` of ``-(scale/2)||q - w||^2``."""
     w = class_means(batch.support, batch.support_labels, batch.way)
     scale = torch.full((w.shape[0], 1, 1), cfg.scale, dtype=w.dtype, device=w.device)
-    return SolverOutput(torch.log_softmax(logits(batch.query, w, scale), -1), {"prototypes": w, "scale": scale})
+    return SolverOutput(torch.log_softmax(softmax_logits(batch.query, w, scale), -1), {"prototypes": w, "scale": scale})
