@@ -5,6 +5,7 @@ poodle's batched solver on the same episodes and the same features, and prints, 
 many episodes get identical accuracies and identical predictions, and both mean accuracies.
 
     python benchmarks/compare_official.py --method alpha-tim --checkout PATH/Realistic_Transductive_Few_Shot
+    python benchmarks/compare_official.py --method tim-gd --checkout PATH/Realistic_Transductive_Few_Shot
     python benchmarks/compare_official.py --method paddle --checkout PATH/PADDLE
     python benchmarks/compare_official.py --method bms --checkout PATH/BMS                 (yhu01/BMS)
     python benchmarks/compare_official.py --method proto-lp --checkout PATH/protoLP        (allenhaozhu/protoLP)
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 from poodle import solvers
 from poodle.solvers import EpisodeBatch
 
-METHODS = ("alpha-tim", "paddle", "bms", "proto-lp", "laplacianshot")
+METHODS = ("tim-gd", "alpha-tim", "paddle", "bms", "proto-lp", "laplacianshot")
 
 
 # --------------------------------------------------------------------------------- episodes
@@ -151,6 +152,25 @@ def official_alpha_tim(checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, s
     m.run_adaptation(support=s, query=q, y_s=batch.support_labels, y_q=y_q, shot=batch.shot)
     ours = dict(temperature=float(cfg["temp"]), lr=float(cfg["lr_alpha_tim"]), steps=m.iter)
     return m.get_logits(q).argmax(2).detach(), ours
+
+
+def official_tim_gd(checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None):
+    """TIM-GD as released with alpha-TIM (the ``TIM_GD`` class of the same authors' code base), run
+    with the TIM paper's scripts' settings, which are our default preset: weights 0.1 / 1 / 0.1,
+    temperature 15, Adam lr 1e-4, 1,000 iterations (that repository's own ``tim.yaml`` uses weights
+    1 / 1 / 1). Their support cross-entropy is ``log(softmax + 1e-12)``, ours ``log_softmax``."""
+    _fresh_src(checkout)
+    T = importlib.import_module("src.methods.tim")
+    T.tqdm = lambda it, *a, **k: it
+    m = T.TIM_GD.__new__(T.TIM_GD)
+    m.device, m.model, m.logger = "cpu", _NoModel(), _Quiet()
+    m.temp, m.loss_weights, m.iter, m.lr = 15.0, [0.1, 1.0, 0.1], steps or 1000, 1e-4
+    m.init_info_lists()
+    m.record_info = lambda **kw: None  # per-iteration accuracy logging only
+    s, q = F.normalize(batch.support, dim=2), F.normalize(batch.query, dim=2)
+    m.init_weights(support=s, y_s=batch.support_labels, query=q, y_q=y_q)
+    m.run_adaptation(support=s, query=q, y_s=batch.support_labels, y_q=y_q, shot=batch.shot)
+    return m.get_logits(q).argmax(2).detach(), dict(steps=m.iter)
 
 
 def official_paddle(checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None):
@@ -291,6 +311,7 @@ def official_laplacianshot(
 
 
 OFFICIAL = {
+    "tim-gd": official_tim_gd,
     "alpha-tim": official_alpha_tim,
     "paddle": official_paddle,
     "bms": official_bms,
