@@ -431,12 +431,14 @@ def test_tim_gd_poodle_paper_preset_matches_reference(make_features, counts):
         assert abs(float(out.state["scale"][e]) - float(st["scale"])) < 1e-6
 
 
-def test_tim_gd_analytic_gradient_is_autograd_of_tim_loss(make_features):
-    # one step of lr 0 is not a step; compare dL/dW and dL/dgamma directly instead, through the
-    # engine's grad_logits on random prototypes far from the means (so every term is active)
-    from poodle.solvers import _optim
+@pytest.mark.parametrize("name", ["tim-gd", "alpha-tim"])
+def test_analytic_gradient_is_autograd_of_the_loss(make_features, name):
+    # the engine's dL/dW and dL/dgamma at random prototypes far from the means (so that every term
+    # of the loss is active) against autograd of the loss as written (tim_loss, alpha_tim_loss)
+    import poodle.solvers.alpha_tim as at
+    import poodle.solvers.tim_gd as tg
+    from poodle.solvers._transductive import softmax_logits
     from poodle.solvers.base import one_hot
-    from poodle.solvers.tim_gd import tim_loss
 
     batch, _ = build_batch(make_features, 1, IMBALANCED, seed=11)
     g = torch.Generator().manual_seed(0)
@@ -444,35 +446,34 @@ def test_tim_gd_analytic_gradient_is_autograd_of_tim_loss(make_features):
     w = torch.randn(E, K, batch.support.shape[-1], generator=g, dtype=torch.float64).requires_grad_(True)
     t = torch.full((E, 1, 1), 7.0, dtype=torch.float64, requires_grad=True)
     y = one_hot(batch.support_labels, K, torch.float64)
-    from poodle.solvers._transductive import softmax_logits
-
-    loss = tim_loss(softmax_logits(batch.support, w, t), y, softmax_logits(batch.query, w, t), 0.3, 2.0, 0.7).sum()
+    ls, lq = softmax_logits(batch.support, w, t), softmax_logits(batch.query, w, t)
+    if name == "tim-gd":
+        mod, loss = tg, tg.tim_loss(ls, y, lq, 0.3, 2.0, 0.7).sum()
+        cfg = config(name, ce_weight=0.3, marginal_weight=2.0, conditional_weight=0.7, temperature=7.0, steps=1)
+    else:
+        mod, loss = at, at.alpha_tim_loss(ls, y, lq, 3.0, 0.3, 2.0, 0.7).sum()
+        cfg = config(
+            name, alpha=3.0, ce_weight=0.3, marginal_weight=2.0, conditional_weight=0.7, temperature=7.0, steps=1
+        )
     gw, gt = torch.autograd.grad(loss, [w, t])
-    # the engine with lr such that one Adam step is not involved: capture the gradient it computes
     seen = {}
-    real_fit = _optim.fit_logit_loss
+    real_fit, real_means = mod.fit_logit_loss, mod.class_means
 
     def capture(x, w0, grad_logits, **kw):
-        S = torch.bmm(w0, x.transpose(1, 2))
-        Z = S - 0.5 * (w0 * w0).sum(-1, keepdim=True)
-        L = kw["scale0"] * Z
-        P = torch.softmax(L, 1)
+        Z = torch.bmm(w0, x.transpose(1, 2)) - 0.5 * (w0 * w0).sum(-1, keepdim=True)
+        P = torch.softmax(kw["scale0"] * Z, 1)
         G = torch.empty_like(P)
-        grad_logits(P, L, G)
+        grad_logits(P, kw["scale0"] * Z, G)
         seen["gW"] = kw["scale0"] * (torch.bmm(G, x) - G.sum(2, keepdim=True) * w0)
         seen["gt"] = (G * Z).sum((1, 2))
         seen["rowsum"] = G.sum(1)
         return real_fit(x, w0, grad_logits, **kw)
 
-    import poodle.solvers.tim_gd as tg
-
-    cfg = config("tim-gd", ce_weight=0.3, marginal_weight=2.0, conditional_weight=0.7, temperature=7.0, steps=1)
-    orig_means = tg.class_means
     try:
-        tg.fit_logit_loss, tg.class_means = capture, lambda *a: w.detach()
-        solvers.run("tim-gd", batch, cfg)
+        mod.fit_logit_loss, mod.class_means = capture, lambda *a: w.detach()
+        solvers.run(name, batch, cfg)
     finally:
-        tg.fit_logit_loss, tg.class_means = real_fit, orig_means
+        mod.fit_logit_loss, mod.class_means = real_fit, real_means
     assert torch.allclose(seen["gW"], gw, atol=1e-10, rtol=0)
     assert torch.allclose(seen["gt"], gt.view(-1), atol=1e-10, rtol=0)
     assert seen["rowsum"].abs().max() < 1e-12  # why |x|^2 drops out of dL/dgamma

@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 
 from poodle.errors import ConfigError
-from poodle.solvers._transductive import adam_minimise, dist_flops, grad_ready, softmax_logits
+from poodle.solvers._optim import fit_logit_loss
+from poodle.solvers._transductive import dist_flops, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
 
@@ -99,22 +100,29 @@ def alpha_tim(batch: EpisodeBatch, cfg: AlphaTimConfig) -> SolverOutput:
         raise ConfigError("alpha-tim: alpha = 1 is the Shannon limit; use tim-gd (or any alpha != 1)")
     if cfg.steps < 0:
         raise ConfigError(f"alpha-tim: steps must be >= 0, got {cfg.steps}")
-    z_s, z_q = grad_ready(batch.support), grad_ready(batch.query)
-    y_s = one_hot(batch.support_labels, batch.way, z_s.dtype)
-    w = class_means(z_s, batch.support_labels, batch.way).detach().clone().requires_grad_(True)
+    z_s, z_q = batch.support, batch.query
+    Ns, Nq = z_s.shape[1], z_q.shape[1]
+    y_t = one_hot(batch.support_labels, batch.way, z_s.dtype).transpose(1, 2)  # [E, K, Ns]
+    w_ce, w_marg, w_cond = cfg.ce_weight, cfg.marginal_weight, cfg.conditional_weight
 
-    def loss() -> Tensor:
-        return alpha_tim_loss(
-            softmax_logits(z_s, w, cfg.temperature),
-            y_s,
-            softmax_logits(z_q, w, cfg.temperature),
-            a,
-            cfg.ce_weight,
-            cfg.marginal_weight,
-            cfg.conditional_weight,
-        ).sum()
+    def grad_logits(P: Tensor, L: Tensor, G: Tensor) -> None:
+        # dL/dlogits of alpha_tim_loss, row by row (rows along the last axis: support, then queries)
+        torch.sub(P[..., :Ns], y_t, out=G[..., :Ns]).mul_(w_ce / Ns)
+        pq = P[..., Ns:]
+        marg = pq.mean(2, keepdim=True)  # [E, K, 1]
+        # d(-w_marg H_a(marg) + w_cond H_a(p + 1e-12)) / dp, with dH_a(q)/dq = -a q^(a-1) / (a - 1)
+        u = (marg.pow(a - 1.0).mul_(w_marg) - (pq + 1e-12).pow_(a - 1.0).mul_(w_cond)).mul_(a / ((a - 1.0) * Nq))
+        # through the softmax: dL/dl_j = p_j (u_j - sum_k p_k u_k)
+        torch.mul(pq, u - (pq * u).sum(1, keepdim=True), out=G[..., Ns:])
 
-    adam_minimise([w], loss, cfg.steps, cfg.lr)
-    with torch.no_grad():
-        log_probs = torch.log_softmax(softmax_logits(z_q, w, cfg.temperature), -1)
-    return SolverOutput(log_probs, {"prototypes": w.detach()})
+    w, _ = fit_logit_loss(
+        torch.cat([z_s, z_q], 1),
+        class_means(z_s, batch.support_labels, batch.way),
+        grad_logits,
+        scale0=cfg.temperature,
+        steps=cfg.steps,
+        lr=cfg.lr,
+        learn_scale=False,
+    )
+    log_probs = torch.log_softmax(softmax_logits(z_q, w, cfg.temperature), -1)
+    return SolverOutput(log_probs, {"prototypes": w})
