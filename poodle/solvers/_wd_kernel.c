@@ -20,6 +20,7 @@
 #define CAT(a, b) CAT2(a, b)
 #define KB 5 /* classes per register block */
 #define RB 8 /* rows per block: 8 rows of D = 640 floats stay in L1 between the two passes */
+#define SMALL_D 256 /* up to this D, dot products from the transposed rows (dots_t) */
 
 int wd_kernel_version(void) { return 1; }
 
@@ -86,6 +87,22 @@ static void CAT(dots, SUF)(const REAL *x0, const REAL *x1, const REAL *W, long l
         }
         out[0][k] = s0;
         out[1][k] = s1;
+    }
+}
+
+/* out[k][0..RB) = x_r . w_k for the RB rows of a block and KB classes, from the block's rows stored
+ * transposed (xt[d * ldx + r]): lanes are rows, so no horizontal sums. For small D, where the
+ * horizontal sums of the row-major version cost as much as the products. */
+static void CAT(dots_t, SUF)(const REAL *xt, long ldx, const REAL *W, long ldw, int D, REAL *out) {
+    for (int l = 0; l < RB; l += VL) {
+        V acc[KB];
+        for (int k = 0; k < KB; k++) acc[k] = (V){0};
+        for (int d = 0; d < D; d++) {
+            V xv = CAT(ld, SUF)(xt + (long)d * ldx + l);
+#pragma GCC unroll 8
+            for (int k = 0; k < KB; k++) acc[k] += W[k * ldw + d] * xv;
+        }
+        for (int k = 0; k < KB; k++) CAT(st, SUF)(out + k * RB + l, acc[k]);
     }
 }
 
@@ -206,14 +223,21 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
     REAL *TT = calloc((size_t)Kp * RB, sizeof(REAL));
     /* per-lane partial sums over rows: column sums of dL/dlogits [class][lane], then dL/dgamma */
     REAL *acc = calloc((size_t)(Kp + 1) * RB, sizeof(REAL));
+    /* small D: the episode's rows also stored transposed, padded to whole blocks (read by dots_t) */
+    int small = D <= SMALL_D;
+    long np = (long)(n + RB - 1) / RB * RB;
+    REAL *XT = small ? calloc((size_t)np * D, sizeof(REAL)) : NULL;
     REAL rr[RB], ff[RB];
-    int ok = Wp && GX && m && v && grad && w2 && ST && ZT && LT && TT && acc;
+    int ok = Wp && GX && m && v && grad && w2 && ST && ZT && LT && TT && acc && (!small || XT);
     const REAL omb1 = (REAL)(1.0 - b1), rb2 = (REAL)b2, omb2 = (REAL)(1.0 - b2), reps = (REAL)eps;
     for (int e = 0; ok && e < E; e++) {
         const REAL *xe = x + (long)e * n * D, *te = targets + e * t_es, *re = r + e * r_es;
         const REAL *fe = free_ ? free_ + e * f_es : NULL;
         REAL *We = Wout + (long)e * F;
         REAL gamma = gamma_out[e];
+        if (small)
+            for (int i = 0; i < n; i++)
+                for (int d = 0; d < D; d++) XT[(long)d * np + i] = xe[(long)i * D + d];
         for (int k = 0; k < K; k++) memcpy(Wp + (long)k * D, We + (long)k * D, sizeof(REAL) * D);
         memset(m, 0, sizeof(REAL) * (F + 1));
         memset(v, 0, sizeof(REAL) * (F + 1));
@@ -229,6 +253,10 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
                 int nb = n - i0 < RB ? n - i0 : RB;
                 const REAL *xr[RB];
                 for (int b = 0; b < RB; b++) xr[b] = xe + (long)(i0 + (b < nb ? b : nb - 1)) * D;
+                if (small)
+                    for (int kg = 0; kg < Kp; kg += KB)
+                        CAT(dots_t, SUF)(XT + i0, np, Wp + (long)kg * D, D, D, ST + kg * RB);
+                else
                 for (int b = 0; b < nb; b += 2)
                     for (int kg = 0; kg < Kp; kg += KB) {
                         REAL o[2][KB];
@@ -319,6 +347,7 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
     free(LT);
     free(TT);
     free(acc);
+    free(XT);
     return ok ? 0 : -1;
 }
 #undef V
