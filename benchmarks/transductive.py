@@ -8,9 +8,13 @@ per class on average (75 in all), shots 1 and 5, ``--imbalance`` none (balanced)
 concentrations 0.5, 1, 2 (alpha-TIM's protocol) and 5. ``--ways 5,20 --query-classes 1,2,3,4,5``
 sweeps PADDLE's setting: queries from only N of the way classes (N x 15 queries).
 ``--rows`` keeps only some rows (labels or method names, comma-separated).
-Every method sees the same episodes (paired). Writes ``transductive.md`` (rows = methods, columns =
-imbalance x shot, mean +- 95% CI in %) and ``transductive.json`` into ``--out``; a run that is
-interrupted resumes from the settings already finished (``transductive.partial.json``).
+Every method sees the same episodes (paired). Each (row, way, query classes, imbalance, shot) cell
+is a record of ``transductive.results.jsonl`` in ``--out`` (:mod:`poodle.results`: its identity is
+the method's resolved options, the episode settings and the cache's content fingerprint), so a
+re-run, or an interrupted one, solves only the cells that file lacks for this cache, and ``poodle
+report`` reads it. From the records it writes ``transductive.md`` (rows = methods, columns =
+settings, mean +- 95% CI in %, built by :mod:`poodle.report`: the significant best of a column in
+bold) and ``transductive.json``.
 
 Part 2 (throughput): each method's episodes/s on the standard workload (D=640, 5-way, 1-shot,
 15 queries per class, random clustered features), batched (one call over ``--tp-batch`` episodes)
@@ -43,8 +47,10 @@ import torch
 from poodle import solvers
 from poodle.cache import list_splits, read_split, write_arrays
 from poodle.episodes import EpisodeSpec, sample_episodes
-from poodle.evaluate import choose_chunk, evaluate, summarize
+from poodle.evaluate import choose_chunk, evaluate
 from poodle.negatives import NegativeSpec
+from poodle.report import Result, Table, build_table, to_markdown
+from poodle.results import ResultsFile, cache_identity, identity_key, make_identity, make_record, record_flat
 from poodle.solvers import EpisodeBatch
 from poodle.utils import atomic_path, parse_size, resolve_device
 
@@ -53,6 +59,8 @@ from poodle.utils import atomic_path, parse_size, resolve_device
 SPREAD = 2.5
 
 BETAS = [0.0, 0.5, 0.75, 1.0]
+QUERY = 15  # queries per queried class (on average, with --imbalance)
+RESULTS_FILE = "transductive.results.jsonl"
 
 # (label, method, options): the table's rows, in order
 ROWS: list[tuple[str, str, dict[str, Any]]] = [
@@ -88,14 +96,6 @@ def setting_key(way: int, qc: int | None, kappa: float | None, shot: int) -> str
     if way != 5 or qc is not None:
         key = f"{way}-way/N={'all' if qc is None else qc}/" + key
     return key
-
-
-def setting_label(way: int, qc: int | None, kappa: float | None, shot: int, ways: list[int]) -> str:
-    parts = [] if ways == [5] else [f"{way}-way"]
-    if qc is not None:
-        parts.append(f"N={qc}")
-    parts.append("balanced" if kappa is None else f"kappa={imb_key(kappa)}")
-    return " ".join(parts + [f"{shot}-shot"])
 
 
 def settings(args: argparse.Namespace) -> list[tuple[int, int | None, float | None, int]]:
@@ -154,10 +154,50 @@ def find_cache(arg: str | None, tmp: Path) -> tuple[Path, str]:
     return synthetic_cache(tmp), f"SYNTHETIC clustered random features (D=128, noise {SPREAD}; no glyphs cache found)"
 
 
+def episode_settings(way: int, qc: int | None, kappa: float | None, shot: int, args: argparse.Namespace) -> dict:
+    """A setting's episode fields, as the results layer records them."""
+    return {
+        "split": "test",
+        "way": way,
+        "shot": shot,
+        "query": QUERY,
+        "imbalance": kappa,
+        "seed": args.seed,
+        "episodes": args.episodes,
+        "query_classes": qc,
+    }
+
+
+def cell_identity(
+    cache_id: str, episode: dict[str, Any], method: str, options: dict[str, Any], n_neg: int
+) -> dict[str, Any]:
+    """The results-layer identity of one row on one setting: the method's resolved options, base
+    negatives only where the configured method reads them (POODLE with beta > 0)."""
+    cfg = solvers.make_config(method, options, strict=True)
+    info = solvers.get(method)
+    uses = info.needs_negatives(cfg)
+    return make_identity(
+        cache_id=cache_id,
+        episode=episode,
+        negatives="base" if uses else "none",
+        n_neg=n_neg if uses else None,
+        method=method,
+        options=solvers.config_dict(cfg),
+        transductive=info.is_transductive(cfg),
+    )
+
+
 def run_accuracy(cache: Path, source: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Solve every (setting, row) cell that ``out/transductive.results.jsonl`` does not hold yet for
+    this cache (looked up by identity) and return the records of all of them, by setting and label."""
     test = read_split(cache, "test")
-    rows = chosen_rows(ROWS, args.rows)
-    prows = chosen_rows(POODLE_ROWS, args.rows)
+    comp_rows = chosen_rows(ROWS, args.rows)
+    poodle_rows = chosen_rows(POODLE_ROWS, args.rows)
+    rows = comp_rows + poodle_rows
+    if not rows:
+        raise SystemExit(
+            f"--rows {args.rows!r} matches no row; rows: {', '.join(lab for lab, _, _ in ROWS + POODLE_ROWS)}"
+        )
     meta = {
         "features": source,
         "episodes": args.episodes,
@@ -165,92 +205,114 @@ def run_accuracy(cache: Path, source: str, args: argparse.Namespace, out: Path) 
         "shots": args.shots,
         "seed": args.seed,
         "ways": args.ways,
-        "query": 15,
+        "query": QUERY,
         "query_classes": args.query_classes,
         "rows": args.rows,
         "n_neg": args.n_neg,
         "negatives": "base",
         "dim": test.dim,
     }
-    partial = out / "transductive.partial.json"
-    done: dict[str, Any] = {}
-    if partial.exists():
-        saved = json.loads(partial.read_text())
-        if saved.get("meta") == meta:
-            done = saved["results"]
-            print(f"resuming: {len(done)} setting(s) already done in {partial}", file=sys.stderr)
+    # every (setting, row) cell is a record of the results layer, found again by its identity (which
+    # holds the cache's content fingerprint): a re-run, or an interrupted one, solves only the cells
+    # missing for this very cache
+    results = ResultsFile(out / RESULTS_FILE, name="transductive-benchmark")
+    cache_id = cache_identity(cache)
+    order = {lab: i for i, (lab, _, _) in enumerate(rows)}
+    records: dict[str, dict[str, dict[str, Any]]] = {}
     for way, qc, kappa, shot in settings(args):
         key = setting_key(way, qc, kappa, shot)
-        if key in done:
+        episode = episode_settings(way, qc, kappa, shot, args)
+        idents = {lab: cell_identity(cache_id, episode, m, o, args.n_neg) for lab, m, o in rows}
+        found = {lab: results.get(identity_key(i)) for lab, i in idents.items()}
+        records[key] = {lab: r for lab, r in found.items() if r is not None}
+        missing = {lab for lab, r in found.items() if r is None}
+        if not missing:
+            print(f"{key:24s} all {len(rows)} cells taken from {results.path}", file=sys.stderr)
             continue
-        spec = EpisodeSpec(
-            split="test", way=way, shot=shot, query=15, imbalance=kappa, seed=args.seed, query_classes=qc
-        )
+        spec = EpisodeSpec.from_settings(episode)
         eps = sample_episodes(test.labels, spec, args.episodes, classes=test.classes)
         t0 = time.perf_counter()
-        accs: dict[str, Any] = {}
-        secs: dict[str, float] = {}
-        if rows:
-            stats_c: dict[str, Any] = {}
-            accs.update(
-                evaluate(
-                    test,
-                    eps,
-                    [(lab, m, o) for lab, m, o in rows],
-                    device=args.device,
-                    chunk_size=args.chunk,
-                    stats=stats_c,
+        # competitors without negatives (chunks of --chunk), then POODLE with base negatives; each
+        # call's cells are appended as soon as it returns
+        todo_c = [r for r in comp_rows if r[0] in missing]
+        todo_p = [r for r in poodle_rows if r[0] in missing]
+        for todo, kw in (
+            (todo_c, {"chunk_size": args.chunk}),
+            (todo_p, {"negatives": NegativeSpec("base", args.n_neg), "cache_path": cache}),
+        ):
+            if not todo:
+                continue
+            stats: dict[str, Any] = {}
+            accs = evaluate(test, eps, todo, device=args.device, stats=stats, **kw)
+            for lab, a in accs.items():
+                rec = make_record(
+                    idents[lab],
+                    a.tolist(),
+                    label=lab,
+                    cache=str(cache),
+                    index=order[lab],
+                    group=key,
+                    seconds=stats["seconds"][lab],
                 )
-            )
-            secs.update(stats_c["seconds"])
-        if prows:
-            stats_p: dict[str, Any] = {}
-            accs.update(
-                evaluate(
-                    test,
-                    eps,
-                    [(lab, m, o) for lab, m, o in prows],
-                    device=args.device,
-                    negatives=NegativeSpec("base", args.n_neg),
-                    cache_path=cache,
-                    stats=stats_p,
-                )
-            )
-            secs.update(stats_p["seconds"])
-        done[key] = {
-            lab: {"mean": 100 * summarize(a)[0], "ci": 100 * summarize(a)[1], "seconds": secs[lab]}
-            for lab, a in accs.items()
-        }
+                results.append(rec)
+                records[key][lab] = rec
+        taken = len(rows) - len(missing)
         print(
             f"{key:24s} {time.perf_counter() - t0:7.1f}s  "
-            + "  ".join(f"{lab.split(' ')[0]}={v['mean']:.1f}" for lab, v in done[key].items()),
+            + (f"({taken} cells taken from the results file)  " if taken else "")
+            + "  ".join(f"{lab.split(' ')[0]}={100 * records[key][lab]['mean']:.1f}" for lab, _, _ in rows),
             file=sys.stderr,
         )
-        with atomic_path(partial) as tmp:
-            tmp.write_text(json.dumps({"meta": meta, "results": done}, indent=1))
     return {
         "meta": meta,
-        "results": done,
-        "rows": [lab for lab, _, _ in rows + prows],
-        "imbalance": [imb_key(k) for k in args.imbalance],
-        "shots": args.shots,
-        "settings": [[w, qc, imb_key(k), s] for w, qc, k, s in settings(args)],
-        "ways": args.ways,
+        "results_file": str(results.path),
+        "records": records,
+        "rows": [lab for lab, _, _ in rows],
+        "settings": settings(args),
     }
 
 
+def accuracy_summary(acc: dict[str, Any]) -> dict[str, Any]:
+    """The accuracy part of ``transductive.json``: mean and CI (%) and seconds by setting and label."""
+    return {
+        "meta": acc["meta"],
+        "results_file": acc["results_file"],
+        "results": {
+            key: {
+                lab: {"mean": 100 * r["mean"], "ci": 100 * r["ci95"], "seconds": r.get("seconds"), "key": r["key"]}
+                for lab, r in by_label.items()
+            }
+            for key, by_label in acc["records"].items()
+        },
+        "rows": acc["rows"],
+        "settings": [[w, qc, imb_key(k), s] for w, qc, k, s in acc["settings"]],
+        "ways": acc["meta"]["ways"],
+    }
+
+
+def accuracy_table(acc: dict[str, Any]) -> Table:
+    """The records as a :class:`poodle.report.Table`: a row per label, a column per setting (the
+    keys among way, query classes and imbalance that vary, and shot), the significant best of each
+    column in bold (paired t-test over the shared episodes)."""
+    cells: list[Result] = []
+    for lab in acc["rows"]:  # rows outer: the table lists labels in order of first appearance
+        for way, qc, kappa, shot in acc["settings"]:
+            r = acc["records"][setting_key(way, qc, kappa, shot)].get(lab)
+            if r is not None:
+                flat = {**record_flat(r), "label": lab}  # the label of this run (a record keeps its own)
+                cells.append(Result(flat, np.asarray(r["acc"], dtype=np.float64), acc["results_file"], len(cells)))
+    cols = [  # shot always named; the other keys where they vary
+        k
+        for i, k in enumerate(("way", "query_classes", "imbalance", "shot"))
+        if k == "shot" or len({s[i] for s in acc["settings"]}) > 1
+    ]
+    return build_table(cells, rows=["label"], cols=cols)
+
+
 def markdown_table(acc: dict[str, Any]) -> str:
-    cols = [(w, qc, None if k == "none" else float(k), s) for w, qc, k, s in acc["settings"]]
-    head1 = "| Method | " + " | ".join(setting_label(*c, acc["ways"]) for c in cols) + " |"
-    sep = "|---|" + "---|" * len(cols)
-    lines = [head1, sep]
-    for lab in acc["rows"]:
-        cells = []
-        for c in cols:
-            v = acc["results"].get(setting_key(*c), {}).get(lab)
-            cells.append("-" if v is None else f"{v['mean']:.2f} ± {v['ci']:.2f}")
-        lines.append(f"| {lab} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """The table as Markdown (:func:`poodle.report.to_markdown`, with its notes), rows headed "Method"."""
+    text = to_markdown(accuracy_table(acc))
+    return text.replace("| label |", "| Method |", 1)
 
 
 def standard_batch(n: int, dim: int = 640, shot: int = 1, seed: int = 0) -> EpisodeBatch:
@@ -343,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         "--episodes",
         type=int,
         default=500,
-        help="episodes per (shot, imbalance) setting (500: ~10 min on 2 quiet cores)",
+        help="episodes per (way, query classes, imbalance, shot) setting",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -400,12 +462,12 @@ def main(argv: list[str] | None = None) -> int:
             cache, source = find_cache(args.cache, Path(tmp))
             print(f"features: {source}", file=sys.stderr)
             acc = run_accuracy(cache, source, args, out)
-            report["accuracy"] = acc
+            report["accuracy"] = accuracy_summary(acc)
             md += [
                 f"Features: {source}; {args.episodes} episodes per setting, seed {args.seed}, "
-                f"{'/'.join(map(str, args.ways))}-way, 15 queries per queried class on average (N x 15 with "
-                f"N query classes), POODLE with {args.n_neg} base negatives. Accuracy in %, "
-                "mean ± 95% CI.",
+                f"{'/'.join(map(str, args.ways))}-way, {QUERY} queries per queried class on average "
+                f"(N x {QUERY} with N query classes), POODLE with {args.n_neg} base negatives; every cell is "
+                f"a record of {acc['results_file']}.",
                 "",
                 markdown_table(acc),
                 "",
@@ -424,9 +486,6 @@ def main(argv: list[str] | None = None) -> int:
     with atomic_path(out / "transductive.md") as tmp:
         tmp.write_text("\n".join(md))
     print("\n".join(md))
-    partial = out / "transductive.partial.json"
-    if partial.exists() and not args.skip_accuracy:
-        partial.unlink()
     return 0
 
 

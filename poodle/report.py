@@ -231,7 +231,8 @@ def _value_order(results: Sequence[Result], key: str) -> dict[Any, tuple]:
 
 
 def format_value(key: str, v: Any, latex: bool = False) -> str:
-    """How an option value reads in a table header: ``1-shot``, ``inductive``, ``κ=0.5``."""
+    """How an option value reads in a table header: ``1-shot``, ``inductive``, ``κ=0.5``, ``N=3``
+    (query classes)."""
     if key == "shot":
         return f"{v}-shot"
     if key == "way":
@@ -240,6 +241,8 @@ def format_value(key: str, v: Any, latex: bool = False) -> str:
         return "transductive" if v else "inductive"
     if key == "imbalance":
         return "balanced" if v is None else (rf"$\kappa={_num(v)}$" if latex else f"κ={_num(v)}")
+    if key == "query_classes":  # queries from only N of the way classes (None: all of them)
+        return f"N={'all' if v is None else _num(v)}"
     if isinstance(v, bool):
         return "yes" if v else "no"
     if v is None:

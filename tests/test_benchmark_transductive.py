@@ -1,0 +1,78 @@
+"""benchmarks/transductive.py writes through the results layer: a re-run solves only the missing
+cells, a record of another cache is never reused, and the table is built from the records."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from poodle.results import read_results
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "transductive.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_transductive", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(bench, monkeypatch, cache, out, *extra):
+    solved: list[str] = []
+    real = bench.evaluate
+
+    def counting(features, eps, methods, **kw):
+        solved.extend(lab for lab, _, _ in methods)
+        return real(features, eps, methods, **kw)
+
+    monkeypatch.setattr(bench, "evaluate", counting)
+    argv = ["--cache", str(cache), "--episodes", "4", "--shots", "1", "--n-neg", "16", "--chunk", "4"]
+    argv += ["--skip-throughput", "--out", str(out), *extra]
+    assert bench.main(argv) == 0
+    return solved
+
+
+def test_records_resume_and_table(bench, monkeypatch, tmp_path):
+    cache = bench.synthetic_cache(tmp_path / "a", dim=16)
+    out = tmp_path / "out"
+    rows = ["--imbalance", "none,1", "--rows", "proto,kmeans,POODLE-B beta=0.5"]
+    solved = _run(bench, monkeypatch, cache, out, *rows)
+    assert sorted(solved) == sorted(["Inductive (proto)", "k-means", "POODLE-B beta=0.5"] * 2)
+    res = read_results(out / bench.RESULTS_FILE)
+    assert len(res) == 6 and {r["cache_id"] for r in res.records} == {bench.cache_identity(cache)}
+    before = {r["key"]: r["acc"] for r in res.records}
+    md = (out / "transductive.md").read_text()
+    assert "| Method | balanced, 1-shot | κ=1, 1-shot |" in md and "| k-means |" in md
+    summary = json.loads((out / "transductive.json").read_text())["accuracy"]
+    assert set(summary["results"]) == {"1-shot/none", "1-shot/1"}
+    assert not list(out.glob("*.partial.json"))
+
+    # a row added: only its cells are solved, the others are taken from the file unchanged
+    solved = _run(
+        bench, monkeypatch, cache, out, "--imbalance", "none,1", "--rows", "proto,kmeans,bd-cspn,POODLE-B beta=0.5"
+    )
+    assert solved == ["BD-CSPN", "BD-CSPN"]
+    res = read_results(out / bench.RESULTS_FILE)
+    assert len(res) == 8 and all(res.get(k)["acc"] == acc for k, acc in before.items())
+    assert "| BD-CSPN |" in (out / "transductive.md").read_text()
+
+    # the same cells on another cache are all solved again, and the first cache's records stay
+    other = bench.synthetic_cache(tmp_path / "b", dim=16, seed=1)
+    solved = _run(bench, monkeypatch, other, out, *rows)
+    assert len(solved) == 6
+    assert len(read_results(out / bench.RESULTS_FILE)) == 14
+
+
+def test_query_classes_columns(bench, monkeypatch, tmp_path):
+    cache = bench.synthetic_cache(tmp_path, dim=16)
+    out = tmp_path / "out"
+    _run(bench, monkeypatch, cache, out, "--imbalance", "none", "--query-classes", "all,2", "--rows", "proto")
+    md = (out / "transductive.md").read_text()
+    assert "| Method | N=all, 1-shot | N=2, 1-shot |" in md
+    recs = read_results(out / bench.RESULTS_FILE).records
+    assert sorted(str(r["episode"].get("query_classes")) for r in recs) == ["2", "None"]
