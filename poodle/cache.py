@@ -47,7 +47,9 @@ import h5py
 import numpy as np
 import torch
 
+from poodle import __version__
 from poodle.errors import CacheError
+from poodle.utils import atomic_path
 
 FORMAT = "poodle-features"
 VERSION = 2
@@ -440,8 +442,6 @@ def make_root_attrs(
     **extra: Any,
 ) -> dict[str, Any]:
     """Root attributes of a new cache (``created`` is now, ``poodle_version`` this package's)."""
-    from poodle import __version__
-
     attrs: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -518,8 +518,6 @@ def write_arrays(
     ``transform`` default to "none", 0, "none"). The file is validated before it appears under
     ``path``; on any error nothing is left there. Returns ``path``.
     """
-    from poodle.utils import atomic_path
-
     path = Path(path)
     if dtype not in FEATURE_DTYPES:
         raise CacheError(f"dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
@@ -587,7 +585,7 @@ def cache_lock(cache_path: str | os.PathLike) -> Iterator[None]:
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
-            import fcntl
+            import fcntl  # POSIX only: imported here so that the module loads elsewhere
         except ImportError:  # not POSIX: no inter-process lock available
             pass
         else:

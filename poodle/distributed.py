@@ -38,6 +38,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from poodle.errors import ConfigError, PoodleError
+from poodle.evaluate import _resolve_methods, evaluate
+from poodle.utils import resolve_device
 
 DEFAULT_TIMEOUT_S = 3600
 
@@ -211,8 +213,6 @@ def evaluate_shared(
     Other ranks get None. ``progress`` is called on rank 0 only (for its share); ``stats`` on rank 0
     gets ``seconds`` per label as the slowest rank's, and ``processes``.
     """
-    from poodle.evaluate import _resolve_methods, evaluate
-
     labels = [label for label, _, _ in _resolve_methods(methods)]
     r = d.share(len(episodes))
     local: dict[str, Any] = {}
@@ -326,8 +326,6 @@ def init(device: str | torch.device = "auto") -> Dist:
     each process's GPU is its local rank. Without torchrun this is :func:`poodle.utils.resolve_device`.
     """
     global _CURRENT
-    from poodle.utils import resolve_device
-
     world, rank, local = env_world()
     if world == 1:
         return Dist(device=resolve_device(device))

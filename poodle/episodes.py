@@ -35,13 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import h5py
 import numpy as np
 import torch
 from torch import Tensor
 
 from poodle import defaults
 from poodle.errors import ConfigError, EpisodeError
-from poodle.utils import atomic_path, check_seed, generator
+from poodle.utils import atomic_path, check_output, check_seed, generator
 
 FORMAT = "poodle-episodes"
 VERSION = 1
@@ -418,10 +419,6 @@ class EpisodeStream:
 
 def save_episodes(path: str | os.PathLike, eps: EpisodeSet, **attrs: object) -> Path:
     """Write ``eps`` to HDF5 (layout in docs/stage2.md; extra ``attrs`` are stored too), atomically."""
-    import h5py
-
-    from poodle.utils import check_output
-
     path = Path(path)
     try:
         check_output(path, "episodes", what="episode file")
@@ -452,8 +449,6 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
     Shapes and labels are validated; with ``labels [N]`` of the split (and ``pool_size`` of the
     negative pool) the indices are checked against the cache too. EpisodeError names the problem.
     """
-    import h5py
-
     path = Path(path)
     if not path.is_file():
         raise EpisodeError(f"{path}: no such episodes file")

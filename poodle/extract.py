@@ -16,10 +16,13 @@ import os
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Sequence, cast
 
+import h5py
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from poodle import backbones, distributed
+from poodle import cache_shares as cs
 from poodle.cache import (
     FEATURE_DTYPES,
     SplitWriter,
@@ -29,8 +32,10 @@ from poodle.cache import (
     read_attrs,
     samples_digest,
 )
-from poodle.cache_shares import share_files
+from poodle.data import ImageDataset, resolve_dataset
+from poodle.data.transforms import eval_transform, native_eval_transform
 from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
+from poodle.utils import check_writable_dir, file_sha256
 
 ProgressFactory = Callable[[str, int], ContextManager[Callable[[int], None]]]
 
@@ -146,11 +151,6 @@ def extract(
     Returns:
         The cache path. Every requested split is complete in it.
     """
-    from poodle import backbones, distributed
-    from poodle.data import ImageDataset, resolve_dataset
-    from poodle.data.transforms import eval_transform, native_eval_transform
-    from poodle.utils import check_writable_dir, file_sha256
-
     # Under torchrun every rank runs this function: the checks on every rank (they agree), the
     # writing of the final cache on rank 0 only, which alone reports (see poodle.distributed).
     d = distributed.init(device)
@@ -277,7 +277,7 @@ def extract(
     for split in todo:
         source_classes = source.classes(split)
         ds = ImageDataset(source, split, tf, on_error="sentinel")
-        if d.enabled or share_files(out, split):
+        if d.enabled or cs.share_files(out, split):
             _extract_shared(
                 d,
                 model,
@@ -350,8 +350,6 @@ def _extract_shared(
     force: bool,
 ) -> None:
     """One split across the ranks of ``d``: plan on rank 0, a share per rank, merge on rank 0."""
-    from poodle import cache_shares as cs
-
     n, dim = len(ds), int(cast(int, model.feature_dim))
     key = cs.share_key(digest, n, dim, dtype, root_attrs, batch_size)
     pieces = None
@@ -420,8 +418,6 @@ def _complete_splits(
     say: Callable[[str], None],
 ) -> set[str]:
     """Requested splits already complete in ``out`` and made from the same images; refuse a mismatch."""
-    import h5py
-
     done = set()
     with h5py.File(out, "r") as f:
         for s in split_list:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from poodle import defaults
+from poodle.cache import read_split
 from poodle.errors import CacheError, ConfigError
 from poodle.utils import generator
 
@@ -76,8 +77,6 @@ _POOLS: dict[tuple[str, str, int, int], Tensor] = {}
 def load_pool(source: str, cache_path: Path | str | None, dim: int | None = None) -> Tensor:
     """The pool's features ``[N, D]`` float32 (L2-normalised), read once per (file, split) and kept
     in memory. ConfigError/CacheError when the file or split is missing or ``dim`` differs."""
-    from poodle.cache import read_split
-
     path, split = pool_location(source, cache_path)
     if not path.is_file():
         raise ConfigError(f"negative pool {source!r}: no such cache file {str(path)!r}")

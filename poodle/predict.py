@@ -28,8 +28,15 @@ from typing import Any
 
 import torch
 
+from poodle import solvers
+from poodle.cache import read_attrs, read_split
 from poodle.data.sources import IMAGE_EXTENSIONS, DatasetSource
-from poodle.errors import CacheError, ConfigError, DataError
+from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
+from poodle.extract import extract
+from poodle.negatives import GENERATED, NEG_STREAM, NegativeSpec, generate
+from poodle.preprocess import Preprocessor, parse
+from poodle.solvers import EpisodeBatch
+from poodle.utils import atomic_path, file_sha256, generator, resolve_device
 
 UNLABELLED = "?"  # the class name of unlabelled query images inside the predict cache
 SEED = 0
@@ -200,8 +207,6 @@ def _digest(lists: Mapping[str, Sequence[tuple[str, str]]]) -> str:
 
 
 def _check_base_cache(path: Path, backbone: str, sha: str) -> None:
-    from poodle.cache import read_attrs
-
     attrs = read_attrs(path)
     if attrs["backbone"] != backbone or attrs["checkpoint_sha256"] != sha:
         raise ConfigError(
@@ -249,14 +254,6 @@ def predict(
             then) or ``power[:BETA]``.
         cache_dir: keep the features there for the next call (else a temporary folder).
     """
-    from poodle import solvers
-    from poodle.cache import read_split
-    from poodle.extract import extract
-    from poodle.negatives import GENERATED, NEG_STREAM, NegativeSpec, generate
-    from poodle.preprocess import Preprocessor, parse
-    from poodle.solvers import EpisodeBatch
-    from poodle.utils import file_sha256, generator, resolve_device
-
     say = log or (lambda msg: None)
     support, query = list(support), list(query)
     if not support:
@@ -304,8 +301,6 @@ def predict(
     if checkpoint is not None:
         ck = Path(checkpoint).expanduser()
         if not ck.is_file():
-            from poodle.errors import CheckpointError
-
             raise CheckpointError(f"checkpoint {ck} does not exist")
         sha = file_sha256(ck)
     base_path = None
@@ -402,8 +397,6 @@ def predict(
 
 def write_csv(result: Prediction, path: str | os.PathLike) -> Path:
     """``path,prediction,confidence,prob_<class>...`` (one row per query, in order), atomically."""
-    from poodle.utils import atomic_path
-
     path = Path(path)
     with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)

@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from poodle.errors import ConfigError, DataError
+from poodle.cache import list_splits, read_split
+from poodle.errors import CacheError, ConfigError, DataError
+from poodle.negatives import GENERATED, load_pool, pool_location
 
 KINDS = ("l2n", "cl2n", "power")
 DEFAULT_BETA = 0.5  # PT-MAP's default
@@ -144,8 +146,6 @@ class Preprocessor:
         p = parse(spec)
         base = None
         if p.needs_base:
-            from poodle.cache import list_splits, read_split
-
             if cache_path is None:
                 raise ConfigError("--preprocess cl2n needs a cache with a train split (the base classes)")
             if BASE_SPLIT not in list_splits(cache_path):
@@ -194,10 +194,6 @@ class Preprocessor:
     def pool(self, source: str, cache_path: str | Path | None, dim: int | None = None) -> Tensor | None:
         """The transformed negative pool of ``source`` (``base`` or ``FILE[:SPLIT]``), or None for
         generated negatives and ``none``."""
-        from poodle.cache import read_split
-        from poodle.errors import CacheError
-        from poodle.negatives import GENERATED, load_pool, pool_location
-
         if source in GENERATED or source == "none":
             return None
         if self.is_identity:

@@ -26,6 +26,7 @@ from poodle.evaluate import prepare_negatives
 from poodle.negatives import NegativeSpec, pool_location
 from poodle.preprocess import Preprocessor
 from poodle.results import ResultsFile, cache_identity, make_identity, make_record
+from poodle.utils import check_output
 
 # Parameters that choose the episodes; they cannot be combined with ``episodes_from``.
 EPISODE_PARAMS = ("split", "way", "shot", "query", "episodes", "seed", "imbalance", "query_classes")
@@ -104,8 +105,6 @@ def check_outputs(
 ) -> None:
     """Before any work: the output files must be writable, of their own kind (an episode file, a
     results file; never a cache or another kind of file, judged by content) and never an input."""
-    from poodle.utils import check_output
-
     inputs = [cache, episodes_from, negatives.split(":")[0] if negatives else None]
     if save_episodes_to is not None and out is not None and Path(save_episodes_to).resolve() == Path(out).resolve():
         raise ConfigError(f"--save-episodes and --out both name {out}; give two files")

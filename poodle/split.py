@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from poodle import __version__
 from poodle.data.sources import _is_image
 from poodle.errors import ConfigError, DataError
 from poodle.utils import atomic_path
@@ -121,8 +122,6 @@ def make_split(
 ) -> dict[str, Any]:
     """Write the pool and test split files of ``data_root`` into ``out``; returns the record written
     to ``out/split.json``. An existing ``out`` made with other settings is refused without ``force``."""
-    from poodle import __version__
-
     root = Path(data_root).expanduser().resolve()
     out = Path(out)
     if setting not in SETTINGS:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
+import tempfile
+import uuid
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import h5py
 import numpy as np
 import torch
 
@@ -91,8 +95,6 @@ def check_writable_dir(path: str | os.PathLike, what: str = "output") -> None:
     missing, the nearest existing ancestor, where it would be made):
     checked before the work starts, so an unwritable place fails in a second, not after the run. A
     real probe file is created and removed, since permission bits do not tell (root, read-only mounts)."""
-    import tempfile
-
     p = Path(path)
     parent = p.parent
     probe = parent
@@ -141,8 +143,6 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".partial") -> Iterator[P
     An interrupted write therefore never leaves a file under the final name. The temporary name
     holds the process id and a random part, so concurrent writers never share one.
     """
-    import uuid
-
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,8 +177,6 @@ def file_kind(path: str | os.PathLike) -> str | None:
     """What an existing file holds, judged by content: ``cache``, ``partial``, ``episodes``,
     ``results`` (``poodle solve --json``), ``grid-results``, ``hdf5``, ``json``, ``empty``, ``other``,
     ``directory``; ``None`` when nothing is there."""
-    import json
-
     p = Path(path)
     if not p.exists():
         return None
@@ -190,8 +188,6 @@ def file_kind(path: str | os.PathLike) -> str | None:
             if not head:
                 return "empty"
             if head == _HDF5_SIGNATURE:
-                import h5py
-
                 try:
                     with h5py.File(p, "r") as h:
                         fmt = h.attrs.get("format")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +35,8 @@ WRAPPERS = ("state_dict", "model")
 
 def _read_safetensors(p: Path) -> dict[str, torch.Tensor]:
     try:
+        # optional in practice (only .safetensors files need it; the dev venvs lack it): without it every
+        # other checkpoint still loads and a .safetensors one gets the install hint below
         from safetensors import SafetensorError
         from safetensors.torch import load_file
     except ImportError:
@@ -100,8 +103,6 @@ def _refused_globals(path: Path, text: str) -> list[str]:
     """The globals (``module.Name``) that made the weights-only load fail, or [] if that was not the
     cause. torch >= 2.5 lists them without unpickling (``get_unsafe_globals_in_checkpoint``); the
     error text (whose wording changes between versions) is only the fallback."""
-    import re
-
     if not re.search(r"global", text, re.IGNORECASE):
         return []
     lister = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)

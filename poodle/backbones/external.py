@@ -30,7 +30,11 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+import torch.hub
+import torchvision
 from torch import nn
+from torchvision import transforms as T
+from torchvision.transforms import InterpolationMode
 
 from poodle.backbones.base import Backbone
 from poodle.errors import ConfigError
@@ -56,7 +60,7 @@ def split_name(name: str) -> tuple[str, str]:
 def import_timm() -> Any:
     """The timm module, or a ConfigError saying how to install it."""
     try:
-        import timm
+        import timm  # optional dependency (poodle[timm]): imported only when a timm: backbone is used
         import timm.data
     except ImportError:
         raise ConfigError(TIMM_HINT) from None
@@ -71,7 +75,6 @@ def file_stem(name: str) -> str:
 @contextlib.contextmanager
 def no_downloads(name: str) -> Iterator[None]:
     """Make every weight-download entry point raise a ConfigError naming ``name`` while inside."""
-    import torch.hub
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         url = next((a for a in args if isinstance(a, str)), kwargs.get("url", ""))
@@ -85,7 +88,7 @@ def no_downloads(name: str) -> Iterator[None]:
         (torch.hub, "download_url_to_file", refuse),
     ]
     try:
-        import huggingface_hub
+        import huggingface_hub  # optional (comes with timm): patched only where it is installed
 
         patches += [(huggingface_hub, "hf_hub_download", refuse), (huggingface_hub, "snapshot_download", refuse)]
     except ImportError:
@@ -111,8 +114,6 @@ def no_downloads(name: str) -> Iterator[None]:
 
 def torchvision_names() -> list[str]:
     """Classification model builders of torchvision, sorted."""
-    import torchvision
-
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
@@ -151,8 +152,6 @@ class EvalTransformSpec:
 
     def build(self) -> Callable[[Any], torch.Tensor]:
         """PIL RGB image -> float32 ``[3, crop, crop]`` tensor."""
-        from torchvision import transforms as T
-
         mode = T.InterpolationMode(self.interpolation)
         tf = T.Compose(
             [
@@ -192,7 +191,7 @@ def eval_transform_spec(
         cfg = timm.get_pretrained_cfg(model)
         if cfg is None:
             raise ConfigError(f"timm has no model {model!r} (poodle extract --list-backbones lists them)")
-        from timm.data import resolve_data_config
+        from timm.data import resolve_data_config  # optional dependency, as in import_timm
 
         dc = resolve_data_config(pretrained_cfg=cfg.to_dict())
         if dc.get("crop_mode", "center") != "center":
@@ -205,9 +204,6 @@ def eval_transform_spec(
         return EvalTransformSpec(
             crop, resize, interp, tuple(map(float, dc["mean"])), tuple(map(float, dc["std"])), "timm data config"
         )
-    import torchvision
-    from torchvision.transforms import InterpolationMode
-
     _builder(model)
     kw: dict[str, Any] = {}
     try:
@@ -229,8 +225,6 @@ def eval_transform_spec(
 
 
 def _builder(model: str) -> Callable[..., nn.Module]:
-    import torchvision
-
     if model not in torchvision.models.list_models(module=torchvision.models):
         raise ConfigError(
             f"torchvision has no classification model {model!r} (poodle extract --list-backbones lists them)"

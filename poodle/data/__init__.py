@@ -1,5 +1,6 @@
-"""Datasets: where images are (:mod:`poodle.data.sources`), how they are transformed
-(:mod:`poodle.data.transforms`), and a torch Dataset over one split (:class:`ImageDataset`).
+"""Datasets: where images are (:mod:`poodle.data.sources`; :mod:`poodle.data.resolve` picks the source
+of a dataset name), how they are transformed (:mod:`poodle.data.transforms`), and a torch Dataset
+over one split (:class:`ImageDataset`).
 
     >>> from poodle.data import resolve_dataset, ImageDataset
     >>> from poodle.data.transforms import eval_transform
@@ -18,8 +19,10 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
+from PIL import Image
 from torch.utils.data import Dataset, get_worker_info
 
+from poodle.data.resolve import resolve_dataset
 from poodle.data.sources import (
     IMAGE_EXTENSIONS,
     NAMES,
@@ -27,7 +30,6 @@ from poodle.data.sources import (
     CubSource,
     DatasetSource,
     FolderSource,
-    resolve_dataset,
 )
 from poodle.data.transforms import eval_transform, load_rgb, train_transform
 from poodle.errors import ConfigError, DataError
@@ -106,8 +108,6 @@ class ImageDataset(Dataset):
     def _sentinel_shape(self) -> tuple[int, ...]:
         if self._shape is None:
             # Same shape as a good image, so batches still collate: transform a blank image once.
-            from PIL import Image
-
             self._shape = tuple(self.transform(Image.new("RGB", (256, 256))).shape)
         return self._shape
 

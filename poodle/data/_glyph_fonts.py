@@ -16,8 +16,12 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
+import matplotlib
 import numpy as np
+from fontTools.ttLib import TTFont
+from scipy import ndimage
 
+from poodle.data._glyph_render import clean_frame
 from poodle.errors import DataError
 
 # Alphabets in priority order: when two characters render alike, the one from the earlier
@@ -120,10 +124,6 @@ class GlyphClass:
 
 def font_dir() -> Path:
     """The folder of TrueType files shipped by the installed matplotlib."""
-    try:
-        import matplotlib
-    except ImportError as e:  # pragma: no cover - matplotlib is a dependency
-        raise DataError("glyphs: matplotlib is not installed; its fonts make the dataset") from e
     return Path(matplotlib.get_data_path()) / "fonts" / "ttf"
 
 
@@ -150,8 +150,6 @@ def fonts_digest(fs: tuple[Face, ...]) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=64)
 def _cmap(path: str) -> frozenset[int]:
-    from fontTools.ttLib import TTFont
-
     try:
         cmap = TTFont(path, lazy=True).getBestCmap() or {}
     except Exception as e:  # noqa: BLE001 - any parse failure is a broken font file
@@ -202,8 +200,6 @@ def candidates(fs: tuple[Face, ...]) -> list[tuple[int, str, tuple[str, ...]]]:
 
 def _outlines(imgs: np.ndarray) -> np.ndarray:
     """Gradient magnitude of lightly smoothed renders, ``[n, S, S]`` -> ``[n, S, S]``."""
-    from scipy import ndimage
-
     smooth = ndimage.gaussian_filter(imgs, (0, 0.6, 0.6))
     # Sobel along rows and columns only (ndimage.sobel would also smooth across the batch).
     diff, tri = [-1.0, 0.0, 1.0], [1.0, 2.0, 1.0]
@@ -215,8 +211,6 @@ def _outlines(imgs: np.ndarray) -> np.ndarray:
 def clean_renders(cands, fs: tuple[Face, ...]) -> list[dict[str, np.ndarray]]:
     """Clean DEDUP_SIZE renders ``{face: [S, S] ink}`` of every candidate, leaving out the faces
     whose outline is empty although their character map claims the code point."""
-    from poodle.data._glyph_render import clean_frame
-
     path = {f.name: f.path for f in fs}
     out = []
     for cp, _, have in cands:
@@ -260,8 +254,6 @@ def local_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> floa
     """Mean over common faces of the largest blurred pixel difference: near 0 when two glyphs
     are the same drawing, large when some part (an arrow head, a bar, a tail) exists in only one,
     however small that part is relative to the whole glyph."""
-    from scipy import ndimage
-
     common = [f for f in a if f in b]
     if not common:
         return math.inf

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import platform
 import shutil
@@ -23,7 +24,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import matplotlib
 import numpy as np
+import PIL
+import scipy
+from PIL import Image, ImageDraw, ImageFont, features
 
 from poodle.data._glyph_fonts import (
     ALPHABETS,
@@ -180,11 +185,6 @@ def _checksum(files: Sequence[tuple[str, str]]) -> str:
 
 
 def _versions() -> dict[str, str]:
-    import matplotlib
-    import PIL
-    import scipy
-    from PIL import features
-
     return {
         "pillow": PIL.__version__,
         "freetype": str(features.version("freetype2")),
@@ -274,8 +274,6 @@ def generate_glyphs(
         for t in tasks:
             collect(_render_class(t))
     else:
-        import multiprocessing as mp
-
         # fork: workers inherit the loaded fonts and modules; spawn elsewhere.
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
@@ -488,8 +486,6 @@ def sample_grid(
     """A PNG of samples from a generated set: one row per class (``per_alphabet`` classes from
     every alphabet, labelled with the alphabet and split), a clean reference rendering of the
     character, then ``columns`` instances. Returns ``out_png``."""
-    from PIL import Image, ImageDraw, ImageFont
-
     root = Path(root)
     m = verify_glyphs(root)
     size, n = int(m["image_size"]), int(m["instances"])

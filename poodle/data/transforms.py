@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from PIL import Image, ImageEnhance
 from torchvision import transforms as T
@@ -42,8 +43,6 @@ def load_rgb(path: str | Path) -> Image.Image:
 
 
 def _wide_to_8bit(img: Image.Image) -> Image.Image:
-    import numpy as np
-
     a = np.asarray(img)
     a = a.astype(np.float64)
     if a.size == 0:

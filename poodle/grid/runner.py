@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from poodle import solvers
+from poodle import distributed, solvers
 from poodle.cache import SplitFeatures, read_split
 from poodle.defaults import NEGATIVE_KEYWORDS
 from poodle.episodes import EpisodeSet, EpisodeSpec, sample_episodes
@@ -28,6 +28,7 @@ from poodle.grid.spec import Cell, GridSpec, default_results_path, expand, grid_
 from poodle.negatives import NegativeSpec
 from poodle.preprocess import Preprocessor
 from poodle.results import ResultsFile, cache_identity, identity_key, make_record
+from poodle.utils import check_output
 
 
 @dataclass
@@ -220,15 +221,11 @@ def run_grid(
     t_start = time.perf_counter()
     cells = list(cells) if cells is not None else expand(spec)
     path = Path(out) if out is not None else default_results_path(spec.path)
-    from poodle.utils import check_output
-
     prints = fingerprints(spec, cells)
     keys = cell_keys(cells, prints)
     # Under torchrun (poodle.distributed) rank 0 alone reads and writes the results file and tells the
     # other ranks which cells are done; the calls (or, when fewer than the ranks, their episodes) are
     # shared out, and rank 0 appends every record in the one-process order.
-    from poodle import distributed
-
     d = distributed.init(device)
     results: ResultsFile | None = None
     done: dict[int, dict[str, Any]] = {}

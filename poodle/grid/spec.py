@@ -25,7 +25,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from poodle import solvers
 from poodle.defaults import EPISODE_KEYS, GENERAL_DEFAULTS, GENERAL_KEYS, NEGATIVE_KEYWORDS, OPTIONAL_EPISODE_KEYS
-from poodle.errors import ConfigError
+from poodle.episodes import EpisodeSpec
+from poodle.errors import ConfigError, EpisodeError
+from poodle.preprocess import parse
 from poodle.results import canonical_hash, jsonable, make_identity, record_flat
 
 if sys.version_info >= (3, 11):
@@ -92,8 +94,6 @@ def _check_general(where: str, key: str, v: Any) -> Any:
             )
         return v
     if key == "preprocess":
-        from poodle.preprocess import parse
-
         if not isinstance(v, str):
             raise ConfigError(f"{where}: option 'preprocess' expects l2n, cl2n or power[:BETA], got {v!r}")
         try:
@@ -103,9 +103,6 @@ def _check_general(where: str, key: str, v: Any) -> Any:
     if key in ("way", "shot", "query", "seed"):
         # the episode setting's own rule (EpisodeSpec.validate: way >= 2, a 63-bit seed), the one
         # the command line and the library get too
-        from poodle.episodes import EpisodeSpec
-        from poodle.errors import EpisodeError
-
         v = _check_int(where, key, v, 0 if key == "seed" else 1)
         try:
             EpisodeSpec(**{key: v}).validate()

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Callable
 
 from PIL import Image
+from torchvision import transforms as T
 
+from poodle.data import transforms
 from poodle.defaults import IMAGENET_MEAN, IMAGENET_STD
 from poodle.errors import ConfigError
 
@@ -23,8 +25,6 @@ def mild_crop_transform(image_size: int) -> Callable:
     For characters, where the paper's augmentation hurts: a horizontal flip turns many glyphs into
     other characters, and a crop of 8% of the area keeps a stroke fragment.
     """
-    from torchvision import transforms as T
-
     return T.Compose(
         [
             _ToRGB(),
@@ -38,8 +38,6 @@ def mild_crop_transform(image_size: int) -> Callable:
 def train_transform(kind: str, image_size: int) -> Callable:
     """``paper``: :func:`poodle.data.transforms.train_transform`; ``crop``: :func:`mild_crop_transform`;
     ``none``: the evaluation transform (resize, centre crop, normalise)."""
-    from poodle.data import transforms
-
     if kind == "paper":
         return transforms.train_transform(image_size)
     if kind == "crop":

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from poodle.errors import ConfigError
+from poodle.solvers.base import check_value
+from poodle.utils import check_seed
 
 RECIPES = ("simple", "rot", "rot-kd")
 AUGMENTATIONS = ("paper", "crop", "none")
@@ -128,9 +130,6 @@ class TrainConfig:
             raise ConfigError(f"unknown augmentation {self.augment!r}; choose one of {', '.join(AUGMENTATIONS)}")
         if self.teacher not in TEACHERS:
             raise ConfigError(f"--teacher must be one of {', '.join(TEACHERS)}, got {self.teacher!r}")
-        from poodle.solvers.base import check_value
-        from poodle.utils import check_seed
-
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             try:

@@ -19,21 +19,23 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from poodle import distributed
+from poodle.backbones import build, load_checkpoint, save_checkpoint
+from poodle.data import ImageDataset, resolve_dataset
+from poodle.data.transforms import eval_transform
 from poodle.errors import CheckpointError, ConfigError, DataError
+from poodle.train.augment import train_transform
 from poodle.train.config import TrainConfig, config_differences
 from poodle.train.losses import distill_kl, rotate_all, smooth_cross_entropy
 from poodle.train.state import capture_rng, restore_rng, seed_everything
-from poodle.utils import atomic_path, derive_seed
-
-if TYPE_CHECKING:
-    from poodle.data import ImageDataset
+from poodle.train.validate import Validator
+from poodle.utils import atomic_path, check_writable_dir, derive_seed
 
 CHECKPOINT_FORMAT = "poodle-train"
 
@@ -112,8 +114,6 @@ def _init_distributed(device_name: str) -> tuple[_Dist, torch.device]:
 
 
 def _dataset(cfg: TrainConfig, split: str, transform: Callable) -> ImageDataset:
-    from poodle.data import ImageDataset, resolve_dataset
-
     source = resolve_dataset(cfg.dataset, cfg.data_root, Path(cfg.cache_root))
     if split not in source.splits():
         raise DataError(f"dataset {cfg.dataset!r} has no {split!r} split (it has: {', '.join(source.splits())})")
@@ -121,8 +121,6 @@ def _dataset(cfg: TrainConfig, split: str, transform: Callable) -> ImageDataset:
 
 
 def _has_split(cfg: TrainConfig, split: str) -> bool:
-    from poodle.data import resolve_dataset
-
     return split in resolve_dataset(cfg.dataset, cfg.data_root, Path(cfg.cache_root)).splits()
 
 
@@ -194,8 +192,6 @@ def _set_counters(model: nn.Module, counters: dict[str, int]) -> None:
 
 
 def _build(cfg: TrainConfig, num_classes: int, generation: int) -> nn.Module:
-    from poodle.backbones import build
-
     seed_everything(cfg.seed, generation, 0)
     return build(cfg.backbone, num_classes=num_classes, rotation_head=cfg.rotation)
 
@@ -254,15 +250,10 @@ def train(
 
     with dist.guard():  # a refusal (existing run, other settings) is printed once, by rank 0
         if dist.main:
-            from poodle.utils import check_writable_dir
-
             if out.exists() and not out.is_dir():
                 raise ConfigError(f"output directory {out} is a file")
             check_writable_dir(out / "train.json", "output directory")
             _prepare_out(cfg, out, resume=resume, force=force)
-
-    from poodle.data.transforms import eval_transform
-    from poodle.train.augment import train_transform
 
     train_set = _dataset(cfg, "train", train_transform(cfg.augment, cfg.image_size))
     _, classes = dataset_labels(train_set)
@@ -276,8 +267,6 @@ def train(
         )
     validator = None
     if cfg.val_every > 0 and dist.main and _has_split(cfg, cfg.val_split):
-        from poodle.train.validate import Validator
-
         val_set = _dataset(cfg, cfg.val_split, eval_transform(cfg.image_size))
         val_labels, val_classes = dataset_labels(val_set)
         validator = Validator(
@@ -345,8 +334,6 @@ def _train_generation(
     budget: list[int | None],
     result: TrainResult,
 ) -> dict[str, Any]:
-    from poodle.backbones import load_checkpoint, save_checkpoint
-
     gdir = cfg.generation_dir(g)
     last, best = gdir / "last.pt", gdir / "best.pt"
     model = _build(cfg, len(classes), g)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from poodle.episodes import EpisodeSpec, sample_episodes
 from poodle.solvers import EpisodeBatch
 from poodle.solvers import run as run_solver
 
@@ -87,8 +88,6 @@ class Validator:
         seed: int,
         split: str = "val",
     ) -> None:
-        from poodle.episodes import EpisodeSpec, sample_episodes
-
         self.dataset = dataset
         spec = EpisodeSpec(split=split, way=way, shot=shot, query=query, seed=seed)
         self.episodes = sample_episodes(labels, spec, n_episodes, classes=classes)
