@@ -357,7 +357,7 @@ def test_torchrun_solve_and_grid_match_one_process(tmp_path, make_features, monk
     a, b = load_episodes(tmp_path / "one-eps.h5"), load_episodes(tmp_path / "two-eps.h5")
     for f in ("support", "query", "support_labels", "query_labels", "negatives", "index"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
-    assert r.stdout.count("accuracy %") == 1  # rank 0 alone prints the table
+    assert r.stdout.count("diff vs") == 1  # rank 0 alone prints the table
     assert _records(tmp_path / "part.jsonl") == _records(full.path)
     assert _records(tmp_path / "one-two.jsonl") == _records(tmp_path / "one-ref.jsonl")
     assert len((tmp_path / "part.jsonl").read_text().splitlines()) == 1 + 6  # header + 6 cells, none twice
