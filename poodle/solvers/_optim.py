@@ -70,6 +70,28 @@ class RowTerms:
     free: Tensor | None = None
 
 
+def _adam_step(
+    theta: Tensor,
+    grad: Tensor,
+    m: Tensor,
+    v: Tensor,
+    den: Tensor,
+    step: int,
+    lr: float,
+    b1: float,
+    b2: float,
+    eps: float,
+) -> None:
+    """One step of torch.optim.Adam (its single-tensor path), operation for operation, in place on
+    ``theta`` with moments ``m``, ``v`` and scratch ``den`` (all shaped like ``theta``)."""
+    m.lerp_(grad, 1 - b1)
+    v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+    step_size = lr / (1 - b1**step)
+    torch.sqrt(v, out=den)
+    den.div_((1 - b2**step) ** 0.5).add_(eps)
+    theta.addcdiv_(m, den, value=-step_size)
+
+
 def fit_weighted_distance(
     x: Tensor,
     terms: RowTerms,
@@ -164,15 +186,7 @@ def fit_weighted_distance(
         torch.addcmul(GX, W, colsum.unsqueeze(-1), value=-1.0, out=gW)  # strided gW runs per episode)
         gW.mul_(gamma)
 
-        # torch.optim.Adam (its single-tensor path), operation for operation
-        m.lerp_(grad, 1 - b1)
-        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        bias_correction1 = 1 - b1**step
-        bias_correction2 = 1 - b2**step
-        step_size = lr / bias_correction1
-        torch.sqrt(v, out=den)
-        den.div_(bias_correction2**0.5).add_(eps)
-        theta.addcdiv_(m, den, value=-step_size)
+        _adam_step(theta, grad, m, v, den, step, lr, b1, b2, eps)
     return W.clone(), gamma.clone()
 
 
@@ -241,12 +255,7 @@ def fit_logit_loss(
         torch.bmm(G, x, out=GX)
         torch.addcmul(GX, W, colsum.unsqueeze(-1), value=-1.0, out=gW)
         gW.mul_(gamma)
-        m.lerp_(grad, 1 - b1)
-        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        step_size = lr / (1 - b1**step)
-        torch.sqrt(v, out=den)
-        den.div_((1 - b2**step) ** 0.5).add_(eps)
-        theta.addcdiv_(m, den, value=-step_size)
+        _adam_step(theta, grad, m, v, den, step, lr, b1, b2, eps)
     return W.clone(), gamma.clone()
 
 
