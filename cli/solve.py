@@ -217,12 +217,18 @@ def solve(
     results_path,
 ) -> None:
     """Sample episodes from a feature cache and solve them all at once."""
+    from poodle import prefetch
+
+    path = _cache_path(cache, dataset, backbone, cache_root, tag)
+    if not episodes_from:  # (an episodes file names its own split)
+        # the cache read overlaps the import of torch below (see poodle.prefetch)
+        prefetch.start_for_solve(path, split, negatives)
+
     from poodle.distributed import env_world, share
     from poodle.solve import solve as run_solve
 
     methods = list(methods)
     per = solver_options(ctx, methods, sets)
-    path = _cache_path(cache, dataset, backbone, cache_root, tag)
     # only what the user gave: the library fills the defaults (and takes them from --episodes-from)
     given = {
         k: ctx.params[k]

@@ -28,6 +28,7 @@ from torch import Tensor
 from poodle import defaults
 from poodle.cache import read_split
 from poodle.errors import CacheError, ConfigError
+from poodle.prefetch import pool_location
 from poodle.utils import generator
 
 # Third component of the negatives' generator seed: keeps them independent of the episode draw.
@@ -56,19 +57,6 @@ class NegativeSpec:
     @property
     def is_none(self) -> bool:
         return self.source == "none"
-
-
-def pool_location(source: str, cache_path: Path | str | None) -> tuple[Path, str]:
-    """``(file, split)`` of a pool source (``base`` or ``FILE[:SPLIT]``)."""
-    if source == "base":
-        if cache_path is None:
-            raise ConfigError("negatives = base needs the cache file (its train split is the pool)")
-        return Path(cache_path), "train"
-    path, sep, split = source.rpartition(":")
-    # "C:\\x.h5" or a path without ":SPLIT": the whole text is the file
-    if not sep or not split or "/" in split or "\\" in split or not path:
-        return Path(source), "train"
-    return Path(path), split
 
 
 _POOLS: dict[tuple[str, str, int, int], Tensor] = {}

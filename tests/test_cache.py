@@ -268,3 +268,37 @@ def test_commit_keeps_other_splits_and_leaves_no_tmp(tmp_path):
     assert cache.list_splits(target) == ["train", "val"]
     # the lock file stays (see cache.cache_lock); no temporary is left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5", "c.h5.lock"]
+
+
+def _unit(n: int, d: int, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
+    return x / x.norm(dim=1, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    "row, value, message",
+    [
+        (0, float("nan"), "row 0 is not finite"),
+        (9, float("-inf"), "row 9 is not finite"),
+        # squares overflow float32 (norm inf) but the row is finite: the message must say so
+        (5, 3e20, r"row 5 has L2 norm \d{21}\.\d{6}, expected 1"),
+        (7, 0.5, "row 7 has L2 norm"),
+    ],
+)
+def test_check_unit_rows_names_the_first_bad_row(row, value, message):
+    x = _unit(12, 6)
+    x[row] = x[row] * value if value == 0.5 else value
+    with pytest.raises(CacheError, match=message):
+        cache.check_unit_rows(x, "f.h5")
+
+
+def test_check_unit_rows_passes_unit_and_zero_rows_and_looks_past_a_near_miss():
+    x = _unit(40, 8)
+    x[3] = 0
+    x[4] *= 1 + 0.9e-3  # inside the tolerance
+    cache.check_unit_rows(x, "f.h5")
+    x[30] *= 1.01  # a bad row after a near miss in the same block
+    with pytest.raises(CacheError, match="row 30 has L2 norm 1.01"):
+        cache.check_unit_rows(x, "f.h5")
+    with pytest.raises(CacheError, match="same vector"):
+        cache.check_unit_rows(x[:1].repeat(5, 1), "f.h5")
