@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
-from scipy import stats
+from scipy import special  # not scipy.stats: 0.2 s to import against 0.9 s
 
 from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
@@ -311,7 +311,7 @@ def paired_ttest(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     if sd == 0:
         return (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
     t = mean / (sd / math.sqrt(n))
-    return float(t), float(2 * stats.t.sf(abs(t), n - 1))
+    return float(t), float(2 * special.stdtr(n - 1, -abs(t)))  # = 2 * scipy.stats.t.sf(|t|, n - 1)
 
 
 # ---------------------------------------------------------------------------------------------
