@@ -80,9 +80,34 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+class Bar:
+    """``advance(n)``, the callback the library functions accept, of one progress bar. The bar is
+    drawn from :meth:`start` or the first advance on, so that an error found before (the checks up
+    front) is printed alone, not under an empty bar."""
+
+    def __init__(self, progress: Progress, description: str, total: int | None, unit: str) -> None:
+        self.progress, self.description, self.total, self.unit = progress, description, total, unit
+        self.task: Any = None
+
+    def start(self) -> None:
+        if self.task is None:
+            self.progress.start()
+            self.task = self.progress.add_task(self.description, total=self.total, rate="")
+
+    def __call__(self, n: int) -> None:
+        self.start()
+        self.progress.advance(self.task, n)
+        t = self.progress.tasks[self.task]
+        speed = t.finished_speed or t.speed
+        if speed:
+            self.progress.update(self.task, rate=f"{speed:,.1f} {self.unit}/s")
+
+
 @contextlib.contextmanager
-def progress_bar(description: str, total: int | None, unit: str = "items") -> Iterator[Callable[[int], None]]:
-    """A rich progress bar; yields ``advance(n)``, the callback the library functions accept."""
+def progress_bar(description: str, total: int | None, unit: str = "items", lazy: bool = False) -> Iterator[Bar]:
+    """A rich progress bar; yields ``advance(n)`` (a :class:`Bar`), the callback the library functions
+    accept. ``lazy``: drawn only from ``advance.start()`` or the first advance on (give ``start`` to the
+    library as its ``ready`` callback: the checks up front then print their error alone)."""
     columns = [
         TextColumn("{task.description}", style="bold", markup=False),
         BarColumn(),
@@ -92,17 +117,14 @@ def progress_bar(description: str, total: int | None, unit: str = "items") -> It
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     ]
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task(description, total=total, rate="")
-
-        def advance(n: int) -> None:
-            progress.advance(task, n)
-            t = progress.tasks[task]
-            speed = t.finished_speed or t.speed
-            if speed:
-                progress.update(task, rate=f"{speed:,.1f} {unit}/s")
-
-        yield advance
+    bar = Bar(Progress(*columns, console=console, transient=False), description, total, unit)
+    if not lazy:
+        bar.start()
+    try:
+        yield bar
+    finally:
+        if bar.task is not None:
+            bar.progress.stop()
 
 
 class SizeType(click.ParamType):

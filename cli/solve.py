@@ -317,7 +317,10 @@ def solve(
     # under torchrun (poodle.distributed) rank 0 alone shows a bar (of its share) and prints
     world, rank, _ = env_world()
     total = None if episodes_from else len(share(episodes, world, rank))
-    bar = progress_bar("solving", total=total, unit="episodes") if rank == 0 else contextlib.nullcontext(None)
+    # drawn once the library's checks up front have passed (ready=): an error there comes alone
+    bar = (
+        progress_bar("solving", total=total, unit="episodes", lazy=True) if rank == 0 else contextlib.nullcontext(None)
+    )
     with bar as advance:
         res = run_solve(
             path,
@@ -329,6 +332,7 @@ def solve(
             max_memory=max_memory,
             workers=workers,
             progress=advance,
+            ready=advance.start if advance is not None else None,
             out=results_path,
             preprocess=preprocess,
             log=lambda msg: console.print(msg, highlight=False, markup=False),

@@ -149,6 +149,9 @@ def test_solve_imbalanced_random_negatives(tmp_path, cache):
         (["--method", "proto", "--negatives", "random"], "none of the chosen methods"),
         (["--split", "val"], "no split 'val'"),
         (["--steps", "x"], "is not a valid integer"),
+        (["--negatives", "MISSING"], "no such cache file"),
+        (["--n-neg", 0], "--n-neg must be a positive integer"),
+        (["--max-memory", "1B"], "cannot be met"),
         (["--method", "poodle", "--alpha", -1], "--alpha: method 'poodle': option 'alpha' must lie in [0, inf)"),
     ],
 )
@@ -157,6 +160,8 @@ def test_solve_bad_input_one_line_errors(tmp_path, cache, args, message):
     r = _run(["--cache", cache, "--episodes", 3, *args])
     assert r.exit_code != 0
     assert message in r.output.replace("\n", " "), r.output
+    # checked before the progress display starts: the error comes alone, under no empty bar
+    assert "solving" not in r.output and "0/3" not in r.output, r.output
 
 
 def test_homonym_options_have_their_own_flags(tmp_path, cache):
@@ -168,6 +173,7 @@ def test_homonym_options_have_their_own_flags(tmp_path, cache):
     msg = r.output.replace("\n", " ")
     assert r.exit_code == 1 and "--alpha is ambiguous" in msg, r.output
     assert "pull weight (--pull-weight)" in msg and "alpha-entropy order (--entropy-alpha)" in msg
+    assert "solving" not in r.output
     r = _run([*base, *both, "--set", "beta=2", "--method", "pt-map"])
     assert r.exit_code == 1 and "--push-weight" in r.output and "--set pt-map.beta=V" in r.output, r.output
 
