@@ -396,10 +396,11 @@ def predict(
 
 
 def write_csv(result: Prediction, path: str | os.PathLike) -> Path:
-    """``path,prediction,confidence,prob_<class>...`` (one row per query, in order), atomically."""
+    """``path,prediction,confidence,prob_<class>...`` (one row per query, in order, LF line endings),
+    atomically."""
     path = Path(path)
     with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
-        w = csv.writer(fh)
+        w = csv.writer(fh, lineterminator="\n")  # LF on every platform (the csv module's default is CRLF)
         w.writerow(["path", "prediction", "confidence"] + [f"prob_{c}" for c in result.classes])
         conf = result.confidence.tolist()
         for i, p in enumerate(result.paths):

@@ -284,10 +284,16 @@ def test_write_csv_is_atomic(task, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(torch.Tensor, "tolist", boom)
-    with pytest.raises(RuntimeError):
-        write_csv(res, target)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", boom)
+        with pytest.raises(RuntimeError):
+            write_csv(res, target)
     assert target.read_text() == "previous\n" and not list(tmp_path.glob("*.partial"))
+    # written whole: LF line endings (not the csv module's CRLF), one line per query and the header
+    write_csv(res, target)
+    raw = target.read_bytes()
+    assert b"\r" not in raw and raw.count(b"\n") == len(res.paths) + 1 and raw.endswith(b"\n")
+    assert not list(tmp_path.glob("*.partial"))
 
 
 def test_every_registered_method_classifies_the_task(task, tmp_path):
