@@ -80,9 +80,34 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+class Bar:
+    """``advance(n)``, the callback the library functions accept, of one progress bar. The bar is
+    drawn from :meth:`start` or the first advance on, so that an error found before (the checks up
+    front) is printed alone, not under an empty bar."""
+
+    def __init__(self, progress: Progress, description: str, total: int | None, unit: str) -> None:
+        self.progress, self.description, self.total, self.unit = progress, description, total, unit
+        self.task: Any = None
+
+    def start(self) -> None:
+        if self.task is None:
+            self.progress.start()
+            self.task = self.progress.add_task(self.description, total=self.total, rate="")
+
+    def __call__(self, n: int) -> None:
+        self.start()
+        self.progress.advance(self.task, n)
+        t = self.progress.tasks[self.task]
+        speed = t.finished_speed or t.speed
+        if speed:
+            self.progress.update(self.task, rate=f"{speed:,.1f} {self.unit}/s")
+
+
 @contextlib.contextmanager
-def progress_bar(description: str, total: int | None, unit: str = "items") -> Iterator[Callable[[int], None]]:
-    """A rich progress bar; yields ``advance(n)``, the callback the library functions accept."""
+def progress_bar(description: str, total: int | None, unit: str = "items", lazy: bool = False) -> Iterator[Bar]:
+    """A rich progress bar; yields ``advance(n)`` (a :class:`Bar`), the callback the library functions
+    accept. ``lazy``: drawn only from ``advance.start()`` or the first advance on (give ``start`` to the
+    library as its ``ready`` callback: the checks up front then print their error alone)."""
     columns = [
         TextColumn("{task.description}", style="bold", markup=False),
         BarColumn(),
@@ -92,17 +117,14 @@ def progress_bar(description: str, total: int | None, unit: str = "items") -> It
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     ]
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task(description, total=total, rate="")
-
-        def advance(n: int) -> None:
-            progress.advance(task, n)
-            t = progress.tasks[task]
-            speed = t.finished_speed or t.speed
-            if speed:
-                progress.update(task, rate=f"{speed:,.1f} {unit}/s")
-
-        yield advance
+    bar = Bar(Progress(*columns, console=console, transient=False), description, total, unit)
+    if not lazy:
+        bar.start()
+    try:
+        yield bar
+    finally:
+        if bar.task is not None:
+            bar.progress.stop()
 
 
 class SizeType(click.ParamType):
@@ -119,26 +141,106 @@ class SizeType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-def render_table(table: Any, title: str | None = None) -> Any:
+_LAYOUTS = ("full", "compact", "merged", "long")
+
+
+def render_table(table: Any, title: str | None = None, width: int | None = None) -> Any:
     """A :class:`poodle.report.Table` as a rich table: the one renderer of result tables (``report``,
-    ``demo``, ``grid``); bold entries in bold green."""
+    ``demo``, ``grid``, ``solve``); bold entries in bold green.
+
+    The table is laid out to fit ``width`` columns (default: the terminal's) without cutting any text:
+    the first of these layouts whose natural width fits is used (the last one otherwise):
+
+    - ``full``: boxed, one column per row key;
+    - ``compact``: the same columns with a light box and single spaces between columns;
+    - ``merged``: the row keys folded into one ``options`` column of ``key=value`` pairs (values that
+      are ``–``, i.e. not an option of that row, left out), wrapped within the room the entries leave;
+    - ``long``: one line per entry (options, column, accuracy), for tables with too many columns.
+
+    Entries (``76.62 ± 0.48``) are never wrapped; every other text folds rather than being cut.
+    """
+    width = out.width if width is None else width
+    for layout in _LAYOUTS:
+        t = _layout_table(table, title, layout)
+        if layout == "long" or _fits(table, title, layout, t, width):
+            return t
+    raise AssertionError("unreachable")
+
+
+def _natural_width(renderable: Any) -> int:
+    """The widest line of ``renderable`` printed with no width limit (rich's own measure of a table
+    ignores ``collapse_padding``)."""
+    import io
+
+    from rich.cells import cell_len
+
+    c = Console(file=io.StringIO(), width=100_000, markup=False, highlight=False)
+    with c.capture() as cap:
+        c.print(renderable)
+    return max((cell_len(line.rstrip()) for line in cap.get().splitlines()), default=0)
+
+
+def _fits(table: Any, title: str | None, layout: str, t: Any, width: int) -> bool:
+    if layout != "merged":
+        return _natural_width(t) <= width
+    # the options column wraps: the rest must fit with room left for it (its natural width, or 20)
+    rest = _natural_width(_layout_table(table, title, layout, options_placeholder=True)) - len("options")
+    options_width = max((len(_options_text(table, i)) for i in range(len(table.rows))), default=0)
+    return width - rest >= min(options_width, 20)
+
+
+def _options_text(table: Any, i: int) -> str:
+    from poodle.report import key_name
+
+    return ", ".join(f"{key_name(k)}={v}" for k, v in zip(table.row_keys, table.row_labels(i)) if v not in ("–", ""))
+
+
+def _layout_table(table: Any, title: str | None, layout: str, options_placeholder: bool = False) -> Any:
+    from rich import box
     from rich.table import Table
-    from rich.text import Text
 
     from poodle.report import key_name
 
-    t = Table(show_lines=False, title=title)
-    for k in table.row_keys:
-        t.add_column(key_name(k))
-    for j in range(len(table.cols)):
-        t.add_column(table.col_label(j, sep="\n"), justify="right")
-    for title, _ in table.extra:
-        t.add_column(title, justify="right")
-    for i in range(len(table.rows)):
-        cells = [Text(v) for v in table.row_labels(i)]
+    if layout == "full":
+        t = Table(show_lines=False, title=title)
+    else:
+        t = Table(show_lines=False, title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
+    merged = layout in ("merged", "long") and bool(table.row_keys)
+    if merged:
+        t.add_column("options", overflow="fold", ratio=1)
+    else:
+        for k in table.row_keys:
+            t.add_column(key_name(k), overflow="fold")
+    if layout == "long":
+        t.add_column("column", overflow="fold")
+        t.add_column("accuracy", justify="right", no_wrap=True)
+    else:
         for j in range(len(table.cols)):
-            e = table.entries.get((i, j))
-            cells.append(Text(table.cell_text(i, j), style="bold green" if e is not None and e.bold else ""))
-        cells += [Text(texts[i]) for _, texts in table.extra]
-        t.add_row(*cells)
+            t.add_column(table.col_label(j, sep="\n"), justify="right", no_wrap=True)
+    for name, _ in table.extra:
+        t.add_column(name, justify="right", no_wrap=True)
+
+    def entry(i: int, j: int) -> Text:
+        e = table.entries.get((i, j))
+        return Text(table.cell_text(i, j), style="bold green" if e is not None and e.bold else "")
+
+    for i in range(len(table.rows)):
+        if merged:
+            labels = [Text("x" if options_placeholder else _options_text(table, i))]
+        else:
+            labels = [Text(v) for v in table.row_labels(i)]
+        extra = [Text(texts[i]) for _, texts in table.extra]
+        if layout != "long":
+            t.add_row(*labels, *[entry(i, j) for j in range(len(table.cols))], *extra)
+            continue
+        present = [j for j in range(len(table.cols)) if (i, j) in table.entries] or [0]
+        for n, j in enumerate(present):
+            first = n == 0
+            t.add_row(
+                *(labels if first else [Text("")] * len(labels)),
+                Text(table.col_label(j)),
+                entry(i, j),
+                *(extra if first else [Text("")] * len(extra)),
+                end_section=n == len(present) - 1 and i < len(table.rows) - 1,
+            )
     return t

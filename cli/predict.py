@@ -108,6 +108,7 @@ def predict(
 
     from poodle import predict as P
     from poodle.errors import ConfigError
+    from poodle.utils import count
 
     if (support_dir is None) == (support_csv is None):
         raise ConfigError("give exactly one of --support DIR and --support-csv FILE")
@@ -152,7 +153,7 @@ def predict(
 
     table = Table(
         box=box.SIMPLE_HEAD,
-        title=f"{res.method}: {len(res.paths)} queries, {len(res.classes)} classes",
+        title=f"{res.method}: {count(len(res.paths), 'query', 'queries')}, {count(len(res.classes), 'class')}",
         title_justify="left",
     )
     cols = ["class", "support", "predicted"] + (["queries", "correct", "accuracy %"] if res.labels else [])
@@ -169,9 +170,11 @@ def predict(
         lo, hi = res.ci95
         out.print(
             f"accuracy {100 * res.accuracy:.2f}% (95% CI {100 * lo:.1f}-{100 * hi:.1f}%, Wilson, "
-            f"{len(res.paths)} queries)",
+            f"{count(len(res.paths), 'query', 'queries')})",
             highlight=False,
         )
     if res.cache:
-        console.print(f"features kept in {res.cache}", highlight=False)
-    console.print(f"predictions written to {out_path}", highlight=False)
+        console.print(f"features kept in {res.cache} for the next call", highlight=False, soft_wrap=True)
+    else:
+        console.print("features not kept (--cache-dir DIR keeps them for the next call)", highlight=False)
+    console.print(f"predictions written to {out_path}", highlight=False, soft_wrap=True)

@@ -127,10 +127,10 @@ def report(
         else:
             click.echo(text, nl=not text.endswith("\n"))
         return
-    rich_table = render_table(table)
     if out is not None:
         from rich.console import Console
 
+        rich_table = render_table(table, width=200)
         with open(out, "w") as f:
             c = Console(file=f, width=200, markup=False, highlight=False)
             c.print(rich_table)
@@ -138,6 +138,6 @@ def report(
                 c.print(note, highlight=False)
         console.print(f"wrote {out}", highlight=False)
     else:
-        stdout.print(rich_table)
+        stdout.print(render_table(table))
         for note in table.notes:
             stdout.print(note, highlight=False, style="dim")

@@ -13,17 +13,23 @@ from click.core import ParameterSource
 from poodle import defaults
 from poodle.cli._common import SizeType, console, friendly_errors, out, progress_bar
 
-# CLI option -> (config field, value to pass when the option is given)
-_SOLVER_OPTIONS = {
-    "alpha": "alpha",
-    "beta": "beta",
-    "steps": "steps",
-    "lr": "lr",
-    "label_smoothing": "label_smoothing",
-    "transductive": "transductive",
-    "no_stopgrad_pull": "stopgrad_pull",
-    "no_stopgrad_push": "stopgrad_push",
-    "preset": "preset",
+# CLI option -> (library config field, the one method it is for; None: every chosen method with that field).
+# A field name that methods use with different meanings (solvers.homonyms: ``alpha`` is POODLE's pull
+# weight and alpha-TIM's alpha-entropy order) has a flag per method; the shared spelling (--alpha)
+# is kept for when the chosen methods give it one meaning, and is an error naming these flags otherwise.
+_SOLVER_OPTIONS: dict[str, tuple[str, str | None]] = {
+    "pull_weight": ("alpha", "poodle"),
+    "push_weight": ("beta", "poodle"),
+    "entropy_alpha": ("alpha", "alpha-tim"),
+    "alpha": ("alpha", None),
+    "beta": ("beta", None),
+    "steps": ("steps", None),
+    "lr": ("lr", None),
+    "label_smoothing": ("label_smoothing", None),
+    "transductive": ("transductive", None),
+    "no_stopgrad_pull": ("stopgrad_pull", None),
+    "no_stopgrad_push": ("stopgrad_push", None),
+    "preset": ("preset", None),
 }
 
 
@@ -35,25 +41,43 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def method_flag(method: str, field: str) -> str:
+    """How to set ``field`` of ``method`` alone: its own flag, else ``--set METHOD.FIELD=V``."""
+    for opt, (f, only) in _SOLVER_OPTIONS.items():
+        if only == method and f == field:
+            return _flag(opt)
+    return f"--set {method}.{field}=V"
+
+
 def solver_options(ctx: click.Context, methods: list[str], sets: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Per-method option dicts holding only what the user gave explicitly (so every method keeps its
-    own paper defaults). An explicit option no chosen method accepts is a ConfigError naming it."""
+    own paper defaults), each checked by the method's configuration. An explicit option no chosen
+    method accepts, or a shared name (--alpha) that means different things for the chosen methods,
+    is a ConfigError naming the flag."""
     from poodle import solvers
     from poodle.errors import ConfigError
 
-    given: dict[str, tuple[str, Any]] = {}  # config field -> (how the user wrote it, value)
-    for opt, field in _SOLVER_OPTIONS.items():
+    given: list[tuple[str, str, Any, str | None]] = []  # (config field, how the user wrote it, value, method)
+    for opt, (field, only) in _SOLVER_OPTIONS.items():
         if _explicit(ctx, opt):
             v = ctx.params[opt]
             if opt.startswith("no_stopgrad"):
                 v = not v
-            given[field] = (_flag(opt), v)
+            given.append((field, _flag(opt), v, only))
     for item in sets:
         key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
+        key = key.strip()
         if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
-        given[key] = (f"--set {key}", value.strip())
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE or METHOD.KEY=VALUE")
+        method: str | None = None
+        if "." in key:
+            method, _, key = key.rpartition(".")
+            try:
+                method = solvers.get(method.strip()).name
+            except ConfigError as e:
+                raise ConfigError(f"--set {item!r}: {e}") from None
+        key = key.strip().replace("-", "_")
+        given.append((key, f"--set {item.partition('=')[0].strip()}", value.strip(), method))
     infos = {m: solvers.get(m) for m in methods}
 
     def accepts(m: str, field: str) -> bool:
@@ -62,12 +86,43 @@ def solver_options(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
         return field in infos[m].options()
 
     per: dict[str, dict[str, Any]] = {m: {} for m in methods}
-    for field, (how, value) in given.items():
-        takers = [m for m in methods if accepts(m, field)]
-        if not takers:
-            raise ConfigError(f"option {how} is not an option of the chosen method(s) {', '.join(methods)}")
+    how_set: dict[tuple[str, str], str] = {}
+    for field, how, value, only in given:
+        if only is not None:
+            takers = [m for m in methods if infos[m].name == only]
+            if not takers:
+                raise ConfigError(
+                    f"option {how} is for method {only}, which is not among the chosen method(s) "
+                    f"{', '.join(methods)} (add --method {only})"
+                )
+            if not accepts(takers[0], field):
+                raise ConfigError(f"option {how}: method {only} has no option {field!r}")
+        else:
+            takers = [m for m in methods if accepts(m, field)]
+            if not takers:
+                raise ConfigError(f"option {how} is not an option of the chosen method(s) {', '.join(methods)}")
+            clash = solvers.homonyms(takers, field)
+            if clash:
+                what = [
+                    f"{' and '.join(ms)}'s {meaning} ({', '.join(method_flag(m, field) for m in ms)})"
+                    for meaning, ms in clash.items()
+                ]
+                raise ConfigError(
+                    f"option {how} is ambiguous with methods {', '.join(methods)}: {field!r} is "
+                    f"{'; '.join(what)}. Set each with its own flag"
+                )
         for m in takers:
+            if (m, field) in how_set:
+                raise ConfigError(f"options {how_set[m, field]} and {how} both set {field!r} of method {m}")
+            how_set[m, field] = how
             per[m][field] = value
+    # each method's configuration checks its values now, before any work, with the flag named
+    for m in methods:
+        try:
+            solvers.make_config(m, per[m], strict=True)
+        except ConfigError as e:
+            culprit = next((how for (mm, f), how in how_set.items() if mm == m and f"option {f!r}" in str(e)), None)
+            raise ConfigError(f"{culprit}: {e}" if culprit else str(e)) from None
     return per
 
 
@@ -121,8 +176,24 @@ class _ListsMethods(click.Command):
     help="Method (repeatable); all run on the same episodes and negatives.",
 )
 @click.option("--transductive", is_flag=True, help="Use the queries (methods that can).")
-@click.option("--alpha", type=float, help="POODLE pull weight [1].")
-@click.option("--beta", type=float, help="POODLE push weight [0.5].")
+@click.option("--pull-weight", type=float, help="POODLE's pull weight, alpha in the paper [1].")
+@click.option("--push-weight", type=float, help="POODLE's push weight, beta in the paper [0.5].")
+@click.option(
+    "--entropy-alpha",
+    type=float,
+    help="alpha-TIM's alpha-entropy order [0: the authors' tuned value, 2 at 1 shot, 7 from 5 shots].",
+)
+@click.option(
+    "--alpha",
+    type=float,
+    help="The 'alpha' of the one chosen method that has one (POODLE: --pull-weight, alpha-TIM: "
+    "--entropy-alpha, PT-MAP ...); an error when the chosen methods give it different meanings.",
+)
+@click.option(
+    "--beta",
+    type=float,
+    help="The 'beta' of the chosen method (POODLE: --push-weight, PT-MAP: power transform); as --alpha.",
+)
 @click.option("--steps", type=int, help="Optimisation steps [each method's default: 250 for POODLE].")
 @click.option("--lr", type=float, help="Adam learning rate [1e-3].")
 @click.option("--label-smoothing", type=float, help="CE label smoothing (ce) [0].")
@@ -195,6 +266,9 @@ def solve(
     seed,
     methods,
     transductive,
+    pull_weight,
+    push_weight,
+    entropy_alpha,
     alpha,
     beta,
     steps,
@@ -249,7 +323,10 @@ def solve(
     # under torchrun (poodle.distributed) rank 0 alone shows a bar (of its share) and prints
     world, rank, _ = env_world()
     total = None if episodes_from else len(share(episodes, world, rank))
-    bar = progress_bar("solving", total=total, unit="episodes") if rank == 0 else contextlib.nullcontext(None)
+    # drawn once the library's checks up front have passed (ready=): an error there comes alone
+    bar = (
+        progress_bar("solving", total=total, unit="episodes", lazy=True) if rank == 0 else contextlib.nullcontext(None)
+    )
     with bar as advance:
         res = run_solve(
             path,
@@ -261,6 +338,7 @@ def solve(
             max_memory=max_memory,
             workers=workers,
             progress=advance,
+            ready=advance.start if advance is not None else None,
             out=results_path,
             preprocess=preprocess,
             log=lambda msg: console.print(msg, highlight=False, markup=False),

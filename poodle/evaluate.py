@@ -173,6 +173,7 @@ def evaluate(
     workers: int | None = None,
     stats: dict | None = None,
     preprocess: Any = None,
+    ready: Callable[[], None] | None = None,
 ) -> dict[str, Tensor]:
     """Per-episode accuracies of every method on ``episodes``.
 
@@ -190,6 +191,8 @@ def evaluate(
         max_memory: the bound on the working set of the chunks in flight (all workers together);
             ``None``: 2 GiB on CPU, 80% of the free device memory on CUDA.
         progress: called with the number of episodes just solved (all methods).
+        ready: called once every check has passed (negatives and their pool, the memory bound), just
+            before solving starts (where a caller starts its progress display).
         chunk_size: episodes per chunk, overriding the automatic choice (tests, benchmarks).
         dtype: the solvers' float type (float64 for references).
         workers: chunks solved at once (CPU only; default: torch's thread count). Each worker
@@ -261,6 +264,8 @@ def evaluate(
     # each worker holds one chunk: the memory bound is shared between them
     chunk = chunk_size or choose_chunk(Ns + Nq + M, D, spec.way, dev, max(1, budget // workers), itemsize)
     chunk = max(1, min(int(chunk), E))
+    if ready is not None:  # every check has passed (negatives, pool, memory bound): solving starts
+        ready()
     results = {label: torch.empty(E, dtype=torch.float64) for label, _, _ in methods}
     seconds = {label: 0.0 for label, _, _ in methods}
     cuda = dev.type == "cuda"

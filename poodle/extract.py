@@ -35,7 +35,7 @@ from poodle.cache import (
 from poodle.data import ImageDataset, resolve_dataset
 from poodle.data.transforms import eval_transform, native_eval_transform
 from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
-from poodle.utils import check_writable_dir, file_sha256
+from poodle.utils import check_writable_dir, count, file_sha256
 
 ProgressFactory = Callable[[str, int], ContextManager[Callable[[int], None]]]
 
@@ -317,8 +317,8 @@ def extract(
             writer.commit(fresh=fresh)
         fresh = False
         say(
-            f"{split}: {len(ds) - n_skipped} images, {len(source_classes)} classes written to {out}"
-            + (f" ({n_skipped} unreadable images skipped)" if n_skipped else "")
+            f"{split}: {count(len(ds) - n_skipped, 'image')}, {count(len(source_classes), 'class')} written to {out}"
+            + (f" ({count(n_skipped, 'unreadable image')} skipped)" if n_skipped else "")
         )
     return out
 
@@ -403,9 +403,9 @@ def _extract_shared(
                 fresh=fresh,
             )
             say(
-                f"{split}: {rows} images, {len(ds.classes)} classes written to {out}"
+                f"{split}: {count(rows, 'image')}, {count(len(ds.classes), 'class')} written to {out}"
                 + (f" by {d.world} processes" if d.world > 1 else "")
-                + (f" ({skipped} unreadable images skipped)" if skipped else "")
+                + (f" ({count(skipped, 'unreadable image')} skipped)" if skipped else "")
             )
 
 

@@ -36,7 +36,7 @@ from poodle.extract import extract
 from poodle.negatives import GENERATED, NEG_STREAM, NegativeSpec, generate
 from poodle.preprocess import Preprocessor, parse
 from poodle.solvers import EpisodeBatch
-from poodle.utils import atomic_path, file_sha256, generator, resolve_device
+from poodle.utils import atomic_path, count, file_sha256, generator, resolve_device
 
 UNLABELLED = "?"  # the class name of unlabelled query images inside the predict cache
 SEED = 0
@@ -319,6 +319,25 @@ def predict(
     if root is None:
         tmp = tempfile.TemporaryDirectory(prefix="poodle-predict-")
         root = tmp.name
+    n_query_classes = len(set(labels)) if labels is not None else 0
+
+    def extract_log(msg: str) -> None:
+        # extract's "SPLIT: N images, K classes written to CACHE": said in predict's terms (the query
+        # split of unlabelled images has one placeholder class), and without naming a temporary cache
+        # that is deleted before the command ends (the caller says whether the features are kept)
+        split, _, rest = msg.partition(": ")
+        if split not in lists or " written to " not in rest:
+            say(msg)
+            return
+        skipped = rest.partition(" written to ")[2].partition(" (")[2]
+        if split == "support":
+            what = f"{count(len(support), 'image')} of {count(len(classes), 'class')}"
+        elif labels is None:
+            what = count(len(query), "unlabelled image")
+        else:
+            what = f"{count(len(query), 'labelled image')} of {count(n_query_classes, 'class')}"
+        say(f"{split}: {what}, features extracted" + (f" ({skipped}" if skipped else ""))
+
     try:
         try:
             path = extract(
@@ -336,7 +355,7 @@ def predict(
                 workers=workers,
                 force=force,
                 progress_factory=progress_factory,
-                log=say,
+                log=extract_log,
                 source=source,
             )
         except DataError as e:  # predict has no --skip-bad: every image must decode
@@ -396,10 +415,11 @@ def predict(
 
 
 def write_csv(result: Prediction, path: str | os.PathLike) -> Path:
-    """``path,prediction,confidence,prob_<class>...`` (one row per query, in order), atomically."""
+    """``path,prediction,confidence,prob_<class>...`` (one row per query, in order, LF line endings),
+    atomically."""
     path = Path(path)
     with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as fh:
-        w = csv.writer(fh)
+        w = csv.writer(fh, lineterminator="\n")  # LF on every platform (the csv module's default is CRLF)
         w.writerow(["path", "prediction", "confidence"] + [f"prob_{c}" for c in result.classes])
         conf = result.confidence.tolist()
         for i, p in enumerate(result.paths):

@@ -138,6 +138,7 @@ def solve(
     out: str | os.PathLike | None = None,
     preprocess: str | None = None,
     log: Callable[[str], None] | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> SolveResult:
     """Solve one episode setting with ``methods`` on identical episodes and negatives.
 
@@ -161,6 +162,9 @@ def solve(
         preprocess: ``l2n`` (default), ``cl2n`` or ``power[:BETA]`` (:mod:`poodle.preprocess`),
             applied to the split and the negative pool; recorded in the records.
         log: receives a line when the preprocessing falls back (a cache without raw norms).
+        ready: called once (rank 0) when the checks up front (options, cache, episodes, negatives and
+            their pool, outputs, the memory bound) have passed, before solving starts: where a caller
+            starts its progress display, so that an error in the checks is reported alone.
 
     Returns:
         a :class:`SolveResult`.
@@ -227,6 +231,7 @@ def solve(
         features = pre.split(features)
         if not isinstance(eps, EpisodeStream):  # a stream draws its negatives per chunk in evaluate()
             eps, _ = prepare_negatives(eps, neg_spec or NegativeSpec("none", count), path, features.dim)
+
         if save_episodes_to is not None and d.main:
             assert isinstance(eps, EpisodeSet)  # drawn eagerly when saved (lazy=False)
             save_episodes(save_episodes_to, eps, cache=str(path))
@@ -246,6 +251,7 @@ def solve(
         stats=stats,
         workers=workers,
         preprocess=pre,
+        ready=ready if d.main else None,
     )
     solve_s = time.perf_counter() - t0
     if accs is None:  # not rank 0

@@ -236,3 +236,13 @@ def check_output(
             f"{KIND_NAMES.get(kind, kind)}: refusing to overwrite it (choose another name or remove it)"
         )
     check_writable_dir(p, what)
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun`` in agreement: ``1 class``, ``3 classes``, ``0 images`` (``plural``: the
+    plural when adding ``s``/``es`` is wrong)."""
+    if n == 1:
+        return f"1 {noun}"
+    if plural is None:
+        plural = noun + ("es" if noun.endswith(("s", "sh", "ch", "x")) else "s")
+    return f"{n:,} {plural}"

@@ -136,6 +136,43 @@ def test_bad_grid_files_give_one_line_errors(tmp_path, body, message):
     assert str(p) in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        "[solver]\nmethod = ['poodle', 'alpha-tim']\nalpha = [1.0, 2.0]\n",
+        # a [[cell]] inherits the grid's alpha: POODLE's pull weight would become alpha-TIM's order
+        "[solver]\nmethod = 'poodle'\nalpha = [1.0, 2.0]\n[[cell]]\nmethod = 'alpha-tim'\n",
+        "[[cell]]\nmethod = ['poodle', 'alpha-tim']\nalpha = 2.0\n",
+    ],
+)
+def test_an_option_name_with_two_meanings_is_not_swept_for_both(tmp_path, body):
+    p = _grid(tmp_path, body)
+    with pytest.raises(ConfigError, match=r"option 'alpha' would set different parameters") as e:
+        G.expand(G.load_grid(p))
+    assert "poodle's pull weight" in str(e.value) and "alpha-tim's alpha-entropy order" in str(e.value)
+
+
+def test_each_method_gets_its_own_value_of_a_shared_name_in_its_cell(tmp_path):
+    body = "[solver]\nmethod = 'poodle'\nalpha = [1.0, 2.0]\n[[cell]]\nmethod = 'alpha-tim'\nalpha = [3.0, 5.0]\n"
+    cells = G.expand(G.load_grid(_grid(tmp_path, body)))
+    assert sorted((c.method, c.options["alpha"]) for c in cells) == [
+        ("alpha-tim", 3.0),
+        ("alpha-tim", 5.0),
+        ("poodle", 1.0),
+        ("poodle", 2.0),
+    ]
+    # the same meaning for every method is one value for all (PT-MAP and protoLP: prototype update rate)
+    body = "[solver]\nmethod = ['pt-map', 'proto-lp']\nalpha = 0.3\n"
+    assert {c.options["alpha"] for c in G.expand(G.load_grid(_grid(tmp_path, body, "h.toml")))} == {0.3}
+
+
+def test_realistic_queries_example_keeps_each_methods_own_alpha():
+    spec = G.load_grid(Path(__file__).parent.parent / "examples" / "realistic_queries.toml")
+    alphas = {(c.method, c.options.get("alpha"), c.options.get("beta")) for c in G.expand(spec)}
+    assert ("poodle", 1.0, 0.75) in alphas and ("alpha-tim", 0.0, None) in alphas
+    assert ("pt-map", 0.2, 0.5) in alphas and ("proto-lp", 0.2, None) in alphas
+
+
 def test_missing_cache_is_an_error(tmp_path):
     p = tmp_path / "nocache.toml"
     p.write_text("[solver]\nalpha = 1.0\n")

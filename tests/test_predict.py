@@ -104,6 +104,11 @@ def test_every_query_right_with_unequal_shots(task, tmp_path, method, extra):
         assert float(row["confidence"]) == pytest.approx(max(probs), abs=1e-6)
     assert "support" in r.output and "predicted" in r.output
     assert not list(tmp_path.glob("*.partial"))
+    # messages: unlabelled queries are not "1 classes", and the deleted temporary cache is not named
+    # (only what persists: the CSV)
+    assert "6 images of 3 classes" in r.output and f"{len(truth)} unlabelled images" in r.output, r.output
+    assert "1 classes" not in r.output and "poodle-predict-" not in r.output, r.output
+    assert "features not kept (--cache-dir DIR" in r.output and f"predictions written to {out}" in r.output
 
 
 def test_labelled_query_csv_reports_accuracy_and_cache_dir_is_reused(task, tmp_path):
@@ -128,6 +133,7 @@ def test_labelled_query_csv_reports_accuracy_and_cache_dir_is_reused(task, tmp_p
     assert "accuracy 100.00%" in r.output and "12 queries" in r.output
     files = list(cache.rglob("*.h5"))
     assert len(files) == 1 and files[0].parent.name == "predict"
+    assert "12 labelled images of 3 classes" in r.output and f"features kept in {files[0]}" in r.output, r.output
     r2 = _run(*args)
     assert r2.exit_code == 0 and "already complete" in r2.output
 
@@ -284,10 +290,16 @@ def test_write_csv_is_atomic(task, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(torch.Tensor, "tolist", boom)
-    with pytest.raises(RuntimeError):
-        write_csv(res, target)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", boom)
+        with pytest.raises(RuntimeError):
+            write_csv(res, target)
     assert target.read_text() == "previous\n" and not list(tmp_path.glob("*.partial"))
+    # written whole: LF line endings (not the csv module's CRLF), one line per query and the header
+    write_csv(res, target)
+    raw = target.read_bytes()
+    assert b"\r" not in raw and raw.count(b"\n") == len(res.paths) + 1 and raw.endswith(b"\n")
+    assert not list(tmp_path.glob("*.partial"))
 
 
 def test_every_registered_method_classifies_the_task(task, tmp_path):

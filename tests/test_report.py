@@ -341,3 +341,71 @@ def test_solve_table_rows_differences_and_markdown():
     md = to_markdown(t)
     assert "| label | accuracy | diff vs proto | 95% CI | s |" in md
     assert f"| poodle | {100 * b.mean():.2f} ± " in md and f"{100 * d:+.2f} | ± {100 * c:.2f} | 2.0 |" in md
+
+
+# ---------------------------------------------------------------------------------------------
+# The rich renderer at terminal widths
+
+
+def _render(table, width: int) -> list[str]:
+    import io
+
+    from rich.console import Console
+
+    from poodle.cli._common import render_table
+
+    c = Console(file=io.StringIO(), width=width, markup=False, highlight=False)
+    c.print(render_table(table, width=width))
+    return [ln.rstrip() for ln in c.file.getvalue().splitlines()]
+
+
+def _many_keys_results(tmp_path):
+    """Like the demo's results: methods with their own options, so many row keys vary."""
+    rng = np.random.default_rng(5)
+    cells = []
+    for shot in (1, 5):
+        cells.append(_cell("Proto", _acc(rng, 0.6), shot=shot, method="proto"))
+        for trans in (False, True):
+            for i, (steps, lr, scale) in enumerate([(250, 0.001, 10.0), (25, 5e-05, 20.0), (1000, 0.0001, 5.0)]):
+                cells.append(
+                    _cell(
+                        f"poodle-variant-{i}",
+                        _acc(rng, 0.62 + 0.01 * i),
+                        shot=shot,
+                        transductive=trans,
+                        steps=steps,
+                        lr=lr,
+                        scale=scale,
+                        label_smoothing=0.1 * i,
+                        entropy_weight=float(i),
+                    )
+                )
+    return _write(tmp_path / "many.jsonl", cells)
+
+
+@pytest.mark.parametrize("rows", [None, "label", "method,label"])
+def test_rich_table_fits_80_columns_without_losing_text(tmp_path, rows):
+    results = R.load_results([_many_keys_results(tmp_path)])
+    table = R.build_table(results, rows=rows)
+    lines = _render(table, 80)
+    text = "\n".join(lines)
+    assert max(len(ln) for ln in lines) <= 80, text
+    assert "…" not in text  # nothing cut
+    for i, j in table.entries:
+        # every entry whole, on one line
+        assert table.cell_text(i, j) in text, (table.cell_text(i, j), text)
+    for i in range(len(table.rows)):
+        for label in table.row_labels(i):
+            if label != "–":
+                assert label in text.replace("\n", " ") or label in text, (label, text)
+    if rows == "label":
+        # few row keys: still one row per label with its four entries side by side
+        line = next(ln for ln in lines if "poodle-variant-0" in ln)
+        assert line.count("±") == 4, text
+
+
+def test_rich_table_keeps_the_boxed_layout_when_it_fits(tmp_path):
+    results = R.load_results([_many_keys_results(tmp_path)])
+    table = R.build_table(results, rows="label")
+    wide = _render(table, 200)
+    assert wide[0].startswith("┏") and any("poodle-variant-2" in ln and ln.count("±") == 4 for ln in wide)

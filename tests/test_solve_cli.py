@@ -149,13 +149,56 @@ def test_solve_imbalanced_random_negatives(tmp_path, cache):
         (["--method", "proto", "--negatives", "random"], "none of the chosen methods"),
         (["--split", "val"], "no split 'val'"),
         (["--steps", "x"], "is not a valid integer"),
+        (["--negatives", "MISSING"], "no such cache file"),
+        (["--n-neg", 0], "--n-neg must be a positive integer"),
+        (["--max-memory", "1B"], "cannot be met"),
+        (["--method", "poodle", "--alpha", -1], "--alpha: method 'poodle': option 'alpha' must lie in [0, inf)"),
     ],
 )
 def test_solve_bad_input_one_line_errors(tmp_path, cache, args, message):
-    args = [str(a).replace("WIDE", str(tmp_path / "wide.h5")) for a in args]
+    args = [str(a).replace("WIDE", str(tmp_path / "wide.h5")).replace("MISSING", str(tmp_path / "no.h5")) for a in args]
     r = _run(["--cache", cache, "--episodes", 3, *args])
     assert r.exit_code != 0
     assert message in r.output.replace("\n", " "), r.output
+    # checked before the progress display starts: the error comes alone, under no empty bar
+    assert "solving" not in r.output and "0/3" not in r.output, r.output
+
+
+def test_homonym_options_have_their_own_flags(tmp_path, cache):
+    """--alpha is POODLE's pull weight and alpha-TIM's alpha-entropy order: one value for both is an
+    error naming the per-method flags, which set one method each."""
+    base = ["--cache", cache, "--episodes", 3, "--query", 5, "--n-neg", 10, "--steps", 2]
+    both = ["--method", "poodle", "--method", "alpha-tim"]
+    r = _run([*base, *both, "--alpha", 2])
+    msg = r.output.replace("\n", " ")
+    assert r.exit_code == 1 and "--alpha is ambiguous" in msg, r.output
+    assert "pull weight (--pull-weight)" in msg and "alpha-entropy order (--entropy-alpha)" in msg
+    assert "solving" not in r.output
+    r = _run([*base, *both, "--set", "beta=2", "--method", "pt-map"])
+    assert r.exit_code == 1 and "--push-weight" in r.output and "--set pt-map.beta=V" in r.output, r.output
+
+    js = tmp_path / "r.jsonl"
+    r = _run([*base, *both, "--pull-weight", 0.5, "--entropy-alpha", 3, "--push-weight", 0.25, "--out", js])
+    assert r.exit_code == 0, r.output
+    d = {x["method"]: x["options"] for x in read_results(js).records}
+    assert (d["poodle"]["alpha"], d["poodle"]["beta"], d["alpha-tim"]["alpha"]) == (0.5, 0.25, 3.0)
+    # the old spelling where it is unambiguous, and --set METHOD.KEY=V for one method
+    js2 = tmp_path / "r2.jsonl"
+    r = _run([*base, "--method", "poodle", "--alpha", 2, "--out", js2])
+    assert r.exit_code == 0 and read_results(js2).records[0]["options"]["alpha"] == 2.0, r.output
+    js3 = tmp_path / "r3.jsonl"
+    r = _run([*base, *both, "--set", "alpha-tim.alpha=5", "--out", js3])
+    d = {x["method"]: x["options"] for x in read_results(js3).records}
+    assert r.exit_code == 0 and d["alpha-tim"]["alpha"] == 5.0 and d["poodle"]["alpha"] == 1.0, r.output
+
+    for args, message in [
+        (["--entropy-alpha", 2], "--entropy-alpha is for method alpha-tim, which is not among the chosen"),
+        (["--alpha", 1, "--pull-weight", 2], "options --pull-weight and --alpha both set 'alpha' of method poodle"),
+        (["--pull-weight", -1], "--pull-weight: method 'poodle': option 'alpha' must lie in [0, inf)"),
+        (["--set", "nope.alpha=1"], "--set 'nope.alpha=1': unknown method 'nope'"),
+    ]:
+        r = _run([*base, "--method", "poodle", *args])
+        assert r.exit_code == 1 and message in r.output.replace("\n", " "), (args, r.output)
 
 
 def test_solve_cache_resolution_and_episode_file_mismatch(tmp_path, cache, make_features):

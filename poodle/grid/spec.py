@@ -294,6 +294,34 @@ def _check_option_names(spec: GridSpec, fields_by_method: Mapping[str, set[str]]
         for key in c:
             if key != "label" and key not in k_cell:
                 complain(f"{where}: [[cell]] #{i + 1}", key, methods)
+    # One value for an option name that the methods receiving it read with different meanings
+    # (alpha: POODLE's pull weight, alpha-TIM's alpha-entropy order) would sweep both at once.
+    for key in spec.axes:
+        if key in GENERAL_KEYS or key == "transductive":
+            continue
+        receivers = list(base_methods) if spec.product else []
+        for c in spec.cells:
+            if key not in c:  # a [[cell]] inherits the grid's values of the options it does not set
+                receivers += c.get("method", base_methods)
+        ambiguous(
+            where, key, receivers, "the methods that get it (the grid's, and those of [[cell]]s without their own)"
+        )
+    for i, c in enumerate(spec.cells):
+        for key in c:
+            if key not in ("label", "method", "transductive") and key not in GENERAL_KEYS:
+                ambiguous(f"{where}: [[cell]] #{i + 1}", key, c.get("method", base_methods), "this cell's methods")
+
+
+def ambiguous(where: str, key: str, methods: Iterable[str], whose: str) -> None:
+    """ConfigError when option ``key`` means different things for the ``methods`` that would get it."""
+    clash = solvers.homonyms(methods, key)
+    if clash:
+        what = "; ".join(f"{' and '.join(ms)}'s {meaning}" for meaning, ms in clash.items())
+        raise ConfigError(
+            f"{where}: option {key!r} would set different parameters of {whose}: {what}. Give each "
+            f"method its own value: set {key} inside a [[cell]] with that method (a cell's own values "
+            f"are not shared)"
+        )
 
 
 def load_grid(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> GridSpec:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from poodle.errors import ConfigError
 from poodle.solvers import base as _base
@@ -32,6 +32,7 @@ __all__ = [
     "SolverOutput",
     "available",
     "get",
+    "homonyms",
     "make_config",
     "run",
     "register",
@@ -76,6 +77,20 @@ def get(name: str) -> SolverInfo:
 def make_config(name: str, options: Mapping[str, Any] | None = None, *, strict: bool = False) -> Any:
     """The config dataclass of ``name`` built from ``options`` (see :func:`base.build_config`)."""
     return build_config(get(name), options or {}, strict=strict)
+
+
+def homonyms(methods: Iterable[str], name: str) -> dict[str, list[str]]:
+    """``{meaning: [methods]}`` for option ``name`` among ``methods`` that have it, when they give it
+    more than one meaning (``alpha``: POODLE's pull weight, alpha-TIM's alpha-entropy order); ``{}``
+    when it means one thing for all of them. Meanings come from the configs' ``MEANINGS``."""
+    by_meaning: dict[str, list[str]] = {}
+    for m in methods:
+        info = get(m)
+        if name in info.options():
+            names = by_meaning.setdefault(_base.meaning(info.config, name) or name, [])
+            if info.name not in names:
+                names.append(info.name)
+    return by_meaning if len(by_meaning) > 1 else {}
 
 
 def run(name: str, batch: EpisodeBatch, config: Any = None, **options: Any) -> SolverOutput:

@@ -50,6 +50,7 @@ class AlphaTimConfig:
         "marginal_weight": "[0, inf)",
         "conditional_weight": "[0, inf)",
     }
+    MEANINGS: ClassVar[dict[str, str]] = {"alpha": "alpha-entropy order"}  # see base.MEANINGS
 
     alpha: float = 0.0  # 0: the authors' tuned value (2 at 1 shot, 7 from 5 shots, else 5)
     ce_weight: float = 1.0

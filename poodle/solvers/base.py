@@ -243,6 +243,20 @@ def check_value(where: str, key: str, value: Any, interval: str | None) -> None:
         raise ConfigError(f"{where}: option {key!r} must lie in {interval}, got {value:g}")
 
 
+# ---------------------------------------------------------------------------------------------
+# Field names that mean different things in different methods (``alpha`` is POODLE's pull weight,
+# alpha-TIM's alpha-entropy order and PT-MAP's prototype update rate). A config class names what its
+# shared fields mean in a ``MEANINGS`` class variable (``{"alpha": "pull weight"}``); one value given
+# for such a field to methods with different meanings (one ``--alpha`` for POODLE and alpha-TIM, one
+# ``alpha`` list in a grid over both) is refused rather than silently applied to both
+# (:func:`poodle.solvers.homonyms`).
+
+
+def meaning(config: type, name: str) -> str | None:
+    """What field ``name`` of ``config`` means when other methods have a field of that name."""
+    return getattr(config, "MEANINGS", {}).get(name)
+
+
 def config_bounds(config: type) -> dict[str, str]:
     """The interval of every bounded field of ``config`` (its BOUNDS, then COMMON_BOUNDS by name)."""
     names = set(config_fields(config))

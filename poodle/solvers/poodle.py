@@ -34,6 +34,8 @@ from poodle.solvers.ce import check_common, support_targets
 @dataclass(frozen=True)
 class PoodleConfig:
     BOUNDS: ClassVar[dict[str, str]] = {"alpha": "[0, inf)", "beta": "[0, inf)"}  # see base.validate_config
+    # what a field name shared with other methods means here (see base.MEANINGS)
+    MEANINGS: ClassVar[dict[str, str]] = {"alpha": "pull weight", "beta": "push weight"}
     alpha: float = 1.0  # pull weight (paper 5.1; authors' default)
     beta: float = 0.5  # push weight (paper 5.1; authors' default)
     steps: int = 250  # paper 5.1 / authors' number_fc_update

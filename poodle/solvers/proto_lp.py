@@ -68,6 +68,7 @@ class ProtoLPConfig:
         "lp_tol": "[0, inf)",
         "sinkhorn_max_iter": "[1, inf)",
     }
+    MEANINGS: ClassVar[dict[str, str]] = {"alpha": "prototype update rate"}  # see base.MEANINGS
 
     power: float = 0.5
     reduced_dim: int = 40

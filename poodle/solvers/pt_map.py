@@ -42,6 +42,10 @@ class PTMapConfig:
         "sinkhorn_tol": "[0, inf)",
         "sinkhorn_max_iter": "[1, inf)",
     }
+    MEANINGS: ClassVar[dict[str, str]] = {  # see base.MEANINGS
+        "alpha": "prototype update rate",
+        "beta": "power-transform exponent",
+    }
     # Hu et al.'s released test script: beta 0.5, lam 10, alpha 0.2, 20 epochs; Sinkhorn eps 1e-6,
     # at most 1000 iterations.
     beta: float = 0.5

@@ -37,6 +37,7 @@ class TimADMConfig:
         "conditional_weight": "[0, inf)",
         "alpha": "(0, 1]",
     }
+    MEANINGS: ClassVar[dict[str, str]] = {"alpha": "prototype update rate"}  # see base.MEANINGS
 
     ce_weight: float = 0.1
     marginal_weight: float = 1.0

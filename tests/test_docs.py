@@ -1,0 +1,31 @@
+"""The docs hold no stale copies of the README's result tables, and their links into the README resolve."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# a Markdown table row with at least two accuracy entries ("84.83" or "84.83 ± 0.96", maybe bold)
+ACCURACY_ROW = re.compile(r"^\|[^|]*\|(\s*(\*\*)?\d{1,3}\.\d\d( ± \d+\.\d\d)?(\*\*)?\s*\|){2,}")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_transductive_doc_points_to_the_readme_tables_instead_of_copying_old_ones():
+    text = (ROOT / "docs" / "transductive.md").read_text(encoding="utf-8")
+    rows = [ln for ln in text.splitlines() if ACCURACY_ROW.match(ln)]
+    assert not rows, f"accuracy tables in docs/transductive.md (the README's tables are the current ones): {rows[:3]}"
+    assert "100 episodes per setting)" not in text
+
+
+def test_links_into_the_readme_resolve():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    anchors = {_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", readme, flags=re.M)}
+    for doc in (ROOT / "docs").glob("*.md"):
+        for anchor in re.findall(r"\(\.\./README\.md#([^)]+)\)", doc.read_text(encoding="utf-8")):
+            assert anchor in anchors, f"{doc.name}: README.md#{anchor} is not a heading of the README"
