@@ -280,6 +280,7 @@ def first_chunk(*a, **k):
     def advance(n):
         print(time.time(), flush=True)
         os._exit(0)
+    advance.start = lambda: None  # the lazy bar's "checks passed" hook
     yield advance
 
 common.progress_bar = first_chunk  # before poodle.cli.solve binds it
