@@ -22,11 +22,11 @@ $(DEV_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(DEV_STAMP) $(STAMP)
 
-# ruff (lint + format check) and mypy on the library
+# ruff (lint + format check) and mypy on the library and the command line
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check poodle cli tests benchmarks
 	$(BIN)/ruff format --check poodle cli tests benchmarks
-	$(BIN)/mypy poodle
+	$(BIN)/mypy poodle cli
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -239,7 +239,7 @@ class _GridProgress:
             # skipped work must not count into the rate: restart the episodes task's clock
             self.progress.reset(
                 self.episodes,
-                completed=self.progress.tasks[self.episodes].completed,
+                completed=int(self.progress.tasks[self.episodes].completed),
                 info=self.progress.tasks[self.episodes].fields.get("info", ""),
             )
         elif event.kind == "start":

@@ -31,7 +31,7 @@ def info(file: str) -> None:
         ("raw norms", "left"),
         ("skipped", "right"),
     ):
-        table.add_column(col, justify=just)
+        table.add_column(col, justify="right" if just == "right" else "left")
     for name, s in summary["splits"].items():
         dev = max(abs(s["norm_min"] - 1.0), abs(s["norm_max"] - 1.0)) if s["n_images"] > s["zero_rows"] else 0.0
         norms = f"{dev:.1e}"

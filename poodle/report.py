@@ -150,7 +150,7 @@ def parse_where(items: Iterable[str]) -> dict[str, list[str]]:
     return out
 
 
-def filter_results(results: Sequence[Result], where: Mapping[str, Sequence[str]]) -> list[Result]:
+def filter_results(results: Sequence[Result], where: Mapping[str, Sequence[str]]) -> Results:
     """Results whose option ``key`` matches one of the given values, for every key."""
     known = set().union(*(r.flat for r in results)) if results else set()
     for key in where:
