@@ -276,7 +276,8 @@ def extract(
         model.eval().to(dev)
     for split in todo:
         source_classes = source.classes(split)
-        ds = ImageDataset(source, split, tf, on_error="sentinel")
+        # uint8 items, converted and normalised per batch in _run_split (one pass: no pixel cache)
+        ds = ImageDataset(source, split, tf, on_error="sentinel", uint8=True)
         if d.enabled or cs.share_files(out, split):
             _extract_shared(
                 d,
@@ -485,6 +486,8 @@ def _run_split(
                 keep = y >= 0
                 x, y = x[keep], y[keep]
             if len(good):
+                # uint8 [b, 3, H, W] -> float32: the values the per-image transform would give
+                x = getattr(ds, "finish", lambda b: b)(x)
                 forward_features = cast(Callable[[torch.Tensor], torch.Tensor], model.forward_features)
                 feats = forward_features(x.to(dev, non_blocking=True)).float().cpu()
             else:

@@ -15,9 +15,11 @@ the main process turns it into a clean :class:`~poodle.errors.DataError` with :m
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset, get_worker_info
@@ -31,7 +33,7 @@ from poodle.data.sources import (
     DatasetSource,
     FolderSource,
 )
-from poodle.data.transforms import eval_transform, load_rgb, train_transform
+from poodle.data.transforms import Identity, eval_transform, load_rgb, train_transform, transform_stages
 from poodle.errors import ConfigError, DataError
 
 __all__ = [
@@ -59,13 +61,35 @@ class ImageDataset(Dataset):
       process; inside a DataLoader worker it yields the sentinel, which :meth:`check` turns into the
       same DataError in the main process (use :func:`checked` around the loader).
     - ``"sentinel"``: always return the sentinel ``(zeros, -(index + 1))``; the caller skips or raises.
+
+    Two options make repeated passes and batches cheaper without changing a single value:
+
+    - ``cache_bytes``: keep up to this many bytes of pixels in memory, per process: each image after
+      the transform's deterministic leading steps (decoding, and for the evaluation transform the
+      resize and centre crop; see :func:`poodle.data.transforms.transform_stages`), as uint8
+      ``[H, W, C]``. Filled as images are loaded (or all at once by :meth:`preload`); once the budget
+      is spent, further images are decoded every time. A bad image is never cached. 0: no cache.
+    - ``uint8``: items are uint8 ``[3, H, W]`` pixels, and :attr:`finish` turns a collated batch
+      ``[B, 3, H, W]`` into float32 ``[B, 3, H, W]`` (ToTensor's ``/ 255`` and the normalisation, once
+      per batch instead of per image), equal bit for bit to stacking the float items. Only when the
+      transform ends in ToTensor[, Normalize]; otherwise items stay as the transform makes them and
+      :attr:`finish` is the identity, so ``finish(batch)`` is always what the model takes.
     """
 
     def __init__(
-        self, source: DatasetSource, split: str, transform: Callable | None = None, *, on_error: str = "raise"
+        self,
+        source: DatasetSource,
+        split: str,
+        transform: Callable | None = None,
+        *,
+        on_error: str = "raise",
+        cache_bytes: int = 0,
+        uint8: bool = False,
     ) -> None:
         if on_error not in ("raise", "sentinel"):
             raise ConfigError(f"on_error must be 'raise' or 'sentinel', got {on_error!r}")
+        if cache_bytes < 0:
+            raise ConfigError(f"cache_bytes must be >= 0, got {cache_bytes}")
         self.source = source
         self.split = split
         self.root = Path(source.root)
@@ -75,7 +99,18 @@ class ImageDataset(Dataset):
         self.targets = [self.class_to_idx[c] for _, c in self.samples]
         self.transform = transform if transform is not None else eval_transform()
         self.on_error = on_error
+        self.stages = transform_stages(self.transform)
+        rest_uint8, finish = self.stages.rest_uint8, self.stages.finish
+        self.uint8 = bool(uint8 and rest_uint8 is not None and finish is not None)
+        self._rest = rest_uint8 if self.uint8 and rest_uint8 is not None else self.stages.rest
+        self.finish: Callable[[torch.Tensor], torch.Tensor] = (
+            finish if self.uint8 and finish is not None else Identity()
+        )
+        self.cache_bytes = int(cache_bytes)
+        self._cache: dict[int, np.ndarray] = {}
+        self._cached_bytes = 0
         self._shape: tuple[int, ...] | None = None
+        self._dtype: torch.dtype | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -83,16 +118,55 @@ class ImageDataset(Dataset):
     def path(self, index: int) -> Path:
         return self.root / self.samples[index][0]
 
-    def load(self, index: int) -> torch.Tensor:
-        """The transformed image at ``index``; DataError naming the file if it does not decode."""
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of pixels this process holds in its cache (at most ``cache_bytes``)."""
+        return self._cached_bytes
+
+    def _decode(self, index: int) -> Image.Image:
         p = self.path(index)
         try:
-            img = self.source.open_image(self.samples[index][0])
+            return self.source.open_image(self.samples[index][0])
         except Exception as e:  # noqa: BLE001 - PIL raises many types for damaged files
             raise DataError(
                 f"cannot decode image {p}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from None
-        return self.transform(img)
+
+    def _fixed(self, index: int) -> Image.Image:
+        """The image after the transform's deterministic steps, from the cache when it is there."""
+        a = self._cache.get(index)
+        if a is not None:
+            return Image.fromarray(a)  # a copy: later steps never touch the cached pixels
+        img = self.stages.fixed(self._decode(index))
+        if self.cache_bytes and img.mode in ("RGB", "L"):
+            a = np.asarray(img)
+            if self._cached_bytes + a.nbytes <= self.cache_bytes:
+                self._cache[index] = a
+                self._cached_bytes += a.nbytes
+        return img
+
+    def load(self, index: int) -> torch.Tensor:
+        """The transformed image at ``index`` (uint8 with ``uint8=True``); DataError naming the file
+        if it does not decode."""
+        return self._rest(self._fixed(index))
+
+    def preload(self) -> bool:
+        """Fill the cache with every image now, in this process, when the split fits the budget
+        (estimated from its first image); DataLoader workers forked afterwards share it. Bad images
+        are left for loading to report. Returns whether every image is cached."""
+        if not self.cache_bytes or not len(self):
+            return False
+        try:
+            self._fixed(0)
+        except DataError:
+            pass
+        if not self._cache or next(iter(self._cache.values())).nbytes * len(self) > self.cache_bytes:
+            return False
+        for i in range(len(self)):
+            if i not in self._cache:
+                with contextlib.suppress(DataError):
+                    self._fixed(i)
+        return len(self._cache) == len(self)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         try:
@@ -100,15 +174,16 @@ class ImageDataset(Dataset):
         except DataError:
             if self.on_error == "raise" and get_worker_info() is None:
                 raise
-            return torch.zeros(self._sentinel_shape()), -(index + 1)
+            return torch.zeros(self._sentinel_shape(), dtype=self._dtype), -(index + 1)
         if self._shape is None:
-            self._shape = tuple(x.shape)
+            self._shape, self._dtype = tuple(x.shape), x.dtype
         return x, self.targets[index]
 
     def _sentinel_shape(self) -> tuple[int, ...]:
         if self._shape is None:
-            # Same shape as a good image, so batches still collate: transform a blank image once.
-            self._shape = tuple(self.transform(Image.new("RGB", (256, 256))).shape)
+            # Same shape and type as a good image, so batches still collate: transform a blank image once.
+            x = self._rest(self.stages.fixed(Image.new("RGB", (256, 256))))
+            self._shape, self._dtype = tuple(x.shape), x.dtype
         return self._shape
 
     @staticmethod

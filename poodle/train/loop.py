@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from poodle import distributed
+from poodle import defaults, distributed
 from poodle.backbones import build, load_checkpoint, save_checkpoint
 from poodle.data import ImageDataset, resolve_dataset
 from poodle.data.transforms import eval_transform
@@ -114,10 +114,18 @@ def _init_distributed(device_name: str) -> tuple[_Dist, torch.device]:
 
 
 def _dataset(cfg: TrainConfig, split: str, transform: Callable) -> ImageDataset:
+    """The split read for training or meta-validation, which visit every image every epoch: decoded
+    pixels stay in memory within :data:`poodle.defaults.IMAGE_CACHE_BYTES`, and items are uint8,
+    finished per batch by ``dataset.finish`` (the same values as the float per-image transform)."""
     source = resolve_dataset(cfg.dataset, cfg.data_root, Path(cfg.cache_root))
     if split not in source.splits():
         raise DataError(f"dataset {cfg.dataset!r} has no {split!r} split (it has: {', '.join(source.splits())})")
-    return ImageDataset(source, split, transform)
+    ds = ImageDataset(source, split, transform, cache_bytes=defaults.IMAGE_CACHE_BYTES, uint8=True)
+    if cfg.workers > 0:
+        # Workers are forked afresh every epoch and would lose what they cached: fill the cache here
+        # once (when the split fits), before the first fork, so that every epoch's workers share it.
+        ds.preload()
+    return ds
 
 
 def _has_split(cfg: TrainConfig, split: str) -> bool:
@@ -491,11 +499,15 @@ def _run_epoch(
 ) -> _Running:
     net.train()
     stats = _Running()
+    # uint8 batches from an ImageDataset: its ToTensor scaling and normalisation, once per batch
+    finish = getattr(loader.dataset, "finish", None)
     for images, labels in loader:
         if loader.num_workers > 0 and hasattr(loader.dataset, "check"):
             loader.dataset.check(labels)  # a bad image in a worker arrives as a sentinel label
         if images.shape[0] < 2:  # BatchNorm cannot train on one image; the data order stays fixed
             continue
+        if finish is not None:
+            images = finish(images)
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         rot_labels = None
