@@ -116,7 +116,7 @@ def test_the_cache_keeps_to_its_budget_and_returns_identical_tensors(tmp_path):
     per_image = 24 * 24 * 3
     ds = ImageDataset(src, "train", tf, cache_bytes=3 * per_image + 100)
     ref = ImageDataset(src, "train", tf)
-    for rep in range(2):
+    for _rep in range(2):
         for i in range(len(ds)):
             assert torch.equal(ds[i][0], ref[i][0])
             assert ds.cached_bytes <= ds.cache_bytes
