@@ -10,7 +10,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision import transforms as T
 
-from poodle.data import ImageDataset, checked, resolve_dataset
+from poodle.data import ImageDataset, PixelCache, checked, resolve_dataset
 from poodle.data.transforms import (
     BatchFinish,
     ToUint8Tensor,
@@ -93,7 +93,7 @@ def test_cached_uint8_batches_equal_the_per_image_transform(tmp_path, kind, spli
     assert len(want) == len(got) > 2
     for a, b in zip(want, got):
         assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
-    assert fast.cached_bytes > 0 and len(fast._cache) == len(fast)  # the second epoch read the cache
+    assert fast.cache is not None and len(fast.cache) == len(fast)  # the second epoch read the cache
 
 
 def test_workers_collate_and_pickle_uint8_items(tmp_path):
@@ -116,19 +116,35 @@ def test_the_cache_keeps_to_its_budget_and_returns_identical_tensors(tmp_path):
     per_image = 24 * 24 * 3
     ds = ImageDataset(src, "train", tf, cache_bytes=3 * per_image + 100)
     ref = ImageDataset(src, "train", tf)
+    assert ds.cache is not None and ref.cache is None
     for _rep in range(2):
         for i in range(len(ds)):
             assert torch.equal(ds[i][0], ref[i][0])
-            assert ds.cached_bytes <= ds.cache_bytes
-    assert sorted(ds._cache) == [0, 1, 2] and ds.cached_bytes == 3 * per_image
+            assert ds.cache.nbytes <= ds.cache.max_bytes
+    assert len(ds.cache) == 3 and ds.cache.nbytes == 3 * per_image
+    assert [ds.cache.get(ds._key(i)) is not None for i in range(5)] == [True] * 3 + [False] * 2
     assert not ds.preload()  # 10 images do not fit: nothing more is decoded into memory
-    assert ds.cached_bytes == 3 * per_image
+    assert ds.cache.nbytes == 3 * per_image
     whole = ImageDataset(src, "train", tf, cache_bytes=10 * per_image)
-    assert whole.preload() and whole.cached_bytes == 10 * per_image
+    assert whole.preload() and whole.cache is not None and whole.cache.nbytes == 10 * per_image
     assert all(torch.equal(whole[i][0], ref[i][0]) for i in range(len(ref)))
-    off = ImageDataset(src, "train", tf)
-    off[0]
-    assert off.cached_bytes == 0 and not off.preload()
+    assert not ref.preload()
+
+
+def test_datasets_with_other_transforms_share_one_cache_of_decoded_images(tmp_path):
+    _images.write_folder(tmp_path, {"train": 2}, 4, size=24, splits=("train",))
+    src = resolve_dataset("folder", tmp_path)
+    pixels = PixelCache(1 << 20)
+    train = ImageDataset(src, "train", train_transform("crop", SIZE), cache=pixels, uint8=True)
+    assert train.preload() and len(pixels) == 8
+    decoded: list[int] = []
+    src.open_image = lambda rel: decoded.append(1)  # type: ignore[method-assign]  # nothing may be decoded now
+    ev = ImageDataset(src, "train", eval_transform(SIZE), cache=pixels, uint8=True)
+    ref = ImageDataset(resolve_dataset("folder", tmp_path), "train", eval_transform(SIZE))
+    got = ev.finish(torch.stack([ev[i][0] for i in range(len(ev))]))
+    assert not decoded and torch.equal(got, torch.stack([ref[i][0] for i in range(len(ref))]))
+    with pytest.raises(Exception, match="budget"):
+        PixelCache(-1)
 
 
 def test_the_cached_pixels_are_not_changed_by_a_later_step(tmp_path):
@@ -139,10 +155,10 @@ def test_the_cached_pixels_are_not_changed_by_a_later_step(tmp_path):
             img.paste((255, 0, 0), (0, 0, 24, 24))
             return img
 
-    tf = T.Compose([T.CenterCrop(24), Scribble(), T.ToTensor()])
+    tf = T.Compose([Scribble(), T.ToTensor()])
     ds = ImageDataset(resolve_dataset("folder", tmp_path), "train", tf, cache_bytes=1 << 20)
     ds[0]
-    assert int(ds._cache[0][..., 1].max()) > 0  # the cache kept the image before Scribble, not its red
+    assert ds.cache is not None and int(ds.cache.get(ds._key(0))[..., 1].max()) > 0  # not Scribble's red
 
 
 def test_a_bad_image_is_never_cached_and_is_named_every_time(tmp_path):
@@ -153,8 +169,8 @@ def test_a_bad_image_is_never_cached_and_is_named_every_time(tmp_path):
     for _ in range(2):
         with pytest.raises(DataError, match=f"cannot decode image {bad}"):
             ds[4]
-    assert 4 not in ds._cache
-    assert not ds.preload() and len(ds._cache) == 5  # the others are cached
+    assert ds.cache is not None and ds.cache.get(ds._key(4)) is None
+    assert not ds.preload() and len(ds.cache) == 5  # the others are cached
     loader = DataLoader(ds, batch_size=3, num_workers=1)  # the uint8 sentinel collates with uint8 items
     with pytest.raises(DataError, match=f"cannot decode image {bad}: UnidentifiedImageError"):
         list(checked(loader, ds))

@@ -43,6 +43,7 @@ __all__ = [
     "CubSource",
     "resolve_dataset",
     "ImageDataset",
+    "PixelCache",
     "checked",
     "eval_transform",
     "train_transform",
@@ -50,6 +51,42 @@ __all__ = [
     "NAMES",
     "IMAGE_EXTENSIONS",
 ]
+
+
+class PixelCache:
+    """Decoded images kept in memory, by file, within a budget of ``max_bytes`` bytes of pixels.
+
+    Holds uint8 ``[H, W, C]`` (or ``[H, W]``) arrays keyed by ``(source type, file path)``; several
+    :class:`ImageDataset` over the same files (with different transforms) may share one. An image
+    that does not fit what is left of the budget is not stored; nothing is ever evicted.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ConfigError(f"the pixel cache's budget must be >= 0 bytes, got {max_bytes}")
+        self.max_bytes = int(max_bytes)
+        self.nbytes = 0
+        self._arrays: dict[tuple[str, str], np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def get(self, key: tuple[str, str]) -> np.ndarray | None:
+        return self._arrays.get(key)
+
+    def put(self, key: tuple[str, str], pixels: np.ndarray) -> bool:
+        """Keep ``pixels`` under ``key`` if they fit the budget; whether they were kept."""
+        if key in self._arrays:
+            return True
+        if self.nbytes + pixels.nbytes > self.max_bytes:
+            return False
+        self._arrays[key] = pixels
+        self.nbytes += pixels.nbytes
+        return True
+
+    def clear(self) -> None:
+        self._arrays.clear()
+        self.nbytes = 0
 
 
 class ImageDataset(Dataset):
@@ -62,13 +99,14 @@ class ImageDataset(Dataset):
       same DataError in the main process (use :func:`checked` around the loader).
     - ``"sentinel"``: always return the sentinel ``(zeros, -(index + 1))``; the caller skips or raises.
 
-    Two options make repeated passes and batches cheaper without changing a single value:
+    Three options make repeated passes and batches cheaper without changing a single value:
 
-    - ``cache_bytes``: keep up to this many bytes of pixels in memory, per process: each image after
-      the transform's deterministic leading steps (decoding, and for the evaluation transform the
-      resize and centre crop; see :func:`poodle.data.transforms.transform_stages`), as uint8
-      ``[H, W, C]``. Filled as images are loaded (or all at once by :meth:`preload`); once the budget
-      is spent, further images are decoded every time. A bad image is never cached. 0: no cache.
+    - ``cache_bytes``: keep decoded images in memory, up to this many bytes of pixels (uint8
+      ``[H, W, C]`` arrays, per process), so that later epochs skip decoding. Filled as images are
+      loaded (or all at once by :meth:`preload`); once the budget is spent, further images are decoded
+      every time. A bad image is never cached. 0 (default): no cache.
+    - ``cache``: a :class:`PixelCache` to use instead, shared with other datasets over the same files
+      (``poodle demo`` shares one between training, validation and extraction).
     - ``uint8``: items are uint8 ``[3, H, W]`` pixels, and :attr:`finish` turns a collated batch
       ``[B, 3, H, W]`` into float32 ``[B, 3, H, W]`` (ToTensor's ``/ 255`` and the normalisation, once
       per batch instead of per image), equal bit for bit to stacking the float items. Only when the
@@ -84,6 +122,7 @@ class ImageDataset(Dataset):
         *,
         on_error: str = "raise",
         cache_bytes: int = 0,
+        cache: PixelCache | None = None,
         uint8: bool = False,
     ) -> None:
         if on_error not in ("raise", "sentinel"):
@@ -106,9 +145,7 @@ class ImageDataset(Dataset):
         self.finish: Callable[[torch.Tensor], torch.Tensor] = (
             finish if self.uint8 and finish is not None else Identity()
         )
-        self.cache_bytes = int(cache_bytes)
-        self._cache: dict[int, np.ndarray] = {}
-        self._cached_bytes = 0
+        self.cache = cache if cache is not None else (PixelCache(cache_bytes) if cache_bytes else None)
         self._shape: tuple[int, ...] | None = None
         self._dtype: torch.dtype | None = None
 
@@ -117,11 +154,6 @@ class ImageDataset(Dataset):
 
     def path(self, index: int) -> Path:
         return self.root / self.samples[index][0]
-
-    @property
-    def cached_bytes(self) -> int:
-        """Bytes of pixels this process holds in its cache (at most ``cache_bytes``)."""
-        return self._cached_bytes
 
     def _decode(self, index: int) -> Image.Image:
         p = self.path(index)
@@ -132,18 +164,21 @@ class ImageDataset(Dataset):
                 f"cannot decode image {p}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from None
 
+    def _key(self, index: int) -> tuple[str, str]:
+        return type(self.source).__name__, str(self.path(index))
+
     def _fixed(self, index: int) -> Image.Image:
-        """The image after the transform's deterministic steps, from the cache when it is there."""
-        a = self._cache.get(index)
+        """The image after the transform's deterministic steps; decoded pixels come from the cache
+        when it holds them."""
+        cache = self.cache
+        a = cache.get(self._key(index)) if cache is not None else None
         if a is not None:
-            return Image.fromarray(a)  # a copy: later steps never touch the cached pixels
-        img = self.stages.fixed(self._decode(index))
-        if self.cache_bytes and img.mode in ("RGB", "L"):
-            a = np.asarray(img)
-            if self._cached_bytes + a.nbytes <= self.cache_bytes:
-                self._cache[index] = a
-                self._cached_bytes += a.nbytes
-        return img
+            img = Image.fromarray(a)  # a copy: later steps never touch the cached pixels
+        else:
+            img = self._decode(index)
+            if cache is not None and img.mode in ("RGB", "L"):
+                cache.put(self._key(index), np.asarray(img))  # np.asarray copies the pixels
+        return self.stages.fixed(img)
 
     def load(self, index: int) -> torch.Tensor:
         """The transformed image at ``index`` (uint8 with ``uint8=True``); DataError naming the file
@@ -151,22 +186,22 @@ class ImageDataset(Dataset):
         return self._rest(self._fixed(index))
 
     def preload(self) -> bool:
-        """Fill the cache with every image now, in this process, when the split fits the budget
-        (estimated from its first image); DataLoader workers forked afterwards share it. Bad images
-        are left for loading to report. Returns whether every image is cached."""
-        if not self.cache_bytes or not len(self):
+        """Decode every image into the cache now, in this process, when the split fits what is left
+        of the budget (estimated from its first image); DataLoader workers forked afterwards share
+        it. Bad images are left for loading to report. Returns whether every image is cached."""
+        cache = self.cache
+        if cache is None or not len(self):
             return False
-        try:
+        with contextlib.suppress(DataError):
             self._fixed(0)
-        except DataError:
-            pass
-        if not self._cache or next(iter(self._cache.values())).nbytes * len(self) > self.cache_bytes:
+        first = cache.get(self._key(0))
+        if first is None or first.nbytes * (len(self) - 1) > cache.max_bytes - cache.nbytes:
             return False
-        for i in range(len(self)):
-            if i not in self._cache:
+        for i in range(1, len(self)):
+            if cache.get(self._key(i)) is None:
                 with contextlib.suppress(DataError):
                     self._fixed(i)
-        return len(self._cache) == len(self)
+        return all(cache.get(self._key(i)) is not None for i in range(len(self)))
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         try:

@@ -12,7 +12,7 @@ Images are always decoded to RGB first (:func:`load_rgb`). Each returned transfo
 never mixed with these.
 
 :func:`transform_stages` cuts such a transform in three for :class:`poodle.data.ImageDataset`: the
-deterministic leading steps (whose output may be kept in memory), the per-image rest ending in
+deterministic leading steps (a function of the image alone), the per-image rest ending in
 uint8 pixels, and the float conversion and normalisation, applied to a whole collated batch
 (:class:`BatchFinish`, a lookup into a table that the per-image operations themselves computed for
 every byte value and channel), so a finished batch equals the stack of the per-image outputs exactly.
@@ -156,7 +156,7 @@ def native_eval_transform(image_size: int) -> Callable[[Image.Image], torch.Tens
 
 # --------------------------------------------------------------------------------------------- stages
 
-# PIL steps whose output is a function of the input image alone (no randomness), so it may be cached.
+# PIL steps whose output is a function of the input image alone (no randomness).
 _DETERMINISTIC = (T.Resize, T.CenterCrop)
 
 
@@ -242,7 +242,7 @@ class TransformStages:
 
     Attributes:
         fixed: the leading deterministic PIL steps (resize, centre crop, RGB/size checks), PIL -> PIL:
-            their output is a function of the image, so it may be cached across epochs.
+            their output is a function of the image alone.
         rest: the remaining steps, PIL -> the transform's output (float ``[C, H, W]``).
         rest_uint8: the remaining steps with ToTensor and Normalize replaced by :class:`ToUint8Tensor`,
             PIL -> uint8 ``[C, H, W]``; None when the transform does not end in ToTensor[, Normalize].

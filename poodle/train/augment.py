@@ -15,7 +15,7 @@ from poodle.errors import ConfigError
 class _ToRGB:
     """PIL image -> RGB (a class, not a lambda, so DataLoader workers can pickle it)."""
 
-    deterministic = True  # a function of the image alone: ImageDataset may cache its output
+    deterministic = True  # a function of the image alone (see poodle.data.transforms.transform_stages)
 
     def __call__(self, img: Image.Image) -> Image.Image:
         return img if img.mode == "RGB" else img.convert("RGB")
