@@ -19,6 +19,7 @@ from poodle.data.transforms import (
     transform_stages,
 )
 from poodle.errors import DataError
+from poodle.train import TrainConfig, loop, train
 from poodle.train.augment import train_transform
 
 SIZE = 16
@@ -177,3 +178,45 @@ def test_a_bad_image_is_never_cached_and_is_named_every_time(tmp_path):
     sentinel = ImageDataset(src, "train", eval_transform(SIZE), on_error="sentinel", uint8=True)
     x, y = sentinel[4]
     assert y == -5 and x.dtype == torch.uint8 and x.shape == (3, SIZE, SIZE)
+
+
+def _train_weights(tmp_path, name: str, workers: int, per_image: bool, monkeypatch) -> dict[str, torch.Tensor]:
+    if per_image:  # the pipeline before the cache and the batched finish: float items, decoded every time
+        monkeypatch.setattr(
+            loop,
+            "_dataset",
+            lambda cfg, split, transform, pixels=None: ImageDataset(
+                resolve_dataset(cfg.dataset, cfg.data_root, cfg.cache_root), split, transform
+            ),
+        )
+    else:
+        monkeypatch.undo()
+    cfg = TrainConfig(
+        dataset="folder",
+        data_root=str(tmp_path / "data"),
+        backbone="conv4_64",
+        epochs=2,
+        batch_size=8,
+        image_size=SIZE,
+        augment="crop",
+        val_every=1,
+        val_episodes=10,
+        val_way=3,
+        val_query=2,
+        workers=workers,
+        device="cpu",
+        cache_root=str(tmp_path / "cache"),
+        out=str(tmp_path / name),
+    )
+    result = train(cfg)
+    ckpt = torch.load(result.checkpoint, map_location="cpu", weights_only=True)
+    assert ckpt["history"][-1]["val_acc"] is not None
+    return ckpt["state_dict"]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_training_gives_the_same_weights_as_the_per_image_pipeline(tmp_path, monkeypatch, workers):
+    _images.write_folder(tmp_path / "data", {"train": 4, "val": 3}, 6, size=24, splits=("train", "val"))
+    old = _train_weights(tmp_path, "old", workers, True, monkeypatch)
+    new = _train_weights(tmp_path, "new", workers, False, monkeypatch)
+    assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)

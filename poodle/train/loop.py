@@ -120,12 +120,7 @@ def _dataset(cfg: TrainConfig, split: str, transform: Callable, pixels: PixelCac
     source = resolve_dataset(cfg.dataset, cfg.data_root, Path(cfg.cache_root))
     if split not in source.splits():
         raise DataError(f"dataset {cfg.dataset!r} has no {split!r} split (it has: {', '.join(source.splits())})")
-    ds = ImageDataset(source, split, transform, cache=pixels, uint8=True)
-    if cfg.workers > 0:
-        # Workers are forked afresh every epoch and would lose what they cached: fill the cache here
-        # once (when the split fits), before the first fork, so that every epoch's workers share it.
-        ds.preload()
-    return ds
+    return ImageDataset(source, split, transform, cache=pixels, uint8=True)
 
 
 def _has_split(cfg: TrainConfig, split: str) -> bool:
@@ -363,6 +358,13 @@ def _train_generation(
     if start >= cfg.epochs:
         emit(TrainEvent("generation", g, cfg.n_generations, start, cfg.epochs, skipped=True, best_acc=best_acc))
         return {"dir": str(gdir), "best_acc": best_acc, "epochs_run": 0}
+
+    if cfg.workers > 0:
+        # Workers are forked afresh every epoch and would lose what they cached: fill the cache here
+        # once (when the split fits), before the first fork, so that every epoch's workers share it.
+        for ds in (train_set, getattr(validator, "dataset", None)):
+            if isinstance(ds, ImageDataset):
+                ds.preload()
 
     teacher = None
     if g > 0:
