@@ -490,10 +490,10 @@ def _run_split(
                 keep = y >= 0
                 x, y = x[keep], y[keep]
             if len(good):
-                # uint8 [b, 3, H, W] -> float32: the values the per-image transform would give
-                x = getattr(ds, "finish", lambda b: b)(x)
+                # uint8 [b, 3, H, W] -> float32 on the device: the values the per-image transform gives
+                x = getattr(ds, "finish", lambda b: b)(x.to(dev, non_blocking=True))
                 forward_features = cast(Callable[[torch.Tensor], torch.Tensor], model.forward_features)
-                feats = forward_features(x.to(dev, non_blocking=True)).float().cpu()
+                feats = forward_features(x).float().cpu()
             else:
                 feats = torch.zeros(0, writer.dim)
             writer.append(

@@ -53,6 +53,16 @@ def test_the_batch_finish_equals_the_per_image_transform_for_every_byte_and_chan
     assert torch.equal(got, want)
 
 
+def test_the_device_lookup_equals_the_cpu_lookup():
+    # what a GPU batch goes through, run here on the CPU: the same table, gathered by torch
+    finish = BatchFinish(T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
+    x = torch.stack([ToUint8Tensor()(_every_byte_image(s)) for s in range(3)])
+    got = finish._lookup_torch(x)
+    assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, finish(x))
+    with pytest.raises(TypeError, match="uint8"):
+        finish(x.float())
+
+
 def test_a_grey_image_gives_one_channel_and_the_same_values():
     img = _every_byte_image().convert("L")
     x = ToUint8Tensor()(img)

@@ -513,9 +513,9 @@ def _run_epoch(
             loader.dataset.check(labels)  # a bad image in a worker arrives as a sentinel label
         if images.shape[0] < 2:  # BatchNorm cannot train on one image; the data order stays fixed
             continue
-        if finish is not None:
-            images = finish(images)
         images = images.to(device, non_blocking=True)
+        if finish is not None:
+            images = finish(images)  # on the device: the uint8 batch is what is copied
         labels = labels.to(device, non_blocking=True)
         rot_labels = None
         if cfg.rotation:

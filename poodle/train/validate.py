@@ -48,11 +48,12 @@ def embed(
         for images, labels in loader:
             if workers > 0 and hasattr(dataset, "check"):
                 dataset.check(labels)  # a bad image in a worker arrives as a sentinel label
+            images = images.to(device, non_blocking=True)
             if finish is not None:
-                images = finish(images)
+                images = finish(images)  # on the device: the uint8 batch is what is copied
             with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
                 forward_features = cast(Callable[[Tensor], Tensor], model.forward_features)
-                f = forward_features(images.to(device, non_blocking=True))
+                f = forward_features(images)
             chunks.append(F.normalize(f.float(), dim=1).cpu())
             if progress is not None:
                 progress(images.shape[0])
