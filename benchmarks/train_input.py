@@ -19,6 +19,8 @@ import time
 import torch
 from torch.utils.data import DataLoader
 
+from poodle import defaults
+from poodle.data import PixelCache
 from poodle.data.transforms import load_rgb
 from poodle.demo import DemoConfig
 from poodle.train.augment import train_transform
@@ -31,7 +33,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=60)
     args = ap.parse_args()
     cfg = DemoConfig(cache_root=args.cache_root).train_config()
-    ds = _dataset(cfg, "train", train_transform(cfg.augment, cfg.image_size))
+    ds = _dataset(cfg, "train", train_transform(cfg.augment, cfg.image_size), PixelCache(defaults.IMAGE_CACHE_BYTES))
     print(
         f"poodle demo training input: {len(ds)} images, batch {cfg.batch_size}, {args.batches} batches; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, python {platform.python_version()}, "

@@ -13,6 +13,7 @@ from torchvision import transforms as T
 from poodle.data import ImageDataset, PixelCache, checked, resolve_dataset
 from poodle.data.transforms import (
     BatchFinish,
+    RandomResizedCrop,
     ToUint8Tensor,
     eval_transform,
     native_eval_transform,
@@ -61,6 +62,36 @@ def test_the_device_lookup_equals_the_cpu_lookup():
     assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, finish(x))
     with pytest.raises(TypeError, match="uint8"):
         finish(x.float())
+
+
+CROPS = [((0.08, 1.0), (3 / 4, 4 / 3)), ((0.5, 1.0), (0.9, 1.1)), ((0.9, 1.0), (5.0, 6.0))]
+
+
+@pytest.mark.parametrize("scale,ratio", CROPS)
+def test_our_random_resized_crop_draws_and_crops_as_torchvisions(scale, ratio):
+    ours, theirs = RandomResizedCrop(12, scale=scale, ratio=ratio), T.RandomResizedCrop(12, scale=scale, ratio=ratio)
+    rng = np.random.default_rng(0)
+    for k in range(600):
+        w, h = (int(v) for v in rng.integers(1, 60, 2))
+        img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        torch.manual_seed(k)
+        want = theirs.get_params(img, theirs.scale, theirs.ratio)
+        state = torch.get_rng_state()
+        torch.manual_seed(k)
+        got = ours._params(img)
+        assert got == want and torch.equal(torch.get_rng_state(), state)  # the same draws, the same crop
+        if min(got[2:]) > 0:
+            torch.manual_seed(k)
+            a = np.asarray(theirs(img))
+            torch.manual_seed(k)
+            assert np.array_equal(np.asarray(ours(img)), a)
+    # 50 x 1: every draw asks for a crop at least 2 px high (area >= 4, aspect <= 6), so all 10 fail and
+    # torchvision's central-crop fallback decides
+    thin = Image.new("RGB", (50, 1))
+    torch.manual_seed(0)
+    want = theirs.get_params(thin, theirs.scale, theirs.ratio)
+    torch.manual_seed(0)
+    assert ours._params(thin) == want and want[0] == 0 and want[2] == 1
 
 
 def test_a_grey_image_gives_one_channel_and_the_same_values():

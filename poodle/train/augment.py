@@ -30,7 +30,7 @@ def mild_crop_transform(image_size: int) -> Callable:
     return T.Compose(
         [
             _ToRGB(),
-            T.RandomResizedCrop(image_size, scale=(0.5, 1.0), ratio=(0.9, 1.1)),
+            transforms.RandomResizedCrop(image_size, scale=(0.5, 1.0), ratio=(0.9, 1.1)),
             T.ToTensor(),
             T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]
