@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from poodle import defaults, solvers
+from poodle.data import PixelCache
 from poodle.data.glyphs import ensure_glyphs
 from poodle.errors import CacheError, ConfigError
 from poodle.extract import extract
@@ -251,7 +252,10 @@ def run_demo(
     tcfg = cfg.train_config(dataset, data_root)
     key = _digest(tcfg.defining())[:10]
     tcfg.out = str(cache_root / DATASET / "checkpoints" / f"{cfg.backbone}-{cfg.recipe}-demo-{key}")
-    result = train(tcfg, callback=train_callback)
+    # Training keeps the decoded train and val images here; extraction then reads them instead of
+    # decoding them a second time (the test split is decoded once, by extraction).
+    pixels = PixelCache(defaults.IMAGE_CACHE_BYTES)
+    result = train(tcfg, callback=train_callback, pixel_cache=pixels)
     reused["train"] = all(g["epochs_run"] == 0 for g in result.generations)
     seconds["train"] = time.perf_counter() - t
     checkpoint = Path(result.checkpoint)
@@ -271,6 +275,7 @@ def run_demo(
         tag=f"demo-{key}",
         workers=cfg.workers,
         progress_factory=progress_factory,
+        pixel_cache=pixels,
     )
     try:
         features = Path(extract(dataset, cfg.backbone, **extract_opts))
@@ -278,6 +283,7 @@ def run_demo(
         # the checkpoint was retrained since (e.g. deleted by hand): its old features are stale
         log(f"replacing stale features ({e})")
         features = Path(extract(dataset, cfg.backbone, force=True, **extract_opts))
+    pixels.clear()  # the images are not needed any more: free the memory before solving
     seconds["extract"] = time.perf_counter() - t
     log(f"features: {features} ({seconds['extract']:.1f} s)")
 

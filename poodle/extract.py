@@ -32,7 +32,7 @@ from poodle.cache import (
     read_attrs,
     samples_digest,
 )
-from poodle.data import ImageDataset, resolve_dataset
+from poodle.data import ImageDataset, PixelCache, resolve_dataset
 from poodle.data.transforms import eval_transform, native_eval_transform
 from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
 from poodle.utils import check_writable_dir, count, file_sha256
@@ -116,6 +116,7 @@ def extract(
     crop_pct: float | None = None,
     interpolation: str | None = None,
     source: Any = None,
+    pixel_cache: PixelCache | None = None,
 ) -> Path:
     """Extract L2-normalised features of ``splits`` of ``dataset`` with ``backbone`` into the cache.
 
@@ -144,6 +145,9 @@ def extract(
             default ``image_size`` then).
         source: a :class:`poodle.data.DatasetSource` to read instead of resolving ``dataset``
             (``dataset`` then only names the cache; ``poodle predict`` passes its image lists).
+        pixel_cache: a :class:`poodle.data.PixelCache` holding decoded images of these files (e.g.
+            what :func:`poodle.train.train` decoded), read instead of decoding them again; it also
+            takes the images decoded here, within its budget. None: every image is decoded.
 
     Under torchrun (``WORLD_SIZE`` > 1) every process calls this function; each extracts a share of
     every split and rank 0 merges them (:mod:`poodle.cache_shares`), logs and reports progress.
@@ -276,7 +280,8 @@ def extract(
         model.eval().to(dev)
     for split in todo:
         source_classes = source.classes(split)
-        ds = ImageDataset(source, split, tf, on_error="sentinel")
+        # uint8 items, converted and normalised per batch in _run_split
+        ds = ImageDataset(source, split, tf, on_error="sentinel", uint8=True, cache=pixel_cache)
         if d.enabled or cs.share_files(out, split):
             _extract_shared(
                 d,
@@ -485,8 +490,10 @@ def _run_split(
                 keep = y >= 0
                 x, y = x[keep], y[keep]
             if len(good):
+                # uint8 [b, 3, H, W] -> float32 on the device: the values the per-image transform gives
+                x = getattr(ds, "finish", lambda b: b)(x.to(dev, non_blocking=True))
                 forward_features = cast(Callable[[torch.Tensor], torch.Tensor], model.forward_features)
-                feats = forward_features(x.to(dev, non_blocking=True)).float().cpu()
+                feats = forward_features(x).float().cpu()
             else:
                 feats = torch.zeros(0, writer.dim)
             writer.append(

@@ -15,9 +15,11 @@ the main process turns it into a clean :class:`~poodle.errors.DataError` with :m
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset, get_worker_info
@@ -31,7 +33,7 @@ from poodle.data.sources import (
     DatasetSource,
     FolderSource,
 )
-from poodle.data.transforms import eval_transform, load_rgb, train_transform
+from poodle.data.transforms import Identity, eval_transform, load_rgb, train_transform, transform_stages
 from poodle.errors import ConfigError, DataError
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "CubSource",
     "resolve_dataset",
     "ImageDataset",
+    "PixelCache",
     "checked",
     "eval_transform",
     "train_transform",
@@ -48,6 +51,42 @@ __all__ = [
     "NAMES",
     "IMAGE_EXTENSIONS",
 ]
+
+
+class PixelCache:
+    """Decoded images kept in memory, by file, within a budget of ``max_bytes`` bytes of pixels.
+
+    Holds uint8 ``[H, W, C]`` (or ``[H, W]``) arrays keyed by ``(source type, file path)``; several
+    :class:`ImageDataset` over the same files (with different transforms) may share one. An image
+    that does not fit what is left of the budget is not stored; nothing is ever evicted.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ConfigError(f"the pixel cache's budget must be >= 0 bytes, got {max_bytes}")
+        self.max_bytes = int(max_bytes)
+        self.nbytes = 0
+        self._arrays: dict[tuple[str, str], np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def get(self, key: tuple[str, str]) -> np.ndarray | None:
+        return self._arrays.get(key)
+
+    def put(self, key: tuple[str, str], pixels: np.ndarray) -> bool:
+        """Keep ``pixels`` under ``key`` if they fit the budget; whether they were kept."""
+        if key in self._arrays:
+            return True
+        if self.nbytes + pixels.nbytes > self.max_bytes:
+            return False
+        self._arrays[key] = pixels
+        self.nbytes += pixels.nbytes
+        return True
+
+    def clear(self) -> None:
+        self._arrays.clear()
+        self.nbytes = 0
 
 
 class ImageDataset(Dataset):
@@ -59,13 +98,37 @@ class ImageDataset(Dataset):
       process; inside a DataLoader worker it yields the sentinel, which :meth:`check` turns into the
       same DataError in the main process (use :func:`checked` around the loader).
     - ``"sentinel"``: always return the sentinel ``(zeros, -(index + 1))``; the caller skips or raises.
+
+    Three options make repeated passes and batches cheaper without changing a single value:
+
+    - ``cache_bytes``: keep decoded images in memory, up to this many bytes of pixels (uint8
+      ``[H, W, C]`` arrays, per process), so that later epochs skip decoding. Filled as images are
+      loaded (or all at once by :meth:`preload`); once the budget is spent, further images are decoded
+      every time. A bad image is never cached. 0 (default): no cache.
+    - ``cache``: a :class:`PixelCache` to use instead, shared with other datasets over the same files
+      (``poodle demo`` shares one between training, validation and extraction).
+    - ``uint8``: items are uint8 ``[3, H, W]`` pixels, and :attr:`finish` turns a collated batch
+      ``[B, 3, H, W]`` into float32 ``[B, 3, H, W]`` (ToTensor's ``/ 255`` and the normalisation, once
+      per batch instead of per image), equal bit for bit to stacking the float items. Only when the
+      transform ends in ToTensor[, Normalize]; otherwise items stay as the transform makes them and
+      :attr:`finish` is the identity, so ``finish(batch)`` is always what the model takes.
     """
 
     def __init__(
-        self, source: DatasetSource, split: str, transform: Callable | None = None, *, on_error: str = "raise"
+        self,
+        source: DatasetSource,
+        split: str,
+        transform: Callable | None = None,
+        *,
+        on_error: str = "raise",
+        cache_bytes: int = 0,
+        cache: PixelCache | None = None,
+        uint8: bool = False,
     ) -> None:
         if on_error not in ("raise", "sentinel"):
             raise ConfigError(f"on_error must be 'raise' or 'sentinel', got {on_error!r}")
+        if cache_bytes < 0:
+            raise ConfigError(f"cache_bytes must be >= 0, got {cache_bytes}")
         self.source = source
         self.split = split
         self.root = Path(source.root)
@@ -75,7 +138,16 @@ class ImageDataset(Dataset):
         self.targets = [self.class_to_idx[c] for _, c in self.samples]
         self.transform = transform if transform is not None else eval_transform()
         self.on_error = on_error
+        self.stages = transform_stages(self.transform)
+        rest_uint8, finish = self.stages.rest_uint8, self.stages.finish
+        self.uint8 = bool(uint8 and rest_uint8 is not None and finish is not None)
+        self._rest = rest_uint8 if self.uint8 and rest_uint8 is not None else self.stages.rest
+        self.finish: Callable[[torch.Tensor], torch.Tensor] = (
+            finish if self.uint8 and finish is not None else Identity()
+        )
+        self.cache = cache if cache is not None else (PixelCache(cache_bytes) if cache_bytes else None)
         self._shape: tuple[int, ...] | None = None
+        self._dtype: torch.dtype | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -83,16 +155,53 @@ class ImageDataset(Dataset):
     def path(self, index: int) -> Path:
         return self.root / self.samples[index][0]
 
-    def load(self, index: int) -> torch.Tensor:
-        """The transformed image at ``index``; DataError naming the file if it does not decode."""
+    def _decode(self, index: int) -> Image.Image:
         p = self.path(index)
         try:
-            img = self.source.open_image(self.samples[index][0])
+            return self.source.open_image(self.samples[index][0])
         except Exception as e:  # noqa: BLE001 - PIL raises many types for damaged files
             raise DataError(
                 f"cannot decode image {p}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from None
-        return self.transform(img)
+
+    def _key(self, index: int) -> tuple[str, str]:
+        return type(self.source).__name__, str(self.path(index))
+
+    def _fixed(self, index: int) -> Image.Image:
+        """The image after the transform's deterministic steps; decoded pixels come from the cache
+        when it holds them."""
+        cache = self.cache
+        a = cache.get(self._key(index)) if cache is not None else None
+        if a is not None:
+            img = Image.fromarray(a)  # a copy: later steps never touch the cached pixels
+        else:
+            img = self._decode(index)
+            if cache is not None and img.mode in ("RGB", "L"):
+                cache.put(self._key(index), np.asarray(img))  # np.asarray copies the pixels
+        return self.stages.fixed(img)
+
+    def load(self, index: int) -> torch.Tensor:
+        """The transformed image at ``index`` (uint8 with ``uint8=True``); DataError naming the file
+        if it does not decode."""
+        return self._rest(self._fixed(index))
+
+    def preload(self) -> bool:
+        """Decode every image into the cache now, in this process, when the split fits what is left
+        of the budget (estimated from its first image); DataLoader workers forked afterwards share
+        it. Bad images are left for loading to report. Returns whether every image is cached."""
+        cache = self.cache
+        if cache is None or not len(self):
+            return False
+        with contextlib.suppress(DataError):
+            self._fixed(0)
+        first = cache.get(self._key(0))
+        if first is None or first.nbytes * (len(self) - 1) > cache.max_bytes - cache.nbytes:
+            return False
+        for i in range(1, len(self)):
+            if cache.get(self._key(i)) is None:
+                with contextlib.suppress(DataError):
+                    self._fixed(i)
+        return all(cache.get(self._key(i)) is not None for i in range(len(self)))
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         try:
@@ -100,15 +209,16 @@ class ImageDataset(Dataset):
         except DataError:
             if self.on_error == "raise" and get_worker_info() is None:
                 raise
-            return torch.zeros(self._sentinel_shape()), -(index + 1)
+            return torch.zeros(self._sentinel_shape(), dtype=self._dtype), -(index + 1)
         if self._shape is None:
-            self._shape = tuple(x.shape)
+            self._shape, self._dtype = tuple(x.shape), x.dtype
         return x, self.targets[index]
 
     def _sentinel_shape(self) -> tuple[int, ...]:
         if self._shape is None:
-            # Same shape as a good image, so batches still collate: transform a blank image once.
-            self._shape = tuple(self.transform(Image.new("RGB", (256, 256))).shape)
+            # Same shape and type as a good image, so batches still collate: transform a blank image once.
+            x = self._rest(self.stages.fixed(Image.new("RGB", (256, 256))))
+            self._shape, self._dtype = tuple(x.shape), x.dtype
         return self._shape
 
     @staticmethod

@@ -276,8 +276,11 @@ def generate_glyphs(
     else:
         # fork: workers inherit the loaded fonts and modules; spawn elsewhere.
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        # Small chunks (~30 classes, about a second each) so that no worker idles long at the end
+        # while another finishes a big last chunk; the files do not depend on the chunking.
+        chunk = max(1, len(tasks) // (32 * n_workers))
         with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
-            for r in pool.map(_render_class, tasks, chunksize=max(1, len(tasks) // (8 * n_workers))):
+            for r in pool.map(_render_class, tasks, chunksize=chunk):
                 collect(r)
     if faint:
         raise DataError(

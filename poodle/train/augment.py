@@ -15,6 +15,8 @@ from poodle.errors import ConfigError
 class _ToRGB:
     """PIL image -> RGB (a class, not a lambda, so DataLoader workers can pickle it)."""
 
+    deterministic = True  # a function of the image alone (see poodle.data.transforms.transform_stages)
+
     def __call__(self, img: Image.Image) -> Image.Image:
         return img if img.mode == "RGB" else img.convert("RGB")
 
@@ -28,7 +30,7 @@ def mild_crop_transform(image_size: int) -> Callable:
     return T.Compose(
         [
             _ToRGB(),
-            T.RandomResizedCrop(image_size, scale=(0.5, 1.0), ratio=(0.9, 1.1)),
+            transforms.RandomResizedCrop(image_size, scale=(0.5, 1.0), ratio=(0.9, 1.1)),
             T.ToTensor(),
             T.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]

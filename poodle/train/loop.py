@@ -25,9 +25,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from poodle import distributed
+from poodle import defaults, distributed
 from poodle.backbones import build, load_checkpoint, save_checkpoint
-from poodle.data import ImageDataset, resolve_dataset
+from poodle.data import ImageDataset, PixelCache, resolve_dataset
 from poodle.data.transforms import eval_transform
 from poodle.errors import CheckpointError, ConfigError, DataError
 from poodle.train.augment import train_transform
@@ -113,11 +113,14 @@ def _init_distributed(device_name: str) -> tuple[_Dist, torch.device]:
 # data
 
 
-def _dataset(cfg: TrainConfig, split: str, transform: Callable) -> ImageDataset:
+def _dataset(cfg: TrainConfig, split: str, transform: Callable, pixels: PixelCache | None = None) -> ImageDataset:
+    """The split read for training or meta-validation, which visit every image every epoch: decoded
+    images stay in ``pixels`` (within its budget), and items are uint8, finished per batch by
+    ``dataset.finish`` (the same values as the float per-image transform)."""
     source = resolve_dataset(cfg.dataset, cfg.data_root, Path(cfg.cache_root))
     if split not in source.splits():
         raise DataError(f"dataset {cfg.dataset!r} has no {split!r} split (it has: {', '.join(source.splits())})")
-    return ImageDataset(source, split, transform)
+    return ImageDataset(source, split, transform, cache=pixels, uint8=True)
 
 
 def _has_split(cfg: TrainConfig, split: str) -> bool:
@@ -227,6 +230,7 @@ def train(
     resume: bool | None = None,
     force: bool = False,
     stop_after: int | None = None,
+    pixel_cache: PixelCache | None = None,
 ) -> TrainResult:
     """Pre-train ``cfg.backbone`` on the base (train) split of ``cfg.dataset`` with ``cfg.recipe``.
 
@@ -238,6 +242,9 @@ def train(
             refuses to touch an existing run. A complete run is returned as is.
         force: delete what the output directory holds and start over.
         stop_after: stop after this many epochs have run in this call, as if interrupted (tests).
+        pixel_cache: where the train and val splits keep their decoded images across epochs (None:
+            a cache of :data:`poodle.defaults.IMAGE_CACHE_BYTES` for this call); pass one to share it
+            with a later :func:`poodle.extract.extract` of the same files, as ``poodle demo`` does.
     Returns:
         a :class:`TrainResult`.
     """
@@ -255,7 +262,8 @@ def train(
             check_writable_dir(out / "train.json", "output directory")
             _prepare_out(cfg, out, resume=resume, force=force)
 
-    train_set = _dataset(cfg, "train", train_transform(cfg.augment, cfg.image_size))
+    pixels = pixel_cache if pixel_cache is not None else PixelCache(defaults.IMAGE_CACHE_BYTES)
+    train_set = _dataset(cfg, "train", train_transform(cfg.augment, cfg.image_size), pixels)
     _, classes = dataset_labels(train_set)
     if len(train_set) < 2:
         raise DataError(f"the train split of {cfg.dataset!r} has {len(train_set)} images; need at least 2")
@@ -267,7 +275,7 @@ def train(
         )
     validator = None
     if cfg.val_every > 0 and dist.main and _has_split(cfg, cfg.val_split):
-        val_set = _dataset(cfg, cfg.val_split, eval_transform(cfg.image_size))
+        val_set = _dataset(cfg, cfg.val_split, eval_transform(cfg.image_size), pixels)
         val_labels, val_classes = dataset_labels(val_set)
         validator = Validator(
             val_set,
@@ -350,6 +358,13 @@ def _train_generation(
     if start >= cfg.epochs:
         emit(TrainEvent("generation", g, cfg.n_generations, start, cfg.epochs, skipped=True, best_acc=best_acc))
         return {"dir": str(gdir), "best_acc": best_acc, "epochs_run": 0}
+
+    if cfg.workers > 0:
+        # Workers are forked afresh every epoch and would lose what they cached: fill the cache here
+        # once (when the split fits), before the first fork, so that every epoch's workers share it.
+        for ds in (train_set, getattr(validator, "dataset", None)):
+            if isinstance(ds, ImageDataset):
+                ds.preload()
 
     teacher = None
     if g > 0:
@@ -491,12 +506,16 @@ def _run_epoch(
 ) -> _Running:
     net.train()
     stats = _Running()
+    # uint8 batches from an ImageDataset: its ToTensor scaling and normalisation, once per batch
+    finish = getattr(loader.dataset, "finish", None)
     for images, labels in loader:
         if loader.num_workers > 0 and hasattr(loader.dataset, "check"):
             loader.dataset.check(labels)  # a bad image in a worker arrives as a sentinel label
         if images.shape[0] < 2:  # BatchNorm cannot train on one image; the data order stays fixed
             continue
         images = images.to(device, non_blocking=True)
+        if finish is not None:
+            images = finish(images)  # on the device: the uint8 batch is what is copied
         labels = labels.to(device, non_blocking=True)
         rot_labels = None
         if cfg.rotation:

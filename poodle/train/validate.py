@@ -33,19 +33,27 @@ def embed(
 ) -> Tensor:
     """L2-normalised ``forward_features`` of every image of ``dataset``, in order: ``[N, D]`` float32 on CPU.
 
+    A dataset with a ``finish`` attribute (:class:`poodle.data.ImageDataset`) has each collated batch
+    passed through it first (uint8 ``[B, 3, H, W]`` -> float32).
+
     The model is put in eval mode and restored to its previous mode afterwards.
     """
     was_training = model.training
     model.eval()
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers)
     chunks = []
+    # uint8 batches from an ImageDataset: its ToTensor scaling and normalisation, once per batch
+    finish = getattr(dataset, "finish", None)
     try:
         for images, labels in loader:
             if workers > 0 and hasattr(dataset, "check"):
                 dataset.check(labels)  # a bad image in a worker arrives as a sentinel label
+            images = images.to(device, non_blocking=True)
+            if finish is not None:
+                images = finish(images)  # on the device: the uint8 batch is what is copied
             with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
                 forward_features = cast(Callable[[Tensor], Tensor], model.forward_features)
-                f = forward_features(images.to(device, non_blocking=True))
+                f = forward_features(images)
             chunks.append(F.normalize(f.float(), dim=1).cpu())
             if progress is not None:
                 progress(images.shape[0])
