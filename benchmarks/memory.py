@@ -97,6 +97,10 @@ def main() -> None:
         size = cache.stat().st_size / 2**20
         print(f"cache: 38,400 train rows (the pool) + 12,000 test rows, D = {D}, {size:.0f} MiB")
         print(f"this process's own peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+        # the floor under any torch program: it differs between installs of the same torch build (the
+        # share of its shared libraries that is resident), so it is measured here, beside the runs
+        torch_rss, _ = peak_rss([sys.executable, "-c", "import torch"], log)
+        print(f"python -c 'import torch' alone: peak RSS {torch_rss / 2**20:,.0f} MiB")
         base = [sys.executable, "-m", "poodle.cli.main", "solve", "--cache", str(cache), "--method", "poodle"]
         base += ["--transductive", "--steps", "5", "--n-neg", "400", "--max-memory", args.max_memory, "--device", "cpu"]
         ok = True
