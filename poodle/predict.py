@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import math
+import numbers
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -197,8 +198,10 @@ def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _digest(lists: Mapping[str, Sequence[tuple[str, str]]]) -> str:
-    h = hashlib.sha256()
+def _digest(lists: Mapping[str, Sequence[tuple[str, str]]], *settings: Any) -> str:
+    """A name for the features of these image lists made with these ``settings`` (checkpoint, image
+    size, ...): another setting is another file in ``cache_dir``, never a conflict with the first."""
+    h = hashlib.sha256(repr(settings).encode())
     for split, items in lists.items():
         h.update(f"[{split}]\n".encode())
         for p, c in items:
@@ -206,7 +209,9 @@ def _digest(lists: Mapping[str, Sequence[tuple[str, str]]]) -> str:
     return h.hexdigest()[:16]
 
 
-def _check_base_cache(path: Path, backbone: str, sha: str) -> None:
+def _check_base_cache(path: Path, backbone: str, sha: str) -> dict[str, Any]:
+    """The root attributes of the ``negatives_from`` cache; ConfigError unless they are features of
+    ``backbone`` with the checkpoint of digest ``sha``."""
     attrs = read_attrs(path)
     if attrs["backbone"] != backbone or attrs["checkpoint_sha256"] != sha:
         raise ConfigError(
@@ -214,6 +219,7 @@ def _check_base_cache(path: Path, backbone: str, sha: str) -> None:
             f"{attrs['checkpoint_sha256'][:12]}), not of {backbone} (checkpoint {sha[:12]}): "
             f"its rows would live in another feature space"
         )
+    return attrs
 
 
 def predict(
@@ -303,12 +309,18 @@ def predict(
         if not ck.is_file():
             raise CheckpointError(f"checkpoint {ck} does not exist")
         sha = file_sha256(ck)
-    base_path = None
+    base_path, base_attrs = None, {}
     if negatives_from is not None:
         base_path = Path(negatives_from).expanduser()
         if not base_path.is_file():
             raise ConfigError(f"--negatives-from {base_path}: no such cache file")
-        _check_base_cache(base_path, backbone, sha)
+        base_attrs = _check_base_cache(base_path, backbone, sha)
+        known = base_attrs.get("transform", "none") != "none"  # "none": imported features, no transform known
+        if known and image_size is None and isinstance(base_attrs.get("image_size"), numbers.Integral):
+            # the images must go through the transform the pool's features were made with: a
+            # checkpoint trained at 28 px fed the default 84 px crops gives features of another kind
+            image_size = int(base_attrs["image_size"])
+            say(f"image size {image_size} px, as the features of {base_path.name}")
 
     # -- features: two splits of one cache, named after the image lists
     q_items = [(p, y if y is not None else UNLABELLED) for p, y in query]
@@ -351,7 +363,7 @@ def predict(
                 batch_size=batch_size,
                 device=device,
                 cache_root=root,
-                tag=_digest(lists),
+                tag=_digest(lists, sha, image_size, crop_pct, interpolation),
                 workers=workers,
                 force=force,
                 progress_factory=progress_factory,
@@ -360,6 +372,14 @@ def predict(
             )
         except DataError as e:  # predict has no --skip-bad: every image must decode
             raise DataError(str(e).replace(" (--skip-bad leaves unreadable images out)", "")) from None
+        if base_path is not None and base_attrs.get("transform", "none") != "none":
+            ours, theirs = read_attrs(path).get("transform"), base_attrs.get("transform")
+            if ours != theirs:
+                raise ConfigError(
+                    f"the images went through '{ours}', but the features of --negatives-from {base_path} "
+                    f"through '{theirs}': give the same --image-size (and --crop-pct / --interpolation) "
+                    f"as that cache, or leave them out to take its own"
+                )
         s = read_split(path, "support")
         q = read_split(path, "query")
     finally:

@@ -136,6 +136,10 @@ def test_labelled_query_csv_reports_accuracy_and_cache_dir_is_reused(task, tmp_p
     assert "12 labelled images of 3 classes" in r.output and f"features kept in {files[0]}" in r.output, r.output
     r2 = _run(*args)
     assert r2.exit_code == 0 and "already complete" in r2.output
+    # another image size is another file beside the first, not a conflict asking for --force
+    r3 = _run(*[a if a != "32" else "40" for a in map(str, args)])
+    assert r3.exit_code == 0, r3.output
+    assert len(list(cache.rglob("*.h5"))) == 2
 
 
 def test_library_result_and_wilson_interval(task):
@@ -318,3 +322,28 @@ def test_every_registered_method_classifies_the_task(task, tmp_path):
         )  # extracted once, reused by every method
         got = [res.classes[int(k)] for k in res.predictions]
         assert got == [truth[p.rsplit("/", 1)[-1]] for p in res.paths], name
+
+
+def test_images_go_through_the_transform_of_the_negatives_cache(task, tmp_path):
+    """A pool cache made at 32 px: predict takes its image size when none is given, and refuses
+    another one (a checkpoint trained at 28 px fed 84 px crops gives features of another kind)."""
+    from poodle.data.transforms import eval_transform
+
+    root, _ = task
+    rng = np.random.default_rng(0)
+    base = tmp_path / "base32.h5"
+    x = np.abs(rng.standard_normal((20, 64)))
+    write_arrays(
+        base,
+        {"train": (x, np.arange(20) % 4, list("abcd"))},
+        dataset="x",
+        backbone="conv4_64",
+        image_size=32,
+        transform=eval_transform(32).description,
+    )
+    said: list[str] = []
+    args = (support_from_folder(root / "support"), query_from_folder(root / "query"), "conv4_64")
+    res = predict(*args, method="poodle", options={"steps": 5}, negatives_from=base, log=said.append)
+    assert len(res.paths) == 12 and any("image size 32 px, as the features of base32.h5" in m for m in said)
+    with pytest.raises(ConfigError, match=r"the images went through 'eval: .*84.*', but the features of"):
+        predict(*args, image_size=84, negatives_from=base)
