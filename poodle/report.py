@@ -190,12 +190,16 @@ def varying_keys(results: Sequence[Result]) -> list[str]:
 def drop_derived(results: Sequence[Result], keys: Sequence[str], given: Sequence[str] = ()) -> list[str]:
     """``keys`` without ``negatives``/``n_neg`` when the other keys (and ``given``) already determine
     them: cells that consume no negatives (proto, POODLE with beta = 0) record ``negatives = none``,
-    which would otherwise split an alpha x beta grid into a beta = 0 part and the rest."""
+    which would otherwise split an alpha x beta grid into a beta = 0 part and the rest. When the
+    cells that use negatives use more than one kind (base and random), the other row keys alone
+    must determine it (a label POODLE-B / POODLE-R does): a column key does not, or a table would
+    show a base-negatives and a random-negatives entry in one row with nothing to tell them apart."""
     keys = list(keys)
     for k in ("n_neg", "negatives"):
         if k not in keys:
             continue
-        others = [x for x in keys if x != k] + list(given)
+        kinds = len({_hashable(r.flat.get(k)) for r in results} - {None, "none"})
+        others = [x for x in keys if x != k] + (list(given) if kinds <= 1 else [])
         seen: dict[tuple, Any] = {}
         if all(
             seen.setdefault(tuple(_hashable(r.flat.get(o)) for o in others), _hashable(r.flat.get(k)))
@@ -441,6 +445,9 @@ def build_table(
     for pos, group in groups.items():
         if len(group) > 1:
             differ = [k for k in known if len({_hashable(r.flat.get(k)) for r in group}) > 1]
+            if not differ and all(np.array_equal(r.acc, group[0].acc) for r in group[1:]):
+                entries[pos] = Entry(group[0])  # one cell recorded in several files: the same numbers
+                continue
             where = (
                 ", ".join(
                     f"{k}={format_value(k, v)}"

@@ -409,3 +409,37 @@ def test_rich_table_keeps_the_boxed_layout_when_it_fits(tmp_path):
     table = R.build_table(results, rows="label")
     wide = _render(table, 200)
     assert wide[0].startswith("┏") and any("poodle-variant-2" in ln and ln.count("±") == 4 for ln in wide)
+
+
+def test_one_cell_in_two_files_is_one_entry_but_different_numbers_are_refused(tmp_path):
+    rng = np.random.default_rng(3)
+    a, b = _acc(rng, 0.7), _acc(rng, 0.6)
+    first = _write(tmp_path / "a.jsonl", [_cell("poodle", a), _cell("proto", b, method="proto")])
+    again = _write(tmp_path / "b.jsonl", [_cell("poodle", a)])  # the same cell, e.g. a solve --out and a grid
+    table = R.build_table(R.load_results([first, again]), rows="label", cols="shot")
+    assert table.shape == (2, 1) and sorted(e.result.source for e in table.entries.values()) == sorted(
+        [str(first), str(first)]
+    )
+    other = _write(tmp_path / "c.jsonl", [_cell("poodle", _acc(rng, 0.5))])  # same options, other numbers
+    with pytest.raises(ConfigError, match="2 results with identical options at label=poodle"):
+        R.build_table(R.load_results([first, other]), rows="label", cols="shot")
+
+
+def test_default_rows_show_the_negatives_when_cells_use_different_kinds(tmp_path):
+    rng = np.random.default_rng(4)
+    base = _cell("poodle", _acc(rng, 0.7))
+    rand = {**_cell("poodle", _acc(rng, 0.6), transductive=True), "negatives": "random"}
+    proto = _cell("proto", _acc(rng, 0.6), method="proto")
+    table = R.build_table(R.load_results([_write(tmp_path / "a.jsonl", [base, rand, proto])]))
+    assert "negatives" in table.row_keys
+    # only "none" beside one kind (beta = 0 or proto cells): the key says nothing and is left out
+    table = R.build_table(R.load_results([_write(tmp_path / "b.jsonl", [base, proto])]))
+    assert "negatives" not in table.row_keys
+
+
+def test_labels_that_name_the_negatives_make_the_key_unneeded(tmp_path):
+    rng = np.random.default_rng(5)
+    b = {**_cell("POODLE-B", _acc(rng, 0.7)), "method": "poodle"}
+    r = {**_cell("POODLE-R", _acc(rng, 0.6)), "negatives": "random"}
+    table = R.build_table(R.load_results([_write(tmp_path / "a.jsonl", [b, r])]))
+    assert "negatives" not in table.row_keys and table.shape[0] == 2
