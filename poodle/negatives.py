@@ -67,7 +67,10 @@ def load_pool(source: str, cache_path: Path | str | None, dim: int | None = None
     in memory. ConfigError/CacheError when the file or split is missing or ``dim`` differs."""
     path, split = pool_location(source, cache_path)
     if not path.is_file():
-        raise ConfigError(f"negative pool {source!r}: no such cache file {str(path)!r}")
+        raise ConfigError(
+            f"negative pool {source!r}: no such cache file {str(path)!r} (negatives: base, random, sphere, "
+            f"none or FILE[:SPLIT])"
+        )
     st = path.stat()
     key = (str(path.resolve()), split, st.st_mtime_ns, st.st_size)
     if key not in _POOLS:

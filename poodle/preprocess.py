@@ -200,7 +200,10 @@ class Preprocessor:
             return load_pool(source, cache_path, dim)
         path, split = pool_location(source, cache_path)
         if not path.is_file():
-            raise ConfigError(f"negative pool {source!r}: no such cache file {str(path)!r}")
+            raise ConfigError(
+                f"negative pool {source!r}: no such cache file {str(path)!r} (negatives: base, random, sphere, "
+                f"none or FILE[:SPLIT])"
+            )
         key = (str(path.resolve()), split)
         if key not in self._pools:
             try:

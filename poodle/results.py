@@ -257,6 +257,11 @@ def _parse_lines(path: Path, raw: bytes) -> tuple[list[tuple[int, dict[str, Any]
         except ValueError:
             if last:
                 break
+            if not objs:  # nothing read yet: not a results file at all (a grid spec, a CSV ...)
+                raise ConfigError(
+                    f"{path} is not a results file (its first line is not JSON; results files are the JSON "
+                    f"Lines that poodle solve --out, poodle grid and poodle demo write)"
+                ) from None
             raise ConfigError(f"{path}: line {i + 1} is not valid JSON; the file is damaged") from None
         if not isinstance(obj, dict):
             raise ConfigError(f"{path}: line {i + 1} is not a JSON object")

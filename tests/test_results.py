@@ -65,6 +65,10 @@ def test_append_lookup_last_wins_and_a_cut_last_line_is_dropped(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError, match="line 2 is not valid JSON"):
         RS.read_results(path)
+    spec = tmp_path / "g.toml"  # a grid spec given where its results file was meant
+    spec.write_text('name = "g"\n[grid]\nshot = [1, 5]\n')
+    with pytest.raises(ConfigError, match=r"g.toml is not a results file \(its first line is not JSON"):
+        RS.read_results(spec)
 
 
 def test_version_1_grid_files_are_converted_with_their_cache_fingerprints(tmp_path):

@@ -150,6 +150,7 @@ def test_solve_imbalanced_random_negatives(tmp_path, cache):
         (["--split", "val"], "no split 'val'"),
         (["--steps", "x"], "is not a valid integer"),
         (["--negatives", "MISSING"], "no such cache file"),
+        (["--negatives", "bse"], "no such cache file 'bse' (negatives: base, random, sphere, none or FILE"),
         (["--n-neg", 0], "--n-neg must be a positive integer"),
         (["--max-memory", "1B"], "cannot be met"),
         (["--method", "poodle", "--alpha", -1], "--alpha: method 'poodle': option 'alpha' must lie in [0, inf)"),
