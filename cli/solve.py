@@ -139,7 +139,9 @@ def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, ca
     if path.is_dir():
         raise ConfigError(f"{path} is a directory, not a feature cache file")
     if not path.is_file():
-        raise ConfigError(f"no feature cache at {path} (run `poodle extract` or give --cache FILE)")
+        near = sorted(p.name for p in path.parent.glob(f"{backbone}-*.h5")) if not tag else []
+        hint = f"; beside it: {', '.join(near[:4])} (--tag picks one)" if near else ""
+        raise ConfigError(f"no feature cache at {path} (run `poodle extract` or give --cache FILE){hint}")
     return path
 
 

@@ -204,7 +204,11 @@ def test_homonym_options_have_their_own_flags(tmp_path, cache):
 
 def test_solve_cache_resolution_and_episode_file_mismatch(tmp_path, cache, make_features):
     r = _run(["--dataset", "mini", "--backbone", "resnet12", "--cache-root", tmp_path])
-    assert r.exit_code == 1 and "no feature cache at" in r.output
+    assert r.exit_code == 1 and "no feature cache at" in r.output and "beside it" not in r.output
+    (tmp_path / "mini").mkdir(exist_ok=True)
+    (tmp_path / "mini" / "resnet12-demo-abc.h5").write_bytes(b"")  # a tagged cache, as the demo writes
+    r = _run(["--dataset", "mini", "--backbone", "resnet12", "--cache-root", tmp_path])
+    assert r.exit_code == 1 and "beside it: resnet12-demo-abc.h5 (--tag picks one)" in r.output.replace("\n", " ")
     r = _run([])
     assert r.exit_code == 1 and "which features?" in r.output
     ep = tmp_path / "e.h5"
