@@ -107,6 +107,8 @@ def grid(
         return
     n_episodes = sum(c.episode["episodes"] for c in cells)
     t0 = time.perf_counter()
+    with d.guard():
+        G.fingerprints(spec, cells)  # a missing cache or pool is an error before any bar is drawn
     if not d.main:
         G.run_grid(
             spec, out, force=force, device=device, max_memory=max_memory, cells=cells, cells_per_call=cells_per_call

@@ -336,6 +336,14 @@ def test_cli_grid_then_report(tmp_path, cache):
     assert len(lines) == 2 + 3 and lines[0].count("|") == 4
     res = runner.invoke(grid, [str(p), "--device", "cpu", "--set", "alpah=1"])
     assert res.exit_code == 1 and "error: " in res.output and "alpah" in res.output
+    # a missing cache or negative pool: the error alone, before any progress bar
+    for args, needle in [
+        (["--cache", str(tmp_path / "none.h5")], "none.h5 does not exist"),
+        (["--set", f"negatives={tmp_path / 'pool.h5'}"], f"negative pool '{tmp_path / 'pool.h5'}'"),
+    ]:
+        res = runner.invoke(grid, [str(p), "--device", "cpu", "--set", "shot=1", *args])
+        assert res.exit_code == 1 and needle in res.output.replace("\n", ""), res.output
+        assert "cells" not in res.output.replace("no such", ""), res.output
 
 
 @pytest.mark.parametrize(

@@ -68,17 +68,17 @@ class GridRun:
 def fingerprints(spec: GridSpec, cells: Sequence[Cell]) -> dict[str, str]:
     """Content fingerprint (:func:`poodle.results.cache_identity`) of every cache and negative pool
     file the cells read, by the name the grid gives it."""
-    files: dict[str, Path] = {}
+    files: dict[str, tuple[Path, str]] = {}
     for c in cells:
-        files[c.cache] = resolve_cache(spec, c.cache)
+        files[c.cache] = (resolve_cache(spec, c.cache), "cache")
         if c.negatives not in NEGATIVE_KEYWORDS:
             _, p = resolve_negatives(spec, c.negatives)
             if p is not None:
-                files[c.negatives.partition(":")[0]] = p
+                files.setdefault(c.negatives.partition(":")[0], (p, "negative pool"))
     out = {}
-    for name, p in sorted(files.items()):
+    for name, (p, kind) in sorted(files.items()):
         if not p.exists():
-            raise ConfigError(f"{spec.path}: cache {name!r} -> {p} does not exist")
+            raise ConfigError(f"{spec.path}: {kind} {name!r} -> {p} does not exist")
         out[name] = cache_identity(p)
     return out
 
