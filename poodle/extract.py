@@ -491,7 +491,7 @@ def _run_split(
                 x, y = x[keep], y[keep]
             if len(good):
                 # uint8 [b, 3, H, W] -> float32 on the device: the values the per-image transform gives
-                x = getattr(ds, "finish", lambda b: b)(x.to(dev, non_blocking=True))
+                x = ds.finish(x.to(dev, non_blocking=True))
                 forward_features = cast(Callable[[torch.Tensor], torch.Tensor], model.forward_features)
                 feats = forward_features(x).float().cpu()
             else:

@@ -221,8 +221,10 @@ def _clean_one(task: tuple[int, tuple[tuple[str, str], ...]]) -> dict[str, np.nd
     return imgs
 
 
-def _processes() -> int:
-    if mp.current_process().daemon:  # a daemonic process (a DataLoader worker) may not start children
+def cores() -> int:
+    """The cores this process may use (its CPU affinity); 1 inside a daemonic process (a DataLoader
+    worker), which may not start children."""
+    if mp.current_process().daemon:
         return 1
     try:
         return len(os.sched_getaffinity(0))
@@ -238,7 +240,7 @@ def clean_renders(cands, fs: tuple[Face, ...]) -> list[dict[str, np.ndarray]]:
     pure function of its face and code point, so the result does not depend on the split."""
     path = {f.name: str(f.path) for f in fs}
     tasks = [(cp, tuple((name, path[name]) for name in have)) for cp, _, have in cands]
-    n = min(8, _processes())
+    n = min(8, cores())
     if n <= 1 or len(tasks) < 500 or "fork" not in mp.get_all_start_methods():
         return [_clean_one(t) for t in tasks]
     # fork: the workers inherit the loaded modules (no import cost), as generate_glyphs's pool does

@@ -35,6 +35,7 @@ from poodle.data._glyph_fonts import (
     SPLITS,
     GlyphClass,
     build_classes,
+    cores,
     faces,
     fonts_digest,
 )
@@ -170,13 +171,6 @@ def _render_class(task: tuple) -> tuple[str, list[tuple[str, str]], float]:
     return name, files, faintest
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not on Linux
-        return os.cpu_count() or 1
-
-
 def _checksum(files: Sequence[tuple[str, str]]) -> str:
     h = hashlib.sha256()
     for rel, sha in sorted(files):
@@ -258,7 +252,7 @@ def generate_glyphs(
         )
         for c in classes
     ]
-    n_workers = min(8, _cores()) if workers is None else max(1, int(workers))
+    n_workers = min(8, cores()) if workers is None else max(1, int(workers))
     files: list[tuple[str, str]] = []
     faint: list[str] = []
 
