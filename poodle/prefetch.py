@@ -93,8 +93,7 @@ def start_for_solve(
         except ConfigError:
             pool = None
         if pool is not None:
-            same = pool == Path(cache_path)
-            groups.setdefault(Path(cache_path) if same else pool, []).append(pool_split)
+            groups.setdefault(pool, []).append(pool_split)  # the cache itself for base
     for p, splits in groups.items():
         start(p, splits)
 
