@@ -65,6 +65,8 @@ def plain_loop(root: Path, args: argparse.Namespace, dev: torch.device, limit: i
         torch.manual_seed(0)
         model = backbones.build(args.backbone)
     model.eval().to(dev)
+    fmt = torch.channels_last if dev.type == "cpu" else torch.contiguous_format  # as extract does
+    model.to(memory_format=fmt)
     loader = DataLoader(
         Plain(paths, eval_transform(args.size)),
         batch_size=args.batch_size,
@@ -75,7 +77,9 @@ def plain_loop(root: Path, args: argparse.Namespace, dev: torch.device, limit: i
     feats = []
     with torch.inference_mode():
         for x, _ in loader:
-            feats.append(model.forward_features(x.to(dev, non_blocking=True)).float().cpu())
+            feats.append(
+                model.forward_features(x.to(dev, non_blocking=True).contiguous(memory_format=fmt)).float().cpu()
+            )
     n = sum(len(f) for f in feats)
     return n / (time.perf_counter() - t0)
 

@@ -7,7 +7,8 @@ Needs the demo's glyph images (``poodle demo`` makes them under CACHE_ROOT/glyph
 versions, threads and CPU, then seconds for: the DataLoader as training uses it (no workers, uint8
 items finished per batch), in its first epoch (decoding, filling the pixel cache) and in a later one
 (from the cache); decoding alone and the per-image float transform alone (what loading cost before the
-cache and the batched finish); and SGD steps of the demo's backbone on the loaded batches.
+cache and the batched finish); and SGD steps of the demo's backbone on the loaded batches, in NCHW
+and in NHWC (channels-last) layout alternately.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache-root", default="cache")
     ap.add_argument("--batches", type=int, default=60)
+    ap.add_argument("--batch-size", type=int, default=None, help="default: the demo's")
     args = ap.parse_args()
     cfg = DemoConfig(cache_root=args.cache_root).train_config()
+    if args.batch_size:
+        cfg.batch_size = args.batch_size
     ds = _dataset(cfg, "train", train_transform(cfg.augment, cfg.image_size), PixelCache(defaults.IMAGE_CACHE_BYTES))
     print(
         f"poodle demo training input: {len(ds)} images, batch {cfg.batch_size}, {args.batches} batches; "
@@ -56,21 +60,38 @@ def main() -> None:
     for im in images:
         ds.transform(im)
     t_transform = time.perf_counter() - t
-    net = _build(cfg, len(ds.classes), 0)
-    net.train()
-    opt = torch.optim.SGD(net.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    t = time.perf_counter()
-    for x, y in batches:
-        logits, _ = net(x)
-        loss = torch.nn.functional.cross_entropy(logits, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    t_model = time.perf_counter() - t
+
+    def steps(channels_last: bool) -> float:
+        """Seconds of SGD steps on the loaded batches, the model and batches in one layout."""
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        net = _build(cfg, len(ds.classes), 0).to(memory_format=fmt)
+        net.train()
+        opt = torch.optim.SGD(net.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        t = time.perf_counter()
+        for x, y in batches:
+            logits, _ = net(x.contiguous(memory_format=fmt))
+            loss = torch.nn.functional.cross_entropy(logits, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return time.perf_counter() - t
+
+    # NCHW and NHWC alternately, best of 2 each: the ratio is side by side
+    layouts: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(2):
+        for cl in (False, True):
+            layouts[cl].append(steps(cl))
+    nchw, nhwc = min(layouts[False]), min(layouts[True])
+    n_img = cfg.batch_size * args.batches
+    print(
+        f"model forward + backward + step, batch {cfg.batch_size}: NCHW {nchw:.2f} s ({n_img / nchw:.0f} images/s), "
+        f"NHWC (channels-last) {nhwc:.2f} s ({n_img / nhwc:.0f} images/s), ratio {nchw / nhwc:.2f}x"
+    )
+    t_model = min(layouts[cfg.channels_last])
     print(
         f"loader {t_load[0]:.2f} s in the first epoch, {t_load[1]:.2f} s from the cache (without them: "
         f"decode {t_decode:.2f} s + float transform {t_transform:.2f} s); "
-        f"model forward + backward + step {t_model:.2f} s; cached loader share {t_load[1] / (t_load[1] + t_model):.1%}"
+        f"model steps in the demo's layout {t_model:.2f} s; cached loader share {t_load[1] / (t_load[1] + t_model):.1%}"
     )
 
 

