@@ -92,11 +92,31 @@ static void CAT(dots, SUF)(const REAL *x0, const REAL *x1, const REAL *W, long l
     }
 }
 
-/* out[k][0..RB) = x_r . w_k for the RB rows of a block and KB classes, from the block's rows stored
+/* out[k][0..nr) = x_r . w_k for nr rows (a multiple of RB) and KB classes, from the rows stored
  * transposed (xt[d * ldx + r]): lanes are rows, so no horizontal sums. For small D, where the
- * horizontal sums of the row-major version cost as much as the products. */
-static void CAT(dots_t, SUF)(const REAL *xt, long ldx, const REAL *W, long ldw, int D, REAL *out) {
-    for (int l = 0; l < RB; l += VL) {
+ * horizontal sums of the row-major version cost as much as the products. Two vectors of rows per
+ * pass: with one, the KB accumulators are fewer than the FMAs in flight (latency-bound) and every
+ * broadcast of W serves one FMA; the sums themselves (over d, in order, per lane) are the same. */
+static void CAT(dots_t, SUF)(const REAL *xt, long ldx, const REAL *W, long ldw, int D, REAL *out, long ldo, long nr) {
+    long l = 0;
+    for (; l + 2 * VL <= nr; l += 2 * VL) {
+        V acc0[KB], acc1[KB];
+        for (int k = 0; k < KB; k++) acc0[k] = acc1[k] = (V){0};
+        for (int d = 0; d < D; d++) {
+            V x0 = CAT(ld, SUF)(xt + (long)d * ldx + l), x1 = CAT(ld, SUF)(xt + (long)d * ldx + l + VL);
+#pragma GCC unroll 8
+            for (int k = 0; k < KB; k++) {
+                REAL w = W[k * ldw + d];
+                acc0[k] += w * x0;
+                acc1[k] += w * x1;
+            }
+        }
+        for (int k = 0; k < KB; k++) {
+            CAT(st, SUF)(out + k * ldo + l, acc0[k]);
+            CAT(st, SUF)(out + k * ldo + l + VL, acc1[k]);
+        }
+    }
+    for (; l < nr; l += VL) {
         V acc[KB];
         for (int k = 0; k < KB; k++) acc[k] = (V){0};
         for (int d = 0; d < D; d++) {
@@ -104,7 +124,7 @@ static void CAT(dots_t, SUF)(const REAL *xt, long ldx, const REAL *W, long ldw, 
 #pragma GCC unroll 8
             for (int k = 0; k < KB; k++) acc[k] += W[k * ldw + d] * xv;
         }
-        for (int k = 0; k < KB; k++) CAT(st, SUF)(out + k * RB + l, acc[k]);
+        for (int k = 0; k < KB; k++) CAT(st, SUF)(out + k * ldo + l, acc[k]);
     }
 }
 
@@ -231,8 +251,10 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
     int small = D <= SMALL_D;
     long np = (long)(n + RB - 1) / RB * RB;
     REAL *XT = small ? calloc((size_t)np * D, sizeof(REAL)) : NULL;
+    /* small D: x.w of all the episode's rows, computed before the block loop ([class][row]) */
+    REAL *SA = small ? calloc((size_t)Kp * np, sizeof(REAL)) : NULL;
     REAL rr[RB], ff[RB];
-    int ok = Wp && GX && m && v && grad && w2 && ST && ZT && LT && TT && acc && G2 && (!small || XT);
+    int ok = Wp && GX && m && v && grad && w2 && ST && ZT && LT && TT && acc && G2 && (!small || (XT && SA));
     const REAL omb1 = (REAL)(1.0 - b1), rb2 = (REAL)b2, omb2 = (REAL)(1.0 - b2), reps = (REAL)eps;
     for (int e = 0; ok && e < E; e++) {
         const REAL *xe = x + (long)e * n * D, *te = targets + e * t_es, *re = r + e * r_es;
@@ -252,6 +274,9 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
                 w2[k] = o[0][0];
             }
             memset(GX, 0, sizeof(REAL) * Kp * D);
+            if (small)
+                for (int kg = 0; kg < Kp; kg += KB)
+                    CAT(dots_t, SUF)(XT, np, Wp + (long)kg * D, D, D, SA + (long)kg * np, np, np);
             memset(acc, 0, sizeof(REAL) * (Kp + 1) * RB);
             int nb2 = 0; /* rows gathered for the next G X pass */
             const REAL *xr2[GB * RB];
@@ -260,8 +285,7 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
                 const REAL *xr[RB];
                 for (int b = 0; b < RB; b++) xr[b] = xe + (long)(i0 + (b < nb ? b : nb - 1)) * D;
                 if (small)
-                    for (int kg = 0; kg < Kp; kg += KB)
-                        CAT(dots_t, SUF)(XT + i0, np, Wp + (long)kg * D, D, D, ST + kg * RB);
+                    for (int k = 0; k < Kp; k++) memcpy(ST + k * RB, SA + (long)k * np + i0, sizeof(REAL) * RB);
                 else
                 for (int b = 0; b < nb; b += 2)
                     for (int kg = 0; kg < Kp; kg += KB) {
@@ -365,6 +389,7 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
     free(acc);
     free(G2);
     free(XT);
+    free(SA);
     return ok ? 0 : -1;
 }
 #undef V
