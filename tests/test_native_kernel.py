@@ -136,3 +136,64 @@ def test_library_built_once_and_reused(fresh_loader, monkeypatch):
     assert _native.load() is not None
     assert [p.name for p in fresh_loader.iterdir()] == [lib.name]  # no temporary left, no second build
     assert os.stat(lib).st_mtime_ns == stamp
+
+
+def _episodes(E=3, Ns=7, Nq=29, D=27, K=5, dtype=torch.float64, seed=0):
+    """Random normalised rows as a batch of episodes, support labels in class order with one or more
+    rows per class (Ns >= K)."""
+    from poodle.solvers import EpisodeBatch
+
+    g = torch.Generator().manual_seed(seed)
+    s = F.normalize(torch.randn(E, Ns, D, generator=g, dtype=torch.float64), dim=-1).to(dtype)
+    q = F.normalize(torch.randn(E, Nq, D, generator=g, dtype=torch.float64), dim=-1).to(dtype)
+    labels = (torch.arange(Ns) % K).expand(E, Ns).clone()
+    return EpisodeBatch(s, labels, q, None, K)
+
+
+def _solve(native, monkeypatch, name, batch, **over):
+    from poodle import solvers
+
+    monkeypatch.setattr(_optim, "USE_NATIVE", native)
+    return solvers.run(name, batch, solvers.make_config(name, over, strict=True))
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "name,over",
+    [
+        ("tim-gd", dict(steps=60, lr=1e-2)),
+        ("tim-gd", dict(preset="poodle-paper", steps=60, lr=1e-2)),  # the learnt scale
+        ("tim-gd", dict(steps=30, lr=1e-2, temperature=60.0)),  # sharp: marginal and p near 0
+        ("entropy-min", dict(steps=60, lr=1e-2)),
+    ],
+)
+# rows not a multiple of the kernel's vector width, classes not a multiple of its class block, odd D
+@pytest.mark.parametrize("shape", [(7, 29, 27, 5), (5, 75, 64, 5), (4, 13, 8, 2), (14, 17, 33, 7), (11, 20, 300, 11)])
+def test_logit_kernel_matches_torch_formulation_float64(monkeypatch, name, over, shape):
+    Ns, Nq, D, K = shape
+    batch = _episodes(Ns=Ns, Nq=Nq, D=D, K=K)
+    nat = _solve(True, monkeypatch, name, batch, **over)
+    ref = _solve(False, monkeypatch, name, batch, **over)
+    from poodle.solvers.base import class_means
+
+    w0 = class_means(batch.support, batch.support_labels, K)
+    assert (ref.state["prototypes"] - w0).abs().max() > 1e-2  # the fit moved: the comparison means something
+    assert torch.allclose(nat.state["prototypes"], ref.state["prototypes"], atol=1e-10, rtol=0)
+    assert torch.allclose(nat.log_probs, ref.log_probs, atol=1e-9, rtol=0)
+    if "scale" in ref.state:
+        assert torch.allclose(nat.state["scale"], ref.state["scale"], atol=1e-10, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["tim-gd", "entropy-min"])
+def test_logit_kernel_float32_close_and_chunk_independent(monkeypatch, name):
+    batch = _episodes(E=5, Ns=5, Nq=75, D=64, K=5)
+    over = dict(steps=100, lr=1e-3)
+    ref = _solve(False, monkeypatch, name, batch, **over)
+    b32 = batch.to("cpu", torch.float32)
+    whole = _solve(True, monkeypatch, name, b32, **over)
+    assert whole.log_probs.dtype == torch.float32
+    assert torch.allclose(whole.state["prototypes"].double(), ref.state["prototypes"], atol=1e-5, rtol=0)
+    for e in range(5):
+        one = _solve(True, monkeypatch, name, b32.episode(e), **over)
+        assert torch.equal(one.state["prototypes"][0], whole.state["prototypes"][e])

@@ -1,4 +1,6 @@
-"""The fused CPU kernel of :func:`poodle.solvers._optim.fit_weighted_distance`, compiled at first use.
+"""The fused CPU kernels of :func:`poodle.solvers._optim.fit_weighted_distance` and of the logit
+losses of :func:`poodle.solvers._optim.fit_logit_loss` (TIM-GD, entropy minimisation), compiled at
+first use.
 
 Why: on CPU the torch formulation of one Adam step is two batched matmuls with 5-row operands,
 which BLAS runs at about a third of its large-GEMM rate, plus elementwise passes; the kernel in
@@ -118,6 +120,10 @@ def _build(cc: str) -> ctypes.CDLL:
                 ctypes.c_double,
                 ctypes.c_int,
             ]
+            fn = getattr(lib, "lf_fit" + suffix)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_int] * 5 + [real] * 4 + [ctypes.c_int] + [ctypes.c_double] * 4
+            fn.argtypes += [ctypes.c_int, ctypes.c_int] + [ctypes.c_double] * 3
         return lib
     raise RuntimeError("; ".join(errors))
 
@@ -216,4 +222,60 @@ def fit(
     return W, gamma.view(E, 1, 1)
 
 
-__all__ = ["load", "status", "usable", "fit"]
+# the query losses lf_fit knows (its ``loss`` argument)
+LOGIT_LOSSES = {"tim": 0, "entropy": 1}
+
+
+def fit_logits(
+    x: Tensor,
+    n_support: int,
+    targets: Tensor,
+    loss: str,
+    weights: tuple[float, float, float],
+    w0: Tensor,
+    scale0: float,
+    steps: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    learn_scale: bool,
+) -> tuple[Tensor, Tensor]:
+    """Run the logit-loss kernel. ``x [E, n, D]`` (the ``n_support`` support rows first),
+    ``targets [E, K, n_support]`` one-hot, ``w0 [E, K, D]`` -> ``(W [E, K, D], gamma [E, 1, 1])``.
+    ``loss`` is a key of :data:`LOGIT_LOSSES`; ``weights`` are the CE weight and the query loss's
+    one or two weights (see ``lf_fit`` in ``_wd_kernel.c``)."""
+    lib = load()
+    assert lib is not None
+    E, n, D = x.shape
+    K = w0.shape[1]
+    dt = x.dtype
+    xs = x.contiguous()
+    ts = targets.to(dt).expand(E, K, n_support).contiguous()
+    W = w0.to(dt).contiguous().clone()
+    gamma = torch.full((E,), float(scale0), dtype=dt)
+    fn = lib.lf_fit_f32 if dt == torch.float32 else lib.lf_fit_f64
+    rc = fn(
+        E,
+        n_support,
+        n,
+        D,
+        K,
+        xs.data_ptr(),
+        ts.data_ptr(),
+        W.data_ptr(),
+        gamma.data_ptr(),
+        steps,
+        lr,
+        betas[0],
+        betas[1],
+        eps,
+        int(learn_scale),
+        LOGIT_LOSSES[loss],
+        *weights,
+    )
+    if rc != 0:
+        raise MemoryError(f"the fused solver kernel could not allocate its buffers for {E} episodes of {n} x {D}")
+    return W, gamma.view(E, 1, 1)
+
+
+__all__ = ["load", "status", "usable", "fit", "fit_logits", "LOGIT_LOSSES"]

@@ -70,6 +70,25 @@ class RowTerms:
     free: Tensor | None = None
 
 
+@dataclass
+class NativeLoss:
+    """A logit loss the fused CPU kernel computes itself (``lf_fit`` in ``_wd_kernel.c``), given to
+    :func:`fit_logit_loss` beside the ``grad_logits`` of the torch formulation, which it replaces.
+
+    Attributes:
+        kind: ``"tim"`` (TIM's mutual information, weights ``(ce, marginal, conditional)``) or
+            ``"entropy"`` (mean query entropy, weights ``(ce, entropy, unused)``).
+        n_support: the number ``Ns`` of support rows, first among the rows.
+        targets: ``[E, K, Ns]`` one-hot support labels.
+        weights: the loss's three weights (see ``kind``).
+    """
+
+    kind: str
+    n_support: int
+    targets: Tensor
+    weights: tuple[float, float, float]
+
+
 def _adam_step(
     theta: Tensor,
     grad: Tensor,
@@ -201,6 +220,7 @@ def fit_logit_loss(
     learn_scale: bool,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
+    native: NativeLoss | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Adam on the prototypes and scale of ``E`` episodes for any loss of the distance logits
     ``l_ik = gamma * (x_i.w_k - ||w_k||^2/2)`` whose gradient rows sum to zero over classes (every
@@ -215,10 +235,28 @@ def fit_logit_loss(
         grad_logits: fills ``G [E, K, n]`` from the probabilities ``P [E, K, n]`` (softmax over
             ``K``) and the logits ``L [E, K, n]``.
         scale0, steps, lr, learn_scale, betas, eps: as :func:`fit_weighted_distance`.
+        native: the same loss as ``grad_logits``, for the fused CPU kernel (used when given, the
+            kernel is usable and :data:`USE_NATIVE`): one pass over an episode's rows per step
+            instead of about 25 torch operations, each a pass over ``[E, K, n]``.
 
     Returns:
         ``(W [E, K, D], gamma [E, 1, 1])``.
     """
+    if native is not None and USE_NATIVE and _native.usable(x):
+        return _native.fit_logits(
+            x,
+            native.n_support,
+            native.targets,
+            native.kind,
+            native.weights,
+            w0,
+            scale0,
+            steps,
+            lr,
+            betas,
+            eps,
+            learn_scale,
+        )
     E, n, D = x.shape
     K = w0.shape[1]
     F = K * D
@@ -272,4 +310,11 @@ def episode_bytes(n: int, D: int, K: int, itemsize: int = 4) -> int:
     return itemsize * (n * D + 6 * (K * D + _PAD) + 10 * n * K + 2 * n)
 
 
-__all__ = ["RowTerms", "fit_weighted_distance", "fit_logit_loss", "weighted_distance_flops", "episode_bytes"]
+__all__ = [
+    "RowTerms",
+    "NativeLoss",
+    "fit_weighted_distance",
+    "fit_logit_loss",
+    "weighted_distance_flops",
+    "episode_bytes",
+]

@@ -7,8 +7,6 @@ one-hot support labels.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -68,22 +66,6 @@ def weighted_means(a_s: Tensor, z_s: Tensor, a_q: Tensor, z_q: Tensor, fallback:
     den = (a_s.sum(1) + a_q.sum(1)).unsqueeze(-1)  # [E, K, 1]
     empty = den <= 0
     return torch.where(empty, fallback, num / torch.where(empty, torch.ones_like(den), den))
-
-
-def adam_minimise(params: list[Tensor], loss_fn: Callable[[], Tensor], steps: int, lr: float) -> None:
-    """Run ``steps`` Adam steps (library defaults but ``lr``) on ``params`` in place.
-
-    ``loss_fn`` returns the loss summed over episodes: Adam is element-wise, so every episode is
-    optimised exactly as if it were alone (the per-episode tests check this).
-    """
-    if steps <= 0:
-        return
-    with torch.enable_grad():
-        opt = torch.optim.Adam(params, lr=lr)
-        for _ in range(steps):
-            opt.zero_grad(set_to_none=True)
-            loss_fn().backward()
-            opt.step()
 
 
 def centre_and_project(z_s: Tensor, z_q: Tensor, reduced_dim: int) -> tuple[Tensor, Tensor]:

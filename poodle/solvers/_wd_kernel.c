@@ -92,11 +92,31 @@ static void CAT(dots, SUF)(const REAL *x0, const REAL *x1, const REAL *W, long l
     }
 }
 
-/* out[k][0..RB) = x_r . w_k for the RB rows of a block and KB classes, from the block's rows stored
+/* out[k][0..nr) = x_r . w_k for nr rows (a multiple of RB) and KB classes, from the rows stored
  * transposed (xt[d * ldx + r]): lanes are rows, so no horizontal sums. For small D, where the
- * horizontal sums of the row-major version cost as much as the products. */
-static void CAT(dots_t, SUF)(const REAL *xt, long ldx, const REAL *W, long ldw, int D, REAL *out) {
-    for (int l = 0; l < RB; l += VL) {
+ * horizontal sums of the row-major version cost as much as the products. Two vectors of rows per
+ * pass: with one, the KB accumulators are fewer than the FMAs in flight (latency-bound) and every
+ * broadcast of W serves one FMA; the sums themselves (over d, in order, per lane) are the same. */
+static void CAT(dots_t, SUF)(const REAL *xt, long ldx, const REAL *W, long ldw, int D, REAL *out, long ldo, long nr) {
+    long l = 0;
+    for (; l + 2 * VL <= nr; l += 2 * VL) {
+        V acc0[KB], acc1[KB];
+        for (int k = 0; k < KB; k++) acc0[k] = acc1[k] = (V){0};
+        for (int d = 0; d < D; d++) {
+            V x0 = CAT(ld, SUF)(xt + (long)d * ldx + l), x1 = CAT(ld, SUF)(xt + (long)d * ldx + l + VL);
+#pragma GCC unroll 8
+            for (int k = 0; k < KB; k++) {
+                REAL w = W[k * ldw + d];
+                acc0[k] += w * x0;
+                acc1[k] += w * x1;
+            }
+        }
+        for (int k = 0; k < KB; k++) {
+            CAT(st, SUF)(out + k * ldo + l, acc0[k]);
+            CAT(st, SUF)(out + k * ldo + l + VL, acc1[k]);
+        }
+    }
+    for (; l < nr; l += VL) {
         V acc[KB];
         for (int k = 0; k < KB; k++) acc[k] = (V){0};
         for (int d = 0; d < D; d++) {
@@ -104,7 +124,7 @@ static void CAT(dots_t, SUF)(const REAL *xt, long ldx, const REAL *W, long ldw, 
 #pragma GCC unroll 8
             for (int k = 0; k < KB; k++) acc[k] += W[k * ldw + d] * xv;
         }
-        for (int k = 0; k < KB; k++) CAT(st, SUF)(out + k * RB + l, acc[k]);
+        for (int k = 0; k < KB; k++) CAT(st, SUF)(out + k * ldo + l, acc[k]);
     }
 }
 
@@ -201,6 +221,51 @@ static inline V CAT(vexp, SUF)(V x) {
 }
 #endif
 
+#if IS_FLOAT
+/* log of 8 positive normal floats: Cephes' logf (x = m 2^e with m in [sqrt(1/2), sqrt(2)), a
+ * degree-9 polynomial in m - 1), within 1-2 ulp of logf. */
+static inline V CAT(vlog, SUF)(V x) {
+    typedef int VI __attribute__((vector_size(32)));
+    const V one = (V){0} + (REAL)1.0f;
+    VI bits;
+    memcpy(&bits, &x, sizeof x);
+    VI e = ((bits >> 23) & 0xff) - 126;
+    bits = (bits & 0x807fffff) | 0x3f000000;
+    V mant; /* in [0.5, 1) */
+    memcpy(&mant, &bits, sizeof mant);
+    VI low = mant < (V){0} + (REAL)0.707106781186547524f; /* -1 there: use 2m, e - 1 */
+    e += low;
+    VI mb;
+    memcpy(&mb, &mant, sizeof mb);
+    mb &= low;
+    V extra;
+    memcpy(&extra, &mb, sizeof extra);
+    V f = mant - one + extra;
+    V fe = __builtin_convertvector(e, V);
+    V z = f * f;
+    V y = (V){0} + (REAL)7.0376836292E-2f;
+    y = y * f - (REAL)1.1514610310E-1f;
+    y = y * f + (REAL)1.1676998740E-1f;
+    y = y * f - (REAL)1.2420140846E-1f;
+    y = y * f + (REAL)1.4249322787E-1f;
+    y = y * f - (REAL)1.6668057665E-1f;
+    y = y * f + (REAL)2.0000714765E-1f;
+    y = y * f - (REAL)2.4999993993E-1f;
+    y = y * f + (REAL)3.3333331174E-1f;
+    y = y * f * z;
+    y += fe * (REAL)-2.12194440e-4f;
+    y += z * (REAL)-0.5f;
+    f = f + y;
+    f += fe * (REAL)0.693359375f;
+    return f;
+}
+#else
+static inline V CAT(vlog, SUF)(V x) {
+    for (int l = 0; l < VL; l++) x[l] = log(x[l]);
+    return x;
+}
+#endif
+
 /* Fit E episodes; see fit_weighted_distance in _optim.py for the loss and the argument shapes.
  * x [E, n, D]; targets [E, K, n] (or shared: estride 0); r, free [E, n] (free may be NULL);
  * c0 [E]; W [E, K, D] in: w0, out: fitted; gamma [E] in: gamma0, out: fitted.
@@ -231,8 +296,10 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
     int small = D <= SMALL_D;
     long np = (long)(n + RB - 1) / RB * RB;
     REAL *XT = small ? calloc((size_t)np * D, sizeof(REAL)) : NULL;
+    /* small D: x.w of all the episode's rows, computed before the block loop ([class][row]) */
+    REAL *SA = small ? calloc((size_t)Kp * np, sizeof(REAL)) : NULL;
     REAL rr[RB], ff[RB];
-    int ok = Wp && GX && m && v && grad && w2 && ST && ZT && LT && TT && acc && G2 && (!small || XT);
+    int ok = Wp && GX && m && v && grad && w2 && ST && ZT && LT && TT && acc && G2 && (!small || (XT && SA));
     const REAL omb1 = (REAL)(1.0 - b1), rb2 = (REAL)b2, omb2 = (REAL)(1.0 - b2), reps = (REAL)eps;
     for (int e = 0; ok && e < E; e++) {
         const REAL *xe = x + (long)e * n * D, *te = targets + e * t_es, *re = r + e * r_es;
@@ -252,6 +319,9 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
                 w2[k] = o[0][0];
             }
             memset(GX, 0, sizeof(REAL) * Kp * D);
+            if (small)
+                for (int kg = 0; kg < Kp; kg += KB)
+                    CAT(dots_t, SUF)(XT, np, Wp + (long)kg * D, D, D, SA + (long)kg * np, np, np);
             memset(acc, 0, sizeof(REAL) * (Kp + 1) * RB);
             int nb2 = 0; /* rows gathered for the next G X pass */
             const REAL *xr2[GB * RB];
@@ -260,8 +330,7 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
                 const REAL *xr[RB];
                 for (int b = 0; b < RB; b++) xr[b] = xe + (long)(i0 + (b < nb ? b : nb - 1)) * D;
                 if (small)
-                    for (int kg = 0; kg < Kp; kg += KB)
-                        CAT(dots_t, SUF)(XT + i0, np, Wp + (long)kg * D, D, D, ST + kg * RB);
+                    for (int k = 0; k < Kp; k++) memcpy(ST + k * RB, SA + (long)k * np + i0, sizeof(REAL) * RB);
                 else
                 for (int b = 0; b < nb; b += 2)
                     for (int kg = 0; kg < Kp; kg += KB) {
@@ -365,6 +434,169 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
     free(acc);
     free(G2);
     free(XT);
+    free(SA);
+    return ok ? 0 : -1;
+}
+/* The logit losses of poodle.solvers._optim.fit_logit_loss (TIM-GD, entropy minimisation): Adam on
+ * the prototypes (and the scale) of E episodes for a loss of the logits l_ik = gamma (x_i.w_k -
+ * |w_k|^2/2) of the Ns support rows and the n - Ns query rows. The support rows carry w_ce times
+ * their mean cross-entropy; the query rows, for loss 0 (TIM), -(w_2 H(mean_q p) - w_3 mean_q H(p))
+ * with H(p) taken of p + 1e-12 and the marginal's log of max(p, 1e-30) (tim_gd.grad_logits), for
+ * loss 1 (entropy minimisation), w_2 mean_q H(p) with log p from log-softmax (entropy_min).
+ *
+ * An episode is small (80-100 rows of D = 64 at 5 classes: 25 KiB), so one step handles all of it
+ * at once: the logits of every row ([class][row], rows in vector lanes), the probabilities, the
+ * marginal over the queries, dL/dlogits, then G X. The formulas are those of the torch
+ * formulation; the summation orders (dot products, sums over rows) and exp/log are this file's,
+ * so results agree with it to float rounding.
+ * x [E, n, D]; yt [E, K, Ns] one-hot support targets; W [E, K, D] in: w0, out: fitted; gamma [E]
+ * in: gamma0, out: fitted. Returns 0, or -1 when a buffer cannot be allocated. */
+int CAT(lf_fit, SUF)(int E, int Ns, int n, int D, int K, const REAL *x, const REAL *yt, REAL *Wout, REAL *gamma_out,
+                     int steps, double lr, double b1, double b2, double eps, int learn_scale, int loss, double w_ce,
+                     double w_2, double w_3) {
+    int Kp = (K + KB - 1) / KB * KB, Nq = n - Ns;
+    long F = (long)K * D, np = (long)(n + RB - 1) / RB * RB;
+    REAL *Wp = calloc((size_t)Kp * D, sizeof(REAL));
+    REAL *GX = calloc((size_t)Kp * D, sizeof(REAL));
+    REAL *m = calloc((size_t)F + 1, sizeof(REAL));
+    REAL *v = calloc((size_t)F + 1, sizeof(REAL));
+    REAL *grad = calloc((size_t)F + 1, sizeof(REAL));
+    REAL *w2 = calloc((size_t)Kp, sizeof(REAL));
+    REAL *XT = calloc((size_t)np * D, sizeof(REAL)); /* the rows transposed, zero past n */
+    REAL *SA = calloc((size_t)Kp * np, sizeof(REAL)); /* x.w, then p */
+    REAL *ZA = calloc((size_t)Kp * np, sizeof(REAL)); /* x.w - |w|^2/2 */
+    REAL *LA = calloc((size_t)Kp * np, sizeof(REAL)); /* logits, then (loss 1) log p */
+    REAL *GA = calloc((size_t)Kp * np, sizeof(REAL)); /* dL/dlogits, zero for padded classes and rows */
+    REAL *u = calloc((size_t)Kp, sizeof(REAL));
+    const REAL **xr = calloc((size_t)n + 1, sizeof(REAL *));
+    int ok = Wp && GX && m && v && grad && w2 && XT && SA && ZA && LA && GA && u && xr;
+    const REAL omb1 = (REAL)(1.0 - b1), rb2 = (REAL)b2, omb2 = (REAL)(1.0 - b2), reps = (REAL)eps;
+    const REAL ce_s = (REAL)(w_ce / Ns), rw2 = (REAL)w_2, rw3 = (REAL)w_3, rNq = (REAL)Nq;
+    const REAL tiny = (REAL)1e-30, ceps = (REAL)1e-12;
+    for (int e = 0; ok && e < E; e++) {
+        const REAL *xe = x + (long)e * n * D, *ye = yt + (long)e * K * Ns;
+        REAL *We = Wout + (long)e * F;
+        REAL gamma = gamma_out[e];
+        for (int i = 0; i < n; i++) {
+            xr[i] = xe + (long)i * D;
+            for (int d = 0; d < D; d++) XT[(long)d * np + i] = xe[(long)i * D + d];
+        }
+        for (int k = 0; k < K; k++) memcpy(Wp + (long)k * D, We + (long)k * D, sizeof(REAL) * D);
+        memset(m, 0, sizeof(REAL) * (F + 1));
+        memset(v, 0, sizeof(REAL) * (F + 1));
+        for (int step = 1; step <= steps; step++) {
+            for (int k = 0; k < K; k++) {
+                REAL o[2][KB];
+                CAT(dots, SUF)(Wp + (long)k * D, Wp + (long)k * D, Wp + (long)k * D, 0, D, o);
+                w2[k] = o[0][0];
+            }
+            for (int kg = 0; kg < Kp; kg += KB)
+                CAT(dots_t, SUF)(XT, np, Wp + (long)kg * D, D, D, SA + (long)kg * np, np, np);
+            /* logits and softmax over classes, VL rows at a time */
+            for (long l = 0; l < np; l += VL) {
+#define AT(buf, k) CAT(ld, SUF)((buf) + (long)(k) * np + l)
+#define PUT(buf, k, val) CAT(st, SUF)((buf) + (long)(k) * np + l, (val))
+                V mx, sum = (V){0};
+                for (int k = 0; k < K; k++) {
+                    V z = AT(SA, k) - (REAL)0.5 * w2[k];
+                    V lg = z * gamma;
+                    PUT(ZA, k, z);
+                    PUT(LA, k, lg);
+                    mx = k == 0 ? lg : CAT(vmax, SUF)(lg, mx);
+                }
+                for (int k = 0; k < K; k++) {
+                    V q = CAT(vexp, SUF)(AT(LA, k) - mx);
+                    sum += q;
+                    PUT(SA, k, q);
+                }
+                for (int k = 0; k < K; k++) PUT(SA, k, AT(SA, k) / sum);
+                if (loss == 1) {
+                    V ls = CAT(vlog, SUF)(sum);
+                    for (int k = 0; k < K; k++) PUT(LA, k, (AT(LA, k) - mx) - ls);
+                }
+            }
+            /* dL/dlogits of the query rows (computed on every lane; support and padding fixed below) */
+            if (loss == 0) {
+                /* d(-w_2 H(marg))/d marg = w_2 (log marg + 1), the clamp's zero gradient included */
+                for (int k = 0; k < K; k++) {
+                    REAL s = 0;
+                    for (int i = Ns; i < n; i++) s += SA[(long)k * np + i];
+                    REAL mg = s / rNq;
+                    u[k] = ((mg > tiny ? (REAL)log(mg) : (REAL)log(tiny)) + (mg >= tiny ? 1 : 0)) * rw2;
+                }
+                for (long l = 0; l < np; l += VL) {
+                    V s = (V){0};
+                    for (int k = 0; k < K; k++) {
+                        V q = AT(SA, k), qe = q + ceps;
+                        /* dL/dp: (u - w_3 (log(p + 1e-12) + p / (p + 1e-12))) / Nq */
+                        V du = (u[k] - rw3 * (CAT(vlog, SUF)(qe) + q / qe)) / rNq;
+                        PUT(GA, k, du);
+                        s += q * du;
+                    }
+                    for (int k = 0; k < K; k++) PUT(GA, k, AT(SA, k) * (AT(GA, k) - s));
+                }
+            } else {
+                const REAL c = -rw2 / rNq; /* dL/dl_j = -(w_2 / Nq) p_j (log p_j - sum_k p_k log p_k) */
+                for (long l = 0; l < np; l += VL) {
+                    V s = (V){0};
+                    for (int k = 0; k < K; k++) s += AT(SA, k) * AT(LA, k);
+                    for (int k = 0; k < K; k++) PUT(GA, k, (AT(SA, k) * (AT(LA, k) - s)) * c);
+                }
+            }
+#undef AT
+#undef PUT
+            for (int k = 0; k < K; k++) {
+                REAL *g = GA + (long)k * np;
+                const REAL *q = SA + (long)k * np;
+                for (int i = 0; i < Ns; i++) g[i] = (q[i] - ye[(long)k * Ns + i]) * ce_s;
+                for (long i = n; i < np; i++) g[i] = 0;
+            }
+            /* column sums, dL/dgamma = sum G Z, G X */
+            REAL gg = 0;
+            for (int k = 0; k < K; k++) {
+                REAL colsum = 0;
+                const REAL *g = GA + (long)k * np, *z = ZA + (long)k * np;
+                for (int i = 0; i < n; i++) {
+                    colsum += g[i];
+                    gg += g[i] * z[i];
+                }
+                u[k] = colsum;
+            }
+            memset(GX, 0, sizeof(REAL) * Kp * D);
+            for (int kg = 0; kg < Kp; kg += KB)
+                CAT(accum, SUF)(xr, n, GA + (long)kg * np, (int)np, GX + (long)kg * D, D, D);
+            for (int k = 0; k < K; k++)
+                for (int d = 0; d < D; d++) {
+                    long j = (long)k * D + d;
+                    grad[j] = (GX[j] - Wp[j] * u[k]) * gamma;
+                }
+            grad[F] = learn_scale ? gg : 0;
+            /* torch.optim.Adam, single-tensor path, operation for operation */
+            double bc1 = 1.0 - pow(b1, step), bc2 = 1.0 - pow(b2, step);
+            REAL step_size = (REAL)(lr / bc1), bc2s = (REAL)sqrt(bc2);
+            Adam(m, v, grad, Wp, F, omb1, rb2, omb2, bc2s, reps, step_size);
+            if (learn_scale) {
+                REAL g1 = gamma;
+                Adam(m + F, v + F, grad + F, &g1, 1, omb1, rb2, omb2, bc2s, reps, step_size);
+                gamma = g1;
+            }
+        }
+        memcpy(We, Wp, sizeof(REAL) * F);
+        gamma_out[e] = gamma;
+    }
+    free(Wp);
+    free(GX);
+    free(m);
+    free(v);
+    free(grad);
+    free(w2);
+    free(XT);
+    free(SA);
+    free(ZA);
+    free(LA);
+    free(GA);
+    free(u);
+    free((void *)xr);
     return ok ? 0 : -1;
 }
 #undef V

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from poodle.solvers._optim import fit_logit_loss
+from poodle.solvers._optim import NativeLoss, fit_logit_loss
 from poodle.solvers._transductive import TINY, dist_flops, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, option, register, validate_config
 
@@ -149,6 +149,7 @@ def tim_gd(batch: EpisodeBatch, cfg: TimGDConfig) -> SolverOutput:
         steps=s["steps"],
         lr=s["lr"],
         learn_scale=s["learn_temperature"],
+        native=NativeLoss("tim", Ns, y_t, (w_ce, w_marg, w_cond)),
     )
     log_probs = torch.log_softmax(softmax_logits(z_q, w, scale), -1)
     return SolverOutput(log_probs, {"prototypes": w, "scale": scale})
