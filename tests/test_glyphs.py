@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from poodle.data import _glyph_render as render
 from poodle.data import glyphs as g
 from poodle.data._glyph_fonts import ALPHABETS, CM_FACES, EXCLUDED_FACES, SPLITS, face_covers, faces
-from poodle.data._glyph_render import clean_frame, render_ink
+from poodle.data._glyph_render import GlyphCache, clean_frame, render_ink
 from poodle.errors import ConfigError, DataError
 
 SUBSET = ("latin", "greek", "cyrillic", "lao", "armenian")
@@ -45,6 +46,35 @@ def test_render_glyph_is_a_pure_function_of_class_index_and_seed(classes):
     assert g.render_glyph(a, 0, seed=0, image_size=40).shape == (40, 40)
     with pytest.raises(ConfigError, match="seed"):
         g.render_glyph(a, 0, seed=-1)
+
+
+def test_direct_png_encoding_gives_the_bytes_of_pillow_save():
+    # png_bytes calls Pillow's zip encoder without Image.save; the files must not change.
+    assert render._DIRECT_PNG, "the direct encoder is off: the generation takes the slower Image.save"
+    rng = np.random.default_rng(0)
+    for k in range(300):
+        h, w = (int(v) for v in rng.integers(1, 90, size=2))
+        if k % 3 == 0:
+            px = rng.integers(0, 256, size=(h, w), dtype=np.uint8)  # incompressible
+        elif k % 3 == 1:
+            px = (rng.integers(0, 4, size=(h, w)) * 85).astype(np.uint8)  # few levels, runs
+        else:
+            px = g.render_glyph("A", k, seed=3, image_size=28)
+        assert render._png_direct(px) == render._png_pillow(px), (k, px.shape)
+
+
+def test_cached_bitmaps_render_the_same_instances(classes):
+    # _render_class shares one GlyphCache over a class's instances; each must equal a fresh render.
+    path = {f.name: f.path for f in faces()}
+    for c in classes[:6]:
+        cache = GlyphCache(c.codepoint, 28)
+        for i in range(12):
+            face = path[c.faces[i % 3]]
+            a = render_ink(face, c.codepoint, 28, np.random.default_rng(i), g.Distortion(), cache)
+            b = render_ink(face, c.codepoint, 28, np.random.default_rng(i), g.Distortion())
+            assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="cache"):
+        render_ink(path[classes[0].faces[0]], classes[1].codepoint, 28, np.random.default_rng(0), g.Distortion(), cache)
 
 
 def test_instances_cycle_through_every_face_of_the_class(classes):

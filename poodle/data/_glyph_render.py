@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import io
 import math
+import struct
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -122,13 +124,15 @@ def place(
     shift: np.ndarray,
     field: tuple[np.ndarray, np.ndarray] | None = None,
     margin: float = 0.0,
+    box: tuple[int, int, int, int] | None = None,
 ) -> np.ndarray:
     """Resample the bitmap into a ``side x side`` frame: the anchor goes to the frame's baseline
     point (+``shift``) and the bitmap is transformed by the 2x2 matrix ``fwd`` (bitmap -> frame).
     A glyph that would leave the frame (minus ``margin``) is shrunk and moved just enough to fit.
-    ``field``: optional displacement ``(dy, dx)`` [side, side] added to the source coordinates."""
+    ``field``: optional displacement ``(dy, dx)`` [side, side] added to the source coordinates.
+    ``box``: ``_ink_box(ink)`` when the caller already has it."""
     origin = np.array([side / 2.0, BASELINE * side]) + shift  # (x, y) in the frame
-    x0, y0, x1, y1 = _ink_box(ink)
+    x0, y0, x1, y1 = _ink_box(ink) if box is None else box
     corners = np.array([[x0, y0], [x1, y0], [x0, y1], [x1, y1]], dtype=np.float64) - [ax, ay]
     mapped = corners @ fwd.T
     lo, hi = mapped.min(0), mapped.max(0)
@@ -192,22 +196,68 @@ def _elastic(rng: np.random.Generator, side: int, amp: float, waves: int) -> tup
     return out[0], out[1]
 
 
-def render_ink(path: str | Path, cp: int, size: int, rng: np.random.Generator, dist: Distortion) -> np.ndarray:
-    """One distorted instance as ink in [0, 1], ``[size, size]`` float32 (1 = full ink).
+Stroked = tuple[np.ndarray, float, float, tuple[int, int, int, int]]
 
-    Raises ValueError when the face draws nothing for ``cp`` (callers choose faces that do)."""
-    bm = glyph_bitmap(path, cp, size)
-    if bm is None:
-        raise ValueError(f"face {path} draws nothing for U+{cp:04X}")
-    ink, ax, ay = bm
-    side = size * OVERSAMPLE
+
+def _stroked(bitmap: tuple[np.ndarray, float, float], grow: int) -> Stroked:
+    """The clean bitmap thickened by ``grow`` output pixels, its anchor and its ink box."""
+    ink, ax, ay = bitmap
     # Stroke width: dilate by 0, 1 or 2 output pixels (2 or 4 bitmap pixels in total width).
-    grow = int(rng.choice(len(dist.stroke), p=np.asarray(dist.stroke) / sum(dist.stroke)))
     if grow:
         k = 2 * grow * OVERSAMPLE // 2 + 1
         ink = np.pad(ink, k)
         ax, ay = ax + k, ay + k
         ink = ndimage.grey_dilation(ink, size=(k, k))
+    return ink, ax, ay, _ink_box(ink)
+
+
+class GlyphCache:
+    """The bitmaps of one code point at one size, kept across the instances of a class.
+
+    A face's bitmap, and its thickened versions, are pure functions of (face, code point, size,
+    stroke), while a class's 20 instances cycle through only 6-20 faces and 3 stroke widths:
+    rendering each once saves about half the FreeType renders and most dilations."""
+
+    def __init__(self, cp: int, size: int) -> None:
+        self.cp, self.size = cp, size
+        self._bitmaps: dict[str, tuple[np.ndarray, float, float]] = {}
+        self._stroked: dict[tuple[str, int], Stroked] = {}
+
+    def stroked(self, path: str | Path, grow: int) -> Stroked:
+        key = (str(path), grow)
+        got = self._stroked.get(key)
+        if got is None:
+            bm = self._bitmaps.get(key[0])
+            if bm is None:
+                bm = glyph_bitmap(path, self.cp, self.size)
+                if bm is None:
+                    raise ValueError(f"face {path} draws nothing for U+{self.cp:04X}")
+                self._bitmaps[key[0]] = bm
+            got = self._stroked[key] = _stroked(bm, grow)
+        return got
+
+
+def render_ink(
+    path: str | Path,
+    cp: int,
+    size: int,
+    rng: np.random.Generator,
+    dist: Distortion,
+    cache: GlyphCache | None = None,
+) -> np.ndarray:
+    """One distorted instance as ink in [0, 1], ``[size, size]`` float32 (1 = full ink).
+
+    ``cache``: a :class:`GlyphCache` for ``(cp, size)`` shared by the calls for one class.
+    Raises ValueError when the face draws nothing for ``cp`` (callers choose faces that do)."""
+    if cache is None:
+        cache = GlyphCache(cp, size)
+    elif (cache.cp, cache.size) != (cp, size):
+        raise ValueError(
+            f"render_ink: a cache for U+{cache.cp:04X} at {cache.size} px given for U+{cp:04X} at {size} px"
+        )
+    side = size * OVERSAMPLE
+    grow = int(rng.choice(len(dist.stroke), p=np.asarray(dist.stroke) / sum(dist.stroke)))
+    ink, ax, ay, box = cache.stroked(path, grow)
     # Affine (bitmap -> frame): rotation, shear, anisotropic scale.
     rot = math.radians(rng.uniform(-dist.rotation, dist.rotation))
     sh = rng.uniform(-dist.shear, dist.shear)
@@ -221,7 +271,7 @@ def render_ink(path: str | Path, cp: int, size: int, rng: np.random.Generator, d
     )
     shift = rng.uniform(-dist.shift, dist.shift, size=2) * OVERSAMPLE
     field = _elastic(rng, side, dist.elastic * OVERSAMPLE, dist.elastic_waves) if dist.elastic > 0 else None
-    frame = place(ink, ax, ay, side, fwd, shift, field, margin=MARGIN * OVERSAMPLE)
+    frame = place(ink, ax, ay, side, fwd, shift, field, margin=MARGIN * OVERSAMPLE, box=box)
     # Stray strokes: short lines or arcs, drawn with the pen width of a thin stroke.
     if rng.random() < dist.stray_p:
         canvas = Image.new("L", (side, side), 0)
@@ -275,8 +325,60 @@ def render_array(path: str | Path, cp: int, size: int, seed_parts: tuple[int, ..
     return to_image(render_ink(path, cp, size, rng, dist), rng, dist)
 
 
+def _chunk(cid: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + cid + data + struct.pack(">I", zlib.crc32(data, zlib.crc32(cid)))
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_ZIP_BLOCK = 65536  # ImageFile.MAXBLOCK: the size of Pillow's encoder calls, one IDAT chunk each
+
+
+def _png_direct(pixels: np.ndarray) -> bytes:
+    """What ``Image.save(format="PNG", compress_level=6)`` writes for an L image, without its
+    per-call machinery (format lookup, encoder info, header chunk logic): the same zip encoder,
+    called the way ImageFile._save calls it for an in-memory file, between the same chunks.
+    Pillow's deflate is zlib-ng's, so Python's zlib cannot stand in for it. tests/test_glyphs.py
+    compares the bytes with Image.save on random images."""
+    h, w = pixels.shape
+    im = Image.frombuffer("L", (w, h), pixels, "raw", "L", 0, 1)
+    enc = Image.core.zip_encoder("L", "L", False, 6, -1, b"")  # rawmode, optimize, level, type, dict
+    parts = [_PNG_SIGNATURE, _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))]
+    try:
+        enc.setimage(im.im, (0, 0, w, h))
+        while True:
+            _, err, data = enc.encode(_ZIP_BLOCK)
+            parts.append(_chunk(b"IDAT", data))
+            if err:
+                break
+    finally:
+        enc.cleanup()
+    if err < 0:
+        raise OSError(f"PNG encoder error {err}")
+    parts.append(_chunk(b"IEND", b""))
+    return b"".join(parts)
+
+
+def _png_pillow(pixels: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG", compress_level=6)
+    return buf.getvalue()
+
+
 def png_bytes(pixels: np.ndarray) -> bytes:
     """Encode grey pixels as an L-mode PNG with fixed settings (same bytes for the same pixels)."""
-    buf = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(pixels, dtype=np.uint8)).save(buf, format="PNG", compress_level=6)
-    return buf.getvalue()
+    pixels = np.ascontiguousarray(pixels, dtype=np.uint8)
+    if pixels.ndim == 2 and pixels.size and _DIRECT_PNG:
+        return _png_direct(pixels)
+    return _png_pillow(pixels)
+
+
+def _direct_png_works() -> bool:
+    """Whether this Pillow has the zip encoder entry point and the direct path matches save()."""
+    try:
+        probe = (np.arange(6 * 5, dtype=np.uint8) * 37).reshape(6, 5)
+        return _png_direct(probe) == _png_pillow(probe)
+    except Exception:  # noqa: BLE001 - any change in Pillow's internals: use save()
+        return False
+
+
+_DIRECT_PNG = _direct_png_works()

@@ -41,6 +41,7 @@ from poodle.data._glyph_fonts import (
 )
 from poodle.data._glyph_render import (
     Distortion,
+    GlyphCache,
     clean_frame,
     png_bytes,
     render_array,
@@ -159,10 +160,11 @@ def _render_class(task: tuple) -> tuple[str, list[tuple[str, str]], float]:
     folder = Path(out_dir) / split / name
     folder.mkdir(parents=True, exist_ok=True)
     files, faintest = [], 1.0
+    bitmaps = GlyphCache(cp, size)
     for i in range(n):
         # Same steps as render_array, keeping the ink to check that something was drawn.
         rng = np.random.default_rng(np.random.SeedSequence([_TAG_INSTANCE, seed, cp, i]))
-        ink = render_ink(paths[i % len(paths)], cp, size, rng, dist)
+        ink = render_ink(paths[i % len(paths)], cp, size, rng, dist, bitmaps)
         faintest = min(faintest, float(ink.max()))
         data = png_bytes(to_image(ink, rng, dist))
         rel = f"{split}/{name}/{i:03d}.png"
