@@ -73,7 +73,7 @@ def test_our_random_resized_crop_draws_and_crops_as_torchvisions(scale, ratio):
     rng = np.random.default_rng(0)
     for k in range(600):
         w, h = (int(v) for v in rng.integers(1, 60, 2))
-        img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        img = Image.fromarray(rng.integers(0, 256, (h, w, 3) if k % 3 else (h, w), dtype=np.uint8))  # RGB and L
         torch.manual_seed(k)
         want = theirs.get_params(img, theirs.scale, theirs.ratio)
         state = torch.get_rng_state()

@@ -56,9 +56,12 @@ __all__ = [
 class PixelCache:
     """Decoded images kept in memory, by file, within a budget of ``max_bytes`` bytes of pixels.
 
-    Holds uint8 ``[H, W, C]`` (or ``[H, W]``) arrays keyed by ``(source type, file path)``; several
-    :class:`ImageDataset` over the same files (with different transforms) may share one. An image
-    that does not fit what is left of the budget is not stored; nothing is ever evicted.
+    Holds the decoded PIL images (RGB or L) keyed by ``(source type, file path)``, counted by the
+    bytes of their uint8 ``[H, W, C]`` (or ``[H, W]``) pixels; several :class:`ImageDataset` over the
+    same files (with different transforms) may share one. An image that does not fit what is left
+    of the budget is not stored; nothing is ever evicted. Images, not arrays, because rebuilding a
+    PIL image from an array on every load cost as much as the augmentation of a 28 px image (PIL
+    keeps RGB in 4 bytes per pixel, so the memory held is up to 4/3 of the budget).
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -66,26 +69,39 @@ class PixelCache:
             raise ConfigError(f"the pixel cache's budget must be >= 0 bytes, got {max_bytes}")
         self.max_bytes = int(max_bytes)
         self.nbytes = 0
-        self._arrays: dict[tuple[str, str], np.ndarray] = {}
+        self._images: dict[tuple[str, str], Image.Image] = {}
 
     def __len__(self) -> int:
-        return len(self._arrays)
+        return len(self._images)
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        return key in self._images
 
     def get(self, key: tuple[str, str]) -> np.ndarray | None:
-        return self._arrays.get(key)
+        """The pixels kept under ``key`` (a uint8 array, a copy), or None."""
+        img = self._images.get(key)
+        return None if img is None else np.asarray(img)
 
-    def put(self, key: tuple[str, str], pixels: np.ndarray) -> bool:
-        """Keep ``pixels`` under ``key`` if they fit the budget; whether they were kept."""
-        if key in self._arrays:
+    def image(self, key: tuple[str, str]) -> Image.Image | None:
+        """A copy of the image kept under ``key`` (the caller may change it), or None."""
+        img = self._images.get(key)
+        return None if img is None else img.copy()
+
+    def put(self, key: tuple[str, str], pixels: np.ndarray | Image.Image) -> bool:
+        """Keep ``pixels`` (a uint8 array or an RGB / L image, copied) under ``key`` if they fit the
+        budget; whether they were kept."""
+        if key in self._images:
             return True
-        if self.nbytes + pixels.nbytes > self.max_bytes:
+        img = pixels.copy() if isinstance(pixels, Image.Image) else Image.fromarray(np.asarray(pixels))
+        nbytes = img.width * img.height * len(img.getbands())
+        if self.nbytes + nbytes > self.max_bytes:
             return False
-        self._arrays[key] = pixels
-        self.nbytes += pixels.nbytes
+        self._images[key] = img
+        self.nbytes += nbytes
         return True
 
     def clear(self) -> None:
-        self._arrays.clear()
+        self._images.clear()
         self.nbytes = 0
 
 
@@ -148,6 +164,7 @@ class ImageDataset(Dataset):
         self.cache = cache if cache is not None else (PixelCache(cache_bytes) if cache_bytes else None)
         self._shape: tuple[int, ...] | None = None
         self._dtype: torch.dtype | None = None
+        self._keys: list[tuple[str, str]] | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -165,19 +182,20 @@ class ImageDataset(Dataset):
             ) from None
 
     def _key(self, index: int) -> tuple[str, str]:
-        return type(self.source).__name__, str(self.path(index))
+        if self._keys is None:  # built once: a path join per load costs as much as a 28 px crop
+            kind = type(self.source).__name__
+            self._keys = [(kind, str(self.root / rel)) for rel, _ in self.samples]
+        return self._keys[index]
 
     def _fixed(self, index: int) -> Image.Image:
         """The image after the transform's deterministic steps; decoded pixels come from the cache
         when it holds them."""
         cache = self.cache
-        a = cache.get(self._key(index)) if cache is not None else None
-        if a is not None:
-            img = Image.fromarray(a)  # a copy: later steps never touch the cached pixels
-        else:
+        img = cache.image(self._key(index)) if cache is not None else None  # a copy
+        if img is None:
             img = self._decode(index)
             if cache is not None and img.mode in ("RGB", "L"):
-                cache.put(self._key(index), np.asarray(img))  # np.asarray copies the pixels
+                cache.put(self._key(index), img)
         return self.stages.fixed(img)
 
     def load(self, index: int) -> torch.Tensor:
@@ -198,10 +216,10 @@ class ImageDataset(Dataset):
         if first is None or first.nbytes * (len(self) - 1) > cache.max_bytes - cache.nbytes:
             return False
         for i in range(1, len(self)):
-            if cache.get(self._key(i)) is None:
+            if self._key(i) not in cache:
                 with contextlib.suppress(DataError):
                     self._fixed(i)
-        return all(cache.get(self._key(i)) is not None for i in range(len(self)))
+        return all(self._key(i) in cache for i in range(len(self)))
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         try:

@@ -117,11 +117,24 @@ class RandomResizedCrop(T.RandomResizedCrop):
         self._log_ratio = (float(log_ratio[0]), float(log_ratio[1]))  # what uniform_ receives per call
 
     def forward(self, img):
+        if isinstance(img, Image.Image) and len(self.size) == 2:
+            # What TF.resized_crop does with a PIL image (crop, then PIL's resize unless the crop
+            # already has the output size; PIL always antialiases), without its dispatch layers,
+            # which cost more than the crop and the resize of a 28 px image.
+            width, height = img.size
+            i, j, h, w = self._params_hw(height, width)
+            img = img.crop((j, i, j + w, i + h))
+            if (h, w) == (self.size[0], self.size[1]):
+                return img
+            return img.resize((self.size[1], self.size[0]), TF.pil_modes_mapping[self.interpolation])
         i, j, h, w = self._params(img)
         return TF.resized_crop(img, i, j, h, w, self.size, self.interpolation, antialias=self.antialias)
 
     def _params(self, img) -> tuple[int, int, int, int]:
         _, height, width = TF.get_dimensions(img)
+        return self._params_hw(height, width)
+
+    def _params_hw(self, height: int, width: int) -> tuple[int, int, int, int]:
         area = height * width
         scale, ratio, (lo, hi) = self.scale, self.ratio, self._log_ratio
         for _ in range(10):
