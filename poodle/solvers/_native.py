@@ -166,6 +166,23 @@ def usable(x: Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and load() is not None
 
 
+def _buffers(x: Tensor, w0: Tensor, scale0: float) -> tuple[ctypes.CDLL, Tensor, Tensor, Tensor]:
+    """The library, the contiguous rows, and the fitted outputs' buffers holding their start values:
+    ``W [E, K, D]`` (a copy of ``w0`` in ``x``'s dtype) and ``gamma [E]``."""
+    lib = load()
+    assert lib is not None
+    W = w0.to(x.dtype).contiguous().clone()
+    return lib, x.contiguous(), W, torch.full((x.shape[0],), float(scale0), dtype=x.dtype)
+
+
+def _result(rc: int, W: Tensor, gamma: Tensor, n: int, D: int) -> tuple[Tensor, Tensor]:
+    """The outputs of a kernel call that returned ``rc``: ``(W [E, K, D], gamma [E, 1, 1])``."""
+    E = W.shape[0]
+    if rc != 0:
+        raise MemoryError(f"the fused solver kernel could not allocate its buffers for {E} episodes of {n} x {D}")
+    return W, gamma.view(E, 1, 1)
+
+
 def fit(
     x: Tensor,
     targets: Tensor,
@@ -182,18 +199,14 @@ def fit(
 ) -> tuple[Tensor, Tensor]:
     """Run the kernel. ``x [E, n, D]``, ``targets [E, K, n]``, ``r``/``free`` ``[E, 1, n]``,
     ``c0 [E]``, ``w0 [E, K, D]`` -> ``(W [E, K, D], gamma [E, 1, 1])``."""
-    lib = load()
-    assert lib is not None
+    lib, xs, W, gamma = _buffers(x, w0, scale0)
     E, n, D = x.shape
     K = w0.shape[1]
     dt = x.dtype
-    xs = x.contiguous()
     ts = targets.to(dt).expand(E, K, n).contiguous()
     rs = r.to(dt).expand(E, 1, n).contiguous()
     fs = None if free is None else free.to(dt).expand(E, 1, n).contiguous()
     cs = c0.to(dt).contiguous()
-    W = w0.to(dt).contiguous().clone()
-    gamma = torch.full((E,), float(scale0), dtype=dt)
     fn = lib.wd_fit_f32 if dt == torch.float32 else lib.wd_fit_f64
     rc = fn(
         E,
@@ -217,9 +230,7 @@ def fit(
         eps,
         int(learn_scale),
     )
-    if rc != 0:
-        raise MemoryError(f"the fused solver kernel could not allocate its buffers for {E} episodes of {n} x {D}")
-    return W, gamma.view(E, 1, 1)
+    return _result(rc, W, gamma, n, D)
 
 
 # the query losses lf_fit knows (its ``loss`` argument)
@@ -244,15 +255,11 @@ def fit_logits(
     ``targets [E, K, n_support]`` one-hot, ``w0 [E, K, D]`` -> ``(W [E, K, D], gamma [E, 1, 1])``.
     ``loss`` is a key of :data:`LOGIT_LOSSES`; ``weights`` are the CE weight and the query loss's
     one or two weights (see ``lf_fit`` in ``_wd_kernel.c``)."""
-    lib = load()
-    assert lib is not None
+    lib, xs, W, gamma = _buffers(x, w0, scale0)
     E, n, D = x.shape
     K = w0.shape[1]
     dt = x.dtype
-    xs = x.contiguous()
     ts = targets.to(dt).expand(E, K, n_support).contiguous()
-    W = w0.to(dt).contiguous().clone()
-    gamma = torch.full((E,), float(scale0), dtype=dt)
     fn = lib.lf_fit_f32 if dt == torch.float32 else lib.lf_fit_f64
     rc = fn(
         E,
@@ -273,9 +280,7 @@ def fit_logits(
         LOGIT_LOSSES[loss],
         *weights,
     )
-    if rc != 0:
-        raise MemoryError(f"the fused solver kernel could not allocate its buffers for {E} episodes of {n} x {D}")
-    return W, gamma.view(E, 1, 1)
+    return _result(rc, W, gamma, n, D)
 
 
 __all__ = ["load", "status", "usable", "fit", "fit_logits", "LOGIT_LOSSES"]

@@ -172,6 +172,21 @@ static void CAT(adam, SUF)(REAL *restrict m, REAL *restrict v, const REAL *restr
 }
 #define Adam CAT(adam, SUF)
 
+/* Adam step number ``step`` (from 1) on the F prototype values W and, with learn_scale, the scale
+ * (the moments' and the gradient's element F), as torch.optim.Adam with both as parameters. */
+static void CAT(adam_step, SUF)(REAL *m, REAL *v, const REAL *grad, REAL *W, REAL *gamma, long F, int step, double lr,
+                                double b1, double b2, double eps, int learn_scale) {
+    const REAL omb1 = (REAL)(1.0 - b1), rb2 = (REAL)b2, omb2 = (REAL)(1.0 - b2), reps = (REAL)eps;
+    double bc1 = 1.0 - pow(b1, step), bc2 = 1.0 - pow(b2, step);
+    REAL step_size = (REAL)(lr / bc1), bc2s = (REAL)sqrt(bc2);
+    Adam(m, v, grad, W, F, omb1, rb2, omb2, bc2s, reps, step_size);
+    if (learn_scale) {
+        REAL g1 = *gamma;
+        Adam(m + F, v + F, grad + F, &g1, 1, omb1, rb2, omb2, bc2s, reps, step_size);
+        *gamma = g1;
+    }
+}
+
 /* lane-wise max(a, b) (C has no vector ?:) */
 static inline V CAT(vmax, SUF)(V a, V b) {
 #if IS_FLOAT
@@ -300,7 +315,6 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
     REAL *SA = small ? calloc((size_t)Kp * np, sizeof(REAL)) : NULL;
     REAL rr[RB], ff[RB];
     int ok = Wp && GX && m && v && grad && w2 && ST && ZT && LT && TT && acc && G2 && (!small || (XT && SA));
-    const REAL omb1 = (REAL)(1.0 - b1), rb2 = (REAL)b2, omb2 = (REAL)(1.0 - b2), reps = (REAL)eps;
     for (int e = 0; ok && e < E; e++) {
         const REAL *xe = x + (long)e * n * D, *te = targets + e * t_es, *re = r + e * r_es;
         const REAL *fe = free_ ? free_ + e * f_es : NULL;
@@ -408,15 +422,7 @@ int CAT(wd_fit, SUF)(int E, int n, int D, int K, const REAL *x, const REAL *targ
                 }
             }
             grad[F] = learn_scale ? gg - c0[e] : 0;
-            /* torch.optim.Adam, single-tensor path, operation for operation */
-            double bc1 = 1.0 - pow(b1, step), bc2 = 1.0 - pow(b2, step);
-            REAL step_size = (REAL)(lr / bc1), bc2s = (REAL)sqrt(bc2);
-            Adam(m, v, grad, Wp, F, omb1, rb2, omb2, bc2s, reps, step_size);
-            if (learn_scale) {
-                REAL g1 = gamma;
-                Adam(m + F, v + F, grad + F, &g1, 1, omb1, rb2, omb2, bc2s, reps, step_size);
-                gamma = g1;
-            }
+            CAT(adam_step, SUF)(m, v, grad, Wp, &gamma, F, step, lr, b1, b2, eps, learn_scale);
         }
         memcpy(We, Wp, sizeof(REAL) * F);
         gamma_out[e] = gamma;
@@ -470,7 +476,6 @@ int CAT(lf_fit, SUF)(int E, int Ns, int n, int D, int K, const REAL *x, const RE
     REAL *u = calloc((size_t)Kp, sizeof(REAL));
     const REAL **xr = calloc((size_t)n + 1, sizeof(REAL *));
     int ok = Wp && GX && m && v && grad && w2 && XT && SA && ZA && LA && GA && u && xr;
-    const REAL omb1 = (REAL)(1.0 - b1), rb2 = (REAL)b2, omb2 = (REAL)(1.0 - b2), reps = (REAL)eps;
     const REAL ce_s = (REAL)(w_ce / Ns), rw2 = (REAL)w_2, rw3 = (REAL)w_3, rNq = (REAL)Nq;
     const REAL tiny = (REAL)1e-30, ceps = (REAL)1e-12;
     for (int e = 0; ok && e < E; e++) {
@@ -571,15 +576,7 @@ int CAT(lf_fit, SUF)(int E, int Ns, int n, int D, int K, const REAL *x, const RE
                     grad[j] = (GX[j] - Wp[j] * u[k]) * gamma;
                 }
             grad[F] = learn_scale ? gg : 0;
-            /* torch.optim.Adam, single-tensor path, operation for operation */
-            double bc1 = 1.0 - pow(b1, step), bc2 = 1.0 - pow(b2, step);
-            REAL step_size = (REAL)(lr / bc1), bc2s = (REAL)sqrt(bc2);
-            Adam(m, v, grad, Wp, F, omb1, rb2, omb2, bc2s, reps, step_size);
-            if (learn_scale) {
-                REAL g1 = gamma;
-                Adam(m + F, v + F, grad + F, &g1, 1, omb1, rb2, omb2, bc2s, reps, step_size);
-                gamma = g1;
-            }
+            CAT(adam_step, SUF)(m, v, grad, Wp, &gamma, F, step, lr, b1, b2, eps, learn_scale);
         }
         memcpy(We, Wp, sizeof(REAL) * F);
         gamma_out[e] = gamma;
