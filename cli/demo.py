@@ -21,9 +21,7 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar, rend
 @click.option("--episodes", type=int, default=None, help="Episodes per shot count [default: 2000; --quick: 40].")
 @click.option("--backbone", default="conv4_64", show_default=True)
 @click.option("--recipe", type=click.Choice(["simple", "rot", "rot-kd"]), default="simple", show_default=True)
-@click.option(
-    "--epochs", type=int, default=None, help="Training epochs [default: 3, about 2 CPU minutes; --quick: 1]."
-)
+@click.option("--epochs", type=int, default=None, help="Training epochs [default: 3, about 2 CPU minutes; --quick: 1].")
 @click.option("--batch-size", type=int, default=None, help="Training batch [default: the demo's].")
 @click.option("--lr", type=float, default=None, help="Training learning rate [default: the demo's].")
 @click.option(
