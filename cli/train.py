@@ -140,7 +140,7 @@ class TrainDisplay:
     "--channels-last/--no-channels-last",
     default=False,
     show_default=True,
-    help="Convolutions on NHWC tensors: about 1.6x faster training on a CPU; the weights differ by rounding.",
+    help="Convolutions on NHWC tensors: 1.2-1.6x faster steps on a CPU; the weights differ by rounding.",
 )
 @click.option("--workers", type=int, default=4, show_default=True, help="DataLoader worker processes.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")

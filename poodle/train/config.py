@@ -55,7 +55,7 @@ class TrainConfig:
         val_every, val_episodes, val_way, val_shot, val_query, val_split: meta-validation with
             nearest prototypes (0 disables it; the best checkpoint is then the last).
         channels_last: run the convolutions on channels-last (NHWC) tensors. On a CPU it makes
-            training about 1.6x faster (docs/train.md); the weights then differ from a
+            a training step 1.2-1.6x faster (docs/train.md); the weights then differ from a
             channels-first run by float rounding, so it is a defining setting.
         seed: all randomness (init, data order, augmentation) derives from it.
         workers, device, amp: runtime only (``amp=None``: on for CUDA, off on CPU).
