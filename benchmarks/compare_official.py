@@ -370,7 +370,7 @@ LAPLACIAN_VARIANTS = [
 
 def laplacian_ablation(batch: EpisodeBatch, y_q: torch.Tensor, chunk: int = 100) -> None:
     """Each difference between our default LaplacianShot and the released code, alone, on these episodes."""
-    from poodle.evaluate import paired_difference, summarize
+    from poodle.stats import mean_ci, paired_difference
 
     accs = {}
     for label, opts in LAPLACIAN_VARIANTS:
@@ -393,7 +393,7 @@ def laplacian_ablation(batch: EpisodeBatch, y_q: torch.Tensor, chunk: int = 100)
         accs[label] = (pred == y_q).double().mean(1)
     base = accs[LAPLACIAN_VARIANTS[0][0]]
     for label, acc in accs.items():
-        m, ci = summarize(acc)
+        m, ci = mean_ci(acc)
         d, dci = paired_difference(acc, base)
         print(
             f"laplacianshot {label:36s} {100 * m:6.2f} ± {100 * ci:.2f}   vs default {100 * d:+6.2f} ± {100 * dci:.2f}"

@@ -23,8 +23,8 @@ import torch
 from poodle import solvers
 from poodle.cache import read_split
 from poodle.episodes import EpisodeSpec, sample_episodes
-from poodle.evaluate import paired_difference, summarize
 from poodle.solvers import EpisodeBatch
+from poodle.stats import mean_ci, paired_difference
 
 
 def main() -> None:
@@ -70,14 +70,14 @@ def main() -> None:
     y = eps.query_labels
     base = torch.cat(preds["proto"])
     acc0 = (base == y).double().mean(1)
-    print(f"proto: {100 * summarize(acc0)[0]:.2f} ± {100 * summarize(acc0)[1]:.2f}")
+    print(f"proto: {100 * mean_ci(acc0)[0]:.2f} ± {100 * mean_ci(acc0)[1]:.2f}")
     for m in a.method:
         p = torch.cat(preds[m])
         acc = (p == y).double().mean(1)
         d, dci = paired_difference(acc, acc0)
         moved = (p != base).double().mean().item()
         print(
-            f"{m} {opts or ''}: {100 * summarize(acc)[0]:.2f} ± {100 * summarize(acc)[1]:.2f}; "
+            f"{m} {opts or ''}: {100 * mean_ci(acc)[0]:.2f} ± {100 * mean_ci(acc)[1]:.2f}; "
             f"vs proto {100 * d:+.2f} ± {100 * dci:.2f} points; predictions changed {100 * moved:.1f}%"
         )
 

@@ -18,9 +18,10 @@ import torch
 
 from poodle.cache import read_split
 from poodle.episodes import EpisodeSpec, sample_episodes
-from poodle.evaluate import evaluate, summarize
+from poodle.evaluate import evaluate
 from poodle.negatives import NegativeSpec
 from poodle.preprocess import Preprocessor, parse
+from poodle.stats import mean_ci
 
 METHODS = [
     ("proto", "proto", {}),
@@ -77,7 +78,7 @@ def main() -> None:
                 preprocess=pre,
             )
             for label, *_ in METHODS:
-                mean, ci = summarize(accs[label])
+                mean, ci = mean_ci(accs[label])
                 results.setdefault(f"{label} | {shot}-shot", {})[pre.spec.key] = [100 * mean, 100 * ci]
             print(f"{pre.spec.key} {shot}-shot done ({time.perf_counter() - t0:.0f} s)", flush=True)
 

@@ -38,10 +38,11 @@ import torch
 from poodle import solvers
 from poodle.cache import read_split, write_arrays
 from poodle.episodes import EpisodeSpec, sample_episodes
-from poodle.evaluate import evaluate, prepare_negatives, summarize
+from poodle.evaluate import evaluate, prepare_negatives
 from poodle.negatives import NegativeSpec
 from poodle.solvers import _native, _optim
 from poodle.solvers.base import EpisodeBatch
+from poodle.stats import mean_ci
 from poodle.utils import resolve_device
 
 D, WAY, QUERY, N_NEG, STEPS = 640, 5, 15, 375, 250
@@ -422,7 +423,7 @@ def main() -> None:
             pk = peak(dev)
             eps_s = ours_rate[shot] = n_ep / dt
             f_ep = info.flops(WAY * shot, WAY * QUERY, N_NEG, D, WAY, cfg)
-            mean, ci = summarize(acc)
+            mean, ci = mean_ci(acc)
             print(
                 f"\n{shot}-shot, {n_ep} episodes, POODLE transductive, {N_NEG} base negatives, {STEPS} steps, "
                 f"chunks of {stats['chunk_size']}, {stats['workers']} worker(s):"

@@ -18,7 +18,6 @@ has not been run (no GPU was available when it was written).
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Mapping, Sequence, overload
@@ -368,32 +367,9 @@ def _check_held(neg: Tensor, M: int, source: str, pool_rows: int) -> None:
         )
 
 
-def summarize(acc: Tensor) -> tuple[float, float]:
-    """``(mean, 1.96 * std / sqrt(n))`` of per-episode accuracies, in the units of ``acc``.
-
-    The standard deviation is the population one (ddof = 0), as the authors' evaluation code.
-    """
-    a = torch.as_tensor(acc, dtype=torch.float64).flatten()
-    n = a.numel()
-    if n == 0:
-        return float("nan"), float("nan")
-    return float(a.mean()), float(1.96 * a.std(correction=0) / math.sqrt(n))
-
-
-def paired_difference(a: Tensor, b: Tensor) -> tuple[float, float]:
-    """Mean of ``a - b`` over paired episodes and its 95% confidence half-width."""
-    a = torch.as_tensor(a, dtype=torch.float64)
-    b = torch.as_tensor(b, dtype=torch.float64)
-    if a.shape != b.shape:
-        raise ConfigError(f"paired difference needs equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
-    return summarize(a - b)
-
-
 __all__ = [
     "evaluate",
     "prepare_negatives",
-    "summarize",
-    "paired_difference",
     "choose_chunk",
     "episode_bytes",
     "needs_negatives",

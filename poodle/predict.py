@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import math
 import numbers
 import os
 import tempfile
@@ -37,6 +36,7 @@ from poodle.extract import extract
 from poodle.negatives import GENERATED, NEG_STREAM, NegativeSpec, generate
 from poodle.preprocess import Preprocessor, parse
 from poodle.solvers import EpisodeBatch
+from poodle.stats import wilson_interval
 from poodle.utils import atomic_path, count, file_sha256, generator, resolve_device
 
 UNLABELLED = "?"  # the class name of unlabelled query images inside the predict cache
@@ -187,15 +187,6 @@ class Prediction:
                 row["correct"] = sum(1 for i in idx if pred[i] == k)
             out.append(row)
         return out
-
-
-def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval ``(low, high)`` of a proportion ``correct / n`` (n > 0)."""
-    p = correct / n
-    den = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def _digest(lists: Mapping[str, Sequence[tuple[str, str]]], *settings: Any) -> str:

@@ -18,19 +18,16 @@ state. No correction for multiple comparisons is made (the paper makes none). Fi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
-import torch
-from scipy import special  # not scipy.stats: 0.2 s to import against 0.9 s
 
 from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
-from poodle.evaluate import paired_difference, summarize
 from poodle.results import read_results, record_flat
+from poodle.stats import mean_ci, paired_difference, paired_ttest
 
 # Keys that identify the episodes a result was solved on: equal keys -> identical episodes.
 PAIRING_KEYS = EPISODE_KEYS + OPTIONAL_EPISODE_KEYS
@@ -60,7 +57,7 @@ class Result:
     @property
     def ci95(self) -> float:
         """1.96 * population std / sqrt(n), as the solver's summary and the authors' code."""
-        return summarize(torch.from_numpy(self.acc))[1]
+        return mean_ci(self.acc)[1]
 
     def pairing(self) -> tuple:
         return tuple(_hashable(self.flat.get(k)) for k in PAIRING_KEYS)
@@ -293,32 +290,6 @@ def _latex_escape(text: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Statistics
-
-
-def paired_ttest(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-    """Two-sided paired t-test of ``a - b`` (both ``[E]``, same episodes): ``(t, p)``.
-
-    t = mean(d) / (std(d, ddof=1) / sqrt(E)), p = 2 * P(T_{E-1} > |t|). Identical inputs give
-    ``(0, 1)``; a constant non-zero difference gives ``(+-inf, 0)``.
-    """
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    if a.shape != b.shape or a.ndim != 1:
-        raise ConfigError(f"paired t-test needs two equal-length vectors, got {a.shape} and {b.shape}")
-    n = a.shape[0]
-    if n < 2:
-        return float("nan"), 1.0
-    d = a - b
-    mean = d.mean()
-    sd = d.std(ddof=1)
-    if sd == 0:
-        return (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
-    t = mean / (sd / math.sqrt(n))
-    return float(t), float(2 * special.stdtr(n - 1, -abs(t)))  # = 2 * scipy.stats.t.sf(|t|, n - 1)
-
-
-# ---------------------------------------------------------------------------------------------
 # Tables
 
 
@@ -505,7 +476,7 @@ def solve_table(records: Sequence[Mapping[str, Any]], seconds: bool = True) -> T
             diffs.append("")
             cis.append("")
             continue
-        d, c = paired_difference(torch.from_numpy(by_label[label].acc), torch.from_numpy(first.acc))
+        d, c = paired_difference(by_label[label].acc, first.acc)
         diffs.append(f"{100 * d:+.2f}")
         cis.append(f"± {100 * c:.2f}")
     table.extra = [(f"diff vs {first.flat['label']}", diffs), ("95% CI", cis)]

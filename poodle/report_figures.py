@@ -35,9 +35,9 @@ from poodle.report import (
     drop_derived,
     format_value,
     key_name,
-    paired_ttest,
     varying_keys,
 )
+from poodle.stats import paired_ttest
 from poodle.utils import atomic_path
 
 

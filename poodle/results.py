@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from poodle import __version__, solvers
 from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
+from poodle.stats import mean_ci
 from poodle.utils import atomic_path, file_sha256
 
 FORMAT = "poodle-results"
@@ -166,8 +167,7 @@ def make_record(
     (timings, device, ...)."""
     values = [float(a) for a in acc]
     n = len(values)
-    mean = sum(values) / n if n else float("nan")
-    var = sum((a - mean) ** 2 for a in values) / n if n else float("nan")
+    mean, ci95 = mean_ci(values)
     record: dict[str, Any] = {
         "kind": "cell",
         "key": identity_key(identity),
@@ -177,7 +177,7 @@ def make_record(
         "index": index,
         "group": group,
         "mean": mean,
-        "ci95": 1.96 * var**0.5 / n**0.5 if n else float("nan"),
+        "ci95": ci95,
         "n": n,
     }
     if seconds is not None:

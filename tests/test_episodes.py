@@ -14,8 +14,9 @@ import torch
 from poodle.cache import read_split, write_arrays
 from poodle.episodes import EpisodeSpec, EpisodeStream, imbalanced_counts, load_episodes, sample_episodes, save_episodes
 from poodle.errors import ConfigError, EpisodeError, PoodleError
-from poodle.evaluate import evaluate, paired_difference, summarize
+from poodle.evaluate import evaluate
 from poodle.negatives import NegativeSpec, generate, sample_indices
+from poodle.stats import mean_ci, paired_difference
 
 
 def _labels(n_classes=10, per_class=30):
@@ -437,9 +438,9 @@ def test_memory_does_not_grow_with_the_number_of_episodes(tmp_path):
     assert large - small < 16 * 2**20, (small, large)
 
 
-def test_summarize_and_paired_difference_numbers():
+def test_mean_ci_and_paired_difference_numbers():
     acc = torch.tensor([0.5, 0.7, 0.9, 0.7], dtype=torch.float64)
-    mean, ci = summarize(acc)
+    mean, ci = mean_ci(acc)
     assert mean == pytest.approx(0.7)
     assert ci == pytest.approx(1.96 * math.sqrt(0.02) / 2)  # population std 0.1414, n = 4
     d, dci = paired_difference(acc, acc - torch.tensor([0.1, 0.1, 0.2, 0.0], dtype=torch.float64))

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from poodle.cache import write_arrays
 from poodle.cli.predict import predict as predict_cmd
 from poodle.errors import ConfigError
-from poodle.predict import predict, query_from_folder, support_from_folder, wilson_interval, write_csv
+from poodle.predict import predict, query_from_folder, support_from_folder, write_csv
+from poodle.stats import wilson_interval
 
 SHOTS = {"circle": 1, "square": 3, "triangle": 2}  # unequal shots per class
 KIND = {"circle": 0, "square": 1, "triangle": 2}  # _images draws shape class_index % 3

@@ -16,6 +16,7 @@ from poodle import report as R
 from poodle import report_figures as F
 from poodle.errors import ConfigError
 from poodle.results import FORMAT, VERSION
+from poodle.stats import paired_ttest
 
 E = 200
 
@@ -76,11 +77,11 @@ def _hand_ttest(a, b):
 def test_paired_ttest_matches_hand_computation():
     rng = np.random.default_rng(0)
     a, b = _acc(rng, 0.7), _acc(rng, 0.69)
-    t, p = R.paired_ttest(a, b)
+    t, p = paired_ttest(a, b)
     t_hand, p_hand = _hand_ttest(a, b)
     assert t == pytest.approx(t_hand, rel=1e-12) and p == pytest.approx(p_hand, rel=1e-10)
-    assert R.paired_ttest(a, a) == (0.0, 1.0)
-    assert R.paired_ttest(a + 0.01, a) == (math.inf, 0.0)
+    assert paired_ttest(a, a) == (0.0, 1.0)
+    assert paired_ttest(a + 0.01, a) == (math.inf, 0.0)
 
 
 def test_bold_only_when_best_beats_every_other_entry(tmp_path):
@@ -312,9 +313,9 @@ def test_solve_json_files_are_reported_with_grid_results(tmp_path, make_features
 
 def test_solve_table_rows_differences_and_markdown():
     # poodle solve's summary goes through the one Table (and so the one renderer)
-    from poodle.evaluate import paired_difference
     from poodle.report import solve_table, to_markdown
     from poodle.results import make_record
+    from poodle.stats import paired_difference
 
     rng = np.random.default_rng(0)
     a = rng.integers(0, 2, 40).astype(float)
