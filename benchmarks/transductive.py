@@ -46,11 +46,11 @@ import torch
 
 from poodle import solvers
 from poodle.cache import list_splits, read_split, write_arrays
-from poodle.episodes import EpisodeSpec, sample_episodes
-from poodle.evaluate import choose_chunk, evaluate
-from poodle.negatives import NegativeSpec
+from poodle.cells import Cell, make_cell, numbered
+from poodle.evaluate import choose_chunk
+from poodle.pipeline import RunOptions, run_cells
 from poodle.report import Result, Table, build_table, to_markdown
-from poodle.results import ResultsFile, cache_identity, identity_key, make_identity, make_record, record_flat
+from poodle.results import record_flat
 from poodle.solvers import EpisodeBatch
 from poodle.utils import atomic_path, parse_size, resolve_device
 
@@ -154,9 +154,14 @@ def find_cache(arg: str | None, tmp: Path) -> tuple[Path, str]:
     return synthetic_cache(tmp), f"SYNTHETIC clustered random features (D=128, noise {SPREAD}; no glyphs cache found)"
 
 
-def episode_settings(way: int, qc: int | None, kappa: float | None, shot: int, args: argparse.Namespace) -> dict:
-    """A setting's episode fields, as the results layer records them."""
-    return {
+def setting_cells(
+    cache: Path, rows: list[tuple[str, str, dict[str, Any]]], setting: tuple, args: argparse.Namespace
+) -> list[Cell]:
+    """The cells of one setting: every row on the same episodes, base negatives for the rows that
+    read negatives (POODLE with beta > 0)."""
+    way, qc, kappa, shot = setting
+    values = {
+        "cache": str(cache),
         "split": "test",
         "way": way,
         "shot": shot,
@@ -165,35 +170,19 @@ def episode_settings(way: int, qc: int | None, kappa: float | None, shot: int, a
         "seed": args.seed,
         "episodes": args.episodes,
         "query_classes": qc,
+        "negatives": "base",
+        "n_neg": args.n_neg,
     }
-
-
-def cell_identity(
-    cache_id: str, episode: dict[str, Any], method: str, options: dict[str, Any], n_neg: int
-) -> dict[str, Any]:
-    """The results-layer identity of one row on one setting: the method's resolved options, base
-    negatives only where the configured method reads them (POODLE with beta > 0)."""
-    cfg = solvers.make_config(method, options, strict=True)
-    info = solvers.get(method)
-    uses = info.needs_negatives(cfg)
-    return make_identity(
-        cache_id=cache_id,
-        episode=episode,
-        negatives="base" if uses else "none",
-        n_neg=n_neg if uses else None,
-        method=method,
-        options=solvers.config_dict(cfg),
-        transductive=info.is_transductive(cfg),
-    )
+    cells = [make_cell({**values, **o, "method": m}, label=lab, strict=set(o)) for lab, m, o in rows]
+    return numbered(cells)
 
 
 def run_accuracy(cache: Path, source: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Solve every (setting, row) cell that ``out/transductive.results.jsonl`` does not hold yet for
-    this cache (looked up by identity) and return the records of all of them, by setting and label."""
+    this cache (looked up by identity, through the pipeline) and return the records of all of them,
+    by setting and label."""
     test = read_split(cache, "test")
-    comp_rows = chosen_rows(ROWS, args.rows)
-    poodle_rows = chosen_rows(POODLE_ROWS, args.rows)
-    rows = comp_rows + poodle_rows
+    rows = chosen_rows(ROWS, args.rows) + chosen_rows(POODLE_ROWS, args.rows)
     if not rows:
         raise SystemExit(
             f"--rows {args.rows!r} matches no row; rows: {', '.join(lab for lab, _, _ in ROWS + POODLE_ROWS)}"
@@ -215,57 +204,29 @@ def run_accuracy(cache: Path, source: str, args: argparse.Namespace, out: Path) 
     # every (setting, row) cell is a record of the results layer, found again by its identity (which
     # holds the cache's content fingerprint): a re-run, or an interrupted one, solves only the cells
     # missing for this very cache
-    results = ResultsFile(out / RESULTS_FILE, name="transductive-benchmark")
-    cache_id = cache_identity(cache)
-    order = {lab: i for i, (lab, _, _) in enumerate(rows)}
+    path = out / RESULTS_FILE
+    options = RunOptions(device=args.device, cells_per_call=len(rows))
     records: dict[str, dict[str, dict[str, Any]]] = {}
-    for way, qc, kappa, shot in settings(args):
-        key = setting_key(way, qc, kappa, shot)
-        episode = episode_settings(way, qc, kappa, shot, args)
-        idents = {lab: cell_identity(cache_id, episode, m, o, args.n_neg) for lab, m, o in rows}
-        found = {lab: results.get(identity_key(i)) for lab, i in idents.items()}
-        records[key] = {lab: r for lab, r in found.items() if r is not None}
-        missing = {lab for lab, r in found.items() if r is None}
-        if not missing:
-            print(f"{key:24s} all {len(rows)} cells taken from {results.path}", file=sys.stderr)
-            continue
-        spec = EpisodeSpec.from_settings(episode)
-        eps = sample_episodes(test.labels, spec, args.episodes, classes=test.classes)
+    for setting in settings(args):
+        key = setting_key(*setting)
         t0 = time.perf_counter()
-        # competitors without negatives (chunks of --chunk), then POODLE with base negatives; each
-        # call's cells are appended as soon as it returns
-        todo_c = [r for r in comp_rows if r[0] in missing]
-        todo_p = [r for r in poodle_rows if r[0] in missing]
-        for todo, kw in (
-            (todo_c, {"chunk_size": args.chunk}),
-            (todo_p, {"negatives": NegativeSpec("base", args.n_neg), "cache_path": cache}),
-        ):
-            if not todo:
-                continue
-            stats: dict[str, Any] = {}
-            accs = evaluate(test, eps, todo, device=args.device, stats=stats, **kw)
-            for lab, a in accs.items():
-                rec = make_record(
-                    idents[lab],
-                    a.tolist(),
-                    label=lab,
-                    cache=str(cache),
-                    index=order[lab],
-                    group=key,
-                    seconds=stats["seconds"][lab],
-                )
-                results.append(rec)
-                records[key][lab] = rec
-        taken = len(rows) - len(missing)
+        run = run_cells(
+            setting_cells(cache, rows, setting, args),
+            out=path,
+            meta={"name": "transductive-benchmark"},
+            group=key,
+            options=options,
+        )
+        records[key] = {r["label"]: r for r in run.records}
         print(
             f"{key:24s} {time.perf_counter() - t0:7.1f}s  "
-            + (f"({taken} cells taken from the results file)  " if taken else "")
+            + (f"({run.skipped} cells taken from the results file)  " if run.skipped else "")
             + "  ".join(f"{lab.split(' ')[0]}={100 * records[key][lab]['mean']:.1f}" for lab, _, _ in rows),
             file=sys.stderr,
         )
     return {
         "meta": meta,
-        "results_file": str(results.path),
+        "results_file": str(path),
         "records": records,
         "rows": [lab for lab, _, _ in rows],
         "settings": settings(args),

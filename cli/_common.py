@@ -37,13 +37,44 @@ def styled(label: str, style: str, rest: str = "") -> Text:
     return Text.assemble((label, style), rest)
 
 
-def as_flags(message: str, params: tuple[str, ...], flags: dict[str, str] | None = None) -> str:
-    """``message`` with each library parameter name in ``params`` written as its command-line flag
-    (``n_neg`` -> ``--n-neg``, or as ``flags`` maps it)."""
-    for p in params:
-        flag = (flags or {}).get(p, "--" + p.replace("_", "-"))
+# Library parameters whose command-line option has another name (the one table of such pairs).
+PARAM_OPTIONS: dict[str, tuple[str, ...]] = {
+    "out": ("results_path", "out_path"),
+    "save_episodes_to": ("save_episodes",),
+    "methods": ("method",),
+    "support": ("support_dir",),
+    "query": ("query_dir",),
+    "p_threshold": ("p",),
+}
+
+
+def flags_of(command: click.Command | None, params: tuple[str, ...]) -> dict[str, str]:
+    """``{library parameter: its flag}`` for the ``params`` that ``command`` has an option for: the
+    option of the same name (``n_neg`` -> ``--n-neg``) or of a name in :data:`PARAM_OPTIONS`."""
+    if command is None:
+        return {}
+    options = {p.name: p for p in command.params if isinstance(p, click.Option)}
+    out = {}
+    for param in params:
+        for name in (param, *PARAM_OPTIONS.get(param, ())):
+            if name in options:
+                out[param] = next(o for o in options[name].opts if o.startswith("--"))
+                break
+    return out
+
+
+def as_flags(message: str, flags: dict[str, str]) -> str:
+    """``message`` with each library parameter name in ``flags`` written as its command-line flag."""
+    for p, flag in flags.items():
         message = re.sub(rf"(?<![\w-]){re.escape(p)}(?![\w-])", flag, message, count=1)
     return message
+
+
+def say_error(error: PoodleError) -> None:
+    """``error: <message>`` on stderr, the library's parameter names written as this command's flags."""
+    ctx = click.get_current_context(silent=True)
+    text = as_flags(str(error), flags_of(ctx.command if ctx else None, getattr(error, "params", ())))
+    console.print(styled("error:", "bold red", " " + text), soft_wrap=True)
 
 
 def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -57,8 +88,7 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except PoodleError as e:
             if getattr(e, "quiet", False):  # another rank of a torchrun run failed and printed its error
                 sys.exit(1)
-            text = as_flags(str(e), getattr(e, "params", ()))
-            console.print(styled("error:", "bold red", " " + text), soft_wrap=True)
+            say_error(e)
             sys.exit(1)
         except OSError as e:
             # what the checks up front could not foresee (disk full, permissions changed mid-run): one
@@ -78,6 +108,13 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(130)
 
     return wrapper
+
+
+def note(event: Any) -> None:
+    """A library :class:`poodle.events.Notice` as one line (parameter names written as flags)."""
+    ctx = click.get_current_context(silent=True)
+    text = as_flags(event.message, flags_of(ctx.command if ctx else None, event.params))
+    console.print(styled("note", "yellow", f": {text}"), soft_wrap=True)
 
 
 class Bar:

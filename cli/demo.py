@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from poodle import defaults
 from poodle.cli._common import console, friendly_errors, out, progress_bar, render_table
 
 
@@ -14,7 +15,7 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar, rend
 @click.option(
     "--cache-root",
     type=click.Path(file_okay=False),
-    default="cache",
+    default=defaults.CACHE_ROOT,
     show_default=True,
     help="Where the glyphs, the checkpoint, the features and the results are kept.",
 )
@@ -31,7 +32,7 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar, rend
 )
 @click.option("--image-size", type=int, default=28, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--device", default=defaults.DEVICE, show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--workers", type=int, default=0, show_default=True, help="DataLoader worker processes.")
 @click.option(
     "--threads",

@@ -8,7 +8,8 @@ from typing import Any
 
 import click
 
-from poodle.cli._common import SizeType, console, friendly_errors, styled
+from poodle import defaults
+from poodle.cli._common import SizeType, console, friendly_errors, note, styled
 
 
 def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
@@ -59,19 +60,23 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
 @click.option(
     "--cells-per-call",
     type=click.IntRange(1),
-    default=4,
+    default=defaults.CELLS_PER_CALL,
     show_default=True,
     help="Cells on the same episodes and negatives solved together (one gather per chunk).",
 )
 @click.option("--dry-run", is_flag=True, help="List the cells and what is already done; solve nothing.")
 @click.option(
     "--device",
-    default="auto",
+    default=defaults.DEVICE,
     show_default=True,
     help="auto, cpu, cuda or cuda:N (under torchrun: auto, cuda or cpu; each process takes its local GPU).",
 )
 @click.option(
-    "--max-memory", type=SizeType(), default="2GiB", show_default=True, help="Memory budget per chunk of episodes."
+    "--max-memory",
+    type=SizeType(),
+    default=None,
+    help=f"Bound on the memory a call holds (features, negative pool, chunks in flight) "
+    f"[{defaults.MAX_MEMORY} for the chunks on CPU; 80% of the free memory on CUDA].",
 )
 @friendly_errors
 def grid(
@@ -83,7 +88,7 @@ def grid(
     cells_per_call: int,
     dry_run: bool,
     device: str,
-    max_memory: int,
+    max_memory: int | None,
 ) -> None:
     """Run every cell of GRID_FILE (a TOML grid, see docs/grid.md) and append its results.
 
@@ -92,6 +97,7 @@ def grid(
     """
     from poodle import distributed
     from poodle import grid as G
+    from poodle.pipeline import RunOptions
 
     # under torchrun: every rank reads the grid (an error is printed once), rank 0 alone displays
     d = distributed.init(device) if not dry_run else distributed.Dist()
@@ -105,28 +111,16 @@ def grid(
     if dry_run:
         _dry_run(spec, cells, out)
         return
-    n_episodes = sum(c.episode["episodes"] for c in cells)
+    n_episodes = sum(c.n_episodes for c in cells)
     t0 = time.perf_counter()
     with d.guard():
-        G.fingerprints(spec, cells)  # a missing cache or pool is an error before any bar is drawn
+        G.fingerprints(cells)  # a missing cache or pool is an error before any bar is drawn
+    options = RunOptions(device=device, max_memory=max_memory, cells_per_call=cells_per_call)
     if not d.main:
-        G.run_grid(
-            spec, out, force=force, device=device, max_memory=max_memory, cells=cells, cells_per_call=cells_per_call
-        )
+        G.run_grid(spec, out, force=force, options=options, cells=cells)
         return
     with _GridProgress(len(cells), n_episodes, _varying(cells)) as display:
-        result = G.run_grid(
-            spec,
-            out,
-            force=force,
-            device=device,
-            max_memory=max_memory,
-            on_cell=display.on_cell,
-            progress=display.advance,
-            cells=cells,
-            cells_per_call=cells_per_call,
-            warn=_note,
-        )
+        result = G.run_grid(spec, out, force=force, options=options, on_event=display.on_event, cells=cells)
     wall = time.perf_counter() - t0
     console.print(
         styled(
@@ -159,7 +153,7 @@ def _dry_run(spec: Any, cells: list, out: Path) -> None:
     done: set[int] = set()
     if out.exists():
         try:
-            keys = G.cell_keys(cells, G.fingerprints(spec, cells))
+            keys = G.cell_keys(cells, G.fingerprints(cells))
             res = G.read_results(out)
             done = {i for i, (_, k) in keys.items() if k in res}
         except PoodleError as e:  # a dry run only reports
@@ -233,25 +227,27 @@ class _GridProgress:
     def __exit__(self, *exc: Any) -> None:
         self.progress.__exit__(*exc)
 
-    def on_cell(self, event: Any) -> None:
-        cell = event.cell
-        if event.kind == "skip":
+    def on_event(self, event: Any) -> None:
+        """The run's events (:mod:`poodle.events`) as the two bars."""
+        from poodle.events import CellFinished, CellsStarted, EpisodesSolved, Notice
+
+        if isinstance(event, CellsStarted):
+            batch = event.cells
+            self._cell_done = 0
+            self._cell_total = sum(c.n_episodes for c in batch)
+            more = f" (+{len(batch) - 1} more on the same episodes)" if len(batch) > 1 else ""
+            self.progress.update(self.cells, completed=event.done, info=f"now: {batch[0].describe(self.keys)}{more}")
+        elif isinstance(event, CellFinished) and event.skipped:
             self.progress.update(self.cells, completed=event.done, info="(finished earlier)")
-            self.progress.advance(self.episodes, cell.episode["episodes"])
+            self.progress.advance(self.episodes, event.cell.n_episodes)
             # skipped work must not count into the rate: restart the episodes task's clock
             self.progress.reset(
                 self.episodes,
                 completed=int(self.progress.tasks[self.episodes].completed),
                 info=self.progress.tasks[self.episodes].fields.get("info", ""),
             )
-        elif event.kind == "start":
-            batch = event.cells or [cell]
-            self._cell_done = 0
-            self._cell_total = sum(c.episode["episodes"] for c in batch)
-            more = f" (+{len(batch) - 1} more on the same episodes)" if len(batch) > 1 else ""
-            self.progress.update(self.cells, completed=event.done, info=f"now: {cell.describe(self.keys)}{more}")
-        elif event.kind == "done":
-            # Evaluate may report fewer episodes than it solved (or none): settle the count.
+        elif isinstance(event, CellFinished):
+            # cells of one call finish together: settle the count of the call's episodes
             rest = self._cell_total - self._cell_done
             if rest > 0:
                 self.advance(rest)
@@ -259,9 +255,13 @@ class _GridProgress:
             self.progress.update(
                 self.cells,
                 completed=event.done,
-                info=f"last: {cell.describe(self.keys)} {100 * rec['mean']:.2f} ± "
+                info=f"last: {event.cell.describe(self.keys)} {100 * rec['mean']:.2f} ± "
                 f"{100 * rec['ci95']:.2f} ({rec['seconds']:.1f} s)",
             )
+        elif isinstance(event, EpisodesSolved):
+            self.advance(event.episodes * event.cells)
+        elif isinstance(event, Notice):
+            note(event)
 
     def advance(self, n: int) -> None:
         n = min(n, self._cell_total - self._cell_done)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from poodle import defaults
 from poodle.cli._common import console, friendly_errors, out, progress_bar
 
 
@@ -41,7 +42,7 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar
     default=None,
     help="Weights (torch state dict or .safetensors), loaded strictly.",
 )
-@click.option("--method", default="poodle", show_default=True, help="Any method of `poodle solve`.")
+@click.option("--method", default=defaults.METHOD, show_default=True, help="Any method of `poodle solve`.")
 @click.option("--transductive", is_flag=True, help="Use the query images too (methods that can).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="A config field of the method (repeatable).")
 @click.option(
@@ -57,8 +58,8 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar
     help="A feature cache of the same backbone and checkpoint: its train split is the base pool "
     "(and the centre of --preprocess cl2n).",
 )
-@click.option("--n-neg", default=400, show_default=True, type=click.IntRange(min=1))
-@click.option("--preprocess", default="l2n", show_default=True, metavar="l2n|cl2n|power[:BETA]")
+@click.option("--n-neg", default=defaults.N_NEG, show_default=True, type=click.IntRange(min=1))
+@click.option("--preprocess", default=defaults.PREPROCESS, show_default=True, metavar="l2n|cl2n|power[:BETA]")
 @click.option(
     "--out",
     "out_path",
@@ -77,7 +78,7 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar
 @click.option("--interpolation", default=None, type=click.Choice(["bilinear", "bicubic", "nearest"]))
 @click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--workers", default=0, show_default=True, type=click.IntRange(min=0))
-@click.option("--device", default="auto", show_default=True)
+@click.option("--device", default=defaults.DEVICE, show_default=True)
 @friendly_errors
 def predict(
     support_dir,

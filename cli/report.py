@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from poodle.cli._common import console, friendly_errors, render_table, styled
+from poodle.cli._common import console, friendly_errors, render_table
 from poodle.cli._common import out as stdout
 
 
@@ -93,7 +93,7 @@ def report(
         for r in results:
             if out.exists() and r.exists() and out.samefile(r):
                 raise ConfigError(f"--out {out} is the results file being reported; choose another name")
-    res = R.load_results(list(results), warn=lambda m: console.print(styled("note", "yellow", f": {m}")))
+    res = R.load_results(list(results))
     res = R.filter_results(res, R.parse_where(where))
     if figure is not None:
         from poodle import report_figures as F

@@ -11,7 +11,7 @@ import click
 from click.core import ParameterSource
 
 from poodle import defaults
-from poodle.cli._common import SizeType, console, friendly_errors, out, progress_bar
+from poodle.cli._common import SizeType, console, friendly_errors, note, out, progress_bar
 
 # CLI option -> (library config field, the one method it is for; None: every chosen method with that field).
 # A field name that methods use with different meanings (solvers.homonyms: ``alpha`` is POODLE's pull
@@ -121,7 +121,7 @@ def solver_options(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
         try:
             solvers.make_config(m, per[m], strict=True)
         except ConfigError as e:
-            culprit = next((how for (mm, f), how in how_set.items() if mm == m and f"option {f!r}" in str(e)), None)
+            culprit = next((how_set[m, f] for f in e.params if (m, f) in how_set), None)
             raise ConfigError(f"{culprit}: {e}" if culprit else str(e)) from None
     return per
 
@@ -161,7 +161,7 @@ class _ListsMethods(click.Command):
 @click.option("--cache", type=click.Path(dir_okay=False), help="Feature cache file (HDF5).")
 @click.option("--dataset", help="Dataset name: the cache is CACHE_ROOT/DATASET/BACKBONE[-TAG].h5.")
 @click.option("--backbone", help="Backbone name (with --dataset).")
-@click.option("--cache-root", default="cache", show_default=True, type=click.Path(file_okay=False))
+@click.option("--cache-root", default=defaults.CACHE_ROOT, show_default=True, type=click.Path(file_okay=False))
 @click.option("--tag", help="Cache tag (with --dataset/--backbone).")
 @click.option("--split", default=defaults.SPLIT, show_default=True, help="Split the episodes come from.")
 @click.option("--way", default=defaults.WAY, show_default=True, type=int)
@@ -238,7 +238,7 @@ class _ListsMethods(click.Command):
 )
 @click.option(
     "--preprocess",
-    default="l2n",
+    default=defaults.PREPROCESS,
     show_default=True,
     metavar="l2n|cl2n|power[:BETA]",
     help="Feature preprocessing: the cached rows, SimpleShot centring on the train split's mean, or "
@@ -301,31 +301,18 @@ def solve(
         prefetch.start_for_solve(path, split, negatives)
 
     from poodle.distributed import env_world, share
+    from poodle.pipeline import RunOptions
+    from poodle.solve import SETTINGS
     from poodle.solve import solve as run_solve
 
     methods = list(methods)
     per = solver_options(ctx, methods, sets)
     # only what the user gave: the library fills the defaults (and takes them from --episodes-from)
-    given = {
-        k: ctx.params[k]
-        for k in (
-            "split",
-            "way",
-            "shot",
-            "query",
-            "episodes",
-            "seed",
-            "imbalance",
-            "query_classes",
-            "negatives",
-            "n_neg",
-        )
-        if _explicit(ctx, k)
-    }
+    given = {k: ctx.params[k] for k in SETTINGS if _explicit(ctx, k)}
     # under torchrun (poodle.distributed) rank 0 alone shows a bar (of its share) and prints
     world, rank, _ = env_world()
     total = None if episodes_from else len(share(episodes, world, rank))
-    # drawn once the library's checks up front have passed (ready=): an error there comes alone
+    # drawn once the library's checks up front have passed (Ready): an error there comes alone
     bar = (
         progress_bar("solving", total=total, unit="episodes", lazy=True) if rank == 0 else contextlib.nullcontext(None)
     )
@@ -336,39 +323,53 @@ def solve(
             options=per,
             episodes_from=episodes_from,
             save_episodes_to=save_episodes,
-            device=device,
-            max_memory=max_memory,
-            workers=workers,
-            progress=advance,
-            ready=advance.start if advance is not None else None,
             out=results_path,
-            preprocess=preprocess,
-            log=lambda msg: console.print(msg, highlight=False, markup=False),
+            run=RunOptions(device=device, max_memory=max_memory, workers=workers),
+            on_event=solve_events(advance),
             **given,
         )
-    if rank != 0:
-        return
+    if rank == 0:
+        _summary(res, path, save_episodes, results_path)
+
+
+def solve_events(advance: Any) -> Any:
+    """The command line's listener of a solve: the progress bar and the notices."""
+    from poodle.events import EpisodesSolved, Notice, Ready
+
+    def on_event(event: Any) -> None:
+        if isinstance(event, Ready) and advance is not None:
+            advance.start()
+        elif isinstance(event, EpisodesSolved) and advance is not None:
+            advance(event.episodes)
+        elif isinstance(event, Notice):
+            note(event)
+
+    return on_event
+
+
+def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str | None) -> None:
+    """The setting, the table (paired differences to the first method) and the throughput."""
+    from poodle.cli._common import render_table
+    from poodle.report import solve_table
+
     if save_episodes:
         console.print(f"episodes written to {save_episodes}")
-    spec, eps = res.episodes.spec, res.episodes
+    spec = res.spec
     console.print(
-        f"{len(eps):,} episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
+        f"{res.n_episodes:,} episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
         + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
         + (f", queries from {spec.query_classes} of the {spec.way} classes" if spec.query_classes else "")
         + f", split {spec.split} of {path}; negatives: "
         + (f"{res.negatives.source} x {res.negatives.n_neg}" if res.negatives else "none")
         + f"; preprocess {res.records[0].get('preprocess', 'l2n')}; device {res.device}"
-        + (f" x {res.stats['processes']} processes" if res.stats.get("processes", 1) > 1 else ""),
+        + (f" x {res.processes} processes" if res.processes > 1 else ""),
         highlight=False,
     )
-
-    from poodle.cli._common import render_table
-    from poodle.report import solve_table
-
-    out.print(render_table(solve_table(res.records), title=f"{spec.way}-way {spec.shot}-shot, {len(eps):,} episodes"))
+    out.print(
+        render_table(solve_table(res.records), title=f"{spec.way}-way {spec.shot}-shot, {res.n_episodes:,} episodes")
+    )
     console.print(
-        f"{len(eps) / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s, chunks of "
-        f"{res.stats['chunk_size']})"
+        f"{res.n_episodes / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s, chunks of {res.chunk_size})"
     )
     if results_path:
         console.print(f"results appended to {results_path}")

@@ -21,7 +21,10 @@ N_NEG = 400
 METHOD = "poodle"
 PREPROCESS = "l2n"  # feature preprocessing (poodle.preprocess): the cached L2-normalised rows
 DEVICE = "auto"
+CACHE_ROOT = "cache"  # where extract, train and demo keep what they make, by dataset
 MAX_MEMORY = "2GiB"
+# Cells on the same episodes and negatives solved by one call of evaluate (poodle grid).
+CELLS_PER_CALL = 4
 
 # Negative sources that are keywords, not files (see poodle.negatives).
 NEGATIVE_KEYWORDS: tuple[str, ...] = ("base", "random", "sphere", "none")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import platform
@@ -34,12 +33,14 @@ from poodle import defaults, solvers
 from poodle.data import PixelCache
 from poodle.data.glyphs import ensure_glyphs
 from poodle.errors import CacheError, ConfigError
+from poodle.events import CellFinished, EpisodesSolved, Event
 from poodle.extract import extract
-from poodle.grid import Cell, CellEvent, GridSpec, cell_keys, expand, fingerprints, parse_grid, run_grid
+from poodle.grid import GridSpec, expand, parse_grid, run_grid
+from poodle.pipeline import RunOptions
 from poodle.report import Result, Table, build_table, to_markdown
-from poodle.results import ResultsFile, make_record, record_flat
+from poodle.results import record_flat
 from poodle.train import TrainConfig, train
-from poodle.utils import atomic_path
+from poodle.utils import atomic_path, content_hash
 
 DATASET = "glyphs"
 # The transductive methods the paper compares with (Table 4 and appendix Tables 9-10): entropy
@@ -58,7 +59,7 @@ class DemoConfig:
     ``quick`` shrinks everything for tests: a small subset of glyph classes, one epoch, few episodes.
     """
 
-    cache_root: str = "cache"
+    cache_root: str = defaults.CACHE_ROOT
     backbone: str = "conv4_64"
     image_size: int = 28
     recipe: str = "simple"
@@ -83,7 +84,7 @@ class DemoConfig:
     def __post_init__(self) -> None:
         self.shots = tuple(int(s) for s in self.shots)
         if self.episodes < 1 or self.epochs < 1:
-            raise ConfigError("--episodes and --epochs must be positive")
+            raise ConfigError("episodes and epochs must be positive", params=("episodes", "epochs"))
 
     def milestones(self) -> tuple[int, ...]:
         """The lr decays (x0.1 at the start of these epochs): one, before the last epoch, from 4
@@ -161,7 +162,8 @@ class DemoResult:
 
 
 def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+    # json's default separators: the names of every demo run trained so far are made with them
+    return content_hash(obj, separators=(", ", ": "))
 
 
 LEGEND = (
@@ -191,8 +193,9 @@ def competitor_names(which: str | tuple[str, ...] | list[str]) -> list[str]:
     for n in names:
         if n not in registered:
             raise ConfigError(
-                f"--competitors: {n!r} is not a registered transductive method; choose from "
-                f"{', '.join(registered)} (or paper, all, none)"
+                f"competitors: {n!r} is not a registered transductive method; choose from "
+                f"{', '.join(registered)} (or paper, all, none)",
+                params=("competitors",),
             )
     return names
 
@@ -303,27 +306,20 @@ def run_demo(
     spec = demo_grid(cfg, rows, features, demo_dir)
     cells = expand(spec)
     results_path = demo_dir / RESULTS_FILE
-    n_old = _convert_old_cells(cfg, rows, cells, spec, results_path, demo_dir)
-    if n_old:
-        log(f"{n_old} table cells taken over from an earlier version's cache ({demo_dir / 'cells'})")
-    total = sum(c.episode["episodes"] for c in cells)
+    total = sum(c.n_episodes for c in cells)
     ctx = progress_factory("solving the table", total) if progress_factory else None
     with ctx if ctx is not None else contextlib.nullcontext() as advance:
 
-        def on_cell(event: CellEvent) -> None:
-            if event.kind == "skip" and advance is not None:
-                advance(event.cell.episode["episodes"])
+        def on_event(event: Event) -> None:
+            if advance is None:
+                return
+            if isinstance(event, CellFinished) and event.skipped:
+                advance(event.cell.n_episodes)
+            elif isinstance(event, EpisodesSolved):
+                advance(event.episodes * event.cells)
 
-        run = run_grid(
-            spec,
-            results_path,
-            device=cfg.device,
-            max_memory=cfg.max_memory,
-            cells=cells,
-            cells_per_call=len(cells),
-            on_cell=on_cell,
-            progress=advance,
-        )
+        options = RunOptions(device=cfg.device, max_memory=cfg.max_memory, cells_per_call=len(cells))
+        run = run_grid(spec, results_path, options=options, cells=cells, on_event=on_event)
     reused["evaluate"] = run.computed == 0
     seconds["evaluate"] = time.perf_counter() - t
     log(
@@ -373,72 +369,6 @@ def demo_table(records: list[dict[str, Any]]) -> Table:
     table = build_table(results, rows=["label"], cols=["transductive", "shot"], bold="none")
     table.notes = []
     return table
-
-
-def _old_cell_path(cfg: DemoConfig, c: Cell, features_sha: str, demo_dir: Path) -> Path:
-    """Where the demo before the results layer kept this cell (a JSON file named by a digest)."""
-    e = c.episode
-    spec = {
-        "split": e["split"],
-        "way": e["way"],
-        "shot": e["shot"],
-        "query": e["query"],
-        "imbalance": e["imbalance"],
-        "seed": e["seed"],
-    }
-    info = solvers.get(c.method)
-    config = dict(c.options)
-    presets = getattr(info.config, "PRESETS", None)
-    if presets is not None:  # it stored None for what the preset supplied
-        for k in presets[config["preset"]]:
-            config[k] = None
-    ident = {
-        "features": features_sha,
-        "spec": spec,
-        "episodes": e["episodes"],
-        "method": c.method,
-        "config": config,
-        "negatives": None if c.negatives == "none" else c.negatives,
-        "n_neg": c.n_neg,
-        "version": 1,
-    }
-    return demo_dir / "cells" / f"{_digest(ident)[:20]}.json"
-
-
-def _convert_old_cells(
-    cfg: DemoConfig, rows: list[Row], cells: list[Cell], spec: GridSpec, results_path: Path, demo_dir: Path
-) -> int:
-    """Records for the cells an earlier version solved and kept under ``demo_dir/cells``: their
-    per-episode accuracies were stored rounded to 6 digits, which identifies ``k / n_queries``
-    exactly."""
-    if not (demo_dir / "cells").is_dir():
-        return 0
-    prints = fingerprints(spec, cells)
-    keys = cell_keys(cells, prints)
-    results = ResultsFile(results_path, name="demo")
-    n = 0
-    for c in cells:
-        identity, key = keys[c.index]
-        if results.get(key) is not None:
-            continue
-        old = _old_cell_path(cfg, c, prints[c.cache], demo_dir)
-        if not old.is_file():
-            continue
-        try:
-            saved = json.loads(old.read_text())
-            nq = c.episode["way"] * c.episode["query"]
-            acc = [round(float(a) * nq) / nq for a in saved["accuracy"]]
-        except (ValueError, KeyError, TypeError):
-            continue  # a damaged old file: the cell is solved again
-        if len(acc) != c.episode["episodes"]:
-            continue
-        results.append(
-            make_record(
-                identity, acc, label=c.label, cache=c.cache, index=c.index, group="demo", converted_from=str(old)
-            )
-        )
-        n += 1
-    return n
 
 
 def _write_table(

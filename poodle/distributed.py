@@ -38,7 +38,6 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from poodle.errors import ConfigError, PoodleError
-from poodle.evaluate import _resolve_methods, evaluate
 from poodle.utils import resolve_device
 
 DEFAULT_TIMEOUT_S = 3600
@@ -195,67 +194,6 @@ class Dist:
         return [b[:c].cpu() for b, c in zip(bufs, counts)]
 
 
-def evaluate_shared(
-    d: Dist,
-    features: Any,
-    episodes: Any,
-    methods: Any,
-    *,
-    progress: Any = None,
-    stats: dict | None = None,
-    **kwargs: Any,
-) -> dict[str, torch.Tensor] | None:
-    """:func:`poodle.evaluate.evaluate` with the episodes split across the ranks of ``d``.
-
-    Each rank solves its contiguous share of ``episodes`` (its own negatives come with them: they
-    are drawn per episode number); rank 0 receives ``{label: float64 [E]}`` in episode order,
-    identical to a one-process call since every episode's result depends on that episode only.
-    Other ranks get None. ``progress`` is called on rank 0 only (for its share); ``stats`` on rank 0
-    gets ``seconds`` per label as the slowest rank's, and ``processes``.
-    """
-    labels = [label for label, _, _ in _resolve_methods(methods)]
-    r = d.share(len(episodes))
-    local: dict[str, Any] = {}
-    with d.guard():
-        if len(r) or not d.enabled:
-            accs = evaluate(
-                features,
-                episodes[r.start : r.stop] if d.enabled else episodes,
-                methods,
-                progress=progress if d.main else None,
-                stats=local,
-                **kwargs,
-            )
-        else:  # more ranks than episodes
-            accs = {label: torch.zeros(0, dtype=torch.float64) for label in labels}
-    if not d.enabled:
-        if stats is not None:
-            stats.update(local, processes=1)
-        return accs
-    out: dict[str, torch.Tensor] = {}
-    for label in labels:
-        parts = d.gather_tensor(accs[label].to(torch.float64))
-        if parts is not None:
-            out[label] = torch.cat(parts)
-    infos = d.gather_json(
-        {
-            "seconds": local.get("seconds", {}),
-            "chunk_size": local.get("chunk_size"),
-            "workers": local.get("workers"),
-            "device": local.get("device"),
-            "n_neg": local.get("n_neg"),
-        }
-    )
-    if infos is None:  # not rank 0
-        return None
-    if stats is not None:
-        first = next((i for i in infos if i["chunk_size"] is not None), infos[0])
-        stats.update({k: first[k] for k in ("chunk_size", "workers", "device", "n_neg")})
-        stats["seconds"] = {label: max(i["seconds"].get(label, 0.0) for i in infos) for label in labels}
-        stats["processes"] = d.world
-    return out
-
-
 Solved = dict[str, tuple[torch.Tensor, dict]]  # {key: (per-row results, info)}
 
 
@@ -332,15 +270,18 @@ def init(device: str | torch.device = "auto") -> Dist:
     name = str(device)
     if _CURRENT is not None and torch.distributed.is_initialized():
         if name == "cpu" and _CURRENT.device.type != "cpu":
-            raise ConfigError("this process already joined the run on a GPU; --device cpu cannot change that")
+            raise ConfigError(
+                "this process already joined the run on a GPU; device cpu cannot change that", params=("device",)
+            )
         return _CURRENT
     if name not in ("auto", "cuda", "cpu"):
         raise ConfigError(
-            f"--device {name}: under torchrun each process uses cuda:LOCAL_RANK; give --device cuda, auto or cpu"
+            f"device {name}: under torchrun each process uses cuda:LOCAL_RANK; give cuda, auto or cpu",
+            params=("device",),
         )
     use_cuda = name != "cpu" and torch.cuda.is_available()
     if name == "cuda" and not use_cuda:
-        raise ConfigError("--device cuda: CUDA is not available")
+        raise ConfigError("device cuda: CUDA is not available", params=("device",))
     if use_cuda:
         if local >= torch.cuda.device_count():
             raise ConfigError(
@@ -368,4 +309,4 @@ def _shutdown() -> None:
             torch.distributed.destroy_process_group()
 
 
-__all__ = ["Dist", "RankFailed", "init", "share", "env_world", "is_main_process", "evaluate_shared", "shared_map"]
+__all__ = ["Dist", "RankFailed", "init", "share", "env_world", "is_main_process", "shared_map"]

@@ -64,14 +64,12 @@ class EpisodeSpec:
     def from_settings(cls, settings: Mapping[str, Any]) -> EpisodeSpec:
         """The spec of an episode-settings mapping (a results record's ``episode``, the solve
         parameters): its spec fields, with ``query_classes`` optional; other keys (``episodes``) ignored."""
+        optional = set(defaults.OPTIONAL_EPISODE_KEYS)
         return cls(
-            split=settings["split"],
-            way=settings["way"],
-            shot=settings["shot"],
-            query=settings["query"],
-            imbalance=settings["imbalance"],
-            seed=settings["seed"],
-            query_classes=settings.get("query_classes"),
+            **{
+                f.name: settings.get(f.name) if f.name in optional else settings[f.name]
+                for f in dataclasses.fields(cls)
+            }
         )
 
     def validate(self) -> None:
@@ -82,24 +80,20 @@ class EpisodeSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
                 what = "an integer >= 2 (a 1-way episode is always right)" if name == "way" else "a positive integer"
-                raise EpisodeError(f"{name} must be {what}, got {v!r}", params=(name,))
+                raise EpisodeError.bad_value(name, v, f"must be {what}")
         if self.imbalance is not None and (
             isinstance(self.imbalance, bool)
             or not isinstance(self.imbalance, (int, float, np.floating, np.integer))
             or not (math.isfinite(self.imbalance) and self.imbalance > 0)
         ):
-            raise EpisodeError(
-                f"imbalance (Dirichlet concentration) must be positive, got {self.imbalance!r}", params=("imbalance",)
-            )
+            raise EpisodeError.bad_value("imbalance", self.imbalance, "(a Dirichlet concentration) must be positive")
         try:
             check_seed(self.seed)
         except ConfigError as e:
             raise EpisodeError(str(e), params=("seed",)) from None
         n = self.query_classes
         if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.way):
-            raise EpisodeError(
-                f"query_classes must be an integer in 1..way={self.way}, got {n!r}", params=("query_classes",)
-            )
+            raise EpisodeError.bad_value("query_classes", n, f"must be an integer in 1..way={self.way}")
 
     @property
     def n_support(self) -> int:
@@ -345,9 +339,9 @@ class _Draw:
         )
 
 
-def _check_count(n_episodes: object) -> None:
+def check_count(n_episodes: object) -> None:
     if isinstance(n_episodes, bool) or not isinstance(n_episodes, (int, np.integer)) or n_episodes < 1:
-        raise EpisodeError(f"the number of episodes must be a positive integer, got {n_episodes!r}")
+        raise EpisodeError.bad_value("episodes", n_episodes, "(the number of episodes) must be a positive integer")
 
 
 def sample_episodes(
@@ -358,7 +352,7 @@ def sample_episodes(
     EpisodeError before any drawing when the setting is impossible (way above the number of
     classes, classes with fewer than ``shot + query`` images, named; non-positive counts).
     """
-    _check_count(n_episodes)
+    check_count(n_episodes)
     return _Draw(labels, spec, classes)(start, int(n_episodes))
 
 
@@ -378,7 +372,7 @@ class EpisodeStream:
     def __init__(
         self, labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, classes: list[str] | None = None, start: int = 0
     ) -> None:
-        _check_count(n_episodes)
+        check_count(n_episodes)
         self._draw = _Draw(labels, spec, classes)
         self.spec = spec
         self.start = int(start)

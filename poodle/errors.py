@@ -1,16 +1,35 @@
 """Error types. Every error a user can cause is a :class:`PoodleError` whose message names the
 culprit (file, row, class, key, shape); the command line prints it on one line and exits 1."""
 
+from typing import TypeVar
+
+E = TypeVar("E", bound="PoodleError")
+
 
 class PoodleError(Exception):
     """Base class of all errors caused by input (files, options, data), not by bugs.
 
     ``params`` names the library parameters the message speaks of (``n_neg``), so that a front end
-    can say them its own way (the command line writes ``--n-neg``)."""
+    can say them its own way (the command line writes ``--n-neg``). An error about one value
+    (:meth:`bad_value`) also carries the parameter, the value and the reason as fields, for a front
+    end that places them itself (a grid file says ``option 'shot'`` at its line)."""
 
-    def __init__(self, *args: object, params: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        *args: object,
+        params: tuple[str, ...] = (),
+        param: str | None = None,
+        value: object = None,
+        reason: str | None = None,
+    ) -> None:
         super().__init__(*args)
         self.params = tuple(params)
+        self.param, self.value, self.reason = param, value, reason
+
+    @classmethod
+    def bad_value(cls: type[E], param: str, value: object, reason: str) -> E:
+        """The error of one value: ``"<param> <reason>, got <value>"``, with the three as fields."""
+        return cls(f"{param} {reason}, got {value!r}", params=(param,), param=param, value=value, reason=reason)
 
 
 class DataError(PoodleError):

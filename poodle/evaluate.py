@@ -1,25 +1,36 @@
 """Solve an episode set with one or more methods, chunk by chunk, and score it.
 
-Chunks of episodes are gathered from the in-memory features onto the device and solved together;
-every method sees the same chunk, hence identical episodes and identical negatives. The chunk
-size is the smaller of what ``max_memory`` allows (a per-episode estimate of the gathered rows and
-the solver's buffers) and, on CPU, what keeps a chunk's rows cache-resident (the fine-tuning
-solvers read them twice per step; see docs/stage2.md for the measurements). Peak memory therefore
-depends on the chunk, not on the number of episodes: at most two chunks per worker are in flight,
-and an :class:`~poodle.episodes.EpisodeStream` draws each chunk's episodes and negatives in the
-worker that solves it, so nothing is held per episode but its accuracy.
+Three parts, each with one job:
 
-The features and the negative pool are placed on the device once; each chunk is gathered there
-from index tensors (on CUDA the only host-to-device copies, pinned and non-blocking), and the
-solvers' step loops never read a value back to the host. The CUDA path is written for this but
-has not been run (no GPU was available when it was written).
+- **planning** (:func:`plan_chunks`): the chunk size is the smaller of what the memory bound allows
+  (a per-episode estimate of the gathered rows and the solver's buffers, :func:`episode_bytes`) and,
+  on CPU, what keeps a chunk's rows cache-resident (the fine-tuning solvers read them twice per
+  step; docs/stage2.md has the measurements). Peak memory depends on the chunk, not on the number
+  of episodes. An explicit ``max_memory`` counts everything the call holds: the features and the
+  negative pool placed on the device for the whole call, and the chunks in flight.
+- **gathering** (:class:`Gatherer`): the features and the negative pool are placed on the device
+  once; a chunk's host work (drawing its episodes from an
+  :class:`~poodle.episodes.EpisodeStream`, its negative indices or generated negatives) is
+  :meth:`Gatherer.prepare`, and its rows are gathered on the device from index tensors
+  (:meth:`Gatherer.gather`; on CUDA the index tensors are the only host-to-device copies,
+  pinned and non-blocking).
+- **the worker pool** (:func:`run_chunks`): on CPU, several single-threaded workers solve whole
+  chunks at once (at most two chunks per worker in flight); on a GPU one stream of chunks is
+  pipelined: chunk i+1's host work is prepared in a thread while chunk i computes, and chunk i's
+  accuracies are read back only after chunk i+1 is launched, so the device never waits for the host
+  between chunks. The solvers' step loops never read a value back to the host.
+
+Every method sees the same chunk, hence identical episodes and identical negatives, and results
+depend neither on the chunking nor on the number of workers (tested).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence, overload
 
 import torch
@@ -38,24 +49,11 @@ CPU_CHUNK_BYTES = 8 * 2**20
 # Upper bound on a chunk on GPU: beyond a few thousand episodes nothing is gained.
 GPU_MAX_CHUNK = 4096
 
-
-@contextlib.contextmanager
-def _single_threaded_ops(active: bool) -> Iterator[None]:
-    """Run torch operations single-threaded inside the block (process-wide, restored after)."""
-    if not active:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+Method = tuple[str, str, Any]  # (label, registered method name, config)
 
 
-def needs_negatives(name: str, cfg: Any) -> bool:
-    """Whether method ``name`` with ``cfg`` consumes negatives (POODLE with beta = 0 does not)."""
-    return solvers.get(name).needs_negatives(cfg)
+# ---------------------------------------------------------------------------------------------
+# Planning
 
 
 def episode_bytes(n_rows: int, dim: int, way: int, itemsize: int = 4) -> int:
@@ -77,17 +75,85 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
 
 
-def check_memory_bound(budget: int, n_rows: int, dim: int, way: int, workers: int, itemsize: int = 4) -> int:
-    """The number of chunk workers that fits ``budget`` bytes (fewer than asked when one chunk per
-    worker would not fit); ConfigError saying by how much when not even one episode fits."""
+def default_budget(device: torch.device) -> int:
+    """The bound on the chunks in flight when none is given: ``poodle.defaults.MAX_MEMORY`` on CPU;
+    on CUDA 80% of the device's free memory (``torch.cuda.mem_get_info``), measured once the
+    features and the negative pool are placed there."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(1 << 26, int(0.8 * free))
+    return parse_size(defaults.MAX_MEMORY)
+
+
+def check_memory_bound(
+    budget: int, n_rows: int, dim: int, way: int, workers: int, itemsize: int = 4, held: int = 0
+) -> int:
+    """The number of chunk workers that fits ``budget`` bytes once ``held`` bytes (features and
+    pool) are set aside (fewer workers than asked when one chunk per worker would not fit); a
+    ConfigError saying what is held and by how much the bound falls short when not even one
+    episode fits."""
     need = episode_bytes(n_rows, dim, way, itemsize)
-    if need > budget:
+    if need + held > budget:
+        what = f"the features and negative pool held for the whole run take {_mib(held)}, and " if held else ""
         raise ConfigError(
-            f"--max-memory {_mib(budget)} cannot be met: one episode ({n_rows} rows of D={dim}, "
-            f"negatives included) needs about {_mib(need)}, {_mib(need - budget)} more; raise "
-            f"--max-memory to at least {_mib(need)} or lower --n-neg"
+            f"max_memory {_mib(budget)} cannot be met: {what}one episode ({n_rows} rows of D={dim}, negatives "
+            f"included) needs about {_mib(need)}: {_mib(need + held - budget)} more; raise max_memory to at "
+            f"least {_mib(need + held)} or lower n_neg",
+            params=("max_memory", "n_neg"),
         )
-    return max(1, min(workers, budget // need))
+    return max(1, min(workers, (budget - held) // need))
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How a call is cut: ``bounds`` of the chunks (episode ranges, in order), the chunk size, the
+    workers, the bytes the chunks may use and the bytes held for the whole call."""
+
+    chunk: int
+    workers: int
+    bounds: tuple[tuple[int, int], ...]
+    budget: int
+    held: int = 0
+
+
+def plan_chunks(
+    n_episodes: int,
+    n_rows: int,
+    dim: int,
+    way: int,
+    device: torch.device,
+    *,
+    max_memory: str | int | None = None,
+    workers: int | None = None,
+    chunk_size: int | None = None,
+    itemsize: int = 4,
+    held: int = 0,
+) -> ChunkPlan:
+    """Chunk size, workers and chunk bounds of a call of ``n_episodes`` episodes of ``n_rows`` rows
+    of ``dim`` floats. An explicit ``max_memory`` counts the ``held`` bytes too; the default bound
+    (:func:`default_budget`) is for the chunks alone. The first chunks ramp up (1, 2, 4, ... up to the
+    chunk size) so the first results come within a fraction of a second."""
+    if device.type != "cpu":
+        workers = 1
+    elif workers is None:
+        workers = torch.get_num_threads()
+    if workers < 1:
+        raise ConfigError(f"workers must be at least 1, got {workers}", params=("workers",))
+    budget = parse_size(max_memory) if max_memory is not None else default_budget(device) + held
+    if chunk_size is None:
+        workers = check_memory_bound(budget, n_rows, dim, way, workers, itemsize, held)
+    # each worker holds one chunk: the memory bound is shared between them
+    chunk = chunk_size or choose_chunk(n_rows, dim, way, device, max(1, (budget - held) // workers), itemsize)
+    chunk = max(1, min(int(chunk), n_episodes))
+    bounds, a, size = [], 0, max(1, chunk // 8) if n_episodes > 8 * chunk else chunk
+    while a < n_episodes:
+        bounds.append((a, min(n_episodes, a + size)))
+        a, size = a + size, min(chunk, 2 * size)
+    return ChunkPlan(chunk, min(workers, len(bounds)), tuple(bounds), budget, held)
+
+
+# ---------------------------------------------------------------------------------------------
+# Negatives
 
 
 @overload
@@ -124,19 +190,72 @@ def prepare_negatives(
     return episodes.with_negatives(idx, negatives.source), pool
 
 
-def _resolve_methods(methods: Sequence[tuple[str, str, Any]]) -> list[tuple[str, str, Any]]:
+def _check_held(neg: Tensor, M: int, source: str, pool_rows: int) -> None:
+    if neg.shape[1] != M:
+        raise EpisodeError(
+            f"the episodes hold {neg.shape[1]} negatives per episode from {source!r}, but n_neg is {M}",
+            params=("n_neg",),
+        )
+    hi = int(neg.max()) if neg.numel() else 0
+    if (int(neg.min()) if neg.numel() else 0) < 0 or hi >= pool_rows:
+        raise EpisodeError(
+            f"negative indices reach {hi} but the pool {source!r} has {pool_rows} rows; "
+            "the episodes were saved with another pool"
+        )
+
+
+@dataclass
+class _Negatives:
+    """The negatives of a call: the spec (``None``: no method reads any), the pool on the host
+    (``None`` for generated ones), whether the episodes' own indices are used, and the count."""
+
+    spec: NegativeSpec | None = None
+    pool: Tensor | None = None
+    held: bool = False
+    count: int = 0
+
+
+def _negatives(
+    methods: Sequence[Method],
+    negatives: NegativeSpec | None,
+    episodes: EpisodeSet | EpisodeStream,
+    cache_path: Any,
+    dim: int,
+    preprocess: Any,
+) -> _Negatives:
+    """What the methods that read negatives get; every check (the source, its pool file and rows,
+    held indices) before any solving."""
+    source = None if negatives is None or negatives.is_none else negatives.source
+    users = [(name, cfg) for _, name, cfg in methods if solvers.get(name).needs_negatives(cfg)]
+    for name, cfg in users:
+        solvers.get(name).check_negatives(cfg, source)
+    if not users or negatives is None:
+        return _Negatives()
+    negatives.validate()
+    if negatives.generated:
+        return _Negatives(negatives, count=negatives.n_neg)
+    pool = load_pool(negatives.source, cache_path, dim=dim)
+    if preprocess is not None:
+        pool = preprocess.pool(negatives.source, cache_path, dim)
+    held = episodes.negatives is not None and episodes.negative_source == negatives.source
+    if held:
+        assert episodes.negatives is not None
+        _check_held(episodes.negatives, negatives.n_neg, negatives.source, pool.shape[0])
+    return _Negatives(negatives, pool, held, negatives.n_neg)
+
+
+def _resolve_methods(methods: Sequence[Method]) -> list[Method]:
+    """``(label, name, config)`` with the config built from a dict or ``None`` and checked."""
     if not methods:
-        raise ConfigError("no method to run")
+        raise ConfigError("no method to run", params=("methods",))
     out, seen = [], set()
     for item in methods:
         if len(item) != 3:
-            raise ConfigError(f"methods are (label, method, config) triples, got {item!r}")
+            raise ConfigError(f"methods are (label, method, config) triples, got {item!r}", params=("methods",))
         label, name, cfg = item
         info = solvers.get(name)
-        if cfg is None:
-            cfg = solvers.make_config(name, {})
-        elif isinstance(cfg, Mapping):
-            cfg = solvers.make_config(name, cfg, strict=True)
+        if cfg is None or isinstance(cfg, Mapping):
+            cfg = solvers.make_config(name, cfg or {}, strict=True)
         elif not isinstance(cfg, info.config):
             raise ConfigError(f"method {name!r}: config must be a {info.config.__name__}, got {type(cfg).__name__}")
         else:
@@ -148,19 +267,280 @@ def _resolve_methods(methods: Sequence[tuple[str, str, Any]]) -> list[tuple[str,
     return out
 
 
-def default_budget(device: torch.device) -> int:
-    """The bound on the chunks in flight when none is given: ``poodle.defaults.MAX_MEMORY`` on CPU; on CUDA 80% of the
-    device's free memory (``torch.cuda.mem_get_info``) less the features already placed there."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(1 << 26, int(0.8 * free))
-    return parse_size(defaults.MAX_MEMORY)
+# ---------------------------------------------------------------------------------------------
+# Gathering
+
+
+@dataclass
+class HostChunk:
+    """A chunk's host work, done: its episodes (row indices) and negative indices or generated
+    negatives, pinned for the copy when the device is a GPU."""
+
+    episodes: EpisodeSet
+    negatives: Tensor | None = None  # indices into the pool [n, M], or generated rows [n, M, D]
+
+
+@dataclass
+class Chunk:
+    """A chunk on the device: its rows and labels, ready for the solvers."""
+
+    support: Tensor
+    support_labels: Tensor
+    query: Tensor
+    query_labels: Tensor
+    negatives: Tensor | None
+    way: int
+
+
+class Gatherer:
+    """A call's features and negative pool, placed on the device once, and the per-chunk work."""
+
+    def __init__(
+        self,
+        features: Tensor,
+        episodes: EpisodeSet | EpisodeStream,
+        negatives: _Negatives,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.episodes, self.negatives, self.device, self.dtype = episodes, negatives, device, dtype
+        self.spec = episodes.spec
+        # no copy when they already are on the device in the solvers' dtype
+        self.features = features.to(device=device, dtype=dtype)
+        self.pool = None if negatives.pool is None else negatives.pool.to(device=device, dtype=dtype)
+        self.cuda = device.type == "cuda"
+
+    @property
+    def held_bytes(self) -> int:
+        """What the call holds whatever the chunking: the features and the pool, on the device."""
+        return sum(t.numel() * t.element_size() for t in (self.features, self.pool) if t is not None)
+
+    def _pin(self, t: Tensor) -> Tensor:
+        return t.pin_memory() if self.cuda else t
+
+    def prepare(self, a: int, b: int) -> HostChunk:
+        """The host work of episodes ``a..b-1``: draw them (a stream draws here) and their negatives."""
+        sub = self.episodes[a:b]
+        neg = None
+        if self.negatives.spec is not None:
+            assert sub.index is not None  # set in EpisodeSet.__post_init__
+            seed, M = self.spec.seed, self.negatives.count
+            if self.pool is not None:
+                neg = sub.negatives if self.negatives.held else sample_indices(self.pool.shape[0], sub.index, M, seed)
+            else:
+                neg = generate(self.negatives.spec.source, sub.index, M, self.features.shape[1], seed)
+        if self.cuda:
+            sub = dataclasses.replace(
+                sub,
+                support=self._pin(sub.support),
+                query=self._pin(sub.query),
+                support_labels=self._pin(sub.support_labels),
+                query_labels=self._pin(sub.query_labels),
+            )
+        return HostChunk(sub, None if neg is None else self._pin(neg))
+
+    def gather(self, host: HostChunk) -> Chunk:
+        """The chunk's rows on the device (asynchronous on a GPU)."""
+
+        def dev(t: Tensor) -> Tensor:
+            return t.to(self.device, non_blocking=True) if self.cuda else t
+
+        e = host.episodes
+        neg = host.negatives
+        if neg is not None:
+            neg = self.pool[dev(neg)] if self.pool is not None else dev(neg).to(self.dtype)
+        return Chunk(
+            self.features[dev(e.support)],
+            dev(e.support_labels),
+            self.features[dev(e.query)],
+            dev(e.query_labels),
+            neg,
+            self.spec.way,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Solving a chunk and the worker pool
+
+
+class _Clock:
+    """Per-method solve time: wall time on CPU; on CUDA, events read when the chunk is collected
+    (the launch returns before the work is done)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, start: Any) -> Callable[[], float]:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            return lambda: start.elapsed_time(end) / 1000.0
+        seconds = time.perf_counter() - start
+        return lambda: seconds
+
+
+Solved = dict[str, tuple[Tensor, Callable[[], float]]]  # {label: (correct [n] on the device, seconds)}
+
+
+def solve_batch(batch: EpisodeBatch, method: str, cfg: Any) -> Tensor:
+    """Query log-probabilities ``[E, Nq, way]`` of ``method`` configured by ``cfg`` (checked) on
+    ``batch``, whose negatives are passed to the method only when it reads them: what every chunk
+    of :func:`evaluate` and ``poodle predict``'s one task go through."""
+    info = solvers.get(method)
+    if not info.needs_negatives(cfg):
+        batch = dataclasses.replace(batch, negatives=None)
+    return solvers.run(info.name, batch, cfg).log_probs
+
+
+def solve_chunk(chunk: Chunk, methods: Sequence[Method], clock: _Clock) -> Solved:
+    """Every method on one chunk: per-episode accuracy (left on the device) and solve time."""
+    out: Solved = {}
+    batch = EpisodeBatch(chunk.support, chunk.support_labels, chunk.query, chunk.negatives, chunk.way)
+    for label, name, cfg in methods:
+        t0 = clock.start()
+        log_probs = solve_batch(batch, name, cfg)
+        correct = (log_probs.argmax(-1) == chunk.query_labels).to(torch.float64).mean(1)
+        out[label] = (correct, clock.stop(t0))
+    return out
+
+
+@contextlib.contextmanager
+def _single_threaded_ops(active: bool) -> Iterator[None]:
+    """Run torch operations single-threaded inside the block (process-wide, restored after)."""
+    if not active:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+Collect = Callable[[int, int, Solved], None]
+
+
+def _run_workers(
+    bounds: Sequence[tuple[int, int]], work: Callable[[int, int], Solved], n: int, collect: Collect
+) -> None:
+    """CPU: ``n`` threads solve whole chunks with single-threaded operations, at most two chunks per
+    worker in flight (memory does not grow with the number of chunks)."""
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="poodle-chunk") as ex:
+        pending: dict[Future, tuple[int, int]] = {}
+        todo = iter(bounds)
+        try:
+            for a, b in todo:
+                pending[ex.submit(work, a, b)] = (a, b)
+                if len(pending) >= 2 * n:
+                    break
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    a, b = pending.pop(fut)
+                    collect(a, b, fut.result())
+                    nxt = next(todo, None)
+                    if nxt is not None:
+                        pending[ex.submit(work, *nxt)] = nxt
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+
+def _run_pipelined(
+    bounds: Sequence[tuple[int, int]],
+    prepare: Callable[[int, int], HostChunk],
+    launch: Callable[[HostChunk], Solved],
+    collect: Collect,
+) -> None:
+    """One stream of chunks: chunk i+1's host work is prepared in a thread while chunk i is launched,
+    and chunk i is collected (read back) only once chunk i+1 is launched."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="poodle-prepare") as ex:
+        nxt = ex.submit(prepare, *bounds[0])
+        previous: tuple[int, int, Solved] | None = None
+        for i, (a, b) in enumerate(bounds):
+            host = nxt.result()
+            if i + 1 < len(bounds):
+                nxt = ex.submit(prepare, *bounds[i + 1])
+            solved = launch(host)
+            if previous is not None:
+                collect(*previous)
+            previous = (a, b, solved)
+        if previous is not None:
+            collect(*previous)
+
+
+def run_chunks(
+    plan: ChunkPlan, gatherer: Gatherer, methods: Sequence[Method], collect: Collect, overlap: bool | None = None
+) -> None:
+    """Solve every chunk of ``plan`` and give each chunk's results to ``collect(a, b, solved)``:
+    several CPU workers, or (``overlap``; by default on a GPU) one pipelined stream of chunks."""
+    clock = _Clock(gatherer.device)
+
+    def work(a: int, b: int) -> Solved:
+        return solve_chunk(gatherer.gather(gatherer.prepare(a, b)), methods, clock)
+
+    overlap = gatherer.device.type != "cpu" if overlap is None else overlap
+    with _single_threaded_ops(plan.workers > 1):
+        if plan.workers > 1:
+            _run_workers(plan.bounds, work, plan.workers, collect)
+        elif overlap:
+            _run_pipelined(
+                plan.bounds, gatherer.prepare, lambda h: solve_chunk(gatherer.gather(h), methods, clock), collect
+            )
+        else:
+            for a, b in plan.bounds:
+                collect(a, b, work(a, b))
+
+
+# ---------------------------------------------------------------------------------------------
+# The call
+
+
+@dataclass
+class _Tally:
+    """The call's results as chunks are collected."""
+
+    results: dict[str, Tensor]
+    seconds: dict[str, float]
+    progress: Callable[[int], None] | None
+    t_call: float
+    first_chunk_s: float | None = None
+    chunks: int = field(default=0)
+
+    def __call__(self, a: int, b: int, solved: Solved) -> None:
+        if self.first_chunk_s is None:
+            self.first_chunk_s = time.perf_counter() - self.t_call
+        for label, (correct, seconds) in solved.items():
+            self.results[label][a:b] = correct.cpu()  # the read-back (a sync on CUDA)
+            self.seconds[label] += seconds()
+        self.chunks += 1
+        if self.progress is not None:
+            self.progress(b - a)
+
+
+def _check_episodes(features: Any, episodes: EpisodeSet | EpisodeStream) -> None:
+    if len(episodes) == 0:
+        raise EpisodeError("no episodes to solve")
+    split_name = getattr(features, "name", None)
+    if split_name and split_name != episodes.spec.split:
+        raise EpisodeError(
+            f"the episodes were drawn from split {episodes.spec.split!r} but the features are split {split_name!r}"
+        )
+    episodes.check_against(features.labels)
 
 
 def evaluate(
     features: Any,
     episodes: EpisodeSet | EpisodeStream,
-    methods: Sequence[tuple[str, str, Any]],
+    methods: Sequence[Method],
     *,
     negatives: NegativeSpec | None = None,
     cache_path: Any = None,
@@ -173,6 +553,7 @@ def evaluate(
     stats: dict | None = None,
     preprocess: Any = None,
     ready: Callable[[], None] | None = None,
+    overlap: bool | None = None,
 ) -> dict[str, Tensor]:
     """Per-episode accuracies of every method on ``episodes``.
 
@@ -181,27 +562,26 @@ def evaluate(
             of the split the episodes index.
         episodes: the episode set (its ``negatives`` indices are used when their source matches), or
             an :class:`~poodle.episodes.EpisodeStream`, whose episodes and negatives are then drawn
-            chunk by chunk in the workers (identical results, flat memory, no start-up wait).
+            chunk by chunk (identical results, flat memory, no start-up wait).
         methods: ``(label, method_name, config)`` triples; config a dataclass, a dict of options or None.
         negatives: the negative source and count; ``None`` means no negatives.
         cache_path: the cache file (its ``train`` split is the ``base`` pool).
-        device: where to solve. The features and the negative pool are placed there once and every
-            chunk is gathered there (on CUDA only the small index tensors cross, pinned, non-blocking).
-        max_memory: the bound on the working set of the chunks in flight (all workers together);
-            ``None``: 2 GiB on CPU, 80% of the free device memory on CUDA.
+        device: where to solve (see the module docstring).
+        max_memory: the bound on everything the call holds (features, pool, chunks in flight); ``None``:
+            the chunks alone get :func:`default_budget`.
         progress: called with the number of episodes just solved (all methods).
-        ready: called once every check has passed (negatives and their pool, the memory bound), just
-            before solving starts (where a caller starts its progress display).
         chunk_size: episodes per chunk, overriding the automatic choice (tests, benchmarks).
         dtype: the solvers' float type (float64 for references).
-        workers: chunks solved at once (CPU only; default: torch's thread count). Each worker
-            solves whole chunks with single-threaded operations: a solver step is a few small
-            operations, and splitting each of them across cores costs more in synchronisation than
-            it gains (under any other load on the machine, far more). Results do not depend on it.
+        workers: chunks solved at once (CPU only; default: torch's thread count), each with
+            single-threaded operations: a solver step is a few small operations, and splitting each
+            of them across cores costs more in synchronisation than it gains. Results do not depend on it.
         stats: if given, filled with ``chunk_size``, ``n_chunks``, ``device``, ``seconds`` per label,
-            ``first_chunk_s`` (from the call to the first chunk solved).
+            ``n_neg``, ``workers``, ``first_chunk_s``, ``max_memory`` and ``held_bytes``.
         preprocess: a :class:`poodle.preprocess.Preprocessor` whose transform the negative pool gets
             (the caller transforms ``features`` itself).
+        ready: called once every check has passed, just before solving starts.
+        overlap: pipeline one stream of chunks (host work of the next chunk during the current one);
+            default: on a GPU. Results do not depend on it.
 
     Returns:
         ``{label: float64 [E] accuracies in [0, 1]}`` on the CPU.
@@ -209,168 +589,59 @@ def evaluate(
     t_call = time.perf_counter()
     dev = resolve_device(device)
     methods = _resolve_methods(methods)
-    feats: Tensor = features.features
-    labels: Tensor = features.labels
+    _check_episodes(features, episodes)
     spec = episodes.spec
-    if len(episodes) == 0:
-        raise EpisodeError("no episodes to solve")
-    split_name = getattr(features, "name", None)
-    if split_name and split_name != spec.split:
-        raise EpisodeError(
-            f"the episodes were drawn from split {spec.split!r} but the features are split {split_name!r}"
-        )
-    episodes.check_against(labels)
-    N, D = feats.shape
-
-    # --- negatives: one draw shared by every method
-    users = [name for _, name, cfg in methods if needs_negatives(name, cfg)]
-    neg_spec = negatives if negatives is not None else NegativeSpec("none")
-    pool: Tensor | None = None
-    held = False  # whether the episodes' own negative indices are used
-    M = 0
-    if users:
-        if neg_spec.is_none:
-            raise ConfigError(
-                f"method(s) {', '.join(sorted(set(users)))} need negatives; "
-                "set negatives to base, random, sphere or FILE[:SPLIT]"
-            )
-        neg_spec.validate()
-        M = neg_spec.n_neg
-        if not neg_spec.generated:
-            pool = load_pool(neg_spec.source, cache_path, dim=D)
-            if preprocess is not None:
-                pool = preprocess.pool(neg_spec.source, cache_path, D)
-            held = episodes.negatives is not None and episodes.negative_source == neg_spec.source
-            if held:
-                assert episodes.negatives is not None
-                _check_held(episodes.negatives, M, neg_spec.source, pool.shape[0])
-
-    E = len(episodes)
-    Ns, Nq = spec.n_support, spec.n_query
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if dev.type != "cpu":
-        workers = 1
-    elif workers is None:
-        workers = torch.get_num_threads()
-    if workers < 1:
-        raise ConfigError(f"workers must be at least 1, got {workers}")
-    # features and pool live on the device, in the solvers' dtype, once (no copy when they already do)
-    feats_d = feats.to(device=dev, dtype=dtype)
-    pool_d = pool.to(device=dev, dtype=dtype) if pool is not None else None
-    budget = parse_size(max_memory) if max_memory is not None else default_budget(dev)
-    if chunk_size is None:
-        workers = check_memory_bound(budget, Ns + Nq + M, D, spec.way, workers, itemsize)
-    # each worker holds one chunk: the memory bound is shared between them
-    chunk = chunk_size or choose_chunk(Ns + Nq + M, D, spec.way, dev, max(1, budget // workers), itemsize)
-    chunk = max(1, min(int(chunk), E))
-    if ready is not None:  # every check has passed (negatives, pool, memory bound): solving starts
+    D = features.features.shape[1]
+    neg = _negatives(methods, negatives, episodes, cache_path, D, preprocess)
+    gatherer = Gatherer(features.features, episodes, neg, dev, dtype)
+    plan = plan_chunks(
+        len(episodes),
+        spec.n_support + spec.n_query + neg.count,
+        D,
+        spec.way,
+        dev,
+        max_memory=max_memory,
+        workers=workers,
+        chunk_size=chunk_size,
+        itemsize=torch.empty((), dtype=dtype).element_size(),
+        held=gatherer.held_bytes if max_memory is not None else 0,
+    )
+    if ready is not None:
         ready()
-    results = {label: torch.empty(E, dtype=torch.float64) for label, _, _ in methods}
-    seconds = {label: 0.0 for label, _, _ in methods}
-    cuda = dev.type == "cuda"
-
-    def to_dev(t: Tensor) -> Tensor:
-        # index tensors are the only host -> device traffic per chunk
-        return t.pin_memory().to(dev, non_blocking=True) if cuda else t
-
-    def solve_chunk(a: int, b: int) -> dict[str, tuple[Tensor, float]]:
-        sub = episodes[a:b]
-        sup = feats_d[to_dev(sub.support)]
-        qry = feats_d[to_dev(sub.query)]
-        neg = None
-        if users:
-            assert sub.index is not None  # set in EpisodeSet.__post_init__
-            if pool_d is not None:
-                idx = sub.negatives if held else sample_indices(pool_d.shape[0], sub.index, M, spec.seed)
-                assert idx is not None  # held: the episodes carry their negatives
-                neg = pool_d[to_dev(idx)]
-            else:
-                neg = to_dev(generate(neg_spec.source, sub.index, M, D, spec.seed)).to(dtype)
-        sup_labels = to_dev(sub.support_labels)
-        qlab = to_dev(sub.query_labels)
-        done: dict[str, tuple[Tensor, float]] = {}
-        for label, name, cfg in methods:
-            t0 = time.perf_counter()
-            b_in = EpisodeBatch(sup, sup_labels, qry, neg if needs_negatives(name, cfg) else None, spec.way)
-            out = solvers.get(name).fn(b_in, cfg)
-            correct = (out.log_probs.argmax(-1) == qlab).to(torch.float64).mean(1).cpu()  # syncs on CUDA
-            done[label] = (correct, time.perf_counter() - t0)
-            del out, b_in
-        return done
-
-    # the first chunks ramp up (1, 2, 4, ... episodes up to the chunk size) so the first results come
-    # within a fraction of a second; results do not depend on chunking (tested)
-    bounds, a, size = [], 0, max(1, chunk // 8) if E > 8 * chunk else chunk
-    while a < E:
-        bounds.append((a, min(E, a + size)))
-        a, size = a + size, min(chunk, 2 * size)
-    n_workers = min(workers, len(bounds))
-    first_chunk_s: float | None = None
-
-    def collect(a: int, b: int, done: dict[str, tuple[Tensor, float]]) -> None:
-        nonlocal first_chunk_s
-        if first_chunk_s is None:
-            first_chunk_s = time.perf_counter() - t_call
-        for label, (correct, secs) in done.items():
-            results[label][a:b] = correct
-            seconds[label] += secs
-        if progress is not None:
-            progress(b - a)
-
-    with _single_threaded_ops(n_workers > 1):
-        if n_workers > 1:
-            # at most two chunks per worker in flight: memory does not grow with the number of chunks
-            with ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="poodle-chunk") as ex:
-                pending: dict[Future, tuple[int, int]] = {}
-                todo = iter(bounds)
-                try:
-                    for a, b in todo:
-                        pending[ex.submit(solve_chunk, a, b)] = (a, b)
-                        if len(pending) >= 2 * n_workers:
-                            break
-                    while pending:
-                        finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-                        for fut in finished:
-                            a, b = pending.pop(fut)
-                            collect(a, b, fut.result())
-                            nxt = next(todo, None)
-                            if nxt is not None:
-                                pending[ex.submit(solve_chunk, *nxt)] = nxt
-                finally:
-                    for fut in pending:
-                        fut.cancel()
-        else:
-            for a, b in bounds:
-                collect(a, b, solve_chunk(a, b))
+    E = len(episodes)
+    tally = _Tally(
+        {label: torch.empty(E, dtype=torch.float64) for label, _, _ in methods},
+        {label: 0.0 for label, _, _ in methods},
+        progress,
+        t_call,
+    )
+    run_chunks(plan, gatherer, methods, tally, overlap)
     if stats is not None:
         stats.update(
-            chunk_size=chunk,
-            n_chunks=len(bounds),
+            chunk_size=plan.chunk,
+            n_chunks=len(plan.bounds),
             device=str(dev),
-            seconds=seconds,
-            n_neg=M if users else 0,
-            workers=n_workers,
-            first_chunk_s=first_chunk_s,
-            max_memory=budget,
+            seconds=tally.seconds,
+            n_neg=neg.count,
+            workers=plan.workers,
+            first_chunk_s=tally.first_chunk_s,
+            max_memory=plan.budget,
+            held_bytes=gatherer.held_bytes,
         )
-    return results
-
-
-def _check_held(neg: Tensor, M: int, source: str, pool_rows: int) -> None:
-    if neg.shape[1] != M:
-        raise EpisodeError(f"the episodes hold {neg.shape[1]} negatives per episode from {source!r}, but n_neg is {M}")
-    hi = int(neg.max()) if neg.numel() else 0
-    if (int(neg.min()) if neg.numel() else 0) < 0 or hi >= pool_rows:
-        raise EpisodeError(
-            f"negative indices reach {hi} but the pool {source!r} has {pool_rows} rows; "
-            "the episodes were saved with another pool"
-        )
+    return tally.results
 
 
 __all__ = [
-    "evaluate",
-    "prepare_negatives",
+    "ChunkPlan",
+    "Gatherer",
+    "check_memory_bound",
     "choose_chunk",
+    "default_budget",
     "episode_bytes",
-    "needs_negatives",
+    "evaluate",
+    "plan_chunks",
+    "prepare_negatives",
+    "run_chunks",
+    "solve_batch",
+    "solve_chunk",
 ]

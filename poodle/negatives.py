@@ -46,7 +46,7 @@ class NegativeSpec:
 
     def validate(self) -> None:
         if isinstance(self.n_neg, bool) or not isinstance(self.n_neg, int) or self.n_neg < 1:
-            raise ConfigError(f"n_neg must be a positive integer, got {self.n_neg!r}", params=("n_neg",))
+            raise ConfigError.bad_value("n_neg", self.n_neg, "must be a positive integer")
         if not self.source:
             raise ConfigError("empty negative source: use base, random, sphere, none or FILE[:SPLIT]")
 
@@ -62,15 +62,23 @@ class NegativeSpec:
 _POOLS: dict[tuple[str, str, int, int], Tensor] = {}
 
 
+def pool_file(source: str, cache_path: Path | str | None) -> Path:
+    """The file of a pool source (``base``: the cache itself); a ConfigError when it is missing."""
+    path = pool_location(source, cache_path)[0]
+    if not path.is_file():
+        raise ConfigError(
+            f"negatives {source}: no such cache file {str(path)!r} (the keywords are base, random, sphere and "
+            f"none; anything else names a pool file, FILE[:SPLIT])",
+            params=("negatives",),
+        )
+    return path
+
+
 def load_pool(source: str, cache_path: Path | str | None, dim: int | None = None) -> Tensor:
     """The pool's features ``[N, D]`` float32 (L2-normalised), read once per (file, split) and kept
     in memory. ConfigError/CacheError when the file or split is missing or ``dim`` differs."""
-    path, split = pool_location(source, cache_path)
-    if not path.is_file():
-        raise ConfigError(
-            f"negative pool {source!r}: no such cache file {str(path)!r} (negatives: base, random, sphere, "
-            f"none or FILE[:SPLIT])"
-        )
+    path = pool_file(source, cache_path)
+    split = pool_location(source, cache_path)[1]
     st = path.stat()
     key = (str(path.resolve()), split, st.st_mtime_ns, st.st_size)
     if key not in _POOLS:
@@ -120,4 +128,13 @@ def generate(
     return out.to(dtype)
 
 
-__all__ = ["NegativeSpec", "load_pool", "sample_indices", "generate", "pool_location", "NEG_STREAM", "KEYWORDS"]
+__all__ = [
+    "NegativeSpec",
+    "load_pool",
+    "pool_file",
+    "sample_indices",
+    "generate",
+    "pool_location",
+    "NEG_STREAM",
+    "KEYWORDS",
+]

@@ -16,8 +16,8 @@ has labels, the accuracy with a 95% Wilson score interval.
 
 from __future__ import annotations
 
+import contextlib
 import csv
-import hashlib
 import numbers
 import os
 import tempfile
@@ -28,19 +28,19 @@ from typing import Any
 
 import torch
 
-from poodle import solvers
-from poodle.cache import read_attrs, read_split
+from poodle import defaults, solvers
+from poodle.cache import SplitFeatures, read_attrs, read_split
 from poodle.data.sources import IMAGE_EXTENSIONS, DatasetSource
 from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
+from poodle.evaluate import solve_batch
 from poodle.extract import extract
-from poodle.negatives import GENERATED, NEG_STREAM, NegativeSpec, generate
-from poodle.preprocess import Preprocessor, parse
+from poodle.negatives import GENERATED, NegativeSpec, generate, sample_indices
+from poodle.preprocess import Preprocess, Preprocessor, parse
 from poodle.solvers import EpisodeBatch
 from poodle.stats import wilson_interval
-from poodle.utils import atomic_path, count, file_sha256, generator, resolve_device
+from poodle.utils import atomic_path, content_hash, count, file_sha256, resolve_device
 
 UNLABELLED = "?"  # the class name of unlabelled query images inside the predict cache
-SEED = 0
 
 
 def _is_image(p: Path) -> bool:
@@ -57,10 +57,10 @@ def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
     """``[(absolute path, class)]`` from ``folder/<class>/<images>`` (images found recursively)."""
     d = Path(folder).expanduser()
     if not d.is_dir():
-        raise DataError(f"--support {d}: no such folder")
+        raise DataError(f"support {d}: no such folder", params=("support",))
     class_dirs = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not class_dirs:
-        raise DataError(f"--support {d} has no class folders (layout: SUPPORT/<class>/<image>)")
+        raise DataError(f"support {d} has no class folders (layout: SUPPORT/<class>/<image>)", params=("support",))
     out = []
     for cd in class_dirs:
         files = _images_under(cd)
@@ -75,56 +75,59 @@ def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
 def _read_csv(path: str | os.PathLike, what: str, need_label: bool) -> list[tuple[str, str | None]]:
     p = Path(path).expanduser()
     if not p.is_file():
-        raise DataError(f"{what} {p}: no such file")
+        raise DataError(f"{what} {p}: no such file", params=(what,))
     with open(p, newline="", encoding="utf-8") as fh:
         rows = [r for r in csv.reader(fh) if r and any(c.strip() for c in r)]
     if not rows:
-        raise DataError(f"{what} {p} is empty")
+        raise DataError(f"{what} {p} is empty", params=(what,))
     header = [c.strip().lower() for c in rows[0]]
     if "path" not in header:
         raise DataError(
             f"{what} {p}: the first line must be a header with a 'path' column"
-            + (" and a 'label' column" if need_label else " (and optionally 'label')")
+            + (" and a 'label' column" if need_label else " (and optionally 'label')"),
+            params=(what,),
         )
     ip, il = header.index("path"), header.index("label") if "label" in header else None
     if need_label and il is None:
-        raise DataError(f"{what} {p}: no 'label' column in the header")
+        raise DataError(f"{what} {p}: no 'label' column in the header", params=(what,))
     out: list[tuple[str, str | None]] = []
     for n, r in enumerate(rows[1:], start=2):
         if len(r) <= max(ip, il or 0):
-            raise DataError(f"{what} {p}, line {n}: {len(r)} fields, expected {len(header)}")
+            raise DataError(f"{what} {p}, line {n}: {len(r)} fields, expected {len(header)}", params=(what,))
         f = Path(r[ip].strip()).expanduser()
         f = f if f.is_absolute() else p.parent / f
         if not f.is_file():
-            raise DataError(f"{what} {p}, line {n}: image {f} does not exist")
+            raise DataError(f"{what} {p}, line {n}: image {f} does not exist", params=(what,))
         label = r[il].strip() if il is not None else None
         if il is not None and not label:
-            raise DataError(f"{what} {p}, line {n}: empty label")
+            raise DataError(f"{what} {p}, line {n}: empty label", params=(what,))
         out.append((str(f.resolve()), label))
     if not out:
-        raise DataError(f"{what} {p} lists no images")
+        raise DataError(f"{what} {p} lists no images", params=(what,))
     return out
 
 
 def support_from_csv(path: str | os.PathLike) -> list[tuple[str, str]]:
     """``[(absolute path, class)]`` from a CSV with a ``path,label`` header (paths relative to the CSV)."""
-    return [(f, str(c)) for f, c in _read_csv(path, "--support-csv", need_label=True)]
+    return [(f, str(c)) for f, c in _read_csv(path, "support_csv", need_label=True)]
 
 
 def query_from_folder(folder: str | os.PathLike) -> list[tuple[str, str | None]]:
     """``[(absolute path, None)]``: every image under ``folder``, sorted."""
     d = Path(folder).expanduser()
     if not d.is_dir():
-        raise DataError(f"--query {d}: no such folder")
+        raise DataError(f"query {d}: no such folder", params=("query",))
     files = _images_under(d)
     if not files:
-        raise DataError(f"--query {d} holds no images (image extensions: {' '.join(IMAGE_EXTENSIONS)})")
+        raise DataError(
+            f"query {d} holds no images (image extensions: {' '.join(IMAGE_EXTENSIONS)})", params=("query",)
+        )
     return [(str(f.resolve()), None) for f in files]
 
 
 def query_from_csv(path: str | os.PathLike) -> list[tuple[str, str | None]]:
     """``[(absolute path, label or None)]`` from a CSV with a ``path[,label]`` header."""
-    return _read_csv(path, "--query-csv", need_label=False)
+    return _read_csv(path, "query_csv", need_label=False)
 
 
 class ListSource(DatasetSource):
@@ -189,28 +192,155 @@ class Prediction:
         return out
 
 
-def _digest(lists: Mapping[str, Sequence[tuple[str, str]]], *settings: Any) -> str:
-    """A name for the features of these image lists made with these ``settings`` (checkpoint, image
-    size, ...): another setting is another file in ``cache_dir``, never a conflict with the first."""
-    h = hashlib.sha256(repr(settings).encode())
-    for split, items in lists.items():
-        h.update(f"[{split}]\n".encode())
-        for p, c in items:
-            h.update(f"{p}\t{c}\n".encode())
-    return h.hexdigest()[:16]
-
-
 def _check_base_cache(path: Path, backbone: str, sha: str) -> dict[str, Any]:
     """The root attributes of the ``negatives_from`` cache; ConfigError unless they are features of
     ``backbone`` with the checkpoint of digest ``sha``."""
     attrs = read_attrs(path)
     if attrs["backbone"] != backbone or attrs["checkpoint_sha256"] != sha:
         raise ConfigError(
-            f"--negatives-from {path} holds features of backbone {attrs['backbone']} (checkpoint "
+            f"negatives_from {path} holds features of backbone {attrs['backbone']} (checkpoint "
             f"{attrs['checkpoint_sha256'][:12]}), not of {backbone} (checkpoint {sha[:12]}): "
-            f"its rows would live in another feature space"
+            f"its rows would live in another feature space",
+            params=("negatives_from",),
         )
     return attrs
+
+
+@dataclass(frozen=True)
+class Task:
+    """A classification task as given: ``support [(path, class)]``, ``query [(path, label or None)]``,
+    the sorted support ``classes`` and the query ``labels`` (``None`` when the queries have none)."""
+
+    support: list[tuple[str, str]]
+    query: list[tuple[str, str | None]]
+    classes: list[str]
+    labels: list[str] | None
+
+
+def make_task(support: Sequence[tuple[str, str]], query: Sequence[tuple[str, str | None]]) -> Task:
+    """The task of these image lists; a DataError for an empty list, a single class, or query labels
+    that are partial or not support classes."""
+    support, query = list(support), list(query)
+    if not support:
+        raise DataError("no support images")
+    if not query:
+        raise DataError("no query images")
+    classes = sorted({c for _, c in support})
+    if len(classes) < 2:
+        raise DataError(f"the support has one class only ({classes[0]!r}); a classifier needs at least two")
+    labelled = [y is not None for _, y in query]
+    if any(labelled) and not all(labelled):
+        raise DataError("some query images have a label and others none: label all of them or none")
+    labels = [str(y) for _, y in query] if all(labelled) else None
+    if labels is not None:
+        unknown = sorted(set(labels) - set(classes))
+        if unknown:
+            raise DataError(
+                f"query label(s) {', '.join(map(repr, unknown[:5]))} are not support classes ({', '.join(classes)})"
+            )
+    return Task(support, query, classes, labels)
+
+
+@dataclass(frozen=True)
+class Solving:
+    """How the task is solved: the method and its configuration, the negatives of a method that
+    reads some (``source``: ``base``, ``random`` or ``sphere``; ``None`` when it reads none), their
+    count, the pool cache (``negatives_from``) and the preprocessing."""
+
+    method: str
+    config: Any
+    source: str | None
+    n_neg: int
+    negatives_from: Path | None
+    preprocess: Preprocess
+
+
+def make_solving(
+    method: str,
+    options: Mapping[str, Any],
+    negatives: str | None,
+    negatives_from: str | os.PathLike | None,
+    n_neg: int,
+    preprocess: str,
+) -> Solving:
+    """Check the solving choices together: ``base`` negatives and ``cl2n`` need ``negatives_from``,
+    a method that reads negatives cannot have none."""
+    info = solvers.get(method)
+    cfg = solvers.make_config(info.name, dict(options), strict=True)
+    pool = None if negatives_from is None else Path(negatives_from).expanduser()
+    if negatives is None:
+        negatives = "base" if pool is not None else "random"
+    if negatives not in ("base", "none") + GENERATED:
+        raise ConfigError.bad_value(
+            "negatives", negatives, "must be base (with negatives_from), random, sphere or none"
+        )
+    if negatives == "base" and pool is None:
+        raise ConfigError(
+            "negatives base reads the train split of negatives_from: give a feature cache of the same backbone",
+            params=("negatives", "negatives_from"),
+        )
+    info.check_negatives(cfg, negatives)
+    NegativeSpec(negatives, n_neg).validate()
+    pre = parse(preprocess)
+    if pre.needs_base and pool is None:
+        raise ConfigError(
+            "preprocess cl2n centres on base-class features: give negatives_from (a cache; its train split)",
+            params=("preprocess", "negatives_from"),
+        )
+    return Solving(info.name, cfg, negatives if info.needs_negatives(cfg) else None, n_neg, pool, pre)
+
+
+def _checkpoint_digest(checkpoint: str | os.PathLike | None) -> str:
+    if checkpoint is None:
+        return "none"
+    ck = Path(checkpoint).expanduser()
+    if not ck.is_file():
+        raise CheckpointError(f"checkpoint {ck} does not exist")
+    return file_sha256(ck)
+
+
+def _pool_attrs(solving: Solving, backbone: str, sha: str) -> dict[str, Any]:
+    """The root attributes of the ``negatives_from`` cache (checked: same backbone and checkpoint)."""
+    if solving.negatives_from is None:
+        return {}
+    if not solving.negatives_from.is_file():
+        raise ConfigError(f"negatives_from {solving.negatives_from}: no such cache file", params=("negatives_from",))
+    return _check_base_cache(solving.negatives_from, backbone, sha)
+
+
+def _negatives(solving: Solving, pre: Preprocessor, dim: int) -> torch.Tensor | None:
+    """The negatives ``[1, M, D]`` of the task, as episode 0 of seed ``defaults.SEED`` draws them."""
+    if solving.source is None:
+        return None
+    episode = torch.tensor([0])
+    if solving.source == "base":
+        pool = pre.pool("base", solving.negatives_from, dim)
+        assert pool is not None  # "base" is a pool, never generated
+        return pool[sample_indices(pool.shape[0], episode, solving.n_neg, defaults.SEED)]
+    return generate(solving.source, episode, solving.n_neg, dim, defaults.SEED)
+
+
+def solve_task(
+    s: SplitFeatures,
+    q: SplitFeatures,
+    solving: Solving,
+    device: str | torch.device,
+    log: Callable[[str], None] | None = None,
+) -> torch.Tensor:
+    """The task as one episode of any number of classes and support images per class, solved by
+    the method: query probabilities float64 ``[Nq, C]``."""
+    pre = Preprocessor.from_cache(solving.preprocess, solving.negatives_from, log=log)
+    s, q = pre.split(s), pre.split(q)
+    batch = EpisodeBatch(
+        s.features.unsqueeze(0),
+        s.labels.unsqueeze(0),
+        q.features.unsqueeze(0),
+        _negatives(solving, pre, s.dim),
+        len(s.classes),
+    ).to(resolve_device(device))
+    torch.manual_seed(defaults.SEED)
+    log_probs = solve_batch(batch, solving.method, solving.config)
+    return torch.softmax(log_probs[0].double().cpu(), -1)
 
 
 def predict(
@@ -219,18 +349,18 @@ def predict(
     backbone: str,
     *,
     checkpoint: str | os.PathLike | None = None,
-    method: str = "poodle",
+    method: str = defaults.METHOD,
     options: Mapping[str, Any] | None = None,
     negatives: str | None = None,
     negatives_from: str | os.PathLike | None = None,
-    n_neg: int = 400,
-    preprocess: str = "l2n",
+    n_neg: int = defaults.N_NEG,
+    preprocess: str = defaults.PREPROCESS,
     cache_dir: str | os.PathLike | None = None,
     image_size: int | None = None,
     crop_pct: float | None = None,
     interpolation: str | None = None,
     batch_size: int = 64,
-    device: str | torch.device = "auto",
+    device: str | torch.device = defaults.DEVICE,
     workers: int | None = 0,
     force: bool = False,
     progress_factory: Any = None,
@@ -252,77 +382,63 @@ def predict(
         cache_dir: keep the features there for the next call (else a temporary folder).
     """
     say = log or (lambda msg: None)
-    support, query = list(support), list(query)
-    if not support:
-        raise DataError("no support images")
-    if not query:
-        raise DataError("no query images")
-    classes = sorted({c for _, c in support})
-    if len(classes) < 2:
-        raise DataError(f"the support has one class only ({classes[0]!r}); a classifier needs at least two")
-    qlabels = [y for _, y in query]
-    labelled = [y is not None for y in qlabels]
-    if any(labelled) and not all(labelled):
-        raise DataError("some query images have a label and others none: label all of them or none")
-    labels = [str(y) for y in qlabels] if all(labelled) else None
-    if labels is not None:
-        unknown = sorted(set(labels) - set(classes))
-        if unknown:
-            raise DataError(
-                f"query label(s) {', '.join(map(repr, unknown[:5]))} are not support classes ({', '.join(classes)})"
-            )
-    info = solvers.get(method)
-    opts = dict(options or {})
-    cfg = solvers.make_config(info.name, opts, strict=True)
-    uses_neg = info.needs_negatives(cfg)
-    if negatives is None:
-        negatives = "base" if negatives_from is not None else "random"
-    if negatives not in ("base", "none") + GENERATED:
-        raise ConfigError(f"--negatives {negatives!r}: use base (with --negatives-from CACHE), random, sphere or none")
-    if negatives == "base" and negatives_from is None:
-        raise ConfigError(
-            "--negatives base needs --negatives-from CACHE (a feature cache of the same backbone, "
-            "whose train split is the pool)"
-        )
-    if uses_neg and negatives == "none":
-        raise ConfigError(
-            f"method {info.name!r} with these options needs negatives: use --negatives random, or "
-            f"base with --negatives-from CACHE"
-        )
-    pre_spec = parse(preprocess)
-    if pre_spec.needs_base and negatives_from is None:
-        raise ConfigError(
-            "--preprocess cl2n centres on base-class features: give --negatives-from CACHE (its train split)"
-        )
-    sha = "none"
-    if checkpoint is not None:
-        ck = Path(checkpoint).expanduser()
-        if not ck.is_file():
-            raise CheckpointError(f"checkpoint {ck} does not exist")
-        sha = file_sha256(ck)
-    base_path, base_attrs = None, {}
-    if negatives_from is not None:
-        base_path = Path(negatives_from).expanduser()
-        if not base_path.is_file():
-            raise ConfigError(f"--negatives-from {base_path}: no such cache file")
-        base_attrs = _check_base_cache(base_path, backbone, sha)
-        known = base_attrs.get("transform", "none") != "none"  # "none": imported features, no transform known
-        if known and image_size is None and isinstance(base_attrs.get("image_size"), numbers.Integral):
-            # the images must go through the transform the pool's features were made with: a
-            # checkpoint trained at 28 px fed the default 84 px crops gives features of another kind
-            image_size = int(base_attrs["image_size"])
-            say(f"image size {image_size} px, as the features of {base_path.name}")
+    task = make_task(support, query)
+    solving = make_solving(method, options or {}, negatives, negatives_from, n_neg, preprocess)
+    sha = _checkpoint_digest(checkpoint)
+    base_attrs = _pool_attrs(solving, backbone, sha)
+    known = base_attrs.get("transform", "none") != "none"  # "none": imported features, no transform known
+    if known and image_size is None and isinstance(base_attrs.get("image_size"), numbers.Integral):
+        # the images must go through the transform the pool's features were made with: a
+        # checkpoint trained at 28 px fed the default 84 px crops gives features of another kind
+        image_size = int(base_attrs["image_size"])
+        say(f"image size {image_size} px, as the features of {solving.negatives_from.name}")  # type: ignore[union-attr]
+    extraction = dict(
+        checkpoint=checkpoint,
+        image_size=image_size,
+        crop_pct=crop_pct,
+        interpolation=interpolation,
+        batch_size=batch_size,
+        device=device,
+        workers=workers,
+        force=force,
+        progress_factory=progress_factory,
+    )
+    path, s, q = _task_features(task, backbone, sha, extraction, cache_dir, base_attrs, solving, say)
+    probs = solve_task(s, q, solving, device, say)
+    pred = probs.argmax(-1)
+    result = Prediction(
+        paths=[p for p, _ in task.query],
+        classes=task.classes,
+        probs=probs,
+        predictions=pred,
+        support_counts=torch.bincount(s.labels, minlength=len(task.classes)).tolist(),
+        method=solving.method,
+        options=dict(options or {}),
+        cache=str(path) if cache_dir is not None else None,
+        labels=task.labels,
+    )
+    if task.labels is not None:
+        correct = sum(1 for i, y in enumerate(task.labels) if task.classes[int(pred[i])] == y)
+        result.accuracy = correct / len(task.labels)
+        result.ci95 = wilson_interval(correct, len(task.labels))
+    return result
 
-    # -- features: two splits of one cache, named after the image lists
-    q_items = [(p, y if y is not None else UNLABELLED) for p, y in query]
-    lists = {"support": support, "query": q_items}
-    source = ListSource(lists)
-    tmp = None
-    root = cache_dir
-    if root is None:
-        tmp = tempfile.TemporaryDirectory(prefix="poodle-predict-")
-        root = tmp.name
-    n_query_classes = len(set(labels)) if labels is not None else 0
+
+def _task_features(
+    task: Task,
+    backbone: str,
+    sha: str,
+    extraction: dict[str, Any],
+    cache_dir: str | os.PathLike | None,
+    base_attrs: dict[str, Any],
+    solving: Solving,
+    say: Callable[[str], None],
+) -> tuple[Path, SplitFeatures, SplitFeatures]:
+    """The features of the task's images: two splits, ``support`` and ``query``, of a cache named
+    after the image lists (kept in ``cache_dir``, else in a temporary folder)."""
+    q_items = [(p, y if y is not None else UNLABELLED) for p, y in task.query]
+    lists = {"support": task.support, "query": q_items}
+    n_query_classes = len(set(task.labels)) if task.labels is not None else 0
 
     def extract_log(msg: str) -> None:
         # extract's "SPLIT: N images, K classes written to CACHE": said in predict's terms (the query
@@ -334,95 +450,46 @@ def predict(
             return
         skipped = rest.partition(" written to ")[2].partition(" (")[2]
         if split == "support":
-            what = f"{count(len(support), 'image')} of {count(len(classes), 'class')}"
-        elif labels is None:
-            what = count(len(query), "unlabelled image")
+            what = f"{count(len(task.support), 'image')} of {count(len(task.classes), 'class')}"
+        elif task.labels is None:
+            what = count(len(task.query), "unlabelled image")
         else:
-            what = f"{count(len(query), 'labelled image')} of {count(n_query_classes, 'class')}"
+            what = f"{count(len(task.query), 'labelled image')} of {count(n_query_classes, 'class')}"
         say(f"{split}: {what}, features extracted" + (f" ({skipped}" if skipped else ""))
 
-    try:
+    tag = content_hash([lists, sha, *(extraction[k] for k in ("image_size", "crop_pct", "interpolation"))])[:16]
+    with contextlib.ExitStack() as stack:
+        root = cache_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="poodle-predict-"))
         try:
             path = extract(
                 "predict",
                 backbone,
-                checkpoint=checkpoint,
                 splits=("support", "query"),
-                image_size=image_size,
-                crop_pct=crop_pct,
-                interpolation=interpolation,
-                batch_size=batch_size,
-                device=device,
                 cache_root=root,
-                tag=_digest(lists, sha, image_size, crop_pct, interpolation),
-                workers=workers,
-                force=force,
-                progress_factory=progress_factory,
+                tag=tag,
                 log=extract_log,
-                source=source,
+                source=ListSource(lists),
+                **extraction,
             )
         except DataError as e:  # predict has no --skip-bad: every image must decode
             raise DataError(str(e).replace(" (--skip-bad leaves unreadable images out)", "")) from None
-        if base_path is not None and base_attrs.get("transform", "none") != "none":
+        if base_attrs.get("transform", "none") != "none":
             ours, theirs = read_attrs(path).get("transform"), base_attrs.get("transform")
             if ours != theirs:
                 raise ConfigError(
-                    f"the images went through '{ours}', but the features of --negatives-from {base_path} "
-                    f"through '{theirs}': give the same --image-size (and --crop-pct / --interpolation) "
-                    f"as that cache, or leave them out to take its own"
+                    f"the images went through '{ours}', but the features of negatives_from {solving.negatives_from} "
+                    f"through '{theirs}': give the same image_size (and crop_pct / interpolation) "
+                    f"as that cache, or leave them out to take its own",
+                    params=("negatives_from", "image_size", "crop_pct", "interpolation"),
                 )
-        s = read_split(path, "support")
-        q = read_split(path, "query")
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
-    # The splits' classes are sorted names: support's are exactly ``classes``.
-    if s.classes != classes:
-        raise CacheError(f"{path}: support classes {s.classes} differ from the image list's {classes}")
+        s, q = read_split(path, "support"), read_split(path, "query")
+    # The splits' classes are sorted names: support's are exactly the task's classes.
+    if s.classes != task.classes:
+        raise CacheError(f"{path}: support classes {s.classes} differ from the image list's {task.classes}")
     # rows come back in the image-list order (extract writes them in order; nothing is skipped here)
-    if s.paths is None or q.paths is None or len(q) != len(query) or len(s) != len(support):
-        raise CacheError(f"{path}: expected {len(support)} support and {len(query)} query rows")
-
-    pre = Preprocessor.from_cache(pre_spec, base_path, log=say)
-    s, q = pre.split(s), pre.split(q)
-
-    dev = resolve_device(device)
-    neg = None
-    if uses_neg:
-        if negatives == "base":
-            pool = pre.pool("base", base_path, s.dim)
-            assert pool is not None  # "base" is a pool, never generated
-            idx = torch.randint(pool.shape[0], (n_neg,), generator=generator(SEED, 0, NEG_STREAM))
-            neg = pool[idx].unsqueeze(0)
-        else:
-            NegativeSpec(negatives, n_neg).validate()
-            neg = generate(negatives, torch.tensor([0]), n_neg, s.dim, SEED)
-    batch = EpisodeBatch(s.features.unsqueeze(0), s.labels.unsqueeze(0), q.features.unsqueeze(0), neg, len(classes)).to(
-        dev
-    )
-    with torch.no_grad():
-        torch.manual_seed(SEED)
-        out = solvers.run(info.name, batch, cfg)
-    logp = out.log_probs[0].double().cpu()
-    probs = torch.softmax(logp, -1)
-    pred = probs.argmax(-1)
-    counts = torch.bincount(s.labels, minlength=len(classes)).tolist()
-    result = Prediction(
-        paths=[p for p, _ in query],
-        classes=classes,
-        probs=probs,
-        predictions=pred,
-        support_counts=counts,
-        method=info.name,
-        options=opts,
-        cache=str(path) if cache_dir is not None else None,
-        labels=labels,
-    )
-    if labels is not None:
-        correct = sum(1 for i, y in enumerate(labels) if classes[int(pred[i])] == y)
-        result.accuracy = correct / len(labels)
-        result.ci95 = wilson_interval(correct, len(labels))
-    return result
+    if s.paths is None or q.paths is None or len(q) != len(task.query) or len(s) != len(task.support):
+        raise CacheError(f"{path}: expected {len(task.support)} support and {len(task.query)} query rows")
+    return path, s, q
 
 
 def write_csv(result: Prediction, path: str | os.PathLike) -> Path:

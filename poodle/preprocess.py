@@ -71,19 +71,21 @@ def parse(text: str | Preprocess | None) -> Preprocess:
         return text
     kind, sep, arg = str(text).strip().partition(":")
     if kind not in KINDS:
-        raise ConfigError(f"--preprocess {text!r}: use l2n, cl2n or power[:BETA]")
+        raise ConfigError(f"preprocess {text!r}: use l2n, cl2n or power[:BETA]", params=("preprocess",))
     if kind != "power":
         if sep:
-            raise ConfigError(f"--preprocess {text!r}: {kind} takes no argument")
+            raise ConfigError(f"preprocess {text!r}: {kind} takes no argument", params=("preprocess",))
         return Preprocess(kind)
     if not sep:
         return Preprocess("power", DEFAULT_BETA)
     try:
         beta = float(arg)
     except ValueError:
-        raise ConfigError(f"--preprocess {text!r}: BETA must be a number, e.g. power:0.5") from None
+        raise ConfigError(
+            f"preprocess {text!r}: BETA must be a number, e.g. power:0.5", params=("preprocess",)
+        ) from None
     if not (math.isfinite(beta) and beta > 0):
-        raise ConfigError(f"--preprocess {text!r}: BETA must be positive")
+        raise ConfigError(f"preprocess {text!r}: BETA must be positive", params=("preprocess",))
     return Preprocess("power", beta)
 
 
@@ -99,8 +101,9 @@ def power_transform(x: Tensor, beta: float, where: str = "features") -> Tensor:
     if bool(neg.any()):
         row = int(neg.any(-1).nonzero()[0, 0])
         raise DataError(
-            f"--preprocess power: {where} row {row} has a negative value ({float(x[row].min()):.3g}); "
-            f"the power transform needs non-negative (ReLU) features: use l2n or cl2n"
+            f"preprocess power: {where} row {row} has a negative value ({float(x[row].min()):.3g}); "
+            f"the power transform needs non-negative (ReLU) features: use l2n or cl2n",
+            params=("preprocess",),
         )
     return _normalise(x.double().pow(beta)).to(x.dtype)
 
@@ -128,7 +131,9 @@ class Preprocessor:
         self.centre_normalised: Tensor | None = None
         if self.spec.needs_base:
             if base is None:
-                raise ConfigError("--preprocess cl2n needs a base split (the cache's train split) to centre on")
+                raise ConfigError(
+                    "preprocess cl2n needs a base split (the cache's train split) to centre on", params=("preprocess",)
+                )
             x = base.features.double()
             self.centre_normalised = x.mean(0)
             if base.norms is not None:
@@ -147,11 +152,13 @@ class Preprocessor:
         base = None
         if p.needs_base:
             if cache_path is None:
-                raise ConfigError("--preprocess cl2n needs a cache with a train split (the base classes)")
+                raise ConfigError(
+                    "preprocess cl2n needs a cache with a train split (the base classes)", params=("preprocess",)
+                )
             if BASE_SPLIT not in list_splits(cache_path):
                 raise ConfigError(
-                    f"--preprocess cl2n centres on the base split, but {cache_path} has no complete "
-                    f"{BASE_SPLIT!r} split"
+                    f"preprocess cl2n centres on the base split, but {cache_path} has no complete {BASE_SPLIT!r} split",
+                    params=("preprocess",),
                 )
             base = read_split(cache_path, BASE_SPLIT)
         return cls(p, base, log)
@@ -177,7 +184,7 @@ class Preprocessor:
             return centre_transform(x, self.centre_raw, norms)
         missing = "the base split" if self.centre_raw is None else where
         self._say(
-            f"--preprocess cl2n: {missing} has no stored raw norms (a cache written before version 2); "
+            f"preprocess cl2n: {missing} has no stored raw norms (a cache written before version 2); "
             f"centring the normalised rows instead of the raw features"
         )
         assert self.centre_normalised is not None  # set in __init__ for cl2n

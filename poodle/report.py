@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -83,7 +83,7 @@ class Results(list):
 
 
 def _unfinished_note(res: Any) -> str | None:
-    """One sentence when a results file (:class:`poodle.results.Results`) is unfinished."""
+    """One sentence when a results file (:class:`poodle.results.ResultsContent`) is unfinished."""
     n_cells, n_records = res.header.get("n_cells"), len(res.records)
     try:
         cut = res.complete_bytes < Path(res.path).stat().st_size
@@ -99,7 +99,7 @@ def _unfinished_note(res: Any) -> str | None:
     )
 
 
-def load_results(paths: Sequence[str | Path], *, warn: Callable[[str], None] | None = None) -> Results:
+def load_results(paths: Sequence[str | Path]) -> Results:
     """Cell results of one or more results files (:mod:`poodle.results`), in file and grid order.
     Files whose last line was cut or that hold fewer cells than their grid are named in
     ``.unfinished`` (and :func:`build_table` then leaves columns with empty entries unbolded)."""
@@ -108,7 +108,7 @@ def load_results(paths: Sequence[str | Path], *, warn: Callable[[str], None] | N
     out: list[Result] = []
     unfinished: list[str] = []
     for p in paths:
-        res = read_results(p, warn=warn)
+        res = read_results(p)
         note = _unfinished_note(res)
         if note:
             unfinished.append(note)
@@ -142,7 +142,7 @@ def parse_where(items: Iterable[str]) -> dict[str, list[str]]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--where {item!r}: expected KEY=VALUE[,VALUE...]")
+            raise ConfigError(f"where {item!r}: expected KEY=VALUE[,VALUE...]", params=("where",))
         out.setdefault(key.strip(), []).extend(v.strip() for v in value.split(","))
     return out
 
@@ -152,11 +152,14 @@ def filter_results(results: Sequence[Result], where: Mapping[str, Sequence[str]]
     known = set().union(*(r.flat for r in results)) if results else set()
     for key in where:
         if key not in known:
-            raise ConfigError(f"--where: unknown key {key!r}; keys in these results: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"where: unknown key {key!r}; keys in these results: {', '.join(sorted(known))}", params=("where",)
+            )
     kept = [r for r in results if all(any(_match(r.flat.get(k), v) for v in vs) for k, vs in where.items())]
     if not kept:
         raise ConfigError(
-            "--where: no result matches " + " and ".join(f"{k} in {{{', '.join(v)}}}" for k, v in where.items())
+            "where: no result matches " + " and ".join(f"{k} in {{{', '.join(v)}}}" for k, v in where.items()),
+            params=("where",),
         )
     return Results(kept, getattr(results, "unfinished", ()))
 
@@ -375,9 +378,9 @@ def build_table(
             message names the keys that tell them apart).
     """
     if bold not in ("col", "row", "none"):
-        raise ConfigError(f"--bold {bold!r}: use col, row or none")
+        raise ConfigError.bad_value("bold", bold, "must be col, row or none")
     if test not in ("all", "weakest"):
-        raise ConfigError(f"--test {test!r}: use all or weakest")
+        raise ConfigError.bad_value("test", test, "must be all or weakest")
     check_p(p_threshold)
     unfinished = list(getattr(results, "unfinished", ()))
     results = list(results)
@@ -388,14 +391,16 @@ def build_table(
     row_keys, col_keys = split_keys(rows), split_keys(cols)
     for k in (row_keys or []) + (col_keys or []):
         if k not in known:
-            raise ConfigError(f"unknown key {k!r} for --rows/--cols; keys in these results: {', '.join(known)}")
+            raise ConfigError(
+                f"rows/cols: unknown key {k!r}; keys in these results: {', '.join(known)}", params=("rows", "cols")
+            )
     if col_keys is None:
         col_keys = [k for k in ("shot", "transductive") if k in vary and k not in (row_keys or [])]
     if row_keys is None:
         row_keys = drop_derived(results, [k for k in vary if k not in col_keys], col_keys)
     overlap = set(row_keys) & set(col_keys)
     if overlap:
-        raise ConfigError(f"key {sorted(overlap)[0]!r} is on both --rows and --cols")
+        raise ConfigError(f"key {sorted(overlap)[0]!r} is on both rows and cols", params=("rows", "cols"))
 
     orders = {k: _value_order(results, k) for k in row_keys + col_keys}
 
@@ -430,13 +435,15 @@ def build_table(
                 raise ConfigError(
                     f"{len(group)} results with identical options at {where} (from "
                     f"{', '.join(sorted({r.source for r in group}))}); report one file or filter "
-                    f"with --where"
+                    f"with where",
+                    params=("where",),
                 )
             k0 = differ[0]
             raise ConfigError(
-                f"several results fall at {where}: they differ in {', '.join(differ)}; add "
-                f"{k0} to --rows or --cols, or pick one with --where "
-                f"{k0}={_where_text(group[0].flat.get(k0))}"
+                f"several results fall at one place ({where}): they differ in {', '.join(differ)}; add "
+                f"{k0} to rows or cols, or pick one with where "
+                f"{k0}={_where_text(group[0].flat.get(k0))}",
+                params=("rows", "cols", "where"),
             )
         entries[pos] = Entry(group[0])
     table = Table(row_keys, col_keys, row_vals, col_vals, entries, show_ci=show_ci)
@@ -489,7 +496,9 @@ def solve_table(records: Sequence[Mapping[str, Any]], seconds: bool = True) -> T
 def check_p(p_threshold: float) -> float:
     """ConfigError unless the significance level lies in (0, 1)."""
     if isinstance(p_threshold, bool) or not isinstance(p_threshold, (int, float)) or not 0 < p_threshold < 1:
-        raise ConfigError(f"--p {p_threshold}: the significance level must lie in (0, 1), e.g. 0.05")
+        raise ConfigError.bad_value(
+            "p_threshold", p_threshold, "(the significance level) must lie in (0, 1), e.g. 0.05"
+        )
     return float(p_threshold)
 
 

@@ -86,12 +86,14 @@ def _find_baseline(results: Sequence[Result], name: str, like: Result) -> Result
         raise ConfigError(
             f"baseline {name!r}: no result with that label or method on the episodes of "
             f"{like.flat.get('label')} ({format_value('shot', like.flat.get('shot'))}); add a "
-            f'[[cell]] with method = "{name}" to the grid, or use --baseline zero'
+            f'[[cell]] with method = "{name}" to the grid, or set baseline to zero',
+            params=("baseline",),
         )
     if len({_hashable(tuple(sorted((k, _hashable(v)) for k, v in r.flat.items()))) for r in found}) > 1:
         labels = sorted({str(r.flat.get("label")) for r in found})
         raise ConfigError(
-            f"baseline {name!r} is ambiguous: {len(found)} results match ({', '.join(labels)}); filter with --where"
+            f"baseline {name!r} is ambiguous: {len(found)} results match ({', '.join(labels)}); filter with where",
+            params=("baseline", "where"),
         )
     return found[0]
 
@@ -149,8 +151,9 @@ def heatmap(
             if len(zero) != 1:
                 raise ConfigError(
                     f"heatmap: panel {_panel_title(panels, values) or 'all'} has "
-                    f"{len(zero)} cells with {x}={y}=0; --baseline zero needs exactly one "
-                    f"(or name a baseline method)"
+                    f"{len(zero)} cells with {x}={y}=0; baseline zero needs exactly one "
+                    f"(or name a baseline method)",
+                    params=("baseline",),
                 )
             base = zero[0]
         else:
@@ -166,7 +169,8 @@ def heatmap(
             if not np.isnan(gain[i, j]):
                 raise ConfigError(
                     f"heatmap: several results at {x}={r.flat[x]}, {y}={r.flat[y]} in panel "
-                    f"{_panel_title(panels, values) or 'all'}; choose with --where or --panels"
+                    f"{_panel_title(panels, values) or 'all'}; choose with where or panels",
+                    params=("where", "panels"),
                 )
             gain[i, j] = 100 * float(np.mean(r.acc - base.acc))
             sig[i, j] = r is not base and paired_ttest(r.acc, base.acc)[1] <= p_threshold
@@ -246,8 +250,9 @@ def lines(
             xs = np.array([r.flat[x] for r in series], dtype=float)
             if len(set(xs.tolist())) != len(xs):
                 raise ConfigError(
-                    f"figure: several results share {x}={xs[0]:g} in one series; add a key with "
-                    f"--panels or filter with --where"
+                    f"figure: several results share {x}={xs[0]:g} in one series; add a key to "
+                    f"panels or filter with where",
+                    params=("panels", "where"),
                 )
             m = np.array([100 * r.mean for r in series])
             c = np.array([100 * r.ci95 for r in series])

@@ -24,31 +24,25 @@ outside the identity. The file: a header line ``{"format": "poodle-results", "ve
 fsynced alone; a cut last line (a run killed mid-write) is ignored and cut off on the next append.
 When a key occurs twice the last record wins. The schema is in docs/architecture.md.
 
-Older files keep loading: version 1 grid results (``poodle-grid-results``) are converted on read
-(their cache fingerprints come from their header), and ``poodle solve --json`` documents of earlier
-versions are read as records too; :func:`read_results` reports each conversion through ``warn``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from poodle import __version__, solvers
+from poodle import __version__
 from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
 from poodle.stats import mean_ci
-from poodle.utils import atomic_path, file_sha256
+from poodle.utils import atomic_path, content_hash, file_sha256
 
 FORMAT = "poodle-results"
 VERSION = 2
-# Formats read for compatibility (converted on read).
-GRID_FORMAT_V1 = "poodle-grid-results"
 
 # Fields of a record that make up its identity.
 IDENTITY_FIELDS: tuple[str, ...] = (
@@ -65,7 +59,6 @@ IDENTITY_FIELDS: tuple[str, ...] = (
 # Identity fields left out of the key (and of the identity) when they hold their default value.
 _OPTIONAL_IDENTITY: dict[str, Any] = {"preprocess": "l2n"}
 EPISODE_FIELDS: tuple[str, ...] = EPISODE_KEYS[1:]
-UNKNOWN_CACHE = "unknown"
 
 _FINGERPRINTS: dict[tuple[str, int, int], str] = {}
 
@@ -93,11 +86,6 @@ def jsonable(v: Any) -> Any:
     if isinstance(v, dict):
         return {str(k): jsonable(x) for k, x in v.items()}
     return str(v)
-
-
-def canonical_hash(obj: Any) -> str:
-    """Hex sha256 of ``obj`` as canonical JSON (sorted keys, no spaces)."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def make_identity(
@@ -135,7 +123,7 @@ def make_identity(
 
 def identity_key(identity: Mapping[str, Any]) -> str:
     """The lookup key of an identity: 20 hex digits of its canonical hash."""
-    return canonical_hash(_identity_fields(identity))[:20]
+    return content_hash(_identity_fields(identity))[:20]
 
 
 def _identity_fields(d: Mapping[str, Any]) -> dict[str, Any]:
@@ -145,10 +133,6 @@ def _identity_fields(d: Mapping[str, Any]) -> dict[str, Any]:
             continue
         out[k] = d.get(k)
     return out
-
-
-def identity_of(record: Mapping[str, Any]) -> dict[str, Any]:
-    return _identity_fields(record)
 
 
 def make_record(
@@ -212,14 +196,13 @@ def record_flat(record: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
-class Results:
+class ResultsContent:
     """A results file's content: its header and its records (last record per key), in file order."""
 
     path: Path
     header: dict[str, Any]
     records: list[dict[str, Any]]
     complete_bytes: int = 0
-    converted_from: str | None = None
     _by_key: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -270,11 +253,9 @@ def _parse_lines(path: Path, raw: bytes) -> tuple[list[tuple[int, dict[str, Any]
     return objs, complete
 
 
-def read_results(path: str | os.PathLike, *, warn: Callable[[str], None] | None = None) -> Results:
-    """Read a results file (this version's, a version 1 grid file, or an old ``solve --json``).
-
-    A malformed line other than a cut last one is a :class:`ConfigError` naming the line.
-    """
+def read_results(path: str | os.PathLike) -> ResultsContent:
+    """Read a results file. A malformed line other than a cut last one is a :class:`ConfigError`
+    naming the line."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -282,31 +263,16 @@ def read_results(path: str | os.PathLike, *, warn: Callable[[str], None] | None 
         raise ConfigError(f"results file {path} does not exist") from None
     except IsADirectoryError:
         raise ConfigError(f"results file {path} is a directory") from None
-    if raw[:1] == b"{" and b"\n{" not in raw.rstrip(b"\n"):
-        old = _try_solve_json(path, raw)
-        if old is not None:
-            if warn:
-                warn(f"{path}: an older `poodle solve --json` file; read as {len(old.records)} records")
-            return old
     objs, complete = _parse_lines(path, raw)
     if not objs:
         raise ConfigError(f"{path} is empty or has no header line")
-    header_line, header = objs[0]
-    fmt, version = header.get("format"), header.get("version")
-    if fmt == GRID_FORMAT_V1 and version == 1:
-        res = _convert_grid_v1(path, header, objs[1:], complete)
-        if warn:
-            warn(
-                f"{path}: a version 1 grid results file; its {len(res.records)} records are converted on read "
-                f"(and the file is rewritten in version {VERSION} when results are added)"
-            )
-        return res
-    if fmt != FORMAT:
+    header = objs[0][1]
+    if header.get("format") != FORMAT:
         raise ConfigError(f"{path} is not a poodle results file (its first line has no format={FORMAT!r})")
-    if version != VERSION:
+    if header.get("version") != VERSION:
         raise ConfigError(
-            f"{path}: results format version {version} is not supported (this poodle reads "
-            f"version {VERSION} and converts version 1)"
+            f"{path}: results format version {header.get('version')} is not supported (this poodle reads "
+            f"version {VERSION})"
         )
     records: dict[str, dict[str, Any]] = {}
     for line, obj in objs[1:]:
@@ -317,95 +283,7 @@ def read_results(path: str | os.PathLike, *, warn: Callable[[str], None] | None 
             raise ConfigError(f"{path}: line {line} is a cell record without {', '.join(missing)}")
         records.pop(obj["key"], None)
         records[obj["key"]] = obj
-    return Results(path, header, list(records.values()), complete)
-
-
-def _convert_grid_v1(
-    path: Path, header: dict[str, Any], objs: Iterable[tuple[int, dict[str, Any]]], complete: int
-) -> Results:
-    caches = header.get("caches", {}) or {}
-    records: dict[str, dict[str, Any]] = {}
-    for line, obj in objs:
-        if obj.get("kind") != "cell":
-            continue
-        if "key" not in obj or "acc" not in obj:
-            raise ConfigError(f"{path}: line {line} is a cell record without key or acc")
-        options = dict(obj.get("options", {}))
-        try:  # resolve presets etc. so that the identity holds the values used
-            cfg = solvers.make_config(obj["method"], options)
-            options = jsonable(solvers.config_dict(cfg))
-        except Exception:  # a method this version lacks: keep the options as recorded
-            pass
-        neg = obj.get("negatives", "none")
-        neg_name = neg.partition(":")[0] if isinstance(neg, str) else None
-        identity = make_identity(
-            cache_id=caches.get(obj.get("cache"), UNKNOWN_CACHE),
-            episode=obj["episode"],
-            negatives=neg,
-            n_neg=obj.get("n_neg"),
-            method=obj["method"],
-            options=options,
-            transductive=obj.get("transductive", False),
-            negatives_id=caches.get(neg_name) if neg_name not in (None, "base", "random", "sphere", "none") else None,
-        )
-        rec = {**obj, **identity, "key": identity_key(identity), "group": header.get("name", "")}
-        records.pop(rec["key"], None)
-        records[rec["key"]] = rec
-    return Results(path, header, list(records.values()), complete, converted_from=f"{GRID_FORMAT_V1} v1")
-
-
-def _try_solve_json(path: Path, raw: bytes) -> Results | None:
-    """Records of an old ``poodle solve --json`` document, or ``None`` when ``raw`` is not one."""
-    try:
-        obj = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("command") != "solve":
-        return None
-    try:
-        cfg, results = obj["config"], obj["results"]
-        out = []
-        for i, (label, r) in enumerate(results.items()):
-            name = r["method"]
-            options = dict(r.get("config") or {})
-            known = name in solvers.available()
-            if known:
-                c = solvers.make_config(name, options)
-                options = jsonable(solvers.config_dict(c))
-                info = solvers.get(name)
-                trans, uses = info.is_transductive(c), info.needs_negatives(c)
-            else:
-                trans, uses = bool(options.get("transductive", False)), False
-            episode = {k: cfg.get(k) for k in EPISODE_FIELDS}
-            episode["episodes"] = cfg["episodes"]
-            identity = make_identity(
-                cache_id=UNKNOWN_CACHE,
-                episode=episode,
-                negatives=cfg.get("negatives", "none") if uses else "none",
-                n_neg=cfg.get("n_neg") if uses else None,
-                method=name,
-                options=options,
-                transductive=trans,
-            )
-            out.append(
-                {
-                    "kind": "cell",
-                    "key": identity_key(identity),
-                    **identity,
-                    "label": label,
-                    "cache": cfg["cache"],
-                    "index": i,
-                    "group": "solve",
-                    "mean": r.get("mean"),
-                    "ci95": r.get("ci95"),
-                    "n": len(r["acc"]),
-                    "acc": r["acc"],
-                }
-            )
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"{path}: a poodle solve --json file without the expected field {e}") from None
-    header = {"format": FORMAT, "version": VERSION, "kind": "header", "converted_from": "solve --json"}
-    return Results(path, header, out, len(raw), converted_from="solve --json")
+    return ResultsContent(path, header, list(records.values()), complete)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,21 +304,15 @@ def new_header(**meta: Any) -> dict[str, Any]:
 class ResultsFile:
     """A results file opened for lookups and appends.
 
-    Opening creates the file (header only) when it does not exist, or when ``fresh`` (then its old
-    content is discarded); an existing file of version 1 is rewritten in this version's format
-    (atomically, after reading all of it). A cut last line is cut off before the first append.
+    Opening creates the file (header only, atomically) when it does not exist, or when ``fresh``
+    (then its old content is discarded). A cut last line is cut off before the first append.
     """
 
-    def __init__(
-        self, path: str | os.PathLike, *, fresh: bool = False, warn: Callable[[str], None] | None = None, **meta: Any
-    ) -> None:
+    def __init__(self, path: str | os.PathLike, *, fresh: bool = False, **meta: Any) -> None:
         self.path = Path(path)
         if self.path.exists() and not fresh:
-            res = read_results(self.path, warn=warn)
-            if res.converted_from is not None:
-                self._rewrite(res.header, res.records, res.converted_from)
-                res = read_results(self.path)
-            elif res.complete_bytes < self.path.stat().st_size:
+            res = read_results(self.path)
+            if res.complete_bytes < self.path.stat().st_size:
                 with open(self.path, "r+b") as f:
                     f.truncate(res.complete_bytes)
                     f.flush()
@@ -448,25 +320,12 @@ class ResultsFile:
             self.results = res
         else:
             header = new_header(**meta)
-            self._rewrite(header, [], None)
-            self.results = Results(self.path, header, [])
-
-    def _rewrite(self, header: dict[str, Any], records: Sequence[Mapping[str, Any]], converted: str | None) -> None:
-        if converted is not None:
-            header = new_header(
-                **{
-                    k: v
-                    for k, v in header.items()
-                    if k not in ("format", "version", "kind", "poodle_version", "created")
-                },
-                converted_from=converted,
-            )
-        with atomic_path(self.path) as tmp:
-            with open(tmp, "wb") as f:
-                for obj in [header, *records]:
-                    f.write(_line(obj))
-                f.flush()
-                os.fsync(f.fileno())
+            with atomic_path(self.path) as tmp:
+                with open(tmp, "wb") as f:
+                    f.write(_line(header))
+                    f.flush()
+                    os.fsync(f.fileno())
+            self.results = ResultsContent(self.path, header, [])
 
     @property
     def header(self) -> dict[str, Any]:
@@ -497,33 +356,15 @@ def _line(obj: Mapping[str, Any]) -> bytes:
     return (json.dumps(obj, separators=(",", ":"), allow_nan=True) + "\n").encode()
 
 
-def load_records(
-    paths: Sequence[str | os.PathLike], *, warn: Callable[[str], None] | None = None
-) -> list[tuple[str, dict[str, Any]]]:
-    """``(file, record)`` of every record of ``paths``, in file order and, within a file, by ``index``
-    (stable), for reports."""
-    if not paths:
-        raise ConfigError("no results file given")
-    out: list[tuple[str, dict[str, Any]]] = []
-    for p in paths:
-        res = read_results(p, warn=warn)
-        for r in sorted(res.records, key=lambda r: r.get("index", 0)):
-            out.append((str(p), r))
-    return out
-
-
 __all__ = [
     "FORMAT",
     "VERSION",
     "IDENTITY_FIELDS",
-    "Results",
+    "ResultsContent",
     "ResultsFile",
     "cache_identity",
-    "canonical_hash",
     "identity_key",
-    "identity_of",
     "jsonable",
-    "load_records",
     "make_identity",
     "make_record",
     "new_header",

@@ -10,7 +10,7 @@ import re
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import h5py
 import numpy as np
@@ -60,20 +60,24 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         m = re.fullmatch(r"(cpu|cuda)(?::(-?\d+))?", text)
         if m is None:
-            raise ConfigError(f"--device {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)")
+            raise ConfigError(f"device {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)", params=("device",))
         if m.group(2) is not None and int(m.group(2)) < 0:
-            raise ConfigError(f"--device {text!r}: the CUDA device index must be >= 0")
+            raise ConfigError(f"device {text!r}: the CUDA device index must be >= 0", params=("device",))
         if m.group(1) == "cpu" and m.group(2) is not None:
-            raise ConfigError(f"--device {text!r}: the CPU takes no index; use cpu")
+            raise ConfigError(f"device {text!r}: the CPU takes no index; use cpu", params=("device",))
         dev = torch.device(text)
     if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)")
+        raise ConfigError(f"device {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)", params=("device",))
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"--device {text}: CUDA is not available on this machine (use cpu or auto)")
+            raise ConfigError(
+                f"device {text}: CUDA is not available on this machine (use cpu or auto)", params=("device",)
+            )
         n = torch.cuda.device_count()
         if dev.index is not None and not 0 <= dev.index < n:
-            raise ConfigError(f"--device {text}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}")
+            raise ConfigError(
+                f"device {text}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}", params=("device",)
+            )
     return dev
 
 
@@ -90,25 +94,30 @@ def check_seed(seed: object, what: str = "seed") -> int:
     return int(seed)
 
 
-def check_writable_dir(path: str | os.PathLike, what: str = "output") -> None:
+def check_writable_dir(path: str | os.PathLike, what: str = "output", param: str | None = None) -> None:
     """ConfigError unless a file can be created next to ``path`` (in its directory or, when that is
     missing, the nearest existing ancestor, where it would be made):
     checked before the work starts, so an unwritable place fails in a second, not after the run. A
-    real probe file is created and removed, since permission bits do not tell (root, read-only mounts)."""
+    real probe file is created and removed, since permission bits do not tell (root, read-only mounts).
+    ``param``: the library parameter that named ``path`` (the error says it, for the front end to map)."""
+    params = () if param is None else (param,)
+    what = param or what
     p = Path(path)
     parent = p.parent
     probe = parent
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
-        raise ConfigError(f"{what} {path}: {probe} is a file, not a directory")
+        raise ConfigError(f"{what} {path}: {probe} is a file, not a directory", params=params)
     # probe the nearest existing folder (the missing ones are made by whoever writes): no side effect
     try:
         fd, name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=probe)
         os.close(fd)
         os.unlink(name)
     except OSError as e:
-        raise ConfigError(f"{what} {path}: cannot write in directory {probe} ({e.strerror or e})") from None
+        raise ConfigError(
+            f"{what} {path}: cannot write in directory {probe} ({e.strerror or e})", params=params
+        ) from None
 
 
 def derive_seed(*parts: int) -> int:
@@ -125,6 +134,14 @@ def generator(*parts: int, device: str | torch.device = "cpu") -> torch.Generato
     g = torch.Generator(device=device)
     g.manual_seed(derive_seed(*parts))
     return g
+
+
+def content_hash(obj: Any, *, separators: tuple[str, str] = (",", ":")) -> str:
+    """Hex sha256 of ``obj`` as canonical JSON (sorted keys; values JSON cannot hold written with
+    ``str``): the one hash of settings, identities and names. ``separators`` are json's; the
+    compact default is what results keys are made of."""
+    text = json.dumps(obj, sort_keys=True, separators=separators, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -220,22 +237,31 @@ def file_kind(path: str | os.PathLike) -> str | None:
 
 
 def check_output(
-    path: str | os.PathLike, kind: str, *, inputs: Iterable[str | os.PathLike | None] = (), what: str = "output"
+    path: str | os.PathLike,
+    kind: str,
+    *,
+    inputs: Iterable[str | os.PathLike | None] = (),
+    what: str = "output",
+    param: str | None = None,
 ) -> None:
     """ConfigError unless ``path`` may receive a file of ``kind``: never one of ``inputs``, never a
     file of another kind (judged by content; an empty file may be replaced), in a writable directory.
-    A file of the same kind is replaced later, atomically, by whoever writes it."""
+    A file of the same kind is replaced later, atomically, by whoever writes it. ``param``: the
+    library parameter that named ``path`` (the errors say it, for the front end to map)."""
+    params = () if param is None else (param,)
+    what = param or what
     p = Path(path)
     for inp in inputs:
         if inp is not None and Path(inp).exists() and p.exists() and os.path.samefile(p, inp):
-            raise ConfigError(f"{what} {path} is the input file {inp}; choose another name")
+            raise ConfigError(f"{what} {path} is the input file {inp}; choose another name", params=params)
     found = file_kind(p)
     if found is not None and found not in (kind, "empty"):
         raise ConfigError(
             f"{what} {path} already exists and is {KIND_NAMES.get(found, found)}, not "
-            f"{KIND_NAMES.get(kind, kind)}: refusing to overwrite it (choose another name or remove it)"
+            f"{KIND_NAMES.get(kind, kind)}: refusing to overwrite it (choose another name or remove it)",
+            params=params,
         )
-    check_writable_dir(p, what)
+    check_writable_dir(p, what, param)
 
 
 def count(n: int, noun: str, plural: str | None = None) -> str:

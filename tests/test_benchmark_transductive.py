@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from poodle.results import read_results
+from poodle.results import cache_identity, read_results
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "transductive.py"
 
@@ -23,18 +23,22 @@ def bench():
 
 
 def _run(bench, monkeypatch, cache, out, *extra):
-    solved: list[str] = []
-    real = bench.evaluate
+    """Run the benchmark; the labels of the cells it solved (the pipeline's calls of evaluate)."""
+    import poodle.pipeline as pl
+
+    keys: list[str] = []
+    real = pl.evaluate
 
     def counting(features, eps, methods, **kw):
-        solved.extend(lab for lab, _, _ in methods)
+        keys.extend(key for key, _, _ in methods)  # the pipeline labels a call's methods by results key
         return real(features, eps, methods, **kw)
 
-    monkeypatch.setattr(bench, "evaluate", counting)
+    monkeypatch.setattr(pl, "evaluate", counting)
     argv = ["--cache", str(cache), "--episodes", "4", "--shots", "1", "--n-neg", "16", "--chunk", "4"]
     argv += ["--skip-throughput", "--out", str(out), *extra]
     assert bench.main(argv) == 0
-    return solved
+    labels = {r["key"]: r["label"] for r in read_results(out / bench.RESULTS_FILE).records}
+    return [labels[k] for k in keys]
 
 
 def test_records_resume_and_table(bench, monkeypatch, tmp_path):
@@ -44,7 +48,7 @@ def test_records_resume_and_table(bench, monkeypatch, tmp_path):
     solved = _run(bench, monkeypatch, cache, out, *rows)
     assert sorted(solved) == sorted(["Inductive (proto)", "k-means", "POODLE-B beta=0.5"] * 2)
     res = read_results(out / bench.RESULTS_FILE)
-    assert len(res) == 6 and {r["cache_id"] for r in res.records} == {bench.cache_identity(cache)}
+    assert len(res) == 6 and {r["cache_id"] for r in res.records} == {cache_identity(cache)}
     before = {r["key"]: r["acc"] for r in res.records}
     md = (out / "transductive.md").read_text()
     assert "| Method | balanced, 1-shot | κ=1, 1-shot |" in md and "| k-means |" in md

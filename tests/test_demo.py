@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,16 +15,15 @@ from click.testing import CliRunner
 from poodle.cli.main import cli
 from poodle.demo import (
     PAPER_COMPETITORS,
-    _old_cell_path,
     competitor_names,
-    demo_grid,
     demo_rows,
     quick_config,
     run_demo,
 )
 from poodle.errors import ConfigError
-from poodle.grid import cell_keys, expand, fingerprints
 from poodle.results import read_results
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EPISODES = 20
 
@@ -89,33 +90,20 @@ def test_second_run_reuses_checkpoint_features_and_results(first_run):
     assert result.reused == {"train": True, "evaluate": True}
 
 
-def test_cells_of_the_earlier_demo_cache_are_taken_over(first_run, tmp_path):
-    """The demo before the results layer kept one JSON file per cell (accuracies rounded to 6
-    digits); those cells are converted to records with the exact accuracies, not solved again."""
-    cache, args, output = first_run
-    demo_dir = cache / "glyphs" / "demo"
-    results = demo_dir / "results.jsonl"
-    records = read_results(results).records
-    cfg = quick_config(cache_root=str(cache), episodes=EPISODES, device="cpu")
-    spec = demo_grid(cfg, demo_rows(cfg.competitors), Path(records[0]["cache"]), demo_dir)
-    by_key = {r["key"]: r for r in records}
-    cells = expand(spec)
-    keys = cell_keys(cells, fingerprints(spec, cells))
-    for c in cells:
-        old = _old_cell_path(cfg, c, records[0]["cache_id"], demo_dir)
-        old.parent.mkdir(parents=True, exist_ok=True)
-        acc = by_key[keys[c.index][1]]["acc"]
-        old.write_text(json.dumps({"accuracy": [round(a, 6) for a in acc]}))
-    results.rename(tmp_path / "saved.jsonl")
-    try:
-        res = CliRunner().invoke(cli, args)
-        assert res.exit_code == 0, res.output
-        assert f"{len(cells)} table cells taken over" in res.output and "0 solved now" in res.output
-        assert _table_rows(res.output) == _table_rows(output)
-        assert {r["key"]: r["acc"] for r in read_results(results).records} == {k: r["acc"] for k, r in by_key.items()}
-    finally:
-        for c in cells:
-            _old_cell_path(cfg, c, records[0]["cache_id"], demo_dir).unlink()
+def test_the_demo_results_re_solved_cell_by_cell_are_identical(first_run):
+    """benchmarks/demo_equivalence.py rebuilds every cell of a results file from its record and
+    solves it again through the pipeline: the same accuracy on every episode."""
+    cache, _, _ = first_run
+    results = cache / "glyphs" / "demo" / "results.jsonl"
+    n = len(read_results(results).records)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "demo_equivalence.py"), str(results), "12"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"identical per-episode accuracies: {n} of {n} cells" in proc.stdout
 
 
 def test_more_episodes_are_new_cells_but_the_same_backbone(first_run):

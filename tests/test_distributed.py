@@ -312,6 +312,8 @@ def test_torchrun_solve_and_grid_match_one_process(tmp_path, make_features, monk
     from poodle.cache import write_arrays
     from poodle.cli.solve import solve as solve_cmd
     from poodle.episodes import load_episodes
+    from poodle.events import CellFinished
+    from poodle.pipeline import RunOptions
 
     x, y = make_features(10, 24, 16, seed=3, spread=0.9)
     xb, yb = make_features(8, 20, 16, seed=4, spread=0.9)
@@ -326,16 +328,19 @@ def test_torchrun_solve_and_grid_match_one_process(tmp_path, make_features, monk
     res = CliRunner().invoke(solve_cmd, SOLVE[1:] + ["--json", "one.json", "--save-episodes", "one-eps.h5"])
     assert res.exit_code == 0, res.output
     spec = G.load_grid(tmp_path / "grid.toml")
-    full = G.run_grid(spec, tmp_path / "full.jsonl", device="cpu")
+    cpu = RunOptions(device="cpu")
+    full = G.run_grid(spec, tmp_path / "full.jsonl", options=cpu)
     assert len(full.records) == 6  # 2 shots x (proto, poodle alpha 0/1) = 6 cells in 4 calls: shared by cells
 
     def crash_after_3(event):
-        if event.kind == "done" and event.done == 3:
+        if isinstance(event, CellFinished) and event.done == 3:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        G.run_grid(spec, tmp_path / "part.jsonl", device="cpu", on_cell=crash_after_3, cells_per_call=1)
-    G.run_grid(G.load_grid(tmp_path / "one.toml"), tmp_path / "one-ref.jsonl", device="cpu")
+        G.run_grid(
+            spec, tmp_path / "part.jsonl", options=RunOptions(device="cpu", cells_per_call=1), on_event=crash_after_3
+        )
+    G.run_grid(G.load_grid(tmp_path / "one.toml"), tmp_path / "one-ref.jsonl", options=cpu)
 
     # two processes: solve; the interrupted grid resumed (one process before, two now; its 3 pending
     # cells, one per call, are dealt out to the ranks); the one-cell grid, whose 7 episodes are split

@@ -268,7 +268,7 @@ def test_evaluate_identical_for_any_chunk_size(cache):
             assert torch.equal(r[k], runs[0][k]) and r[k].dtype == torch.float64
     auto_stats: dict = {}
     auto = evaluate(
-        test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, max_memory=40_000, stats=auto_stats
+        test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, max_memory=100_000, stats=auto_stats
     )
     assert 1 <= auto_stats["chunk_size"] < 15  # the memory bound sets the chunk
     assert torch.equal(auto["p"], runs[0]["p"])
@@ -314,7 +314,7 @@ def test_evaluate_bad_negatives(cache):
     m = [("po", "poodle", None)]
     with pytest.raises(ConfigError, match="feature dimension 12, but the episodes' features have 16"):
         evaluate(test, eps, m, negatives=NegativeSpec(f"{cache.parent / 'other.h5'}:wide", 5), cache_path=cache)
-    with pytest.raises(ConfigError, match="need negatives"):
+    with pytest.raises(ConfigError, match="reads negative samples"):
         evaluate(test, eps, m, negatives=None, cache_path=cache)
     with pytest.raises(ConfigError, match="no such cache file"):
         evaluate(test, eps, m, negatives=NegativeSpec("missing.h5", 5), cache_path=cache)

@@ -9,6 +9,10 @@ import pytest
 
 from poodle import grid as G
 from poodle.errors import ConfigError
+from poodle.events import CellFinished
+from poodle.pipeline import RunOptions
+
+CPU = RunOptions(device="cpu")
 
 N_EP = 12
 
@@ -118,7 +122,7 @@ def test_grid_hash_ignores_formatting_but_not_cells(tmp_path, cache):
         ("[solver]\nalpha = ['abc']\n", r"option 'alpha' of method 'poodle' expects a float, got 'abc'"),
         ("[solver]\nsteps = 2.5\n", r"option 'steps' of method 'poodle' expects an int, got 2.5"),
         ("[episodes]\nshot = [1, 'five']\n", r"option 'shot' expects an integer, got 'five'"),
-        ("[episodes]\nimbalance = -1\n", r"option 'imbalance' expects a Dirichlet concentration > 0"),
+        ("[episodes]\nimbalance = -1\n", r"option 'imbalance' \(a Dirichlet concentration\) must be positive, got -1"),
         ("[episodes]\nway = true\n", r"option 'way' expects an integer, got True"),
         ("[solver]\nmethod = 'nope'\n", r"unknown method 'nope'; known methods: .*poodle"),
         ("[solvers]\nalpha = 1\n", r"unknown section \[solvers\]"),
@@ -189,25 +193,28 @@ def _records(path: Path) -> dict[str, dict]:
 
 
 def test_cache_read_once_episodes_sampled_once_per_setting_and_cells_paired(tmp_path, cache, monkeypatch):
-    import poodle.grid.runner as cache_mod
-    import poodle.grid.runner as episodes_mod
-    import poodle.grid.runner as evaluate_mod
+    import poodle.pipeline as pl
 
-    reads, samples, episode_sets, negative_draws = [], [], {}, {}
-    real_read, real_sample, real_eval = cache_mod.read_split, episodes_mod.sample_episodes, evaluate_mod.evaluate
-    monkeypatch.setattr(cache_mod, "read_split", lambda *a, **k: reads.append(a[1]) or real_read(*a, **k))
-    monkeypatch.setattr(episodes_mod, "sample_episodes", lambda *a, **k: samples.append(a[1]) or real_sample(*a, **k))
+    reads, streams, episode_sets, negatives = [], [], {}, {}
+    real_read, real_stream, real_eval = pl.read_split, pl.EpisodeStream, pl.evaluate
+    monkeypatch.setattr(pl, "read_split", lambda *a, **k: reads.append(a[1]) or real_read(*a, **k))
+
+    class Stream(real_stream):
+        def __init__(self, labels, spec, *a, **k):
+            streams.append(spec)
+            super().__init__(labels, spec, *a, **k)
+
+    monkeypatch.setattr(pl, "EpisodeStream", Stream)
 
     def spy(features, episodes, methods, **kw):
-        # the same support/query index tensors (negative indices may be attached to a copy)
-        episode_sets.setdefault(episodes.spec.shot, set()).add((id(episodes.support), id(episodes.query)))
+        # every call of a setting gets the same episodes (a stream, or the set drawn once when
+        # several calls share it) and the same negative source
+        episode_sets.setdefault(episodes.spec.shot, set()).add(id(episodes))
         if kw.get("negatives") is not None:
-            negative_draws.setdefault((episodes.spec.shot, kw["negatives"]), set()).add(
-                None if episodes.negatives is None else id(episodes.negatives)
-            )
+            negatives.setdefault(episodes.spec.shot, set()).add(kw["negatives"])
         return real_eval(features, episodes, methods, **kw)
 
-    monkeypatch.setattr(evaluate_mod, "evaluate", spy)
+    monkeypatch.setattr(pl, "evaluate", spy)
     p = _grid(
         tmp_path,
         SMALL
@@ -224,14 +231,14 @@ alpha = 1.0
 beta = 0.5
 """,
     )
-    run = G.run_grid(G.load_grid(p), tmp_path / "r.jsonl", device="cpu")
+    run = G.run_grid(G.load_grid(p), tmp_path / "r.jsonl", options=CPU)
     # the twins have the configuration of a product cell: one computation serves all three
     assert len(run.records) == 2 * (1 + 4 + 2) and run.computed == 2 * (1 + 4)
     assert len(_records(run.path)) == run.computed
     assert reads.count("test") == 1  # one cache, one split: read once
-    assert sorted(s.shot for s in samples) == [1, 5]  # one episode set per setting
-    assert all(len(ids) == 1 for ids in episode_sets.values())  # every cell got that same set
-    assert all(len(ids) == 1 for ids in negative_draws.values())  # and the same negatives, drawn once
+    assert sorted(s.shot for s in streams) == [1, 5]  # one episode set per setting
+    assert all(len(ids) == 1 for ids in episode_sets.values())  # every call got that same set
+    assert all(len(n) == 1 for n in negatives.values())  # and the same negatives
     by = {(r["label"], r["episode"]["shot"]): r for r in run.records}
     for shot in (1, 5):
         # Two cells with the same options: identical per-episode accuracies (same episodes and
@@ -245,23 +252,26 @@ beta = 0.5
 
 def test_interrupted_grid_resumes_and_matches_an_uninterrupted_run(tmp_path, cache):
     spec = G.load_grid(_grid(tmp_path, SMALL))
-    full = G.run_grid(spec, tmp_path / "full.jsonl", device="cpu")
+    full = G.run_grid(spec, tmp_path / "full.jsonl", options=CPU)
     out = tmp_path / "part.jsonl"
     k = 3
 
     def crash_after_k(event):
-        if event.kind == "done" and event.done == k:
+        if isinstance(event, CellFinished) and event.done == k:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        G.run_grid(spec, out, device="cpu", on_cell=crash_after_k, cells_per_call=1)
+        G.run_grid(spec, out, options=RunOptions(device="cpu", cells_per_call=1), on_event=crash_after_k)
     assert len(_records(out)) == k
     # A crash in the middle of writing a line leaves a truncated last line: tolerated, cut off.
     with open(out, "ab") as f:
         f.write(b'{"kind":"cell","key":"0123","acc":[0.5,')
     started = []
     rest = G.run_grid(
-        spec, out, device="cpu", on_cell=lambda e: started.append(e.cell.key) if e.kind == "done" else None
+        spec,
+        out,
+        options=CPU,
+        on_event=lambda e: started.append(e.cell.key) if isinstance(e, CellFinished) and not e.skipped else None,
     )
     assert rest.computed == len(started) == len(full.records) - k and rest.skipped == k
     assert out.read_bytes().endswith(b"\n")
@@ -269,24 +279,24 @@ def test_interrupted_grid_resumes_and_matches_an_uninterrupted_run(tmp_path, cac
         key: r["acc"] for key, r in _records(full.path).items()
     }
     # A third run has nothing to do.
-    assert G.run_grid(spec, out, device="cpu").computed == 0
+    assert G.run_grid(spec, out, options=CPU).computed == 0
 
 
 def test_changed_grid_computes_only_new_cells_and_force_recomputes(tmp_path, cache):
     out = tmp_path / "r.jsonl"
-    first = G.run_grid(G.load_grid(_grid(tmp_path, SMALL)), out, device="cpu")
+    first = G.run_grid(G.load_grid(_grid(tmp_path, SMALL)), out, options=CPU)
     # one more value of beta: only the new cells are solved, the old records are kept and reused
     bigger = G.load_grid(_grid(tmp_path, SMALL.replace("beta = [0.0, 0.5]", "beta = [0.0, 0.5, 1.0]"), "b.toml"))
-    run = G.run_grid(bigger, out, device="cpu")
+    run = G.run_grid(bigger, out, options=CPU)
     assert run.computed == 2 * 2 and run.skipped == len(first.records)
     old = {r["key"]: r["acc"] for r in first.records}
     assert all(r["acc"] == old[r["key"]] for r in run.records if r["key"] in old)
     # another value of steps changes every POODLE cell; proto (no steps) is reused
     other = G.load_grid(_grid(tmp_path, SMALL.replace("steps = 3", "steps = 2"), "other.toml"))
-    run = G.run_grid(other, out, device="cpu")
+    run = G.run_grid(other, out, options=CPU)
     assert run.computed == 2 * 4 and run.other_records == 2 * 4 + 2 * 2
     assert {r["options"]["steps"] for r in run.records if r["method"] == "poodle"} == {2}
-    again = G.run_grid(other, out, device="cpu", force=True)
+    again = G.run_grid(other, out, options=CPU, force=True)
     assert again.computed == len(again.records) == 2 * 5
     assert [r["acc"] for r in again.records] == [r["acc"] for r in run.records]
     assert len(G.read_results(out).records) == 2 * 1 + 2 * 4 + 2 * 2 + 2 * 4  # force superseded, not added
@@ -297,11 +307,11 @@ def test_records_of_a_changed_cache_are_never_reused(tmp_path, cache, make_featu
 
     spec = G.load_grid(_grid(tmp_path, SMALL.replace("shot = [1, 5]", "shot = 1")))
     out = tmp_path / "r.jsonl"
-    first = G.run_grid(spec, out, device="cpu")
+    first = G.run_grid(spec, out, options=CPU)
     x, y = make_features(10, 24, 16, seed=99)
     xb, yb = make_features(8, 20, 16, seed=98)
     write_arrays(cache, {"test": (x, y, [f"t{i}" for i in range(10)]), "train": (xb, yb, [f"b{i}" for i in range(8)])})
-    second = G.run_grid(spec, out, device="cpu")
+    second = G.run_grid(spec, out, options=CPU)
     assert second.computed == len(first.records) and second.skipped == 0
     assert {r["cache_id"] for r in first.records}.isdisjoint({r["cache_id"] for r in second.records})
     assert [r["acc"] for r in first.records] != [r["acc"] for r in second.records]
@@ -339,7 +349,7 @@ def test_cli_grid_then_report(tmp_path, cache):
     # a missing cache or negative pool: the error alone, before any progress bar
     for args, needle in [
         (["--cache", str(tmp_path / "none.h5")], "none.h5 does not exist"),
-        (["--set", f"negatives={tmp_path / 'pool.h5'}"], f"negative pool '{tmp_path / 'pool.h5'}'"),
+        (["--set", f"negatives={tmp_path / 'pool.h5'}"], f"negatives {tmp_path / 'pool.h5'}: no such cache file"),
     ]:
         res = runner.invoke(grid, [str(p), "--device", "cpu", "--set", "shot=1", *args])
         assert res.exit_code == 1 and needle in res.output.replace("\n", ""), res.output
@@ -387,8 +397,8 @@ steps = 3
     cells = G.expand(spec)
     assert sorted(c.preprocess for c in cells) == ["cl2n", "cl2n", "l2n", "l2n"]
     # the default stays out of the cell's identity: grids written before the key keep their keys
-    assert "preprocess" not in cells[0].identity() and cells[-1].identity()["preprocess"] == "cl2n"
-    G.run_grid(spec, tmp_path / "r.jsonl", device="cpu")
+    assert "preprocess" not in cells[0].written() and cells[-1].written()["preprocess"] == "cl2n"
+    G.run_grid(spec, tmp_path / "r.jsonl", options=CPU)
     recs = {(r["method"], r.get("preprocess", "l2n")): r for r in read_results(tmp_path / "r.jsonl").records}
     assert len(recs) == 4
     for pre in ("l2n", "cl2n"):
@@ -401,7 +411,7 @@ steps = 3
             episodes=N_EP,
             n_neg=20,
             preprocess=pre,
-            device="cpu",
+            run=CPU,
         )
         for r in res.records:
             assert r["acc"] == recs[(r["method"], pre)]["acc"] and r["key"] == recs[(r["method"], pre)]["key"]
@@ -423,7 +433,7 @@ method = "proto"
 """,
     )
     spec = G.load_grid(p)
-    run = G.run_grid(spec, tmp_path / "r.jsonl", device="cpu")
+    run = G.run_grid(spec, tmp_path / "r.jsonl", options=CPU)
     assert len(run.records) == 3
     by = {r["episode"].get("query_classes"): r for r in run.records}
     assert set(by) == {None, 1, 3} and "query_classes" not in by[None]["episode"]

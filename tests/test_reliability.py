@@ -413,7 +413,7 @@ def test_report_on_a_cut_results_file_names_the_missing_cells_and_does_not_bold_
 @pytest.mark.parametrize("p", ["2", "0", "-0.1", "nan"])
 def test_report_p_must_lie_in_the_open_unit_interval(tmp_path, p):
     res = tmp_path / "r.jsonl"
-    res.write_text('{"format": "poodle-grid-results", "version": 1, "kind": "header", "n_cells": 0}\n')
+    res.write_text('{"format": "poodle-results", "version": 2, "kind": "header", "n_cells": 0}\n')
     before = snapshot(res)
     code, out = run("report", res, "--p", p)
     assert snapshot(res) == before

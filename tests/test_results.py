@@ -1,9 +1,7 @@
-"""The results layer: identity, append/lookup, a cut last line, conversion of version 1 grid files,
+"""The results layer: identity, append/lookup, a cut last line,
 and the rules a config follows (presets resolved, one coercion, bounds)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
@@ -69,67 +67,6 @@ def test_append_lookup_last_wins_and_a_cut_last_line_is_dropped(tmp_path):
     spec.write_text('name = "g"\n[grid]\nshot = [1, 5]\n')
     with pytest.raises(ConfigError, match=r"g.toml is not a results file \(its first line is not JSON"):
         RS.read_results(spec)
-
-
-def test_version_1_grid_files_are_converted_with_their_cache_fingerprints(tmp_path):
-    old = tmp_path / "old.jsonl"
-    header = {
-        "format": "poodle-grid-results",
-        "version": 1,
-        "kind": "header",
-        "grid_hash": "x",
-        "name": "g",
-        "caches": {"feat.h5": "f" * 64},
-    }
-    # tim-gd with the preset's values left None: converted, they hold the values used
-    cells = [
-        {
-            "kind": "cell",
-            "key": "k1",
-            "index": 0,
-            "label": "tim",
-            "cache": "feat.h5",
-            "episode": EPISODE,
-            "negatives": "none",
-            "n_neg": None,
-            "method": "tim-gd",
-            "options": {
-                "preset": "tim",
-                "steps": None,
-                "lr": None,
-                "ce_weight": None,
-                "marginal_weight": None,
-                "conditional_weight": None,
-                "temperature": None,
-                "learn_temperature": None,
-            },
-            "transductive": True,
-            "mean": 0.5,
-            "ci95": 0.1,
-            "acc": [0.5, 0.5, 0.5],
-        }
-    ]
-    old.write_text("\n".join(json.dumps(o) for o in [header, *cells]) + "\n")
-    notes = []
-    res = RS.read_results(old, warn=notes.append)
-    assert notes and "version 1" in notes[0]
-    rec = res.records[0]
-    assert rec["cache_id"] == "f" * 64 and rec["options"]["steps"] == 1000 and rec["options"]["lr"] == 1e-4
-    cfg = solvers.make_config("tim-gd", {})
-    same = RS.make_identity(
-        cache_id="f" * 64,
-        episode=EPISODE,
-        negatives="none",
-        n_neg=None,
-        method="tim-gd",
-        options=solvers.config_dict(cfg),
-        transductive=True,
-    )
-    assert rec["key"] == RS.identity_key(same)
-    # opening it for appends rewrites it in the current format, records kept
-    f = RS.ResultsFile(old)
-    assert json.loads(old.read_text().splitlines()[0])["format"] == RS.FORMAT
-    assert f.get(rec["key"])["acc"] == [0.5, 0.5, 0.5]
 
 
 def test_configs_hold_the_values_used_and_values_are_checked_in_one_place():

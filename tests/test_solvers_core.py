@@ -240,7 +240,7 @@ def test_solver_config_errors(make_features):
         solvers.make_config("ce", {"transductive": True})
     with pytest.raises(ConfigError, match="label_smoothing"):
         solvers.run("ce", batch, label_smoothing=1.5)
-    with pytest.raises(ConfigError, match="needs negatives"):
+    with pytest.raises(ConfigError, match="reads negative samples"):
         solvers.run("poodle", EpisodeBatch(batch.support, batch.support_labels, batch.query, None, WAY))
     with pytest.raises(ConfigError, match="option .lr. must lie in"):
         solvers.run("poodle", batch, lr=0.0)

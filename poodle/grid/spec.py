@@ -15,7 +15,6 @@ holds for ``transductive`` with an inductive-only method (recorded as inductive)
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import sys
@@ -24,11 +23,10 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from poodle import solvers
-from poodle.defaults import EPISODE_KEYS, GENERAL_DEFAULTS, GENERAL_KEYS, NEGATIVE_KEYWORDS, OPTIONAL_EPISODE_KEYS
-from poodle.episodes import EpisodeSpec
-from poodle.errors import ConfigError, EpisodeError
-from poodle.preprocess import parse
-from poodle.results import canonical_hash, jsonable, make_identity, record_flat
+from poodle.cells import Cell, Locations, check_general, located, make_cell, numbered
+from poodle.defaults import GENERAL_DEFAULTS, GENERAL_KEYS, NEGATIVE_KEYWORDS
+from poodle.errors import ConfigError, PoodleError
+from poodle.utils import content_hash
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -69,62 +67,12 @@ def raw_line(path: Path, offset: int) -> int:
 # Parsing and value checks
 
 
-def _check_int(where: str, key: str, v: Any, minimum: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        else:
-            raise ConfigError(f"{where}: option {key!r} expects an integer, got {v!r}")
-    if v < minimum:
-        raise ConfigError(f"{where}: option {key!r} must be at least {minimum}, got {v}")
-    return v
-
-
 def _check_general(where: str, key: str, v: Any) -> Any:
-    """Type-check and normalise a value of a general (non-solver) option."""
-    if key in ("cache", "split", "method"):
-        if not isinstance(v, str) or not v:
-            raise ConfigError(f"{where}: option {key!r} expects a non-empty string, got {v!r}")
-        return v
-    if key == "negatives":
-        if not isinstance(v, str) or not v:
-            raise ConfigError(
-                f"{where}: option 'negatives' expects base, random, sphere, none, a cache "
-                f"name from [caches] or FILE[:SPLIT], got {v!r}"
-            )
-        return v
-    if key == "preprocess":
-        if not isinstance(v, str):
-            raise ConfigError(f"{where}: option 'preprocess' expects l2n, cl2n or power[:BETA], got {v!r}")
-        try:
-            return parse(v).key
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from None
-    if key in ("way", "shot", "query", "seed"):
-        # the episode setting's own rule (EpisodeSpec.validate: way >= 2, a 63-bit seed), the one
-        # the command line and the library get too
-        v = _check_int(where, key, v, 0 if key == "seed" else 1)
-        try:
-            EpisodeSpec(**{key: v}).validate()
-        except EpisodeError as e:
-            raise ConfigError(f"{where}: option {key!r}: {e}") from None
-        return v
-    if key in ("episodes", "n_neg"):
-        return _check_int(where, key, v, 1)
-    if key == "query_classes":
-        if isinstance(v, str) and v.lower() in ("none", "all"):
-            return None
-        return _check_int(where, key, v, 1)
-    if key == "imbalance":
-        # TOML has no null: "none"/"balanced"/false mean balanced queries.
-        if v is False or (isinstance(v, str) and v.lower() in ("none", "balanced")):
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ConfigError(
-                f"{where}: option 'imbalance' expects a Dirichlet concentration > 0 or \"none\", got {v!r}"
-            )
-        return float(v)
-    raise AssertionError(key)
+    """A general option's value, checked by the rule that owns it (:func:`poodle.cells.check_general`)."""
+    try:
+        return check_general(key, v)
+    except PoodleError as e:
+        raise located(f"{where}: option {key!r}", e) from None
 
 
 def _as_list(v: Any) -> list[Any]:
@@ -160,6 +108,11 @@ class GridSpec:
     @property
     def base_dir(self) -> Path:
         return self.path.parent
+
+    @property
+    def locations(self) -> Locations:
+        """Relative paths resolve against the grid file's folder; ``[caches]`` names to their files."""
+        return Locations(self.base_dir, dict(self.caches))
 
 
 def parse_grid(data: Mapping[str, Any], path: Path, overrides: Mapping[str, Any] | None = None) -> GridSpec:
@@ -229,7 +182,7 @@ def parse_grid(data: Mapping[str, Any], path: Path, overrides: Mapping[str, Any]
         cells.append(cell)
 
     if "cache" not in axes and (product or not all("cache" in c for c in cells)):
-        raise ConfigError(f'{where}: no cache given: set cache = "FILE.h5" (or a name from [caches]), or pass --cache')
+        raise ConfigError(f'{where}: no cache given: set cache = "FILE.h5" (or a name from [caches])')
     if "label" in axes:
         raise ConfigError(f"{where}: 'label' names one explicit cell; set it inside a [[cell]]")
     if not product and not cells:
@@ -340,152 +293,15 @@ def load_grid(path: str | os.PathLike, overrides: Mapping[str, Any] | None = Non
 # Expansion into cells
 
 
-@dataclass(frozen=True)
-class Cell:
-    """One configuration of the grid.
-
-    Attributes:
-        label: display name (``[[cell]] label``, else the method name).
-        cache: the cache as written in the grid (a path or a ``[caches]`` name).
-        episode: ``{split, way, shot, query, imbalance, seed, episodes}``.
-        negatives: negative source as written (``"none"`` for a method that uses no negatives).
-        n_neg: negatives per episode (``None`` without negatives).
-        method: registered solver name.
-        options: the method's full configuration (dataclass fields, defaults filled in).
-        transductive: whether the method uses the unlabelled queries in this cell.
-        index: position in the grid (product first, then explicit cells).
-    """
-
-    label: str
-    cache: str
-    episode: dict[str, Any]
-    negatives: str
-    n_neg: int | None
-    method: str
-    options: dict[str, Any]
-    transductive: bool
-    index: int = 0
-    preprocess: str = "l2n"
-
-    def identity(self) -> dict[str, Any]:
-        ident = {
-            "label": self.label,
-            "cache": self.cache,
-            "episode": self.episode,
-            "negatives": self.negatives,
-            "n_neg": self.n_neg,
-            "method": self.method,
-            "options": self.options,
-            "transductive": self.transductive,
-        }
-        if self.preprocess != DEFAULTS["preprocess"]:  # absent by default: older grids keep their keys
-            ident["preprocess"] = self.preprocess
-        return ident
-
-    @property
-    def key(self) -> str:
-        """Stable hash of the cell as the grid writes it (its configuration, cache as written and
-        label); the results file's key also holds the cache's content (:meth:`result_identity`)."""
-        return canonical_hash(self.identity())[:16]
-
-    def result_identity(self, cache_id: str, negatives_id: str | None = None) -> dict[str, Any]:
-        """The cell's identity in the results layer (:func:`poodle.results.make_identity`)."""
-        return make_identity(
-            cache_id=cache_id,
-            episode=self.episode,
-            negatives=self.negatives,
-            n_neg=self.n_neg,
-            method=self.method,
-            options=self.options,
-            transductive=self.transductive,
-            negatives_id=negatives_id,
-            preprocess=self.preprocess,
-        )
-
-    def episode_key(self) -> tuple:
-        return (self.cache,) + tuple(self.episode.get(k) for k in EPISODE_KEYS[1:] + OPTIONAL_EPISODE_KEYS)
-
-    def negative_key(self) -> tuple:
-        """Negatives and preprocessing: cells that agree on it (and on the episodes) are solved together."""
-        return (self.negatives, self.n_neg, self.preprocess)
-
-    def flat(self) -> dict[str, Any]:
-        """One namespace for reports: episode options, negatives, method and solver options."""
-        return record_flat(self.identity())
-
-    def describe(self, keys: Sequence[str] | None = None) -> str:
-        flat = self.flat()
-        keys = keys if keys is not None else [k for k in ("shot", "transductive") if k in flat]
-        parts = [self.label] + [f"{k}={format_option(flat[k])}" for k in keys if k != "label" and k in flat]
-        return " ".join(parts)
-
-
-def format_option(v: Any) -> str:
-    """An option value as a grid file would write it (``true``, ``none``, ``2`` for 2.0)."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if v is None:
-        return "none"
-    if isinstance(v, float) and v.is_integer():
-        return str(int(v)) if abs(v) < 1e15 else repr(v)
-    return str(v)
-
-
-def _make_cell(combo: Mapping[str, Any], label: str | None, strict_keys: set[str], where: str) -> Cell:
-    """A cell from one combination of option values. Solver options the method lacks are dropped
-    (the product's rule), except those in ``strict_keys`` (named by an explicit cell): an error."""
-    method = combo.get("method", DEFAULTS["method"])
-    info = solvers.get(method)
-    fields = set(info.options())
-    opts: dict[str, Any] = {}
-    for k, v in combo.items():
-        if k in GENERAL_KEYS:
-            continue
-        if k == "transductive" and info.transductive != "optional":
-            if not isinstance(v, bool):
-                raise ConfigError(f"{where}: option 'transductive' expects true or false, got {v!r}")
-            if v and info.transductive == "never" and k in strict_keys:
-                raise ConfigError(f"{where}: method {method!r} is inductive only; drop transductive = true")
-            continue
-        if k in fields:
-            opts[k] = v
-        elif k in strict_keys:
-            raise ConfigError(
-                f"{where}: method {method!r} has no option {k!r}; its options are: {', '.join(sorted(fields))}"
-            )
+def _make_cell(spec: GridSpec, combo: Mapping[str, Any], label: str | None, strict: set[str], where: str) -> Cell:
+    """A cell from one combination of option values (:func:`poodle.cells.make_cell`); an error is said
+    at ``where`` in the grid file."""
+    if combo.get("cache") is None:
+        raise ConfigError(f'{where}: no cache given (set cache = "FILE.h5")')
     try:
-        cfg = solvers.make_config(method, opts, strict=True)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    options = jsonable(solvers.config_dict(cfg))
-    transductive = info.is_transductive(cfg)
-    episode = {k: combo.get(k, DEFAULTS.get(k)) for k in EPISODE_KEYS[1:]}
-    episode.update({k: combo[k] for k in OPTIONAL_EPISODE_KEYS if combo.get(k) is not None})
-    if info.needs_negatives(cfg):
-        negatives, n_neg = combo.get("negatives", DEFAULTS["negatives"]), combo.get("n_neg", DEFAULTS["n_neg"])
-        if negatives == "none":
-            raise ConfigError(
-                f"{where}: method {method!r} with these options needs negatives, but negatives = "
-                f'"none" (use base, random, sphere, a [caches] name or FILE[:SPLIT])'
-            )
-    else:
-        # No negatives consumed (a method without them, or POODLE with beta = 0): the cell does not
-        # depend on negatives/n_neg, so their lists do not multiply it.
-        negatives, n_neg = "none", None
-    cache = combo.get("cache")
-    if cache is None:
-        raise ConfigError(f'{where}: no cache given (set cache = "FILE.h5" or pass --cache)')
-    return Cell(
-        label=label or method,
-        cache=cache,
-        episode=episode,
-        negatives=negatives,
-        n_neg=n_neg,
-        method=method,
-        options=options,
-        transductive=transductive,
-        preprocess=combo.get("preprocess", DEFAULTS["preprocess"]),
-    )
+        return make_cell(combo, label=label, strict=strict, locations=spec.locations)
+    except PoodleError as e:
+        raise located(where, e) from None
 
 
 def _product(axes: Mapping[str, list[Any]]) -> Iterable[dict[str, Any]]:
@@ -505,7 +321,7 @@ def expand(spec: GridSpec) -> list[Cell]:
     where = str(spec.path)
     if spec.product:
         for combo in _product(spec.axes):
-            c = _make_cell(combo, None, set(), where)
+            c = _make_cell(spec, combo, None, set(), where)
             out.setdefault(c.key, c)
     for i, entry in enumerate(spec.cells):
         cw = f"{where}: [[cell]] #{i + 1}"
@@ -515,9 +331,9 @@ def expand(spec: GridSpec) -> list[Cell]:
         for combo in _product(axes):
             if not named and not _fits(combo, own):
                 continue  # e.g. alpha = 0 in a cell that inherits method = ["proto", "poodle"]: poodle only
-            c = _make_cell(combo, entry.get("label"), own, cw)
+            c = _make_cell(spec, combo, entry.get("label"), own, cw)
             out.setdefault(c.key, c)
-    cells = [dataclasses.replace(c, index=i) for i, c in enumerate(out.values())]
+    cells = numbered(list(out.values()))
     if not cells:
         raise ConfigError(f"{where}: the grid has no cells")
     return cells
@@ -540,35 +356,12 @@ def _fits(combo: Mapping[str, Any], own: set[str]) -> bool:
 def grid_hash(cells: Sequence[Cell]) -> str:
     """Identity of a grid: the set of its cells' keys. Comments, key order, ``1`` vs ``1.0`` and
     the grid file's name do not change it; adding or changing any cell does."""
-    return canonical_hash(sorted(c.key for c in cells))[:16]
-
-
-# ---------------------------------------------------------------------------------------------
-# Paths
+    return content_hash(sorted(c.key for c in cells))[:20]
 
 
 def resolve_cache(spec: GridSpec, cache: str) -> Path:
-    """A cell's ``cache`` (a [caches] name or a path) as a file path; relative paths resolve
-    against the grid file's folder."""
-    p = spec.caches.get(cache, cache)
-    path = Path(p).expanduser()
-    return path if path.is_absolute() else spec.base_dir / path
-
-
-def resolve_negatives(spec: GridSpec, source: str) -> tuple[str, Path | None]:
-    """``base|random|sphere|none`` unchanged; a [caches] name ``NAME[:SPLIT]`` becomes
-    ``FILE:SPLIT`` (split ``train`` by default: the OOD pool of the paper's Table 5 is the train
-    split of the other dataset); ``FILE[:SPLIT]`` resolves FILE against the grid file's folder."""
-    if source in NEGATIVE_KEYWORDS:
-        return source, None
-    name, _, split = source.partition(":")
-    if name in spec.caches:
-        path = resolve_cache(spec, name)
-        return f"{path}:{split or 'train'}", path
-    path = Path(name).expanduser()
-    if not path.is_absolute():
-        path = spec.base_dir / path
-    return (f"{path}:{split}" if split else str(path)), path
+    """A cell's ``cache`` (a [caches] name or a path) as a file path (:meth:`poodle.cells.Locations.cache_file`)."""
+    return spec.locations.cache_file(cache)
 
 
 def default_results_path(grid_path: str | os.PathLike) -> Path:

@@ -102,6 +102,5 @@ def run(name: str, batch: EpisodeBatch, config: Any = None, **options: Any) -> S
         raise TypeError("give either a config or keyword options, not both")
     else:
         _base.check_config(info.name, config)
-    if batch.negatives is None and info.needs_negatives(config):
-        raise ConfigError(f"method {name!r} needs negatives (negatives = base, random, sphere or FILE)")
+    info.check_negatives(config, None if batch.negatives is None else "given")
     return info.fn(batch, config)

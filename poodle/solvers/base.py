@@ -118,6 +118,25 @@ class SolverInfo:
             return bool(cfg.transductive)
         return self.transductive == "always"
 
+    def check_transductive(self, value: Any) -> None:
+        """ConfigError when ``value`` asks this method to use the queries and it cannot: the one
+        place the rule is checked, for the command line, grid cells and the library."""
+        if coerce_option(self.name, "transductive", value, bool) and self.transductive == "never":
+            raise ConfigError(
+                f"method {self.name!r} is inductive only; it cannot be transductive", params=("transductive",)
+            )
+
+    def check_negatives(self, cfg: Any, source: str | None) -> None:
+        """ConfigError when this method, configured by ``cfg``, reads negatives and ``source`` gives
+        none (``None`` or ``"none"``): the one place the rule is checked, wherever negatives are chosen."""
+        if self.needs_negatives(cfg) and (source is None or source == "none"):
+            what = " (with these options)" if callable(self.uses_negatives) else ""
+            raise ConfigError(
+                f"negatives none: method {self.name!r}{what} reads negative samples; use base, random, sphere "
+                "or a pool file FILE[:SPLIT]",
+                params=("negatives",),
+            )
+
     def settings(self) -> tuple[str, ...]:
         """The settings the method can run in: ``("inductive",)``, ``("transductive",)`` or both."""
         return {"never": ("inductive",), "optional": ("inductive", "transductive"), "always": ("transductive",)}[
@@ -192,13 +211,14 @@ def build_config(info: SolverInfo, options: Mapping[str, Any], *, strict: bool =
     kwargs: dict[str, Any] = {}
     for key, value in options.items():
         if key == "transductive" and info.transductive != "optional":
-            if coerce_option(info.name, key, value, bool) and info.transductive == "never":
-                raise ConfigError(f"method {info.name!r} is inductive only; it cannot be transductive")
+            info.check_transductive(value)
             continue
         if key not in fields:
             if strict:
                 known = ", ".join(sorted(fields)) or "(none)"
-                raise ConfigError(f"method {info.name!r} has no option {key!r}; its options are: {known}")
+                raise ConfigError(
+                    f"method {info.name!r} has no option {key!r}; its options are: {known}", params=(key,)
+                )
             continue
         kwargs[key] = coerce_option(info.name, key, value, _field_types(info.config)[key])
     return validate_config(info.config(**kwargs), info.name)
@@ -235,12 +255,12 @@ def check_value(where: str, key: str, value: Any, interval: str | None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{where}: option {key!r} must be a finite number, got {value}")
+        raise ConfigError(f"{where}: option {key!r} must be a finite number, got {value}", params=(key,))
     if interval is None:
         return
     lo, lo_in, hi, hi_in = parse_interval(interval)
     if value < lo or (value == lo and not lo_in) or value > hi or (value == hi and not hi_in):
-        raise ConfigError(f"{where}: option {key!r} must lie in {interval}, got {value:g}")
+        raise ConfigError(f"{where}: option {key!r} must lie in {interval}, got {value:g}", params=(key,))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +317,7 @@ def coerce_option(method: str, key: str, value: Any, tp: Any) -> Any:
     if value is None:
         if type(None) in members:
             return None
-        raise ConfigError(f"option {key!r} of method {method!r} needs a value, got none")
+        raise ConfigError(f"option {key!r} of method {method!r} needs a value, got none", params=(key,))
     kinds = [m for m in members if m is not type(None)]
     for kind in kinds:
         try:
@@ -305,7 +325,7 @@ def coerce_option(method: str, key: str, value: Any, tp: Any) -> Any:
         except (TypeError, ValueError):
             continue
     names = " or ".join(_type_name(k) for k in kinds)
-    raise ConfigError(f"option {key!r} of method {method!r} expects {names}, got {value!r}")
+    raise ConfigError(f"option {key!r} of method {method!r} expects {names}, got {value!r}", params=(key,))
 
 
 def _type_name(tp: Any) -> str:
@@ -387,9 +407,9 @@ def _check_bounds(method: str, f: dataclasses.Field, value: Any, interval: str |
         return
     if lo is not None and (value <= lo if f.metadata.get("min_open") else value < lo):
         op = ">" if f.metadata.get("min_open") else ">="
-        raise ConfigError(f"option {f.name!r} of method {method!r} must be {op} {lo}, got {value}")
+        raise ConfigError(f"option {f.name!r} of method {method!r} must be {op} {lo}, got {value}", params=(f.name,))
     if hi is not None and value > hi:
-        raise ConfigError(f"option {f.name!r} of method {method!r} must be <= {hi}, got {value}")
+        raise ConfigError(f"option {f.name!r} of method {method!r} must be <= {hi}, got {value}", params=(f.name,))
     check_value(f"method {method!r}", f.name, value, interval)  # finite (NaN passes the comparisons above)
 
 
@@ -403,7 +423,9 @@ def resolve_preset(cfg: Any, method: str = "") -> None:
         return
     if cfg.preset not in presets:
         name = method or type(cfg).__name__
-        raise ConfigError(f"{name}: unknown preset {cfg.preset!r}; known presets: {', '.join(presets)}")
+        raise ConfigError(
+            f"{name}: unknown preset {cfg.preset!r}; known presets: {', '.join(presets)}", params=("preset",)
+        )
     for key, value in presets[cfg.preset].items():
         if getattr(cfg, key) is None:
             object.__setattr__(cfg, key, value)

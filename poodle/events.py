@@ -1,0 +1,69 @@
+"""What the library tells its caller while it works, as typed events rather than text.
+
+Long-running functions (:func:`poodle.pipeline.run_cells` and the commands built on it) take one
+callback, ``on_event(event)``, and call it with these; the command line turns them into progress bars
+and lines. No component parses another's messages: whatever a caller may need to act on is a field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Every check up front has passed (options, files, episodes, negatives, the memory bound);
+    solving starts now. A caller starts its progress display here, so an error found before is
+    reported alone."""
+
+
+@dataclass(frozen=True)
+class CellsStarted:
+    """``cells`` (sharing episodes and negatives) are about to be solved together; ``done`` of
+    ``total`` cells of the run are finished."""
+
+    cells: tuple[Any, ...]
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class CellFinished:
+    """``cell`` is finished: solved now and written (``skipped=False``), or found in the results file
+    (``skipped=True``); ``record`` is its results record."""
+
+    cell: Any
+    record: dict[str, Any]
+    done: int
+    total: int
+    skipped: bool = False
+
+
+@dataclass(frozen=True)
+class EpisodesSolved:
+    """``episodes`` more episodes were solved by each of ``cells`` cells (one chunk)."""
+
+    episodes: int
+    cells: int = 1
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the user should know that is not an error. ``code`` names the kind
+    (``preprocess-fallback``, ``other-records``, ...); ``params`` the parameters it speaks of."""
+
+    code: str
+    message: str
+    params: tuple[str, ...] = field(default=())
+
+
+Event = Ready | CellsStarted | CellFinished | EpisodesSolved | Notice
+OnEvent = Callable[[Event], None]
+
+
+def ignore(event: Event) -> None:
+    """The callback of a caller that listens to nothing."""
+
+
+__all__ = ["CellFinished", "CellsStarted", "EpisodesSolved", "Event", "Notice", "OnEvent", "Ready", "ignore"]

@@ -1,0 +1,146 @@
+"""The one pipeline (poodle.cells, poodle.pipeline, poodle.evaluate): cells made and checked in one
+place, calls that share episodes, typed events, the pipelined chunk stream, the memory bound that
+counts what a call holds, and the command line's one table of parameter names to flags."""
+
+from __future__ import annotations
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+
+from poodle.cache import read_split, write_arrays
+from poodle.cells import check_general, make_cell
+from poodle.episodes import EpisodeSpec, EpisodeStream
+from poodle.errors import ConfigError, EpisodeError
+from poodle.evaluate import evaluate, plan_chunks
+from poodle.events import CellFinished, CellsStarted, EpisodesSolved, Ready
+from poodle.negatives import NegativeSpec
+from poodle.pipeline import RunOptions, calls, run_cells, schedule
+from poodle.solve import solve
+
+CPU = RunOptions(device="cpu")
+
+
+@pytest.fixture
+def cache(tmp_path, make_features):
+    xtr, ytr = make_features(10, 20, 16, seed=1)
+    xte, yte = make_features(8, 20, 16, seed=2, spread=0.5)
+    return write_arrays(
+        tmp_path / "c.h5",
+        {"train": (xtr, ytr, [f"b{i}" for i in range(10)]), "test": (xte, yte, [f"t{i}" for i in range(8)])},
+    )
+
+
+def test_a_cell_is_checked_once_by_the_rule_that_owns_each_value(cache):
+    c = make_cell({"cache": str(cache), "method": "poodle", "beta": 0.0, "negatives": "random", "shot": 2})
+    assert c.negatives == "none" and c.n_neg is None  # beta = 0 reads no negatives: none recorded
+    c = make_cell({"cache": str(cache), "method": "proto", "transductive": True, "alpha": 3})
+    assert c.options == {"scale": 10.0} and not c.transductive  # the product's rule: options proto lacks are dropped
+    with pytest.raises(ConfigError, match="method 'proto' is inductive only; it cannot be transductive"):
+        make_cell({"cache": str(cache), "method": "proto", "transductive": True}, strict={"transductive"})
+    with pytest.raises(ConfigError, match="negatives none: method 'poodle' .with these options. reads negative"):
+        make_cell({"cache": str(cache), "method": "poodle", "negatives": "none"})
+    with pytest.raises(EpisodeError, match=r"query_classes must be an integer in 1..way=5, got 6"):
+        make_cell({"cache": str(cache), "query_classes": 6})
+    with pytest.raises(ConfigError) as e:
+        check_general("shot", "five")
+    assert (e.value.param, e.value.value, e.value.reason) == ("shot", "five", "expects an integer")
+    assert check_general("imbalance", "balanced") is None and check_general("preprocess", "power") == "power:0.5"
+
+
+def test_methods_without_negatives_join_the_call_of_those_with_them(cache):
+    base = {"cache": str(cache), "episodes": 4}
+    cells = [
+        make_cell({**base, "method": m, **o}, label=lab)
+        for lab, m, o in [
+            ("proto", "proto", {}),
+            ("po-b", "poodle", {"negatives": "base"}),
+            ("po-r", "poodle", {"negatives": "random"}),
+            ("ce", "ce", {}),
+        ]
+    ]
+    cells = [c.__class__(**{**c.__dict__, "index": i}) for i, c in enumerate(cells)]
+    order = schedule(cells, cells)
+    assert [[c.label for c in b] for b in calls(order, 8)] == [["proto", "po-b", "ce"], ["po-r"]]  # cells' order
+    assert [[c.label for c in b] for b in calls(order, 2)] == [["proto", "ce"], ["po-b"], ["po-r"]]
+
+
+def test_solve_is_cells_through_the_pipeline_with_typed_events(cache, tmp_path):
+    events = []
+    res = solve(
+        cache,
+        ["proto", "poodle"],
+        options={"poodle": {"steps": 3}},
+        episodes=6,
+        n_neg=7,
+        out=tmp_path / "r.jsonl",
+        run=CPU,
+        on_event=events.append,
+    )
+    kinds = [type(e) for e in events]
+    assert kinds[0] is CellsStarted and kinds.count(Ready) == 1
+    assert kinds.index(Ready) < kinds.index(EpisodesSolved)  # the checks pass before any episode
+    assert sum(e.episodes for e in events if isinstance(e, EpisodesSolved)) == 6
+    assert all(e.cells == 2 for e in events if isinstance(e, EpisodesSolved))  # one call for both
+    done = [e for e in events if isinstance(e, CellFinished)]
+    assert [e.cell.method for e in done] == ["proto", "poodle"] and not any(e.skipped for e in done)
+    assert res.n_episodes == 6 and res.negatives == NegativeSpec("base", 7) and res.spec.shot == 1
+    assert [r["label"] for r in res.records] == ["proto", "poodle"] and res.records[1]["call_cells"] == 2
+    # the same cells run again through run_cells find their records and solve nothing
+    again = run_cells(res.cells, out=tmp_path / "r.jsonl", options=CPU)
+    assert again.computed == 0 and [r["acc"] for r in again.records] == [r["acc"] for r in res.records]
+    with pytest.raises(ConfigError, match="unknown setting.s. wayy"):
+        solve(cache, ["proto"], wayy=3, run=CPU)
+    with pytest.raises(ConfigError, match="negatives random: none of the chosen methods .proto. reads negatives"):
+        solve(cache, ["proto"], negatives="random", run=CPU)
+
+
+def test_the_pipelined_chunk_stream_gives_the_same_results_in_order(cache):
+    test = read_split(cache, "test")
+    stream = EpisodeStream(test.labels, EpisodeSpec(way=5, shot=1, query=3, seed=5), 23)
+    methods = [("p", "proto", None), ("po", "poodle", {"steps": 4, "transductive": True})]
+    neg = NegativeSpec("random", 9)
+    plain = evaluate(test, stream, methods, negatives=neg, device="cpu", chunk_size=4, workers=1, overlap=False)
+    piped = evaluate(test, stream, methods, negatives=neg, device="cpu", chunk_size=4, workers=1, overlap=True)
+    for k in ("p", "po"):
+        assert torch.equal(plain[k], piped[k])
+
+
+def test_an_explicit_memory_bound_counts_what_the_call_holds(cache):
+    test = read_split(cache, "test")
+    stream = EpisodeStream(test.labels, EpisodeSpec(way=5, shot=1, query=3), 10)
+    methods = [("po", "poodle", {"steps": 2})]
+    held = test.features.numel() * 4 + read_split(cache, "train").features.numel() * 4
+    stats: dict = {}
+    evaluate(test, stream, methods, negatives=NegativeSpec("base", 5), cache_path=cache, stats=stats, device="cpu")
+    assert stats["held_bytes"] == held
+    with pytest.raises(ConfigError, match=f"features and negative pool held for the whole run take {held:,} bytes"):
+        evaluate(test, stream, methods, negatives=NegativeSpec("base", 5), cache_path=cache, max_memory=held)
+    plan = plan_chunks(100, 20, 16, 5, torch.device("cpu"), max_memory=held + 100_000, held=held, workers=1)
+    assert plan.chunk == 100_000 // (4 * (3 * 20 * 16 + 8 * 6 * 16 + 16 * 20 * 6))  # 6
+    edges = [a for a, _ in plan.bounds] + [plan.bounds[-1][1]]
+    assert edges[:4] == [0, 1, 3, 7] and edges[-1] == 100 and max(b - a for a, b in plan.bounds) == plan.chunk
+
+
+def test_library_errors_name_parameters_and_each_command_writes_its_own_flags():
+    from poodle.cli._common import friendly_errors
+
+    def command(name, *opts):
+        @click.command(name=name)
+        @friendly_errors
+        def cmd(**kw):
+            raise ConfigError(
+                "n_neg must be a positive integer; save_episodes_to is set", params=("n_neg", "save_episodes_to")
+            )
+
+        for o in opts:
+            cmd = click.option(*o)(cmd)
+        return cmd
+
+    with_flags = command("a", ("--n-neg", "n_neg"), ("--save-episodes", "save_episodes"))
+    without = command("b")
+    r = CliRunner().invoke(with_flags, [])
+    assert r.exit_code == 1 and "--n-neg must be a positive integer; --save-episodes is set" in r.output
+    r = CliRunner().invoke(without, [])
+    assert r.exit_code == 1 and "error: n_neg must be a positive integer; save_episodes_to is set" in r.output
