@@ -65,12 +65,10 @@ class EpisodeSpec:
         """The spec of an episode-settings mapping (a results record's ``episode``, the solve
         parameters): its spec fields, with ``query_classes`` optional; other keys (``episodes``) ignored."""
         optional = set(defaults.OPTIONAL_EPISODE_KEYS)
-        return cls(
-            **{
-                f.name: settings.get(f.name) if f.name in optional else settings[f.name]
-                for f in dataclasses.fields(cls)
-            }
-        )
+        values: dict[str, Any] = {
+            f.name: settings.get(f.name) if f.name in optional else settings[f.name] for f in dataclasses.fields(cls)
+        }
+        return cls(**values)
 
     def validate(self) -> None:
         """EpisodeError for counts below their minimum (a 1-way episode is 100% correct by
