@@ -236,6 +236,95 @@ def _data(cfg: DemoConfig, progress: Callable[[int], None] | None = None) -> tup
     return "folder", str(root), cache_root / DATASET / "quick"
 
 
+@dataclass
+class _Stages:
+    """What the stages of one demo run share: the settings, the log, the times and reuse flags."""
+
+    cfg: DemoConfig
+    log: Callable[[str], None]
+    progress_factory: ProgressFactory | None
+    seconds: dict[str, float] = field(default_factory=dict)
+    reused: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def cache_root(self) -> Path:
+        return Path(self.cfg.cache_root)
+
+    def train(self, dataset: str, data_root: str | None, pixels: PixelCache, callback: Callable | None) -> tuple:
+        """``(checkpoint, key)``: the backbone trained (or reused: its folder is named by the hash
+        ``key`` of the training settings)."""
+        cfg, t = self.cfg, time.perf_counter()
+        tcfg = cfg.train_config(dataset, data_root)
+        key = _digest(tcfg.defining())[:10]
+        tcfg.out = str(self.cache_root / DATASET / "checkpoints" / f"{cfg.backbone}-{cfg.recipe}-demo-{key}")
+        result = train(tcfg, callback=callback, pixel_cache=pixels)
+        self.reused["train"] = all(g["epochs_run"] == 0 for g in result.generations)
+        self.seconds["train"] = time.perf_counter() - t
+        checkpoint = Path(result.checkpoint)
+        how = "reused" if self.reused["train"] else "trained"
+        self.log(f"backbone {cfg.backbone} {how}: {checkpoint} ({self.seconds['train']:.1f} s)")
+        return checkpoint, key
+
+    def extract(
+        self, dataset: str, data_root: str | None, data_cache: Path, checkpoint: Path, key: str, pixels: PixelCache
+    ) -> Path:
+        """The features of every split (reused when the cache holds them for this checkpoint)."""
+        cfg, t = self.cfg, time.perf_counter()
+        opts: dict[str, Any] = dict(
+            data_root=data_root,
+            checkpoint=checkpoint,
+            splits=("train", "val", "test"),
+            image_size=cfg.image_size,
+            batch_size=256,
+            device=cfg.device,
+            cache_root=data_cache,
+            tag=f"demo-{key}",
+            workers=cfg.workers,
+            progress_factory=self.progress_factory,
+            pixel_cache=pixels,
+        )
+        try:
+            features = Path(extract(dataset, cfg.backbone, **opts))
+        except CacheError as e:
+            # the checkpoint was retrained since (e.g. deleted by hand): its old features are stale
+            self.log(f"replacing stale features ({e})")
+            features = Path(extract(dataset, cfg.backbone, force=True, **opts))
+        self.seconds["extract"] = time.perf_counter() - t
+        self.log(f"features: {features} ({self.seconds['extract']:.1f} s)")
+        return features
+
+    def table(self, rows: list[Row], features: Path, demo_dir: Path) -> Any:
+        """The table's cells solved (or found in the demo's results file), as a grid run."""
+        cfg, t = self.cfg, time.perf_counter()
+        spec = demo_grid(cfg, rows, features, demo_dir)
+        cells = expand(spec)
+        ctx = (
+            self.progress_factory("solving the table", sum(c.n_episodes for c in cells))
+            if self.progress_factory
+            else None
+        )
+        with ctx if ctx is not None else contextlib.nullcontext() as advance:
+
+            def on_event(event: Event) -> None:
+                if advance is None:
+                    return
+                if isinstance(event, CellFinished) and event.skipped:
+                    advance(event.cell.n_episodes)
+                elif isinstance(event, EpisodesSolved):
+                    advance(event.episodes * event.cells)
+
+            options = RunOptions(device=cfg.device, max_memory=cfg.max_memory, cells_per_call=len(cells))
+            run = run_grid(spec, demo_dir / RESULTS_FILE, options=options, cells=cells, on_event=on_event)
+        self.reused["evaluate"] = run.computed == 0
+        self.seconds["evaluate"] = time.perf_counter() - t
+        self.log(
+            f"{len(cells)} table cells, {run.computed} solved now ({self.seconds['evaluate']:.1f} s: reading the "
+            f"cache {run.load_seconds:.1f} s, sampling episodes {run.sample_seconds:.1f} s, solving "
+            f"{run.solve_seconds:.1f} s)"
+        )
+        return run
+
+
 def run_demo(
     cfg: DemoConfig,
     *,
@@ -252,84 +341,27 @@ def run_demo(
         progress_factory: ``(description, total) -> context manager yielding advance(n)`` (as
             :func:`poodle.extract.extract` takes it), used for extraction and evaluation progress.
     """
-    seconds: dict[str, float] = {}
-    reused: dict[str, bool] = {}
-    cache_root = Path(cfg.cache_root)
-    demo_dir = cache_root / DATASET / "demo"
-
+    stages = _Stages(cfg, log, progress_factory)
+    demo_dir = stages.cache_root / DATASET / "demo"
     t = time.perf_counter()
     dataset, data_root, data_cache = _data(cfg)
-    seconds["glyphs"] = time.perf_counter() - t
-    log(f"glyphs ready under {data_root or cache_root / DATASET} ({seconds['glyphs']:.1f} s)")
-
-    t = time.perf_counter()
-    tcfg = cfg.train_config(dataset, data_root)
-    key = _digest(tcfg.defining())[:10]
-    tcfg.out = str(cache_root / DATASET / "checkpoints" / f"{cfg.backbone}-{cfg.recipe}-demo-{key}")
+    stages.seconds["glyphs"] = time.perf_counter() - t
+    log(f"glyphs ready under {data_root or stages.cache_root / DATASET} ({stages.seconds['glyphs']:.1f} s)")
     # Training keeps the decoded train and val images here; extraction then reads them instead of
     # decoding them a second time (the test split is decoded once, by extraction).
     pixels = PixelCache(defaults.IMAGE_CACHE_BYTES)
-    result = train(tcfg, callback=train_callback, pixel_cache=pixels)
-    reused["train"] = all(g["epochs_run"] == 0 for g in result.generations)
-    seconds["train"] = time.perf_counter() - t
-    checkpoint = Path(result.checkpoint)
-    log(
-        f"backbone {cfg.backbone} {'reused' if reused['train'] else 'trained'}: {checkpoint} ({seconds['train']:.1f} s)"
-    )
-
-    t = time.perf_counter()
-    extract_opts: dict[str, Any] = dict(
-        data_root=data_root,
-        checkpoint=checkpoint,
-        splits=("train", "val", "test"),
-        image_size=cfg.image_size,
-        batch_size=256,
-        device=cfg.device,
-        cache_root=data_cache,
-        tag=f"demo-{key}",
-        workers=cfg.workers,
-        progress_factory=progress_factory,
-        pixel_cache=pixels,
-    )
-    try:
-        features = Path(extract(dataset, cfg.backbone, **extract_opts))
-    except CacheError as e:
-        # the checkpoint was retrained since (e.g. deleted by hand): its old features are stale
-        log(f"replacing stale features ({e})")
-        features = Path(extract(dataset, cfg.backbone, force=True, **extract_opts))
+    checkpoint, key = stages.train(dataset, data_root, pixels, train_callback)
+    features = stages.extract(dataset, data_root, data_cache, checkpoint, key, pixels)
     pixels.clear()  # the images are not needed any more: free the memory before solving
-    seconds["extract"] = time.perf_counter() - t
-    log(f"features: {features} ({seconds['extract']:.1f} s)")
-
-    t = time.perf_counter()
     rows = demo_rows(cfg.competitors)
-    spec = demo_grid(cfg, rows, features, demo_dir)
-    cells = expand(spec)
-    results_path = demo_dir / RESULTS_FILE
-    total = sum(c.n_episodes for c in cells)
-    ctx = progress_factory("solving the table", total) if progress_factory else None
-    with ctx if ctx is not None else contextlib.nullcontext() as advance:
-
-        def on_event(event: Event) -> None:
-            if advance is None:
-                return
-            if isinstance(event, CellFinished) and event.skipped:
-                advance(event.cell.n_episodes)
-            elif isinstance(event, EpisodesSolved):
-                advance(event.episodes * event.cells)
-
-        options = RunOptions(device=cfg.device, max_memory=cfg.max_memory, cells_per_call=len(cells))
-        run = run_grid(spec, results_path, options=options, cells=cells, on_event=on_event)
-    reused["evaluate"] = run.computed == 0
-    seconds["evaluate"] = time.perf_counter() - t
-    log(
-        f"{len(cells)} table cells, {run.computed} solved now ({seconds['evaluate']:.1f} s: reading the cache "
-        f"{run.load_seconds:.1f} s, sampling episodes {run.sample_seconds:.1f} s, solving {run.solve_seconds:.1f} s)"
-    )
-
+    run = stages.table(rows, features, demo_dir)
     table = demo_table(run.records)
-    md_path, json_path = _write_table(cfg, rows, table, run.records, demo_dir, key, checkpoint, features, seconds)
-    return DemoResult(rows, table, run.records, checkpoint, features, md_path, json_path, seconds, reused, cfg)
+    md_path, json_path = _write_table(
+        cfg, rows, table, run.records, demo_dir, key, checkpoint, features, stages.seconds
+    )
+    return DemoResult(
+        rows, table, run.records, checkpoint, features, md_path, json_path, stages.seconds, stages.reused, cfg
+    )
 
 
 def demo_grid(cfg: DemoConfig, rows: list[Row], features: Path, demo_dir: Path) -> GridSpec:

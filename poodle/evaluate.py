@@ -525,6 +525,20 @@ class _Tally:
         if self.progress is not None:
             self.progress(b - a)
 
+    def stats(self, plan: ChunkPlan, gatherer: Gatherer, n_neg: int) -> dict[str, Any]:
+        """What :func:`evaluate` reports in its ``stats``."""
+        return {
+            "chunk_size": plan.chunk,
+            "n_chunks": len(plan.bounds),
+            "device": str(gatherer.device),
+            "seconds": self.seconds,
+            "n_neg": n_neg,
+            "workers": plan.workers,
+            "first_chunk_s": self.first_chunk_s,
+            "max_memory": plan.budget,
+            "held_bytes": gatherer.held_bytes,
+        }
+
 
 def _check_episodes(features: Any, episodes: EpisodeSet | EpisodeStream) -> None:
     if len(episodes) == 0:
@@ -558,30 +572,22 @@ def evaluate(
     """Per-episode accuracies of every method on ``episodes``.
 
     Args:
-        features: a ``poodle.cache.SplitFeatures`` (``features [N, D]`` normalised, ``labels [N]``)
-            of the split the episodes index.
-        episodes: the episode set (its ``negatives`` indices are used when their source matches), or
-            an :class:`~poodle.episodes.EpisodeStream`, whose episodes and negatives are then drawn
-            chunk by chunk (identical results, flat memory, no start-up wait).
+        features: a ``poodle.cache.SplitFeatures`` (``features [N, D]``, ``labels [N]``) of the split
+            the episodes index.
+        episodes: an episode set (its ``negatives`` indices are used when their source matches), or
+            an :class:`~poodle.episodes.EpisodeStream` (drawn chunk by chunk: same results, flat memory).
         methods: ``(label, method_name, config)`` triples; config a dataclass, a dict of options or None.
         negatives: the negative source and count; ``None`` means no negatives.
         cache_path: the cache file (its ``train`` split is the ``base`` pool).
-        device: where to solve (see the module docstring).
-        max_memory: the bound on everything the call holds (features, pool, chunks in flight); ``None``:
-            the chunks alone get :func:`default_budget`.
+        device, max_memory, workers, chunk_size, overlap: where and how (module docstring,
+            :func:`plan_chunks`, :func:`run_chunks`); no result depends on them.
         progress: called with the number of episodes just solved (all methods).
-        chunk_size: episodes per chunk, overriding the automatic choice (tests, benchmarks).
         dtype: the solvers' float type (float64 for references).
-        workers: chunks solved at once (CPU only; default: torch's thread count), each with
-            single-threaded operations: a solver step is a few small operations, and splitting each
-            of them across cores costs more in synchronisation than it gains. Results do not depend on it.
         stats: if given, filled with ``chunk_size``, ``n_chunks``, ``device``, ``seconds`` per label,
             ``n_neg``, ``workers``, ``first_chunk_s``, ``max_memory`` and ``held_bytes``.
         preprocess: a :class:`poodle.preprocess.Preprocessor` whose transform the negative pool gets
             (the caller transforms ``features`` itself).
         ready: called once every check has passed, just before solving starts.
-        overlap: pipeline one stream of chunks (host work of the next chunk during the current one);
-            default: on a GPU. Results do not depend on it.
 
     Returns:
         ``{label: float64 [E] accuracies in [0, 1]}`` on the CPU.
@@ -617,17 +623,7 @@ def evaluate(
     )
     run_chunks(plan, gatherer, methods, tally, overlap)
     if stats is not None:
-        stats.update(
-            chunk_size=plan.chunk,
-            n_chunks=len(plan.bounds),
-            device=str(dev),
-            seconds=tally.seconds,
-            n_neg=neg.count,
-            workers=plan.workers,
-            first_chunk_s=tally.first_chunk_s,
-            max_memory=plan.budget,
-            held_bytes=gatherer.held_bytes,
-        )
+        stats.update(tally.stats(plan, gatherer, neg.count))
     return tally.results
 
 

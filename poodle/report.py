@@ -353,6 +353,66 @@ def split_keys(text: str | Sequence[str] | None) -> list[str] | None:
     return list(text)
 
 
+def _table_keys(results: Sequence[Result], rows: Any, cols: Any) -> tuple[list[str], list[str], list[str]]:
+    """``(row keys, column keys, every key)``: the given ones checked, the defaults filled in."""
+    known: list[str] = []
+    for r in results:
+        known += [k for k in r.flat if k not in known]
+    vary = varying_keys(results)
+    row_keys, col_keys = split_keys(rows), split_keys(cols)
+    for k in (row_keys or []) + (col_keys or []):
+        if k not in known:
+            raise ConfigError(
+                f"rows/cols: unknown key {k!r}; keys in these results: {', '.join(known)}", params=("rows", "cols")
+            )
+    if col_keys is None:
+        col_keys = [k for k in ("shot", "transductive") if k in vary and k not in (row_keys or [])]
+    if row_keys is None:
+        row_keys = drop_derived(results, [k for k in vary if k not in col_keys], col_keys)
+    overlap = set(row_keys) & set(col_keys)
+    if overlap:
+        raise ConfigError(f"key {sorted(overlap)[0]!r} is on both rows and cols", params=("rows", "cols"))
+    return row_keys, col_keys, known
+
+
+def _one_entry(group: list[Result], known: list[str], where: str) -> Entry:
+    """The entry of the results that fall on one row and column: one result (or one cell recorded
+    in several files, with the same numbers); a ConfigError naming the keys that tell them apart."""
+    if len(group) == 1:
+        return Entry(group[0])
+    differ = [k for k in known if len({_hashable(r.flat.get(k)) for r in group}) > 1]
+    if not differ and all(np.array_equal(r.acc, group[0].acc) for r in group[1:]):
+        return Entry(group[0])
+    if not differ:
+        raise ConfigError(
+            f"{len(group)} results with identical options at {where} (from "
+            f"{', '.join(sorted({r.source for r in group}))}); report one file or filter with where",
+            params=("where",),
+        )
+    k0 = differ[0]
+    raise ConfigError(
+        f"several results fall at {where}: they differ in {', '.join(differ)}; add "
+        f"{k0} to rows or cols, or pick one with where {k0}={_where_text(group[0].flat.get(k0))}",
+        params=("rows", "cols", "where"),
+    )
+
+
+def _note_unfinished(table: Table, unfinished: list[str], bold: str) -> None:
+    table.notes.extend(unfinished)
+    missing = [
+        f"{', '.join(table.row_labels(i)) or '(row)'} / {table.col_label(j) or '(column)'}"
+        for i in range(len(table.rows))
+        for j in range(len(table.cols))
+        if (i, j) not in table.entries
+    ]
+    if missing:
+        table.notes.append(
+            f"Empty entries ({len(missing)}), possibly cells not run yet: "
+            f"{'; '.join(missing[:8])}{'; ...' if len(missing) > 8 else ''}. A "
+            f"{'column' if bold == 'col' else 'row'} with an empty entry gets no bold."
+        )
+
+
 def build_table(
     results: Sequence[Result],
     rows: str | Sequence[str] | None = None,
@@ -384,85 +444,29 @@ def build_table(
     check_p(p_threshold)
     unfinished = list(getattr(results, "unfinished", ()))
     results = list(results)
-    known: list[str] = []
-    for r in results:
-        known += [k for k in r.flat if k not in known]
-    vary = varying_keys(results)
-    row_keys, col_keys = split_keys(rows), split_keys(cols)
-    for k in (row_keys or []) + (col_keys or []):
-        if k not in known:
-            raise ConfigError(
-                f"rows/cols: unknown key {k!r}; keys in these results: {', '.join(known)}", params=("rows", "cols")
-            )
-    if col_keys is None:
-        col_keys = [k for k in ("shot", "transductive") if k in vary and k not in (row_keys or [])]
-    if row_keys is None:
-        row_keys = drop_derived(results, [k for k in vary if k not in col_keys], col_keys)
-    overlap = set(row_keys) & set(col_keys)
-    if overlap:
-        raise ConfigError(f"key {sorted(overlap)[0]!r} is on both rows and cols", params=("rows", "cols"))
-
+    row_keys, col_keys, known = _table_keys(results, rows, cols)
     orders = {k: _value_order(results, k) for k in row_keys + col_keys}
 
     def tup(r: Result, keys: list[str]) -> tuple:
         return tuple(_hashable(r.flat.get(k)) for k in keys)
 
-    def sort_key(t: tuple, keys: list[str]) -> tuple:
-        return tuple(orders[k][v] for k, v in zip(keys, t))
+    def values(keys: list[str]) -> list[tuple]:
+        return sorted({tup(r, keys) for r in results}, key=lambda t: tuple(orders[k][v] for k, v in zip(keys, t)))
 
-    row_vals = sorted({tup(r, row_keys) for r in results}, key=lambda t: sort_key(t, row_keys))
-    col_vals = sorted({tup(r, col_keys) for r in results}, key=lambda t: sort_key(t, col_keys))
-    ri = {t: i for i, t in enumerate(row_vals)}
-    ci = {t: j for j, t in enumerate(col_vals)}
+    row_vals, col_vals = values(row_keys), values(col_keys)
+    ri, ci = {t: i for i, t in enumerate(row_vals)}, {t: j for j, t in enumerate(col_vals)}
     groups: dict[tuple[int, int], list[Result]] = {}
     for r in results:
         groups.setdefault((ri[tup(r, row_keys)], ci[tup(r, col_keys)]), []).append(r)
-    entries: dict[tuple[int, int], Entry] = {}
-    for pos, group in groups.items():
-        if len(group) > 1:
-            differ = [k for k in known if len({_hashable(r.flat.get(k)) for r in group}) > 1]
-            if not differ and all(np.array_equal(r.acc, group[0].acc) for r in group[1:]):
-                entries[pos] = Entry(group[0])  # one cell recorded in several files: the same numbers
-                continue
-            where = (
-                ", ".join(
-                    f"{k}={format_value(k, v)}"
-                    for k, v in zip(row_keys + col_keys, row_vals[pos[0]] + col_vals[pos[1]])
-                )
-                or "the table"
-            )
-            if not differ:
-                raise ConfigError(
-                    f"{len(group)} results with identical options at {where} (from "
-                    f"{', '.join(sorted({r.source for r in group}))}); report one file or filter "
-                    f"with where",
-                    params=("where",),
-                )
-            k0 = differ[0]
-            raise ConfigError(
-                f"several results fall at one place ({where}): they differ in {', '.join(differ)}; add "
-                f"{k0} to rows or cols, or pick one with where "
-                f"{k0}={_where_text(group[0].flat.get(k0))}",
-                params=("rows", "cols", "where"),
-            )
-        entries[pos] = Entry(group[0])
+    entries = {}
+    for (i, j), group in groups.items():
+        at = zip(row_keys + col_keys, row_vals[i] + col_vals[j])
+        entries[i, j] = _one_entry(group, known, ", ".join(f"{k}={format_value(k, v)}" for k, v in at) or "the table")
     table = Table(row_keys, col_keys, row_vals, col_vals, entries, show_ci=show_ci)
     if bold != "none":
         _mark_significance(table, bold, test, p_threshold, incomplete=bool(unfinished))
     if unfinished:
-        table.notes.extend(unfinished)
-        missing = [
-            f"{', '.join(table.row_labels(i)) or '(row)'} / {table.col_label(j) or '(column)'}"
-            for i in range(len(row_vals))
-            for j in range(len(col_vals))
-            if (i, j) not in entries
-        ]
-        if missing:
-            table.notes.append(
-                f"Empty entries ({len(missing)}), possibly cells not run yet: "
-                f"{'; '.join(missing[:8])}{'; ...' if len(missing) > 8 else ''}. A "
-                f"{'column' if bold == 'col' else 'row'} with an empty entry gets no bold."
-            )
+        _note_unfinished(table, unfinished, bold)
     return table
 
 

@@ -98,6 +98,76 @@ def _find_baseline(results: Sequence[Result], name: str, like: Result) -> Result
     return found[0]
 
 
+def _heatmap_layout(cells: Sequence[Result], panels: Sequence[str], groups: list) -> tuple[int, int, dict]:
+    """``(rows, columns, {panel values: (row, column)})``: two panel keys are a rows x columns
+    layout (shot x transductive, as in the paper); otherwise one row of up to three panels."""
+    if len(panels) == 2:
+        v0 = sorted({g[0][0] for g in groups}, key=lambda v: _value_order(cells, panels[0])[v])
+        v1 = sorted({g[0][1] for g in groups}, key=lambda v: _value_order(cells, panels[1])[v])
+        return len(v0), len(v1), {g[0]: (v0.index(g[0][0]), v1.index(g[0][1])) for g in groups}
+    ncols = min(len(groups), 3)
+    return math.ceil(len(groups) / ncols), ncols, {g[0]: divmod(i, ncols) for i, g in enumerate(groups)}
+
+
+def _gains(
+    results: Sequence[Result],
+    group: list[Result],
+    where: str,
+    baseline: str,
+    x: str,
+    y: str,
+    xs: list,
+    ys: list,
+    p_threshold: float,
+) -> tuple[np.ndarray, np.ndarray, Result]:
+    """One panel: the gain of every (x, y) cell over the baseline in points ``[len(ys), len(xs)]``,
+    whether it is significant, and the baseline."""
+    if baseline == "zero":
+        zero = [r for r in group if r.flat[x] == 0 and r.flat[y] == 0]
+        if len(zero) != 1:
+            raise ConfigError(
+                f"heatmap: panel {where} has {len(zero)} cells with {x}={y}=0; baseline zero needs exactly one "
+                f"(or name a baseline method)",
+                params=("baseline",),
+            )
+        base = zero[0]
+    else:
+        base = _find_baseline(results, baseline, group[0])
+    gain = np.full((len(ys), len(xs)), np.nan)
+    sig = np.zeros_like(gain, dtype=bool)
+    for r in group:
+        if r.pairing() != base.pairing():
+            raise ConfigError(f"heatmap: {r.flat.get('label')} and the baseline were not solved on the same episodes")
+        i, j = ys.index(r.flat[y]), xs.index(r.flat[x])
+        if not np.isnan(gain[i, j]):
+            raise ConfigError(
+                f"heatmap: several results at {x}={r.flat[x]}, {y}={r.flat[y]} in panel {where}; choose with "
+                f"where or panels",
+                params=("where", "panels"),
+            )
+        gain[i, j] = 100 * float(np.mean(r.acc - base.acc))
+        sig[i, j] = r is not base and paired_ttest(r.acc, base.acc)[1] <= p_threshold
+    return gain, sig, base
+
+
+def _draw_panel(ax: Any, gain: np.ndarray, sig: np.ndarray, norm: Any, vmax: float, labels: tuple) -> Any:
+    """One panel's image and its numbers (grey where the gain is not significant)."""
+    x, y, xs, ys, title = labels
+    image = ax.imshow(gain, cmap="RdBu", norm=norm, origin="lower", aspect="auto")
+    ax.set_xticks(range(len(xs)), [format_value(x, v) for v in xs])
+    ax.set_yticks(range(len(ys)), [format_value(y, v) for v in ys])
+    ax.set_xlabel(key_name(x))
+    ax.set_ylabel(key_name(y))
+    ax.set_title(title, fontsize=9)
+    for i in range(gain.shape[0]):
+        for j in range(gain.shape[1]):
+            if not np.isnan(gain[i, j]):
+                strong = abs(gain[i, j]) > 0.6 * vmax
+                colour = ("white" if strong else "black") if sig[i, j] else "0.55"
+                ax.text(j, i, f"{gain[i, j]:+.1f}", ha="center", va="center", fontsize=7, color=colour)
+    return image
+
+
 def heatmap(
     results: Sequence[Result],
     out: str | Path,
@@ -126,74 +196,25 @@ def heatmap(
         if unknown:
             raise ConfigError(f"heatmap: unknown panel key {unknown[0]!r}")
     groups = _panels(cells, panels)
-    # Two panel keys -> a rows x cols layout (shot x transductive, as in the paper); else one row.
-    if len(panels) == 2:
-        v0 = sorted({g[0][0] for g in groups}, key=lambda v: _value_order(cells, panels[0])[v])
-        v1 = sorted({g[0][1] for g in groups}, key=lambda v: _value_order(cells, panels[1])[v])
-        nrows, ncols = len(v0), len(v1)
-        where = {g[0]: (v0.index(g[0][0]), v1.index(g[0][1])) for g in groups}
-    else:
-        ncols = min(len(groups), 3)
-        nrows = math.ceil(len(groups) / ncols)
-        where = {g[0]: divmod(i, ncols) for i, g in enumerate(groups)}
-
-    xs_all = sorted({r.flat[x] for r in cells})
-    ys_all = sorted({r.flat[y] for r in cells})
+    nrows, ncols, place = _heatmap_layout(cells, panels, groups)
+    xs, ys = sorted({r.flat[x] for r in cells}), sorted({r.flat[y] for r in cells})
     fig = _figure(3.6 * ncols + 0.8, 3.2 * nrows + 0.4)
     axes = fig.subplots(nrows, ncols, squeeze=False)
     for row in axes:
         for ax in row:
             ax.set_visible(False)
-    panels_data = []
-    for values, group in groups:
-        if baseline == "zero":
-            zero = [r for r in group if r.flat[x] == 0 and r.flat[y] == 0]
-            if len(zero) != 1:
-                raise ConfigError(
-                    f"heatmap: panel {_panel_title(panels, values) or 'all'} has "
-                    f"{len(zero)} cells with {x}={y}=0; baseline zero needs exactly one "
-                    f"(or name a baseline method)",
-                    params=("baseline",),
-                )
-            base = zero[0]
-        else:
-            base = _find_baseline(results, baseline, group[0])
-        gain = np.full((len(ys_all), len(xs_all)), np.nan)
-        sig = np.zeros_like(gain, dtype=bool)
-        for r in group:
-            if r.pairing() != base.pairing():
-                raise ConfigError(
-                    f"heatmap: {r.flat.get('label')} and the baseline were not solved on the same episodes"
-                )
-            i, j = ys_all.index(r.flat[y]), xs_all.index(r.flat[x])
-            if not np.isnan(gain[i, j]):
-                raise ConfigError(
-                    f"heatmap: several results at {x}={r.flat[x]}, {y}={r.flat[y]} in panel "
-                    f"{_panel_title(panels, values) or 'all'}; choose with where or panels",
-                    params=("where", "panels"),
-                )
-            gain[i, j] = 100 * float(np.mean(r.acc - base.acc))
-            sig[i, j] = r is not base and paired_ttest(r.acc, base.acc)[1] <= p_threshold
-        panels_data.append((values, gain, sig, base))
-    vmax = max(float(np.nanmax(np.abs(g))) for _, g, _, _ in panels_data) or 1.0
+    drawn = [
+        (values, *_gains(results, group, _panel_title(panels, values) or "all", baseline, x, y, xs, ys, p_threshold))
+        for values, group in groups
+    ]
+    vmax = max(float(np.nanmax(np.abs(g))) for _, g, _, _ in drawn) or 1.0
     norm = mcolors.TwoSlopeNorm(vmin=-vmax, vcenter=0.0, vmax=vmax)
     image = None
-    for values, gain, sig, base in panels_data:
-        ax = axes[where[values]]
+    for values, gain, sig, base in drawn:
+        ax = axes[place[values]]
         ax.set_visible(True)
-        image = ax.imshow(gain, cmap="RdBu", norm=norm, origin="lower", aspect="auto")
-        ax.set_xticks(range(len(xs_all)), [format_value(x, v) for v in xs_all])
-        ax.set_yticks(range(len(ys_all)), [format_value(y, v) for v in ys_all])
-        ax.set_xlabel(key_name(x))
-        ax.set_ylabel(key_name(y))
-        base_txt = f"base {100 * base.mean:.2f}%"
-        ax.set_title((_panel_title(panels, values) + "\n" if panels else "") + base_txt, fontsize=9)
-        for i in range(gain.shape[0]):
-            for j in range(gain.shape[1]):
-                if not np.isnan(gain[i, j]):
-                    strong = abs(gain[i, j]) > 0.6 * vmax
-                    colour = ("white" if strong else "black") if sig[i, j] else "0.55"
-                    ax.text(j, i, f"{gain[i, j]:+.1f}", ha="center", va="center", fontsize=7, color=colour)
+        panel_title = (_panel_title(panels, values) + "\n" if panels else "") + f"base {100 * base.mean:.2f}%"
+        image = _draw_panel(ax, gain, sig, norm, vmax, (x, y, xs, ys, panel_title))
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy gain (points)")
     name = "no fine-tuning" if baseline != "zero" else f"{x}={y}=0"

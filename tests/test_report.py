@@ -178,8 +178,8 @@ def test_collision_names_the_distinguishing_key(tmp_path):
     with pytest.raises(
         ConfigError,
         match=r"several results fall at method=poodle, shot=1-shot: they differ in "
-        r"transductive, beta; add transductive to --rows or --cols, or pick one with "
-        r"--where transductive=false",
+        r"transductive, beta; add transductive to rows or cols, or pick one with "
+        r"where transductive=false",
     ):
         R.build_table(results, rows="method", cols="shot,beta".split(",")[:1])
     table = R.build_table(
@@ -260,6 +260,7 @@ def test_report_cli_latex_to_file_and_figure(tmp_path):
     assert (tmp_path / "t.tex").read_text().count(r"\\") == 2 + 4
     res = runner.invoke(report, [str(path), "--rows", "method"])
     assert res.exit_code == 1 and "error: several results fall at" in res.output
+    assert "to --rows or --cols, or pick one with --where" in res.output  # the library's names, as flags
     res = runner.invoke(report, [str(path), "--format", "rich", "--rows", "method,beta"])
     assert res.exit_code == 0 and "1-shot" in res.output
 
