@@ -97,7 +97,7 @@ def check_memory_bound(
         what = f"the features and negative pool held for the whole run take {_mib(held)}, and " if held else ""
         raise ConfigError(
             f"max_memory {_mib(budget)} cannot be met: {what}one episode ({n_rows} rows of D={dim}, negatives "
-            f"included) needs about {_mib(need)}: {_mib(need + held - budget)} more; raise max_memory to at "
+            f"included) needs about {_mib(need)}: {_mib(need + held - budget)} more; raise it to at "
             f"least {_mib(need + held)} or lower n_neg",
             params=("max_memory", "n_neg"),
         )
