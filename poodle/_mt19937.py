@@ -25,7 +25,8 @@ per draw; this module draws the same numbers for thousands of episodes at once:
   vectorised over episodes, on any device: a GPU draws each episode's uniforms where they are used,
   the same words as torch's CPU generator.
 
-:func:`verified` compares all of this with torch's own generator on a few seeds, once per process.
+:func:`verified` compares all of this with torch's own generator on a few seeds, once per process
+(and :class:`MT19937` once per device type, on that device).
 The callers keep torch's per-episode path and use it (with one warning) if it ever disagrees, e.g.
 under a torch version whose CPU samplers draw differently.
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+import threading
 import warnings
 from typing import Callable, Sequence
 
@@ -321,7 +323,8 @@ def _box_muller_(g: Tensor) -> None:
 
 # ---------------------------------------------------------------------------------- self-check
 
-_VERIFIED: bool | None = None
+_VERIFIED: dict[str | None, bool] = {}  # None: the host pieces; a device type: MT19937 there
+_LOCK = threading.Lock()
 
 
 def _check() -> str | None:
@@ -351,28 +354,46 @@ def _check() -> str | None:
         ]
         if not ok.all() or not np.array_equal(gam, np.stack(ref_g)):
             return f"standard_gamma({alpha})"
-    u = MT19937(torch.tensor([s & M32 for s in seeds])).uniform_(torch.empty(len(seeds), 700))
-    ref_u = torch.stack([torch.rand(700, generator=torch.Generator().manual_seed(s)) for s in seeds])
-    if not torch.equal(u, ref_u):
-        return "rand"
+    # the Dirichlet shares and their rounding sum rows of [E, way] at once, where torch sums one [way]
+    x = torch.rand(4, 1100, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for n in [*range(2, 70), 100, 256, 1000]:
+        if not torch.equal(x[:, :n].sum(1), torch.stack([r[:n].sum() for r in x])):
+            return f"sums of {n} values"
     return None
 
 
-def verified() -> bool:
-    """Whether the bulk draws match torch's own generator here (checked once per process; a
-    mismatch is reported once, as a warning, and the callers keep torch's per-episode path)."""
-    global _VERIFIED
-    if _VERIFIED is None:
-        what = _check()
-        _VERIFIED = what is None
-        if what is not None:
-            warnings.warn(
-                f"torch {torch.__version__} draws {what} differently from poodle's bulk sampler; "
-                "episodes and negatives are drawn one by one (same numbers, slower)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    return _VERIFIED
+def _check_device(device: torch.device) -> str | None:
+    """None when :class:`MT19937` on ``device`` draws torch's CPU ``rand`` on a few seeds."""
+    seeds = [0, 1, 12345, 2**40 + 7]
+    mt = MT19937(torch.tensor([s & M32 for s in seeds], device=device))
+    u = mt.uniform_(torch.empty(len(seeds), 700, device=device))
+    ref = torch.stack([torch.rand(700, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    return None if device.type == "meta" or torch.equal(u.cpu(), ref) else f"rand on {device.type}"
+
+
+def verified(device: torch.device | None = None) -> bool:
+    """Whether the bulk draws match torch's own generator here (checked once per process, and once
+    per device type for :class:`MT19937` on ``device``; a mismatch is reported once, as a warning,
+    and the callers keep torch's per-episode path)."""
+    with _LOCK:  # chunks may be drawn by several threads at once
+        if None not in _VERIFIED:
+            _VERIFIED[None] = _verify(_check())
+        if device is None or device.type == "cpu":
+            return _VERIFIED[None]
+        if device.type not in _VERIFIED:
+            _VERIFIED[device.type] = _VERIFIED[None] and _verify(_check_device(device))
+        return _VERIFIED[device.type]
+
+
+def _verify(what: str | None) -> bool:
+    if what is not None:
+        warnings.warn(
+            f"torch {torch.__version__} draws {what} differently from poodle's bulk sampler; "
+            "episodes and negatives are drawn one by one (same numbers, slower)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return what is None
 
 
 __all__ = [

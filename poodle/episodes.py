@@ -232,8 +232,9 @@ def check_spec(labels: Tensor, spec: EpisodeSpec, classes: Sequence[str] | None 
             f", ... ({len(short)} in all)" if len(short) > 10 else ""
         )
         raise EpisodeError(
-            f"split {spec.split!r}: {len(short)} class(es) have fewer than shot + query = {need} "
-            f"images: {shown}; lower --shot/--query or drop these classes"
+            f"split {spec.split!r}: lower shot or query (or drop classes): {len(short)} class(es) have "
+            f"fewer than shot + query = {need} images: {shown}",
+            params=("shot", "query"),
         )
 
 

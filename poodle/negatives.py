@@ -105,13 +105,14 @@ def sample_indices(
     dev = torch.device("cpu") if device is None else torch.device(device)
     idx = episode_index.tolist()
     E = len(idx)
-    if not E or not verified():
+    on_device = dev.type != "cpu" and pool_size < RANGE64
+    if not E or not verified(dev if on_device else None):
         out = torch.empty(E, n_neg, dtype=torch.int64)
         for r, i in enumerate(idx):
             out[r] = torch.randint(pool_size, (n_neg,), generator=generator(seed, i, NEG_STREAM))
         return out.to(dev)
     seeds = derive_seeds(seed, idx, NEG_STREAM)
-    if dev.type != "cpu" and pool_size < RANGE64:
+    if on_device:
         return indices_on_device(pool_size, seeds, n_neg, dev)
     rows = np.arange(E)[:, None]
     if pool_size < RANGE64:  # torch draws one word per index
@@ -146,7 +147,7 @@ def generate(
     dev = torch.device("cpu") if device is None else torch.device(device)
     idx = episode_index.tolist()
     size = n_neg * dim
-    if dev.type == "cpu" or not idx or (kind == "sphere" and size < 16) or not verified():
+    if dev.type == "cpu" or not idx or (kind == "sphere" and size < 16) or not verified(dev):
         out = torch.empty(len(idx), n_neg, dim, dtype=torch.float32)
         draw = torch.rand if kind == "random" else torch.randn
         for r, i in enumerate(idx):

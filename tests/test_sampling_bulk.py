@@ -88,7 +88,7 @@ def test_an_episode_whose_gamma_draws_outrun_their_words_is_drawn_one_by_one(mon
 
 
 def test_the_sampler_falls_back_with_one_warning_when_torch_draws_otherwise(monkeypatch):
-    monkeypatch.setattr(_mt19937, "_VERIFIED", None)
+    monkeypatch.setattr(_mt19937, "_VERIFIED", {})
     monkeypatch.setattr(_mt19937, "_check", lambda: "randperm(7)")
     labels, spec = SETTINGS["dirichlet 2"]
     with pytest.warns(RuntimeWarning, match="randperm"):
@@ -103,6 +103,16 @@ def test_the_sampler_falls_back_with_one_warning_when_torch_draws_otherwise(monk
 
 def test_the_self_check_passes_with_this_torch():
     assert _mt19937._check() is None
+    assert _mt19937._check_device(torch.device("cpu")) is None  # the device generator, run on the CPU
+
+
+def test_a_device_generator_that_draws_otherwise_keeps_the_host_path(monkeypatch):
+    monkeypatch.setattr(_mt19937, "_VERIFIED", {})
+    monkeypatch.setattr(_mt19937, "_check_device", lambda device: f"rand on {device.type}")
+    with pytest.warns(RuntimeWarning, match="rand on meta"):
+        out = generate("random", torch.tensor([1, 2]), 5, 8, seed=3, device="meta")
+    assert out.device.type == "meta"  # made on the CPU and moved
+    assert _mt19937.verified() and not _mt19937.verified(torch.device("meta"))
 
 
 def test_the_pinned_episodes_are_drawn_by_the_bulk_path():
