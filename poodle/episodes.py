@@ -41,6 +41,8 @@ import torch
 from torch import Tensor
 
 from poodle import defaults
+from poodle._episodes_bulk import BulkDraw, SplitTables
+from poodle._mt19937 import verified
 from poodle.errors import ConfigError, EpisodeError
 from poodle.utils import atomic_path, check_output, check_seed, generator
 
@@ -222,8 +224,9 @@ def check_spec(labels: Tensor, spec: EpisodeSpec, classes: Sequence[str] | None 
             f", ... ({len(short)} in all)" if len(short) > 10 else ""
         )
         raise EpisodeError(
-            f"split {spec.split!r}: {len(short)} class(es) have fewer than shot + query = {need} "
-            f"images: {shown}; lower --shot/--query or drop these classes"
+            f"split {spec.split!r}: lower shot or query (or drop classes): {len(short)} class(es) have "
+            f"fewer than shot + query = {need} images: {shown}",
+            params=("shot", "query"),
         )
 
 
@@ -299,9 +302,17 @@ def _draw_episode(
 
 class _Draw:
     """What drawing needs from a split's labels, computed once: the classes with images, each
-    class's rows and counts. Drawing episode ``i`` then costs ``1 + way`` small ``randperm`` calls."""
+    class's rows and counts.
 
-    def __init__(self, labels: Tensor, spec: EpisodeSpec, classes: Sequence[str] | None = None) -> None:
+    Episodes are drawn in bulk (:mod:`poodle._episodes_bulk`: one torch call per episode, the rest
+    vectorised over episodes), the same episodes as the per-episode path :func:`_draw_episode`
+    (``1 + way`` ``randperm`` calls each), which is kept as the reference and used where torch's
+    generator is found to draw otherwise (:func:`poodle._mt19937.verified`) or ``bulk=False``.
+    """
+
+    def __init__(
+        self, labels: Tensor, spec: EpisodeSpec, classes: Sequence[str] | None = None, *, bulk: bool = True
+    ) -> None:
         labels = torch.as_tensor(labels, dtype=torch.int64).cpu()
         check_spec(labels, spec, classes)
         self.spec = spec
@@ -310,30 +321,39 @@ class _Draw:
         self.eligible = (self.counts_all > 0).nonzero().flatten()
         order = torch.argsort(labels, stable=True)
         self.members = list(torch.split(order, self.counts_all.tolist()))
+        self._bulk: BulkDraw | None = None
+        if bulk and verified():
+            size = self.counts_all.numpy()
+            tables = SplitTables(order.numpy(), np.cumsum(size) - size, size, self.eligible.numpy())
+            self._bulk = BulkDraw(spec, tables, self._one)
+
+    def _one(self, i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Episode ``i`` by the per-episode path: ``(support, query, query_labels, class_ids)``."""
+        s, q, _, ql, c = _draw_episode(
+            generator(self.spec.seed, i), self.spec, self.eligible, self.members, self.counts_all
+        )
+        return s, q, ql, c
 
     def __call__(self, start: int, n_episodes: int) -> EpisodeSet:
         spec = self.spec
         E, Ns = n_episodes, spec.n_support
-        sup, qry, qlab, cls = [], [], [], []
+        if self._bulk is not None:
+            d = self._bulk(start, E)
+            sup, qry, qlab, cls = d.support, d.query, d.query_labels, d.class_ids
+        else:
+            drawn = [self._one(start + e) for e in range(E)]
+            sup, qry, qlab, cls = (torch.stack([d[k] for d in drawn]) for k in range(4))
         slab = torch.arange(spec.way, dtype=torch.int64).repeat_interleave(spec.shot)
-        for e in range(E):
-            s, q, slab, ql, c = _draw_episode(
-                generator(spec.seed, start + e), spec, self.eligible, self.members, self.counts_all
-            )
-            sup.append(s)
-            qry.append(q)
-            qlab.append(ql)
-            cls.append(c)
         return EpisodeSet(
-            torch.stack(sup),
-            torch.stack(qry),
+            sup,
+            qry,
             slab.unsqueeze(0).expand(E, Ns).contiguous(),
-            torch.stack(qlab),
+            qlab,
             None,
             spec,
             "",
             torch.arange(start, start + E, dtype=torch.int64),
-            torch.stack(cls),
+            cls,
         )
 
 

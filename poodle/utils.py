@@ -129,6 +129,13 @@ def derive_seed(*parts: int) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
+def derive_seeds(first: int, indices: Iterable[int], *rest: int) -> list[int]:
+    """``[derive_seed(first, i, *rest) for i in indices]``, faster (the common bytes are made once)."""
+    head, tail = f"{int(first)},".encode(), "".join(f",{int(r)}" for r in rest).encode()
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+    return [from_bytes(blake2b(b"%b%d%b" % (head, i, tail), digest_size=8).digest(), "little") >> 1 for i in indices]
+
+
 def generator(*parts: int, device: str | torch.device = "cpu") -> torch.Generator:
     """A torch generator seeded with :func:`derive_seed` of ``parts``."""
     g = torch.Generator(device=device)
