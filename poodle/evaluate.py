@@ -316,19 +316,25 @@ class Gatherer:
         return sum(t.numel() * t.element_size() for t in (self.features, self.pool) if t is not None)
 
     def _pin(self, t: Tensor) -> Tensor:
-        return t.pin_memory() if self.cuda else t
+        return t.pin_memory() if self.cuda and t.device.type == "cpu" else t
 
     def prepare(self, a: int, b: int) -> HostChunk:
-        """The host work of episodes ``a..b-1``: draw them (a stream draws here) and their negatives."""
+        """The host work of episodes ``a..b-1``: draw them (a stream draws here) and their negatives
+        (on a GPU drawn there, from the same per-episode streams: no host generation, no copy)."""
         sub = self.episodes[a:b]
         neg = None
         if self.negatives.spec is not None:
             assert sub.index is not None  # set in EpisodeSet.__post_init__
             seed, M = self.spec.seed, self.negatives.count
-            if self.pool is not None:
-                neg = sub.negatives if self.negatives.held else sample_indices(self.pool.shape[0], sub.index, M, seed)
+            on = self.device if self.cuda else None
+            if self.negatives.held:
+                neg = sub.negatives
+            elif self.pool is not None:
+                neg = sample_indices(self.pool.shape[0], sub.index, M, seed, device=on)
             else:
-                neg = generate(self.negatives.spec.source, sub.index, M, self.features.shape[1], seed)
+                neg = generate(
+                    self.negatives.spec.source, sub.index, M, self.features.shape[1], seed, self.dtype, device=on
+                )
         if self.cuda:
             sub = dataclasses.replace(
                 sub,
