@@ -440,6 +440,62 @@ def table(
     return rows
 
 
+def markdown(rows: list[Row], measured: Mapping[str, float] | None = None, label: str = "CPU") -> str:
+    """The cost table in Markdown: per method, what one episode moves and computes, the launches and
+    host syncs of a chunk, the predicted seconds of 10,000 episodes per GPU, and beside them the
+    measured episodes/s (``measured``, by method, on ``label``) and its 10,000-episode time."""
+    gpus = list(rows[0].seconds) if rows else []
+    head = ["method", "steps", "MB/step", "MB/episode", "GFLOP/episode", "FLOPs", "launches", "syncs"]
+    head += [f"{g} s" for g in gpus] + [f"{label} episodes/s", f"{label} s per 10k"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        rate = (measured or {}).get(r.method)
+        cells = [r.method, str(r.steps), f"{r.bytes_per_step / 1e6:.3f}", f"{r.bytes / 1e6:.1f}"]
+        cells += [f"{r.flops / 1e9:.3f}", f"{r.flops_source} (traced matmuls {r.traced_flops / 1e9:.3f})"]
+        cells += [f"{r.launches:,}", f"{r.syncs:,}"] + [f"{r.seconds[g]:.2f}" for g in gpus]
+        cells += [f"{rate:,.1f}" if rate else "-", f"{1e4 / rate:,.1f}" if rate else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# the fits the Triton step runs: (method, options, rows n, classes K, n_support for logit losses)
+def triton_cases(workload: Workload = STANDARD) -> list[tuple[str, int, int, int | None]]:
+    """``(method, rows, classes, n_support or None)`` of each method the Triton step serves, on
+    ``workload`` (POODLE transductive with its negatives, naive-OOD with its extra class)."""
+    ns, nq, m, k = workload.n_support, workload.n_query, workload.n_neg, workload.way
+    return [
+        ("poodle", ns + nq + m, k, None),
+        ("ce", ns, k, None),
+        ("naive-ood", ns + m, k + 1, None),
+        ("tim-gd", ns + nq, k, ns),
+        ("alpha-tim", ns + nq, k, ns),
+        ("entropy-min", ns + nq, k, ns),
+    ]
+
+
+def triton_markdown(rows: list[Row], workload: Workload = STANDARD, gpus: tuple[GPU, ...] = GPUS) -> str:
+    """Bytes per step of the Triton step against the torch formulation's (traced, ``rows``), and its
+    predicted seconds for ``workload.episodes`` episodes streaming the rows and with groups resident
+    in L2, per GPU."""
+    traced = {r.method: r for r in rows}
+    head = ["method", "rows", "torch MB/step", "Triton MB/step", "torch/Triton"]
+    head += [f"{g.name} s (stream / resident, group)" for g in gpus] + ["torch formulation, H100 SXM s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, n, k, ns in triton_cases(workload):
+        r = traced.get(method)
+        if r is None:
+            continue
+        tri = triton_step_bytes(n, workload.dim, k, ns, workload.itemsize)["dram"]
+        cells = [method, str(n), f"{r.bytes_per_step / 1e6:.3f}", f"{tri / 1e6:.3f}", f"{r.bytes_per_step / tri:.2f}x"]
+        for g in gpus:
+            t = triton_seconds(n, workload.dim, k, r.steps, workload.episodes, g, ns, workload.itemsize)
+            best = "stream" if t["stream"] <= t["resident"] else "resident"
+            cells.append(f"{t['stream']:.2f} / {t['resident']:.2f} ({int(t['group'])}): {best}")
+        cells.append(f"{r.seconds.get(H100_SXM.name, float('nan')):.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 __all__ = [
     "GPU",
     "GPUS",
@@ -464,4 +520,7 @@ __all__ = [
     "table",
     "ITERATIVE",
     "FLOPS_FALLBACK",
+    "markdown",
+    "triton_cases",
+    "triton_markdown",
 ]
