@@ -153,6 +153,30 @@ def autograd_poodle(batch: EpisodeBatch, steps: int, alpha=1.0, beta=0.5) -> tor
     return w.detach()
 
 
+def autograd_side_by_side(sub, test, train, dev: torch.device, cfg, eps_s: float) -> None:
+    """The authors' way (:func:`autograd_poodle`) on the episodes ``sub``: its speed against ours
+    (``eps_s`` episodes/s) and the largest prototype difference."""
+    batch = EpisodeBatch(
+        test.features[sub.support],
+        sub.support_labels,
+        test.features[sub.query],
+        train.features[sub.negatives],
+        WAY,
+    ).to(dev)
+    k = batch.n_episodes
+    _sync(dev)
+    t = time.perf_counter()
+    w_ref = autograd_poodle(batch, STEPS)
+    _sync(dev)
+    dt_ref = time.perf_counter() - t
+    w_ours = solvers.run("poodle", batch, cfg).state["prototypes"]
+    print(
+        f"  autograd (authors' style) on {k} of the same episodes: {k / dt_ref:,.1f} episodes/s "
+        f"-> ours is {eps_s / (k / dt_ref):,.1f}x faster; max |prototype difference| "
+        f"{float((w_ref - w_ours).abs().max()):.1e}"
+    )
+
+
 # ------------------------------------------------------------------ the authors' release, side by side
 
 
@@ -356,7 +380,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="200 episodes, 1-shot only, short cross-checks")
     ap.add_argument("--chunk", type=int, default=None, help="episodes per chunk (default: automatic)")
     ap.add_argument("--max-memory", default=None)
-    ap.add_argument("--autograd-episodes", type=int, default=16)
+    ap.add_argument("--autograd-episodes", type=int, default=16, help="(at most 8 with --quick; 0 skips it)")
     ap.add_argument(
         "--torch-episodes",
         type=int,
@@ -409,7 +433,8 @@ def main() -> None:
         )
         test = read_split(path, "test")
         train = read_split(path, "train")
-        flops_mm = matmul_flops(dev)
+        mm_n = 1024 if args.quick else 2048
+        flops_mm = matmul_flops(dev, n=mm_n)
         dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
         print(
             f"device {dev} ({dev_name}); python {platform.python_version()}, torch {torch.__version__}, "
@@ -427,7 +452,7 @@ def main() -> None:
             f"workers {args.workers or ('1' if dev.type != 'cpu' else f'default ({torch.get_num_threads()})')}"
         )
         print(
-            f"large matmul (2048^3, float32, {torch.get_num_threads()} thread(s)): {flops_mm / 1e9:,.1f} GFLOP/s "
+            f"large matmul ({mm_n}^3, float32, {torch.get_num_threads()} thread(s)): {flops_mm / 1e9:,.1f} GFLOP/s "
             "(the roofline below)"
         )
         info = solvers.get("poodle")
@@ -510,31 +535,14 @@ def main() -> None:
                     f"{float((acc_t - acc[:kt]).abs().max()):.4f})"
                 )
 
-            k = min(args.autograd_episodes if not args.quick else 8, n_ep)
-            sub = eps[:k]
-            batch = EpisodeBatch(
-                test.features[sub.support],
-                sub.support_labels,
-                test.features[sub.query],
-                train.features[sub.negatives],
-                WAY,
-            ).to(dev)
-            _sync(dev)
-            t = time.perf_counter()
-            w_ref = autograd_poodle(batch, STEPS)
-            _sync(dev)
-            dt_ref = time.perf_counter() - t
-            w_ours = solvers.run("poodle", batch, cfg).state["prototypes"]
-            print(
-                f"  autograd (authors' style) on {k} of the same episodes: {k / dt_ref:,.1f} episodes/s "
-                f"-> ours is {eps_s / (k / dt_ref):,.1f}x faster; max |prototype difference| "
-                f"{float((w_ref - w_ours).abs().max()):.1e}"
-            )
+            k = min(args.autograd_episodes, 8 if args.quick else n_ep, n_ep)
+            if k:
+                autograd_side_by_side(eps[:k], test, train, dev, cfg, eps_s)
 
             if authors is None:
                 print(f"  authors' poodle(): skipped: {why}")
                 continue
-            ka = min(args.authors_episodes if not args.quick else 20, n_ep)
+            ka = min(args.authors_episodes, 20 if args.quick else n_ep, n_ep)
             a_acc, a_s = run_authors(authors, test, train.features.numpy(), eps[:ka], shot, dev, args.authors_batch)
             same = np.asarray(acc[:ka].numpy() == a_acc)
             print(
