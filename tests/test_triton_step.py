@@ -70,6 +70,15 @@ def test_triton_step_reads_the_rows_once():
     assert 2.2 < torch_b / tri["dram"] < 2.3
 
 
+def test_resident_groups_where_the_cost_model_says_they_pay():
+    from poodle.costmodel import H100_SXM
+
+    # TIM-GD (80 rows, 1000 steps): groups of 102 episodes, rows in L2; POODLE (480 rows): streamed
+    assert _triton_step.resident_plan(10_000, 80, 640, 5, 1000, 5, H100_SXM) == 102
+    assert _triton_step.resident_plan(10_000, 480, 640, 5, 250, None, H100_SXM) is None
+    assert _triton_step.resident_plan(50, 80, 640, 5, 1000, 5, H100_SXM) is None  # one group anyway
+
+
 @needs_triton
 def test_refuses_what_it_cannot_run():
     x = torch.zeros(2, 7, 16)

@@ -341,6 +341,29 @@ def _kernel_for(device: torch.device) -> Any:
     return _fit_kernel
 
 
+def resident_plan(
+    E: int, n: int, D: int, K: int, steps: int, n_support: int | None, gpu: Any, itemsize: int = 4
+) -> int | None:
+    """Episodes per launch when the cost model (:func:`poodle.costmodel.triton_seconds`) predicts
+    that keeping a group's rows resident in L2 beats streaming them every step on ``gpu`` (a
+    :class:`poodle.costmodel.GPU`), else ``None`` (one launch of all ``E``)."""
+    from poodle import costmodel
+
+    t = costmodel.triton_seconds(n, D, K, steps, E, gpu, n_support, itemsize)
+    return int(t["group"]) if t["resident"] < t["stream"] and t["group"] < E else None
+
+
+def _device_gpu(device: torch.device) -> Any:
+    """The cost model's view of a CUDA device: its L2 and SMs; bandwidth and FP32 rate of an H100 SXM
+    (only their ratio enters :func:`resident_plan`'s choice)."""
+    from poodle import costmodel
+
+    p = torch.cuda.get_device_properties(device)
+    ref = costmodel.H100_SXM
+    l2 = int(getattr(p, "L2_cache_size", 0) or ref.l2_bytes)
+    return costmodel.GPU(p.name, ref.bandwidth, ref.fp32, l2, int(p.multi_processor_count))
+
+
 def _check(x: Tensor, w0: Tensor) -> None:
     if x.dim() != 3 or w0.dim() != 3 or w0.shape[0] != x.shape[0] or w0.shape[2] != x.shape[2]:
         raise ConfigError(
@@ -390,6 +413,8 @@ def _run(
     dummy = torch.zeros(1, device=dev, dtype=dt)
     tgt, r, free, c0 = (tensors.get(k, dummy) for k in ("targets", "r", "free", "c0"))
     kernel = _kernel_for(dev)
+    if group is None and dev.type == "cuda":
+        group = resident_plan(E, n, D, K, steps, ns if kind != WEIGHTED else None, _device_gpu(dev), x.element_size())
     step = E if group is None else max(1, int(group))
     for a in range(0, E, step):
         sl = slice(a, min(E, a + step))
@@ -424,7 +449,8 @@ def fit_weighted_distance(
             ``ce``, ``coef``, ``free`` ``[E or 1, 1, n]``).
         w0: ``[E, K, D]`` initial prototypes.
         scale0, steps, lr, betas, eps, learn_scale: as the torch formulation.
-        group: episodes per launch (``None``: all); see :func:`poodle.costmodel.resident_group`.
+        group: episodes per launch; ``None``: on CUDA, groups whose rows stay in L2 where the cost
+            model says that pays (:func:`resident_plan`), else all in one launch.
 
     Returns:
         ``(W [E, K, D], gamma [E, 1, 1])`` after ``steps`` Adam steps.
@@ -490,4 +516,4 @@ def fit_logit_loss(
     return _run(x, w0, scale0, steps, lr, betas, eps, kind, learn_scale, tensors, ns, params, pow_int, group)
 
 
-__all__ = ["LogitLoss", "available", "fit_weighted_distance", "fit_logit_loss", "INTERPRETED"]
+__all__ = ["LogitLoss", "available", "fit_weighted_distance", "fit_logit_loss", "resident_plan", "INTERPRETED"]
