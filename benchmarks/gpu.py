@@ -329,7 +329,7 @@ def extraction(rep: Report, ctx: dict, args: argparse.Namespace) -> None:
         cmd += ["--quick", "--images", "16", "--classes", "2", "--px", "32", "--size", "32", "--repeats", "1"]
         cmd += ["--workers", "0"]
     else:
-        cmd += ["--images", "20000", "--backbone", "resnet12"]
+        cmd += ["--images", "10000", "--backbone", "resnet12"]
     text, wall = _run(cmd, timeout=540)
     rep.add(f"`{' '.join(cmd[1:])}` ({wall:.1f} s):\n\n" + _block(text, 4000))
     m = re.search(r"extract[^\n]*?([\d,.]+) images/s", text)
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("gpu-report.md"), help="the Markdown report")
     ap.add_argument("--quick", action="store_true", help="every section in seconds (CI, on a CPU)")
     ap.add_argument("--episodes", type=int, default=10_000, help="episodes of the solve and throughput runs")
-    ap.add_argument("--agree-episodes", type=int, default=500, help="episodes of the CPU-vs-device agreement")
+    ap.add_argument("--agree-episodes", type=int, default=300, help="episodes of the CPU-vs-device agreement")
     ap.add_argument("--torchrun-episodes", type=int, default=2000)
     ap.add_argument(
         "--authors-code",

@@ -109,10 +109,9 @@ def solver_case(name: str, over: dict, shot: int, Nq_per: int, D: int, K: int, M
 def main() -> None:
     _optim.USE_NATIVE = False  # the torch formulation is the reference
     res: dict[str, dict] = {}
-    # D = 100 in chunks of 64 (the second of 36), 37 rows in blocks of 32 (the second of 5)
-    _triton_step.BLOCK_D = 64
+    # D = 100 is 2 chunks of 64 (the second of 36 columns), 37 rows 2 blocks of 32 (the second of 5)
+    assert (_triton_step.BLOCK_ROWS, _triton_step.BLOCK_D) == (32, 64)
     res["wd_free_learn_K5_D100"] = fit_case(37, 100, 5, free=True, learn_scale=True, steps=3)
-    _triton_step.BLOCK_D = 128
     res["wd_fixed_K20_D64_groups"] = fit_case(45, 64, 20, free=False, learn_scale=False, steps=3, group=2)
     f64, f32 = torch.float64, torch.float32
     res["tim_paper_K5_D100"] = solver_case(

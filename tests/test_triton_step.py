@@ -95,6 +95,25 @@ def test_refuses_what_it_cannot_run():
             _triton_step.fit_weighted_distance(x, _rows(x, 3), w0, steps=1)
 
 
+@needs_triton
+@pytest.mark.parametrize("kind,learn_scale,free", [(0, True, False), (1, False, False)])
+def test_compiles_for_hopper_without_a_gpu(kind, learn_scale, free, monkeypatch, tmp_path):
+    """The kernel goes through Triton's whole CUDA pipeline (TTIR, TTGIR, LLVM, PTX, ptxas) for sm_90:
+    what the interpreter cannot check (types, layouts, constexpr use) holds for a real GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    names = ["X", "W", "M", "V", "GAM", "MG", "VG", "GX", "PZ", "TGT", "R", "FREE", "C0", "HP", "SC"]
+    sig = {name: "*fp32" for name in names} | {k: "i32" for k in ("n", "D", "K", "steps", "ns")}
+    const = dict(KIND=kind, LEARN_SCALE=learn_scale, HAS_FREE=free, POW_INT=0, LERP_LOW=True)
+    const |= dict(BN=_triton_step.BLOCK_ROWS, BD=_triton_step.BLOCK_D, BK=16)
+    sig |= {k: "constexpr" for k in const}
+    src = ASTSource(fn=_triton_step._fit_kernel, signature=sig, constexprs=const)
+    kernel = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": _triton_step.NUM_WARPS})
+    assert b"_fit_kernel" in kernel.asm["cubin"] and ".target sm_90" in kernel.asm["ptx"]
+
+
 def _rows(x, K):
     from poodle.solvers._optim import RowTerms
 
