@@ -191,7 +191,7 @@ def solve_end_to_end(rep: Report, ctx: dict, args: argparse.Namespace) -> None:
         f"`poodle solve --episodes {n} --transductive --device {ctx['dev']}` (the standard workload: 5-way 1-shot, "
         f"15 queries per class, 400 base negatives, D = 640, generated features): **{wall:.2f} s whole process** "
         f"({n / wall:,.1f} episodes/s, start-up included); the solve itself {rec['seconds']:.2f} s "
-        f"({rec['episodes_per_s']:,.1f} episodes/s, chunks of {rec['chunk_size']}); accuracy "
+        f"({n / rec['seconds']:,.1f} episodes/s, chunks of {rec.get('chunk_size', '?')}); accuracy "
         f"{100 * rec['mean']:.2f} +- {100 * rec['ci95']:.2f}.\n\n" + _block(text, 3000)
     )
     rep.number(f"poodle solve {n} episodes, whole process (s)", f"{wall:.2f}")
