@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo install lint clean
+.PHONY: test demo install lint clean gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/poodle demo
+
+# The GPU check (docs/gpu.md): on a GPU machine that already has torch, torchvision, h5py, click, rich
+# and timm, and no network: `pip install --no-deps --no-build-isolation -e .` then `make gpu-check`.
+# Uses that Python (no venv); writes gpu-report.md. GPU_CHECK_ARGS passes options (--authors-code DIR).
+gpu-check:
+	$(PYTHON) benchmarks/gpu.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

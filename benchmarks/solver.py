@@ -9,12 +9,17 @@ on a few of the same episodes (float32 cross-check); and, given a checkout of th
 (github lehduong/poodle; ``--authors-code DIR`` or ``POODLE_AUTHORS_CODE=DIR``), their ``poodle()``
 on the same episodes and negatives (patched only to run on this device): speed ratio, per-episode
 agreement, and the whole-process comparison (``poodle solve`` timed as a subprocess, start-up
-included, against their function alone).
+included, against their function alone). Last, the GPU cost model (``poodle.costmodel``) of every
+iterative method on the standard workload (400 negatives where used): bytes moved and FLOPs per step
+and episode, kernel launches and host syncs, the predicted seconds of 10,000 episodes on an H100 SXM,
+H100 PCIe and H200 beside the measured episodes/s on this device, and the Triton step's bytes per
+step against the torch formulation's.
 
     python benchmarks/solver.py                 # full workload (2,000 episodes per shot)
     python benchmarks/solver.py --quick         # a few minutes
     POODLE_AUTHORS_CODE=/tmp/ext/poodle python benchmarks/solver.py --authors-episodes 100
     python benchmarks/solver.py --device cuda --episodes 10000
+    python benchmarks/solver.py --cost-only     # the cost model and its measurements alone
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from poodle import solvers
+from poodle import costmodel, solvers
 from poodle.cache import read_split, write_arrays
 from poodle.episodes import EpisodeSpec, sample_episodes
 from poodle.evaluate import evaluate, prepare_negatives
@@ -147,6 +152,30 @@ def autograd_poodle(batch: EpisodeBatch, steps: int, alpha=1.0, beta=0.5) -> tor
         loss.backward()
         opt.step()
     return w.detach()
+
+
+def autograd_side_by_side(sub, test, train, dev: torch.device, cfg, eps_s: float) -> None:
+    """The authors' way (:func:`autograd_poodle`) on the episodes ``sub``: its speed against ours
+    (``eps_s`` episodes/s) and the largest prototype difference."""
+    batch = EpisodeBatch(
+        test.features[sub.support],
+        sub.support_labels,
+        test.features[sub.query],
+        train.features[sub.negatives],
+        WAY,
+    ).to(dev)
+    k = batch.n_episodes
+    _sync(dev)
+    t = time.perf_counter()
+    w_ref = autograd_poodle(batch, STEPS)
+    _sync(dev)
+    dt_ref = time.perf_counter() - t
+    w_ours = solvers.run("poodle", batch, cfg).state["prototypes"]
+    print(
+        f"  autograd (authors' style) on {k} of the same episodes: {k / dt_ref:,.1f} episodes/s "
+        f"-> ours is {eps_s / (k / dt_ref):,.1f}x faster; max |prototype difference| "
+        f"{float((w_ref - w_ours).abs().max()):.1e}"
+    )
 
 
 # ------------------------------------------------------------------ the authors' release, side by side
@@ -317,6 +346,34 @@ def torch_import(reps: int = 3) -> float:
     return best
 
 
+def cost_model_section(test, path: Path, dev: torch.device, n_ep: int, traced: int, workers: int | None) -> str:
+    """The cost model's tables with each method's episodes/s measured here on ``n_ep`` standard
+    episodes (400 base negatives where the method uses them), as Markdown."""
+    wl = costmodel.STANDARD
+    rows = costmodel.table(traced_episodes=traced)
+    measured: dict[str, float] = {}
+    if n_ep:
+        spec = EpisodeSpec(way=wl.way, shot=wl.shot, query=wl.query, seed=1)
+        neg = NegativeSpec("base", wl.n_neg)
+        eps, _ = prepare_negatives(sample_episodes(test.labels, spec, n_ep), neg, path, test.features.shape[1])
+        for method, options in costmodel.ITERATIVE:
+            cfg = solvers.make_config(method, options)
+            kw = dict(negatives=neg, cache_path=path, device=dev, workers=workers)
+            evaluate(test, eps[: min(4, n_ep)], [(method, method, cfg)], **kw)  # warm-up
+            _sync(dev)
+            t = time.perf_counter()
+            evaluate(test, eps, [(method, method, cfg)], **kw)
+            _sync(dev)
+            measured[method] = n_ep / (time.perf_counter() - t)
+    label = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    return (
+        costmodel.markdown(rows, measured, label)
+        + "\n\nThe Triton step (poodle/solvers/_triton_step.py), per GPU: seconds for 10,000 episodes with the rows "
+        + "streamed from memory every step, and with episode groups resident in half the L2 (group size):\n\n"
+        + costmodel.triton_markdown(rows)
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--episodes", type=int, default=2000)
@@ -324,7 +381,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="200 episodes, 1-shot only, short cross-checks")
     ap.add_argument("--chunk", type=int, default=None, help="episodes per chunk (default: automatic)")
     ap.add_argument("--max-memory", default=None)
-    ap.add_argument("--autograd-episodes", type=int, default=16)
+    ap.add_argument("--autograd-episodes", type=int, default=16, help="(at most 8 with --quick; 0 skips it)")
     ap.add_argument(
         "--torch-episodes",
         type=int,
@@ -352,6 +409,14 @@ def main() -> None:
         help="episodes of the whole-process `poodle solve` run (CPU; default: solve's own default; 0 skips it)",
     )
     ap.add_argument("--startup-episodes", type=int, default=10000, help="episodes of the start-up run (0 skips it)")
+    ap.add_argument(
+        "--cost-episodes",
+        type=int,
+        default=200,
+        help="episodes each method solves beside the GPU cost model (0: the model alone; --quick: 16)",
+    )
+    ap.add_argument("--no-cost-model", action="store_true", help="skip the GPU cost model")
+    ap.add_argument("--cost-only", action="store_true", help="only the GPU cost model and its measurements")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -369,7 +434,8 @@ def main() -> None:
         )
         test = read_split(path, "test")
         train = read_split(path, "train")
-        flops_mm = matmul_flops(dev)
+        mm_n = 1024 if args.quick else 2048
+        flops_mm = matmul_flops(dev, n=mm_n)
         dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
         print(
             f"device {dev} ({dev_name}); python {platform.python_version()}, torch {torch.__version__}, "
@@ -377,12 +443,17 @@ def main() -> None:
         )
         print(blas_summary())
         print(f"CPU solver formulation: {_native.status()}")
+        if args.cost_only:
+            cost_ep = 16 if args.quick and args.cost_episodes == 200 else args.cost_episodes
+            print("\nGPU cost model, standard workload:\n")
+            print(cost_model_section(test, path, dev, cost_ep, 2 if args.quick else 4, args.workers))
+            return
         print(
             f"torch threads {torch.get_num_threads()}, CPUs visible {len(os.sched_getaffinity(0))}, "
             f"workers {args.workers or ('1' if dev.type != 'cpu' else f'default ({torch.get_num_threads()})')}"
         )
         print(
-            f"large matmul (2048^3, float32, {torch.get_num_threads()} thread(s)): {flops_mm / 1e9:,.1f} GFLOP/s "
+            f"large matmul ({mm_n}^3, float32, {torch.get_num_threads()} thread(s)): {flops_mm / 1e9:,.1f} GFLOP/s "
             "(the roofline below)"
         )
         info = solvers.get("poodle")
@@ -465,31 +536,14 @@ def main() -> None:
                     f"{float((acc_t - acc[:kt]).abs().max()):.4f})"
                 )
 
-            k = min(args.autograd_episodes if not args.quick else 8, n_ep)
-            sub = eps[:k]
-            batch = EpisodeBatch(
-                test.features[sub.support],
-                sub.support_labels,
-                test.features[sub.query],
-                train.features[sub.negatives],
-                WAY,
-            ).to(dev)
-            _sync(dev)
-            t = time.perf_counter()
-            w_ref = autograd_poodle(batch, STEPS)
-            _sync(dev)
-            dt_ref = time.perf_counter() - t
-            w_ours = solvers.run("poodle", batch, cfg).state["prototypes"]
-            print(
-                f"  autograd (authors' style) on {k} of the same episodes: {k / dt_ref:,.1f} episodes/s "
-                f"-> ours is {eps_s / (k / dt_ref):,.1f}x faster; max |prototype difference| "
-                f"{float((w_ref - w_ours).abs().max()):.1e}"
-            )
+            k = min(args.autograd_episodes, 8 if args.quick else n_ep, n_ep)
+            if k:
+                autograd_side_by_side(eps[:k], test, train, dev, cfg, eps_s)
 
             if authors is None:
                 print(f"  authors' poodle(): skipped: {why}")
                 continue
-            ka = min(args.authors_episodes if not args.quick else 20, n_ep)
+            ka = min(args.authors_episodes, 20 if args.quick else n_ep, n_ep)
             a_acc, a_s = run_authors(authors, test, train.features.numpy(), eps[:ka], shot, dev, args.authors_batch)
             same = np.asarray(acc[:ka].numpy() == a_acc)
             print(
@@ -505,6 +559,11 @@ def main() -> None:
                     f"  whole process: `{wp['cmd']}`: {wp['wall']:.1f} s wall = {rate:,.2f} episodes/s, start-up "
                     f"included -> {rate / (ka / a_s):,.1f}x the authors' poodle() alone"
                 )
+
+        if not args.no_cost_model:
+            cost_ep = 16 if args.quick and args.cost_episodes == 200 else args.cost_episodes
+            print("\nGPU cost model, standard workload (poodle.costmodel; docs/gpu.md):\n")
+            print(cost_model_section(test, path, dev, cost_ep, 2 if args.quick else 4, args.workers))
 
         if dev.type == "cpu" and args.startup_episodes:
             s0 = startup(path, args.startup_episodes)

@@ -32,3 +32,31 @@ def _few_threads():
     # CI has 2 cores; fixing the thread count keeps timings and float summation order stable.
     torch.set_num_threads(2)
     yield
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "cuda(only=False): compares a device with the CPU (tests/test_cuda.py); runs where CUDA is present, or on "
+        "the device POODLE_TEST_DEVICE names (benchmarks/gpu.py --device cpu) unless only=True",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect (not skip) the ``cuda`` tests this machine cannot run: without CUDA they run only on
+    the device POODLE_TEST_DEVICE names, and ``cuda(only=True)`` tests need CUDA itself."""
+    import os
+
+    has_cuda = torch.cuda.is_available()
+    named = bool(os.environ.get("POODLE_TEST_DEVICE"))
+
+    def runnable(item) -> bool:
+        mark = item.get_closest_marker("cuda")
+        if mark is None or has_cuda:
+            return True
+        return named and not mark.kwargs.get("only", False)
+
+    keep = [i for i in items if runnable(i)]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if not runnable(i)])
+        items[:] = keep

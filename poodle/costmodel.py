@@ -1,0 +1,526 @@
+"""What a GPU should do with each solver, by arithmetic: bytes moved, FLOPs, kernel launches and host
+syncs per episode on the standard workload, and the time 10,000 episodes should take on an H100 SXM,
+an H100 PCIe and an H200 from their published figures. No GPU is needed: the counts come from
+running the solver on the CPU under a ``TorchDispatchMode`` that records every ATen operation, with
+the fused CPU kernel switched off so that the torch formulation, which is what CUDA runs, is counted.
+
+The model (per chunk of ``C`` episodes; 10,000 episodes are chunks of 4,096, 4,096 and 1,808 as
+``poodle.evaluate`` plans them on a GPU):
+
+- an operation reads its inputs and writes its outputs once from device memory (no reuse between
+  operations: a chunk's buffers are hundreds of MB, far beyond the 50 MB L2), and takes at least
+  :data:`KERNEL_FLOOR_S`; a tensor broadcast along an axis (stride 0) is read once;
+- the device time of a chunk is the sum over its operations of ``max(bytes / bandwidth,
+  floor)``, and the whole chunk is also bounded below by ``FLOPs / FP32 rate``;
+- the host issues each operation in :data:`HOST_OP_S` and runs ahead of the device, so the chunk
+  takes the larger of the two; every host sync (``.item()``, ``bool(tensor)``) drains the device and
+  adds :data:`SYNC_S`.
+
+FLOPs are the method's registered count (``poodle.solvers.get(name).flops``); a method without one
+uses :data:`FLOPS_FALLBACK`, and the traced matmul FLOPs are reported beside it so the two can be
+reconciled. Views, allocations (``empty``) and metadata operations move nothing.
+
+Published figures (FP32 = dense, non-tensor-core FP32, which torch uses for float32 matmuls unless
+TF32 is enabled; bandwidth = HBM):
+
+- H100 SXM5 80 GB: 3.35 TB/s, 67 TFLOP/s FP32, 132 SMs, 50 MB L2 (NVIDIA H100 Tensor Core GPU
+  datasheet, 2023; NVIDIA H100 Tensor Core GPU Architecture whitepaper, 2022).
+- H100 PCIe 80 GB: 2.0 TB/s, 51 TFLOP/s FP32, 114 SMs, 50 MB L2 (same sources).
+- H200 SXM 141 GB: 4.8 TB/s, 67 TFLOP/s FP32 (NVIDIA H200 Tensor Core GPU datasheet, 2024), the
+  same GH100 die as the H100 SXM (132 SMs, 50 MB L2).
+
+The one-pass Triton step (``poodle/solvers/_triton_step.py``) is modelled analytically
+(:func:`triton_step_bytes`): the rows once per step, the ``[K, D]`` parameter buffers, the per-row
+terms; and, when an episode group's rows fit in half the L2 (:func:`resident_group`), the rows not at
+all after the first step, at the cost of fewer programs than SMs (:func:`triton_seconds`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor
+
+KERNEL_FLOOR_S = 2.5e-6  # the shortest kernel on a Hopper GPU, launch to completion (assumed)
+HOST_OP_S = 6e-6  # host time to issue one eager PyTorch operation on CUDA (assumed)
+SYNC_S = 20e-6  # a host sync: the device drains and the host waits for it (assumed)
+L2_SHARE = 0.5  # the share of L2 an episode group may fill and still stay resident
+GPU_CHUNK = 4096  # poodle.evaluate.GPU_MAX_CHUNK: episodes per chunk on a GPU
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A GPU's published figures: HBM bandwidth (bytes/s), dense FP32 rate (FLOP/s), L2, SMs."""
+
+    name: str
+    bandwidth: float
+    fp32: float
+    l2_bytes: int
+    sms: int
+
+
+H100_SXM = GPU("H100 SXM", 3.35e12, 67e12, 50 * 2**20, 132)
+H100_PCIE = GPU("H100 PCIe", 2.0e12, 51e12, 50 * 2**20, 114)
+H200 = GPU("H200", 4.8e12, 67e12, 50 * 2**20, 132)
+GPUS = (H100_SXM, H100_PCIE, H200)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The standard workload: 5-way 1-shot, 15 queries per class, 400 negatives where the method uses
+    them, D = 640, float32; 10,000 episodes."""
+
+    way: int = 5
+    shot: int = 1
+    query: int = 15
+    n_neg: int = 400
+    dim: int = 640
+    episodes: int = 10_000
+    itemsize: int = 4
+
+    @property
+    def n_support(self) -> int:
+        return self.way * self.shot
+
+    @property
+    def n_query(self) -> int:
+        return self.way * self.query
+
+
+STANDARD = Workload()
+
+
+# ------------------------------------------------------------------ analytic counts
+
+
+def row_bytes(n: int, dim: int, itemsize: int = 4) -> int:
+    """Bytes of an episode's ``n`` rows of ``dim`` values."""
+    return n * dim * itemsize
+
+
+def torch_step_bytes(
+    n: int, dim: int, way: int, free: bool = False, learn_scale: bool = True, itemsize: int = 4
+) -> int:
+    """Bytes one step of ``_optim.fit_weighted_distance``'s torch formulation moves per episode,
+    operation by operation (the traced count equals it: tests/test_costmodel.py). The rows are read
+    twice (``X W^T``, ``G^T X``); the rest is the ``[K, n]`` elementwise chain (18 passes), the
+    prototypes' ``[K, D]`` work (11, of which ``vecdot`` decomposes into a multiply and a sum) and
+    Adam on the ``K*D + 16`` padded parameters (19 passes)."""
+    K, D, F = way, dim, way * dim + 16
+    rows = 2 * n * D
+    kn = (18 + (14 if free else 0) - (0 if learn_scale else 4)) * K * n
+    kd = 11 * K * D
+    per_row = n + (3 * n if free else 0)
+    small = 4 * K + (6 if learn_scale else 2)
+    return itemsize * (rows + kn + kd + per_row + small + 19 * F)
+
+
+def triton_step_bytes(n: int, dim: int, way: int, n_support: int | None = None, itemsize: int = 4) -> dict[str, int]:
+    """Bytes one step of the Triton kernel moves per episode: ``dram`` from device memory when the rows
+    stream from it (rows once, prototypes and both Adam moments read and written, the gradient
+    scratch written and read once, the per-row terms), ``resident`` when the rows stay in L2 across
+    steps (the rest only), and ``l2`` the traffic that stays in L2 within a step (the rows' second
+    look, the gradient scratch per row block, the logit scratch of the two-pass losses).
+
+    ``n_support``: ``None`` for the weighted-distance loss (POODLE: targets ``[K, n]``, row weights),
+    else the logit losses' support size (targets ``[K, Ns]``, probabilities kept between passes)."""
+    K, D = way, dim
+    params = 8 * K * D  # W, M, V, GX read; W, M, V, GX written
+    terms = (K + 2) * n if n_support is None else K * n_support
+    rows = n * D
+    bk = max(16, 1 << (K - 1).bit_length())
+    blocks = -(-n // 32)
+    l2 = rows + 2 * blocks * K * D + (0 if n_support is None else rows + 4 * n * bk)
+    return {
+        "dram": itemsize * (rows + params + terms),
+        "resident": itemsize * (params + terms),
+        "l2": itemsize * l2,
+    }
+
+
+def resident_group(n: int, dim: int, way: int, gpu: GPU, itemsize: int = 4) -> int:
+    """Episodes whose rows and parameter buffers fit in :data:`L2_SHARE` of ``gpu``'s L2: one launch
+    of that many keeps its rows resident across all its steps."""
+    per = itemsize * (n * dim + 4 * way * dim)
+    return max(1, int(L2_SHARE * gpu.l2_bytes) // per)
+
+
+def triton_seconds(
+    n: int, dim: int, way: int, steps: int, episodes: int, gpu: GPU, n_support: int | None = None, itemsize: int = 4
+) -> dict[str, float]:
+    """Predicted seconds of the Triton step for ``episodes`` episodes: ``stream`` (every launch holds
+    all episodes; rows from device memory each step) and ``resident`` (launches of
+    :func:`resident_group` episodes, rows from L2 after the first step, compute at the share of SMs
+    the group occupies), and ``group``. FLOPs count the class axis padded to 16, as ``tl.dot`` runs it.
+    """
+    b = triton_step_bytes(n, dim, way, n_support, itemsize)
+    bk = max(16, 1 << (way - 1).bit_length())
+    flops = steps * episodes * (4.0 * n * dim * bk + 40.0 * n * bk + 12.0 * way * dim)
+    stream = max(steps * episodes * b["dram"] / gpu.bandwidth, flops / gpu.fp32)
+    g = min(resident_group(n, dim, way, gpu, itemsize), episodes)
+    occupancy = min(1.0, g / gpu.sms)
+    first = episodes * row_bytes(n, dim, itemsize) / gpu.bandwidth
+    resident = first + max(steps * episodes * b["resident"] / gpu.bandwidth, flops / (gpu.fp32 * occupancy))
+    return {"stream": stream, "resident": resident, "group": float(g)}
+
+
+def chunks(episodes: int, chunk: int = GPU_CHUNK) -> list[int]:
+    """The chunk sizes ``episodes`` are solved in."""
+    return [min(chunk, episodes - a) for a in range(0, episodes, chunk)]
+
+
+# ------------------------------------------------------------------ traced counts
+
+
+@dataclass
+class Trace:
+    """What one call of a solver did, per episode of the traced batch.
+
+    Attributes:
+        op_bytes: bytes each operation moved, per episode, in order (one kernel launch each).
+        syncs: host syncs per call (``.item()``, ``bool(tensor)``, ``.tolist()`` ...).
+        matmul_flops: FLOPs of the matrix products per episode (torch.utils.flop_counter's count).
+        names: ATen operation names, in order.
+    """
+
+    op_bytes: list[float] = field(default_factory=list)
+    syncs: int = 0
+    matmul_flops: float = 0.0
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> float:
+        return float(sum(self.op_bytes))
+
+    @property
+    def launches(self) -> int:
+        return len(self.op_bytes)
+
+
+_NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "lift_fresh", "detach", "alias", "_to_copy_meta"}
+_SYNCS = {"_local_scalar_dense", "is_nonzero", "item", "equal"}
+
+
+def _unique_bytes(t: Tensor) -> int:
+    """Bytes of the distinct elements of ``t`` (a stride-0 axis is read once)."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+def _tracer(per: int) -> Any:
+    """A TorchDispatchMode that fills a :class:`Trace`, dividing bytes and FLOPs by ``per`` episodes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.flop_counter import flop_registry
+
+    class _Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.trace = Trace()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = func.__name__.split(".")[0]
+            if name in _SYNCS:
+                self.trace.syncs += 1
+                return out
+            if func.is_view or name in _NO_TRAFFIC:
+                return out
+            outs = {a.name for a in func._schema.arguments if a.is_out}
+            ins = tree_flatten((args, {k: v for k, v in kwargs.items() if k not in outs}))[0]
+            moved = sum(_unique_bytes(t) for t in ins if isinstance(t, Tensor))
+            moved += sum(_unique_bytes(t) for t in tree_flatten(out)[0] if isinstance(t, Tensor))
+            self.trace.op_bytes.append(moved / per)
+            self.trace.names.append(str(func))
+            packet = func._overloadpacket
+            if packet in flop_registry:
+                self.trace.matmul_flops += flop_registry[packet](*args, out_val=out, **kwargs) / per
+            return out
+
+    return _Count()
+
+
+def standard_batch(workload: Workload = STANDARD, episodes: int = 4, seed: int = 0) -> Any:
+    """``episodes`` episodes of ``workload`` on the CPU: L2-normalised rows around one random
+    centre per class (a spread that a prototype classifier gets about two-thirds right, like real
+    features), negatives around other centres."""
+    from poodle.solvers import EpisodeBatch
+
+    g = torch.Generator().manual_seed(seed)
+    E, K, D = episodes, workload.way, workload.dim
+    centres = torch.nn.functional.normalize(torch.randn(E, K, D, generator=g), dim=-1)
+
+    def around(c: Tensor, per: int) -> tuple[Tensor, Tensor]:
+        labels = torch.arange(c.shape[1]).repeat_interleave(per).expand(E, -1)
+        x = c.repeat_interleave(per, 1) + 1.5 / math.sqrt(D) * torch.randn(E, c.shape[1] * per, D, generator=g)
+        return torch.nn.functional.normalize(x, dim=-1), labels.contiguous()
+
+    s, ys = around(centres, workload.shot)
+    q, _ = around(centres, workload.query)
+    other = torch.nn.functional.normalize(torch.randn(E, 8, D, generator=g), dim=-1)
+    neg, _ = around(other, -(-workload.n_neg // 8))
+    return EpisodeBatch(s, ys, q, neg[:, : workload.n_neg].contiguous(), K)
+
+
+def _run_traced(method: str, cfg: Any, batch: Any) -> Trace:
+    from poodle import solvers
+    from poodle.solvers import _optim
+
+    before = _optim.USE_NATIVE
+    _optim.USE_NATIVE = False
+    try:
+        with _tracer(batch.n_episodes) as mode:
+            solvers.run(method, batch, cfg)
+    finally:
+        _optim.USE_NATIVE = before
+    result: Trace = mode.trace
+    return result
+
+
+# methods whose every step runs the same operations whatever the data (no convergence test, no
+# inner loop of data-dependent length): traced at 1 and 2 steps and extrapolated
+FIXED_STEPS = {"poodle", "ce", "naive-ood", "tim-gd", "alpha-tim", "entropy-min", "tim-adm", "paddle"}
+
+
+def trace(
+    method: str,
+    options: Mapping[str, Any] | None = None,
+    batch: Any = None,
+    workload: Workload = STANDARD,
+    extrapolate: bool = True,
+) -> Trace:
+    """Run ``method`` on ``batch`` (default :func:`standard_batch`) with the torch formulation and
+    count what it did, per episode. Methods of :data:`FIXED_STEPS` are run at 1 and 2 steps and the
+    difference, one step's operations, repeated to the configured count (``extrapolate``; the test
+    compares it with a full trace)."""
+    from poodle import solvers
+
+    batch = standard_batch(workload) if batch is None else batch
+    options = dict(options or {})
+    cfg = solvers.make_config(method, options, strict=True)
+    if batch.negatives is not None and not solvers.get(method).needs_negatives(cfg):
+        batch = type(batch)(batch.support, batch.support_labels, batch.query, None, batch.way)
+    steps = method_steps(method, cfg, workload)
+    if not (extrapolate and method in FIXED_STEPS and steps > 2):
+        return _run_traced(method, cfg, batch)
+    one, two = (
+        _run_traced(method, solvers.make_config(method, {**options, "steps": k}, strict=True), batch) for k in (1, 2)
+    )
+    extra = Counter(zip(two.names, two.op_bytes))
+    extra.subtract(Counter(zip(one.names, one.op_bytes)))
+    step = [(name, b) for (name, b), c in extra.items() for _ in range(c)]
+    if len(step) != two.launches - one.launches or any(c < 0 for c in extra.values()):
+        return _run_traced(method, cfg, batch)  # the steps differ after all: trace them all
+    out = Trace(list(one.op_bytes), one.syncs, one.matmul_flops, list(one.names))
+    for _ in range(steps - 1):
+        out.names += [name for name, _ in step]
+        out.op_bytes += [b for _, b in step]
+    out.syncs += (steps - 1) * (two.syncs - one.syncs)
+    out.matmul_flops += (steps - 1) * (two.matmul_flops - one.matmul_flops)
+    return out
+
+
+# ------------------------------------------------------------------ predictions
+
+# FLOPs per episode for methods whose solver registers no ``flops`` function, keyed by method name,
+# ``(Ns, Nq, M, D, way, cfg) -> FLOPs``. Empty while every solver registers one.
+FLOPS_FALLBACK: dict[str, Callable[..., float]] = {}
+
+# the configuration field that holds a method's iteration count (default ``steps``)
+_STEP_FIELDS = {"kmeans": "max_iter", "bayes-kmeans": "max_iter", "can-t": "iterations"}
+
+
+def method_flops(method: str, cfg: Any, workload: Workload = STANDARD, uses_negatives: bool = False) -> float | None:
+    """FLOPs per episode of ``method``: its registered count, else :data:`FLOPS_FALLBACK`, else None."""
+    from poodle import solvers
+
+    fn = solvers.get(method).flops or FLOPS_FALLBACK.get(method)
+    if fn is None:
+        return None
+    M = workload.n_neg if uses_negatives else 0
+    return float(fn(workload.n_support, workload.n_query, M, workload.dim, workload.way, cfg))
+
+
+def method_steps(method: str, cfg: Any, workload: Workload = STANDARD) -> int:
+    """The iteration count of ``method`` as configured (``cfg.resolved()`` for presets)."""
+    values = cfg.resolved() if hasattr(cfg, "resolved") else {}
+    values = values if isinstance(values, dict) else {}
+    name = _STEP_FIELDS.get(method, "steps")
+    v = values.get(name, getattr(cfg, name, None))
+    if method == "can-t" and (v is None or v < 0):
+        v = workload.n_query // cfg.step
+    return max(1, int(v or 1))
+
+
+def predict(tr: Trace, flops: float, gpu: GPU, episodes: int = 10_000, chunk: int = GPU_CHUNK) -> float:
+    """Seconds ``episodes`` episodes should take on ``gpu`` (module docstring's model)."""
+    total = 0.0
+    for c in chunks(episodes, chunk):
+        device = sum(max(c * b / gpu.bandwidth, KERNEL_FLOOR_S) for b in tr.op_bytes)
+        device = max(device, c * flops / gpu.fp32)
+        total += max(device, tr.launches * HOST_OP_S) + tr.syncs * SYNC_S
+    return total
+
+
+@dataclass
+class Row:
+    """One method's line of the cost table (per episode unless said)."""
+
+    method: str
+    steps: int
+    bytes: float
+    flops: float
+    traced_flops: float
+    launches: int
+    syncs: int
+    seconds: dict[str, float]
+    flops_source: str
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.bytes / self.steps
+
+    @property
+    def flops_per_step(self) -> float:
+        return self.flops / self.steps
+
+
+# every method that iterates, with the options of the standard workload
+ITERATIVE: list[tuple[str, dict[str, Any]]] = [
+    ("poodle", {"transductive": True}),
+    ("ce", {}),
+    ("naive-ood", {}),
+    ("tim-gd", {}),
+    ("alpha-tim", {}),
+    ("entropy-min", {}),
+    ("tim-adm", {}),
+    ("paddle", {}),
+    ("pt-map", {}),
+    ("bms", {}),
+    ("proto-lp", {}),
+    ("laplacianshot", {}),
+    ("kmeans", {}),
+    ("bayes-kmeans", {}),
+    ("soft-kmeans", {}),
+    ("mean-shift", {}),
+    ("can-t", {}),
+]
+
+
+def table(
+    methods: list[tuple[str, dict[str, Any]]] | None = None,
+    workload: Workload = STANDARD,
+    gpus: tuple[GPU, ...] = GPUS,
+    traced_episodes: int = 4,
+) -> list[Row]:
+    """The cost model's line for every method of ``methods`` (default :data:`ITERATIVE`)."""
+    from poodle import solvers
+
+    batch = standard_batch(workload, traced_episodes)
+    rows = []
+    for method, options in methods or ITERATIVE:
+        cfg = solvers.make_config(method, options, strict=True)
+        uses_neg = solvers.get(method).needs_negatives(cfg)
+        tr = trace(method, options, batch, workload)
+        registered = solvers.get(method).flops is not None
+        fl = method_flops(method, cfg, workload, uses_neg)
+        source = "registered" if registered else ("fallback" if fl is not None else "traced")
+        flops = tr.matmul_flops if fl is None else fl
+        secs = {g.name: predict(tr, flops, g, workload.episodes) for g in gpus}
+        steps = method_steps(method, cfg, workload)
+        rows.append(Row(method, steps, tr.bytes, flops, tr.matmul_flops, tr.launches, tr.syncs, secs, source))
+    return rows
+
+
+def markdown(rows: list[Row], measured: Mapping[str, float] | None = None, label: str = "CPU") -> str:
+    """The cost table in Markdown: per method, what one episode moves and computes, the launches and
+    host syncs of a chunk, the predicted seconds of 10,000 episodes per GPU, and beside them the
+    measured episodes/s (``measured``, by method, on ``label``) and its 10,000-episode time."""
+    gpus = list(rows[0].seconds) if rows else []
+    head = ["method", "steps", "MB/step", "MB/episode", "GFLOP/episode", "FLOPs", "launches", "syncs"]
+    head += [f"{g} s" for g in gpus] + [f"{label} episodes/s", f"{label} s per 10k"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        rate = (measured or {}).get(r.method)
+        cells = [r.method, str(r.steps), f"{r.bytes_per_step / 1e6:.3f}", f"{r.bytes / 1e6:.1f}"]
+        cells += [f"{r.flops / 1e9:.3f}", f"{r.flops_source} (traced matmuls {r.traced_flops / 1e9:.3f})"]
+        cells += [f"{r.launches:,}", f"{r.syncs:,}"] + [f"{r.seconds[g]:.2f}" for g in gpus]
+        cells += [f"{rate:,.1f}" if rate else "-", f"{1e4 / rate:,.1f}" if rate else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# the fits the Triton step runs: (method, options, rows n, classes K, n_support for logit losses)
+def triton_cases(workload: Workload = STANDARD) -> list[tuple[str, int, int, int | None]]:
+    """``(method, rows, classes, n_support or None)`` of each method the Triton step serves, on
+    ``workload`` (POODLE transductive with its negatives, naive-OOD with its extra class)."""
+    ns, nq, m, k = workload.n_support, workload.n_query, workload.n_neg, workload.way
+    return [
+        ("poodle", ns + nq + m, k, None),
+        ("ce", ns, k, None),
+        ("naive-ood", ns + m, k + 1, None),
+        ("tim-gd", ns + nq, k, ns),
+        ("alpha-tim", ns + nq, k, ns),
+        ("entropy-min", ns + nq, k, ns),
+    ]
+
+
+def triton_markdown(rows: list[Row], workload: Workload = STANDARD, gpus: tuple[GPU, ...] = GPUS) -> str:
+    """Bytes per step of the Triton step against the torch formulation's (traced, ``rows``), and its
+    predicted seconds for ``workload.episodes`` episodes streaming the rows and with groups resident
+    in L2, per GPU."""
+    traced = {r.method: r for r in rows}
+    head = ["method", "rows", "torch MB/step", "Triton MB/step", "torch/Triton"]
+    head += [f"{g.name} s (stream / resident, group)" for g in gpus] + ["torch formulation, H100 SXM s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, n, k, ns in triton_cases(workload):
+        r = traced.get(method)
+        if r is None:
+            continue
+        tri = triton_step_bytes(n, workload.dim, k, ns, workload.itemsize)["dram"]
+        cells = [method, str(n), f"{r.bytes_per_step / 1e6:.3f}", f"{tri / 1e6:.3f}", f"{r.bytes_per_step / tri:.2f}x"]
+        for g in gpus:
+            t = triton_seconds(n, workload.dim, k, r.steps, workload.episodes, g, ns, workload.itemsize)
+            best = "stream" if t["stream"] <= t["resident"] else "resident"
+            cells.append(f"{t['stream']:.2f} / {t['resident']:.2f} ({int(t['group'])}): {best}")
+        cells.append(f"{r.seconds.get(H100_SXM.name, float('nan')):.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "GPU",
+    "GPUS",
+    "H100_SXM",
+    "H100_PCIE",
+    "H200",
+    "Workload",
+    "STANDARD",
+    "Trace",
+    "Row",
+    "row_bytes",
+    "torch_step_bytes",
+    "triton_step_bytes",
+    "resident_group",
+    "triton_seconds",
+    "chunks",
+    "trace",
+    "standard_batch",
+    "method_flops",
+    "method_steps",
+    "predict",
+    "table",
+    "ITERATIVE",
+    "FLOPS_FALLBACK",
+    "markdown",
+    "triton_cases",
+    "triton_markdown",
+]

@@ -1,0 +1,126 @@
+"""The GPU cost model (poodle/costmodel.py): its arithmetic on known cases, its traced byte counts
+against a count written out by hand, and its extrapolation of fixed-step methods against a full trace."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from poodle import costmodel as cm
+from poodle.solvers import _optim
+from poodle.solvers._optim import RowTerms
+
+
+def test_poodle_standard_workload_by_hand():
+    # 5 support + 75 queries + 400 negatives = 480 rows of 640 float32: 1.23 MB an episode
+    assert cm.row_bytes(480, 640) == 1_228_800
+    # the torch formulation reads them twice a step: 250 steps x 10,000 episodes x 2.46 MB = 6.1 TB
+    rows_twice = 250 * 10_000 * 2 * cm.row_bytes(480, 640)
+    assert rows_twice == pytest.approx(6.144e12)
+    assert rows_twice / cm.H100_SXM.bandwidth == pytest.approx(1.834, abs=1e-3)
+    assert rows_twice / cm.H100_PCIE.bandwidth == pytest.approx(3.072, abs=1e-3)
+    # the rows are 81% of everything a torch step moves; the Triton step moves 45% of it
+    step = cm.torch_step_bytes(480, 640, 5)
+    assert 2 * cm.row_bytes(480, 640) / step == pytest.approx(0.814, abs=1e-3)
+    assert cm.triton_step_bytes(480, 640, 5)["dram"] / step == pytest.approx(0.4456, abs=1e-3)
+
+
+def _traced_step(n, D, K, free, learn_scale):
+    E = 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(E, n, D, generator=g)
+    fr = torch.ones(1, 1, n) if free else None
+    terms = RowTerms(torch.rand(E, K, n, generator=g), torch.rand(1, 1, n, generator=g), torch.rand(1, 1, n), fr)
+    w0 = torch.randn(E, K, D, generator=g)
+    moved = []
+    before = _optim.USE_NATIVE
+    _optim.USE_NATIVE = False
+    try:
+        for steps in (1, 2):
+            with cm._tracer(E) as mode:
+                _optim.fit_weighted_distance(x, terms, w0, steps=steps, learn_scale=learn_scale)
+            moved.append(mode.trace.bytes)
+    finally:
+        _optim.USE_NATIVE = before
+    return moved[1] - moved[0]
+
+
+@pytest.mark.parametrize("free", [False, True])
+@pytest.mark.parametrize("learn_scale", [True, False])
+def test_traced_step_equals_the_count_by_hand(free, learn_scale):
+    for n, D, K in [(37, 27, 7), (480, 640, 5)]:
+        assert _traced_step(n, D, K, free, learn_scale) == cm.torch_step_bytes(n, D, K, free, learn_scale)
+
+
+def test_tracer_counts_syncs_views_and_broadcasts():
+    x = torch.ones(3, 4)
+    with cm._tracer(1) as mode:
+        x.sum().item()  # one reduction, one sync
+        bool((x > 0).any())  # a comparison, a reduction, one sync
+        x.t().expand(2, 4, 3)  # views: nothing moved
+        x[:1].expand(5, 4) + 1.0  # the broadcast row is read once: 16 bytes in, 80 out
+    tr = mode.trace
+    assert tr.syncs == 2
+    assert tr.launches == 4
+    assert tr.op_bytes[-1] == 16 + 80
+    assert tr.op_bytes[0] == 48 + 4
+
+
+def test_extrapolated_trace_equals_a_full_trace():
+    batch = cm.standard_batch(cm.Workload(dim=32, n_neg=20), episodes=2)
+    opts = {"transductive": True, "steps": 6}
+    a = cm.trace("poodle", opts, batch)
+    b = cm.trace("poodle", opts, batch, extrapolate=False)
+    assert sorted(a.op_bytes) == sorted(b.op_bytes) and a.launches == b.launches
+    assert (a.syncs, a.matmul_flops) == (b.syncs, b.matmul_flops)
+    c = cm.trace("tim-gd", {"steps": 5}, batch)
+    d = cm.trace("tim-gd", {"steps": 5}, batch, extrapolate=False)
+    assert a.bytes > 0 and sorted(c.op_bytes) == sorted(d.op_bytes) and c.syncs == d.syncs
+
+
+def test_prediction_by_hand():
+    tr = cm.Trace(op_bytes=[1e6, 10.0], syncs=2)
+    got = cm.predict(tr, flops=0.0, gpu=cm.H100_SXM, episodes=10_000)
+    want = 0.0
+    for c in (4096, 4096, 1808):
+        device = c * 1e6 / 3.35e12 + max(c * 10.0 / 3.35e12, cm.KERNEL_FLOOR_S)
+        want += max(device, 2 * cm.HOST_OP_S) + 2 * cm.SYNC_S
+    assert got == pytest.approx(want, rel=1e-12)
+    # compute-bound when the FLOPs say so: 1 GFLOP an episode at 67 TFLOP/s
+    assert cm.predict(tr, flops=1e9, gpu=cm.H100_SXM) == pytest.approx(1e13 / 67e12 + 6 * cm.SYNC_S, rel=1e-9)
+    assert cm.chunks(10_000) == [4096, 4096, 1808]
+
+
+def test_resident_groups_pay_for_tim_not_for_poodle():
+    # TIM-GD's 80 rows of 640 floats and 5 prototypes: 256,000 bytes; half of 50 MiB holds 102
+    assert cm.resident_group(80, 640, 5, cm.H100_SXM) == 102
+    tim = cm.triton_seconds(80, 640, 5, 1000, 10_000, cm.H100_SXM, n_support=5)
+    assert tim["resident"] < tim["stream"]
+    # POODLE's 480 rows: 20 episodes fill the share, a seventh of the SMs; streaming wins
+    assert cm.resident_group(480, 640, 5, cm.H100_SXM) == 20
+    poodle = cm.triton_seconds(480, 640, 5, 250, 10_000, cm.H100_SXM)
+    assert poodle["stream"] < poodle["resident"]
+    # streaming POODLE is memory-bound: 250 x 10,000 x 1.34 MB at 3.35 TB/s
+    assert poodle["stream"] == pytest.approx(250 * 10_000 * 1_344_640 / 3.35e12, rel=1e-12)
+    assert math.isclose(poodle["group"], 20)
+
+
+def test_steps_and_flops_of_the_registered_methods():
+    from poodle import solvers
+
+    cfg = solvers.make_config("tim-gd", {})
+    assert cm.method_steps("tim-gd", cfg) == 1000
+    assert cm.method_steps("kmeans", solvers.make_config("kmeans", {})) == 250
+    assert cm.method_steps("can-t", solvers.make_config("can-t", {})) == 2
+    pcfg = solvers.make_config("poodle", {"transductive": True})
+    assert cm.method_flops("poodle", pcfg, uses_negatives=True) == solvers.get("poodle").flops(5, 75, 400, 640, 5, pcfg)
+    rows = cm.table([("entropy-min", {}), ("soft-kmeans", {})], cm.Workload(dim=32), traced_episodes=2)
+    assert [r.method for r in rows] == ["entropy-min", "soft-kmeans"]
+    for r in rows:
+        assert r.bytes > 0 and r.flops > 0 and r.launches > 0 and r.flops_source == "registered"
+        assert set(r.seconds) == {"H100 SXM", "H100 PCIe", "H200"}
+        assert r.seconds["H100 PCIe"] >= r.seconds["H100 SXM"] >= r.seconds["H200"]
+    text = cm.markdown(rows, {"entropy-min": 100.0})
+    assert "| entropy-min | 25 |" in text and "100.0" in text
