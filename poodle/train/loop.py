@@ -142,14 +142,17 @@ def dataset_labels(dataset: Dataset) -> tuple[torch.Tensor, list[str]]:
 # checkpoints
 
 
-def _read_checkpoint(path: Path) -> dict[str, Any]:
+def _read_checkpoint(path: Path, out: Path) -> dict[str, Any]:
+    """The training checkpoint ``path`` (inside the run directory ``out``)."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for a damaged file
         raise CheckpointError(f"{path}: cannot read checkpoint ({type(e).__name__}: {e})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
-            f"{path}: not a checkpoint written by `poodle train`; use --force to start over or another --out"
+            f"out {out} holds {path.relative_to(out)}, which is not a checkpoint written by poodle.train; "
+            "pass force to start over or choose another folder",
+            params=("out", "force"),
         )
     return ckpt
 
@@ -162,9 +165,11 @@ def _copy_atomic(src: Path, dst: Path) -> None:
 def _check_config(path: Path, saved: dict[str, Any], cfg: TrainConfig) -> None:
     diffs = config_differences(saved, cfg.defining())
     if diffs:
+        out = cfg.out_dir()
         raise ConfigError(
-            f"{path} was trained with other settings ({'; '.join(diffs)}); "
-            "use --force to start over or choose another --out"
+            f"out {out}: {path.relative_to(out)} was trained with other settings ({'; '.join(diffs)}); "
+            "pass force to start over or choose another folder",
+            params=("out", "force"),
         )
 
 
@@ -251,7 +256,9 @@ def train(
     dist, device = _init_distributed(cfg.device)
     amp = (device.type == "cuda") if cfg.amp is None else bool(cfg.amp and device.type == "cuda")
     if cfg.batch_size % dist.world:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by the {dist.world} processes")
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} is not divisible by the {dist.world} processes", params=("batch_size",)
+        )
     out = cfg.out_dir()
     emit = callback if (callback is not None and dist.main) else (lambda e: None)
 
@@ -330,13 +337,14 @@ def _prepare_out(cfg: TrainConfig, out: Path, *, resume: bool | None, force: boo
         return
     if not last.exists():
         if resume is True:
-            raise ConfigError(f"--resume: nothing to resume in {out} (no last.pt)")
+            raise ConfigError(f"resume: nothing to resume in {out} (no last.pt)", params=("resume",))
         return
-    saved = _read_checkpoint(last)
+    saved = _read_checkpoint(last, out)
     if resume is False:
         raise ConfigError(
-            f"{out} already holds a run (epoch {saved.get('epoch')}/{cfg.epochs}); "
-            "resume it, use --force to start over or choose another --out"
+            f"out {out} already holds a run (epoch {saved.get('epoch')}/{cfg.epochs}); "
+            "resume it, pass force to start over or choose another folder",
+            params=("out", "force"),
         )
     _check_config(last, saved.get("config", {}), cfg)
 
@@ -437,7 +445,7 @@ def _load_last(cfg: TrainConfig, model: nn.Module, last: Path) -> _Saved:
     training state."""
     if not last.exists():
         return _Saved()
-    saved = _read_checkpoint(last)
+    saved = _read_checkpoint(last, cfg.out_dir())
     _check_config(last, saved.get("config", {}), cfg)
     load_checkpoint(model, last)
     _set_counters(model, saved.get("counters", {}))
@@ -621,8 +629,8 @@ def _run_epoch(run: _Run, gen: _Generation, epoch: int) -> _Running:
         logits, loss = _loss(run, gen, images, labels, rot_labels)
         if not torch.isfinite(loss):
             raise ConfigError(
-                f"the loss became {loss.item()} in generation {gen.index}, epoch {epoch}: "
-                "lower --lr or disable AMP (--no-amp)"
+                f"the loss became {loss.item()} in generation {gen.index}, epoch {epoch}: lower lr or turn amp off",
+                params=("lr", "amp"),
             )
         gen.optimizer.zero_grad(set_to_none=True)
         gen.scaler.scale(loss).backward()
