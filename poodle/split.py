@@ -120,6 +120,49 @@ def _csv_text(rows: list[tuple[str, str]]) -> str:
     return buf.getvalue()
 
 
+def _check_out(out: Path, record: dict[str, Any], force: bool) -> None:
+    """ConfigError unless ``out`` is missing, empty or a split made with the settings of ``record``
+    (or ``force`` replaces it)."""
+    manifest = out / "split.json"
+    if manifest.exists() and not force:
+        try:
+            old = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            old = {}
+        keys = ("setting", "seed", "fraction", "source")
+        if any(old.get(k) != record[k] for k in keys):
+            raise ConfigError(
+                f"out {out} holds a split made with "
+                + ", ".join(f"{k}={old.get(k)!r}" for k in keys)
+                + "; pass force to replace it, or choose another folder",
+                params=("out", "force"),
+            )
+    elif out.exists() and any(out.iterdir()) and not manifest.exists() and not force:
+        raise ConfigError(
+            f"out {out} exists and is not a split folder; pass force or choose another folder", params=("out", "force")
+        )
+
+
+def _link_images(out: Path, root: Path, force: bool) -> None:
+    """``out/images``: a symbolic link to ``root`` (a link elsewhere or a file is replaced with ``force``)."""
+    link = out / "images"
+    if link.is_symlink() or link.exists():
+        if not link.is_symlink() or Path(os.readlink(link)) != root:
+            if not force:
+                raise ConfigError(
+                    f"out {out} holds {link.name}, which is not a link to {root}; pass force or choose another folder",
+                    params=("out", "force"),
+                )
+            if link.is_symlink() or link.is_file():
+                link.unlink()
+            else:
+                raise ConfigError(
+                    f"out {out} holds a folder {link.name}; remove it or choose another folder", params=("out",)
+                )
+    if not link.is_symlink():
+        link.symlink_to(root, target_is_directory=True)
+
+
 def make_split(
     data_root: str | os.PathLike,
     out: str | os.PathLike,
@@ -152,40 +195,9 @@ def make_split(
         "poodle_version": __version__,
     }
     manifest = out / "split.json"
-    if manifest.exists() and not force:
-        try:
-            old = json.loads(manifest.read_text())
-        except (OSError, ValueError):
-            old = {}
-        keys = ("setting", "seed", "fraction", "source")
-        if any(old.get(k) != record[k] for k in keys):
-            raise ConfigError(
-                f"out {out} holds a split made with "
-                + ", ".join(f"{k}={old.get(k)!r}" for k in keys)
-                + "; pass force to replace it, or choose another folder",
-                params=("out", "force"),
-            )
-    elif out.exists() and any(out.iterdir()) and not manifest.exists() and not force:
-        raise ConfigError(
-            f"out {out} exists and is not a split folder; pass force or choose another folder", params=("out", "force")
-        )
+    _check_out(out, record, force)
     out.mkdir(parents=True, exist_ok=True)
-    link = out / "images"
-    if link.is_symlink() or link.exists():
-        if not link.is_symlink() or Path(os.readlink(link)) != root:
-            if not force:
-                raise ConfigError(
-                    f"out {out} holds {link.name}, which is not a link to {root}; pass force or choose another folder",
-                    params=("out", "force"),
-                )
-            if link.is_symlink() or link.is_file():
-                link.unlink()
-            else:
-                raise ConfigError(
-                    f"out {out} holds a folder {link.name}; remove it or choose another folder", params=("out",)
-                )
-    if not link.is_symlink():
-        link.symlink_to(root, target_is_directory=True)
+    _link_images(out, root, force)
     for name, rows in (("train.csv", pool), ("test.csv", test)):
         with atomic_path(out / name) as tmp:
             tmp.write_text(_csv_text(rows), encoding="utf-8")
