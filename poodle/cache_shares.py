@@ -299,6 +299,23 @@ def plan(covered: Sequence[Covered], n: int, batch_size: int, world: int) -> lis
     return out
 
 
+@dataclass
+class _Staged:
+    """One staging file opened for the merge, with its committed state."""
+
+    covered: Covered
+    file: h5py.File
+    state: np.ndarray  # [rows, consumed, skipped, raw sum (D)]
+
+    @property
+    def rows(self) -> int:
+        return int(self.state[0])
+
+    @property
+    def n_skipped(self) -> int:
+        return int(self.state[2])
+
+
 def commit_shares(
     cache_path: str | os.PathLike,
     split: str,
@@ -319,69 +336,21 @@ def commit_shares(
     ``covered`` must tile ``[0, n_split)``. Returns ``(rows written, images skipped)``.
     """
     cache_path = Path(cache_path)
-    parts = sorted(covered, key=lambda c: c.start)
-    pos = 0
-    for c in parts:
-        if c.start != pos:
-            raise CacheError(f"split {split!r}: staged rows jump from {pos} to {c.start} ({c.path.name})")
-        pos = c.end
-    if pos != n_split:
-        raise CacheError(f"split {split!r}: only {pos} of {n_split} images are staged")
-    fdtype = FEATURE_DTYPES[dtype]
+    parts = _tiling(split, covered, n_split)
     # a name unique to this process; commits into one cache are serialised by its lock (poodle.cache)
     tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     files = [h5py.File(c.path, "r") for c in parts]
     lock = cache_lock(cache_path)
     lock.__enter__()
     try:
-        counts = []
-        for c, f in zip(parts, files):
-            state = _read_state(f, dim)
-            if state is None:
-                raise CacheError(f"{c.path}: its state is damaged; delete it and run again")
-            counts.append((int(state[0]), int(state[2]), state))
-        n = sum(r for r, _, _ in counts)
-        if cache_path.exists() and not fresh:
-            shutil.copyfile(cache_path, tmp)
-            dst_f = h5py.File(tmp, "a")
-        else:
-            dst_f = h5py.File(tmp, "w")
-            _set_attrs(dst_f, root_attrs)
-        with dst_f:
+        staged = [_Staged(c, f, _committed_state(c, f, dim)) for c, f in zip(parts, files)]
+        n = sum(s.rows for s in staged)
+        with _open_copy(cache_path, tmp, root_attrs, fresh) as dst_f:
             if split in dst_f:
                 del dst_f[split]
             dst = dst_f.create_group(split)
-            fd = dst.create_dataset("features", shape=(n, dim), dtype=fdtype)
-            ld = dst.create_dataset("labels", shape=(n,), dtype=np.int64)
-            pd = dst.create_dataset("paths", shape=(n,), dtype=STRING)
-            # raw row norms (cache version 2) when every part staged them
-            nd = (
-                dst.create_dataset("norms", shape=(n,), dtype=np.float32)
-                if all("norms" in f[split] for f in files)
-                else None
-            )
-            total = np.zeros(dim, dtype=np.float64)
-            skipped: list[str] = []
-            at = 0
-            for c, f, (rows, n_skip, state) in zip(parts, files, counts):
-                src = f[split]
-                for a in range(0, rows, _ROWS_PER_BLOCK):
-                    b = min(rows, a + _ROWS_PER_BLOCK)
-                    fd[at + a : at + b] = src["features"][a:b]
-                    ld[at + a : at + b] = src["labels"][a:b]
-                    pd[at + a : at + b] = src["paths"].asstr()[a:b]
-                    if nd is not None:
-                        nd[at + a : at + b] = src["norms"][a:b]
-                at += rows
-                if n_skip:
-                    skipped.extend(_strings(src["skipped"])[:n_skip])
-                if c.kind == "partial":  # its running sum is the one-process prefix sum: continue from it
-                    total = total + state[3:]
-                else:
-                    sums = src["batch_sums"][: _n_batches(c.consumed, batch_size)]
-                    for row in sums:
-                        total += row
-            labels = ld[()]
+            total, skipped = _merge_rows(dst, staged, split, n, dim, FEATURE_DTYPES[dtype], batch_size)
+            labels = dst["labels"][()]
             if labels.size and (labels.min() < 0 or labels.max() >= len(classes)):
                 raise CacheError(f"split {split!r}: staged labels outside the {len(classes)} classes")
             dst.create_dataset("classes", data=np.array(list(classes), dtype=object), dtype=STRING)
@@ -404,6 +373,75 @@ def commit_shares(
     for c in parts:
         c.path.unlink()
     return n, len(skipped)
+
+
+def _tiling(split: str, covered: Sequence[Covered], n_split: int) -> list[Covered]:
+    """``covered`` by start row; CacheError unless it tiles ``[0, n_split)``."""
+    parts = sorted(covered, key=lambda c: c.start)
+    pos = 0
+    for c in parts:
+        if c.start != pos:
+            raise CacheError(f"split {split!r}: staged rows jump from {pos} to {c.start} ({c.path.name})")
+        pos = c.end
+    if pos != n_split:
+        raise CacheError(f"split {split!r}: only {pos} of {n_split} images are staged")
+    return parts
+
+
+def _committed_state(c: Covered, f: h5py.File, dim: int) -> np.ndarray:
+    state = _read_state(f, dim)
+    if state is None:
+        raise CacheError(f"{c.path}: its state is damaged; delete it and run again")
+    return state
+
+
+def _open_copy(cache_path: Path, tmp: Path, root_attrs: Mapping[str, Any], fresh: bool) -> h5py.File:
+    """``tmp`` opened for writing: a copy of the cache, or a new file with ``root_attrs`` when the
+    cache is absent or ``fresh``."""
+    if cache_path.exists() and not fresh:
+        shutil.copyfile(cache_path, tmp)
+        return h5py.File(tmp, "a")
+    f = h5py.File(tmp, "w")
+    _set_attrs(f, root_attrs)
+    return f
+
+
+def _merge_rows(
+    dst: h5py.Group, staged: Sequence[_Staged], split: str, n: int, dim: int, fdtype: Any, batch_size: int
+) -> tuple[np.ndarray, list[str]]:
+    """Copy the staged rows, in order, into new ``features``, ``labels``, ``paths`` (and ``norms``)
+    datasets of ``dst``; returns the sum of the raw features, float64 ``[D]``, added in the
+    one-process run's order, and the skipped images."""
+    fd = dst.create_dataset("features", shape=(n, dim), dtype=fdtype)
+    ld = dst.create_dataset("labels", shape=(n,), dtype=np.int64)
+    pd = dst.create_dataset("paths", shape=(n,), dtype=STRING)
+    # raw row norms (cache version 2) when every part staged them
+    nd = (
+        dst.create_dataset("norms", shape=(n,), dtype=np.float32)
+        if all("norms" in s.file[split] for s in staged)
+        else None
+    )
+    total = np.zeros(dim, dtype=np.float64)
+    skipped: list[str] = []
+    at = 0
+    for s in staged:
+        src, rows = s.file[split], s.rows
+        for a in range(0, rows, _ROWS_PER_BLOCK):
+            b = min(rows, a + _ROWS_PER_BLOCK)
+            fd[at + a : at + b] = src["features"][a:b]
+            ld[at + a : at + b] = src["labels"][a:b]
+            pd[at + a : at + b] = src["paths"].asstr()[a:b]
+            if nd is not None:
+                nd[at + a : at + b] = src["norms"][a:b]
+        at += rows
+        if s.n_skipped:
+            skipped.extend(_strings(src["skipped"])[: s.n_skipped])
+        if s.covered.kind == "partial":  # its running sum is the one-process prefix sum: continue from it
+            total = total + s.state[3:]
+        else:
+            for row in src["batch_sums"][: _n_batches(s.covered.consumed, batch_size)]:
+                total += row
+    return total, skipped
 
 
 def class_counts(covered: Sequence[Covered], split: str, n_classes: int) -> np.ndarray:

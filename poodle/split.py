@@ -66,10 +66,9 @@ def draw(
     disjoint: a permutation of the sorted classes; the first ``round(fraction * C)`` classes are the pool.
     Rows are written class by class, images in name order.
     """
-    if setting not in SETTINGS:
-        raise ConfigError(f"--setting {setting!r}: use one of {', '.join(SETTINGS)}")
+    _check_setting(setting)
     if not 0.0 < fraction < 1.0:
-        raise ConfigError(f"--fraction {fraction}: must be strictly between 0 and 1")
+        raise ConfigError(f"fraction {fraction}: must be strictly between 0 and 1", params=("fraction",))
     rng = np.random.default_rng(seed)
     pool: list[tuple[str, str]] = []
     test: list[tuple[str, str]] = []
@@ -80,21 +79,26 @@ def draw(
             k = int(fraction * len(files))
             chosen = set(rng.permutation(len(files))[:k].tolist())
             if k == len(files):
-                raise DataError(f"class {c!r}: --fraction {fraction} of its {len(files)} images leaves none to test")
+                raise DataError(
+                    f"fraction {fraction} of the {len(files)} images of class {c!r} leaves none to test",
+                    params=("fraction",),
+                )
             pool += [(f"{c}/{f}", c) for i, f in enumerate(files) if i in chosen]
             test += [(f"{c}/{f}", c) for i, f in enumerate(files) if i not in chosen]
         if not pool:
             most = max(len(f) for f in classes.values())
             raise DataError(
-                f"--fraction {fraction} of at most {most} images per class puts no image in the pool "
-                f"(the count per class is rounded down); raise --fraction or use more images per class"
+                f"fraction {fraction} of at most {most} images per class puts no image in the pool "
+                f"(the count per class is rounded down); raise it or use more images per class",
+                params=("fraction",),
             )
     else:
         k = int(round(fraction * len(names)))
         if not 0 < k < len(names):
             raise ConfigError(
-                f"--fraction {fraction} of {len(names)} classes gives {k} pool classes; "
-                f"both the pool and the test split need at least one"
+                f"fraction {fraction} of {len(names)} classes gives {k} pool classes; "
+                f"both the pool and the test split need at least one",
+                params=("fraction",),
             )
         held = {names[i] for i in rng.permutation(len(names))[:k].tolist()}
         for c in names:
@@ -103,12 +107,60 @@ def draw(
     return pool, test
 
 
+def _check_setting(setting: str) -> None:
+    if setting not in SETTINGS:
+        raise ConfigError(f"setting {setting!r}: use one of {', '.join(SETTINGS)}", params=("setting",))
+
+
 def _csv_text(rows: list[tuple[str, str]]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["filename", "label"])
     w.writerows(rows)
     return buf.getvalue()
+
+
+def _check_out(out: Path, record: dict[str, Any], force: bool) -> None:
+    """ConfigError unless ``out`` is missing, empty or a split made with the settings of ``record``
+    (or ``force`` replaces it)."""
+    manifest = out / "split.json"
+    if manifest.exists() and not force:
+        try:
+            old = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            old = {}
+        keys = ("setting", "seed", "fraction", "source")
+        if any(old.get(k) != record[k] for k in keys):
+            raise ConfigError(
+                f"out {out} holds a split made with "
+                + ", ".join(f"{k}={old.get(k)!r}" for k in keys)
+                + "; pass force to replace it, or choose another folder",
+                params=("out", "force"),
+            )
+    elif out.exists() and any(out.iterdir()) and not manifest.exists() and not force:
+        raise ConfigError(
+            f"out {out} exists and is not a split folder; pass force or choose another folder", params=("out", "force")
+        )
+
+
+def _link_images(out: Path, root: Path, force: bool) -> None:
+    """``out/images``: a symbolic link to ``root`` (a link elsewhere or a file is replaced with ``force``)."""
+    link = out / "images"
+    if link.is_symlink() or link.exists():
+        if not link.is_symlink() or Path(os.readlink(link)) != root:
+            if not force:
+                raise ConfigError(
+                    f"out {out} holds {link.name}, which is not a link to {root}; pass force or choose another folder",
+                    params=("out", "force"),
+                )
+            if link.is_symlink() or link.is_file():
+                link.unlink()
+            else:
+                raise ConfigError(
+                    f"out {out} holds a folder {link.name}; remove it or choose another folder", params=("out",)
+                )
+    if not link.is_symlink():
+        link.symlink_to(root, target_is_directory=True)
 
 
 def make_split(
@@ -124,8 +176,7 @@ def make_split(
     to ``out/split.json``. An existing ``out`` made with other settings is refused without ``force``."""
     root = Path(data_root).expanduser().resolve()
     out = Path(out)
-    if setting not in SETTINGS:
-        raise ConfigError(f"--setting {setting!r}: use one of {', '.join(SETTINGS)}")
+    _check_setting(setting)
     fraction = DEFAULT_FRACTION[setting] if fraction is None else float(fraction)
     classes = class_folders(root)
     pool, test = draw(classes, setting, fraction, seed)
@@ -144,32 +195,9 @@ def make_split(
         "poodle_version": __version__,
     }
     manifest = out / "split.json"
-    if manifest.exists() and not force:
-        try:
-            old = json.loads(manifest.read_text())
-        except (OSError, ValueError):
-            old = {}
-        keys = ("setting", "seed", "fraction", "source")
-        if any(old.get(k) != record[k] for k in keys):
-            raise ConfigError(
-                f"{out} holds a split made with "
-                + ", ".join(f"{k}={old.get(k)!r}" for k in keys)
-                + "; pass --force to replace it, or choose another --out"
-            )
-    elif out.exists() and any(out.iterdir()) and not manifest.exists() and not force:
-        raise ConfigError(f"{out} exists and is not a split folder; pass --force or choose another --out")
+    _check_out(out, record, force)
     out.mkdir(parents=True, exist_ok=True)
-    link = out / "images"
-    if link.is_symlink() or link.exists():
-        if not link.is_symlink() or Path(os.readlink(link)) != root:
-            if not force:
-                raise ConfigError(f"{link} exists and is not a link to {root}; pass --force or choose another --out")
-            if link.is_symlink() or link.is_file():
-                link.unlink()
-            else:
-                raise ConfigError(f"{link} is a folder; remove it or choose another --out")
-    if not link.is_symlink():
-        link.symlink_to(root, target_is_directory=True)
+    _link_images(out, root, force)
     for name, rows in (("train.csv", pool), ("test.csv", test)):
         with atomic_path(out / name) as tmp:
             tmp.write_text(_csv_text(rows), encoding="utf-8")

@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from poodle import backbones, cache
+from poodle.cli._common import as_flags
 from poodle.cli.split import split as split_cmd
 from poodle.data import ImageDataset, resolve_dataset
 from poodle.data.cifar import write_cifar100_binary
@@ -148,8 +149,11 @@ def test_damaged_cifar_files_are_named(cifar, tmp_path):
     (bad / "fine_label_names.txt").write_text("\n".join(c if c != "whale" else "whales" for c in FINE))
     with pytest.raises(DataError, match="no class 'whale' of the CIFAR-FS test split"):
         resolve_dataset("cifar-fs", bad).samples("test")
-    with pytest.raises(DataError, match="no train.bin"):
+    with pytest.raises(DataError, match="no train.bin") as e:
         resolve_dataset("fc100", tmp_path)
+    # the library names its parameter, the command line writes it as the flag
+    assert str(e.value).startswith("dataset fc100: no train.bin") and e.value.params == ("dataset",)
+    assert as_flags(str(e.value), e.value.params).startswith("--dataset fc100: no train.bin")
 
 
 def test_cub_140_30_30_is_its_own_dataset(tmp_path):
@@ -179,8 +183,10 @@ def test_cub_140_30_30_is_its_own_dataset(tmp_path):
         extract("folder", "conv4_64", data_root=tmp_path, cub_split="140-30-30", cache_root=tmp_path / "c")
     (tmp_path / "cub" / "images" / names[-1] / "a.png").unlink()
     (tmp_path / "cub" / "images" / names[-1]).rmdir()
-    with pytest.raises(DataError, match=f"class folder '{names[-1]}' of its test split"):
+    with pytest.raises(DataError, match=f"class folder '{names[-1]}' of its test split") as e:
         resolve_dataset("cub", tmp_path / "cub", cub_split="140-30-30")
+    assert str(e.value).startswith("cub_split 140-30-30: ") and e.value.params == ("cub_split",)
+    assert as_flags(str(e.value), e.value.params).startswith("--cub-split 140-30-30: class folder")
 
 
 @pytest.fixture
@@ -215,8 +221,14 @@ def test_noisy_split_is_seeded_and_read_by_the_csv_dataset(domain, tmp_path):
     assert (tmp_path / "c" / "train.csv").read_text() != (tmp_path / "a" / "train.csv").read_text()
     src = resolve_dataset("csv", tmp_path / "a")
     assert len(src.samples("train")) == 6 and src.samples("test")[0][0].startswith("images/class0/")
-    with pytest.raises(ConfigError, match="seed=3"):
+    with pytest.raises(ConfigError, match="seed=3") as e:
         make_split(domain, tmp_path / "a", setting="noisy", seed=5)
+    assert "--" not in str(e.value) and e.value.params == ("out", "force")
+    res = CliRunner().invoke(
+        split_cmd, ["--data-root", str(domain), "--out", str(tmp_path / "a"), "--setting", "noisy", "--seed", "5"]
+    )
+    assert res.exit_code == 1 and f"error: --out {tmp_path / 'a'} holds a split made with" in res.output, res.output
+    assert "pass --force to replace it" in res.output
 
 
 def test_disjoint_split_holds_out_whole_classes(domain, tmp_path):
@@ -224,8 +236,9 @@ def test_disjoint_split_holds_out_whole_classes(domain, tmp_path):
     pool, test = _rows(tmp_path / "d" / "train.csv"), _rows(tmp_path / "d" / "test.csv")
     assert rec["fraction"] == 0.5 and rec["pool"] == {"images": 15, "classes": 3}
     assert not {r[1] for r in pool} & {r[1] for r in test} and len(test) == 15
-    with pytest.raises(ConfigError, match="strictly between 0 and 1"):
+    with pytest.raises(ConfigError, match="fraction 1.0: must be strictly between 0 and 1") as e:
         make_split(domain, tmp_path / "e", setting="disjoint", seed=0, fraction=1.0)
+    assert e.value.params == ("fraction",)
 
 
 def test_noisy_split_that_would_leave_the_pool_empty_is_refused(domain, tmp_path):
@@ -233,5 +246,5 @@ def test_noisy_split_that_would_leave_the_pool_empty_is_refused(domain, tmp_path
     res = CliRunner().invoke(
         split_cmd, ["--data-root", str(domain), "--out", str(tmp_path / "z"), "--setting", "noisy", "--fraction", "0.1"]
     )
-    assert res.exit_code == 1 and "puts no image in the pool" in res.output, res.output
+    assert res.exit_code == 1 and "--fraction 0.1 of at most 5 images per class puts no image in the pool" in res.output
     assert not (tmp_path / "z" / "train.csv").exists()

@@ -193,11 +193,11 @@ def test_other_settings_go_to_their_own_folder(tmp_path):
     assert len({a, b, c}) == 3 and all(p.parent == tmp_path / "glyphs" for p in (a, b, c))
     with Image.open(next(c.rglob("*.png"))) as im:
         assert im.size == (20, 20)
-    assert g._folder_name(0, 28, g.DEFAULT_INSTANCES, None, None) == "images"
+    assert g._Settings(0, 28, g.DEFAULT_INSTANCES, None, None).folder_name() == "images"
 
 
 def test_folder_without_manifest_is_refused_then_regenerated_with_force(tmp_path):
-    root = tmp_path / "glyphs" / g._folder_name(0, 28, 3, SUBSET, 4)
+    root = tmp_path / "glyphs" / g._Settings(0, 28, 3, SUBSET, 4).folder_name()
     (root / "train" / "junk").mkdir(parents=True)
     with pytest.raises(DataError, match="no manifest.json"):
         g.ensure_glyphs(tmp_path, **SMALL)

@@ -102,17 +102,22 @@ def test_lr_decays_at_the_milestone_epoch_not_one_late():
 
 
 @pytest.mark.parametrize(
-    "bad, culprit",
+    "bad, culprit, params",
     [
-        ({"recipe": "kd"}, "recipe"),
-        ({"epochs": 0}, "--epochs"),
-        ({"milestones": (100,)}, "milestone 100"),
-        ({"label_smoothing": 1.0}, "--label-smoothing"),
+        ({"recipe": "kd"}, "unknown recipe 'kd'", ("recipe",)),
+        ({"teacher": "first"}, "teacher must be one of last, best, got 'first'", ("teacher",)),
+        ({"epochs": 0}, "epochs must be in [1, inf), got 0", ("epochs",)),
+        ({"milestones": (100,)}, "milestones contain 100, outside 1..99 (epochs 100)", ("milestones", "epochs")),
+        ({"label_smoothing": 1.0}, "label_smoothing must be in [0, 1), got 1.0", ("label_smoothing",)),
+        ({"recipe": "rot-kd", "generations": 0}, "recipe rot-kd needs generations >= 1", ("recipe", "generations")),
+        ({"seed": -1}, "seed -1 does not fit 63 bits", ("seed",)),
     ],
 )
-def test_bad_settings_name_the_culprit(bad, culprit):
-    with pytest.raises(ConfigError, match=culprit):
+def test_bad_settings_name_the_culprit(bad, culprit, params):
+    with pytest.raises(ConfigError) as e:
         TrainConfig(dataset="mini", backbone="resnet12", **bad)
+    # the parameter, not a command-line flag; the CLI writes params as flags
+    assert culprit in str(e.value) and "--" not in str(e.value) and e.value.params == params
 
 
 # ---- recipes -------------------------------------------------------------------------------------
@@ -234,10 +239,13 @@ def test_a_complete_run_is_reused_and_other_settings_are_refused(image_root, tmp
     mtime = first.checkpoint.stat().st_mtime_ns
     again = train(cfg)
     assert again.checkpoint.stat().st_mtime_ns == mtime and again.generations[0]["epochs_run"] == 0
-    with pytest.raises(ConfigError, match="lr: 0.05 -> 0.1"):
+    with pytest.raises(ConfigError, match="lr: 0.05 -> 0.1") as e:
         train(_cfg(image_root, tmp_path, epochs=1, val_every=0, lr=0.1))
-    with pytest.raises(ConfigError, match="nothing to resume"):
+    assert str(e.value).startswith(f"out {tmp_path / 'run'}: last.pt was trained with other settings")
+    assert "pass force to start over" in str(e.value) and e.value.params == ("out", "force")
+    with pytest.raises(ConfigError, match="resume: nothing to resume") as e:
         train(_cfg(image_root, tmp_path / "other", epochs=1), resume=True)
+    assert e.value.params == ("resume",)
     forced = train(_cfg(image_root, tmp_path, epochs=1, val_every=0, lr=0.1), force=True)
     assert forced.generations[0]["epochs_run"] == 1
 
@@ -329,4 +337,5 @@ def test_cli_train_prints_the_checkpoint(image_root, tmp_path):
     assert str(out / "best.pt") in res.output
     assert "epoch 2/2" in res.output
     res = CliRunner().invoke(cli, args[:-2] + ["--out", str(out), "--lr", "0.5"])
-    assert res.exit_code == 1 and "error:" in res.output and "lr" in res.output
+    assert res.exit_code == 1 and f"error: --out {out}: last.pt was trained with other settings" in res.output
+    assert "lr: 0.05 -> 0.5" in res.output and "pass --force to start over" in res.output

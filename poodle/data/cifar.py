@@ -45,8 +45,9 @@ class CifarSource(DatasetSource):
         for f in self.files:
             if not f.is_file():
                 raise DataError(
-                    f"--dataset {name}: {f} does not exist (CIFAR-100's binary version: train.bin, "
-                    f"test.bin, fine_label_names.txt, coarse_label_names.txt)"
+                    f"dataset {name}: {f} does not exist (CIFAR-100's binary version: train.bin, "
+                    f"test.bin, fine_label_names.txt, coarse_label_names.txt)",
+                    params=("dataset",),
                 )
             size = f.stat().st_size
             if size == 0 or size % RECORD:
@@ -62,8 +63,9 @@ class CifarSource(DatasetSource):
             if (d / FILES[0]).is_file():
                 return cls(root, d, name)
         raise DataError(
-            f"--dataset {name}: no {FILES[0]} in {root} or {root / 'cifar-100-binary'} (CIFAR-100's "
-            f"binary version; the Python version's pickles are not read)"
+            f"dataset {name}: no {FILES[0]} in {root} or {root / 'cifar-100-binary'} (CIFAR-100's "
+            f"binary version; the Python version's pickles are not read)",
+            params=("dataset",),
         )
 
     def describe(self) -> str:
@@ -77,7 +79,7 @@ class CifarSource(DatasetSource):
     def _names(self, filename: str) -> list[str]:
         path = self.bin_dir / filename
         if not path.is_file():
-            raise DataError(f"--dataset {self.name}: {path} does not exist")
+            raise DataError(f"dataset {self.name}: {path} does not exist", params=("dataset",))
         names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         dup = {n for n in names if names.count(n) > 1}
         if not names or dup:
@@ -104,7 +106,7 @@ class CifarSource(DatasetSource):
 
     def _list(self, split: str) -> list[tuple[str, str]]:
         if split not in SPLITS:
-            raise DataError(f"--dataset {self.name} has splits {', '.join(SPLITS)}; not {split!r}")
+            raise DataError(f"dataset {self.name} has splits {', '.join(SPLITS)}; not {split!r}", params=("dataset",))
         labels = [self._labels(f) for f in self.files]
         if self.name == "cifar-fs":
             wanted = split_list("cifar-fs", split)
@@ -148,8 +150,9 @@ class CifarSource(DatasetSource):
             empty = [c for c in groups if c not in seen]
         if empty:
             raise DataError(
-                f"--dataset {self.name}: class {empty[0]!r} of the {split} split has no images in "
-                f"{', '.join(str(f) for f in self.files)}"
+                f"dataset {self.name}: class {empty[0]!r} of the {split} split has no images in "
+                f"{', '.join(str(f) for f in self.files)}",
+                params=("dataset",),
             )
         return out
 

@@ -22,6 +22,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -33,6 +34,7 @@ from PIL import Image, ImageDraw, ImageFont, features
 from poodle.data._glyph_fonts import (
     ALPHABETS,
     SPLITS,
+    Face,
     GlyphClass,
     build_classes,
     cores,
@@ -191,23 +193,47 @@ def _versions() -> dict[str, str]:
     }
 
 
-def _config(
-    seed: int,
-    image_size: int,
-    instances: int,
-    alphabets: Sequence[str] | None,
-    max_per_alphabet: int | None,
-    distortion: Distortion,
-) -> dict:
-    return {
-        "format": FORMAT,
-        "seed": int(seed),
-        "image_size": int(image_size),
-        "instances": int(instances),
-        "selected_alphabets": list(alphabets) if alphabets is not None else None,
-        "max_per_alphabet": max_per_alphabet,
-        "distortion": distortion.to_dict(),
-    }
+@dataclass(frozen=True)
+class _Settings:
+    """What defines a generated set (the manifest's settings, and its folder's name)."""
+
+    seed: int = 0
+    image_size: int = 28
+    instances: int = DEFAULT_INSTANCES
+    alphabets: Sequence[str] | None = None
+    max_per_alphabet: int | None = None
+    distortion: Distortion = field(default_factory=Distortion)
+
+    def check(self) -> None:
+        _check_seed(self.seed)
+        if self.image_size < 8:
+            raise ConfigError(f"glyphs: image_size must be at least 8, got {self.image_size}")
+        if self.instances < 1:
+            raise ConfigError(f"glyphs: instances must be at least 1, got {self.instances}")
+
+    def config(self) -> dict:
+        return {
+            "format": FORMAT,
+            "seed": int(self.seed),
+            "image_size": int(self.image_size),
+            "instances": int(self.instances),
+            "selected_alphabets": list(self.alphabets) if self.alphabets is not None else None,
+            "max_per_alphabet": self.max_per_alphabet,
+            "distortion": self.distortion.to_dict(),
+        }
+
+    def folder_name(self) -> str:
+        """``images`` for the default set; other settings get their own folder, never a rewrite."""
+        key = (self.seed, self.image_size, self.instances, self.alphabets, self.max_per_alphabet)
+        if key == (0, 28, DEFAULT_INSTANCES, None, None):
+            return "images"
+        name = f"images-seed{self.seed}-{self.image_size}px"
+        if self.instances != DEFAULT_INSTANCES:
+            name += f"-n{self.instances}"
+        if self.alphabets is not None or self.max_per_alphabet is not None:
+            sub = json.dumps([list(self.alphabets) if self.alphabets is not None else None, self.max_per_alphabet])
+            name += "-sub" + hashlib.sha256(sub.encode()).hexdigest()[:8]
+        return name
 
 
 def generate_glyphs(
@@ -227,30 +253,41 @@ def generate_glyphs(
     Not atomic by itself (:func:`ensure_glyphs` generates into a temporary folder and renames).
     ``workers``: processes (None: one per core, at most 8; 0 or 1: in this process); the images
     do not depend on it. Returns the manifest."""
-    _check_seed(seed)
-    if image_size < 8:
-        raise ConfigError(f"glyphs: image_size must be at least 8, got {image_size}")
-    if instances < 1:
-        raise ConfigError(f"glyphs: instances must be at least 1, got {instances}")
-    dist = distortion or Distortion()
+    settings = _Settings(seed, image_size, instances, alphabets, max_per_alphabet, distortion or Distortion())
+    settings.check()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fs = faces()
-    path = {f.name: str(f.path) for f in fs}
     classes = glyph_classes(alphabets, max_per_alphabet)
     if not classes:
         raise DataError("glyphs: no class survives the selection; choose other alphabets")
+    files = _render_classes(out, classes, settings, {f.name: str(f.path) for f in fs}, workers, progress)
+    manifest = _manifest(classes, settings, fs, files)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return manifest
+
+
+def _render_classes(
+    out: Path,
+    classes: Sequence[GlyphClass],
+    settings: _Settings,
+    font_paths: dict[str, str],
+    workers: int | None,
+    progress: Progress,
+) -> list[tuple[str, str]]:
+    """Render every class into ``out`` (in ``workers`` processes); ``[(relative path, sha256)]`` of
+    the images written. DataError when a class rendered an image without ink."""
     tasks = [
         (
             str(out),
             c.split,
             c.name,
             c.codepoint,
-            [path[n] for n in face_order(c, seed)],
-            int(seed),
-            int(image_size),
-            int(instances),
-            dist,
+            [font_paths[n] for n in face_order(c, settings.seed)],
+            int(settings.seed),
+            int(settings.image_size),
+            int(settings.instances),
+            settings.distortion,
         )
         for c in classes
     ]
@@ -282,15 +319,22 @@ def generate_glyphs(
         raise DataError(
             f"glyphs: class(es) {', '.join(faint[:5])} rendered an image without ink (a font that lacks the glyph?)"
         )
+    return files
+
+
+def _manifest(
+    classes: Sequence[GlyphClass], settings: _Settings, fs: tuple[Face, ...], files: Sequence[tuple[str, str]]
+) -> dict:
+    """The manifest of a set: settings, splits, alphabets, classes, fonts, versions, checksum."""
     by_split = {s: [c for c in classes if c.split == s] for s in SPLITS}
     digests = fonts_digest(fs)
-    manifest = {
+    return {
         "dataset": "glyphs",
-        **_config(seed, image_size, instances, alphabets, max_per_alphabet, dist),
+        **settings.config(),
         "splits": {
             s: {
                 "classes": len(cs),
-                "images": len(cs) * instances,
+                "images": len(cs) * settings.instances,
                 "alphabets": sorted({c.alphabet for c in cs}, key=list(ALPHABETS).index),
             }
             for s, cs in by_split.items()
@@ -310,36 +354,21 @@ def generate_glyphs(
                 "codepoint": f"U+{c.codepoint:04X}",
                 "alphabet": c.alphabet,
                 "split": c.split,
-                "faces": face_order(c, seed),
+                "faces": face_order(c, settings.seed),
             }
             for c in classes
         },
         "fonts": {f.name: {"file": f.path.name, "sha256": digests[f.name]} for f in fs},
-        "removed_lookalikes": [f"{a} U+{ord(a):04X} -> {b} U+{ord(b):04X}" for a, b in removed_lookalikes(alphabets)],
+        "removed_lookalikes": [
+            f"{a} U+{ord(a):04X} -> {b} U+{ord(b):04X}" for a, b in removed_lookalikes(settings.alphabets)
+        ],
         "versions": _versions(),
         "checksum": _checksum(files),
         "n_images": len(files),
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    return manifest
 
 
 # ----------------------------------------------------------------------------- cache folder
-
-
-def _folder_name(
-    seed: int, image_size: int, instances: int, alphabets: Sequence[str] | None, max_per_alphabet: int | None
-) -> str:
-    """``images`` for the default set; other settings get their own folder, never a rewrite."""
-    if (seed, image_size, instances, alphabets, max_per_alphabet) == (0, 28, DEFAULT_INSTANCES, None, None):
-        return "images"
-    name = f"images-seed{seed}-{image_size}px"
-    if instances != DEFAULT_INSTANCES:
-        name += f"-n{instances}"
-    if alphabets is not None or max_per_alphabet is not None:
-        key = json.dumps([list(alphabets) if alphabets is not None else None, max_per_alphabet])
-        name += "-sub" + hashlib.sha256(key.encode()).hexdigest()[:8]
-    return name
 
 
 def verify_glyphs(root: str | Path, *, checksum: bool = False) -> dict:
@@ -416,9 +445,10 @@ def ensure_glyphs(
     with missing images is refused with DataError unless ``force=True``, which regenerates it.
     ``progress`` is called with the number of images just written."""
     _check_seed(seed)
+    settings = _Settings(seed, image_size, instances, alphabets, max_per_alphabet)
     base = Path(cache_root) / "glyphs"
-    root = base / _folder_name(seed, image_size, instances, alphabets, max_per_alphabet)
-    want = _config(seed, image_size, instances, alphabets, max_per_alphabet, Distortion())
+    root = base / settings.folder_name()
+    want = settings.config()
     if root.exists() and not force:
         m = verify_glyphs(root, checksum=verify)
         got = {k: m.get(k) for k in want}

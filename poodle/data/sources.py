@@ -237,13 +237,13 @@ class CubSource(DatasetSource):
 
     def __init__(self, root: Path, image_dir: Path, name: str = "cub", split: str = "release") -> None:
         if split not in CUB_SPLITS:
-            raise ConfigError(f"--cub-split {split!r}: use one of {', '.join(CUB_SPLITS)}")
+            raise ConfigError(f"cub_split {split!r}: use one of {', '.join(CUB_SPLITS)}", params=("cub_split",))
         super().__init__(name if split == "release" else f"{name}-{split}", root)
         self.split_rule = split
         self.image_dir = image_dir
         self.class_dirs = sorted(p.name for p in image_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
         if not self.class_dirs:
-            raise DataError(f"--dataset cub: no class folders in {image_dir}")
+            raise DataError(f"dataset cub: no class folders in {image_dir}", params=("dataset",))
         if split != "release":
             have = set(self.class_dirs)
             self.lists = {s: split_list(f"cub-{split}", s) for s in SPLITS}
@@ -251,8 +251,9 @@ class CubSource(DatasetSource):
                 missing = [c for c in names if c not in have]
                 if missing:
                     raise DataError(
-                        f"--cub-split {split}: class folder {missing[0]!r} of its {s} split is not in "
-                        f"{image_dir} ({len(missing)} of {len(names)} missing)"
+                        f"cub_split {split}: class folder {missing[0]!r} of its {s} split is not in "
+                        f"{image_dir} ({len(missing)} of {len(names)} missing)",
+                        params=("cub_split",),
                     )
 
     def describe(self) -> str:
@@ -263,7 +264,7 @@ class CubSource(DatasetSource):
 
     def _list(self, split: str) -> list[tuple[str, str]]:
         if split not in self.RULE:
-            raise DataError(f"--dataset cub has splits train, val, test; not {split!r}")
+            raise DataError(f"dataset cub has splits train, val, test; not {split!r}", params=("dataset",))
         out: list[tuple[str, str]] = []
         wanted = set(self.lists[split]) if self.split_rule != "release" else None
         for i, name in enumerate(self.class_dirs):
@@ -276,7 +277,8 @@ class CubSource(DatasetSource):
             out.extend((_rel(d / f, self.root), name) for f in files)
         if not out:
             raise DataError(
-                f"--dataset cub: split {split!r} gets no classes from the "
-                f"{len(self.class_dirs)} class folders in {self.image_dir}"
+                f"dataset cub: split {split!r} gets no classes from the "
+                f"{len(self.class_dirs)} class folders in {self.image_dir}",
+                params=("dataset",),
             )
         return out

@@ -127,31 +127,45 @@ class TrainConfig:
         self.check()
 
     def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first impossible setting."""
+        """Raise :class:`ConfigError` naming the first impossible setting (and, in ``params``, the
+        fields it speaks of)."""
         if self.recipe not in RECIPES:
-            raise ConfigError(f"unknown recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}")
+            raise ConfigError(f"unknown recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}", params=("recipe",))
         if self.augment not in AUGMENTATIONS:
-            raise ConfigError(f"unknown augmentation {self.augment!r}; choose one of {', '.join(AUGMENTATIONS)}")
+            raise ConfigError(
+                f"augment {self.augment!r} is unknown; choose one of {', '.join(AUGMENTATIONS)}", params=("augment",)
+            )
         if self.teacher not in TEACHERS:
-            raise ConfigError(f"--teacher must be one of {', '.join(TEACHERS)}, got {self.teacher!r}")
+            raise ConfigError(
+                f"teacher must be one of {', '.join(TEACHERS)}, got {self.teacher!r}", params=("teacher",)
+            )
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             try:
                 check_value("train", f.name, value, self.BOUNDS.get(f.name))
             except ConfigError:
                 raise ConfigError(
-                    f"--{f.name.replace('_', '-')} must be "
+                    f"{f.name} must be "
                     + (f"in {self.BOUNDS[f.name]}" if f.name in self.BOUNDS else "finite")
-                    + f", got {value}"
+                    + f", got {value}",
+                    params=(f.name,),
                 ) from None
-        check_seed(self.seed, "--seed")
+        try:
+            check_seed(self.seed)
+        except ConfigError as e:
+            raise ConfigError(str(e), params=("seed",)) from None
         if self.recipe == "rot-kd" and self.generations < 1:
-            raise ConfigError(f"recipe rot-kd needs --generations >= 1, got {self.generations}")
+            raise ConfigError(
+                f"recipe rot-kd needs generations >= 1, got {self.generations}", params=("recipe", "generations")
+            )
         if self.val_every < 0 or self.workers < 0:
-            raise ConfigError("--val-every and --workers must be >= 0")
+            raise ConfigError("val_every and workers must be >= 0", params=("val_every", "workers"))
         for m in self.milestones or ():
             if not 0 < m < self.epochs:
-                raise ConfigError(f"milestone {m} is outside 1..{self.epochs - 1} (--epochs {self.epochs})")
+                raise ConfigError(
+                    f"milestones contain {m}, outside 1..{self.epochs - 1} (epochs {self.epochs})",
+                    params=("milestones", "epochs"),
+                )
 
     # -- derived values ---------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, Callable, Sized, cast
 
 import torch
 from torch import nn
@@ -142,14 +142,17 @@ def dataset_labels(dataset: Dataset) -> tuple[torch.Tensor, list[str]]:
 # checkpoints
 
 
-def _read_checkpoint(path: Path) -> dict[str, Any]:
+def _read_checkpoint(path: Path, out: Path) -> dict[str, Any]:
+    """The training checkpoint ``path`` (inside the run directory ``out``)."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for a damaged file
         raise CheckpointError(f"{path}: cannot read checkpoint ({type(e).__name__}: {e})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
-            f"{path}: not a checkpoint written by `poodle train`; use --force to start over or another --out"
+            f"out {out} holds {path.relative_to(out)}, which is not a checkpoint written by poodle.train; "
+            "pass force to start over or choose another folder",
+            params=("out", "force"),
         )
     return ckpt
 
@@ -162,9 +165,11 @@ def _copy_atomic(src: Path, dst: Path) -> None:
 def _check_config(path: Path, saved: dict[str, Any], cfg: TrainConfig) -> None:
     diffs = config_differences(saved, cfg.defining())
     if diffs:
+        out = cfg.out_dir()
         raise ConfigError(
-            f"{path} was trained with other settings ({'; '.join(diffs)}); "
-            "use --force to start over or choose another --out"
+            f"out {out}: {path.relative_to(out)} was trained with other settings ({'; '.join(diffs)}); "
+            "pass force to start over or choose another folder",
+            params=("out", "force"),
         )
 
 
@@ -251,52 +256,26 @@ def train(
     dist, device = _init_distributed(cfg.device)
     amp = (device.type == "cuda") if cfg.amp is None else bool(cfg.amp and device.type == "cuda")
     if cfg.batch_size % dist.world:
-        raise ConfigError(f"--batch-size {cfg.batch_size} is not divisible by the {dist.world} processes")
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} is not divisible by the {dist.world} processes", params=("batch_size",)
+        )
     out = cfg.out_dir()
     emit = callback if (callback is not None and dist.main) else (lambda e: None)
 
     with dist.guard():  # a refusal (existing run, other settings) is printed once, by rank 0
         if dist.main:
-            if out.exists() and not out.is_dir():
-                raise ConfigError(f"output directory {out} is a file")
-            check_writable_dir(out / "train.json", "output directory")
             _prepare_out(cfg, out, resume=resume, force=force)
 
     pixels = pixel_cache if pixel_cache is not None else PixelCache(defaults.IMAGE_CACHE_BYTES)
-    train_set = _dataset(cfg, "train", train_transform(cfg.augment, cfg.image_size), pixels)
-    _, classes = dataset_labels(train_set)
-    if len(train_set) < 2:
-        raise DataError(f"the train split of {cfg.dataset!r} has {len(train_set)} images; need at least 2")
-    if len(classes) < 2:
-        # a one-class classifier has a constant cross-entropy: nothing would be learnt
-        raise DataError(
-            f"the train split of {cfg.dataset!r} has {len(classes)} class ({', '.join(classes)}); "
-            f"training a classifier needs at least 2"
-        )
-    validator = None
-    if cfg.val_every > 0 and dist.main and _has_split(cfg, cfg.val_split):
-        val_set = _dataset(cfg, cfg.val_split, eval_transform(cfg.image_size), pixels)
-        val_labels, val_classes = dataset_labels(val_set)
-        validator = Validator(
-            val_set,
-            val_labels,
-            val_classes,
-            way=cfg.val_way,
-            shot=cfg.val_shot,
-            query=cfg.val_query,
-            n_episodes=cfg.val_episodes,
-            seed=cfg.seed,
-            split=cfg.val_split,
-        )
-
-    result = TrainResult(out, out, out)
-    budget = [stop_after]
+    train_set, classes = _train_split(cfg, pixels)
+    validator = _validator(cfg, pixels) if cfg.val_every > 0 and dist.main else None
+    run = _Run(cfg, classes, train_set, validator, dist, device, amp, emit, TrainResult(out, out, out), stop_after)
     try:
         for g in range(cfg.n_generations):
-            info = _train_generation(cfg, g, classes, train_set, validator, dist, device, amp, emit, budget, result)
-            result.generations.append(info)
+            run.result.generations.append(_train_generation(run, g))
     except _Stop:
-        result.complete = False
+        run.result.complete = False
+    result = run.result
     final_dir = cfg.generation_dir(cfg.n_generations - 1)
     result.checkpoint = final_dir / "best.pt"
     result.last_checkpoint = final_dir / "last.pt"
@@ -307,7 +286,47 @@ def train(
     return result
 
 
+def _train_split(cfg: TrainConfig, pixels: PixelCache) -> tuple[ImageDataset, list[str]]:
+    """The train split with the training transform, and its class names; DataError when it cannot
+    train a classifier."""
+    train_set = _dataset(cfg, "train", train_transform(cfg.augment, cfg.image_size), pixels)
+    _, classes = dataset_labels(train_set)
+    if len(train_set) < 2:
+        raise DataError(f"the train split of {cfg.dataset!r} has {len(train_set)} images; need at least 2")
+    if len(classes) < 2:
+        # a one-class classifier has a constant cross-entropy: nothing would be learnt
+        raise DataError(
+            f"the train split of {cfg.dataset!r} has {len(classes)} class ({', '.join(classes)}); "
+            f"training a classifier needs at least 2"
+        )
+    return train_set, classes
+
+
+def _validator(cfg: TrainConfig, pixels: PixelCache) -> Validator | None:
+    """Meta-validation on ``cfg.val_split`` (None when the dataset has no such split)."""
+    if not _has_split(cfg, cfg.val_split):
+        return None
+    val_set = _dataset(cfg, cfg.val_split, eval_transform(cfg.image_size), pixels)
+    val_labels, val_classes = dataset_labels(val_set)
+    return Validator(
+        val_set,
+        val_labels,
+        val_classes,
+        way=cfg.val_way,
+        shot=cfg.val_shot,
+        query=cfg.val_query,
+        n_episodes=cfg.val_episodes,
+        seed=cfg.seed,
+        split=cfg.val_split,
+    )
+
+
 def _prepare_out(cfg: TrainConfig, out: Path, *, resume: bool | None, force: bool) -> None:
+    """Check that ``out`` can take this run: empty it with ``force``, else refuse a run made with
+    other settings (or, as ``resume`` asks, a missing or an existing one)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output directory {out} is a file")
+    check_writable_dir(out / "train.json", "output directory")
     last = out / "last.pt"
     if force and out.exists():
         for g in range(cfg.n_generations + 8):
@@ -318,65 +337,146 @@ def _prepare_out(cfg: TrainConfig, out: Path, *, resume: bool | None, force: boo
         return
     if not last.exists():
         if resume is True:
-            raise ConfigError(f"--resume: nothing to resume in {out} (no last.pt)")
+            raise ConfigError(f"resume: nothing to resume in {out} (no last.pt)", params=("resume",))
         return
-    saved = _read_checkpoint(last)
+    saved = _read_checkpoint(last, out)
     if resume is False:
         raise ConfigError(
-            f"{out} already holds a run (epoch {saved.get('epoch')}/{cfg.epochs}); "
-            "resume it, use --force to start over or choose another --out"
+            f"out {out} already holds a run (epoch {saved.get('epoch')}/{cfg.epochs}); "
+            "resume it, pass force to start over or choose another folder",
+            params=("out", "force"),
         )
     _check_config(last, saved.get("config", {}), cfg)
 
 
-def _train_generation(
-    cfg: TrainConfig,
-    g: int,
-    classes: list[str],
-    train_set: Dataset,
-    validator,
-    dist: _Dist,
-    device: torch.device,
-    amp: bool,
-    emit: Callback,
-    budget: list[int | None],
-    result: TrainResult,
-) -> dict[str, Any]:
-    gdir = cfg.generation_dir(g)
-    last, best = gdir / "last.pt", gdir / "best.pt"
-    model = _build(cfg, len(classes), g)
-    optimizer_state, scaler_state, rng, start, best_acc, history = None, None, None, 0, None, []
-    if last.exists():
-        saved = _read_checkpoint(last)
-        _check_config(last, saved.get("config", {}), cfg)
-        load_checkpoint(model, last)
-        optimizer_state, scaler_state = saved["optimizer"], saved.get("scaler")
-        start, best_acc, history = int(saved["epoch"]), saved.get("best_prec1"), list(saved.get("history", []))
-        rng = saved.get("rng")
-        _set_counters(model, saved.get("counters", {}))
-    result.history.extend(history)
-    if start >= cfg.epochs:
-        emit(TrainEvent("generation", g, cfg.n_generations, start, cfg.epochs, skipped=True, best_acc=best_acc))
-        return {"dir": str(gdir), "best_acc": best_acc, "epochs_run": 0}
+@dataclass
+class _Run:
+    """What every generation of one :func:`train` call works with."""
 
+    cfg: TrainConfig
+    classes: list[str]
+    train_set: ImageDataset
+    validator: Validator | None
+    dist: _Dist
+    device: torch.device
+    amp: bool
+    emit: Callback
+    result: TrainResult
+    budget: int | None  # epochs left before a simulated interruption (``stop_after``); None: no limit
+
+    @property
+    def per_rank(self) -> int:
+        """Images per batch in each process."""
+        return self.cfg.batch_size // self.dist.world
+
+
+@dataclass
+class _Saved:
+    """What a generation's ``last.pt`` holds to continue from (a fresh start when there is none)."""
+
+    start: int = 0
+    best_acc: float | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    optimizer: dict[str, Any] | None = None
+    scaler: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+
+
+@dataclass
+class _Generation:
+    """One generation's model, the machinery that trains it and where it stands."""
+
+    index: int
+    dir: Path
+    model: nn.Module
+    net: nn.Module  # the model, or its DistributedDataParallel wrapper
+    teacher: nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    sampler: DistributedSampler[int]
+    loader: DataLoader
+    best_acc: float | None
+    history: list[dict[str, Any]]
+
+    @property
+    def last(self) -> Path:
+        return self.dir / "last.pt"
+
+    @property
+    def best(self) -> Path:
+        return self.dir / "best.pt"
+
+
+def _train_generation(run: _Run, g: int) -> dict[str, Any]:
+    """Train (or continue) generation ``g`` to ``cfg.epochs``; its entry of ``TrainResult.generations``."""
+    cfg = run.cfg
+    gdir = cfg.generation_dir(g)
+    model = _build(cfg, len(run.classes), g)
+    saved = _load_last(cfg, model, gdir / "last.pt")
+    run.result.history.extend(saved.history)
+    if saved.start >= cfg.epochs:
+        run.emit(
+            TrainEvent(
+                "generation", g, cfg.n_generations, saved.start, cfg.epochs, skipped=True, best_acc=saved.best_acc
+            )
+        )
+        return {"dir": str(gdir), "best_acc": saved.best_acc, "epochs_run": 0}
     if cfg.workers > 0:
         # Workers are forked afresh every epoch and would lose what they cached: fill the cache here
         # once (when the split fits), before the first fork, so that every epoch's workers share it.
-        for ds in (train_set, getattr(validator, "dataset", None)):
+        for ds in (run.train_set, getattr(run.validator, "dataset", None)):
             if isinstance(ds, ImageDataset):
                 ds.preload()
+    gen = _setup_generation(run, g, gdir, model, saved)
+    run.emit(TrainEvent("generation", g, cfg.n_generations, saved.start, cfg.epochs, best_acc=saved.best_acc))
+    epochs_run = 0
+    for epoch in range(saved.start, cfg.epochs):
+        _train_epoch(run, gen, epoch)
+        epochs_run += 1
+        if run.budget is not None:
+            run.budget -= 1
+            if run.budget <= 0 and not (epoch + 1 == cfg.epochs and g + 1 == cfg.n_generations):
+                raise _Stop
+    return {"dir": str(gdir), "best_acc": gen.best_acc, "epochs_run": epochs_run}
 
-    teacher = None
-    if g > 0:
-        teacher = _build(cfg, len(classes), g)  # architecture only; weights come from the file
-        src = cfg.generation_dir(g - 1) / f"{cfg.teacher}.pt"
-        load_checkpoint(teacher, src)
-        teacher.to(device).eval()
-        if cfg.channels_last:
-            teacher.to(memory_format=torch.channels_last)
-        for p in teacher.parameters():
-            p.requires_grad_(False)
 
+def _load_last(cfg: TrainConfig, model: nn.Module, last: Path) -> _Saved:
+    """Load the weights and counters of ``last`` (when it exists) into ``model``; the rest of its
+    training state."""
+    if not last.exists():
+        return _Saved()
+    saved = _read_checkpoint(last, cfg.out_dir())
+    _check_config(last, saved.get("config", {}), cfg)
+    load_checkpoint(model, last)
+    _set_counters(model, saved.get("counters", {}))
+    return _Saved(
+        start=int(saved["epoch"]),
+        best_acc=saved.get("best_prec1"),
+        history=list(saved.get("history", [])),
+        optimizer=saved["optimizer"],
+        scaler=saved.get("scaler"),
+        rng=saved.get("rng"),
+    )
+
+
+def _teacher(run: _Run, g: int) -> nn.Module:
+    """Generation ``g - 1``'s ``cfg.teacher`` checkpoint, frozen, in eval mode on the device."""
+    cfg = run.cfg
+    teacher = _build(cfg, len(run.classes), g)  # architecture only; weights come from the file
+    load_checkpoint(teacher, cfg.generation_dir(g - 1) / f"{cfg.teacher}.pt")
+    teacher.to(run.device).eval()
+    if cfg.channels_last:
+        teacher.to(memory_format=torch.channels_last)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+def _setup_generation(run: _Run, g: int, gdir: Path, model: nn.Module, saved: _Saved) -> _Generation:
+    """The teacher, the (DDP-wrapped) model on the device, the optimizer and AMP scaler restored
+    from ``saved``, and the data order of generation ``g``."""
+    cfg, dist, device = run.cfg, run.dist, run.device
+    teacher = _teacher(run, g) if g > 0 else None
     model.to(device)
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
@@ -385,130 +485,129 @@ def _train_generation(
         net = nn.SyncBatchNorm.convert_sync_batchnorm(model) if device.type == "cuda" else model
         net = nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(
-        net.parameters(), lr=cfg.lr_at(start), momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        net.parameters(), lr=cfg.lr_at(saved.start), momentum=cfg.momentum, weight_decay=cfg.weight_decay
     )
-    scaler = torch.amp.GradScaler(device.type, enabled=amp)
-    if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
-        if scaler_state:
-            scaler.load_state_dict(scaler_state)
-        assert rng is not None  # written with the optimizer state by save_checkpoint below
-        restore_rng(rng)
-
+    scaler = torch.amp.GradScaler(device.type, enabled=run.amp)
+    if saved.optimizer is not None:
+        optimizer.load_state_dict(saved.optimizer)
+        if saved.scaler:
+            scaler.load_state_dict(saved.scaler)
+        assert saved.rng is not None  # written with the optimizer state by _save below
+        restore_rng(saved.rng)
     sampler: DistributedSampler[int] = DistributedSampler(
-        train_set,
+        run.train_set,
         num_replicas=dist.world,
         rank=dist.rank,
         shuffle=True,
         seed=derive_seed(cfg.seed, g) % 2**62,
         drop_last=False,
     )
-    per_rank = cfg.batch_size // dist.world
     loader = DataLoader(
-        train_set,
-        batch_size=per_rank,
+        run.train_set,
+        batch_size=run.per_rank,
         sampler=sampler,
         num_workers=cfg.workers,
         pin_memory=device.type == "cuda",
         drop_last=False,
     )
-    emit(TrainEvent("generation", g, cfg.n_generations, start, cfg.epochs, best_acc=best_acc))
-    epochs_run = 0
-    for epoch in range(start, cfg.epochs):
-        t0 = time.perf_counter()
-        seed_everything(cfg.seed, g, epoch + 1, dist.rank)
-        sampler.set_epoch(epoch)
-        lr = cfg.lr_at(epoch)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        emit(TrainEvent("epoch", g, cfg.n_generations, epoch, cfg.epochs, total=len(loader), lr=lr))
-        stats = _run_epoch(cfg, net, teacher, loader, optimizer, scaler, device, amp, dist, emit, g, epoch)
-        val_acc = None
-        is_val_epoch = cfg.val_every > 0 and ((epoch + 1) % cfg.val_every == 0 or epoch + 1 == cfg.epochs)
-        if validator is not None and is_val_epoch:
-            emit(TrainEvent("validate", g, cfg.n_generations, epoch, cfg.epochs, total=len(validator.dataset)))
-            val_acc = validator(
-                model,
-                batch_size=max(per_rank, 64),
-                device=device,
-                workers=cfg.workers,
-                amp=amp,
-                progress=lambda n: emit(TrainEvent("validate_step", g, images=n)),
-            )
-        improved = val_acc is not None and (best_acc is None or val_acc > best_acc)
-        if improved:
-            best_acc = val_acc
-        seconds = time.perf_counter() - t0
-        record = {
-            "generation": g,
-            "epoch": epoch,
-            "lr": lr,
-            "loss": stats.mean_loss,
-            "acc": stats.acc,
-            "val_acc": val_acc,
-            "seconds": seconds,
-        }
-        history.append(record)
-        result.history.append(record)
-        if dist.main:
-            save_checkpoint(
-                model,
-                last,
-                format=CHECKPOINT_FORMAT,
-                epoch=epoch + 1,
-                best_prec1=best_acc,
-                optimizer=optimizer.state_dict(),
-                scheduler={"milestones": list(cfg.resolved_milestones()), "gamma": cfg.gamma, "last_epoch": epoch},
-                scaler=scaler.state_dict(),
-                rng=capture_rng(),
-                counters=_get_counters(model),
-                history=history,
-                config=cfg.to_dict(),
-                classes=classes,
-                recipe=cfg.recipe,
-                generation=g,
-            )
-            if improved or (epoch + 1 == cfg.epochs and (best_acc is None or not best.exists())):
-                _copy_atomic(last, best)
-        dist.barrier()
-        emit(
-            TrainEvent(
-                "epoch_end",
-                g,
-                cfg.n_generations,
-                epoch,
-                cfg.epochs,
-                loss=stats.mean_loss,
-                acc=stats.acc,
-                lr=lr,
-                val_acc=val_acc,
-                best_acc=best_acc,
-                seconds=seconds,
-            )
+    return _Generation(g, gdir, model, net, teacher, optimizer, scaler, sampler, loader, saved.best_acc, saved.history)
+
+
+def _train_epoch(run: _Run, gen: _Generation, epoch: int) -> None:
+    """One epoch of generation ``gen``: training, meta-validation when due, checkpoints, events."""
+    cfg, g = run.cfg, gen.index
+    t0 = time.perf_counter()
+    seed_everything(cfg.seed, g, epoch + 1, run.dist.rank)
+    gen.sampler.set_epoch(epoch)
+    lr = cfg.lr_at(epoch)
+    for group in gen.optimizer.param_groups:
+        group["lr"] = lr
+    run.emit(TrainEvent("epoch", g, cfg.n_generations, epoch, cfg.epochs, total=len(gen.loader), lr=lr))
+    stats = _run_epoch(run, gen, epoch)
+    val_acc = _validate(run, gen, epoch)
+    improved = val_acc is not None and (gen.best_acc is None or val_acc > gen.best_acc)
+    if improved:
+        gen.best_acc = val_acc
+    seconds = time.perf_counter() - t0
+    record = {
+        "generation": g,
+        "epoch": epoch,
+        "lr": lr,
+        "loss": stats.mean_loss,
+        "acc": stats.acc,
+        "val_acc": val_acc,
+        "seconds": seconds,
+    }
+    gen.history.append(record)
+    run.result.history.append(record)
+    if run.dist.main:
+        _save(run, gen, epoch, improved)
+    run.dist.barrier()
+    run.emit(
+        TrainEvent(
+            "epoch_end",
+            g,
+            cfg.n_generations,
+            epoch,
+            cfg.epochs,
+            loss=stats.mean_loss,
+            acc=stats.acc,
+            lr=lr,
+            val_acc=val_acc,
+            best_acc=gen.best_acc,
+            seconds=seconds,
         )
-        epochs_run += 1
-        if budget[0] is not None:
-            budget[0] -= 1
-            if budget[0] <= 0 and not (epoch + 1 == cfg.epochs and g + 1 == cfg.n_generations):
-                raise _Stop
-    return {"dir": str(gdir), "best_acc": best_acc, "epochs_run": epochs_run}
+    )
 
 
-def _run_epoch(
-    cfg: TrainConfig,
-    net: nn.Module,
-    teacher: nn.Module | None,
-    loader: DataLoader,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    device: torch.device,
-    amp: bool,
-    dist: _Dist,
-    emit: Callback,
-    g: int,
-    epoch: int,
-) -> _Running:
-    net.train()
+def _validate(run: _Run, gen: _Generation, epoch: int) -> float | None:
+    """Meta-validation accuracy after ``epoch`` when one is due (every ``val_every`` epochs and
+    after the last), else None."""
+    cfg, validator = run.cfg, run.validator
+    due = cfg.val_every > 0 and ((epoch + 1) % cfg.val_every == 0 or epoch + 1 == cfg.epochs)
+    if validator is None or not due:
+        return None
+    g = gen.index
+    run.emit(TrainEvent("validate", g, cfg.n_generations, epoch, cfg.epochs, total=len(cast(Sized, validator.dataset))))
+    return validator(
+        gen.model,
+        batch_size=max(run.per_rank, 64),
+        device=run.device,
+        workers=cfg.workers,
+        amp=run.amp,
+        progress=lambda n: run.emit(TrainEvent("validate_step", g, images=n)),
+    )
+
+
+def _save(run: _Run, gen: _Generation, epoch: int, improved: bool) -> None:
+    """Write ``last.pt`` after ``epoch``, and copy it to ``best.pt`` when validation improved (or,
+    after the last epoch, when nothing validated or no best exists yet)."""
+    cfg = run.cfg
+    save_checkpoint(
+        gen.model,
+        gen.last,
+        format=CHECKPOINT_FORMAT,
+        epoch=epoch + 1,
+        best_prec1=gen.best_acc,
+        optimizer=gen.optimizer.state_dict(),
+        scheduler={"milestones": list(cfg.resolved_milestones()), "gamma": cfg.gamma, "last_epoch": epoch},
+        scaler=gen.scaler.state_dict(),
+        rng=capture_rng(),
+        counters=_get_counters(gen.model),
+        history=gen.history,
+        config=cfg.to_dict(),
+        classes=run.classes,
+        recipe=cfg.recipe,
+        generation=gen.index,
+    )
+    if improved or (epoch + 1 == cfg.epochs and (gen.best_acc is None or not gen.best.exists())):
+        _copy_atomic(gen.last, gen.best)
+
+
+def _run_epoch(run: _Run, gen: _Generation, epoch: int) -> _Running:
+    """The training steps of one epoch over ``gen.loader``; the epoch's running loss and accuracy."""
+    cfg, device, loader = run.cfg, run.device, gen.loader
+    gen.net.train()
     stats = _Running()
     # uint8 batches from an ImageDataset: its ToTensor scaling and normalisation, once per batch
     finish = getattr(loader.dataset, "finish", None)
@@ -527,39 +626,50 @@ def _run_epoch(
             labels = labels.repeat(4)
         if cfg.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
-            logits, rot_logits = net(images)
-            loss = smooth_cross_entropy(logits, labels, cfg.label_smoothing)
-            if rot_labels is not None:
-                loss = loss + cfg.rot_weight * smooth_cross_entropy(rot_logits, rot_labels, cfg.label_smoothing)
-            if teacher is not None:
-                with torch.no_grad():
-                    t_logits, t_rot = teacher(images)
-                kd = distill_kl(logits, t_logits, cfg.temperature)
-                if rot_labels is not None:
-                    kd = kd + distill_kl(rot_logits, t_rot, cfg.temperature)
-                loss = cfg.sup_weight * loss + cfg.kd_weight * kd
+        logits, loss = _loss(run, gen, images, labels, rot_labels)
         if not torch.isfinite(loss):
             raise ConfigError(
-                f"the loss became {loss.item()} in generation {g}, epoch {epoch}: lower --lr or disable AMP (--no-amp)"
+                f"the loss became {loss.item()} in generation {gen.index}, epoch {epoch}: lower lr or turn amp off",
+                params=("lr", "amp"),
             )
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        gen.optimizer.zero_grad(set_to_none=True)
+        gen.scaler.scale(loss).backward()
+        gen.scaler.step(gen.optimizer)
+        gen.scaler.update()
         correct = (logits.detach().argmax(1) == labels).sum().item()
         stats.add(loss.item(), correct, labels.shape[0])
-        emit(
+        run.emit(
             TrainEvent(
                 "step",
-                g,
+                gen.index,
                 epoch=epoch,
-                images=images.shape[0] // (4 if cfg.rotation else 1) * dist.world,
+                images=images.shape[0] // (4 if cfg.rotation else 1) * run.dist.world,
                 loss=stats.mean_loss,
                 acc=stats.acc,
             )
         )
     return stats
+
+
+def _loss(
+    run: _Run, gen: _Generation, images: torch.Tensor, labels: torch.Tensor, rot_labels: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(class logits [B, C], loss)`` of one batch: label-smoothed cross-entropy, plus the rotation
+    loss (``rot``) and the distillation loss (a student of ``rot-kd``)."""
+    cfg = run.cfg
+    with torch.autocast(run.device.type, dtype=torch.float16, enabled=run.amp):
+        logits, rot_logits = gen.net(images)
+        loss = smooth_cross_entropy(logits, labels, cfg.label_smoothing)
+        if rot_labels is not None:
+            loss = loss + cfg.rot_weight * smooth_cross_entropy(rot_logits, rot_labels, cfg.label_smoothing)
+        if gen.teacher is not None:
+            with torch.no_grad():
+                t_logits, t_rot = gen.teacher(images)
+            kd = distill_kl(logits, t_logits, cfg.temperature)
+            if rot_labels is not None:
+                kd = kd + distill_kl(rot_logits, t_rot, cfg.temperature)
+            loss = cfg.sup_weight * loss + cfg.kd_weight * kd
+    return logits, loss
 
 
 def _write_summary(cfg: TrainConfig, result: TrainResult) -> None:
