@@ -88,9 +88,11 @@ def check_seed(seed: object, what: str = "seed") -> int:
     """``seed`` as an int in ``0 .. 2**63 - 1`` (what torch, numpy and HDF5 attributes all hold);
     ConfigError naming the value otherwise."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ConfigError(f"{what} must be an integer, got {seed!r}")
+        raise ConfigError(f"{what} must be an integer, got {seed!r}", params=(what,) if what.isidentifier() else ())
     if not 0 <= int(seed) <= SEED_MAX:
-        raise ConfigError(f"{what} {seed} does not fit 63 bits: use 0 .. {SEED_MAX}")
+        raise ConfigError(
+            f"{what} {seed} does not fit 63 bits: use 0 .. {SEED_MAX}", params=(what,) if what.isidentifier() else ()
+        )
     return int(seed)
 
 
