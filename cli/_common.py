@@ -39,7 +39,7 @@ def styled(label: str, style: str, rest: str = "") -> Text:
 
 # Library parameters whose command-line option has another name (the one table of such pairs).
 PARAM_OPTIONS: dict[str, tuple[str, ...]] = {
-    "out": ("results_path", "out_path"),
+    "out": ("results_path", "out_path", "out_dir"),
     "save_episodes_to": ("save_episodes",),
     "methods": ("method",),
     "support": ("support_dir",),
