@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import click
@@ -115,6 +117,59 @@ def note(event: Any) -> None:
     ctx = click.get_current_context(silent=True)
     text = as_flags(event.message, flags_of(ctx.command if ctx else None, event.params))
     console.print(styled("note", "yellow", f": {text}"), soft_wrap=True)
+
+
+def project_default_map(ctx: click.Context, config_file: str | None) -> dict[str, dict[str, Any]] | None:
+    """click's ``default_map`` of the project file: ``config_file``, else ``./poodle.toml`` when it
+    exists (None without one). Each value is converted by its option's type now, so that a bad one is
+    one line naming the file, the table and the key; a relative path is read from the file's folder."""
+    from poodle import defaults
+    from poodle.errors import ConfigError
+    from poodle.project import project_defaults, read_project
+
+    path = Path(config_file) if config_file is not None else Path(defaults.PROJECT_FILE)
+    if config_file is None and not path.is_file():
+        return None
+    tables = read_project(path)
+    group = ctx.command
+    assert isinstance(group, click.Group)
+    options: dict[str, dict[str, click.Option]] = {}
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        if command is not None:
+            options[name] = {
+                p.name: p for p in command.params if isinstance(p, click.Option) and p.expose_value and p.name
+            }
+    found = project_defaults(path, tables, options)
+    base = path.parent
+    default_map: dict[str, dict[str, Any]] = {}
+    for command, entries in found.items():
+        for name, (table, key, value) in entries.items():
+            param = options[command][name]
+            if param.multiple and not isinstance(value, list):
+                value = [value]
+            if isinstance(param.type, click.Path) and isinstance(value, str) and base != Path():
+                value = value if os.path.isabs(os.path.expanduser(value)) else str(base / value)
+            try:
+                param.type_cast_value(ctx, value)
+            except click.BadParameter as e:
+                raise ConfigError(f"{path}: [{table}] {key} = {value!r}: {e.format_message()}") from None
+            default_map.setdefault(command, {})[name] = value
+    return default_map
+
+
+def from_project(ctx: click.Context, name: str) -> bool:
+    """Whether option ``name`` took its value from the project file (not typed, not built in)."""
+    from click.core import ParameterSource
+
+    return ctx.get_parameter_source(name) == ParameterSource.DEFAULT_MAP
+
+
+def typed(ctx: click.Context, name: str) -> bool:
+    """Whether option ``name`` was given on the command line (or in its environment variable)."""
+    from click.core import ParameterSource
+
+    return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
 class Bar:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import click
 
+from poodle import defaults
 from poodle.cli._common import console, friendly_errors, out, progress_bar, styled
 
 DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100"]
@@ -34,7 +38,8 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--dataset",
-    required=True,
+    default=defaults.DATASET,
+    show_default=True,
     type=click.Choice(DATASETS),
     help="Layout of the images: csv (images/ + <split>.csv), folder (<split>/<class>/<img>), "
     "the presets mini, tiered, cub, cifar-fs, fc100 (CIFAR-100's binary files), or the embedded glyphs.",
@@ -59,7 +64,23 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
     type=click.Path(dir_okay=False),
     default=None,
     help="Weights to load strictly: a torch state dict (the release's .pth.tar, ours, torchvision's, "
-    "timm's) or a .safetensors file; none: random weights.",
+    "timm's, DINOv2's and CLIP's original files) or a .safetensors file [default: the newest complete "
+    "`poodle train` or `poodle demo` run of --backbone on --dataset under --cache-root].",
+)
+@click.option(
+    "--pretrained",
+    is_flag=False,
+    flag_value=defaults.PRETRAINED,
+    default=None,
+    metavar="[WEIGHTS]",
+    help="timm:/torchvision: backbones: the library's own pretrained weights, from its cache (HF_HOME, "
+    "TORCH_HOME) or downloaded there: timm's for the tag in the name (timm:NAME.TAG); torchvision's "
+    "default weights, or the member of its weights enum named (--pretrained IMAGENET1K_V2).",
+)
+@click.option(
+    "--random-weights",
+    is_flag=True,
+    help="No weights: the network as initialised (seed 0), e.g. as a baseline.",
 )
 @click.option("--splits", default="train,val,test", show_default=True, help="Comma-separated splits to extract.")
 @click.option(
@@ -92,7 +113,7 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda or cuda:N.")
 @click.option(
     "--cache-root",
-    default="cache",
+    default=defaults.CACHE_ROOT,
     show_default=True,
     type=click.Path(file_okay=False),
     help="Cache files go to <cache-root>/<dataset>/<backbone>[-<tag>].h5.",
@@ -124,13 +145,17 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
     callback=_list_backbones,
     help="List the backbones available (release, torchvision, timm) and exit.",
 )
+@click.pass_context
 @friendly_errors
 def extract(
+    ctx: click.Context,
     dataset: str,
     cub_split: str,
     data_root: str | None,
     backbone: str,
     checkpoint: str | None,
+    pretrained: str | None,
+    random_weights: bool,
     splits: str,
     image_size: int | None,
     crop_pct: float | None,
@@ -153,6 +178,12 @@ def extract(
     """
     from poodle.extract import extract as run_extract
 
+    weights = choose_weights(ctx, backbone, dataset, checkpoint, pretrained, random_weights)
+    if weights.run is not None:
+        checkpoint = str(weights.run.checkpoint)
+        image_size = weights.run.image_size if image_size is None else image_size
+        tag = _default_tag(backbone, dataset, cache_root, checkpoint, image_size) if tag is None else tag
+
     def bar(desc: str, total: int):
         return progress_bar(desc, total, unit="img")
 
@@ -161,6 +192,7 @@ def extract(
         backbone,
         data_root=data_root,
         checkpoint=checkpoint,
+        pretrained=weights.pretrained,
         splits=splits,
         image_size=image_size,
         crop_pct=crop_pct,
@@ -181,3 +213,67 @@ def extract(
 
     if is_main_process():  # under torchrun, rank 0 speaks for the run
         out.print(str(path), highlight=False, soft_wrap=True)
+
+
+@dataclass
+class Weights:
+    """What ``--checkpoint``, ``--pretrained``, ``--random-weights`` or their default chose: a file
+    (``checkpoint``), a library's weights (``pretrained``), the run a default checkpoint comes from,
+    or nothing (random weights)."""
+
+    checkpoint: str | None = None
+    pretrained: str | None = None
+    run: Any = None
+
+
+def choose_weights(
+    ctx: click.Context,
+    backbone: str,
+    dataset: str,
+    checkpoint: str | None,
+    pretrained: str | None,
+    random_weights: bool,
+) -> Weights:
+    """The weights the options choose: at most one of them (a typed one wins over the project file's),
+    else the newest complete training run of ``backbone`` on ``dataset`` under ``--cache-root``, said
+    on the first line; where there is none, one line naming the command that makes one."""
+    from poodle import backbones, project
+    from poodle.cli._common import from_project
+    from poodle.errors import ConfigError
+
+    given = {
+        k: v
+        for k, v in (("checkpoint", checkpoint), ("pretrained", pretrained), ("random_weights", random_weights))
+        if v
+    }
+    if len(given) > 1 and any(not from_project(ctx, k) for k in given):
+        given = {k: v for k, v in given.items() if not from_project(ctx, k)}
+    if len(given) > 1:
+        raise ConfigError("give one of --checkpoint FILE, --pretrained and --random-weights")
+    if given:
+        return Weights(checkpoint=checkpoint if "checkpoint" in given else None, pretrained=given.get("pretrained"))
+    if backbones.is_external(backbone):
+        raise ConfigError(
+            f"which weights for {backbone}? give --pretrained (the library's own), --checkpoint FILE or "
+            f"--random-weights"
+        )
+    name = backbones.get_spec(backbone).name
+    run = project.latest_checkpoint(ctx.params.get("cache_root") or defaults.CACHE_ROOT, name, dataset)
+    if run is None:
+        how = f"poodle train --backbone {backbone}" + ("" if dataset == defaults.DATASET else f" --dataset {dataset}")
+        raise ConfigError(f"no checkpoint of {name} on {dataset}: train one with '{how}' or give --checkpoint FILE")
+    console.print(
+        f"checkpoint: {run.checkpoint} (the newest complete training run of {name} on {dataset}, {run.image_size} px)",
+        soft_wrap=True,
+        highlight=False,
+    )
+    return Weights(run=run)
+
+
+def _default_tag(backbone: str, dataset: str, cache_root: str, checkpoint: str, image_size: int) -> str | None:
+    """The tag of the cache that already holds this checkpoint's features (e.g. the demo's)."""
+    from poodle import backbones, project
+    from poodle.utils import file_sha256
+
+    name = backbones.get_spec(backbone).name
+    return project.default_tag(cache_root, dataset, name, name, file_sha256(checkpoint), image_size)

@@ -42,7 +42,15 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
     "cache",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Use this feature cache instead of the grid's `cache`.",
+    help="Use this feature cache instead of the grid's `cache` [a grid without one: the cache "
+    "`poodle extract` wrote last under --cache-root].",
+)
+@click.option(
+    "--cache-root",
+    default=defaults.CACHE_ROOT,
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where the cache extract wrote last is looked up, for a grid that names no cache.",
 )
 @click.option(
     "--set",
@@ -83,6 +91,7 @@ def grid(
     grid_file: Path,
     out: Path | None,
     cache: str | None,
+    cache_root: str,
     sets: tuple[str, ...],
     force: bool,
     cells_per_call: int,
@@ -105,7 +114,9 @@ def grid(
         overrides = _parse_set(sets)
         if cache is not None:
             overrides["cache"] = str(Path(cache).expanduser().resolve())
-        spec = G.load_grid(grid_file, overrides)
+        spec = G.load_grid(grid_file, overrides, default_cache=_latest_cache(cache_root))
+        if spec.cache_defaulted and d.main:
+            console.print(f"features: {spec.axes['cache'][0]} (the cache poodle extract wrote last)", soft_wrap=True)
         cells = G.expand(spec)
         out = out or G.default_results_path(grid_file)
     if dry_run:
@@ -137,6 +148,13 @@ def grid(
             f"or other caches); poodle report shows them too: select with --where"
         )
     console.print(f"next: poodle report {out} --rows ... --cols ...", highlight=False)
+
+
+def _latest_cache(cache_root: str) -> str | None:
+    from poodle.project import latest_cache
+
+    found = latest_cache(cache_root)
+    return str(found.path.resolve()) if found is not None else None
 
 
 def _note(message: str) -> None:

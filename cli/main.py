@@ -37,9 +37,21 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help='Project file of option defaults: a table per command ([extract] dataset = "mini") and '
+    "[defaults] for keys several commands share; typed options win [default: ./poodle.toml if present].",
+)
 @click.version_option(package_name="poodle")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context, config_file: str | None) -> None:
     """poodle: few-shot classification with POODLE, from cached features, batched over episodes."""
+    from poodle.cli._common import friendly_errors, project_default_map
+
+    ctx.default_map = friendly_errors(project_default_map)(ctx, config_file)
 
 
 def main() -> None:

@@ -40,7 +40,15 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar
     "--checkpoint",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Weights (torch state dict or .safetensors), loaded strictly.",
+    help="Weights (torch state dict or .safetensors), loaded strictly [default: random weights].",
+)
+@click.option(
+    "--pretrained",
+    is_flag=False,
+    flag_value=defaults.PRETRAINED,
+    default=None,
+    metavar="[WEIGHTS]",
+    help="timm:/torchvision: backbones: the library's own pretrained weights, as for `poodle extract`.",
 )
 @click.option("--method", default=defaults.METHOD, show_default=True, help="Any method of `poodle solve`.")
 @click.option("--transductive", is_flag=True, help="Use the query images too (methods that can).")
@@ -87,6 +95,7 @@ def predict(
     query_csv,
     backbone,
     checkpoint,
+    pretrained,
     method,
     transductive,
     sets,
@@ -134,6 +143,7 @@ def predict(
         query,
         backbone,
         checkpoint=checkpoint,
+        pretrained=pretrained,
         method=method,
         options=options,
         negatives=negatives,

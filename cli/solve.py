@@ -126,15 +126,34 @@ def solver_options(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
     return per
 
 
-def _cache_path(cache: str | None, dataset: str | None, backbone: str | None, cache_root: str, tag: str | None) -> Path:
+def _cache_path(ctx: click.Context, cache: str | None, dataset: str | None, backbone: str | None) -> Path:
+    """The cache to solve on: ``--cache``, else ``CACHE_ROOT/DATASET/BACKBONE[-TAG].h5``, else the cache
+    that ``poodle extract`` wrote last under the cache root (of ``--dataset`` / ``--backbone`` when one
+    is given), said on the first line. Typed options win over the project file's."""
+    from poodle.cli._common import from_project
     from poodle.errors import ConfigError
+    from poodle.project import latest_cache
 
+    cache_root, tag = ctx.params["cache_root"], ctx.params["tag"]
+    if cache and (dataset or backbone):
+        if from_project(ctx, "cache"):
+            cache = None
+        elif all(from_project(ctx, k) for k, v in (("dataset", dataset), ("backbone", backbone)) if v):
+            dataset = backbone = None
     if cache and (dataset or backbone):
         raise ConfigError("give either --cache FILE or --dataset NAME --backbone NAME, not both")
     if cache:
         return Path(cache)
     if not (dataset and backbone):
-        raise ConfigError("which features? give --cache FILE, or --dataset NAME and --backbone NAME")
+        found = latest_cache(cache_root, dataset=dataset, backbone=backbone)
+        if found is None:
+            of = " of ".join(x for x in (backbone and f"backbone {backbone}", dataset and f"dataset {dataset}") if x)
+            raise ConfigError(
+                f"no feature cache{' ' + of if of else ''} written by poodle extract under {cache_root}: make one "
+                f"with 'poodle extract --backbone NAME' or give --cache FILE"
+            )
+        console.print(f"features: {found.path} (the cache poodle extract wrote last)", soft_wrap=True)
+        return found.path
     path = Path(cache_root) / dataset / (backbone + (f"-{tag}" if tag else "") + ".h5")
     if path.is_dir():
         raise ConfigError(f"{path} is a directory, not a feature cache file")
@@ -158,7 +177,11 @@ class _ListsMethods(click.Command):
 
 
 @click.command(cls=_ListsMethods, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--cache", type=click.Path(dir_okay=False), help="Feature cache file (HDF5).")
+@click.option(
+    "--cache",
+    type=click.Path(dir_okay=False),
+    help="Feature cache file (HDF5) [default: the one `poodle extract` wrote last under --cache-root].",
+)
 @click.option("--dataset", help="Dataset name: the cache is CACHE_ROOT/DATASET/BACKBONE[-TAG].h5.")
 @click.option("--backbone", help="Backbone name (with --dataset).")
 @click.option("--cache-root", default=defaults.CACHE_ROOT, show_default=True, type=click.Path(file_okay=False))
@@ -295,7 +318,7 @@ def solve(
     """Sample episodes from a feature cache and solve them all at once."""
     from poodle import prefetch
 
-    path = _cache_path(cache, dataset, backbone, cache_root, tag)
+    path = _cache_path(ctx, cache, dataset, backbone)
     if not episodes_from:  # (an episodes file names its own split)
         # the cache read overlaps the import of torch below (see poodle.prefetch)
         prefetch.start_for_solve(path, split, negatives)

@@ -9,6 +9,7 @@ from typing import Any
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from poodle import defaults
 from poodle.cli._common import console, friendly_errors
 
 
@@ -88,7 +89,10 @@ class TrainDisplay:
 
 @click.command()
 @click.option(
-    "--dataset", required=True, help="glyphs, mini, tiered, cub, cifar-fs, fc100 (with --image-size 32), csv or folder."
+    "--dataset",
+    default=defaults.DATASET,
+    show_default=True,
+    help="glyphs (embedded, generated on first use), mini, tiered, cub, cifar-fs, fc100, csv or folder.",
 )
 @click.option("--data-root", type=click.Path(file_okay=False), default=None, help="Dataset root folder.")
 @click.option("--backbone", required=True, help="Backbone name (see `poodle extract --help`).")
@@ -122,7 +126,12 @@ class TrainDisplay:
 @click.option(
     "--kd-weight", type=float, default=1.0, show_default=True, help="Distillation loss weight (release: 0.5)."
 )
-@click.option("--image-size", type=int, default=84, show_default=True)
+@click.option(
+    "--image-size",
+    type=int,
+    default=None,
+    help="Input side in pixels [default: 84, the paper's; glyphs 28, cifar-fs and fc100 32, their own].",
+)
 @click.option(
     "--augment",
     type=click.Choice(["paper", "crop", "none"]),
@@ -145,7 +154,7 @@ class TrainDisplay:
 @click.option("--workers", type=int, default=4, show_default=True, help="DataLoader worker processes.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--amp/--no-amp", default=None, help="Mixed precision [default: on for CUDA, off on CPU].")
-@click.option("--cache-root", type=click.Path(file_okay=False), default="cache", show_default=True)
+@click.option("--cache-root", type=click.Path(file_okay=False), default=defaults.CACHE_ROOT, show_default=True)
 @click.option(
     "--out",
     type=click.Path(file_okay=False),

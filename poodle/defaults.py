@@ -22,6 +22,14 @@ METHOD = "poodle"
 PREPROCESS = "l2n"  # feature preprocessing (poodle.preprocess): the cached L2-normalised rows
 DEVICE = "auto"
 CACHE_ROOT = "cache"  # where extract, train and demo keep what they make, by dataset
+DATASET = "glyphs"  # the embedded dataset (generated on first use): extract's and train's default
+# Image side fed to a backbone of the release: the paper's 84, except where a dataset has its own
+# (the glyphs are drawn at 28 px, as the demo trains and extracts them; CIFAR's images are 32 px).
+IMAGE_SIZE = 84
+DATASET_IMAGE_SIZES: dict[str, int] = {"glyphs": 28, "cifar-fs": 32, "fc100": 32}
+PRETRAINED = "DEFAULT"  # pretrained weights of a timm/torchvision model: its library's default ones
+PROJECT_FILE = "poodle.toml"  # a project's defaults, read from the working directory (poodle.project)
+CACHE_INDEX = "caches.json"  # <cache_root>/caches.json: the caches extract wrote, the last one last
 MAX_MEMORY = "2GiB"
 # Cells on the same episodes and negatives solved by one call of evaluate (poodle grid).
 CELLS_PER_CALL = 4

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from poodle import defaults, solvers
+from poodle.backbones.pretrained import resolve_pretrained
 from poodle.cache import SplitFeatures, read_attrs, read_split
 from poodle.data.sources import IMAGE_EXTENSIONS, DatasetSource
 from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
@@ -290,7 +291,11 @@ def make_solving(
     return Solving(info.name, cfg, negatives if info.needs_negatives(cfg) else None, n_neg, pool, pre)
 
 
-def _checkpoint_digest(checkpoint: str | os.PathLike | None) -> str:
+def _checkpoint_digest(backbone: str, checkpoint: str | os.PathLike | None, pretrained: bool | str | None) -> str:
+    if pretrained:
+        if checkpoint is not None:
+            raise ConfigError("give checkpoint or pretrained, not both", params=("checkpoint", "pretrained"))
+        return file_sha256(resolve_pretrained(backbone, pretrained).path)
     if checkpoint is None:
         return "none"
     ck = Path(checkpoint).expanduser()
@@ -349,6 +354,7 @@ def predict(
     backbone: str,
     *,
     checkpoint: str | os.PathLike | None = None,
+    pretrained: bool | str | None = None,
     method: str = defaults.METHOD,
     options: Mapping[str, Any] | None = None,
     negatives: str | None = None,
@@ -372,7 +378,8 @@ def predict(
         support: ``[(image path, class)]``, at least two classes, any number of images per class.
         query: ``[(image path, label or None)]``; labels (all or none) turn on accuracy reporting
             and must be support classes.
-        backbone, checkpoint, image_size, crop_pct, interpolation: as for ``poodle extract``.
+        backbone, checkpoint, pretrained, image_size, crop_pct, interpolation: as for
+            :func:`poodle.extract.extract`.
         method, options: a registered method and its options (e.g. ``{"transductive": True}``).
         negatives: ``base`` (the ``train`` split of ``negatives_from``), ``random``, ``sphere`` or
             ``none``; default ``base`` with ``negatives_from``, else ``random``. Only read by
@@ -384,7 +391,7 @@ def predict(
     say = log or (lambda msg: None)
     task = make_task(support, query)
     solving = make_solving(method, options or {}, negatives, negatives_from, n_neg, preprocess)
-    sha = _checkpoint_digest(checkpoint)
+    sha = _checkpoint_digest(backbone, checkpoint, pretrained)
     base_attrs = _pool_attrs(solving, backbone, sha)
     known = base_attrs.get("transform", "none") != "none"  # "none": imported features, no transform known
     if known and image_size is None and isinstance(base_attrs.get("image_size"), numbers.Integral):
@@ -394,6 +401,7 @@ def predict(
         say(f"image size {image_size} px, as the features of {solving.negatives_from.name}")  # type: ignore[union-attr]
     extraction = dict(
         checkpoint=checkpoint,
+        pretrained=pretrained,
         image_size=image_size,
         crop_pct=crop_pct,
         interpolation=interpolation,

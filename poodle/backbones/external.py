@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -37,7 +38,7 @@ from torchvision import transforms as T
 from torchvision.transforms import InterpolationMode
 
 from poodle.backbones.base import Backbone
-from poodle.errors import ConfigError
+from poodle.errors import CheckpointError, ConfigError
 
 SOURCES = ("torchvision", "timm")
 TIMM_HINT = "timm is not installed: pip install 'poodle[timm]' (or pip install timm)"
@@ -283,6 +284,33 @@ class ExternalBackbone(Backbone):
     def weights_module(self) -> nn.Module:
         return self.net
 
+    def remap_release(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A timm model's checkpoint in its original layout (DINOv2 as facebookresearch releases it,
+        OpenAI CLIP and open_clip image towers, ...) converted to the model's keys by timm's own
+        ``checkpoint_filter_fn`` of the model's module, as timm converts its pretrained files. A state
+        dict that already fits the model is left as it is; what the conversion leaves unmatched is
+        for the strict load to list."""
+        if not self.name.startswith("timm:") or _fits(self.net, state_dict, self._heads):
+            return state_dict
+        module = sys.modules.get(type(self.net).__module__)
+        convert = getattr(module, "checkpoint_filter_fn", None)
+        if convert is None:
+            return state_dict
+        sd = dict(state_dict)  # the filters pop entries (DINOv2's mask_token) from what they are given
+        if "class_embedding" in sd and "conv1.weight" in sd:  # a CLIP image tower saved alone (model.visual)
+            sd = {f"visual.{k}": v for k, v in sd.items()}
+        try:
+            try:
+                out = convert(sd, self.net)
+            except TypeError:  # filters of one argument (timm's load_pretrained allows them too)
+                out = convert(sd)
+        except Exception as e:  # noqa: BLE001 - a filter fails in its own ways on a foreign file: one line
+            raise CheckpointError(
+                f"{self.name}: timm's {type(self.net).__module__}.checkpoint_filter_fn cannot convert the "
+                f"checkpoint ({type(e).__name__}: {str(e).strip()[:160]})"
+            ) from None
+        return dict(out)
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != 3:
             raise ConfigError(f"{self.name} expects images [B, 3, H, W], got a tensor of shape {list(x.shape)}")
@@ -293,6 +321,13 @@ class ExternalBackbone(Backbone):
 
     def extra_repr(self) -> str:
         return f"name={self.name}, feature_dim={self.feature_dim}"
+
+
+def _fits(net: nn.Module, state_dict: dict[str, torch.Tensor], heads: tuple[str, ...]) -> bool:
+    """Whether ``state_dict`` without the ``heads`` keys has exactly ``net``'s keys and shapes."""
+    own = net.state_dict()
+    sd = {k: v for k, v in state_dict.items() if not k.startswith(heads)}
+    return sd.keys() == own.keys() and all(tuple(v.shape) == tuple(own[k].shape) for k, v in sd.items())
 
 
 def _timm_forward(net: Any, x: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,7 @@ class GridSpec:
     cells: list[dict[str, Any]]
     product: bool = True
     description: str = ""
+    cache_defaulted: bool = False  # the cache is the caller's default_cache: the file names none
 
     @property
     def base_dir(self) -> Path:
@@ -115,7 +116,12 @@ class GridSpec:
         return Locations(self.base_dir, dict(self.caches))
 
 
-def parse_grid(data: Mapping[str, Any], path: Path, overrides: Mapping[str, Any] | None = None) -> GridSpec:
+def parse_grid(
+    data: Mapping[str, Any],
+    path: Path,
+    overrides: Mapping[str, Any] | None = None,
+    default_cache: str | None = None,
+) -> GridSpec:
     """Check a grid's TOML content and normalise it (see :func:`load_grid`)."""
     where = str(path)
     flat: dict[str, Any] = {}
@@ -181,6 +187,9 @@ def parse_grid(data: Mapping[str, Any], path: Path, overrides: Mapping[str, Any]
                 cell[k] = _normalise_values(cw, k, v)
         cells.append(cell)
 
+    defaulted = False
+    if "cache" not in axes and (product or not all("cache" in c for c in cells)) and default_cache is not None:
+        axes["cache"], defaulted = [default_cache], True
     if "cache" not in axes and (product or not all("cache" in c for c in cells)):
         raise ConfigError(f'{where}: no cache given: set cache = "FILE.h5" (or a name from [caches])')
     if "label" in axes:
@@ -189,7 +198,14 @@ def parse_grid(data: Mapping[str, Any], path: Path, overrides: Mapping[str, Any]
         raise ConfigError(f"{where}: product = false but there is no [[cell]]: the grid is empty")
 
     spec = GridSpec(
-        path=path, name=name, caches=dict(caches), axes=axes, cells=cells, product=product, description=str(description)
+        path=path,
+        name=name,
+        caches=dict(caches),
+        axes=axes,
+        cells=cells,
+        product=product,
+        description=str(description),
+        cache_defaulted=defaulted,
     )
     _check_option_names(spec, fields_by_method)
     return spec
@@ -277,16 +293,19 @@ def ambiguous(where: str, key: str, methods: Iterable[str], whose: str) -> None:
         )
 
 
-def load_grid(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> GridSpec:
+def load_grid(
+    path: str | os.PathLike, overrides: Mapping[str, Any] | None = None, default_cache: str | None = None
+) -> GridSpec:
     """Read and check a grid file.
 
     ``overrides`` replace (or add) top-level options, e.g. ``{"cache": "/abs/feat.h5",
     "episodes": 200}``; like values in the file, relative paths in them resolve against the grid
-    file's folder (the CLI's ``--cache`` makes its path absolute first). Raises
-    :class:`ConfigError` naming the file and the option.
+    file's folder (the CLI's ``--cache`` makes its path absolute first). ``default_cache`` is the
+    cache of a grid that names none (``poodle grid`` passes the one extract wrote last; the spec's
+    ``cache_defaulted`` says it was taken). Raises :class:`ConfigError` naming the file and the option.
     """
     path = Path(path)
-    return parse_grid(_load_toml(path), path, overrides)
+    return parse_grid(_load_toml(path), path, overrides, default_cache)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from poodle import defaults
 from poodle.errors import ConfigError
 from poodle.solvers.base import check_value
 from poodle.utils import check_seed
@@ -49,7 +50,8 @@ class TrainConfig:
             the release uses ``best``).
         sup_weight, kd_weight: loss = sup_weight * supervised + kd_weight * distillation; the paper
             says 1/1, the release uses 0.5/0.5.
-        image_size: input side in pixels; augment: ``paper`` (random resized crop, jitter 0.4, flip),
+        image_size: input side in pixels (None: 84, the paper's, or the dataset's own size: glyphs 28,
+            cifar-fs and fc100 32); augment: ``paper`` (random resized crop, jitter 0.4, flip),
             ``crop`` (a mild random resized crop, scale 0.5-1, no flip/jitter: for glyphs, where
             mirroring makes another character) or ``none`` (the eval transform).
         val_every, val_episodes, val_way, val_shot, val_query, val_split: meta-validation with
@@ -105,7 +107,7 @@ class TrainConfig:
     teacher: str = "last"  # appendix A: "the last checkpoint"
     sup_weight: float = 1.0  # appendix A: lambdas = 1 (release: 0.5)
     kd_weight: float = 1.0  # appendix A: lambdas = 1 (release: 0.5)
-    image_size: int = 84  # paper 5.1
+    image_size: int | None = None  # paper 5.1: 84; None: the dataset's own (defaults.DATASET_IMAGE_SIZES)
     augment: str = "paper"  # release transform.py with_augment
     val_every: int = 4  # release meta_val_interval
     val_episodes: int = 500  # release meta_val
@@ -122,6 +124,8 @@ class TrainConfig:
     out: str | None = None
 
     def __post_init__(self) -> None:
+        if self.image_size is None:
+            self.image_size = defaults.DATASET_IMAGE_SIZES.get(self.dataset, defaults.IMAGE_SIZE)
         if self.milestones is not None:
             self.milestones = tuple(int(m) for m in self.milestones)
         self.check()
@@ -215,12 +219,12 @@ class TrainConfig:
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``["epochs: 100 -> 10", ...]`` for every defining field that differs. A field that a run
     saved by an earlier version lacks counts as its default (the behaviour that version had)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    field_defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     diffs = []
     for key in sorted(set(saved) | set(current)):
         if key in RUNTIME_FIELDS:
             continue
-        a, b = saved.get(key, defaults.get(key)), current.get(key, defaults.get(key))
+        a, b = saved.get(key, field_defaults.get(key)), current.get(key, field_defaults.get(key))
         if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
             a, b = list(a), list(b)
         if a != b:
