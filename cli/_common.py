@@ -13,7 +13,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import click
 from rich.console import Console
@@ -133,13 +133,15 @@ def project_default_map(ctx: click.Context, config_file: str | None) -> dict[str
     tables = read_project(path)
     group = ctx.command
     assert isinstance(group, click.Group)
+    # a key is an option's long name as typed, without the dashes (--data-root: data_root, --out: out)
     options: dict[str, dict[str, click.Option]] = {}
     for name in group.list_commands(ctx):
         command = group.get_command(ctx, name)
-        if command is not None:
-            options[name] = {
-                p.name: p for p in command.params if isinstance(p, click.Option) and p.expose_value and p.name
-            }
+        for param in command.params if command is not None else ():
+            if isinstance(param, click.Option) and param.expose_value and param.name:
+                for opt in param.opts:
+                    if opt.startswith("--"):
+                        options.setdefault(name, {})[opt[2:].replace("-", "_")] = param
     found = project_defaults(path, tables, options)
     base = path.parent
     default_map: dict[str, dict[str, Any]] = {}
@@ -153,8 +155,10 @@ def project_default_map(ctx: click.Context, config_file: str | None) -> dict[str
             try:
                 param.type_cast_value(ctx, value)
             except click.BadParameter as e:
-                raise ConfigError(f"{path}: [{table}] {key} = {value!r}: {e.format_message()}") from None
-            default_map.setdefault(command, {})[name] = value
+                raise ConfigError(f"{path}: [{table}] {key} = {value!r}: {e.message.rstrip('.')}") from None
+            if param.name in default_map.get(command, {}):
+                raise ConfigError(f"{path}: [{table}] {key}: that option is set twice (e.g. out and json)")
+            default_map.setdefault(command, {})[cast(str, param.name)] = value
     return default_map
 
 
@@ -165,11 +169,16 @@ def from_project(ctx: click.Context, name: str) -> bool:
     return ctx.get_parameter_source(name) == ParameterSource.DEFAULT_MAP
 
 
-def typed(ctx: click.Context, name: str) -> bool:
-    """Whether option ``name`` was given on the command line (or in its environment variable)."""
+def user_set(ctx: click.Context, name: str) -> bool:
+    """Whether the user chose option ``name``'s value: typed, in its environment variable or in the
+    project file (not the built-in default)."""
     from click.core import ParameterSource
 
-    return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    return ctx.get_parameter_source(name) in (
+        ParameterSource.COMMANDLINE,
+        ParameterSource.ENVIRONMENT,
+        ParameterSource.DEFAULT_MAP,
+    )
 
 
 class Bar:

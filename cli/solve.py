@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-from click.core import ParameterSource
 
 from poodle import defaults
-from poodle.cli._common import SizeType, console, friendly_errors, note, out, progress_bar
+from poodle.cli._common import SizeType, console, friendly_errors, note, out, progress_bar, user_set
 
 # CLI option -> (library config field, the one method it is for; None: every chosen method with that field).
 # A field name that methods use with different meanings (solvers.homonyms: ``alpha`` is POODLE's pull
@@ -34,7 +33,8 @@ _SOLVER_OPTIONS: dict[str, tuple[str, str | None]] = {
 
 
 def _explicit(ctx: click.Context, name: str) -> bool:
-    return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    # the project file's values count as the user's: they reach the library as typed ones do
+    return user_set(ctx, name)
 
 
 def _flag(name: str) -> str:
@@ -147,9 +147,9 @@ def _cache_path(ctx: click.Context, cache: str | None, dataset: str | None, back
     if not (dataset and backbone):
         found = latest_cache(cache_root, dataset=dataset, backbone=backbone)
         if found is None:
-            of = " of ".join(x for x in (backbone and f"backbone {backbone}", dataset and f"dataset {dataset}") if x)
+            of = " and ".join(x for x in (backbone and f"backbone {backbone}", dataset and f"dataset {dataset}") if x)
             raise ConfigError(
-                f"no feature cache{' ' + of if of else ''} written by poodle extract under {cache_root}: make one "
+                f"no feature cache{' of ' + of if of else ''} written by poodle extract under {cache_root}: make one "
                 f"with 'poodle extract --backbone NAME' or give --cache FILE"
             )
         console.print(f"features: {found.path} (the cache poodle extract wrote last)", soft_wrap=True)
