@@ -81,7 +81,10 @@ def test_config_names_another_file_whose_paths_are_read_from_its_folder(tmp_path
 @pytest.mark.parametrize(
     "text,message",
     [
-        ("[solv]\nepisodes = 3\n", "poodle.toml: unknown table [solv]; tables are [defaults] and the commands [extract]"),
+        (
+            "[solv]\nepisodes = 3\n",
+            "poodle.toml: unknown table [solv]; tables are [defaults] and the commands [extract]",
+        ),
         ("[solve]\nepisods = 3\n", "poodle.toml: [solve] episods: solve has no option 'episods' (its options:"),
         ("[defaults]\nnope = 1\n", "poodle.toml: [defaults] nope: no command has an option 'nope'"),
         ('[solve]\nepisodes = "many"\n', "poodle.toml: [solve] episodes = 'many': 'many' is not a valid integer"),
@@ -153,8 +156,12 @@ def test_the_index_names_the_cache_written_last(tmp_path, features):
     a = features(root / "glyphs" / "conv4_64.h5")
     b = features(root / "mini" / "resnet12-x.h5", seed=5)
     assert project.latest_cache(root) is None
-    project.record_cache(root, a, {"dataset": "glyphs", "backbone": "conv4_64", "checkpoint_sha256": "aa", "image_size": 28})
-    project.record_cache(root, b, {"dataset": "mini", "backbone": "resnet12", "checkpoint_sha256": "bb", "image_size": 84})
+    project.record_cache(
+        root, a, {"dataset": "glyphs", "backbone": "conv4_64", "checkpoint_sha256": "aa", "image_size": 28}
+    )
+    project.record_cache(
+        root, b, {"dataset": "mini", "backbone": "resnet12", "checkpoint_sha256": "bb", "image_size": 84}
+    )
     assert project.latest_cache(root).path == b
     assert project.latest_cache(root, dataset="glyphs").path == a
     assert project.latest_cache(root, backbone="resnet50") is None
@@ -162,7 +169,9 @@ def test_the_index_names_the_cache_written_last(tmp_path, features):
     assert project.cache_of(root, "glyphs", "conv4_64", "aa", 84) is None
     assert project.default_tag(root, "mini", "resnet12", "resnet12", "bb", 84) == "x"
     assert project.default_tag(root, "glyphs", "conv4_64", "conv4_64", "aa", 28) is None
-    project.record_cache(root, a, {"dataset": "glyphs", "backbone": "conv4_64", "checkpoint_sha256": "aa", "image_size": 28})
+    project.record_cache(
+        root, a, {"dataset": "glyphs", "backbone": "conv4_64", "checkpoint_sha256": "aa", "image_size": 28}
+    )
     assert project.latest_cache(root).path == a  # written again: last again, listed once
     assert [r.path for r in project.cache_records(root)] == [b, a]
     a.unlink()
