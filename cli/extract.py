@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import console, friendly_errors, out, progress_bar, styled
+from poodle.cli._common import console, friendly_errors, note, out, progress_bar, styled
 
 DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100"]
 
@@ -33,6 +33,35 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
         out.print(styled("\ntimm", "bold", f" ({len(tm)} models; --backbone timm:NAME):"))
         out.print("  " + ", ".join(tm), highlight=False)
     ctx.exit(0)
+
+
+def describe(event: Any) -> str | None:
+    """The line ``poodle extract`` prints for a library event (None: the event is not shown)."""
+    from poodle.events import SplitResumed, SplitReused, SplitWritten
+    from poodle.utils import count
+
+    if isinstance(event, SplitWritten):
+        by = f" by {event.processes} processes" if event.processes > 1 else ""
+        skipped = f" ({count(event.skipped, 'unreadable image')} skipped)" if event.skipped else ""
+        images, classes = count(event.images, "image"), count(event.classes, "class")
+        return f"{event.split}: {images}, {classes} written to {event.path}{by}{skipped}"
+    if isinstance(event, SplitReused):
+        return f"{event.split}: already complete in {event.path}, skipped"
+    if isinstance(event, SplitResumed):
+        where = f" already staged in {event.files} files" if event.files > 1 else ""
+        return f"{event.split}: resuming after image {event.done} of {event.total}{where}"
+    return None
+
+
+def say_event(event: Any) -> None:
+    """Print a library event: a Notice as a note (its parameters written as flags), the others as
+    :func:`describe` says them."""
+    from poodle.events import Notice
+
+    if isinstance(event, Notice):
+        note(event)
+    elif (line := describe(event)) is not None:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -207,7 +236,7 @@ def extract(
         skip_bad=skip_bad,
         cub_split=cub_split,
         progress_factory=bar,
-        log=lambda msg: console.print(msg, highlight=False, markup=False),
+        on_event=say_event,
     )
     from poodle.distributed import is_main_process
 

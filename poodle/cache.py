@@ -3,7 +3,9 @@
 A cache is one file per (dataset, backbone, checkpoint), ``<cache-root>/<dataset>/<backbone>[-<tag>].h5``::
 
     /                  attrs: format="poodle-features", version=2, dataset, backbone,
-                              checkpoint_sha256 (or "none"), image_size, transform, created, poodle_version
+                              checkpoint_sha256 (or "none"), image_size, transform, created, poodle_version,
+                              pretrained weights' provenance (weights, weights_source, weights_repository,
+                              weights_revision, weights_file, weights_url; optional)
     /<split>/features  float32 or float16 [N, D], every row L2-normalised
     /<split>/labels    int64 [N], indices into /<split>/classes
     /<split>/classes   utf-8 strings [C], class names
@@ -68,6 +70,18 @@ ROOT_ATTRS = (
 )
 # Root attributes that say how features were made: a cache that differs in any of them holds other features.
 IDENTITY_ATTRS = ("dataset", "backbone", "checkpoint_sha256", "image_size", "transform")
+# Root attributes of pretrained weights, besides their sha256 (which alone decides identity): the
+# name they were asked by (``timm:NAME.TAG``, ``ResNet50_Weights.IMAGENET1K_V2``), how they were
+# found (``hf-hub``, ``torchvision``, ``url``, ``file``), the hub repository and revision, the file
+# and its URL (:mod:`poodle.backbones.pretrained`).
+PROVENANCE_ATTRS = (
+    "weights",
+    "weights_source",
+    "weights_repository",
+    "weights_revision",
+    "weights_file",
+    "weights_url",
+)
 FEATURE_DTYPES: dict[str, np.dtype[Any]] = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
 # |norm - 1| allowed per row: float16 rounds each coordinate to ~5e-4 relative, float32 to ~6e-8.
 NORM_TOLERANCE = {np.dtype(np.float32): 1e-3, np.dtype(np.float16): 5e-3}
@@ -445,9 +459,14 @@ def make_root_attrs(
     checkpoint_sha256: str = "none",
     image_size: int = 0,
     transform: str = "none",
+    weights: Mapping[str, str] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """Root attributes of a new cache (``created`` is now, ``poodle_version`` this package's)."""
+    """Root attributes of a new cache (``created`` is now, ``poodle_version`` this package's);
+    ``weights``: where pretrained weights came from (:data:`PROVENANCE_ATTRS`)."""
+    unknown = sorted(set(weights or {}) - set(PROVENANCE_ATTRS))
+    if unknown:
+        raise CacheError(f"weights provenance has unknown fields {unknown}; known: {', '.join(PROVENANCE_ATTRS)}")
     attrs: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -459,6 +478,7 @@ def make_root_attrs(
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "poodle_version": __version__,
     }
+    attrs.update({k: str(v) for k, v in (weights or {}).items()})
     attrs.update(extra)
     return attrs
 

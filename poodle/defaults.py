@@ -31,6 +31,12 @@ PRETRAINED = "DEFAULT"  # pretrained weights of a timm/torchvision model: its li
 PROJECT_FILE = "poodle.toml"  # a project's defaults, read from the working directory (poodle.project)
 CACHE_INDEX = "caches.json"  # <cache_root>/caches.json: the caches extract wrote, the last one last
 MAX_MEMORY = "2GiB"
+# Feature extraction (poodle extract): the splits written, images per forward pass, storage type,
+# and CUB's class split (the release's rule; see poodle.data.sources).
+SPLITS: tuple[str, ...] = ("train", "val", "test")
+EXTRACT_BATCH_SIZE = 64
+FEATURE_DTYPE = "float32"
+CUB_SPLIT = "release"
 # Cells on the same episodes and negatives solved by one call of evaluate (poodle grid).
 CELLS_PER_CALL = 4
 

@@ -34,6 +34,7 @@ from poodle.cache import SplitFeatures, read_attrs, read_split
 from poodle.data.sources import IMAGE_EXTENSIONS, DatasetSource
 from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
 from poodle.evaluate import solve_batch
+from poodle.events import Event, SplitReused, SplitWritten
 from poodle.extract import extract
 from poodle.negatives import GENERATED, NegativeSpec, generate, sample_indices
 from poodle.preprocess import Preprocess, Preprocessor, parse
@@ -448,22 +449,21 @@ def _task_features(
     lists = {"support": task.support, "query": q_items}
     n_query_classes = len(set(task.labels)) if task.labels is not None else 0
 
-    def extract_log(msg: str) -> None:
-        # extract's "SPLIT: N images, K classes written to CACHE": said in predict's terms (the query
-        # split of unlabelled images has one placeholder class), and without naming a temporary cache
-        # that is deleted before the command ends (the caller says whether the features are kept)
-        split, _, rest = msg.partition(": ")
-        if split not in lists or " written to " not in rest:
-            say(msg)
+    def extract_event(event: Event) -> None:
+        # said in predict's terms (the query split of unlabelled images has one placeholder class),
+        # without naming a temporary cache that is deleted before the command ends (the caller says
+        # whether the features are kept)
+        if isinstance(event, SplitReused):
+            say(f"{event.split}: already complete in {event.path}, skipped")
+        if not isinstance(event, SplitWritten):
             return
-        skipped = rest.partition(" written to ")[2].partition(" (")[2]
-        if split == "support":
+        if event.split == "support":
             what = f"{count(len(task.support), 'image')} of {count(len(task.classes), 'class')}"
         elif task.labels is None:
             what = count(len(task.query), "unlabelled image")
         else:
             what = f"{count(len(task.query), 'labelled image')} of {count(n_query_classes, 'class')}"
-        say(f"{split}: {what}, features extracted" + (f" ({skipped}" if skipped else ""))
+        say(f"{event.split}: {what}, features extracted")
 
     tag = content_hash([lists, sha, *(extraction[k] for k in ("image_size", "crop_pct", "interpolation"))])[:16]
     with contextlib.ExitStack() as stack:
@@ -475,12 +475,13 @@ def _task_features(
                 splits=("support", "query"),
                 cache_root=root,
                 tag=tag,
-                log=extract_log,
+                record=False,  # a task's images: not the cache a later `poodle solve` should take
+                on_event=extract_event,
                 source=ListSource(lists),
                 **extraction,
             )
-        except DataError as e:  # predict has no --skip-bad: every image must decode
-            raise DataError(str(e).replace(" (--skip-bad leaves unreadable images out)", "")) from None
+        except DataError as e:  # predict has no skip_bad: every image must decode
+            raise DataError(e.message) from None
         if base_attrs.get("transform", "none") != "none":
             ours, theirs = read_attrs(path).get("transform"), base_attrs.get("transform")
             if ours != theirs:

@@ -32,7 +32,7 @@ import torch.hub
 import torchvision
 
 from poodle import defaults
-from poodle.backbones.external import import_timm, is_external, split_name
+from poodle.backbones.external import import_timm, is_external, split_name, unknown_model
 from poodle.errors import ConfigError
 
 # How ``pretrained`` names the default weights (True means the same).
@@ -57,17 +57,17 @@ def resolve_pretrained(backbone: str, choice: bool | str = True) -> Weights:
     the file is neither cached nor downloadable."""
     if not is_external(backbone):
         raise ConfigError(
-            f"pretrained is for timm:NAME and torchvision:NAME backbones; {backbone} takes its weights from "
-            f"checkpoint FILE (e.g. a poodle train run)",
+            f"pretrained is for timm:NAME and torchvision:NAME backbones, not {backbone}",
             params=("pretrained", "checkpoint"),
+            hint="its weights come from a checkpoint, e.g. of a poodle train run",
         )
     source, model = split_name(backbone)
     if source == "timm":
         if choice not in (True, DEFAULT):
             raise ConfigError(
-                f"pretrained {choice!r}: a timm model's weights are chosen by the tag in its name "
-                f"(timm:NAME.TAG, e.g. timm:resnet50.a1_in1k); give pretrained alone",
+                f"pretrained {choice!r}: a timm model's weights are chosen by the tag in its name",
                 params=("pretrained",),
+                hint="timm:NAME.TAG, e.g. timm:resnet50.a1_in1k, with pretrained alone",
             )
         return _timm_weights(model)
     return _torchvision_weights(model, DEFAULT if choice is True else str(choice))
@@ -94,7 +94,7 @@ def _timm_weights(model: str) -> Weights:
     timm = import_timm()
     cfg = timm.get_pretrained_cfg(model)
     if cfg is None or not timm.is_model(model):
-        raise ConfigError(f"timm has no model {model!r} (poodle extract --list-backbones lists them)")
+        raise unknown_model("timm", model, timm.list_models())
     full = f"{cfg.architecture}.{cfg.tag}" if getattr(cfg, "tag", None) else str(cfg.architecture)
     load_from, loc = _timm_source(cfg.to_dict())
     name = f"timm:{full}"
@@ -113,9 +113,9 @@ def _timm_weights(model: str) -> Weights:
             )
         return Weights(path, {**origin, "weights_source": "file", "weights_file": str(path)})
     raise ConfigError(
-        f"{name}: timm's configuration names no weights for it, so pretrained has nothing to load; give "
-        f"checkpoint FILE",
+        f"{name}: timm's configuration names no weights for it, so pretrained has nothing to load",
         params=("pretrained", "checkpoint"),
+        hint="give a checkpoint FILE",
     )
 
 
@@ -203,9 +203,10 @@ def _hub_file(name: str, hub_id: str, filename: str | None, origin: dict[str, st
     wanted = " or ".join(files)
     raise ConfigError(
         f"{name} with pretrained: {wanted} of Hugging Face repository {repo} is not in the hub cache {cache} "
-        f"(HF_HOME) and {reason}; where there is network, `hf download {repo} {files[0]}` with the same "
-        f"HF_HOME puts it there (then copy that folder), or give checkpoint FILE",
+        f"(HF_HOME) and {reason}",
         params=("pretrained", "checkpoint"),
+        hint=f"where there is network, `hf download {repo} {files[0]}` with the same HF_HOME puts it there, "
+        f"then copy that folder; or give a checkpoint FILE",
     )
 
 
@@ -243,9 +244,9 @@ def _url_file(name: str, url: str, origin: dict[str, str], choice: str = "") -> 
                 p.rmdir()
         raise ConfigError(
             f"{name} with pretrained{choice}: {filename} is not in torch hub's cache {folder} (TORCH_HOME) "
-            f"and cannot be downloaded from {url} ({type(e).__name__}: {_first_line(e)}); put the file "
-            f"there, or give checkpoint FILE",
+            f"and cannot be downloaded from {url} ({type(e).__name__}: {_first_line(e)})",
             params=("pretrained", "checkpoint"),
+            hint="put the file there, or give a checkpoint FILE",
         ) from None
     return Weights(path, origin)
 
@@ -261,8 +262,9 @@ def _torchvision_weights(model: str, choice: str) -> Weights:
         enum = torchvision.models.get_model_weights(model)
     except (ValueError, KeyError):
         raise ConfigError(
-            f"torchvision:{model} has no weights enum, so pretrained has nothing to load; give checkpoint FILE",
+            f"torchvision:{model} has no weights enum, so pretrained has nothing to load",
             params=("pretrained", "checkpoint"),
+            hint="give a checkpoint FILE",
         ) from None
     member = choice.rpartition(".")[2]  # "ResNet50_Weights.IMAGENET1K_V2" or "IMAGENET1K_V2"
     try:
