@@ -278,6 +278,7 @@ def test_without_timm_the_error_says_how_to_install_it(monkeypatch, data, tmp_pa
             str(data),
             "--backbone",
             "timm:resnet10t",
+            "--random-weights",
             "--cache-root",
             str(tmp_path),
             "--workers",

@@ -61,7 +61,9 @@ def reference(data, ckpt, tmp_path_factory):
 
 
 def _cli(*args):
-    result = CliRunner().invoke(extract_cmd, [*map(str, args)])
+    # without a checkpoint: the untrained network's features (the default would look for a training run)
+    weights = [] if "--checkpoint" in map(str, args) else ["--random-weights"]
+    result = CliRunner().invoke(extract_cmd, [*map(str, args), *weights])
     return result
 
 

@@ -249,3 +249,118 @@ def test_a_checkpoint_in_timms_layout_is_loaded_as_it_is(hubs):
 
     assert load_checkpoint(model, resolve_pretrained(f"timm:{TIMM_MODEL}").path) == sha
     _assert_loaded(model.net, {k: v for k, v in state.items() if not k.startswith("head.")})
+
+
+# ------------------------------------------------------------------------------------------ the command line
+
+
+def _extract(*args: object):
+    from click.testing import CliRunner
+
+    from poodle.cli.main import cli
+
+    common = [
+        "--dataset",
+        "folder",
+        "--splits",
+        "train,test",
+        "--image-size",
+        32,
+        "--workers",
+        0,
+        "--device",
+        "cpu",
+        "--batch-size",
+        8,
+    ]
+    res = CliRunner().invoke(cli, ["extract", *map(str, common), *map(str, args)])
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.output
+    return res.exit_code, res.output
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    import _images
+
+    return _images.write_folder(
+        tmp_path_factory.mktemp("img"), {"train": 2, "test": 2}, 3, size=32, splits=("train", "test")
+    )
+
+
+@pytest.mark.parametrize(
+    "backbone,choice",
+    [(f"timm:{TIMM_MODEL}", []), (f"torchvision:{TV_MODEL}", ["IMAGENET1K_V1"])],
+)
+def test_features_with_pretrained_equal_those_with_the_checkpoint_of_that_file(
+    hubs, tmp_path, images, backbone, choice
+):
+    from poodle import cache
+
+    hf, th = hubs
+    if backbone.startswith("timm:"):
+        path = hub_file(hf, f"timm/{TIMM_MODEL}", "pytorch_model.bin", random_weights("test_vit"))
+    else:
+        path = th / "hub" / "checkpoints" / TV_FILE
+        path.parent.mkdir(parents=True)
+        torch.save(random_weights(TV_MODEL, "torchvision"), path)
+    data = ["--data-root", images, "--backbone", backbone]
+    code, out = _extract(*data, "--pretrained", *choice, "--cache-root", tmp_path / "a")
+    assert code == 0, out
+    code, out = _extract(*data, "--checkpoint", path, "--cache-root", tmp_path / "b")
+    assert code == 0, out
+    stem = backbone.replace(":", "-")
+    a, b = tmp_path / "a" / "folder" / f"{stem}.h5", tmp_path / "b" / "folder" / f"{stem}.h5"
+    for split in ("train", "test"):
+        assert torch.equal(cache.read_split(a, split).features, cache.read_split(b, split).features)
+    attrs = cache.read_attrs(a)
+    assert attrs["checkpoint_sha256"] == cache.read_attrs(b)["checkpoint_sha256"] == file_sha256(path)
+    if backbone.startswith("timm:"):
+        assert attrs["weights_source"] == "hf-hub" and attrs["weights_repository"] == f"timm/{TIMM_MODEL}"
+        assert attrs["weights_revision"] == COMMIT and attrs["weights_file"] == "pytorch_model.bin"
+        # the hub's cache now holds other weights under a new revision: they are not mixed into the cache
+        hub_file(hf, f"timm/{TIMM_MODEL}", "pytorch_model.bin", random_weights("test_vit", seed=2), commit="f" * 40)
+        code, out = _extract(*data, "--pretrained", "--cache-root", tmp_path / "a")
+        assert code == 1 and f"{a} holds features made with checkpoint_sha256=" in " ".join(out.split())
+    else:
+        assert attrs["weights"] == "MobileNet_V3_Small_Weights.IMAGENET1K_V1"
+        assert attrs["weights_source"] == "torchvision" and attrs["weights_url"].endswith(TV_FILE)
+    assert "weights_source" not in cache.read_attrs(b)
+
+
+def test_pretrained_weights_nowhere_to_be_found_are_one_line_and_write_nothing(hubs, tmp_path, images):
+    for backbone in (f"timm:{TIMM_MODEL}", f"torchvision:{TV_MODEL}"):
+        code, out = _extract("--data-root", images, "--backbone", backbone, "--pretrained", "--cache-root", tmp_path)
+        assert code == 1 and out.startswith(f"error: {backbone}") and out.count("\n") == 1, out
+        assert "--pretrained" in out and "--checkpoint FILE" in out and "Traceback" not in out
+    assert _files(tmp_path / "hf") == [] and _files(tmp_path / "torch") == []
+    assert not list(tmp_path.rglob("*.h5")) and not list(tmp_path.rglob("*.partial"))
+    code, out = _extract("--data-root", images, "--backbone", "timm:test_vit", "--cache-root", tmp_path)
+    assert code == 1 and out.startswith("error: which weights for timm:test_vit? give --pretrained")
+    code, out = _extract("--data-root", images, "--backbone", "conv4_64", "--pretrained", "--cache-root", tmp_path)
+    assert code == 1 and "--pretrained is for timm:NAME and torchvision:NAME backbones, not conv4_64" in out
+
+
+def test_predict_takes_pretrained_weights_too(hubs, tmp_path):
+    import _images
+    from click.testing import CliRunner
+
+    from poodle.cli.main import cli
+
+    _, th = hubs
+    path = th / "hub" / "checkpoints" / TV_FILE
+    path.parent.mkdir(parents=True)
+    torch.save(random_weights(TV_MODEL, "torchvision"), path)
+    root = _images.write_folder(tmp_path / "task", {"support": 3, "query": 3}, 3, size=32, splits=("support", "query"))
+    args = [
+        "predict",
+        "--support",
+        root / "support",
+        "--query",
+        root / "query",
+        "--backbone",
+        f"torchvision:{TV_MODEL}",
+    ]
+    args += ["--pretrained", "--image-size", 32, "--method", "proto", "--out", tmp_path / "p.csv", "--device", "cpu"]
+    res = CliRunner().invoke(cli, [str(a) for a in args])
+    assert res.exit_code == 0, res.output
+    assert len((tmp_path / "p.csv").read_text().splitlines()) == 1 + 9

@@ -323,6 +323,7 @@ def test_duplicated_rows_in_a_split_file_are_refused(tmp_path):
     before = snapshot(root)
     code, out = run(
         "extract",
+        "--random-weights",
         "--splits",
         "train,test",
         "--dataset",
@@ -457,6 +458,7 @@ def test_unwritable_cache_root_is_refused_before_work(tmp_path, monkeypatch):
     before = snapshot(tmp_path)
     code, out = run(
         "extract",
+        "--random-weights",
         "--splits",
         "train,test",
         "--dataset",
@@ -484,6 +486,7 @@ def test_a_cache_path_that_is_a_directory_is_refused_before_work(tmp_path, monke
     for extra in ([], ["--force"]):
         code, out = run(
             "extract",
+            "--random-weights",
             "--splits",
             "train,test",
             "--dataset",
@@ -657,6 +660,7 @@ def test_a_csv_row_with_an_absolute_path_is_named_before_the_model_is_built(tmp_
     before = snapshot(root)
     code, out = run(
         "extract",
+        "--random-weights",
         "--splits",
         "train,test",
         "--dataset",
