@@ -150,6 +150,8 @@ def project_default_map(ctx: click.Context, config_file: str | None) -> dict[str
             param = options[command][name]
             if param.multiple and not isinstance(value, list):
                 value = [value]
+            if value is True and not param.is_flag and getattr(param, "_flag_needs_value", False):
+                value = param.flag_value  # `pretrained = true`: the option typed alone (--pretrained)
             if isinstance(param.type, click.Path) and isinstance(value, str) and base != Path():
                 value = value if os.path.isabs(os.path.expanduser(value)) else str(base / value)
             try:
@@ -179,6 +181,20 @@ def user_set(ctx: click.Context, name: str) -> bool:
         ParameterSource.ENVIRONMENT,
         ParameterSource.DEFAULT_MAP,
     )
+
+
+def say_glyphs_generation(dataset: str, data_root: str | None, cache_root: str) -> None:
+    """One line before the embedded glyphs are generated (first use: minutes without any output)."""
+    if dataset != "glyphs" or data_root is not None:
+        return
+    from poodle.data.glyphs import glyphs_generated
+
+    if not glyphs_generated(cache_root):
+        where = Path(cache_root) / "glyphs"
+        console.print(
+            styled("note", "yellow", f": generating the glyphs dataset under {where} (first use only, a few minutes)"),
+            soft_wrap=True,
+        )
 
 
 class Bar:

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import console, friendly_errors, note, out, progress_bar, styled
+from poodle.cli._common import console, friendly_errors, note, out, progress_bar, say_glyphs_generation, styled
 
 DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100"]
 
@@ -213,6 +213,8 @@ def extract(
         image_size = weights.run.image_size if image_size is None else image_size
         tag = _default_tag(backbone, dataset, cache_root, checkpoint, image_size) if tag is None else tag
 
+    say_glyphs_generation(dataset, data_root, cache_root)
+
     def bar(desc: str, total: int):
         return progress_bar(desc, total, unit="img")
 
@@ -242,6 +244,8 @@ def extract(
 
     if is_main_process():  # under torchrun, rank 0 speaks for the run
         out.print(str(path), highlight=False, soft_wrap=True)
+        root = "" if cache_root == defaults.CACHE_ROOT else f" --cache-root {cache_root}"
+        console.print(f"next: poodle solve --episodes 10000{root} (takes this cache)", highlight=False, soft_wrap=True)
 
 
 @dataclass

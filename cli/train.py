@@ -10,7 +10,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from poodle import defaults
-from poodle.cli._common import console, friendly_errors
+from poodle.cli._common import console, friendly_errors, say_glyphs_generation
 
 
 def _milestones(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
@@ -190,9 +190,16 @@ def train(**opts: Any) -> None:
         f"lr decay at {', '.join(map(str, cfg.resolved_milestones())) or 'never'}) -> {cfg.out_dir()}",
         highlight=False,
     )
+    say_glyphs_generation(cfg.dataset, cfg.data_root, cfg.cache_root)
     with TrainDisplay() as display:
         result = run_train(cfg, callback=display, resume=True if resume else None, force=force)
     best = [g["best_acc"] for g in result.generations]
     best_txt = ", ".join("-" if b is None else f"{100 * b:.2f}%" for b in best)
     console.print(f"done. best val accuracy per generation: {best_txt}")
+    # extract takes the newest run under its cache root by default; one written elsewhere is named
+    extra = "" if cfg.dataset == defaults.DATASET else f" --dataset {cfg.dataset}"
+    extra += f" --data-root {cfg.data_root}" if cfg.data_root else ""
+    extra += f" --cache-root {cfg.cache_root}" if cfg.cache_root != defaults.CACHE_ROOT else ""
+    extra += f" --checkpoint {result.checkpoint}" if cfg.out is not None else ""
+    console.print(f"next: poodle extract --backbone {cfg.backbone}{extra}", highlight=False, soft_wrap=True)
     click.echo(str(result.checkpoint))

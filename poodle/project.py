@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from poodle import defaults
-from poodle.errors import ConfigError
+from poodle.errors import ConfigError, PoodleError
 
 try:  # Python >= 3.11
     import tomllib
@@ -291,8 +291,31 @@ def default_tag(
     """The tag of the cache ``<cache_root>/<dataset>/<stem>[-<tag>].h5`` written last with this
     checkpoint's features (:func:`cache_of`), so that extracting them again finds it complete (the
     demo's cache is ``<stem>-demo-<key>.h5``); None for the untagged file or when there is none."""
+    folder = Path(cache_root) / dataset
     found = cache_of(cache_root, dataset, backbone, checkpoint_sha256, image_size)
-    if found is None or found.path.parent.resolve() != (Path(cache_root) / dataset).resolve():
+    if found is not None and found.path.parent.resolve() == folder.resolve():
+        path: Path | None = found.path
+    else:  # caches written before the index existed: their root attributes say the same
+        path = _cache_holding(folder, stem, backbone, checkpoint_sha256, image_size)
+    if path is None:
         return None
-    name = found.path.stem
-    return name[len(stem) + 1 :] if name.startswith(stem + "-") else None
+    return path.stem[len(stem) + 1 :] if path.stem.startswith(stem + "-") else None
+
+
+def _cache_holding(folder: Path, stem: str, backbone: str, checkpoint_sha256: str, image_size: int) -> Path | None:
+    """The newest ``<stem>[-<tag>].h5`` in ``folder`` whose root attributes name these weights."""
+    from poodle.cache import read_attrs  # h5py and torch: see record_cache
+
+    found = []
+    for path in [folder / f"{stem}.h5", *folder.glob(f"{stem}-*.h5")]:
+        try:
+            attrs = read_attrs(path) if path.is_file() else None
+        except (PoodleError, OSError):
+            continue
+        if attrs is not None and (str(attrs.get("backbone")), str(attrs.get("checkpoint_sha256"))) == (
+            backbone,
+            checkpoint_sha256,
+        ):
+            if int(attrs.get("image_size", 0) or 0) == int(image_size):
+                found.append((path.stat().st_mtime, str(path), path))
+    return max(found)[2] if found else None

@@ -29,3 +29,32 @@ def test_links_into_the_readme_resolve():
     for doc in (ROOT / "docs").glob("*.md"):
         for anchor in re.findall(r"\(\.\./README\.md#([^)]+)\)", doc.read_text(encoding="utf-8")):
             assert anchor in anchors, f"{doc.name}: README.md#{anchor} is not a heading of the README"
+
+
+def _first_hour_commands() -> list[list[str]]:
+    """The ``poodle`` commands of the README's "The first hour", as a shell would split them."""
+    import shlex
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## The first hour\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"(?:^    .*\n)+", section, flags=re.M)
+    text = "".join(blocks).replace("\\\n", " ")
+    return [shlex.split(line.strip()) for line in text.splitlines() if line.strip().startswith("poodle ")]
+
+
+def test_the_first_hours_commands_parse_as_typed(tmp_path, monkeypatch):
+    import click
+
+    from poodle.cli.main import cli
+
+    monkeypatch.chdir(tmp_path)  # no project file: the commands' own defaults
+    commands = _first_hour_commands()
+    assert [c[1] for c in commands] == ["extract", "solve", "train", "extract", "solve", "predict", "predict"]
+    for argv in commands:
+        ctx = cli.make_context("poodle", argv[1:])
+        name, command, rest = cli.resolve_command(ctx, argv[1:])  # (no group options in them)
+        assert command is not None, argv
+        try:
+            command.make_context(name, rest, parent=ctx)  # options and values checked, nothing run
+        except click.ClickException as e:
+            raise AssertionError(f"{' '.join(argv)}: {e.format_message()}") from None

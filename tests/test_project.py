@@ -101,6 +101,15 @@ def test_a_bad_project_file_is_one_line_naming_the_file_table_and_key(tmp_path, 
     assert sorted(os.listdir(tmp_path)) == ["poodle.toml"]
 
 
+def test_an_option_with_an_optional_value_set_to_true_is_the_option_alone(tmp_path, monkeypatch):
+    from poodle.cli._common import project_default_map
+
+    (tmp_path / "poodle.toml").write_text('[extract]\npretrained = true\n[predict]\npretrained = "IMAGENET1K_V2"\n')
+    monkeypatch.chdir(tmp_path)
+    got = project_default_map(cli.make_context("poodle", ["extract"]), None)
+    assert got == {"extract": {"pretrained": "DEFAULT"}, "predict": {"pretrained": "IMAGENET1K_V2"}}
+
+
 def test_defaults_table_reaches_every_command_with_that_option(tmp_path, monkeypatch):
     (tmp_path / "poodle.toml").write_text('[defaults]\ncache-root = "elsewhere"\n\n[extract]\nbackbone = "resnet12"\n')
     monkeypatch.chdir(tmp_path)
@@ -180,6 +189,16 @@ def test_the_index_names_the_cache_written_last(tmp_path, features):
     assert [e["path"] for e in data["caches"]] == ["mini/resnet12-x.h5", "glyphs/conv4_64.h5"]
     (root / "caches.json").write_text("{cut")
     assert project.latest_cache(root) is None
+
+
+def test_a_cache_written_before_the_index_is_found_by_its_attributes(tmp_path, features):
+    root = tmp_path / "cache"
+    features(root / "glyphs" / "conv4_64-demo-ab12.h5", backbone="conv4_64", checkpoint_sha256="cc", image_size=28)
+    features(root / "glyphs" / "conv4_64.h5", backbone="conv4_64", checkpoint_sha256="dd", image_size=28)
+    assert project.default_tag(root, "glyphs", "conv4_64", "conv4_64", "cc", 28) == "demo-ab12"
+    assert project.default_tag(root, "glyphs", "conv4_64", "conv4_64", "dd", 28) is None
+    assert project.default_tag(root, "glyphs", "conv4_64", "conv4_64", "cc", 84) is None
+    assert project.default_tag(root, "mini", "conv4_64", "conv4_64", "cc", 28) is None
 
 
 def test_solve_and_grid_without_a_cache_take_the_one_extract_wrote_last(tmp_path, monkeypatch, features):

@@ -422,6 +422,11 @@ def verify_glyphs(root: str | Path, *, checksum: bool = False) -> dict:
     return m
 
 
+def glyphs_generated(cache_root: str | Path) -> bool:
+    """Whether the default glyph set is already under ``cache_root`` (so using it costs no generation)."""
+    return (Path(cache_root) / "glyphs" / _Settings().folder_name() / MANIFEST).is_file()
+
+
 def ensure_glyphs(
     cache_root: str | Path,
     *,
