@@ -145,9 +145,9 @@ def project_default_map(ctx: click.Context, config_file: str | None) -> dict[str
     found = project_defaults(path, tables, options)
     base = path.parent
     default_map: dict[str, dict[str, Any]] = {}
-    for command, entries in found.items():
+    for cmd_name, entries in found.items():
         for name, (table, key, value) in entries.items():
-            param = options[command][name]
+            param = options[cmd_name][name]
             if param.multiple and not isinstance(value, list):
                 value = [value]
             if value is True and not param.is_flag and getattr(param, "_flag_needs_value", False):
@@ -158,9 +158,9 @@ def project_default_map(ctx: click.Context, config_file: str | None) -> dict[str
                 param.type_cast_value(ctx, value)
             except click.BadParameter as e:
                 raise ConfigError(f"{path}: [{table}] {key} = {value!r}: {e.message.rstrip('.')}") from None
-            if param.name in default_map.get(command, {}):
+            if param.name in default_map.get(cmd_name, {}):
                 raise ConfigError(f"{path}: [{table}] {key}: that option is set twice (e.g. out and json)")
-            default_map.setdefault(command, {})[cast(str, param.name)] = value
+            default_map.setdefault(cmd_name, {})[cast(str, param.name)] = value
     return default_map
 
 

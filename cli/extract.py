@@ -284,7 +284,10 @@ def choose_weights(
     if len(given) > 1:
         raise ConfigError("give one of --checkpoint FILE, --pretrained and --random-weights")
     if given:
-        return Weights(checkpoint=checkpoint if "checkpoint" in given else None, pretrained=given.get("pretrained"))
+        return Weights(
+            checkpoint=checkpoint if "checkpoint" in given else None,
+            pretrained=pretrained if "pretrained" in given else None,
+        )
     if backbones.is_external(backbone):
         raise ConfigError(
             f"which weights for {backbone}? give --pretrained (the library's own), --checkpoint FILE or "
@@ -294,6 +297,7 @@ def choose_weights(
     run = project.latest_checkpoint(ctx.params.get("cache_root") or defaults.CACHE_ROOT, name, dataset)
     if run is None:
         how = f"poodle train --backbone {backbone}" + ("" if dataset == defaults.DATASET else f" --dataset {dataset}")
+        how += f" --data-root {ctx.params['data_root']}" if ctx.params.get("data_root") else ""
         raise ConfigError(f"no checkpoint of {name} on {dataset}: train one with '{how}' or give --checkpoint FILE")
     console.print(
         f"checkpoint: {run.checkpoint} (the newest complete training run of {name} on {dataset}, {run.image_size} px)",

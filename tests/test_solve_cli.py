@@ -212,8 +212,8 @@ def test_solve_cache_resolution_and_episode_file_mismatch(tmp_path, cache, make_
     (tmp_path / "mini" / "resnet12-demo-abc.h5").write_bytes(b"")  # a tagged cache, as the demo writes
     r = _run(["--dataset", "mini", "--backbone", "resnet12", "--cache-root", tmp_path])
     assert r.exit_code == 1 and "beside it: resnet12-demo-abc.h5 (--tag picks one)" in r.output.replace("\n", " ")
-    r = _run([])
-    assert r.exit_code == 1 and "which features?" in r.output
+    r = _run(["--cache-root", tmp_path])  # no cache named, and extract recorded none there
+    assert r.exit_code == 1 and "no feature cache written by poodle extract under" in r.output
     ep = tmp_path / "e.h5"
     assert _run(["--cache", cache, "--episodes", 3, "--method", "proto", "--save-episodes", ep]).exit_code == 0
     x, y = make_features(6, 5, 16, seed=9)

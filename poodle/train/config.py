@@ -154,6 +154,12 @@ class TrainConfig:
         """Training runs in total: the teacher run plus the born-again students."""
         return 1 + (self.generations if self.recipe == "rot-kd" else 0)
 
+    @property
+    def size(self) -> int:
+        """The input side: ``image_size`` as :meth:`__post_init__` resolved it."""
+        assert self.image_size is not None
+        return int(self.image_size)
+
     def resolved_milestones(self) -> tuple[int, ...]:
         """The lr-decay epochs; ``None`` scales the paper's 60/80 (tiered 60/80/90) to ``epochs``."""
         if self.milestones is not None:

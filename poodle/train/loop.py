@@ -289,7 +289,7 @@ def train(
 def _train_split(cfg: TrainConfig, pixels: PixelCache) -> tuple[ImageDataset, list[str]]:
     """The train split with the training transform, and its class names; DataError when it cannot
     train a classifier."""
-    train_set = _dataset(cfg, "train", train_transform(cfg.augment, cfg.image_size), pixels)
+    train_set = _dataset(cfg, "train", train_transform(cfg.augment, cfg.size), pixels)
     _, classes = dataset_labels(train_set)
     if len(train_set) < 2:
         raise DataError(f"the train split of {cfg.dataset!r} has {len(train_set)} images; need at least 2")
@@ -306,7 +306,7 @@ def _validator(cfg: TrainConfig, pixels: PixelCache) -> Validator | None:
     """Meta-validation on ``cfg.val_split`` (None when the dataset has no such split)."""
     if not _has_split(cfg, cfg.val_split):
         return None
-    val_set = _dataset(cfg, cfg.val_split, eval_transform(cfg.image_size), pixels)
+    val_set = _dataset(cfg, cfg.val_split, eval_transform(cfg.size), pixels)
     val_labels, val_classes = dataset_labels(val_set)
     return Validator(
         val_set,
