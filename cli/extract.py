@@ -76,7 +76,7 @@ def say_event(event: Any) -> None:
 @click.option(
     "--cub-split",
     type=click.Choice(["release", "140-30-30"]),
-    default="release",
+    default=defaults.CUB_SPLIT,
     show_default=True,
     help="cub only: the release's 100/50/50 rule, or the 140/30/30 class lists (cached as cub-140-30-30).",
 )
@@ -111,7 +111,9 @@ def say_event(event: Any) -> None:
     is_flag=True,
     help="No weights: the network as initialised (seed 0), e.g. as a baseline.",
 )
-@click.option("--splits", default="train,val,test", show_default=True, help="Comma-separated splits to extract.")
+@click.option(
+    "--splits", default=",".join(defaults.SPLITS), show_default=True, help="Comma-separated splits to extract."
+)
 @click.option(
     "--image-size",
     default=None,
@@ -132,14 +134,16 @@ def say_event(event: Any) -> None:
     type=click.Choice(["bilinear", "bicubic", "nearest"]),
     help="torchvision/timm: resize interpolation [default: the model's].",
 )
-@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--batch-size", default=defaults.EXTRACT_BATCH_SIZE, show_default=True, type=click.IntRange(min=1))
 @click.option(
     "--workers",
     default=None,
     type=click.IntRange(min=0),
     help="DataLoader worker processes decoding images [default: one per core, at most 8].",
 )
-@click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda or cuda:N.")
+@click.option(
+    "--device", default=defaults.DEVICE, show_default=True, help="auto (CUDA when present), cpu, cuda or cuda:N."
+)
 @click.option(
     "--cache-root",
     default=defaults.CACHE_ROOT,
@@ -150,7 +154,7 @@ def say_event(event: Any) -> None:
 @click.option("--tag", default=None, help="Suffix of the cache file name, to keep several checkpoints apart.")
 @click.option(
     "--dtype",
-    default="float32",
+    default=defaults.FEATURE_DTYPE,
     show_default=True,
     type=click.Choice(["float32", "float16"]),
     help="Storage type of the features.",

@@ -37,6 +37,8 @@ SPLITS: tuple[str, ...] = ("train", "val", "test")
 EXTRACT_BATCH_SIZE = 64
 FEATURE_DTYPE = "float32"
 CUB_SPLIT = "release"
+# poodle predict decodes its few images in-process: worker start-up costs more than it saves.
+PREDICT_WORKERS = 0
 # Cells on the same episodes and negatives solved by one call of evaluate (poodle grid).
 CELLS_PER_CALL = 4
 

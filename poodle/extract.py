@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Subset
 
 from poodle import backbones, defaults, distributed, project
 from poodle import cache_shares as cs
+from poodle.backbones.checkpoint import checkpoint_digest
 from poodle.backbones.pretrained import resolve_pretrained
 from poodle.cache import (
     FEATURE_DTYPES,
@@ -37,9 +38,9 @@ from poodle.cache import (
 )
 from poodle.data import ImageDataset, PixelCache, resolve_dataset
 from poodle.data.transforms import eval_transform, native_eval_transform
-from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
+from poodle.errors import CacheError, ConfigError, DataError
 from poodle.events import Notice, OnEvent, SplitResumed, SplitReused, SplitWritten, ignore
-from poodle.utils import check_writable_dir, file_sha256
+from poodle.utils import check_writable_dir
 
 ProgressFactory = Callable[[str, int], ContextManager[Callable[[int], None]]]
 
@@ -337,7 +338,7 @@ def _plan(
         root_attrs = make_root_attrs(
             dataset,
             model.name,
-            checkpoint_sha256=_checkpoint_digest(weights.checkpoint),
+            checkpoint_sha256=checkpoint_digest(weights.checkpoint),
             image_size=image_size,
             transform=cast(Any, model.transform).description,
             weights=weights.origin,
@@ -363,15 +364,6 @@ def _image_size(model: _Model, source: Any, dataset: str) -> int:
     if model.transform is None:
         model.transform = native_eval_transform(size) if size == native else eval_transform(size)
     return size
-
-
-def _checkpoint_digest(checkpoint: str | os.PathLike | None) -> str:
-    if checkpoint is None:
-        return "none"
-    ck = Path(checkpoint).expanduser()
-    if not ck.is_file():
-        raise CheckpointError(f"checkpoint {ck} does not exist", params=("checkpoint",))
-    return file_sha256(ck)
 
 
 def _existing(
