@@ -49,7 +49,7 @@ import torch
 
 from poodle import __version__, prefetch
 from poodle.errors import CacheError
-from poodle.utils import atomic_path
+from poodle.utils import atomic_path, resolve_path, write_errno, write_error
 
 FORMAT = "poodle-features"
 VERSION = 2
@@ -136,6 +136,7 @@ class _Reader:
         self.path = Path(path)
 
     def __enter__(self) -> h5py.File:
+        resolve_path(self.path, what="cache")
         if not self.path.exists():
             raise CacheError(f"{self.path}: no such cache file")
         if self.path.is_dir():
@@ -653,6 +654,7 @@ class SplitWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.f: h5py.File | None = None
         self.resumed = False
+        self._broken = False
         if not restart and self.path.exists():
             self.resumed = self._try_resume()
         if not self.resumed:
@@ -720,7 +722,22 @@ class SplitWriter:
         self._state = state
         return True
 
+    def _failed(self, e: BaseException, outcome: str) -> BaseException:
+        """What to raise for ``e``, raised by HDF5 while writing the staging file: a
+        :class:`~poodle.errors.WriteError` naming it when a write failed (the writer is then broken:
+        :meth:`close` no longer raises), else ``e`` itself."""
+        if write_errno(e) is None:
+            return e
+        self._broken = True
+        return write_error(self.path, e, outcome, hdf5=True)
+
     def _create(self) -> None:
+        try:
+            self._create_file()
+        except (OSError, RuntimeError) as e:
+            raise self._failed(e, "nothing else was changed") from e
+
+    def _create_file(self) -> None:
         if self.path.exists():
             self.path.unlink()
         f = self._open("w")
@@ -781,6 +798,22 @@ class SplitWriter:
         n_consumed = b + len(skipped) if n_consumed is None else int(n_consumed)
         if n_consumed != b + len(skipped):
             raise CacheError(f"batch covers {n_consumed} images but holds {b} rows and {len(skipped)} skipped")
+        try:
+            self._append(raw, labels, paths, n_consumed, skipped)
+        except (OSError, RuntimeError) as e:
+            # the state head still points at the last whole batch: a re-run resumes from there
+            raise self._failed(e, "the batches written before are kept for a re-run to resume from") from e
+
+    def _append(
+        self,
+        raw: np.ndarray,
+        labels: Sequence[int] | np.ndarray,
+        paths: Sequence[str],
+        n_consumed: int,
+        skipped: Sequence[str],
+    ) -> None:
+        assert self.f is not None, "writer is closed"
+        b = raw.shape[0]
         f, g = self.f, self.f[self.split]
         n0 = self.n_rows
         if b:
@@ -815,8 +848,12 @@ class SplitWriter:
 
     def close(self) -> None:
         if self.f is not None:
-            self.f.close()
-            self.f = None
+            f, self.f = self.f, None
+            if not self._broken:
+                f.close()
+                return
+            with contextlib.suppress(Exception):  # HDF5 failed to write it: closing fails again
+                f.close()
 
     def reopen(self) -> None:
         """Open the staging file again after :meth:`close` (e.g. once DataLoader workers are forked,
@@ -894,9 +931,17 @@ class SplitWriter:
                     dst.attrs["complete"] = True
                     _validate_split(dst, tmp, name)
                 os.replace(tmp, self.cache_path)
-            except BaseException:
+            except BaseException as e:
                 if tmp.exists():
                     tmp.unlink()
+                if isinstance(e, (OSError, RuntimeError)) and write_errno(e) is not None:
+                    kept = "is as it was" if self.cache_path.exists() else "was not made"
+                    raise write_error(
+                        self.cache_path,
+                        e,
+                        f"the cache {kept}; split {name!r} stays staged in {self.path} for a re-run",
+                        hdf5=True,
+                    ) from e
                 raise
         self.close()
         self.path.unlink()

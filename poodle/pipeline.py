@@ -39,6 +39,7 @@ from poodle.negatives import pool_file
 from poodle.prefetch import pool_location
 from poodle.preprocess import Preprocessor
 from poodle.results import ResultsFile, cache_identity, identity_key, make_record
+from poodle.utils import resolve_path
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ def fingerprints(cells: Sequence[Cell]) -> dict[Path, str]:
     pool file the cells read, by file; a missing file is a ConfigError naming it."""
     files: set[Path] = set()
     for c in cells:
+        resolve_path(c.cache_file, what="feature cache")
         if c.cache_file.is_dir():
             raise ConfigError(f"feature cache {c.cache_file} is a directory, not a file")
         if not c.cache_file.is_file():

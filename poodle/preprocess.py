@@ -36,7 +36,7 @@ from torch import Tensor
 
 from poodle.cache import list_splits, read_split
 from poodle.errors import CacheError, ConfigError, DataError
-from poodle.negatives import GENERATED, load_pool, pool_location
+from poodle.negatives import GENERATED, load_pool, pool_file, pool_location
 
 KINDS = ("l2n", "cl2n", "power")
 DEFAULT_BETA = 0.5  # PT-MAP's default
@@ -205,12 +205,7 @@ class Preprocessor:
             return None
         if self.is_identity:
             return load_pool(source, cache_path, dim)
-        path, split = pool_location(source, cache_path)
-        if not path.is_file():
-            raise ConfigError(
-                f"negative pool {source!r}: no such cache file {str(path)!r} (negatives: base, random, sphere, "
-                f"none or FILE[:SPLIT])"
-            )
+        path, split = pool_file(source, cache_path), pool_location(source, cache_path)[1]
         key = (str(path.resolve()), split)
         if key not in self._pools:
             try:
