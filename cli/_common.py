@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import re
 import sys
 from typing import Any, Callable, Iterator
@@ -108,12 +107,6 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             if getattr(e, "quiet", False):  # another rank of a torchrun run failed and printed its error
                 sys.exit(1)
             say_error(e)
-            if getattr(e, "hdf5", False):
-                # a write failed inside HDF5, whose library may then crash when the process exits
-                # (closing what it could not write): end here, the error said and nothing left to do
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(1)
             sys.exit(1)
         except OSError as e:
             # what the checks up front could not foresee (permissions changed mid-run): one line

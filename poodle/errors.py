@@ -56,10 +56,8 @@ class WriteError(PoodleError):
     """A file could not be written to the end (a full disk, a quota, a file-size limit, a folder
     that became read-only): ``path`` is the file as the caller named it, ``errno`` the system's
     code. Whoever raises it has left every file that existed before as it was (a temporary is
-    removed, an append is cut back). ``hdf5``: the failed write happened inside the HDF5 library,
-    whose state in this process is then unreliable (it may crash at exit: a command line ends the
-    process at once after saying the error)."""
+    removed, an append is cut back)."""
 
-    def __init__(self, *args: object, path: str = "", errno: int | None = None, hdf5: bool = False) -> None:
+    def __init__(self, *args: object, path: str = "", errno: int | None = None) -> None:
         super().__init__(*args)
-        self.path, self.errno, self.hdf5 = path, errno, hdf5
+        self.path, self.errno = path, errno

@@ -41,7 +41,7 @@ from poodle import __version__
 from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
 from poodle.stats import mean_ci
-from poodle.utils import atomic_write, content_hash, file_sha256, resolve_path, write_error
+from poodle.utils import atomic_write, check_size_limit, content_hash, file_sha256, resolve_path, write_error
 
 FORMAT = "poodle-results"
 VERSION = 2
@@ -372,6 +372,7 @@ class ResultsFile:
                 end = _whole_lines_end(fd)
                 try:
                     os.ftruncate(fd, end)  # a torn last line of a killed writer goes first
+                    check_size_limit(end + len(data))
                     _write_all(fd, data, end)
                     os.fsync(fd)
                 except OSError as e:

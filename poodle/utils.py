@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno as _errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -208,7 +209,7 @@ def resolve_path(path: str | os.PathLike, param: str | None = None, what: str = 
 
 # errnos of a write that could not be completed (disk full, quota, size limit, read-only, I/O)
 _WRITE_ERRNOS = {
-    _errno.EFBIG: "the file-size limit of this process (ulimit -f) or of the file system",
+    _errno.EFBIG: "beyond the file-size limit of this process, ulimit -f, or of the file system",
     _errno.ENOSPC: "the disk is full",
     _errno.EDQUOT: "the disk quota is used up",
     _errno.EROFS: "the file system is read-only",
@@ -216,6 +217,19 @@ _WRITE_ERRNOS = {
     _errno.EACCES: "permission denied",
     _errno.EPERM: "operation not permitted",
 }
+
+
+def check_size_limit(size: int) -> None:
+    """OSError(EFBIG) when this process may not make a file of ``size`` bytes (``RLIMIT_FSIZE``,
+    ``ulimit -f``): said before writing, since writing past it sends SIGXFSZ, which kills a process
+    that does not ignore it (Python does) halfway through the write."""
+    try:
+        import resource  # POSIX only: imported here so that the module loads elsewhere
+    except ImportError:  # pragma: no cover
+        return
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and size > limit:
+        raise OSError(_errno.EFBIG, os.strerror(_errno.EFBIG))
 
 
 def write_errno(e: BaseException) -> int | None:
@@ -228,13 +242,49 @@ def write_errno(e: BaseException) -> int | None:
     return code if code in _WRITE_ERRNOS else None
 
 
-def write_error(path: str | os.PathLike, e: BaseException, outcome: str, *, hdf5: bool = False) -> WriteError:
+def write_error(path: str | os.PathLike, e: BaseException, outcome: str) -> WriteError:
     """The :class:`WriteError` of a failed write of ``path`` (``e`` holds the cause; see
     :func:`write_errno`): ``cannot write PATH: CAUSE (WHY); OUTCOME``."""
     code = write_errno(e)
     cause = os.strerror(code) if code is not None else (str(e).splitlines() or [type(e).__name__])[0]
     why = f" ({_WRITE_ERRNOS[code]})" if code is not None else ""
-    return WriteError(f"cannot write {path}: {cause}{why}; {outcome}", path=str(path), errno=code, hdf5=hdf5)
+    return WriteError(f"cannot write {path}: {cause}{why}; {outcome}", path=str(path), errno=code)
+
+
+class FailSafeFile(io.FileIO):
+    """A file for h5py's file-object driver (``h5py.File(FailSafeFile(path, "w+"), "w")``) that never
+    reports a failed write to HDF5: the first failure is kept in :attr:`failed` and every later
+    write is dropped. HDF5 does not survive a failed write (its library may crash then, or when the
+    process exits), so the file on disk simply stops where the failure struck, as if the process had
+    been killed there, while HDF5 carries on; whoever writes checks :attr:`failed` once the h5py
+    call returns (:meth:`check`) and raises the :class:`WriteError`."""
+
+    failed: OSError | None = None
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = view.nbytes
+        if self.failed is None:
+            try:
+                check_size_limit(self.tell() + n)
+                while view:
+                    view = view[super().write(view) or 0 :]
+            except OSError as e:
+                self.failed = e
+        return n
+
+    def truncate(self, size: int | None = None) -> int:
+        if self.failed is None:
+            try:
+                return super().truncate(size)
+            except OSError as e:
+                self.failed = e
+        return self.tell() if size is None else size
+
+    def check(self, path: str | os.PathLike, outcome: str) -> None:
+        """Raise the :class:`WriteError` of ``path`` if a write failed."""
+        if self.failed is not None:
+            raise write_error(path, self.failed, outcome) from self.failed
 
 
 def _is_write_of(e: BaseException, tmp: Path) -> bool:
@@ -282,6 +332,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | bytearray | memoryview |
     raw = data.encode() if isinstance(data, str) else data
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
+            check_size_limit(memoryview(raw).nbytes)
             f.write(raw)
             f.flush()
             os.fsync(f.fileno())
