@@ -371,7 +371,8 @@ class ResultsFile:
             with _locked(fd, exclusive=True):
                 end = _whole_lines_end(fd)
                 try:
-                    os.ftruncate(fd, end)  # a torn last line of a killed writer goes first
+                    if end < os.fstat(fd).st_size:  # a torn last line of a killed writer goes first
+                        os.ftruncate(fd, end)
                     check_size_limit(end + len(data))
                     _write_all(fd, data, end)
                     os.fsync(fd)

@@ -178,7 +178,7 @@ def _unresolvable(path: Path, e: OSError) -> str:
         except OSError as inner:
             if inner.errno == e.errno:
                 if e.errno == _errno.ELOOP:
-                    return f"{prefix} is a symbolic link loop (following it never ends)"
+                    return "a symbolic link loop" if i == len(parts) else f"{prefix} is a symbolic link loop"
                 if e.errno == _errno.ENOTDIR:
                     return f"{Path(*parts[: i - 1])} is a file, not a directory"
                 if e.errno == _errno.EACCES:
