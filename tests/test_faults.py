@@ -148,7 +148,7 @@ def test_extract_on_a_full_disk_keeps_the_cache_and_resumes(tmp_path):
 
     from poodle import backbones
 
-    data = _images.write_folder(tmp_path / "data", {"train": 2, "test": 2}, 4, size=16, splits=("train", "test"))
+    _images.write_folder(tmp_path / "data", {"train": 2, "test": 2}, 4, size=16, splits=("train", "test"))
     with torch.random.fork_rng():
         torch.manual_seed(0)
         backbones.save_checkpoint(backbones.build("conv4_64"), tmp_path / "ck.pt")
