@@ -140,6 +140,20 @@ class EpisodeSet:
     def __len__(self) -> int:
         return int(self.support.shape[0])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its index tensors."""
+        ts = (
+            self.support,
+            self.query,
+            self.support_labels,
+            self.query_labels,
+            self.negatives,
+            self.index,
+            self.class_ids,
+        )
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
     def __getitem__(self, sl: slice) -> EpisodeSet:
         if not isinstance(sl, slice):
             raise TypeError("EpisodeSet supports slicing only, e.g. eps[10:20]")

@@ -387,3 +387,57 @@ def test_paths_inside_values_and_files_and_the_library_say_the_same(tmp_path, ca
         load_episodes(loop / "e.h5")
     with pytest.raises(ConfigError, match=r"cannot be resolved: .*c.h5 is a file, not a directory"):
         RS.ResultsFile(cache / "r.jsonl")
+
+
+# ================================================================================ the memory bound
+
+
+def test_a_memory_bound_below_the_pool_is_refused_and_one_above_says_what_it_leaves_out(tmp_path):
+    big = write_arrays(tmp_path / "big.h5", {"train": _features(40, 1000, 3), "test": _features(5, 20, 4)})
+    pool, split = 40_000 * D * 4, 100 * D * 4  # bytes: the base pool is the train split
+
+    def mib(n: float) -> str:
+        return f"{n / 2**20:,.1f} MiB"
+
+    solve = ("solve", "--cache", str(big), "--episodes", 4, "--device", "cpu", "--workers", 1, "--steps", 2)
+    before = hashes(tmp_path)
+    res = CliRunner().invoke(cli, [*map(str, solve), "--max-memory", "2MiB"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 1 and "error: --max-memory 2.0 MiB cannot be met" in text, text
+    assert f"the features and negative pool held for the whole run take {mib(pool + split)}" in text
+    assert "raise it to at least" in text and hashes(tmp_path) == before
+    # met: what each call holds is counted (with cl2n, the split as read besides its centred copy);
+    # the preprocessing's working copies come on top, for a moment, and are said with their size
+    res = CliRunner().invoke(cli, [*map(str, solve), "--max-memory", "16MiB", "--preprocess", "cl2n"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 0, res.output
+    assert f"note: --max-memory 16.0 MiB counts what each call holds ({mib(pool + 2 * split)}) and its chunks" in text
+    working = 40_000 * D * (4 + 8)  # the pool as read and its float64 copy
+    assert f"--preprocess cl2n also took {mib(working)} for a moment before solving" in text
+    assert "beyond the bound" in text and hashes(tmp_path) == before
+    # without an explicit bound there is nothing to say
+    res = CliRunner().invoke(cli, [*map(str, solve), "--preprocess", "cl2n"])
+    assert res.exit_code == 0 and "note:" not in res.output
+
+
+def test_an_explicit_bound_counts_the_episodes_and_what_the_caller_holds(cache):
+    from poodle.episodes import EpisodeSpec, EpisodeStream
+    from poodle.evaluate import evaluate
+    from poodle.negatives import NegativeSpec
+
+    test = read_split(cache, "test")
+    eps = EpisodeStream(test.labels, EpisodeSpec(way=5, shot=1, query=3), 10).materialize()
+    methods = [("po", "poodle", {"steps": 2})]
+    neg = NegativeSpec("base", 5)
+    pool = read_split(cache, "train").features.numel() * 4
+    plans = []
+    kw = dict(negatives=neg, cache_path=cache, device="cpu", workers=1, also_held={"the caller's copy": 1000})
+    evaluate(test, eps, methods, max_memory=10**7, planned=plans.append, **kw)
+    assert plans[0].held == test.features.numel() * 4 + pool + eps.nbytes + 1000 and plans[0].budget == 10**7
+    with pytest.raises(ConfigError) as e:
+        evaluate(test, eps, methods, max_memory=plans[0].held, **kw)
+    assert (
+        f"what is held for the whole run takes {plans[0].held:,} bytes (the features and negative pool "
+        f"{test.features.numel() * 4 + pool:,} bytes, the episodes drawn in advance {eps.nbytes:,} bytes, "
+        f"the caller's copy 1,000 bytes)" in str(e.value)
+    )
