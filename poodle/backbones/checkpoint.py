@@ -306,3 +306,14 @@ def save_checkpoint(model: nn.Module, path: str | os.PathLike, **extra: Any) -> 
     buf = io.BytesIO()
     torch.save(obj, buf)
     return atomic_write(path, buf.getbuffer())
+
+
+def checkpoint_digest(checkpoint: str | os.PathLike | None) -> str:
+    """The sha256 (hex) of a checkpoint file, ``"none"`` without one (random weights); a missing
+    file is a CheckpointError."""
+    if checkpoint is None:
+        return "none"
+    ck = resolve_path(Path(checkpoint).expanduser(), "checkpoint")
+    if not ck.is_file():
+        raise CheckpointError(f"checkpoint {ck} does not exist", params=("checkpoint",))
+    return file_sha256(ck)
