@@ -58,6 +58,16 @@ class Notice:
     params: tuple[str, ...] = field(default=())
 
 
+class NoticeWarning(UserWarning):
+    """A :class:`Notice` from where no ``on_event`` callback reaches (the fused kernel's loader, deep
+    inside a solver), raised with :func:`warnings.warn` once per process; the command line prints
+    it as one note line, a library user sees a warning of this class."""
+
+    def __init__(self, notice: Notice) -> None:
+        super().__init__(notice.message)
+        self.notice = notice
+
+
 Event = Ready | CellsStarted | CellFinished | EpisodesSolved | Notice
 OnEvent = Callable[[Event], None]
 
@@ -66,4 +76,14 @@ def ignore(event: Event) -> None:
     """The callback of a caller that listens to nothing."""
 
 
-__all__ = ["CellFinished", "CellsStarted", "EpisodesSolved", "Event", "Notice", "OnEvent", "Ready", "ignore"]
+__all__ = [
+    "CellFinished",
+    "CellsStarted",
+    "EpisodesSolved",
+    "Event",
+    "Notice",
+    "NoticeWarning",
+    "OnEvent",
+    "Ready",
+    "ignore",
+]
