@@ -448,6 +448,47 @@ static void CAT(work_free, SUF)(Work *w) {
     w->n_owned = 0;
 }
 
+/* The weighted-distance loss on one block of RB rows (x.w in ST, [class][row]), VL rows at a time:
+ * logits, softmax over classes and dL/dlogits = p r - t [+ p (l - lbar) free] into ST; the column
+ * sums of dL/dlogits and sum G Z accumulate per lane in acc. */
+static inline void CAT(wd_block, SUF)(Work *w, REAL gamma, const REAL *rr, const REAL *ff, int fe) {
+    const int K = w->a->K, Kp = w->Kp;
+    REAL *ST = w->ST, *ZT = w->ZT, *LT = w->LT, *acc = w->acc;
+    const REAL *TT = w->TT, *w2 = w->w2;
+    for (int l = 0; l < RB; l += VL) {
+#define AT(buf, k) CAT(ld, SUF)((buf) + (k) * RB + l)
+        V mx, sum = (V){0}, lbar = (V){0}, rv = CAT(ld, SUF)(rr + l), fv = CAT(ld, SUF)(ff + l);
+        for (int k = 0; k < K; k++) {
+            V z = AT(ST, k) - (REAL)0.5 * w2[k];
+            V lg = z * gamma;
+            CAT(st, SUF)(ZT + k * RB + l, z);
+            CAT(st, SUF)(LT + k * RB + l, lg);
+            mx = k == 0 ? lg : CAT(vmax, SUF)(lg, mx);
+        }
+        for (int k = 0; k < K; k++) {
+            V p = CAT(vexp, SUF)(AT(LT, k) - mx);
+            sum += p;
+            CAT(st, SUF)(ST + k * RB + l, p);
+        }
+        for (int k = 0; k < K; k++) {
+            V p = AT(ST, k) / sum;
+            CAT(st, SUF)(ST + k * RB + l, p);
+            if (fe) lbar += p * AT(LT, k);
+        }
+        V gg = CAT(ld, SUF)(acc + Kp * RB + l);
+        for (int k = 0; k < K; k++) {
+            V p = AT(ST, k);
+            V g = p * rv - AT(TT, k);
+            if (fe) g += (p * (AT(LT, k) - lbar)) * fv;
+            CAT(st, SUF)(ST + k * RB + l, g);
+            gg += g * AT(ZT, k);
+            CAT(st, SUF)(acc + k * RB + l, AT(acc, k) + g);
+        }
+        CAT(st, SUF)(acc + Kp * RB + l, gg);
+#undef AT
+    }
+}
+
 /* The weighted-distance loss's pass over the rows of episode w->e (see fit_weighted_distance in
  * _optim.py), in blocks of RB rows: logits, softmax, dL/dlogits = p r - t [+ p (l - lbar) free],
  * and G X every GB blocks. Fills GX and colsum; returns sum_ik G_ik Z_ik (dL/dgamma before the
@@ -458,8 +499,7 @@ static REAL CAT(wd_rows, SUF)(Work *w, REAL gamma) {
     const long np = w->np, e = w->e;
     const REAL *te = (const REAL *)a->targets + e * a->t_es, *re = (const REAL *)a->r + e * a->r_es;
     const REAL *fe = a->free_ ? (const REAL *)a->free_ + e * a->f_es : NULL;
-    REAL *ST = w->ST, *ZT = w->ZT, *LT = w->LT, *TT = w->TT, *acc = w->acc, *G2 = w->G2, *GX = w->GX;
-    const REAL *w2 = w->w2;
+    REAL *ST = w->ST, *TT = w->TT, *acc = w->acc, *G2 = w->G2, *GX = w->GX;
     REAL rr[RB], ff[RB];
     memset(GX, 0, sizeof(REAL) * Kp * D);
     memset(acc, 0, sizeof(REAL) * (Kp + 1) * RB);
@@ -491,39 +531,7 @@ static REAL CAT(wd_rows, SUF)(Work *w, REAL gamma) {
                 if (!ok_row) ST[k * RB + b] = 0;
             }
         }
-        /* logits, softmax over classes and dL/dlogits, VL rows at a time */
-        for (int l = 0; l < RB; l += VL) {
-#define AT(buf, k) CAT(ld, SUF)((buf) + (k) * RB + l)
-            V mx, sum = (V){0}, lbar = (V){0}, rv = CAT(ld, SUF)(rr + l), fv = CAT(ld, SUF)(ff + l);
-            for (int k = 0; k < K; k++) {
-                V z = AT(ST, k) - (REAL)0.5 * w2[k];
-                V lg = z * gamma;
-                CAT(st, SUF)(ZT + k * RB + l, z);
-                CAT(st, SUF)(LT + k * RB + l, lg);
-                mx = k == 0 ? lg : CAT(vmax, SUF)(lg, mx);
-            }
-            for (int k = 0; k < K; k++) {
-                V p = CAT(vexp, SUF)(AT(LT, k) - mx);
-                sum += p;
-                CAT(st, SUF)(ST + k * RB + l, p);
-            }
-            for (int k = 0; k < K; k++) {
-                V p = AT(ST, k) / sum;
-                CAT(st, SUF)(ST + k * RB + l, p);
-                if (fe) lbar += p * AT(LT, k);
-            }
-            V gg = CAT(ld, SUF)(acc + Kp * RB + l);
-            for (int k = 0; k < K; k++) {
-                V p = AT(ST, k);
-                V g = p * rv - AT(TT, k);
-                if (fe) g += (p * (AT(LT, k) - lbar)) * fv;
-                CAT(st, SUF)(ST + k * RB + l, g);
-                gg += g * AT(ZT, k);
-                CAT(st, SUF)(acc + k * RB + l, AT(acc, k) + g);
-            }
-            CAT(st, SUF)(acc + Kp * RB + l, gg);
-#undef AT
-        }
+        CAT(wd_block, SUF)(w, gamma, rr, ff, fe != NULL);
         for (int k = K; k < Kp; k++) memset(ST + k * RB, 0, sizeof(REAL) * RB);
         /* G X every GB blocks: the same products added in the same row order as block by block,
          * so the result is bit for bit the same */
