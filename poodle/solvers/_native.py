@@ -303,7 +303,7 @@ def _build(cc: str, st: KernelState) -> ctypes.CDLL:
             if built:
                 raise RuntimeError(f"{path} was just built but {e}") from None
         _check(path, directory=False)  # only a file of ours is replaced
-        path.unlink()
+        path.unlink(missing_ok=True)  # (another process may have replaced it already)
         if err := _compile(cc, flags, path, st.source_hash):
             errors.append(err)
             continue
