@@ -7,13 +7,128 @@ one-hot support labels.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from poodle.solvers.base import one_hot
+
 # Smallest probability any log below is allowed to see: keeps 0 * log(0) and 0 / 0 out of every
 # method without changing a result that was finite (it is far below float32 resolution near 1).
 TINY = 1e-30
+
+# ---------------------------------------------------------------------------------------------
+# Convergence checks. A loop that stops per episode keeps an ``active [E]`` mask on the device and
+# freezes an episode's state once it has converged, so its result does not depend on when the loop
+# as a whole stops: the loop may look at the mask as seldom as it likes. Looking is a host sync
+# (``bool(active.any())``): on a GPU it drains the queue the host has run ahead to fill, so off the
+# CPU a loop looks once per CHECK_EVERY iterations. On the CPU a look costs nothing and stopping at
+# once saves up to CHECK_EVERY - 1 sweeps over every episode, so there it looks every iteration
+# (measured: docs/gpu.md, "Convergence checks").
+CHECK_EVERY = 8
+# A Sinkhorn sweep is about 15 operations, so its loops look once per 16 sweeps: at most one sync
+# per 150 device operations, the bound tests/test_meta_device.py holds every method to.
+CHECK_EVERY_SWEEPS = 16
+_DEVICE_SCHEDULE = [False]  # set by device_schedule(): the CPU checks as seldom as a GPU
+
+
+@contextlib.contextmanager
+def device_schedule() -> Iterator[None]:
+    """Inside the block, loops on the CPU check convergence (and take every other sync-free branch)
+    as they would on a GPU: what the cost model traces and what the tests compare with the CPU's
+    own schedule. Process-wide; not for concurrent solving threads."""
+    before = _DEVICE_SCHEDULE[0]
+    _DEVICE_SCHEDULE[0] = True
+    try:
+        yield
+    finally:
+        _DEVICE_SCHEDULE[0] = before
+
+
+def syncs_freely(t: Tensor) -> bool:
+    """Whether reading a value of ``t`` on the host costs nothing: on the CPU (outside
+    :func:`device_schedule`), where there is no device queue to drain."""
+    return t.device.type == "cpu" and not _DEVICE_SCHEDULE[0]
+
+
+def should_stop(active: Tensor, it: int, every: int = CHECK_EVERY) -> bool:
+    """Whether a per-episode loop may stop after iteration ``it`` (0-based): no episode of
+    ``active [E]`` (bool) is still iterating. Looks (one host sync) at every iteration where that is
+    free (:func:`syncs_freely`), otherwise only after every ``every``-th iteration, and answers
+    False in between (the caller's masks keep every episode's result the same either way)."""
+    if not syncs_freely(active) and (it + 1) % every:
+        return False
+    return not bool(active.any())
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched decompositions where they are fast.
+#
+# On CUDA, torch sends a batch of symmetric eigenproblems to cuSOLVER's batched Jacobi solver
+# (syevjBatched) only when n <= 32, and SVDs to gesvdjBatched only when m, n <= 32 (the size
+# cuSOLVER documents for gesvdjBatched); above that it loops over the batch, one solver call per
+# matrix (pytorch PR #62003 set the gate; issue #174674 measured 914 ms for 500 float32 100 x 100
+# eighs on one GPU, 8.4 ms with one batched call; issue #175585 an 83x step from n = 32 to 33). So a
+# [4096, 80, 80] batch would be 4,096 serial calls: such batches go to the host in bulk instead, one
+# copy each way, LAPACK per matrix in the input's dtype (the CPU path's own arithmetic, so CPU and
+# CUDA get the same decomposition of the same matrix), the batch split over the host's cores.
+# On the CPU, LAPACK runs single-threaded per matrix: measured on [256, 80, 80] float32 (2-core
+# EPYC), 1.2 ms per matrix with one thread against 13.8 ms with two (MKL's threads fight over an
+# 80 x 80 problem); docs/gpu.md, "Decompositions".
+BATCHED_SOLVER_MAX = 32
+HOST_MIN_PER_THREAD = 64  # matrices per host thread below which one thread does them all
+
+
+def _on_host(a: Tensor) -> bool:
+    return a.device.type == "cuda" and a.dim() > 2 and max(a.shape[-2:]) > BATCHED_SOLVER_MAX
+
+
+def batched_eigh(a: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh`` of ``a [E, n, n]`` (symmetric; ascending eigenvalues ``[E, n]``,
+    eigenvectors ``[E, n, n]``) placed where it is fast: on a CUDA device when ``n <= 32``, else
+    on the host in bulk (see above); on the CPU single-threaded per matrix. Every matrix's
+    decomposition is the one LAPACK gives it alone, whatever the batch."""
+    w, v = _placed(torch.linalg.eigh, a)
+    return w, v
+
+
+def batched_svd(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.linalg.svd(a, full_matrices=False)`` of ``a [E, m, n]`` placed as :func:`batched_eigh`
+    (``U [E, m, k]``, ``S [E, k]``, ``Vh [E, k, n]``, ``k = min(m, n)``)."""
+    u, s, vh = _placed(lambda x: torch.linalg.svd(x, full_matrices=False), a)
+    return u, s, vh
+
+
+def _placed(fn: Callable[[Tensor], tuple[Tensor, ...]], a: Tensor) -> tuple[Tensor, ...]:
+    if _on_host(a):
+        host = a.detach().to("cpu")  # one host sync, as the device solver's own error check is
+        out = _host_map(fn, host, max(1, len(os.sched_getaffinity(0))))
+        return tuple(t.to(a.device, non_blocking=True) for t in out)
+    if a.device.type == "cpu":
+        return _host_map(fn, a, 1)
+    return fn(a)
+
+
+def _host_map(fn: Callable[[Tensor], tuple[Tensor, ...]], a: Tensor, threads: int) -> tuple[Tensor, ...]:
+    """``fn`` of a CPU batch, each matrix single-threaded, the batch split over ``threads``."""
+    n_parts = max(1, min(threads, a.shape[0] // HOST_MIN_PER_THREAD)) if a.dim() > 2 else 1
+    before = torch.get_num_threads()
+    if before != 1:
+        torch.set_num_threads(1)
+    try:
+        if n_parts == 1:
+            return tuple(fn(a))
+        with ThreadPoolExecutor(n_parts, thread_name_prefix="poodle-linalg") as ex:
+            parts = list(ex.map(fn, a.chunk(n_parts)))
+        return tuple(torch.cat(ts) for ts in zip(*parts))
+    finally:
+        if before != 1:
+            torch.set_num_threads(before)
 
 
 def grad_ready(t: Tensor) -> Tensor:
@@ -86,7 +201,7 @@ def centre_and_project(z_s: Tensor, z_q: Tensor, reduced_dim: int) -> tuple[Tens
     # Coordinates in the top-r principal directions, x V_r = U_r S_r, from the eigen-decomposition
     # of the small N x N Gram matrix (cheaper than an SVD of N x D). Distances after projection do
     # not depend on the sign/rotation ambiguity of the basis within the sub-space.
-    evals, evecs = torch.linalg.eigh(torch.bmm(x, x.transpose(1, 2)))  # ascending
+    evals, evecs = batched_eigh(torch.bmm(x, x.transpose(1, 2)))  # ascending
     top = evecs[:, :, n - r :] * evals[:, n - r :].clamp_min(0).sqrt().unsqueeze(1)
     top = F.normalize(top, dim=-1)
     return top[:, : z_s.shape[1]], top[:, z_s.shape[1] :]
@@ -118,11 +233,11 @@ def rectified_prototypes(
     Every class contains its support points, so no weight is 0/0.
     """
     delta = (z_s.mean(1, keepdim=True) - z_q.mean(1, keepdim=True)) if shift else torch.zeros_like(z_s[:, :1])
-    y_s = F.one_hot(labels_s, way).to(z_s.dtype)
+    y_s = one_hot(labels_s, way, z_s.dtype)
     base = torch.bmm(y_s.transpose(1, 2), z_s) / y_s.sum(1).clamp_min(1.0).unsqueeze(-1)
     cos_s = cosine(z_s, base)
     cos_q = shifted_cosine(z_q, delta, base)
-    member_q = F.one_hot(cos_q.argmax(-1), way).bool()
+    member_q = one_hot(cos_q.argmax(-1), way, torch.bool)
     logits = (epsilon * torch.cat([cos_s, cos_q], 1)).masked_fill(~torch.cat([y_s.bool(), member_q], 1), float("-inf"))
     w = torch.softmax(logits, dim=1)  # over the set's members
     w_s, w_q = w[:, : z_s.shape[1]], w[:, z_s.shape[1] :]

@@ -39,6 +39,7 @@ from poodle.solvers._transductive import (
     centre_and_project,
     dist_flops,
     row_sqnorm,
+    should_stop,
     softmax_logits,
     sqdist,
     weighted_means,
@@ -61,12 +62,12 @@ def kmeans_loop(
     prev_s = labels_s.clone() if fix_support else torch.full_like(labels_s, -1)
     iters = torch.zeros(E, dtype=torch.long, device=z_s.device)
     q2, s2 = row_sqnorm(z_q), row_sqnorm(z_s)
-    for _ in range(max_iter):
+    for it in range(max_iter):
         lab_q = sqdist(z_q, centres, q2).argmin(-1)
         lab_s = labels_s if fix_support else sqdist(z_s, centres, s2).argmin(-1)
         unchanged = (lab_q == prev_q).all(1) & (lab_s == prev_s).all(1)
         active = active & ~unchanged
-        if not bool(active.any()):
+        if should_stop(active, it):  # a converged episode is frozen below, so looking late changes nothing
             break
         new = weighted_means(one_hot(lab_s, K, z_s.dtype), z_s, one_hot(lab_q, K, z_s.dtype), z_q, centres)
         keep = ~active

@@ -50,11 +50,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from poodle.solvers._transductive import TINY, cosine, dist_flops, rectified_prototypes, sqdist
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register, validate_config
+from poodle.solvers._transductive import TINY, cosine, dist_flops, rectified_prototypes, should_stop, sqdist
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register, validate_config
 
 PRESETS: dict[str, dict[str, Any]] = {
     # the method as Ziko et al.'s paper and BD-CSPN's paper write it
@@ -115,7 +114,7 @@ def released_rectification(
     base = class_means(z_s, labels_s, way)
     x = torch.cat([z_s, z_q], 1)
     cos = cosine(x, base)  # [E, N, way]
-    member = F.one_hot(cos.argmax(-1), way).to(x.dtype)  # [E, N, way]
+    member = one_hot(cos.argmax(-1), way, x.dtype)  # [E, N, way]
     w = torch.softmax(epsilon * cos, -1) * member
     count = member.sum(1)  # [E, way]
     protos = torch.bmm(w.transpose(1, 2), x) / count.clamp_min(1.0).unsqueeze(-1)
@@ -178,7 +177,7 @@ def laplacianshot(batch: EpisodeBatch, cfg: LaplacianShotConfig) -> SolverOutput
         done = (energy - old).abs() <= cfg.tol * old.abs() if i > 1 else torch.zeros_like(active)
         old = torch.where(active, energy, old)
         active = active & ~done
-        if not bool(active.any()):
+        if should_stop(active, i):  # a stopped episode is frozen above, so looking late changes nothing
             break
     if kept is not None:
         # As released: the prototype list shrinks, so kept class number j (in class order) answers
