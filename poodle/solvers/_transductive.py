@@ -171,14 +171,22 @@ def cosine(x: Tensor, w: Tensor, x_norm: Tensor | None = None) -> Tensor:
     return torch.bmm(x, w.transpose(1, 2)) / (x_norm.clamp_min(1e-12) * w_norm.clamp_min(1e-12))
 
 
-def weighted_means(a_s: Tensor, z_s: Tensor, a_q: Tensor, z_q: Tensor, fallback: Tensor) -> Tensor:
+def support_share(a_s: Tensor, z_s: Tensor) -> tuple[Tensor, Tensor]:
+    """The support's part of :func:`weighted_means`: ``(a_s^T z_s [E, K, D], sum a_s [E, K])`` for
+    assignments ``a_s [E, Ns, K]`` (made once where the support's assignments are fixed)."""
+    return torch.bmm(a_s.transpose(1, 2), z_s), a_s.sum(1)
+
+
+def weighted_means(support: tuple[Tensor, Tensor], a_q: Tensor, z_q: Tensor, fallback: Tensor) -> Tensor:
     """``(a_s^T z_s + a_q^T z_q) / (sum a_s + sum a_q)`` per class: ``[E, K, D]``.
 
-    ``a_s [E, Ns, K]`` and ``a_q [E, Nq, K]`` are (soft or hard) assignments. A class with zero total
-    weight keeps ``fallback [E, K, D]`` (its previous centre) instead of becoming NaN.
+    ``support`` is :func:`support_share` of the support's assignments; ``a_q [E, Nq, K]`` the
+    queries' (soft or hard) assignments. A class with zero total weight keeps ``fallback [E, K, D]``
+    (its previous centre) instead of becoming NaN.
     """
-    num = torch.bmm(a_s.transpose(1, 2), z_s) + torch.bmm(a_q.transpose(1, 2), z_q)
-    den = (a_s.sum(1) + a_q.sum(1)).unsqueeze(-1)  # [E, K, 1]
+    num_s, den_s = support
+    num = num_s + torch.bmm(a_q.transpose(1, 2), z_q)
+    den = (den_s + a_q.sum(1)).unsqueeze(-1)  # [E, K, 1]
     empty = den <= 0
     return torch.where(empty, fallback, num / torch.where(empty, torch.ones_like(den), den))
 
@@ -191,11 +199,13 @@ def centre_and_project(z_s: Tensor, z_q: Tensor, reduced_dim: int) -> tuple[Tens
     ``z_s [E, Ns, D]``, ``z_q [E, Nq, D]`` -> the same with ``D`` replaced by ``min(reduced_dim,
     Ns + Nq, D)`` (or unchanged when ``reduced_dim == 0``).
     """
-    z_s = F.normalize(z_s - z_s.mean(1, keepdim=True), dim=-1)
-    z_q = F.normalize(z_q - z_q.mean(1, keepdim=True), dim=-1)
     if reduced_dim <= 0:
-        return z_s, z_q
-    x = torch.cat([z_s, z_q], 1)  # [E, N, D]
+        return _centred(z_s), _centred(z_q)
+    # both sets, centred and normalised, written straight into one [E, N, D] buffer (no concatenation)
+    E, ns, D = z_s.shape
+    x = torch.empty(E, ns + z_q.shape[1], D, dtype=z_s.dtype, device=z_s.device)
+    _centred(z_s, out=x[:, :ns])
+    _centred(z_q, out=x[:, ns:])
     n = x.shape[1]
     r = min(reduced_dim, n, x.shape[2])
     # Coordinates in the top-r principal directions, x V_r = U_r S_r, from the eigen-decomposition
@@ -205,6 +215,13 @@ def centre_and_project(z_s: Tensor, z_q: Tensor, reduced_dim: int) -> tuple[Tens
     top = evecs[:, :, n - r :] * evals[:, n - r :].clamp_min(0).sqrt().unsqueeze(1)
     top = F.normalize(top, dim=-1)
     return top[:, : z_s.shape[1]], top[:, z_s.shape[1] :]
+
+
+def _centred(z: Tensor, out: Tensor | None = None) -> Tensor:
+    """``F.normalize(z - mean(z), dim=-1)`` over the rows of each episode of ``z [E, N, D]``, the
+    same arithmetic as that expression, written into ``out`` when given."""
+    c = z - z.mean(1, keepdim=True)
+    return torch.div(c, torch.linalg.vector_norm(c, dim=-1, keepdim=True).clamp_min(1e-12), out=out)
 
 
 def log_normalise(p: Tensor) -> Tensor:

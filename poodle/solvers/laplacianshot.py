@@ -52,7 +52,15 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from poodle.solvers._transductive import TINY, cosine, dist_flops, rectified_prototypes, should_stop, sqdist
+from poodle.solvers._transductive import (
+    TINY,
+    cosine,
+    dist_flops,
+    rectified_prototypes,
+    row_sqnorm,
+    should_stop,
+    sqdist,
+)
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register, validate_config
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -90,16 +98,21 @@ class LaplacianShotConfig:
 
 def knn_graph(z_q: Tensor, k: int) -> Tensor:
     """``z_q [E, Nq, D]`` -> ``[E, Nq, Nq]`` 0/1 affinity: row ``q`` marks its ``k`` nearest other
-    queries (Euclidean; self excluded; ``k`` clipped to ``Nq - 1``)."""
+    queries (Euclidean; self excluded; ``k`` clipped to ``Nq - 1``).
+
+    Squared distances from the queries' Gram matrix, ``||a||^2 + ||b||^2 - 2 a.b``: one batched
+    product and no ``[E, Nq, D + 2]`` copies (``torch.cdist`` augments both sides with their norms),
+    and no square root, which ranks nothing differently."""
     E, n, _ = z_q.shape
     k = min(k, n - 1)
     w = torch.zeros(E, n, n, dtype=z_q.dtype, device=z_q.device)
     if k <= 0:
         return w
-    d = torch.cdist(z_q, z_q)
-    d = d + torch.diag(torch.full((n,), float("inf"), dtype=d.dtype, device=d.device))
+    q2 = row_sqnorm(z_q)
+    d = torch.baddbmm(q2 + q2.transpose(1, 2), z_q, z_q.transpose(1, 2), alpha=-2.0)
+    d.diagonal(dim1=1, dim2=2).fill_(float("inf"))
     idx = d.topk(k, dim=-1, largest=False).indices
-    return w.scatter(2, idx, 1.0)
+    return w.scatter_(2, idx, 1.0)
 
 
 def released_rectification(
@@ -121,15 +134,49 @@ def released_rectification(
     return protos, count > 0, z_q
 
 
-def bound_energy(y: Tensor, unary: Tensor, w: Tensor, lmd: float) -> Tensor:
-    """The authors' energy ``sum(y*a - lmd*(W y)*y + y*log y)`` per episode ``[E]``."""
-    pair = torch.bmm(w, y)
+def bound_energy(y: Tensor, unary: Tensor, w: Tensor, lmd: float, pair: Tensor | None = None) -> Tensor:
+    """The authors' energy ``sum(y*a - lmd*(W y)*y + y*log y)`` per episode ``[E]`` (``pair``:
+    ``W y`` when the caller has it)."""
+    pair = torch.bmm(w, y) if pair is None else pair
     return (unary * y - lmd * pair * y + y * torch.log(y.clamp_min(1e-20))).sum((1, 2))
 
 
+def bound_updates(unary: Tensor, w: Tensor, cfg: LaplacianShotConfig, masked: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The bound iterations ``y = softmax(-a + lmd W y)`` from ``y = softmax(-a)``, each episode
+    until its energy's relative change is at most ``tol`` (after the third iteration) or for
+    ``steps`` iterations. ``unary [E, Nq, K]`` (``masked``: infinite for dropped classes), ``w [E, Nq,
+    Nq]`` -> ``(logits, y, iterations [E])``. ``W y`` is computed once per iteration: the energy's
+    product is the next update's."""
+    E = unary.shape[0]
+    neg = -unary
+    logits = neg
+    y = torch.softmax(logits, -1)
+    pair = torch.bmm(w, y)
+    active = torch.ones(E, dtype=torch.bool, device=unary.device)
+    old = torch.full((E,), float("inf"), dtype=unary.dtype, device=unary.device)
+    iters = torch.zeros(E, dtype=torch.long, device=unary.device)
+    for i in range(cfg.steps):
+        new_logits = neg + cfg.lmd * pair
+        new_y = torch.softmax(new_logits, -1)
+        keep = ~active
+        logits = torch.where(keep[:, None, None], logits, new_logits)
+        y = torch.where(keep[:, None, None], y, new_y)
+        iters = iters + active.long()
+        pair = torch.bmm(w, y)
+        energy = bound_energy(y, unary.masked_fill(y == 0, 0.0) if masked else unary, w, cfg.lmd, pair)
+        done = (energy - old).abs() <= cfg.tol * old.abs() if i > 1 else torch.zeros_like(active)
+        old = torch.where(active, energy, old)
+        active = active & ~done
+        if should_stop(active, i):  # a stopped episode is frozen above, so looking late changes nothing
+            break
+    return logits, y, iters
+
+
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: LaplacianShotConfig) -> float:
+    # rectification (three products with the rows), the kNN Gram matrix, the unary term, and one
+    # ``W y`` product per bound iteration (plus the first); linear in ``steps``
     rect = 3 * dist_flops(Ns + Nq, way, D) if cfg.rectify else 0.0
-    return rect + dist_flops(Nq, Nq, D) + dist_flops(Nq, way, D) + cfg.steps * 2 * dist_flops(Nq, way, Nq)
+    return rect + dist_flops(Nq, Nq, D) + dist_flops(Nq, way, D) + (cfg.steps + 1) * dist_flops(Nq, way, Nq)
 
 
 @register(
@@ -148,37 +195,18 @@ def laplacianshot(batch: EpisodeBatch, cfg: LaplacianShotConfig) -> SolverOutput
     z_u = z_q
     if cfg.rectify and released:
         m, kept, z_shift = released_rectification(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon)
+        z_u = z_shift if shifted else z_q
     elif cfg.rectify:
         m, delta = rectified_prototypes(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon)
-        z_shift = z_q + delta
+        z_u = z_q + delta if shifted else z_q
     else:
-        m, z_shift = class_means(z_s, batch.support_labels, batch.way), z_q
-    if shifted and cfg.rectify:
-        z_u = z_shift
+        m = class_means(z_s, batch.support_labels, batch.way)
     unary = sqdist(z_u, m)  # [E, Nq, way]
     if kept is not None:
         # a dropped class takes no query: infinite unary (its softmax weight is exactly 0)
         unary = unary.masked_fill(~kept.unsqueeze(1), float("inf"))
     w = knn_graph(z_q, cfg.knn - 1 if self_nb else cfg.knn)
-    logits = -unary
-    y = torch.softmax(logits, -1)
-    E = z_q.shape[0]
-    active = torch.ones(E, dtype=torch.bool, device=z_q.device)
-    old = torch.full((E,), float("inf"), dtype=z_q.dtype, device=z_q.device)
-    iters = torch.zeros(E, dtype=torch.long, device=z_q.device)
-    for i in range(cfg.steps):
-        new_logits = -unary + cfg.lmd * torch.bmm(w, y)
-        new_y = torch.softmax(new_logits, -1)
-        keep = ~active
-        logits = torch.where(keep[:, None, None], logits, new_logits)
-        y = torch.where(keep[:, None, None], y, new_y)
-        iters = iters + active.long()
-        energy = bound_energy(y, unary if kept is None else unary.masked_fill(y == 0, 0.0), w, cfg.lmd)
-        done = (energy - old).abs() <= cfg.tol * old.abs() if i > 1 else torch.zeros_like(active)
-        old = torch.where(active, energy, old)
-        active = active & ~done
-        if should_stop(active, i):  # a stopped episode is frozen above, so looking late changes nothing
-            break
+    logits, y, iters = bound_updates(unary, w, cfg, kept is not None)
     if kept is not None:
         # As released: the prototype list shrinks, so kept class number j (in class order) answers
         # with label j. A stable sort puts the kept classes first, in order.
