@@ -401,16 +401,22 @@ def _fields(cfg) -> dict:
 def kernel_ceilings(dev: torch.device, e: int) -> dict[str, float]:
     """GFLOP/s of the kernels these methods are made of, one thread, on a chunk of ``e`` standard
     episodes: the ``[75, 640] x [640, 5]`` distance product, the ``[75, 640] x [640, 75]`` Gram
-    product, the ``80 x 80`` symmetric eigen-decomposition (9 n^3 FLOPs), and the large matmul."""
+    product, LaplacianShot's ``[75, 75] x [75, 5]`` kNN product, the ``80 x 80`` symmetric
+    eigen-decomposition (9 n^3 FLOPs), a softmax over 5 classes (as 5 FLOPs per value: its rate
+    beside the others), and the large matmul."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(e, 80, D, generator=g).to(dev)
     w = torch.randn(e, WAY, D, generator=g).to(dev)
     gram = torch.bmm(x, x.transpose(1, 2))
+    knn = (torch.rand(e, 75, 75, generator=g) < 0.04).to(dev, torch.float32)
+    y = torch.rand(e, 75, WAY, generator=g).to(dev)
     a, b = torch.randn(1024, 1024, generator=g).to(dev), torch.randn(1024, 1024, generator=g).to(dev)
     cases = {
         "bmm [75,640]x[640,5]": (lambda: torch.bmm(x[:, 5:], w.transpose(1, 2)), 2 * e * 75 * WAY * D),
         "bmm [75,640]x[640,75]": (lambda: torch.bmm(x[:, 5:], x[:, 5:].transpose(1, 2)), 2 * e * 75 * 75 * D),
+        "bmm [75,75]x[75,5]": (lambda: torch.bmm(knn, y), 2 * e * 75 * 75 * WAY),
         "eigh 80x80": (lambda: torch.linalg.eigh(gram), 9 * e * 80**3),
+        "softmax [75,5]": (lambda: torch.softmax(y, -1), 5 * e * 75 * WAY),
         "matmul 1024^3": (lambda: a @ b, 2 * 1024**3),
     }
     before = torch.get_num_threads()

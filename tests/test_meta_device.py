@@ -1,6 +1,6 @@
 """Every registered method runs on torch's ``meta`` device (a CUDA run without the arithmetic) and
-makes at most one host sync per 150 device operations; checking convergence seldom (as on a GPU)
-leaves every episode's result as checking it every iteration (as on the CPU).
+makes at most one host sync per 150 device operations (or one in all); checking convergence seldom
+(as on a GPU) leaves every episode's result as checking it every iteration (as on the CPU).
 
 On the meta device a tensor has a shape and no values, so every read of a value on the host
 (``.item()``, ``bool(t)``, ``.tolist()``: ``aten._local_scalar_dense``) would fail; the cost
@@ -24,6 +24,15 @@ from poodle import solvers
 from poodle.solvers import _transductive as tr
 
 OPS_PER_SYNC = 150
+
+
+def _few_syncs(trace: cm.Trace) -> bool:
+    """At most one sync per OPS_PER_SYNC operations, or one in all: every chunk is read back once
+    anyway (its accuracies), so one sync per call costs nothing more (mean-shift's 134 operations
+    hold one eigen-decomposition, whose CUDA error check, or copy to the host, is a sync)."""
+    return trace.syncs <= max(1, trace.launches // OPS_PER_SYNC)
+
+
 META_BATCH = cm.standard_batch(cm.Workload(n_neg=40), episodes=3).to("meta")
 
 # caps that keep the answered-True runs (every loop to its cap) short on the meta device
@@ -67,7 +76,7 @@ def test_every_method_runs_on_meta_with_few_syncs(name):
     E, Nq, way = META_BATCH.n_episodes, META_BATCH.query.shape[1], META_BATCH.way
     assert out.log_probs.device.type == "meta" and out.log_probs.shape == (E, Nq, way)
     assert trace.launches > 0
-    assert trace.launches >= OPS_PER_SYNC * trace.syncs, (name, trace.launches, trace.syncs)
+    assert _few_syncs(trace), (name, trace.launches, trace.syncs)
 
 
 @pytest.mark.parametrize("name", sorted(CAPPED))
@@ -75,7 +84,7 @@ def test_loops_to_their_caps_sync_once_per_150_operations(name):
     trace, out = _meta_run(name, _config(name, **CAPPED[name]), answer=True)
     assert out.log_probs.device.type == "meta"
     assert trace.syncs >= 2  # the loops did look, more than once
-    assert trace.launches >= OPS_PER_SYNC * trace.syncs, (name, trace.launches, trace.syncs)
+    assert _few_syncs(trace), (name, trace.launches, trace.syncs)
 
 
 def test_loops_look_once_per_eight_iterations_off_the_cpu():

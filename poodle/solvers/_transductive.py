@@ -235,8 +235,14 @@ def dist_flops(n: int, k: int, d: int) -> float:
 
 
 def rectified_prototypes(
-    z_s: Tensor, labels_s: Tensor, z_q: Tensor, way: int, epsilon: float, shift: bool = True
-) -> tuple[Tensor, Tensor]:
+    z_s: Tensor,
+    labels_s: Tensor,
+    z_q: Tensor,
+    way: int,
+    epsilon: float,
+    shift: bool = True,
+    q2: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """BD-CSPN's bias-diminished prototypes (Liu et al. 2020, Eqs. 5-8).
 
     Cross-class bias: queries are shifted by ``delta = mean(z_s) - mean(z_q)`` (when ``shift``).
@@ -244,16 +250,18 @@ def rectified_prototypes(
     nearest basic prototype (cosine) is that class; the rectified prototype is the average of that
     set weighted by ``softmax_i(epsilon * cos(x_i, P_k))`` over the set's members.
 
-    ``z_s [E, Ns, D]``, ``labels_s [E, Ns]``, ``z_q [E, Nq, D]`` -> ``(prototypes [E, way, D],
-    delta [E, 1, D])``. The shifted queries are never materialised: every product with them is
-    ``z_q . v + delta . v`` (the solver is memory-bound; this reads the features fewer times).
-    Every class contains its support points, so no weight is 0/0.
+    ``z_s [E, Ns, D]``, ``labels_s [E, Ns]``, ``z_q [E, Nq, D]`` (``q2``: its :func:`row_sqnorm` when
+    the caller has it) -> ``(prototypes [E, way, D], delta [E, 1, D], ||z_q + delta|| [E, Nq, 1])``.
+    The shifted queries are never materialised: every product with them is ``z_q . v + delta . v``
+    (the solver is memory-bound; this reads the features fewer times); their norms are returned for
+    the caller's :func:`shifted_cosine`. Every class contains its support points, so no weight is 0/0.
     """
     delta = (z_s.mean(1, keepdim=True) - z_q.mean(1, keepdim=True)) if shift else torch.zeros_like(z_s[:, :1])
     y_s = one_hot(labels_s, way, z_s.dtype)
     base = torch.bmm(y_s.transpose(1, 2), z_s) / y_s.sum(1).clamp_min(1.0).unsqueeze(-1)
     cos_s = cosine(z_s, base)
-    cos_q = shifted_cosine(z_q, delta, base)
+    q_norm = shifted_norm(z_q, delta, q2)
+    cos_q = shifted_cosine(z_q, delta, base, q_norm)
     member_q = one_hot(cos_q.argmax(-1), way, torch.bool)
     logits = (epsilon * torch.cat([cos_s, cos_q], 1)).masked_fill(~torch.cat([y_s.bool(), member_q], 1), float("-inf"))
     w = torch.softmax(logits, dim=1)  # over the set's members
@@ -261,13 +269,21 @@ def rectified_prototypes(
     protos = (
         torch.bmm(w_s.transpose(1, 2), z_s) + torch.bmm(w_q.transpose(1, 2), z_q) + w_q.sum(1).unsqueeze(-1) * delta
     )
-    return protos, delta
+    return protos, delta, q_norm
 
 
-def shifted_cosine(z_q: Tensor, delta: Tensor, w: Tensor) -> Tensor:
-    """``cos(z_q + delta, w)``: ``z_q [E, Nq, D]``, ``delta [E, 1, D]``, ``w [E, K, D]`` -> ``[E, Nq, K]``."""
+def shifted_norm(z_q: Tensor, delta: Tensor, q2: Tensor | None = None) -> Tensor:
+    """``||z_q + delta||`` per row, ``[E, Nq, 1]``, without making ``z_q + delta`` (``q2``:
+    :func:`row_sqnorm` of ``z_q`` when the caller has it)."""
+    q2 = row_sqnorm(z_q) if q2 is None else q2
+    return (q2 + 2 * torch.bmm(z_q, delta.transpose(1, 2)) + row_sqnorm(delta)).clamp_min(0.0).sqrt()
+
+
+def shifted_cosine(z_q: Tensor, delta: Tensor, w: Tensor, q_norm: Tensor | None = None) -> Tensor:
+    """``cos(z_q + delta, w)``: ``z_q [E, Nq, D]``, ``delta [E, 1, D]``, ``w [E, K, D]`` -> ``[E, Nq, K]``
+    (``q_norm``: :func:`shifted_norm` when the caller has it)."""
     wt = w.transpose(1, 2)
     dot = torch.bmm(z_q, wt) + torch.bmm(delta, wt)
-    sq = (row_sqnorm(z_q) + 2 * torch.bmm(z_q, delta.transpose(1, 2)) + row_sqnorm(delta)).clamp_min(0.0)
+    q_norm = shifted_norm(z_q, delta) if q_norm is None else q_norm
     w_norm = torch.linalg.vector_norm(w, dim=-1).unsqueeze(1)
-    return dot / (sq.sqrt().clamp_min(1e-12) * w_norm.clamp_min(1e-12))
+    return dot / (q_norm.clamp_min(1e-12) * w_norm.clamp_min(1e-12))

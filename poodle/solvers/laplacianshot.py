@@ -96,9 +96,10 @@ class LaplacianShotConfig:
         return bool(self.self_neighbour), bool(self.released_rectification), bool(self.shifted_unary)
 
 
-def knn_graph(z_q: Tensor, k: int) -> Tensor:
+def knn_graph(z_q: Tensor, k: int, q2: Tensor | None = None) -> Tensor:
     """``z_q [E, Nq, D]`` -> ``[E, Nq, Nq]`` 0/1 affinity: row ``q`` marks its ``k`` nearest other
-    queries (Euclidean; self excluded; ``k`` clipped to ``Nq - 1``).
+    queries (Euclidean; self excluded; ``k`` clipped to ``Nq - 1``; ``q2``: :func:`row_sqnorm` of
+    ``z_q`` when the caller has it).
 
     Squared distances from the queries' Gram matrix, ``||a||^2 + ||b||^2 - 2 a.b``: one batched
     product and no ``[E, Nq, D + 2]`` copies (``torch.cdist`` augments both sides with their norms),
@@ -108,7 +109,7 @@ def knn_graph(z_q: Tensor, k: int) -> Tensor:
     w = torch.zeros(E, n, n, dtype=z_q.dtype, device=z_q.device)
     if k <= 0:
         return w
-    q2 = row_sqnorm(z_q)
+    q2 = row_sqnorm(z_q) if q2 is None else q2
     d = torch.baddbmm(q2 + q2.transpose(1, 2), z_q, z_q.transpose(1, 2), alpha=-2.0)
     d.diagonal(dim1=1, dim2=2).fill_(float("inf"))
     idx = d.topk(k, dim=-1, largest=False).indices
@@ -191,21 +192,22 @@ def laplacianshot(batch: EpisodeBatch, cfg: LaplacianShotConfig) -> SolverOutput
     ``prototypes [E, way, D]``, ``iterations [E]``."""
     self_nb, released, shifted = cfg.resolved()
     z_s, z_q = batch.support, batch.query
+    q2 = row_sqnorm(z_q)  # for the rectification, the unary term and the kNN graph
     kept = None
     z_u = z_q
     if cfg.rectify and released:
         m, kept, z_shift = released_rectification(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon)
         z_u = z_shift if shifted else z_q
     elif cfg.rectify:
-        m, delta = rectified_prototypes(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon)
+        m, delta, _ = rectified_prototypes(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon, q2=q2)
         z_u = z_q + delta if shifted else z_q
     else:
         m = class_means(z_s, batch.support_labels, batch.way)
-    unary = sqdist(z_u, m)  # [E, Nq, way]
+    unary = sqdist(z_u, m, q2 if z_u is z_q else None)  # [E, Nq, way]
     if kept is not None:
         # a dropped class takes no query: infinite unary (its softmax weight is exactly 0)
         unary = unary.masked_fill(~kept.unsqueeze(1), float("inf"))
-    w = knn_graph(z_q, cfg.knn - 1 if self_nb else cfg.knn)
+    w = knn_graph(z_q, cfg.knn - 1 if self_nb else cfg.knn, q2)
     logits, y, iters = bound_updates(unary, w, cfg, kept is not None)
     if kept is not None:
         # As released: the prototype list shrinks, so kept class number j (in class order) answers
