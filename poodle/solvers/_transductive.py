@@ -29,7 +29,7 @@ TINY = 1e-30
 # (``bool(active.any())``): on a GPU it drains the queue the host has run ahead to fill, so off the
 # CPU a loop looks once per CHECK_EVERY iterations. On the CPU a look costs nothing and stopping at
 # once saves up to CHECK_EVERY - 1 sweeps over every episode, so there it looks every iteration
-# (measured: docs/gpu.md, "Convergence checks").
+# (measured: docs/gpu.md, "Host syncs").
 CHECK_EVERY = 8
 # A Sinkhorn sweep is about 15 operations, so its loops look once per 16 sweeps: at most one sync
 # per 150 device operations, the bound tests/test_meta_device.py holds every method to.
@@ -79,7 +79,7 @@ def should_stop(active: Tensor, it: int, every: int = CHECK_EVERY) -> bool:
 # CUDA get the same decomposition of the same matrix), the batch split over the host's cores.
 # On the CPU, LAPACK runs single-threaded per matrix: measured on [256, 80, 80] float32 (2-core
 # EPYC), 1.2 ms per matrix with one thread against 13.8 ms with two (MKL's threads fight over an
-# 80 x 80 problem); docs/gpu.md, "Decompositions".
+# 80 x 80 problem); docs/gpu.md, "Host syncs".
 BATCHED_SOLVER_MAX = 32
 HOST_MIN_PER_THREAD = 64  # matrices per host thread below which one thread does them all
 
