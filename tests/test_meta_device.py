@@ -187,3 +187,24 @@ def test_decompositions_leave_cuda_batches_above_32_to_the_host():
     assert not tr._on_host(Cuda(4096, 32, 32))  # the batched cuSOLVER routines take these
     assert not tr._on_host(Cuda(80, 80))  # one matrix: the device's own solver
     assert not tr._on_host(torch.zeros(3, 80, 80, device="meta"))
+
+
+def test_flops_of_stopping_methods_are_linear_in_their_iterations():
+    # benchmarks/solver.py --methods counts them at the measured mean iterations by interpolation
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_solver", Path(__file__).resolve().parents[1] / "benchmarks" / "solver.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name, field in bench._ITER_FIELDS.items():
+        info = solvers.get(name)
+        f = [info.flops(5, 75, 0, 640, 5, _config(name, **{field: k})) for k in (0, 1, 2, 7)]
+        assert f[2] - f[1] == pytest.approx(f[1] - f[0]) and f[3] == pytest.approx(f[0] + 7 * (f[1] - f[0]))
+        assert bench.episode_flops(name, _config(name), 2.5) == pytest.approx(f[0] + 2.5 * (f[1] - f[0]))
+    # k-means, 1 update: the support means, 2 assignment passes over the queries, 1 update over all
+    # rows, the final logits
+    km = bench.episode_flops("kmeans", _config("kmeans"), 1.0)
+    assert km == 2 * 640 * 5 * (5 + 2 * 75 + 80 + 75)
