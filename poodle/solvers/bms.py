@@ -78,10 +78,11 @@ def _refine(z: Tensor, w: Tensor, target: Tensor, epochs: int, lr: float, moment
     """The authors' ``train``: SGD on a cosine classifier ``s * <z, w_k / ||w_k||>`` with soft labels
     ``target [E, N, K]``, centres ``w [E, K, D]`` renormalised after every step; the scale ``s``
     restarts at 1 and is discarded."""
-    with torch.enable_grad():
+    # the one solver with autograd: it leaves the inference mode evaluate solves in
+    with torch.inference_mode(False), torch.enable_grad():
         w = grad_ready(w).detach().clone().requires_grad_(True)
         s = torch.ones(z.shape[0], 1, 1, dtype=z.dtype, device=z.device, requires_grad=True)
-        zz = grad_ready(z)
+        zz, target = grad_ready(z), grad_ready(target)
         opt = torch.optim.SGD([w, s], lr=lr, momentum=momentum)
         for _ in range(epochs):
             opt.zero_grad(set_to_none=True)

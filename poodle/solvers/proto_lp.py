@@ -50,7 +50,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._transductive import TINY, dist_flops, log_normalise, row_sqnorm, sqdist
+from poodle.solvers._transductive import (
+    CHECK_EVERY_SWEEPS,
+    TINY,
+    dist_flops,
+    log_normalise,
+    row_sqnorm,
+    should_stop,
+    sqdist,
+)
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
 from poodle.solvers.pt_map import power_transform, sinkhorn
 
@@ -124,10 +132,10 @@ def lp_normalise(p: Tensor, y_s: Tensor, col_mass: float, balanced: bool, tol: f
     E = p.shape[0]
     active = torch.ones(E, dtype=torch.bool, device=p.device)
     u = torch.zeros(p.shape[:2], dtype=p.dtype, device=p.device)
-    for _ in range(max_iter):
+    for it in range(max_iter):
         rows = p.sum(2)
         active = active & ((u - rows).abs().amax(1) > tol)
-        if not bool(active.any()):
+        if should_stop(active, it, CHECK_EVERY_SWEEPS):  # stopped episodes are frozen below
             break
         q = p / rows.clamp_min(TINY).unsqueeze(2)
         q = q * (col_mass / q.sum(1).clamp_min(TINY)).unsqueeze(1)

@@ -29,7 +29,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._transductive import TINY, dist_flops, log_normalise, row_sqnorm, sqdist
+from poodle.solvers._transductive import (
+    CHECK_EVERY_SWEEPS,
+    TINY,
+    dist_flops,
+    log_normalise,
+    row_sqnorm,
+    should_stop,
+    sqdist,
+)
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
 
@@ -71,11 +79,11 @@ def sinkhorn(cost: Tensor, lam: float, col_mass: float, tol: float, max_iter: in
     E = p.shape[0]
     active = torch.ones(E, dtype=torch.bool, device=p.device)
     u = torch.zeros(p.shape[:2], dtype=p.dtype, device=p.device)
-    for _ in range(max_iter):
+    for it in range(max_iter):
         rows = p.sum(2)
         moved = (u - rows).abs().amax(1) > tol
         active = active & moved
-        if not bool(active.any()):
+        if should_stop(active, it, CHECK_EVERY_SWEEPS):  # stopped episodes are frozen below
             break
         q = p / rows.clamp_min(TINY).unsqueeze(2)
         q = q * (col_mass / q.sum(1).clamp_min(TINY)).unsqueeze(1)
