@@ -110,11 +110,26 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def note(event: Any) -> None:
-    """A library :class:`poodle.events.Notice` as one line (parameter names written as flags)."""
+def note(event: Any, prefix: bool = True) -> None:
+    """A library :class:`poodle.events.Notice` as one line (parameter names written as flags),
+    after ``note:`` unless ``prefix`` is false (a step of the command's own work)."""
     ctx = click.get_current_context(silent=True)
     text = as_flags(event.message, flags_of(ctx.command if ctx else None, event.params))
-    console.print(styled("note", "yellow", f": {text}"), soft_wrap=True)
+    if prefix:
+        console.print(styled("note", "yellow", f": {text}"), soft_wrap=True)
+    else:
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
+def parse_set(item: str, form: str) -> tuple[str, str]:
+    """``--set KEY=VALUE`` -> ``(key, value)`` (key stripped, ``-`` read as ``_``); ``form`` is
+    what the command accepts, said when ``item`` has no ``=`` or no key."""
+    from poodle.errors import ConfigError
+
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected {form}")
+    return key.strip().replace("-", "_"), value.strip()
 
 
 class Bar:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
-from poodle.cli._common import console, friendly_errors, out, progress_bar, styled
+from poodle import defaults
+from poodle.cli._common import console, friendly_errors, note, out, progress_bar, styled
 
 DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100"]
 
@@ -31,6 +34,35 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
     ctx.exit(0)
 
 
+def describe(event: Any) -> str | None:
+    """The line ``poodle extract`` prints for a library event (None: the event is not shown)."""
+    from poodle.events import SplitResumed, SplitReused, SplitWritten
+    from poodle.utils import count
+
+    if isinstance(event, SplitWritten):
+        by = f" by {event.processes} processes" if event.processes > 1 else ""
+        skipped = f" ({count(event.skipped, 'unreadable image')} skipped)" if event.skipped else ""
+        images, classes = count(event.images, "image"), count(event.classes, "class")
+        return f"{event.split}: {images}, {classes} written to {event.path}{by}{skipped}"
+    if isinstance(event, SplitReused):
+        return f"{event.split}: already complete in {event.path}, skipped"
+    if isinstance(event, SplitResumed):
+        where = f" already staged in {event.files} files" if event.files > 1 else ""
+        return f"{event.split}: resuming after image {event.done} of {event.total}{where}"
+    return None
+
+
+def say_event(event: Any) -> None:
+    """Print a library event: a Notice as a note (its parameters written as flags), the others as
+    :func:`describe` says them."""
+    from poodle.events import Notice
+
+    if isinstance(event, Notice):
+        note(event)
+    elif (line := describe(event)) is not None:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--dataset",
@@ -42,7 +74,7 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
 @click.option(
     "--cub-split",
     type=click.Choice(["release", "140-30-30"]),
-    default="release",
+    default=defaults.CUB_SPLIT,
     show_default=True,
     help="cub only: the release's 100/50/50 rule, or the 140/30/30 class lists (cached as cub-140-30-30).",
 )
@@ -61,7 +93,9 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
     help="Weights to load strictly: a torch state dict (the release's .pth.tar, ours, torchvision's, "
     "timm's) or a .safetensors file; none: random weights.",
 )
-@click.option("--splits", default="train,val,test", show_default=True, help="Comma-separated splits to extract.")
+@click.option(
+    "--splits", default=",".join(defaults.SPLITS), show_default=True, help="Comma-separated splits to extract."
+)
 @click.option(
     "--image-size",
     default=None,
@@ -82,17 +116,19 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
     type=click.Choice(["bilinear", "bicubic", "nearest"]),
     help="torchvision/timm: resize interpolation [default: the model's].",
 )
-@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--batch-size", default=defaults.EXTRACT_BATCH_SIZE, show_default=True, type=click.IntRange(min=1))
 @click.option(
     "--workers",
     default=None,
     type=click.IntRange(min=0),
     help="DataLoader worker processes decoding images [default: one per core, at most 8].",
 )
-@click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda or cuda:N.")
+@click.option(
+    "--device", default=defaults.DEVICE, show_default=True, help="auto (CUDA when present), cpu, cuda or cuda:N."
+)
 @click.option(
     "--cache-root",
-    default="cache",
+    default=defaults.CACHE_ROOT,
     show_default=True,
     type=click.Path(file_okay=False),
     help="Cache files go to <cache-root>/<dataset>/<backbone>[-<tag>].h5.",
@@ -100,7 +136,7 @@ def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> 
 @click.option("--tag", default=None, help="Suffix of the cache file name, to keep several checkpoints apart.")
 @click.option(
     "--dtype",
-    default="float32",
+    default=defaults.FEATURE_DTYPE,
     show_default=True,
     type=click.Choice(["float32", "float16"]),
     help="Storage type of the features.",
@@ -175,7 +211,7 @@ def extract(
         skip_bad=skip_bad,
         cub_split=cub_split,
         progress_factory=bar,
-        log=lambda msg: console.print(msg, highlight=False, markup=False),
+        on_event=say_event,
     )
     from poodle.distributed import is_main_process
 

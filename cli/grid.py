@@ -9,23 +9,20 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import SizeType, console, friendly_errors, note, styled
+from poodle.cli._common import SizeType, console, friendly_errors, note, parse_set, styled
 
 
 def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
     """``--set episodes=200 --set shot=[1,5]``: values are read as TOML values, else as strings."""
-    from poodle.errors import ConfigError
     from poodle.grid import tomllib
 
     out: dict[str, Any] = {}
     for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE (e.g. --set episodes=200)")
+        key, text = parse_set(item, "KEY=VALUE (e.g. --set episodes=200)")
         try:
-            out[key.strip()] = tomllib.loads(f"v = {text}")["v"]
+            out[key] = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
-            out[key.strip()] = text
+            out[key] = text
     return out
 
 

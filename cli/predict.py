@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from poodle import defaults
-from poodle.cli._common import console, friendly_errors, out, progress_bar
+from poodle.cli._common import console, friendly_errors, note, out, parse_set, progress_bar
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -76,8 +78,8 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar
 @click.option("--image-size", default=None, type=click.IntRange(min=1), help="As for `poodle extract`.")
 @click.option("--crop-pct", default=None, type=click.FloatRange(0, 1, min_open=True))
 @click.option("--interpolation", default=None, type=click.Choice(["bilinear", "bicubic", "nearest"]))
-@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--workers", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--batch-size", default=defaults.EXTRACT_BATCH_SIZE, show_default=True, type=click.IntRange(min=1))
+@click.option("--workers", default=defaults.PREDICT_WORKERS, show_default=True, type=click.IntRange(min=0))
 @click.option("--device", default=defaults.DEVICE, show_default=True)
 @friendly_errors
 def predict(
@@ -104,53 +106,57 @@ def predict(
     device,
 ) -> None:
     """Label a few images per class (--support), classify the rest (--query), write a CSV."""
-    from rich import box
-    from rich.table import Table
-
     from poodle import predict as P
     from poodle.errors import ConfigError
-    from poodle.utils import count
+    from poodle.extract import ExtractOptions
 
     if (support_dir is None) == (support_csv is None):
         raise ConfigError("give exactly one of --support DIR and --support-csv FILE")
     if (query_dir is None) == (query_csv is None):
         raise ConfigError("give exactly one of --query DIR and --query-csv FILE")
-    options: dict = {}
-    for item in sets:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
-        options[key.strip().replace("-", "_")] = value.strip()
+    options = dict(parse_set(item, "KEY=VALUE") for item in sets)
     if transductive:
         options["transductive"] = True
     support = P.support_from_folder(support_dir) if support_dir else P.support_from_csv(support_csv)
     query = P.query_from_folder(query_dir) if query_dir else P.query_from_csv(query_csv)
-
-    def bar(desc: str, total: int):
-        return progress_bar(desc, total, unit="img")
-
-    res = P.predict(
-        support,
-        query,
-        backbone,
+    extraction = ExtractOptions(
         checkpoint=checkpoint,
-        method=method,
-        options=options,
-        negatives=negatives,
-        negatives_from=negatives_from,
-        n_neg=n_neg,
-        preprocess=preprocess,
-        cache_dir=cache_dir,
         image_size=image_size,
         crop_pct=crop_pct,
         interpolation=interpolation,
         batch_size=batch_size,
         device=device,
         workers=workers,
-        progress_factory=bar,
-        log=lambda msg: console.print(msg, highlight=False, markup=False),
+    )
+    settings = P.PredictOptions(method, options, negatives, negatives_from, n_neg, preprocess, cache_dir, extraction)
+    res = P.predict(
+        support,
+        query,
+        backbone,
+        settings,
+        on_event=_say,
+        progress_factory=lambda desc, total: progress_bar(desc, total, unit="img"),
     )
     P.write_csv(res, out_path)
+    _print_result(res)
+    if res.cache:
+        console.print(f"features kept in {res.cache} for the next call", highlight=False, soft_wrap=True)
+    else:
+        console.print("features not kept (--cache-dir DIR keeps them for the next call)", highlight=False)
+    console.print(f"predictions written to {out_path}", highlight=False, soft_wrap=True)
+
+
+def _say(event: Any) -> None:
+    # predict reports only Notices: its own steps ("features") plainly, the rest as notes
+    note(event, prefix=event.code != "features")
+
+
+def _print_result(res: Any) -> None:
+    """The per-class table and, with labelled queries, the accuracy with its Wilson interval."""
+    from rich import box
+    from rich.table import Table
+
+    from poodle.utils import count
 
     table = Table(
         box=box.SIMPLE_HEAD,
@@ -174,8 +180,3 @@ def predict(
             f"{count(len(res.paths), 'query', 'queries')})",
             highlight=False,
         )
-    if res.cache:
-        console.print(f"features kept in {res.cache} for the next call", highlight=False, soft_wrap=True)
-    else:
-        console.print("features not kept (--cache-dir DIR keeps them for the next call)", highlight=False)
-    console.print(f"predictions written to {out_path}", highlight=False, soft_wrap=True)

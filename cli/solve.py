@@ -11,7 +11,7 @@ import click
 from click.core import ParameterSource
 
 from poodle import defaults
-from poodle.cli._common import SizeType, console, friendly_errors, note, out, progress_bar
+from poodle.cli._common import SizeType, console, friendly_errors, note, out, parse_set, progress_bar
 
 # CLI option -> (library config field, the one method it is for; None: every chosen method with that field).
 # A field name that methods use with different meanings (solvers.homonyms: ``alpha`` is POODLE's pull
@@ -65,19 +65,15 @@ def solver_options(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
                 v = not v
             given.append((field, _flag(opt), v, only))
     for item in sets:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE or METHOD.KEY=VALUE")
+        key, value = parse_set(item, "KEY=VALUE or METHOD.KEY=VALUE")
         method: str | None = None
         if "." in key:
             method, _, key = key.rpartition(".")
             try:
-                method = solvers.get(method.strip()).name
+                method = solvers.get(method.strip().replace("_", "-")).name
             except ConfigError as e:
                 raise ConfigError(f"--set {item!r}: {e}") from None
-        key = key.strip().replace("-", "_")
-        given.append((key, f"--set {item.partition('=')[0].strip()}", value.strip(), method))
+        given.append((key.strip(), f"--set {item.partition('=')[0].strip()}", value, method))
     infos = {m: solvers.get(m) for m in methods}
 
     def accepts(m: str, field: str) -> bool:

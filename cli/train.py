@@ -86,66 +86,107 @@ class TrainDisplay:
             self.task = None
 
 
+def _default(name: str) -> Any:
+    """The default of TrainConfig's field ``name``: the recipe's defaults live in one place."""
+    import dataclasses
+
+    from poodle.train.config import TrainConfig
+
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}[name]
+
+
 @click.command()
 @click.option(
     "--dataset", required=True, help="glyphs, mini, tiered, cub, cifar-fs, fc100 (with --image-size 32), csv or folder."
 )
 @click.option("--data-root", type=click.Path(file_okay=False), default=None, help="Dataset root folder.")
 @click.option("--backbone", required=True, help="Backbone name (see `poodle extract --help`).")
-@click.option("--recipe", type=click.Choice(["simple", "rot", "rot-kd"]), default="simple", show_default=True)
-@click.option("--epochs", type=int, default=100, show_default=True)
+@click.option("--recipe", type=click.Choice(["simple", "rot", "rot-kd"]), default=_default("recipe"), show_default=True)
+@click.option("--epochs", type=int, default=_default("epochs"), show_default=True)
 @click.option(
-    "--batch-size", type=int, default=64, show_default=True, help="Global batch (split over torchrun processes)."
+    "--batch-size",
+    type=int,
+    default=_default("batch_size"),
+    show_default=True,
+    help="Global batch (split over torchrun processes).",
 )
-@click.option("--lr", type=float, default=0.05, show_default=True)
-@click.option("--momentum", type=float, default=0.9, show_default=True)
-@click.option("--weight-decay", type=float, default=5e-4, show_default=True)
+@click.option("--lr", type=float, default=_default("lr"), show_default=True)
+@click.option("--momentum", type=float, default=_default("momentum"), show_default=True)
+@click.option("--weight-decay", type=float, default=_default("weight_decay"), show_default=True)
 @click.option(
     "--milestones",
     callback=_milestones,
     default=None,
     help="Epochs where lr is multiplied by --gamma, e.g. 60,80 [default: 60%,80% of --epochs; tiered 60/80/90%].",
 )
-@click.option("--gamma", type=float, default=0.1, show_default=True)
-@click.option("--label-smoothing", type=float, default=0.1, show_default=True)
-@click.option("--rot-weight", type=float, default=1.0, show_default=True, help="lambda of the rotation loss.")
-@click.option("--generations", type=int, default=2, show_default=True, help="Born-again students (rot-kd).")
-@click.option("--temperature", type=float, default=4.0, show_default=True, help="Distillation temperature (rot-kd).")
+@click.option("--gamma", type=float, default=_default("gamma"), show_default=True)
+@click.option("--label-smoothing", type=float, default=_default("label_smoothing"), show_default=True)
+@click.option(
+    "--rot-weight", type=float, default=_default("rot_weight"), show_default=True, help="lambda of the rotation loss."
+)
+@click.option(
+    "--generations", type=int, default=_default("generations"), show_default=True, help="Born-again students (rot-kd)."
+)
+@click.option(
+    "--temperature",
+    type=float,
+    default=_default("temperature"),
+    show_default=True,
+    help="Distillation temperature (rot-kd).",
+)
 @click.option(
     "--teacher",
     type=click.Choice(["last", "best"]),
-    default="last",
+    default=_default("teacher"),
     show_default=True,
     help="Checkpoint of the previous generation that teaches (paper: last; release: best).",
 )
-@click.option("--sup-weight", type=float, default=1.0, show_default=True, help="Supervised loss weight (release: 0.5).")
 @click.option(
-    "--kd-weight", type=float, default=1.0, show_default=True, help="Distillation loss weight (release: 0.5)."
+    "--sup-weight",
+    type=float,
+    default=_default("sup_weight"),
+    show_default=True,
+    help="Supervised loss weight (release: 0.5).",
 )
-@click.option("--image-size", type=int, default=84, show_default=True)
+@click.option(
+    "--kd-weight",
+    type=float,
+    default=_default("kd_weight"),
+    show_default=True,
+    help="Distillation loss weight (release: 0.5).",
+)
+@click.option("--image-size", type=int, default=_default("image_size"), show_default=True)
 @click.option(
     "--augment",
     type=click.Choice(["paper", "crop", "none"]),
-    default="paper",
+    default=_default("augment"),
     show_default=True,
     help="paper: random resized crop + jitter + flip; crop: mild crop only (glyphs); none.",
 )
-@click.option("--val-every", type=int, default=4, show_default=True, help="Meta-validate every N epochs (0: never).")
-@click.option("--val-episodes", type=int, default=500, show_default=True)
-@click.option("--val-way", type=int, default=5, show_default=True)
-@click.option("--val-shot", type=int, default=1, show_default=True)
-@click.option("--val-query", type=int, default=15, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--val-every",
+    type=int,
+    default=_default("val_every"),
+    show_default=True,
+    help="Meta-validate every N epochs (0: never).",
+)
+@click.option("--val-episodes", type=int, default=_default("val_episodes"), show_default=True)
+@click.option("--val-way", type=int, default=_default("val_way"), show_default=True)
+@click.option("--val-shot", type=int, default=_default("val_shot"), show_default=True)
+@click.option("--val-query", type=int, default=_default("val_query"), show_default=True)
+@click.option("--seed", type=int, default=_default("seed"), show_default=True)
 @click.option(
     "--channels-last/--no-channels-last",
-    default=False,
+    default=_default("channels_last"),
     show_default=True,
     help="Convolutions on NHWC tensors: 1.2-1.6x faster steps on a CPU; the weights differ by rounding.",
 )
-@click.option("--workers", type=int, default=4, show_default=True, help="DataLoader worker processes.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option(
+    "--workers", type=int, default=_default("workers"), show_default=True, help="DataLoader worker processes."
+)
+@click.option("--device", default=_default("device"), show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--amp/--no-amp", default=None, help="Mixed precision [default: on for CUDA, off on CPU].")
-@click.option("--cache-root", type=click.Path(file_okay=False), default="cache", show_default=True)
+@click.option("--cache-root", type=click.Path(file_okay=False), default=_default("cache_root"), show_default=True)
 @click.option(
     "--out",
     type=click.Path(file_okay=False),

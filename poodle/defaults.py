@@ -23,6 +23,14 @@ PREPROCESS = "l2n"  # feature preprocessing (poodle.preprocess): the cached L2-n
 DEVICE = "auto"
 CACHE_ROOT = "cache"  # where extract, train and demo keep what they make, by dataset
 MAX_MEMORY = "2GiB"
+# Feature extraction (poodle extract): the splits written, images per forward pass, storage type,
+# and CUB's class split (the release's rule; see poodle.data.sources).
+SPLITS: tuple[str, ...] = ("train", "val", "test")
+EXTRACT_BATCH_SIZE = 64
+FEATURE_DTYPE = "float32"
+CUB_SPLIT = "release"
+# poodle predict decodes its few images in-process: worker start-up costs more than it saves.
+PREDICT_WORKERS = 0
 # Cells on the same episodes and negatives solved by one call of evaluate (poodle grid).
 CELLS_PER_CALL = 4
 

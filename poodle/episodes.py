@@ -469,53 +469,84 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
     except OSError as e:
         raise EpisodeError(f"{path}: not an HDF5 file ({e})") from None
     with f:
-        a = f.attrs
-        missing = [k for k in ("split", "way", "shot", "query", "seed") if k not in a]
+        missing = [k for k in ("split", "way", "shot", "query", "seed") if k not in f.attrs]
         missing += [k for k in ("support", "query", "support_labels", "query_labels") if k not in f]
         if missing:
             raise EpisodeError(f"{path}: not an episodes file (missing {', '.join(missing)})")
+        spec = _read_spec(path, f.attrs)
+        arrays = _read_index_arrays(path, f)
+        source = _text(f.attrs.get("negative_source", ""))
+    _check_shapes(path, spec, arrays)
+    eps = EpisodeSet(
+        arrays["support"],
+        arrays["query"],
+        arrays["support_labels"],
+        arrays["query_labels"],
+        arrays.get("negatives"),
+        spec,
+        source,
+        arrays.get("index"),
+        arrays.get("class_ids"),
+    )
+    if labels is not None:
+        eps.check_against(torch.as_tensor(labels), where=str(path), pool_size=pool_size)
+    return eps
 
-        def txt(v: object) -> str:
-            return v.decode() if isinstance(v, bytes) else str(v)
 
-        def num(key: str, default: object = None, what: str = "a number") -> float:
-            v = a.get(key, default)
-            v = v.item() if isinstance(v, np.generic) else v
-            if isinstance(v, np.ndarray) and v.size == 1:
-                v = v.reshape(()).item()
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise EpisodeError(f"{path}: attribute {key!r} must be {what}, got {txt(v)!r}")
-            return float(v) if isinstance(v, float) else v
+def _text(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
-        def integer(key: str) -> int:
-            v = num(key, what="an integer")
-            if not float(v).is_integer():
-                raise EpisodeError(f"{path}: attribute {key!r} must be an integer, got {v!r}")
-            return int(v)
 
-        kappa = float(num("imbalance", 0.0))
-        n_qc = integer("query_classes") if "query_classes" in a else 0  # 0: every class has queries
-        spec = EpisodeSpec(
-            split=txt(a["split"]),
-            way=integer("way"),
-            shot=integer("shot"),
-            query=integer("query"),
-            imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa,
-            seed=integer("seed"),
-            query_classes=None if n_qc == 0 else n_qc,
-        )
-        try:
-            spec.validate()
-        except EpisodeError as e:
-            raise EpisodeError(f"{path}: {e}") from None
-        arrays = {}
-        for name in ("support", "query", "support_labels", "query_labels", "negatives", "index", "class_ids"):
-            if name in f:
-                arr = np.asarray(f[name][()])
-                if arr.dtype.kind not in "iu":
-                    raise EpisodeError(f"{path}: /{name} must hold integers, got {arr.dtype}")
-                arrays[name] = torch.from_numpy(arr.astype(np.int64))
-        source = txt(a.get("negative_source", ""))
+def _read_spec(path: Path, a: Any) -> EpisodeSpec:
+    """The episode setting in the attributes ``a`` of an episode file, validated."""
+
+    def num(key: str, default: object = None, what: str = "a number") -> float:
+        v = a.get(key, default)
+        v = v.item() if isinstance(v, np.generic) else v
+        if isinstance(v, np.ndarray) and v.size == 1:
+            v = v.reshape(()).item()
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise EpisodeError(f"{path}: attribute {key!r} must be {what}, got {_text(v)!r}")
+        return float(v) if isinstance(v, float) else v
+
+    def integer(key: str) -> int:
+        v = num(key, what="an integer")
+        if not float(v).is_integer():
+            raise EpisodeError(f"{path}: attribute {key!r} must be an integer, got {v!r}")
+        return int(v)
+
+    kappa = float(num("imbalance", 0.0))
+    n_qc = integer("query_classes") if "query_classes" in a else 0  # 0: every class has queries
+    spec = EpisodeSpec(
+        split=_text(a["split"]),
+        way=integer("way"),
+        shot=integer("shot"),
+        query=integer("query"),
+        imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa,
+        seed=integer("seed"),
+        query_classes=None if n_qc == 0 else n_qc,
+    )
+    try:
+        spec.validate()
+    except EpisodeError as e:
+        raise EpisodeError(f"{path}: {e}") from None
+    return spec
+
+
+def _read_index_arrays(path: Path, f: h5py.File) -> dict[str, Tensor]:
+    """The integer datasets of an episode file, as int64 tensors by name."""
+    arrays = {}
+    for name in ("support", "query", "support_labels", "query_labels", "negatives", "index", "class_ids"):
+        if name in f:
+            arr = np.asarray(f[name][()])
+            if arr.dtype.kind not in "iu":
+                raise EpisodeError(f"{path}: /{name} must hold integers, got {arr.dtype}")
+            arrays[name] = torch.from_numpy(arr.astype(np.int64))
+    return arrays
+
+
+def _check_shapes(path: Path, spec: EpisodeSpec, arrays: dict[str, Tensor]) -> None:
+    """Every array of an episode file has the shape ``spec`` implies; labels lie in ``0..way-1``."""
     E = arrays["support"].shape[0]
     if E == 0:
         raise EpisodeError(f"{path}: holds no episodes (/support has shape {tuple(arrays['support'].shape)})")
@@ -539,20 +570,6 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
         t = arrays[name]
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= spec.way):
             raise EpisodeError(f"{path}: /{name} must lie in 0..{spec.way - 1}")
-    eps = EpisodeSet(
-        arrays["support"],
-        arrays["query"],
-        arrays["support_labels"],
-        arrays["query_labels"],
-        arrays.get("negatives"),
-        spec,
-        source,
-        arrays.get("index"),
-        arrays.get("class_ids"),
-    )
-    if labels is not None:
-        eps.check_against(torch.as_tensor(labels), where=str(path), pool_size=pool_size)
-    return eps
 
 
 __all__ = [

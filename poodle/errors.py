@@ -12,7 +12,9 @@ class PoodleError(Exception):
     ``params`` names the library parameters the message speaks of (``n_neg``), so that a front end
     can say them its own way (the command line writes ``--n-neg``). An error about one value
     (:meth:`bad_value`) also carries the parameter, the value and the reason as fields, for a front
-    end that places them itself (a grid file says ``option 'shot'`` at its line)."""
+    end that places them itself (a grid file says ``option 'shot'`` at its line). ``hint`` is what
+    another parameter would change (``skip_bad leaves unreadable images out``), printed after the
+    message in parentheses; a caller that has no such parameter drops it by raising ``message``."""
 
     def __init__(
         self,
@@ -21,10 +23,19 @@ class PoodleError(Exception):
         param: str | None = None,
         value: object = None,
         reason: str | None = None,
+        hint: str | None = None,
     ) -> None:
         super().__init__(*args)
         self.params = tuple(params)
-        self.param, self.value, self.reason = param, value, reason
+        self.param, self.value, self.reason, self.hint = param, value, reason, hint
+
+    @property
+    def message(self) -> str:
+        """The message without the hint."""
+        return super().__str__()
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.hint})" if self.hint else self.message
 
     @classmethod
     def bad_value(cls: type[E], param: str, value: object, reason: str) -> E:

@@ -1,6 +1,7 @@
 """What the library tells its caller while it works, as typed events rather than text.
 
-Long-running functions (:func:`poodle.pipeline.run_cells` and the commands built on it) take one
+Long-running functions (:func:`poodle.pipeline.run_cells` and the commands built on it,
+:func:`poodle.extract.extract`) take one
 callback, ``on_event(event)``, and call it with these; the command line turns them into progress bars
 and lines. No component parses another's messages: whatever a caller may need to act on is a field.
 """
@@ -8,6 +9,7 @@ and lines. No component parses another's messages: whatever a caller may need to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -58,7 +60,39 @@ class Notice:
     params: tuple[str, ...] = field(default=())
 
 
-Event = Ready | CellsStarted | CellFinished | EpisodesSolved | Notice
+@dataclass(frozen=True)
+class SplitWritten:
+    """Split ``split`` is complete in the feature cache ``path``: ``images`` rows of ``classes``
+    classes, ``skipped`` unreadable images left out, written by ``processes`` processes."""
+
+    split: str
+    path: Path
+    images: int
+    classes: int
+    skipped: int = 0
+    processes: int = 1
+
+
+@dataclass(frozen=True)
+class SplitReused:
+    """Split ``split`` was already complete in ``path``, made from the same images: not recomputed."""
+
+    split: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class SplitResumed:
+    """Split ``split`` resumes an interrupted run: ``done`` of ``total`` images were already
+    written (in ``files`` staging files)."""
+
+    split: str
+    done: int
+    total: int
+    files: int = 1
+
+
+Event = Ready | CellsStarted | CellFinished | EpisodesSolved | Notice | SplitWritten | SplitReused | SplitResumed
 OnEvent = Callable[[Event], None]
 
 
@@ -66,4 +100,16 @@ def ignore(event: Event) -> None:
     """The callback of a caller that listens to nothing."""
 
 
-__all__ = ["CellFinished", "CellsStarted", "EpisodesSolved", "Event", "Notice", "OnEvent", "Ready", "ignore"]
+__all__ = [
+    "CellFinished",
+    "CellsStarted",
+    "EpisodesSolved",
+    "Event",
+    "Notice",
+    "OnEvent",
+    "Ready",
+    "SplitResumed",
+    "SplitReused",
+    "SplitWritten",
+    "ignore",
+]

@@ -12,7 +12,9 @@ checkpoint file and an existing cache's provenance, and only then the model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Sequence, cast
 
@@ -21,8 +23,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from poodle import backbones, distributed
+from poodle import backbones, defaults, distributed
 from poodle import cache_shares as cs
+from poodle.backbones.checkpoint import checkpoint_digest
 from poodle.cache import (
     FEATURE_DTYPES,
     SplitWriter,
@@ -34,8 +37,9 @@ from poodle.cache import (
 )
 from poodle.data import ImageDataset, PixelCache, resolve_dataset
 from poodle.data.transforms import eval_transform, native_eval_transform
-from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
-from poodle.utils import check_writable_dir, count, file_sha256
+from poodle.errors import CacheError, ConfigError, DataError
+from poodle.events import Notice, OnEvent, SplitResumed, SplitReused, SplitWritten, ignore
+from poodle.utils import check_writable_dir
 
 ProgressFactory = Callable[[str, int], ContextManager[Callable[[int], None]]]
 
@@ -65,7 +69,7 @@ def _parse_splits(splits: Sequence[str] | str) -> list[str]:
         if s not in out:
             out.append(s)
     if not out:
-        raise ConfigError("no splits given (e.g. --splits train,val,test)")
+        raise ConfigError.bad_value("splits", splits, "names no split (e.g. train,val,test)")
     return out
 
 
@@ -94,55 +98,115 @@ def _exact_math(device: torch.device) -> Iterator[None]:
         yield
 
 
-def extract(
-    dataset: str,
-    backbone: str,
-    *,
-    data_root: str | os.PathLike | None = None,
-    checkpoint: str | os.PathLike | None = None,
-    splits: Sequence[str] | str = ("train", "val", "test"),
-    image_size: int | None = None,
-    batch_size: int = 64,
-    device: str | torch.device = "auto",
-    cache_root: str | os.PathLike = "cache",
-    tag: str | None = None,
-    dtype: str = "float32",
-    workers: int | None = None,
-    force: bool = False,
-    skip_bad: bool = False,
-    progress_factory: ProgressFactory | None = None,
-    log: Callable[[str], None] | None = None,
-    cub_split: str = "release",
-    crop_pct: float | None = None,
-    interpolation: str | None = None,
-    source: Any = None,
-    pixel_cache: PixelCache | None = None,
-) -> Path:
-    """Extract L2-normalised features of ``splits`` of ``dataset`` with ``backbone`` into the cache.
+@dataclass(frozen=True)
+class ExtractOptions:
+    """How :func:`extract` reads, computes and stores features (every field has a default).
 
-    Args:
-        dataset: csv, folder, mini, tiered, cub or glyphs (see :mod:`poodle.data.sources`).
-        backbone: a name from :func:`poodle.backbones.available`, or ``torchvision:NAME`` /
-            ``timm:NAME`` (any model of those libraries; see :mod:`poodle.backbones.external`).
+    Attributes:
+        data_root: folder of the dataset (``None`` for the embedded ``glyphs``).
         checkpoint: weights to load (strictly); without one the backbone keeps its random
             initialisation, drawn from seed 0, and the cache records ``checkpoint_sha256="none"``.
+        splits: the splits to extract (a sequence, or one comma-separated string).
         image_size: side of the centre crop fed to the backbone (the paper: 84). None: 84, or the
             images' own side for datasets of one size (32 for cifar-fs and fc100), which are then fed
-            as they are, without resizing or cropping.
+            as they are, without resizing or cropping; a torchvision/timm model's own input size.
+        batch_size: images per forward pass.
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        cache_root: the cache is ``<cache_root>/<dataset>/<backbone>[-<tag>].h5`` (:func:`cache_path`).
+        tag: distinguishes caches of one backbone made otherwise (another checkpoint, image size).
         dtype: float32 or float16, the storage type of the features.
         workers: DataLoader worker processes (None: :func:`default_workers`; 0 decodes in-process).
         force: recompute complete splits, and replace a cache made by another backbone, checkpoint,
             image size or transform, or a file that is not a cache, instead of refusing.
         skip_bad: leave out images that do not decode (recorded in the split's ``skipped`` attribute)
             instead of stopping with a DataError.
-        progress_factory: ``(description, total) -> context manager yielding advance(n)``, entered
-            once per split extracted.
-        log: receives one line per notable event (split skipped, resumed, written).
         cub_split: ``release`` (100/50/50) or ``140-30-30`` for ``dataset="cub"``; the latter is
             cached as dataset ``cub-140-30-30``.
         crop_pct, interpolation: override the crop fraction (crop / resize) and the resize
-            interpolation of a torchvision/timm model's evaluation transform (whose input size is the
-            default ``image_size`` then).
+            interpolation of a torchvision/timm model's evaluation transform.
+    """
+
+    data_root: str | os.PathLike | None = None
+    checkpoint: str | os.PathLike | None = None
+    splits: Sequence[str] | str = defaults.SPLITS
+    image_size: int | None = None
+    batch_size: int = defaults.EXTRACT_BATCH_SIZE
+    device: str | torch.device = defaults.DEVICE
+    cache_root: str | os.PathLike = defaults.CACHE_ROOT
+    tag: str | None = None
+    dtype: str = defaults.FEATURE_DTYPE
+    workers: int | None = None
+    force: bool = False
+    skip_bad: bool = False
+    cub_split: str = defaults.CUB_SPLIT
+    crop_pct: float | None = None
+    interpolation: str | None = None
+
+    def check(self, dataset: str) -> None:
+        """ConfigError for a value no dataset or backbone could take."""
+        if self.dtype not in FEATURE_DTYPES:
+            raise ConfigError.bad_value("dtype", self.dtype, f"must be one of {', '.join(FEATURE_DTYPES)}")
+        if self.image_size is not None and self.image_size < 1:
+            raise ConfigError.bad_value("image_size", self.image_size, "must be positive")
+        if self.batch_size < 1:
+            raise ConfigError.bad_value("batch_size", self.batch_size, "must be positive")
+        if self.workers is not None and self.workers < 0:
+            raise ConfigError.bad_value("workers", self.workers, "must be >= 0")
+        if self.cub_split != defaults.CUB_SPLIT and dataset != "cub":
+            raise ConfigError(
+                f"cub_split {self.cub_split} is an option of dataset cub, not {dataset}",
+                params=("cub_split", "dataset"),
+            )
+
+
+@dataclass
+class _Model:
+    """The backbone to run, before it is built: its name, how to build it, its transform (for
+    external models) and the smallest input side it takes."""
+
+    name: str
+    build: Callable[[], backbones.Backbone]
+    transform: Any
+    image_size: int | None
+    min_size: int
+
+
+@dataclass
+class _Plan:
+    """What one extraction writes: where, from which images, under which provenance, and which
+    splits are left to do (``fresh``: the cache file is replaced, not added to)."""
+
+    source: Any
+    out: Path
+    samples: dict[str, list[tuple[str, str]]]
+    root_attrs: dict[str, Any]
+    todo: list[str]
+    fresh: bool
+
+
+def extract(
+    dataset: str,
+    backbone: str,
+    options: ExtractOptions | None = None,
+    *,
+    on_event: OnEvent = ignore,
+    progress_factory: ProgressFactory | None = None,
+    source: Any = None,
+    pixel_cache: PixelCache | None = None,
+    **settings: Any,
+) -> Path:
+    """Extract L2-normalised features of the splits of ``dataset`` with ``backbone`` into the cache.
+
+    Args:
+        dataset: csv, folder, mini, tiered, cub or glyphs (see :mod:`poodle.data.sources`).
+        backbone: a name from :func:`poodle.backbones.available`, or ``torchvision:NAME`` /
+            ``timm:NAME`` (any model of those libraries; see :mod:`poodle.backbones.external`).
+        options: an :class:`ExtractOptions`; ``settings`` override its fields by name
+            (``extract("glyphs", "conv4_64", image_size=28)``).
+        on_event: receives :class:`poodle.events.SplitWritten`, ``SplitReused``, ``SplitResumed``
+            and ``Notice`` events (on rank 0 under torchrun).
+        progress_factory: ``(description, total) -> context manager yielding advance(n)``, entered
+            once per split extracted.
         source: a :class:`poodle.data.DatasetSource` to read instead of resolving ``dataset``
             (``dataset`` then only names the cache; ``poodle predict`` passes its image lists).
         pixel_cache: a :class:`poodle.data.PixelCache` holding decoded images of these files (e.g.
@@ -150,184 +214,258 @@ def extract(
             takes the images decoded here, within its budget. None: every image is decoded.
 
     Under torchrun (``WORLD_SIZE`` > 1) every process calls this function; each extracts a share of
-    every split and rank 0 merges them (:mod:`poodle.cache_shares`), logs and reports progress.
+    every split and rank 0 merges them (:mod:`poodle.cache_shares`), reports and writes the cache.
 
     Returns:
         The cache path. Every requested split is complete in it.
     """
+    opts = dataclasses.replace(options or ExtractOptions(), **settings)
     # Under torchrun every rank runs this function: the checks on every rank (they agree), the
     # writing of the final cache on rank 0 only, which alone reports (see poodle.distributed).
-    d = distributed.init(device)
-    say = (log or (lambda msg: None)) if d.main else (lambda msg: None)
+    d = distributed.init(opts.device)
+    tell = on_event if d.main else ignore
     progress_factory = (progress_factory or _no_progress) if d.main else _no_progress
-    dev = d.device
     with d.guard():
-        # -- options and names (cheap)
-        if dtype not in FEATURE_DTYPES:
-            raise ConfigError(f"--dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
-        if (image_size is not None and image_size < 1) or batch_size < 1:
-            raise ConfigError(f"image size and batch size must be positive, got {image_size} and {batch_size}")
-        workers = default_workers() if workers is None else int(workers)
-        if workers < 0:
-            raise ConfigError(f"--workers must be >= 0, got {workers}")
-        split_list = _parse_splits(splits)
-        if cub_split != "release" and dataset != "cub":
-            raise ConfigError(f"--cub-split {cub_split} is an option of --dataset cub, not {dataset}")
-        external = backbones.is_external(backbone)
-        ext_tf = None
-        if external:
-            # torchvision:/timm: models: the model's own evaluation transform (options override it)
-            ts = backbones.eval_transform_spec(
-                backbone, image_size=image_size, crop_pct=crop_pct, interpolation=interpolation
-            )
-            ext_tf, image_size = ts.build(), ts.crop
-            min_size = 1
-            build: Callable[[], backbones.Backbone] = lambda: backbones.build_external(  # noqa: E731
-                backbone, image_size=ts.crop
-            )
+        opts.check(dataset)
+        model_spec = _model_spec(backbone, opts)
+    plan = _plan(d, dataset, model_spec, opts, source, tell)
+    if not plan.todo:
+        return plan.out
+    with d.guard():
+        model = _load_model(model_spec, opts.checkpoint, d.device)
+    workers = default_workers() if opts.workers is None else int(opts.workers)
+    run = _Run(d, model, opts, workers, progress_factory, tell)
+    for split in plan.todo:
+        ds = ImageDataset(plan.source, split, model_spec.transform, on_error="sentinel", uint8=True, cache=pixel_cache)
+        if d.enabled or cs.share_files(plan.out, split):
+            run.shared(ds, plan, split)
         else:
-            spec = backbones.get_spec(backbone)
-            backbone = spec.name
-            min_size = spec.min_input_size
-            if crop_pct is not None or interpolation is not None:
-                raise ConfigError(
-                    f"--crop-pct and --interpolation apply to torchvision:/timm: backbones; {backbone} "
-                    f"uses the release's transform (resize to size*256/224, bilinear)"
-                )
-            if image_size is not None and image_size < min_size:
-                raise ConfigError(f"backbone {backbone} needs --image-size >= {min_size}, got {image_size}")
-            build = lambda: backbones.build(backbone)  # noqa: E731
-        stem = backbones.external.file_stem(backbone)
-        out = cache_path(cache_root, dataset, stem, tag)
-        given_source = source
-        # -- data: split files, rows, images exist, no empty class (rank 0 first: glyphs may be generated)
-        if d.main:
-            source = given_source or resolve_dataset(dataset, data_root, Path(cache_root), cub_split=cub_split)
+            run.alone(ds, plan, split)
+        plan.fresh = False
+    return plan.out
+
+
+def _model_spec(backbone: str, opts: ExtractOptions) -> _Model:
+    """The backbone's name, builder and transform; the image-size rules of its kind."""
+    if backbones.is_external(backbone):
+        # torchvision:/timm: models: the model's own evaluation transform (options override it)
+        ts = backbones.eval_transform_spec(
+            backbone, image_size=opts.image_size, crop_pct=opts.crop_pct, interpolation=opts.interpolation
+        )
+        return _Model(backbone, lambda: backbones.build_external(backbone, image_size=ts.crop), ts.build(), ts.crop, 1)
+    spec = backbones.get_spec(backbone)
+    if opts.crop_pct is not None or opts.interpolation is not None:
+        raise ConfigError(
+            f"crop_pct and interpolation apply to torchvision:/timm: backbones; {spec.name} uses the "
+            "release's transform (resize to size*256/224, bilinear)",
+            params=("crop_pct", "interpolation"),
+        )
+    if opts.image_size is not None and opts.image_size < spec.min_input_size:
+        raise ConfigError.bad_value("image_size", opts.image_size, f"must be >= {spec.min_input_size} for {spec.name}")
+    return _Model(spec.name, lambda: backbones.build(spec.name), None, opts.image_size, spec.min_input_size)
+
+
+def _plan(d: Any, dataset: str, model: _Model, opts: ExtractOptions, given_source: Any, tell: OnEvent) -> _Plan:
+    """The data (split files, rows, images exist, no empty class), the output place, the checkpoint's
+    digest and what an existing cache already holds: every check that needs no model."""
+    stem = backbones.external.file_stem(model.name)
+    # rank 0 first: the glyphs may be generated
+    source = given_source
     with d.guard():
-        if not d.main:
-            source = given_source or resolve_dataset(dataset, data_root, Path(cache_root), cub_split=cub_split)
+        if d.main and source is None:
+            source = resolve_dataset(dataset, opts.data_root, Path(opts.cache_root), cub_split=opts.cub_split)
+    with d.guard():
+        if source is None:
+            source = resolve_dataset(dataset, opts.data_root, Path(opts.cache_root), cub_split=opts.cub_split)
         if given_source is None:
             dataset = source.name  # e.g. cub-140-30-30: another split is another dataset in the cache
-        out = cache_path(cache_root, dataset, stem, tag)
-        # -- the output place, before any work: a directory in the way, or a place we cannot write,
+        out = cache_path(opts.cache_root, dataset, stem, opts.tag)
+        # the output place, before any work: a directory in the way, or a place we cannot write,
         # would otherwise surface only when the first split is committed
         if out.is_dir():
-            raise CacheError(f"cache path {out} is a directory; remove it or choose another --cache-root/--tag")
-        check_writable_dir(out, "cache")
-        native = getattr(source, "native_size", None)
-        if image_size is None:
-            image_size = native or 84
-            if image_size < min_size:
-                raise ConfigError(
-                    f"backbone {backbone} needs --image-size >= {min_size}; {dataset}'s images are {image_size} px"
-                )
+            raise CacheError(
+                f"cache path {out} is a directory", params=("cache_root", "tag"), hint="remove it or choose another tag"
+            )
+        check_writable_dir(out, "cache", param="cache_root")
+        image_size = _image_size(model, source, dataset)
+        split_list = _parse_splits(opts.splits)
         samples = {s: source.samples(s) for s in split_list}
-        # -- checkpoint file
-        sha = "none"
-        if checkpoint is not None:
-            ck = Path(checkpoint).expanduser()
-            if not ck.is_file():
-                raise CheckpointError(f"checkpoint {ck} does not exist")
-            sha = file_sha256(ck)
-        if ext_tf is not None:
-            tf = ext_tf
-        else:
-            tf = native_eval_transform(image_size) if image_size == native else eval_transform(image_size)
         root_attrs = make_root_attrs(
             dataset,
-            backbone,
-            checkpoint_sha256=sha,
+            model.name,
+            checkpoint_sha256=checkpoint_digest(opts.checkpoint),
             image_size=image_size,
-            transform=cast(Any, tf).description,
+            transform=cast(Any, model.transform).description,
             data_root=str(Path(source.root).resolve()),
         )
-        # -- the existing cache: refuse what would mix features of different provenance
-        fresh, done = False, set()
-        if out.exists():
-            try:
-                attrs = read_attrs(out)
-            except CacheError as e:
-                if not force:
-                    raise CacheError(
-                        f"{e}; pass --force to overwrite it, or --tag NAME to write another file"
-                    ) from None
-                fresh = True
-                say(f"{out} is not a poodle cache: replacing it (--force)")
-            else:
-                mism = identity_mismatches(attrs, root_attrs)
-                if mism and not force:
-                    raise CacheError(
-                        f"{out} holds features made with {'; '.join(mism)}; pass --force to replace "
-                        f"it, or --tag NAME to write another file"
-                    )
-                if mism:
-                    fresh = True
-                    say(f"{out} was made with other settings: replacing it (--force)")
-                else:
-                    done = _complete_splits(out, split_list, samples, dtype, force, say)
-        todo = [s for s in split_list if s not in done]
-    if not todo:
-        return out
-    # -- the model (expensive)
-    with d.guard():
-        # Without a checkpoint the weights are random: seed them, so a resumed split is made by the same
-        # network as its first part (and two runs, or two ranks, agree).
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = build()
-        if checkpoint is not None:
-            backbones.load_checkpoint(model, checkpoint)
-        model.eval().to(dev)
-        if _nhwc(dev):
-            model.to(memory_format=torch.channels_last)
-    for split in todo:
-        source_classes = source.classes(split)
-        # uint8 items, converted and normalised per batch in _run_split
-        ds = ImageDataset(source, split, tf, on_error="sentinel", uint8=True, cache=pixel_cache)
-        if d.enabled or cs.share_files(out, split):
-            _extract_shared(
-                d,
-                model,
-                ds,
-                out,
-                split,
-                samples_digest(samples[split]),
-                root_attrs,
-                dtype,
-                batch_size,
-                workers,
-                skip_bad,
-                progress_factory,
-                say,
-                fresh=fresh,
-                force=force,
+        fresh, done = _existing(out, root_attrs, split_list, samples, opts, tell)
+    return _Plan(source, out, samples, root_attrs, [s for s in split_list if s not in done], fresh)
+
+
+def _image_size(model: _Model, source: Any, dataset: str) -> int:
+    """The crop side: the option's, else the images' own side (datasets of one size) or 84; and
+    the model's transform made for it (the release's backbones)."""
+    native = getattr(source, "native_size", None)
+    size = model.image_size
+    if size is None:
+        size = native or 84
+        if size < model.min_size:
+            raise ConfigError(
+                f"backbone {model.name} needs an image_size >= {model.min_size}; {dataset}'s images are {size} px",
+                params=("image_size",),
             )
-            fresh = False
-            continue
+    if model.transform is None:
+        model.transform = native_eval_transform(size) if size == native else eval_transform(size)
+    return size
+
+
+def _existing(
+    out: Path,
+    root_attrs: dict[str, Any],
+    split_list: list[str],
+    samples: dict[str, list[tuple[str, str]]],
+    opts: ExtractOptions,
+    tell: OnEvent,
+) -> tuple[bool, set[str]]:
+    """``(fresh, done)``: whether ``out`` is to be replaced, and the splits it already holds.
+    Refuses what would mix features of different provenance."""
+    if not out.exists():
+        return False, set()
+    hint = "force replaces it; a tag writes another file"
+    try:
+        attrs = read_attrs(out)
+    except CacheError as e:
+        if not opts.force:
+            raise CacheError(e.message, params=("force", "tag"), hint=hint) from None
+        tell(Notice("cache-replaced", f"{out} is not a poodle cache: replacing it (force)", ("force",)))
+        return True, set()
+    mism = identity_mismatches(attrs, root_attrs)
+    if mism and not opts.force:
+        raise CacheError(f"{out} holds features made with {'; '.join(mism)}", params=("force", "tag"), hint=hint)
+    if mism:
+        tell(Notice("cache-replaced", f"{out} was made with other settings: replacing it (force)", ("force",)))
+        return True, set()
+    return False, _complete_splits(out, split_list, samples, opts, tell)
+
+
+def _load_model(model: _Model, checkpoint: str | os.PathLike | None, dev: torch.device) -> backbones.Backbone:
+    # Without a checkpoint the weights are random: seed them, so a resumed split is made by the same
+    # network as its first part (and two runs, or two ranks, agree).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        net = model.build()
+    if checkpoint is not None:
+        backbones.load_checkpoint(net, checkpoint)
+    net.eval().to(dev)
+    if _nhwc(dev):
+        net.to(memory_format=torch.channels_last)
+    return net
+
+
+@dataclass
+class _Run:
+    """One extraction's model and settings, applied to each split in turn."""
+
+    d: Any
+    model: backbones.Backbone
+    opts: ExtractOptions
+    workers: int
+    progress_factory: ProgressFactory
+    tell: OnEvent
+
+    def alone(self, ds: Any, plan: _Plan, split: str) -> None:
+        """One split in this process, through a resumable staging file."""
+        classes = plan.source.classes(split)
         with SplitWriter(
-            out,
+            plan.out,
             split,
-            root_attrs=root_attrs,
-            classes=source_classes,
-            samples_sha256=samples_digest(samples[split]),
+            root_attrs=plan.root_attrs,
+            classes=classes,
+            samples_sha256=samples_digest(plan.samples[split]),
             n_total=len(ds),
-            dim=model.feature_dim,
-            dtype=dtype,
-            restart=force,
+            dim=self.model.feature_dim,
+            dtype=self.opts.dtype,
+            restart=self.opts.force,
         ) as writer:
             if writer.resumed:
-                say(f"{split}: resuming after image {writer.n_consumed} of {len(ds)}")
-            _run_split(model, ds, writer, dev, batch_size, workers, skip_bad, progress_factory)
-            counts = writer.class_counts()
-            _check_no_empty_class(split, source_classes, counts)
+                self.tell(SplitResumed(split, writer.n_consumed, len(ds)))
+            self.run_split(ds, writer, self.progress_factory)
+            _check_no_empty_class(split, classes, writer.class_counts())
             n_skipped = writer.n_consumed - writer.n_rows
-            writer.commit(fresh=fresh)
-        fresh = False
-        say(
-            f"{split}: {count(len(ds) - n_skipped, 'image')}, {count(len(source_classes), 'class')} written to {out}"
-            + (f" ({count(n_skipped, 'unreadable image')} skipped)" if n_skipped else "")
+            writer.commit(fresh=plan.fresh)
+        self.tell(SplitWritten(split, plan.out, len(ds) - n_skipped, len(classes), n_skipped))
+
+    def shared(self, ds: Any, plan: _Plan, split: str) -> None:
+        """One split across the ranks: plan on rank 0, a share per rank, merge on rank 0."""
+        d, opts = self.d, self.opts
+        n, dim = len(ds), int(cast(int, self.model.feature_dim))
+        digest = samples_digest(plan.samples[split])
+        key = cs.share_key(digest, n, dim, opts.dtype, plan.root_attrs, opts.batch_size)
+        pieces = None
+        with d.guard():
+            if d.main:
+                pieces = self._plan_shares(plan.out, split, key, n)
+        pieces = d.broadcast_json(pieces)
+        with d.guard():
+            mine = [(int(a), int(b)) for a, b in pieces[d.rank]]
+            desc = split if d.world == 1 else f"{split} (rank 0 of {d.world})"
+            with self.progress_factory(desc, sum(b - a for a, b in mine)) as advance:
+                for a, b in mine:
+                    with cs.ShareWriter(
+                        plan.out,
+                        split,
+                        a,
+                        b,
+                        key=key,
+                        root_attrs=plan.root_attrs,
+                        classes=ds.classes,
+                        dim=dim,
+                        dtype=opts.dtype,
+                    ) as writer:
+                        self.run_split(ds, writer, lambda _desc, _total: contextlib.nullcontext(advance))
+        with d.guard():
+            if d.main:
+                covered, _ = cs.scan(plan.out, split, key)
+                _check_no_empty_class(split, ds.classes, cs.class_counts(covered, split, len(ds.classes)))
+                rows, skipped = cs.commit_shares(
+                    plan.out,
+                    split,
+                    covered,
+                    n_split=n,
+                    batch_size=opts.batch_size,
+                    root_attrs=plan.root_attrs,
+                    classes=ds.classes,
+                    dim=dim,
+                    dtype=opts.dtype,
+                    samples_sha256=digest,
+                    fresh=plan.fresh,
+                )
+                self.tell(SplitWritten(split, plan.out, rows, len(ds.classes), skipped, d.world))
+
+    def _plan_shares(self, out: Path, split: str, key: Any, n: int) -> Any:
+        """Rank 0: the row ranges of every rank, after what staged files already hold."""
+        if self.opts.force:
+            for p in [*cs.share_files(out, split), partial_path(out, split)]:
+                p.unlink(missing_ok=True)
+        covered, stale = cs.scan(out, split, key)
+        for p in stale:
+            p.unlink()
+        staged = sum(c.consumed for c in covered)
+        if staged:
+            self.tell(SplitResumed(split, staged, n, len(covered)))
+        return cs.plan(covered, n, self.opts.batch_size, self.d.world)
+
+    def run_split(self, ds: Any, writer: SplitWriter, progress_factory: ProgressFactory) -> None:
+        _run_split(
+            self.model,
+            ds,
+            writer,
+            self.d.device,
+            self.opts.batch_size,
+            self.workers,
+            self.opts.skip_bad,
+            progress_factory,
         )
-    return out
 
 
 def _check_no_empty_class(split: str, classes: Sequence[str], counts: np.ndarray) -> None:
@@ -338,91 +476,12 @@ def _check_no_empty_class(split: str, classes: Sequence[str], counts: np.ndarray
         )
 
 
-def _extract_shared(
-    d: Any,
-    model: torch.nn.Module,
-    ds: Any,
-    out: Path,
-    split: str,
-    digest: str,
-    root_attrs: dict[str, Any],
-    dtype: str,
-    batch_size: int,
-    workers: int,
-    skip_bad: bool,
-    progress_factory: ProgressFactory,
-    say: Callable[[str], None],
-    *,
-    fresh: bool,
-    force: bool,
-) -> None:
-    """One split across the ranks of ``d``: plan on rank 0, a share per rank, merge on rank 0."""
-    n, dim = len(ds), int(cast(int, model.feature_dim))
-    key = cs.share_key(digest, n, dim, dtype, root_attrs, batch_size)
-    pieces = None
-    with d.guard():
-        if d.main:
-            if force:
-                for p in [*cs.share_files(out, split), partial_path(out, split)]:
-                    p.unlink(missing_ok=True)
-            covered, stale = cs.scan(out, split, key)
-            for p in stale:
-                p.unlink()
-            staged = sum(c.consumed for c in covered)
-            if staged:
-                say(f"{split}: resuming, {staged} of {n} images already staged in {len(covered)} file(s)")
-            pieces = cs.plan(covered, n, batch_size, d.world)
-    pieces = d.broadcast_json(pieces)
-    mine = [(int(a), int(b)) for a, b in pieces[d.rank]]
-    with d.guard():
-        total = sum(b - a for a, b in mine)
-        desc = split if d.world == 1 else f"{split} (rank 0 of {d.world})"
-        with progress_factory(desc, total) as advance:
-            for a, b in mine:
-                with cs.ShareWriter(
-                    out, split, a, b, key=key, root_attrs=root_attrs, classes=ds.classes, dim=dim, dtype=dtype
-                ) as writer:
-                    _run_split(
-                        model,
-                        ds,
-                        writer,
-                        d.device,
-                        batch_size,
-                        workers,
-                        skip_bad,
-                        lambda _desc, _total: contextlib.nullcontext(advance),
-                    )
-    with d.guard():
-        if d.main:
-            covered, _ = cs.scan(out, split, key)
-            _check_no_empty_class(split, ds.classes, cs.class_counts(covered, split, len(ds.classes)))
-            rows, skipped = cs.commit_shares(
-                out,
-                split,
-                covered,
-                n_split=n,
-                batch_size=batch_size,
-                root_attrs=root_attrs,
-                classes=ds.classes,
-                dim=dim,
-                dtype=dtype,
-                samples_sha256=digest,
-                fresh=fresh,
-            )
-            say(
-                f"{split}: {count(rows, 'image')}, {count(len(ds.classes), 'class')} written to {out}"
-                + (f" by {d.world} processes" if d.world > 1 else "")
-                + (f" ({count(skipped, 'unreadable image')} skipped)" if skipped else "")
-            )
-
-
 def _complete_splits(
     out: Path,
     split_list: list[str],
     samples: dict[str, list[tuple[str, str]]],
-    dtype: str,
-    force: bool,
-    say: Callable[[str], None],
+    opts: ExtractOptions,
+    tell: OnEvent,
 ) -> set[str]:
     """Requested splits already complete in ``out`` and made from the same images; refuse a mismatch."""
     done = set()
@@ -431,12 +490,13 @@ def _complete_splits(
             g = f.get(s)
             if not isinstance(g, h5py.Group) or not bool(g.attrs.get("complete", False)):
                 continue
-            if force:
-                say(f"{s}: recomputing (--force)")
+            if opts.force:
+                tell(Notice("split-recomputed", f"{s}: recomputing (force)", ("force",)))
                 continue
-            problems = []
-            if "features" in g and str(g["features"].dtype) != dtype:
-                problems.append(f"is stored as {g['features'].dtype} (this run: --dtype {dtype})")
+            problems, params = [], ["force", "tag"]
+            if "features" in g and str(g["features"].dtype) != opts.dtype:
+                problems.append(f"is stored as {g['features'].dtype} (this run: dtype {opts.dtype})")
+                params.append("dtype")
             digest = g.attrs.get("samples_sha256")
             if digest is not None:
                 digest = digest.decode() if isinstance(digest, bytes) else str(digest)
@@ -444,11 +504,12 @@ def _complete_splits(
                     problems.append("was made from a different image list")
             if problems:
                 raise CacheError(
-                    f"{out}: split {s!r} {' and '.join(problems)}; pass --force to recompute it, "
-                    f"or --tag NAME to write another file"
+                    f"{out}: split {s!r} {' and '.join(problems)}",
+                    params=tuple(params),
+                    hint="force recomputes it; a tag writes another file",
                 )
             done.add(s)
-            say(f"{s}: already complete in {out}, skipped")
+            tell(SplitReused(s, out))
     return done
 
 
@@ -495,7 +556,7 @@ def _run_split(
             bad = set(ds.bad_indices(y))
             if bad and not skip_bad:
                 err = ds.error(min(bad))
-                raise DataError(f"{err} (--skip-bad leaves unreadable images out)") from None
+                raise DataError(str(err), params=("skip_bad",), hint="skip_bad leaves unreadable images out") from None
             good = [i for i in range(pos, pos + b) if i not in bad]
             if bad:
                 keep = y >= 0

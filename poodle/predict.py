@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import numbers
 import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,16 +30,18 @@ from typing import Any
 import torch
 
 from poodle import defaults, solvers
+from poodle.backbones.checkpoint import checkpoint_digest
 from poodle.cache import SplitFeatures, read_attrs, read_split
 from poodle.data.sources import IMAGE_EXTENSIONS, DatasetSource
-from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
+from poodle.errors import CacheError, ConfigError, DataError
 from poodle.evaluate import solve_batch
-from poodle.extract import extract
+from poodle.events import Event, Notice, OnEvent, SplitReused, SplitWritten, ignore
+from poodle.extract import ExtractOptions, extract
 from poodle.negatives import GENERATED, NegativeSpec, generate, sample_indices
 from poodle.preprocess import Preprocess, Preprocessor, parse
 from poodle.solvers import EpisodeBatch
 from poodle.stats import wilson_interval
-from poodle.utils import atomic_path, content_hash, count, file_sha256, resolve_device
+from poodle.utils import atomic_path, content_hash, count, resolve_device
 
 UNLABELLED = "?"  # the class name of unlabelled query images inside the predict cache
 
@@ -290,15 +293,6 @@ def make_solving(
     return Solving(info.name, cfg, negatives if info.needs_negatives(cfg) else None, n_neg, pool, pre)
 
 
-def _checkpoint_digest(checkpoint: str | os.PathLike | None) -> str:
-    if checkpoint is None:
-        return "none"
-    ck = Path(checkpoint).expanduser()
-    if not ck.is_file():
-        raise CheckpointError(f"checkpoint {ck} does not exist")
-    return file_sha256(ck)
-
-
 def _pool_attrs(solving: Solving, backbone: str, sha: str) -> dict[str, Any]:
     """The root attributes of the ``negatives_from`` cache (checked: same backbone and checkpoint)."""
     if solving.negatives_from is None:
@@ -321,15 +315,16 @@ def _negatives(solving: Solving, pre: Preprocessor, dim: int) -> torch.Tensor | 
 
 
 def solve_task(
-    s: SplitFeatures,
-    q: SplitFeatures,
-    solving: Solving,
-    device: str | torch.device,
-    log: Callable[[str], None] | None = None,
+    s: SplitFeatures, q: SplitFeatures, solving: Solving, device: str | torch.device, on_event: OnEvent = ignore
 ) -> torch.Tensor:
     """The task as one episode of any number of classes and support images per class, solved by
-    the method: query probabilities float64 ``[Nq, C]``."""
-    pre = Preprocessor.from_cache(solving.preprocess, solving.negatives_from, log=log)
+    the method through the evaluation path's :func:`poodle.evaluate.solve_batch`: query
+    probabilities float64 ``[Nq, C]``."""
+
+    def say(message: str) -> None:
+        on_event(Notice("preprocess-fallback", message, ("preprocess",)))
+
+    pre = Preprocessor.from_cache(solving.preprocess, solving.negatives_from, log=say)
     s, q = pre.split(s), pre.split(q)
     batch = EpisodeBatch(
         s.features.unsqueeze(0),
@@ -343,28 +338,51 @@ def solve_task(
     return torch.softmax(log_probs[0].double().cpu(), -1)
 
 
+@dataclass(frozen=True)
+class PredictOptions:
+    """How :func:`predict` solves the task and where it keeps the features.
+
+    Attributes:
+        method, options: a registered method and its options (e.g. ``{"transductive": True}``).
+        negatives: ``base`` (the ``train`` split of ``negatives_from``), ``random``, ``sphere`` or
+            ``none``; default ``base`` with ``negatives_from``, else ``random``. Only read by
+            methods that use negatives.
+        negatives_from: a feature cache of the same backbone and checkpoint.
+        n_neg: negatives in the episode.
+        preprocess: ``l2n``, ``cl2n`` (centres on ``negatives_from``'s train split; required
+            then) or ``power[:BETA]``.
+        cache_dir: keep the features there for the next call (else a temporary folder).
+        extraction: how the images become features, as for :func:`poodle.extract.extract` (its
+            ``splits``, ``cache_root`` and ``tag`` are predict's own; ``image_size`` defaults to
+            that of ``negatives_from``'s features).
+    """
+
+    method: str = defaults.METHOD
+    options: Mapping[str, Any] = field(default_factory=dict)
+    negatives: str | None = None
+    negatives_from: str | os.PathLike | None = None
+    n_neg: int = defaults.N_NEG
+    preprocess: str = defaults.PREPROCESS
+    cache_dir: str | os.PathLike | None = None
+    extraction: ExtractOptions = field(default_factory=lambda: ExtractOptions(workers=defaults.PREDICT_WORKERS))
+
+    def with_settings(self, settings: Mapping[str, Any]) -> PredictOptions:
+        """A copy with ``settings`` applied by name, to these fields or to ``extraction``'s."""
+        own = {f.name for f in dataclasses.fields(self)}
+        ext = {k: v for k, v in settings.items() if k not in own}
+        mine = {k: v for k, v in settings.items() if k in own}
+        return dataclasses.replace(self, **mine, extraction=dataclasses.replace(self.extraction, **ext))
+
+
 def predict(
     support: Sequence[tuple[str, str]],
     query: Sequence[tuple[str, str | None]],
     backbone: str,
+    settings: PredictOptions | None = None,
     *,
-    checkpoint: str | os.PathLike | None = None,
-    method: str = defaults.METHOD,
-    options: Mapping[str, Any] | None = None,
-    negatives: str | None = None,
-    negatives_from: str | os.PathLike | None = None,
-    n_neg: int = defaults.N_NEG,
-    preprocess: str = defaults.PREPROCESS,
-    cache_dir: str | os.PathLike | None = None,
-    image_size: int | None = None,
-    crop_pct: float | None = None,
-    interpolation: str | None = None,
-    batch_size: int = 64,
-    device: str | torch.device = defaults.DEVICE,
-    workers: int | None = 0,
-    force: bool = False,
+    on_event: OnEvent = ignore,
     progress_factory: Any = None,
-    log: Callable[[str], None] | None = None,
+    **overrides: Any,
 ) -> Prediction:
     """Classify ``query`` images given the labelled ``support`` images.
 
@@ -372,39 +390,23 @@ def predict(
         support: ``[(image path, class)]``, at least two classes, any number of images per class.
         query: ``[(image path, label or None)]``; labels (all or none) turn on accuracy reporting
             and must be support classes.
-        backbone, checkpoint, image_size, crop_pct, interpolation: as for ``poodle extract``.
-        method, options: a registered method and its options (e.g. ``{"transductive": True}``).
-        negatives: ``base`` (the ``train`` split of ``negatives_from``), ``random``, ``sphere`` or
-            ``none``; default ``base`` with ``negatives_from``, else ``random``. Only read by
-            methods that use negatives.
-        preprocess: ``l2n``, ``cl2n`` (centres on ``negatives_from``'s train split; required
-            then) or ``power[:BETA]``.
-        cache_dir: keep the features there for the next call (else a temporary folder).
+        backbone: as for ``poodle extract``.
+        settings: a :class:`PredictOptions`; ``overrides`` set its fields, or those of its
+            ``extraction``, by name (``predict(s, q, "conv4_64", method="poodle", image_size=32)``).
+        on_event: receives :class:`poodle.events.Notice` events (``features``: a split's features
+            were extracted or reused; ``image-size``; ``preprocess-fallback``).
+        progress_factory: as for :func:`poodle.extract.extract`.
     """
-    say = log or (lambda msg: None)
+    opts = (settings or PredictOptions()).with_settings(overrides)
     task = make_task(support, query)
-    solving = make_solving(method, options or {}, negatives, negatives_from, n_neg, preprocess)
-    sha = _checkpoint_digest(checkpoint)
+    solving = make_solving(opts.method, opts.options, opts.negatives, opts.negatives_from, opts.n_neg, opts.preprocess)
+    sha = checkpoint_digest(opts.extraction.checkpoint)
     base_attrs = _pool_attrs(solving, backbone, sha)
-    known = base_attrs.get("transform", "none") != "none"  # "none": imported features, no transform known
-    if known and image_size is None and isinstance(base_attrs.get("image_size"), numbers.Integral):
-        # the images must go through the transform the pool's features were made with: a
-        # checkpoint trained at 28 px fed the default 84 px crops gives features of another kind
-        image_size = int(base_attrs["image_size"])
-        say(f"image size {image_size} px, as the features of {solving.negatives_from.name}")  # type: ignore[union-attr]
-    extraction = dict(
-        checkpoint=checkpoint,
-        image_size=image_size,
-        crop_pct=crop_pct,
-        interpolation=interpolation,
-        batch_size=batch_size,
-        device=device,
-        workers=workers,
-        force=force,
-        progress_factory=progress_factory,
+    extraction = _pool_image_size(opts.extraction, base_attrs, solving, on_event)
+    path, s, q = _task_features(
+        task, backbone, sha, extraction, opts.cache_dir, base_attrs, solving, on_event, progress_factory
     )
-    path, s, q = _task_features(task, backbone, sha, extraction, cache_dir, base_attrs, solving, say)
-    probs = solve_task(s, q, solving, device, say)
+    probs = solve_task(s, q, solving, extraction.device, on_event)
     pred = probs.argmax(-1)
     result = Prediction(
         paths=[p for p, _ in task.query],
@@ -413,8 +415,8 @@ def predict(
         predictions=pred,
         support_counts=torch.bincount(s.labels, minlength=len(task.classes)).tolist(),
         method=solving.method,
-        options=dict(options or {}),
-        cache=str(path) if cache_dir is not None else None,
+        options=dict(opts.options),
+        cache=str(path) if opts.cache_dir is not None else None,
         labels=task.labels,
     )
     if task.labels is not None:
@@ -424,15 +426,31 @@ def predict(
     return result
 
 
+def _pool_image_size(
+    extraction: ExtractOptions, base_attrs: dict[str, Any], solving: Solving, on_event: OnEvent
+) -> ExtractOptions:
+    """``extraction`` with the image size of the negative pool's features when none is given: the
+    images must go through the transform those features were made with (a checkpoint trained at
+    28 px fed the default 84 px crops gives features of another kind)."""
+    known = base_attrs.get("transform", "none") != "none"  # "none": imported features, no transform known
+    if not known or extraction.image_size is not None or not isinstance(base_attrs.get("image_size"), numbers.Integral):
+        return extraction
+    size = int(base_attrs["image_size"])
+    pool = Path(solving.negatives_from or "").name
+    on_event(Notice("image-size", f"image size {size} px, as the features of {pool}", ("image_size",)))
+    return dataclasses.replace(extraction, image_size=size)
+
+
 def _task_features(
     task: Task,
     backbone: str,
     sha: str,
-    extraction: dict[str, Any],
+    extraction: ExtractOptions,
     cache_dir: str | os.PathLike | None,
     base_attrs: dict[str, Any],
     solving: Solving,
-    say: Callable[[str], None],
+    on_event: OnEvent,
+    progress_factory: Any = None,
 ) -> tuple[Path, SplitFeatures, SplitFeatures]:
     """The features of the task's images: two splits, ``support`` and ``query``, of a cache named
     after the image lists (kept in ``cache_dir``, else in a temporary folder)."""
@@ -440,48 +458,37 @@ def _task_features(
     lists = {"support": task.support, "query": q_items}
     n_query_classes = len(set(task.labels)) if task.labels is not None else 0
 
-    def extract_log(msg: str) -> None:
-        # extract's "SPLIT: N images, K classes written to CACHE": said in predict's terms (the query
-        # split of unlabelled images has one placeholder class), and without naming a temporary cache
-        # that is deleted before the command ends (the caller says whether the features are kept)
-        split, _, rest = msg.partition(": ")
-        if split not in lists or " written to " not in rest:
-            say(msg)
+    def extract_event(event: Event) -> None:
+        # said in predict's terms (the query split of unlabelled images has one placeholder class),
+        # without naming a temporary cache that is deleted before the command ends (the caller says
+        # whether the features are kept)
+        if isinstance(event, SplitReused):
+            on_event(Notice("features", f"{event.split}: already complete in {event.path}, skipped"))
+        if not isinstance(event, SplitWritten):
             return
-        skipped = rest.partition(" written to ")[2].partition(" (")[2]
-        if split == "support":
+        if event.split == "support":
             what = f"{count(len(task.support), 'image')} of {count(len(task.classes), 'class')}"
         elif task.labels is None:
             what = count(len(task.query), "unlabelled image")
         else:
             what = f"{count(len(task.query), 'labelled image')} of {count(n_query_classes, 'class')}"
-        say(f"{split}: {what}, features extracted" + (f" ({skipped}" if skipped else ""))
+        on_event(Notice("features", f"{event.split}: {what}, features extracted"))
 
-    tag = content_hash([lists, sha, *(extraction[k] for k in ("image_size", "crop_pct", "interpolation"))])[:16]
+    tag = content_hash([lists, sha, extraction.image_size, extraction.crop_pct, extraction.interpolation])[:16]
     with contextlib.ExitStack() as stack:
         root = cache_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="poodle-predict-"))
         try:
             path = extract(
                 "predict",
                 backbone,
-                splits=("support", "query"),
-                cache_root=root,
-                tag=tag,
-                log=extract_log,
+                dataclasses.replace(extraction, splits=("support", "query"), cache_root=root, tag=tag),
+                on_event=extract_event,
+                progress_factory=progress_factory,
                 source=ListSource(lists),
-                **extraction,
             )
-        except DataError as e:  # predict has no --skip-bad: every image must decode
-            raise DataError(str(e).replace(" (--skip-bad leaves unreadable images out)", "")) from None
-        if base_attrs.get("transform", "none") != "none":
-            ours, theirs = read_attrs(path).get("transform"), base_attrs.get("transform")
-            if ours != theirs:
-                raise ConfigError(
-                    f"the images went through '{ours}', but the features of negatives_from {solving.negatives_from} "
-                    f"through '{theirs}': give the same image_size (and crop_pct / interpolation) "
-                    f"as that cache, or leave them out to take its own",
-                    params=("negatives_from", "image_size", "crop_pct", "interpolation"),
-                )
+        except DataError as e:  # predict has no skip_bad: every image must decode
+            raise DataError(e.message) from None
+        _check_transform(path, base_attrs, solving)
         s, q = read_split(path, "support"), read_split(path, "query")
     # The splits' classes are sorted names: support's are exactly the task's classes.
     if s.classes != task.classes:
@@ -490,6 +497,20 @@ def _task_features(
     if s.paths is None or q.paths is None or len(q) != len(task.query) or len(s) != len(task.support):
         raise CacheError(f"{path}: expected {len(task.support)} support and {len(task.query)} query rows")
     return path, s, q
+
+
+def _check_transform(path: Path, base_attrs: dict[str, Any], solving: Solving) -> None:
+    """The task's features went through the transform of the negative pool's (when it is known)."""
+    if base_attrs.get("transform", "none") == "none":
+        return
+    ours, theirs = read_attrs(path).get("transform"), base_attrs.get("transform")
+    if ours != theirs:
+        raise ConfigError(
+            f"the images went through '{ours}', but the features of negatives_from {solving.negatives_from} "
+            f"through '{theirs}': give the same image_size (and crop_pct / interpolation) "
+            f"as that cache, or leave them out to take its own",
+            params=("negatives_from", "image_size", "crop_pct", "interpolation"),
+        )
 
 
 def write_csv(result: Prediction, path: str | os.PathLike) -> Path:
@@ -508,6 +529,7 @@ def write_csv(result: Prediction, path: str | os.PathLike) -> Path:
 
 __all__ = [
     "ListSource",
+    "PredictOptions",
     "Prediction",
     "predict",
     "query_from_csv",

@@ -243,7 +243,7 @@ def _parse_lines(path: Path, raw: bytes) -> tuple[list[tuple[int, dict[str, Any]
             if not objs:  # nothing read yet: not a results file at all (a grid spec, a CSV ...)
                 raise ConfigError(
                     f"{path} is not a results file (its first line is not JSON; results files are the JSON "
-                    f"Lines that poodle solve --out, poodle grid and poodle demo write)"
+                    f"Lines that solving with an output file, a grid and the demo write)"
                 ) from None
             raise ConfigError(f"{path}: line {i + 1} is not valid JSON; the file is damaged") from None
         if not isinstance(obj, dict):

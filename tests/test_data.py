@@ -126,7 +126,7 @@ def test_csv_errors_name_file_and_line(tmp_path):
 def test_missing_data_root_and_unknown_dataset(tmp_path):
     with pytest.raises(DataError, match=f"data root {tmp_path / 'nope'} does not exist"):
         resolve_dataset("csv", tmp_path / "nope")
-    with pytest.raises(ConfigError, match="needs --data-root"):
+    with pytest.raises(ConfigError, match="needs a data_root folder"):
         resolve_dataset("folder", None)
     with pytest.raises(ConfigError, match="unknown dataset 'imagenet'; known: csv, folder"):
         resolve_dataset("imagenet", tmp_path)
@@ -171,7 +171,7 @@ def test_mini_and_tiered_presets(tmp_path):
         splits=("train",),
     )
     assert resolve_dataset("tiered", rel).samples("train")[1][0].startswith("tiered-imagenet/data/")
-    with pytest.raises(DataError, match="--dataset mini: no split files"):
+    with pytest.raises(DataError, match="dataset mini: no split files"):
         resolve_dataset("mini", tmp_path / "release")
 
 

@@ -181,8 +181,9 @@ def test_cub_140_30_30_is_its_own_dataset(tmp_path):
     )
     assert out == tmp_path / "c" / "cub-140-30-30" / "conv4_64.h5"
     assert cache.read_attrs(out)["dataset"] == "cub-140-30-30"
-    with pytest.raises(ConfigError, match="--cub-split 140-30-30 is an option of --dataset cub"):
+    with pytest.raises(ConfigError, match="cub_split 140-30-30 is an option of dataset cub") as e:
         extract("folder", "conv4_64", data_root=tmp_path, cub_split="140-30-30", cache_root=tmp_path / "c")
+    assert "--" not in str(e.value) and e.value.params == ("cub_split", "dataset")
     (tmp_path / "cub" / "images" / names[-1] / "a.png").unlink()
     (tmp_path / "cub" / "images" / names[-1]).rmdir()
     with pytest.raises(DataError, match=f"class folder '{names[-1]}' of its test split") as e:

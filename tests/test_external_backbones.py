@@ -258,7 +258,7 @@ def test_a_builder_that_downloads_is_a_clear_error(monkeypatch, no_network):
         return torch.hub.load_state_dict_from_url("https://example.invalid/weights.pth")
 
     monkeypatch.setattr(torchvision.models, "get_model_builder", lambda name: greedy_builder)
-    with pytest.raises(ConfigError, match="tries to download weights .*--checkpoint FILE"):
+    with pytest.raises(ConfigError, match="tries to download weights .*as a checkpoint file"):
         build_external("torchvision:resnet18")
     # the patch is undone afterwards
     assert torch.hub.load_state_dict_from_url.__name__ == "load_state_dict_from_url"

@@ -272,8 +272,8 @@ def test_grid_and_library_get_the_same_option_check(tmp_path, cache):
 @pytest.mark.parametrize(
     "args, culprit",
     [
-        (["--momentum", "5"], "--momentum must be in [0, 1)"),
-        (["--weight-decay", "-1"], "--weight-decay must be in [0, inf)"),
+        (["--momentum", "5"], "--momentum must lie in [0, 1)"),
+        (["--weight-decay", "-1"], "--weight-decay must lie in [0, inf)"),
         (["--lr", "nan"], "--lr must be"),
         (["--seed", str(2**64)], "does not fit 63 bits"),
     ],

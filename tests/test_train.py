@@ -106,9 +106,9 @@ def test_lr_decays_at_the_milestone_epoch_not_one_late():
     [
         ({"recipe": "kd"}, "unknown recipe 'kd'", ("recipe",)),
         ({"teacher": "first"}, "teacher must be one of last, best, got 'first'", ("teacher",)),
-        ({"epochs": 0}, "epochs must be in [1, inf), got 0", ("epochs",)),
+        ({"epochs": 0}, "epochs must lie in [1, inf), got 0", ("epochs",)),
         ({"milestones": (100,)}, "milestones contain 100, outside 1..99 (epochs 100)", ("milestones", "epochs")),
-        ({"label_smoothing": 1.0}, "label_smoothing must be in [0, 1), got 1.0", ("label_smoothing",)),
+        ({"label_smoothing": 1.0}, "label_smoothing must lie in [0, 1), got 1.0", ("label_smoothing",)),
         ({"recipe": "rot-kd", "generations": 0}, "recipe rot-kd needs generations >= 1", ("recipe", "generations")),
         ({"seed": -1}, "seed -1 does not fit 63 bits", ("seed",)),
     ],

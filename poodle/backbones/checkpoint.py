@@ -304,3 +304,14 @@ def save_checkpoint(model: nn.Module, path: str | os.PathLike, **extra: Any) -> 
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
     return path
+
+
+def checkpoint_digest(checkpoint: str | os.PathLike | None) -> str:
+    """The sha256 (hex) of a checkpoint file, ``"none"`` without one (random weights); a missing
+    file is a CheckpointError."""
+    if checkpoint is None:
+        return "none"
+    ck = Path(checkpoint).expanduser()
+    if not ck.is_file():
+        raise CheckpointError(f"checkpoint {ck} does not exist", params=("checkpoint",))
+    return file_sha256(ck)

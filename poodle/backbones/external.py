@@ -24,6 +24,7 @@ without instantiating any weights. Options override the input size, crop fractio
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -80,7 +81,8 @@ def no_downloads(name: str) -> Iterator[None]:
         url = next((a for a in args if isinstance(a, str)), kwargs.get("url", ""))
         raise ConfigError(
             f"backbone {name}: building it tries to download weights ({str(url)[:80]}); poodle never "
-            f"downloads: give the weights with --checkpoint FILE"
+            f"downloads: give the weights as a checkpoint file",
+            params=("checkpoint",),
         )
 
     patches: list[tuple[Any, str, Any]] = [
@@ -169,9 +171,9 @@ def _override(
     crop: int, resize: int, interpolation: str, image_size: int | None, crop_pct: float | None, interp: str | None
 ) -> tuple[int, int, str]:
     if interp is not None and interp not in INTERPOLATIONS:
-        raise ConfigError(f"--interpolation {interp!r}: use one of {', '.join(INTERPOLATIONS)}")
+        raise ConfigError.bad_value("interpolation", interp, f"must be one of {', '.join(INTERPOLATIONS)}")
     if crop_pct is not None and not 0 < crop_pct <= 1:
-        raise ConfigError(f"--crop-pct must lie in (0, 1], got {crop_pct}")
+        raise ConfigError.bad_value("crop_pct", crop_pct, "must lie in (0, 1]")
     pct = crop_pct if crop_pct is not None else crop / resize
     if image_size is not None:
         crop = int(image_size)
@@ -190,7 +192,7 @@ def eval_transform_spec(
         timm = import_timm()
         cfg = timm.get_pretrained_cfg(model)
         if cfg is None:
-            raise ConfigError(f"timm has no model {model!r} (poodle extract --list-backbones lists them)")
+            raise unknown_model("timm", model, timm.list_models())
         from timm.data import resolve_data_config  # optional dependency, as in import_timm
 
         dc = resolve_data_config(pretrained_cfg=cfg.to_dict())
@@ -224,11 +226,16 @@ def eval_transform_spec(
 # ------------------------------------------------------------------------------------------ models
 
 
+def unknown_model(library: str, model: str, known: list[str], kind: str = "model") -> ConfigError:
+    """The error of a model name ``library`` does not know, with the nearest names it does."""
+    near = difflib.get_close_matches(model, known, n=3)
+    hint = f"did you mean {', '.join(near)}?" if near else None
+    return ConfigError(f"{library} has no {kind} {model!r}", params=("backbone",), hint=hint)
+
+
 def _builder(model: str) -> Callable[..., nn.Module]:
     if model not in torchvision.models.list_models(module=torchvision.models):
-        raise ConfigError(
-            f"torchvision has no classification model {model!r} (poodle extract --list-backbones lists them)"
-        )
+        raise unknown_model("torchvision", model, torchvision_names(), "classification model")
     return torchvision.models.get_model_builder(model)
 
 
@@ -315,7 +322,7 @@ def build_external(name: str, image_size: int | None = None) -> ExternalBackbone
     if source == "timm":
         timm = import_timm()
         if not timm.is_model(model):
-            raise ConfigError(f"timm has no model {model!r} (poodle extract --list-backbones lists them)")
+            raise unknown_model("timm", model, timm.list_models())
         cfg0 = timm.get_pretrained_cfg(model)
         default = int(cfg0.input_size[-1]) if cfg0 is not None and cfg0.input_size else None
         with no_downloads(name):

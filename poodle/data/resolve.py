@@ -16,7 +16,7 @@ from poodle.errors import ConfigError, DataError
 
 def _need_root(name: str, data_root: str | os.PathLike | None) -> Path:
     if data_root is None:
-        raise ConfigError(f"--dataset {name} needs --data-root DIR")
+        raise ConfigError(f"dataset {name} needs a data_root folder", params=("dataset", "data_root"))
     root = Path(data_root).expanduser()
     if not root.exists():
         raise DataError(f"data root {root} does not exist")
@@ -34,7 +34,7 @@ def _preset_csv(name: str, root: Path, images: tuple[str, ...], release_csv: str
     if name == "tiered" and (root / "train").is_dir():
         return FolderSource(root, name)
     raise DataError(
-        f"--dataset {name}: no split files in {root}: expected {root / 'train.csv'} with images in "
+        f"dataset {name}: no split files in {root}: expected {root / 'train.csv'} with images in "
         f"{root / images[0]}/, or the release's {root / release_csv}/train.csv with images in "
         f"{root / release_images}/"
     )
@@ -43,7 +43,7 @@ def _preset_csv(name: str, root: Path, images: tuple[str, ...], release_csv: str
 def resolve_dataset(
     name: str, data_root: str | os.PathLike | None, cache_root: str | Path = "cache", *, cub_split: str = "release"
 ) -> DatasetSource:
-    """The :class:`DatasetSource` of ``--dataset name`` at ``data_root`` (``cub_split``: see ``cub``
+    """The :class:`DatasetSource` of dataset ``name`` at ``data_root`` (``cub_split``: see ``cub``
     in :mod:`poodle.data.sources`).
 
     Checks only that the root exists (and for presets, which of their layouts is present); the split
@@ -73,8 +73,8 @@ def resolve_dataset(
         return CifarSource.find(root, name)
     # cub
     if cub_split not in CUB_SPLITS:
-        raise ConfigError(f"--cub-split {cub_split!r}: use one of {', '.join(CUB_SPLITS)}")
+        raise ConfigError.bad_value("cub_split", cub_split, f"must be one of {', '.join(CUB_SPLITS)}")
     for cand in (root / "images", root / "CUB_200_2011" / "images", root):
         if cand.is_dir() and any(p.is_dir() for p in cand.iterdir()):
             return CubSource(root, cand, split=cub_split)
-    raise DataError(f"--dataset cub: no class folders in {root / 'images'}")
+    raise DataError(f"dataset cub: no class folders in {root / 'images'}")

@@ -36,7 +36,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from poodle.errors import ConfigError
+from poodle.options import option
 from poodle.solvers._optim import fit_logit_loss
 from poodle.solvers._transductive import dist_flops, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
@@ -44,21 +44,16 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass
 class AlphaTimConfig:
-    BOUNDS: ClassVar[dict[str, str]] = {
-        "alpha": "[0, inf)",
-        "ce_weight": "[0, inf)",
-        "marginal_weight": "[0, inf)",
-        "conditional_weight": "[0, inf)",
-    }
     MEANINGS: ClassVar[dict[str, str]] = {"alpha": "alpha-entropy order"}  # see base.MEANINGS
 
-    alpha: float = 0.0  # 0: the authors' tuned value (2 at 1 shot, 7 from 5 shots, else 5)
-    ce_weight: float = 1.0
-    marginal_weight: float = 1.0
-    conditional_weight: float = 1.0
-    temperature: float = 15.0
-    lr: float = 1e-4
-    steps: int = 1000
+    # 0: the authors' tuned value (2 at 1 shot, 7 from 5 shots, else 5)
+    alpha: float = option(0.0, min=0, exclude={1.0: "the Shannon limit: use tim-gd"})
+    ce_weight: float = option(1.0, min=0)
+    marginal_weight: float = option(1.0, min=0)
+    conditional_weight: float = option(1.0, min=0)
+    temperature: float = option(15.0, min=0, min_open=True)
+    lr: float = option(1e-4, min=0, min_open=True)
+    steps: int = option(1000, min=0)
 
 
 def tuned_alpha(shot: int) -> float:
@@ -96,11 +91,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: AlphaTimConfig) -> f
 )
 def alpha_tim(batch: EpisodeBatch, cfg: AlphaTimConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]``."""
-    a = cfg.alpha if cfg.alpha > 0 else tuned_alpha(batch.shot)
-    if a == 1.0:
-        raise ConfigError("alpha-tim: alpha = 1 is the Shannon limit; use tim-gd (or any alpha != 1)")
-    if cfg.steps < 0:
-        raise ConfigError(f"alpha-tim: steps must be >= 0, got {cfg.steps}")
+    a = cfg.alpha if cfg.alpha > 0 else tuned_alpha(batch.shot)  # tuned values are never 1
     z_s, z_q = batch.support, batch.query
     Ns, Nq = z_s.shape[1], z_q.shape[1]
     y_t = one_hot(batch.support_labels, batch.way, z_s.dtype).transpose(1, 2)  # [E, K, Ns]

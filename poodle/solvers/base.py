@@ -11,8 +11,6 @@ with no Python loop over episodes, classes or queries inside: the loop over opti
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ import torch
 from torch import Tensor
 
 from poodle.errors import ConfigError
+from poodle.options import violation
 
 Transductivity = Literal["never", "optional", "always"]
 
@@ -189,15 +188,6 @@ def config_dict(cfg: Any) -> dict[str, Any]:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
-def option(
-    default: Any, *, min: float | None = None, max: float | None = None, min_open: bool = False, help: str = ""
-) -> Any:
-    """A config field with bounds that :func:`validate_config` checks: ``min <= value <= max``
-    (``min < value`` with ``min_open``). ``help`` is for listings."""
-    meta = {"min": min, "max": max, "min_open": min_open, "help": help}
-    return field(default=default, metadata=meta)
-
-
 def build_config(info: SolverInfo, options: Mapping[str, Any], *, strict: bool = False) -> Any:
     """Instantiate ``info.config`` from ``options``; the one way configs are made from user values.
 
@@ -225,45 +215,6 @@ def build_config(info: SolverInfo, options: Mapping[str, Any], *, strict: bool =
 
 
 # ---------------------------------------------------------------------------------------------
-# Value checks. Every option value goes through :func:`check_config` once, whether it came from the
-# command line, a grid file or a library call: numbers must be finite and inside their field's
-# interval. A config class states its intervals next to its fields, as a ``BOUNDS`` class variable
-# (``BOUNDS: ClassVar[dict[str, str]] = {"alpha": "[0, inf)"}``); fields it does not list fall back
-# to COMMON_BOUNDS by name, and any other number still has to be finite.
-
-COMMON_BOUNDS: dict[str, str] = {
-    "lr": "(0, inf)",
-    "steps": "[0, inf)",
-    "scale": "(0, inf)",
-    "temperature": "(0, inf)",
-    "label_smoothing": "[0, 1)",
-    "max_iter": "[0, inf)",
-}
-_INTERVAL = re.compile(r"\s*([\[(])\s*(-?inf|-?[0-9.e+-]+)\s*,\s*(-?inf|-?[0-9.e+-]+)\s*([\])])\s*")
-
-
-def parse_interval(text: str) -> tuple[float, bool, float, bool]:
-    """``"[0, 1)"`` -> ``(0.0, True, 1.0, False)``: bounds and whether each is included."""
-    m = _INTERVAL.fullmatch(text)
-    if m is None:
-        raise ValueError(f"not an interval: {text!r}")
-    return float(m.group(2)), m.group(1) == "[", float(m.group(3)), m.group(4) == "]"
-
-
-def check_value(where: str, key: str, value: Any, interval: str | None) -> None:
-    """ConfigError unless a numeric ``value`` is finite and (when given) inside ``interval``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{where}: option {key!r} must be a finite number, got {value}", params=(key,))
-    if interval is None:
-        return
-    lo, lo_in, hi, hi_in = parse_interval(interval)
-    if value < lo or (value == lo and not lo_in) or value > hi or (value == hi and not hi_in):
-        raise ConfigError(f"{where}: option {key!r} must lie in {interval}, got {value:g}", params=(key,))
-
-
-# ---------------------------------------------------------------------------------------------
 # Field names that mean different things in different methods (``alpha`` is POODLE's pull weight,
 # alpha-TIM's alpha-entropy order and PT-MAP's prototype update rate). A config class names what its
 # shared fields mean in a ``MEANINGS`` class variable (``{"alpha": "pull weight"}``); one value given
@@ -275,14 +226,6 @@ def check_value(where: str, key: str, value: Any, interval: str | None) -> None:
 def meaning(config: type, name: str) -> str | None:
     """What field ``name`` of ``config`` means when other methods have a field of that name."""
     return getattr(config, "MEANINGS", {}).get(name)
-
-
-def config_bounds(config: type) -> dict[str, str]:
-    """The interval of every bounded field of ``config`` (its BOUNDS, then COMMON_BOUNDS by name)."""
-    names = set(config_fields(config))
-    out = {k: v for k, v in COMMON_BOUNDS.items() if k in names}
-    out.update(getattr(config, "BOUNDS", {}))
-    return out
 
 
 def check_config(method: str, cfg: Any) -> None:
@@ -382,8 +325,8 @@ def validate_config(cfg: Any, method: str = "") -> Any:
     1. A config with a ``preset`` field and a ``PRESETS`` class attribute: an unknown preset is an
        error, and fields still ``None`` take the preset's value (so the config holds the values used).
     2. Every field's value is converted to its annotated type (:func:`coerce_option`).
-    3. Every number must be finite, and inside the bounds of its field: :func:`option` metadata,
-       the config's ``BOUNDS`` table (intervals such as ``"[0, inf)"``) or :data:`COMMON_BOUNDS`.
+    3. Every number must be finite, and inside the bounds declared with its field
+       (:func:`poodle.options.option`).
 
     Config classes call :func:`resolve_preset` in ``__post_init__`` too, so a config constructed
     directly also holds the values used.
@@ -391,26 +334,13 @@ def validate_config(cfg: Any, method: str = "") -> Any:
     method = method or type(cfg).__name__
     resolve_preset(cfg, method)
     hints = _field_types(type(cfg))
-    intervals = config_bounds(type(cfg))
     for f in dataclasses.fields(cfg):
         value = coerce_option(method, f.name, getattr(cfg, f.name), hints[f.name])
-        _check_bounds(method, f, value, intervals.get(f.name))
+        why = violation(f, value)
+        if why is not None:
+            raise ConfigError(f"method {method!r}: option {f.name!r} {why}, got {value:g}", params=(f.name,))
         object.__setattr__(cfg, f.name, value)  # also for frozen configs: the value is only normalised
     return cfg
-
-
-def _check_bounds(method: str, f: dataclasses.Field, value: Any, interval: str | None = None) -> None:
-    """Finite, inside the field's :func:`option` bounds and inside its interval (a config's
-    ``BOUNDS`` table or :data:`COMMON_BOUNDS`)."""
-    lo, hi = f.metadata.get("min"), f.metadata.get("max")
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        return
-    if lo is not None and (value <= lo if f.metadata.get("min_open") else value < lo):
-        op = ">" if f.metadata.get("min_open") else ">="
-        raise ConfigError(f"option {f.name!r} of method {method!r} must be {op} {lo}, got {value}", params=(f.name,))
-    if hi is not None and value > hi:
-        raise ConfigError(f"option {f.name!r} of method {method!r} must be <= {hi}, got {value}", params=(f.name,))
-    check_value(f"method {method!r}", f.name, value, interval)  # finite (NaN passes the comparisons above)
 
 
 def resolve_preset(cfg: Any, method: str = "") -> None:

@@ -19,18 +19,17 @@ LaplacianShot and POODLE authors keep all). Nothing can be 0/0: every class has 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
+from poodle.options import option
 from poodle.solvers._transductive import dist_flops, rectified_prototypes, shifted_cosine
 from poodle.solvers.base import EpisodeBatch, SolverOutput, register
 
 
 @dataclass
 class BDCSPNConfig:
-    BOUNDS: ClassVar[dict[str, str]] = {"epsilon": "(0, inf)"}  # checked by solvers.base.validate_config
-    epsilon: float = 10.0  # Liu et al. Sec. 4: epsilon = 10
+    epsilon: float = option(10.0, min=0, min_open=True)  # Liu et al. Sec. 4: epsilon = 10
     shift: bool = True  # the cross-class bias reduction
 
 

@@ -35,13 +35,12 @@ episodes (docs/transductive.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from poodle.errors import ConfigError
+from poodle.options import option
 from poodle.solvers._transductive import dist_flops, grad_ready, log_normalise
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
 from poodle.solvers.pt_map import power_transform
@@ -49,22 +48,13 @@ from poodle.solvers.pt_map import power_transform
 
 @dataclass
 class BMSConfig:
-    BOUNDS: ClassVar[dict[str, str]] = {
-        "power": "(0, inf)",
-        "lam": "(0, inf)",
-        "steps": "[1, inf)",
-        "sinkhorn_iter": "[1, inf)",
-        "epochs": "[0, inf)",
-        "momentum": "[0, 1)",
-    }
-
-    power: float = 0.5
-    lam: float = 8.5
-    steps: int = 20
-    sinkhorn_iter: int = 50
-    epochs: int = 0
-    lr: float = 0.1
-    momentum: float = 0.8
+    power: float = option(0.5, min=0, min_open=True)
+    lam: float = option(8.5, min=0, min_open=True)
+    steps: int = option(20, min=1)
+    sinkhorn_iter: int = option(50, min=1)
+    epochs: int = option(0, min=0)
+    lr: float = option(0.1, min=0, min_open=True)
+    momentum: float = option(0.8, min=0, max=1, max_open=True)
 
 
 def peme(x: Tensor, power: float) -> Tensor:
@@ -118,8 +108,6 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BMSConfig) -> float:
 def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]`` (transformed space) and
     ``assignments [E, Nq, way]``."""
-    if cfg.steps < 1:
-        raise ConfigError(f"bms: steps must be >= 1, got {cfg.steps}")
     n_s, way = batch.support.shape[1], batch.way
     z = peme(torch.cat([batch.support, batch.query], 1), cfg.power)
     y_s = one_hot(batch.support_labels, way, z.dtype)

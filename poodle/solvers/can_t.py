@@ -18,28 +18,23 @@ and is not part of this solver (as in the POODLE authors' reimplementation).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from poodle.errors import ConfigError
+from poodle.options import option
 from poodle.solvers._transductive import cosine, dist_flops
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
 
 @dataclass
 class CanTConfig:
-    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
-    BOUNDS: ClassVar[dict[str, str]] = {"step": "[1, inf)", "iterations": "[-1, inf)"}
-    step: int = 30  # queries added per iteration (the POODLE authors' reimplementation)
-    iterations: int = -1  # -1: Nq // step (2 for 75 queries, as theirs)
-    scale: float = 10.0  # cosine temperature of the confidence softmax
+    step: int = option(30, min=1)  # queries added per iteration (the POODLE authors' reimplementation)
+    iterations: int = option(-1, min=-1)  # -1: Nq // step (2 for 75 queries, as theirs)
+    scale: float = option(10.0, min=0, min_open=True)  # cosine temperature of the confidence softmax
 
 
 def _n_iter(cfg: CanTConfig, n_q: int) -> int:
-    if cfg.step <= 0:
-        raise ConfigError(f"can-t: step must be positive, got {cfg.step}")
     return n_q // cfg.step if cfg.iterations < 0 else cfg.iterations
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from poodle.errors import ConfigError
+from poodle.options import option
 from poodle.solvers._optim import RowTerms, fit_weighted_distance, weighted_distance_flops
 from poodle.solvers._transductive import softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
@@ -24,10 +24,10 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass(frozen=True)
 class CEConfig:
-    steps: int = 250  # paper 5.1 / authors' number_fc_update
-    lr: float = 1e-3  # paper 5.1: Adam, lr 1e-3
-    scale: float = 10.0  # authors' code: learnable gamma initialised at 10
-    label_smoothing: float = 0.0  # Table 6 row 4 uses 0.1
+    steps: int = option(250, min=0)  # paper 5.1 / authors' number_fc_update
+    lr: float = option(1e-3, min=0, min_open=True)  # paper 5.1: Adam, lr 1e-3
+    scale: float = option(10.0, min=0, min_open=True)  # authors' code: learnable gamma initialised at 10
+    label_smoothing: float = option(0.0, min=0, max=1, max_open=True)  # Table 6 row 4 uses 0.1
 
 
 def support_targets(labels: torch.Tensor, way: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
@@ -36,15 +36,6 @@ def support_targets(labels: torch.Tensor, way: int, eps: float, dtype: torch.dty
     if eps > 0:
         y = y * (1 - eps) + (1 - y) * (eps / max(way - 1, 1))
     return y
-
-
-def check_common(cfg, name: str) -> None:
-    if cfg.steps < 0:
-        raise ConfigError(f"method {name!r}: steps must be >= 0, got {cfg.steps}")
-    if not cfg.lr > 0:
-        raise ConfigError(f"method {name!r}: lr must be positive, got {cfg.lr}")
-    if not 0 <= getattr(cfg, "label_smoothing", 0.0) < 1:
-        raise ConfigError(f"method {name!r}: label_smoothing must lie in [0, 1), got {cfg.label_smoothing}")
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: CEConfig) -> float:
@@ -61,7 +52,6 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: CEConfig) -> float:
 )
 def ce(batch: EpisodeBatch, cfg: CEConfig) -> SolverOutput:
     """Support rows only: ``X = support [E, Ns, D]``, CE weight ``1/Ns`` per row."""
-    check_common(cfg, "ce")
     x, way = batch.support, batch.way
     E, Ns, _ = x.shape
     w0 = class_means(x, batch.support_labels, way)

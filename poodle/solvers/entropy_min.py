@@ -22,11 +22,11 @@ demo's glyph features it changes 0.5% of the 1-shot predictions, on low-margin f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from poodle.options import option
 from poodle.solvers._optim import NativeLoss, fit_logit_loss
 from poodle.solvers._transductive import dist_flops, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
@@ -34,11 +34,10 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot
 
 @dataclass
 class EntropyMinConfig:
-    BOUNDS: ClassVar[dict[str, str]] = {"entropy_weight": "[0, inf)"}  # checked by solvers.base.validate_config
-    steps: int = 25  # Dhillon et al.: 25 epochs (one step on support + query each)
-    lr: float = 5e-5  # Dhillon et al.: Adam, lr 5e-5
-    entropy_weight: float = 1.0  # Dhillon et al.: CE + entropy, unit weight
-    scale: float = 10.0  # fixed temperature (the POODLE authors' initial scale)
+    steps: int = option(25, min=0)  # Dhillon et al.: 25 epochs (one step on support + query each)
+    lr: float = option(5e-5, min=0, min_open=True)  # Dhillon et al.: Adam, lr 5e-5
+    entropy_weight: float = option(1.0, min=0)  # Dhillon et al.: CE + entropy, unit weight
+    scale: float = option(10.0, min=0, min_open=True)  # fixed temperature (the POODLE authors' initial scale)
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: EntropyMinConfig) -> float:

@@ -29,12 +29,12 @@ means instead of k-means++ so that it is deterministic).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from poodle.options import option
 from poodle.solvers._transductive import (
     centre_and_project,
     dist_flops,
@@ -79,9 +79,9 @@ def kmeans_loop(
 
 @dataclass
 class KMeansConfig:
-    max_iter: int = 250  # the POODLE authors' cap (number_fc_update)
+    max_iter: int = option(250, min=0)  # the POODLE authors' cap (number_fc_update)
     fix_support: bool = True  # support points keep their labels (seeded/constrained k-means)
-    scale: float = 10.0  # only shapes the returned probabilities: -(scale/2)||z - mu||^2
+    scale: float = option(10.0, min=0, min_open=True)  # only shapes the returned probabilities: -(scale/2)||z - mu||^2
 
 
 def _flops_km(Ns: int, Nq: int, M: int, D: int, way: int, cfg: KMeansConfig) -> float:
@@ -107,13 +107,11 @@ def kmeans(batch: EpisodeBatch, cfg: KMeansConfig) -> SolverOutput:
 
 @dataclass
 class BayesKMeansConfig:
-    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
-    BOUNDS: ClassVar[dict[str, str]] = {"sigma": "(0, inf)", "reduced_dim": "[0, inf)"}
     # TAFSSL src/utils/misc.py parse_args: sigma 1, n_clusters = way; reduced_dim 10 for "& bkm".
-    sigma: float = 1.0
-    reduced_dim: int = 10  # 0: no projection
+    sigma: float = option(1.0, min=0, min_open=True)
+    reduced_dim: int = option(10, min=0)  # 0: no projection
     centre: bool = True  # subtract the support mean and the query mean (TAFSSL "ber")
-    max_iter: int = 300  # scikit-learn KMeans default, which TAFSSL uses
+    max_iter: int = option(300, min=0)  # scikit-learn KMeans default, which TAFSSL uses
 
 
 def _flops_bkm(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BayesKMeansConfig) -> float:

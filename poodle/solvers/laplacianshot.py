@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from poodle.options import option
 from poodle.solvers._transductive import TINY, cosine, dist_flops, rectified_prototypes, sqdist
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register, validate_config
 
@@ -67,14 +68,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 @dataclass
 class LaplacianShotConfig:
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
-    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
-    BOUNDS: ClassVar[dict[str, str]] = {"knn": "[1, inf)", "lmd": "[0, inf)", "tol": "[0, inf)", "epsilon": "(0, inf)"}
-    knn: int = 3  # Ziko et al.: k = 3 nearest neighbours
-    lmd: float = 0.7  # lambda; tuned on validation in the paper (their grid 0.1..1.0)
-    steps: int = 20  # bound iterations (authors' bound_update default)
-    tol: float = 1e-6  # relative energy change that stops an episode
+    knn: int = option(3, min=1)  # Ziko et al.: k = 3 nearest neighbours
+    lmd: float = option(0.7, min=0)  # lambda; tuned on validation in the paper (their grid 0.1..1.0)
+    steps: int = option(20, min=0)  # bound iterations (authors' bound_update default)
+    tol: float = option(1e-6, min=0)  # relative energy change that stops an episode
     rectify: bool = True  # BD-CSPN prototype rectification (the authors' proto_rect)
-    epsilon: float = 10.0  # rectification temperature
+    epsilon: float = option(10.0, min=0, min_open=True)  # rectification temperature
     preset: str = "default"  # "official": the authors' released code exactly (see the module docstring)
     # The three differences one at a time (None: the preset's value), to measure each one's effect:
     self_neighbour: bool | None = None  # knn counts the point itself

@@ -20,25 +20,23 @@ one support mean for centring (TAFSSL subtracts, per shot index, the mean over c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from poodle.options import option
 from poodle.solvers._transductive import centre_and_project, dist_flops, sqdist
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
 
 @dataclass
 class MeanShiftConfig:
-    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
-    BOUNDS: ClassVar[dict[str, str]] = {"sigma": "(0, inf)", "threshold": "[0, 1]", "reduced_dim": "[0, inf)"}
     # TAFSSL src/utils/misc.py: n_iter_msp 4, sigma 1, most_confident thresh 0.3; "& msp" runs
     # use reduced_dim 10 (exp_table / exp_unbalanced).
-    steps: int = 4
-    sigma: float = 1.0
-    threshold: float = 0.3
-    reduced_dim: int = 10  # 0: no projection
+    steps: int = option(4, min=0)
+    sigma: float = option(1.0, min=0, min_open=True)
+    threshold: float = option(0.3, min=0, max=1)
+    reduced_dim: int = option(10, min=0)  # 0: no projection
     centre: bool = True
 
 

@@ -19,24 +19,23 @@ Inductive.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from poodle.errors import ConfigError
+from poodle.options import option
 from poodle.solvers._optim import RowTerms, fit_weighted_distance, weighted_distance_flops
 from poodle.solvers._transductive import softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register
-from poodle.solvers.ce import check_common, support_targets
+from poodle.solvers.ce import support_targets
 
 
 @dataclass(frozen=True)
 class NaiveOODConfig:
-    BOUNDS: ClassVar[dict[str, str]] = {"ood_weight": "[0, inf)"}  # checked by solvers.base.validate_config
-    steps: int = 250  # as POODLE (paper 5.1)
-    lr: float = 1e-3  # as POODLE (paper 5.1)
-    scale: float = 10.0  # as POODLE (authors' code)
-    ood_weight: float = 1.0  # weight of the negatives' mean CE relative to the support's (our choice)
+    steps: int = option(250, min=0)  # as POODLE (paper 5.1)
+    lr: float = option(1e-3, min=0, min_open=True)  # as POODLE (paper 5.1)
+    scale: float = option(10.0, min=0, min_open=True)  # as POODLE (authors' code)
+    ood_weight: float = option(1.0, min=0)  # weight of the negatives' mean CE relative to the support's (our choice)
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: NaiveOODConfig) -> float:
@@ -54,10 +53,8 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: NaiveOODConfig) -> f
 def naive_ood(batch: EpisodeBatch, cfg: NaiveOODConfig) -> SolverOutput:
     """Query log-probs ``[E, Nq, way]`` over the real classes; state: the ``way`` real prototypes,
     the OOD prototype ``[E, 1, D]`` and the scale."""
-    check_common(cfg, "naive-ood")
-    if batch.negatives is None:
-        raise ConfigError("method 'naive-ood' needs negatives (negatives = base, random, sphere or FILE)")
     s, neg, way = batch.support, batch.negatives, batch.way
+    assert neg is not None  # solvers.run checks the negatives rule (SolverInfo.check_negatives)
     E, Ns, _ = s.shape
     M = neg.shape[1]
     x = torch.cat([s, neg], 1)

@@ -36,22 +36,19 @@ benchmarks/compare_official.py runs their class on the same episodes (docs/trans
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from poodle.errors import ConfigError
+from poodle.options import option
 from poodle.solvers._transductive import dist_flops, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
 
 @dataclass
 class PaddleConfig:
-    BOUNDS: ClassVar[dict[str, str]] = {"lmd": "[0, inf)", "steps": "[1, inf)"}
-
-    lmd: float = 75.0  # lambda (their "alpha"); 0: lambda = Nq, the query count
-    steps: int = 100  # the authors' iter: 100
+    lmd: float = option(75.0, min=0)  # lambda (their "alpha"); 0: lambda = Nq, the query count
+    steps: int = option(100, min=1)  # the authors' iter: 100
     scale_features: bool = True  # the authors' per-episode min-max scaling over the queries
 
 
@@ -78,8 +75,6 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PaddleConfig) -> flo
 def paddle(batch: EpisodeBatch, cfg: PaddleConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final assignments ``u``); state ``prototypes
     [E, way, D]`` (in the scaled space) and ``assignments [E, Nq, way]``."""
-    if cfg.steps < 1:
-        raise ConfigError(f"paddle: steps must be >= 1, got {cfg.steps}")
     z_s, z_q = batch.support, batch.query
     if cfg.scale_features:
         z_s, z_q = minmax_scale(z_s, z_q)

@@ -24,23 +24,22 @@ from typing import Any, ClassVar
 
 import torch
 
-from poodle.errors import ConfigError
+from poodle.options import option
 from poodle.solvers._optim import RowTerms, fit_weighted_distance, weighted_distance_flops
 from poodle.solvers._transductive import softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register
-from poodle.solvers.ce import check_common, support_targets
+from poodle.solvers.ce import support_targets
 
 
 @dataclass(frozen=True)
 class PoodleConfig:
-    BOUNDS: ClassVar[dict[str, str]] = {"alpha": "[0, inf)", "beta": "[0, inf)"}  # see base.validate_config
     # what a field name shared with other methods means here (see base.MEANINGS)
     MEANINGS: ClassVar[dict[str, str]] = {"alpha": "pull weight", "beta": "push weight"}
-    alpha: float = 1.0  # pull weight (paper 5.1; authors' default)
-    beta: float = 0.5  # push weight (paper 5.1; authors' default)
-    steps: int = 250  # paper 5.1 / authors' number_fc_update
-    lr: float = 1e-3  # paper 5.1: Adam, lr 1e-3, default betas
-    scale: float = 10.0  # authors' code: learnable gamma per episode, init 10
+    alpha: float = option(1.0, min=0)  # pull weight (paper 5.1; authors' default)
+    beta: float = option(0.5, min=0)  # push weight (paper 5.1; authors' default)
+    steps: int = option(250, min=0)  # paper 5.1 / authors' number_fc_update
+    lr: float = option(1e-3, min=0, min_open=True)  # paper 5.1: Adam, lr 1e-3, default betas
+    scale: float = option(10.0, min=0, min_open=True)  # authors' code: learnable gamma per episode, init 10
     transductive: bool = False  # authors' evaluate path runs inductive POODLE
     stopgrad_pull: bool = True  # Table 9: stop-gradient on p in the pull term
     stopgrad_push: bool = True  # Table 9: stop-gradient on p in the push term
@@ -90,9 +89,6 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PoodleConfig) -> flo
 )
 def poodle(batch: EpisodeBatch, cfg: PoodleConfig) -> SolverOutput:
     """Query log-probs ``[E, Nq, way]``; state: prototypes ``[E, way, D]``, scale ``[E, 1, 1]``."""
-    check_common(cfg, "poodle")
-    if cfg.beta != 0 and batch.negatives is None:
-        raise ConfigError("method 'poodle' with beta != 0 needs negatives (negatives = base, random, sphere or FILE)")
     x, terms, _ = build_rows(batch, cfg)
     w0 = class_means(batch.support, batch.support_labels, batch.way)
     w, scale = fit_weighted_distance(x, terms, w0, scale0=cfg.scale, steps=cfg.steps, lr=cfg.lr)

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
+from poodle.options import option
 from poodle.solvers._transductive import softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register
 
 
 @dataclass(frozen=True)
 class ProtoConfig:
-    scale: float = 10.0  # authors' distance_based_classifier: gamma = 10 (calibration only, not argmax)
+    # authors' distance_based_classifier: gamma = 10 (calibration only, not argmax)
+    scale: float = option(10.0, min=0, min_open=True)
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: ProtoConfig) -> float:

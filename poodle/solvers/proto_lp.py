@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from poodle.errors import ConfigError
+from poodle.options import option
 from poodle.solvers._span import RowSpan, span_flops, use_gram
 from poodle.solvers._transductive import TINY, dist_flops, log_normalise, row_sqnorm
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
@@ -58,30 +58,19 @@ from poodle.solvers.pt_map import balance, power_transform, sinkhorn
 
 @dataclass
 class ProtoLPConfig:
-    BOUNDS: ClassVar[dict[str, str]] = {
-        "power": "(0, inf)",
-        "reduced_dim": "[0, inf)",
-        "lam": "(0, inf)",
-        "alpha": "[0, 1]",
-        "gamma": "(0, inf)",
-        "mix": "[0, 1]",
-        "sinkhorn_tol": "[0, inf)",
-        "lp_tol": "[0, inf)",
-        "sinkhorn_max_iter": "[1, inf)",
-    }
     MEANINGS: ClassVar[dict[str, str]] = {"alpha": "prototype update rate"}  # see base.MEANINGS
 
-    power: float = 0.5
-    reduced_dim: int = 40
-    lam: float = 10.0
-    alpha: float = 0.2
-    gamma: float = 1.0
-    mix: float = 0.6
-    steps: int = 100
+    power: float = option(0.5, min=0, min_open=True)
+    reduced_dim: int = option(40, min=0)
+    lam: float = option(10.0, min=0, min_open=True)
+    alpha: float = option(0.2, min=0, max=1)
+    gamma: float = option(1.0, min=0, min_open=True)
+    mix: float = option(0.6, min=0, max=1)
+    steps: int = option(100, min=0)
     balanced: bool = True
-    sinkhorn_tol: float = 1e-3
-    lp_tol: float = 0.01
-    sinkhorn_max_iter: int = 1000
+    sinkhorn_tol: float = option(1e-3, min=0)
+    lp_tol: float = option(0.01, min=0)
+    sinkhorn_max_iter: int = option(1000, min=1)
 
 
 def svd_project(x: Tensor, dim: int) -> Tensor:
@@ -153,8 +142,6 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: ProtoLPConfig) -> fl
 def proto_lp(batch: EpisodeBatch, cfg: ProtoLPConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final plan's rows, normalised); state
     ``prototypes [E, way, d]`` (transformed space) and ``assignments [E, Nq, way]``."""
-    if cfg.steps < 0:
-        raise ConfigError(f"proto-lp: steps must be >= 0, got {cfg.steps}")
     n_s, n_q, way = batch.support.shape[1], batch.query.shape[1], batch.way
     z = preprocess(torch.cat([batch.support, batch.query], 1), cfg.power, cfg.reduced_dim)
     y_t = one_hot(batch.support_labels, way, z.dtype).transpose(1, 2)  # [E, K, Ns]

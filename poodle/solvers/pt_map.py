@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from poodle.options import option
 from poodle.solvers._span import RowSpan, span_flops, use_gram
 from poodle.solvers._transductive import TINY, log_normalise, row_sqnorm
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
@@ -35,26 +36,18 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
 
 @dataclass
 class PTMapConfig:
-    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
-    BOUNDS: ClassVar[dict[str, str]] = {
-        "beta": "(0, inf)",
-        "lam": "(0, inf)",
-        "alpha": "[0, 1]",
-        "sinkhorn_tol": "[0, inf)",
-        "sinkhorn_max_iter": "[1, inf)",
-    }
     MEANINGS: ClassVar[dict[str, str]] = {  # see base.MEANINGS
         "alpha": "prototype update rate",
         "beta": "power-transform exponent",
     }
     # Hu et al.'s released test script: beta 0.5, lam 10, alpha 0.2, 20 epochs; Sinkhorn eps 1e-6,
     # at most 1000 iterations.
-    beta: float = 0.5
-    lam: float = 10.0
-    alpha: float = 0.2
-    steps: int = 20
-    sinkhorn_tol: float = 1e-6
-    sinkhorn_max_iter: int = 1000
+    beta: float = option(0.5, min=0, min_open=True)
+    lam: float = option(10.0, min=0, min_open=True)
+    alpha: float = option(0.2, min=0, max=1)
+    steps: int = option(20, min=0)
+    sinkhorn_tol: float = option(1e-6, min=0)
+    sinkhorn_max_iter: int = option(1000, min=1)
 
 
 def power_transform(x: Tensor, beta: float) -> Tensor:

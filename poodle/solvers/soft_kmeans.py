@@ -21,16 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
+from poodle.options import option
 from poodle.solvers._transductive import dist_flops, softmax_logits, weighted_means
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
 
 @dataclass
 class SoftKMeansConfig:
-    steps: int = 1  # Ren et al.: a single refinement step
+    steps: int = option(1, min=0)  # Ren et al.: a single refinement step
     # Ren et al. use -||x-p||^2 on unnormalised features; on unit features a temperature is needed:
     # the POODLE authors' 10 (as -(10/2)||x-p||^2, their get_logits).
-    scale: float = 10.0
+    scale: float = option(10.0, min=0, min_open=True)
     fix_support: bool = True  # support points keep their labels (Ren et al.)
 
 

@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import torch
 
+from poodle.options import option
 from poodle.solvers._transductive import TINY, dist_flops, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
@@ -30,21 +31,15 @@ class TimADMConfig:
     """Defaults: mboudiaf/TIM ``src/tim.py`` config (temp 15, loss_weights [0.1, 1.0, 0.1],
     iter 150, alpha 1.0), which the TIM-ADM evaluation scripts use unchanged."""
 
-    # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
-    BOUNDS: ClassVar[dict[str, str]] = {
-        "ce_weight": "[0, inf)",
-        "marginal_weight": "[0, inf)",
-        "conditional_weight": "[0, inf)",
-        "alpha": "(0, 1]",
-    }
     MEANINGS: ClassVar[dict[str, str]] = {"alpha": "prototype update rate"}  # see base.MEANINGS
 
-    ce_weight: float = 0.1
-    marginal_weight: float = 1.0
-    conditional_weight: float = 0.1
-    temperature: float = 15.0
-    steps: int = 150
-    alpha: float = 1.0  # damping of the prototype update (1 = take the closed form)
+    ce_weight: float = option(0.1, min=0)
+    marginal_weight: float = option(1.0, min=0)
+    conditional_weight: float = option(0.1, min=0)
+    temperature: float = option(15.0, min=0, min_open=True)
+    steps: int = option(150, min=0)
+    # damping of the prototype update (1 = take the closed form)
+    alpha: float = option(1.0, min=0, min_open=True, max=1)
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: TimADMConfig) -> float:

@@ -31,9 +31,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from poodle.options import option
 from poodle.solvers._optim import NativeLoss, fit_logit_loss
 from poodle.solvers._transductive import TINY, dist_flops, softmax_logits
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, option, register, validate_config
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register, validate_config
 
 PRESETS: dict[str, dict[str, Any]] = {
     # mboudiaf/TIM: src/tim.py config (temp 15, loss_weights [0.1, 1.0, 0.1]) and
@@ -67,20 +68,14 @@ class TimGDConfig:
     :data:`PRESETS`), so a built config holds the values used."""
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
-    # intervals checked by solvers.base.validate_config (lr, steps, temperature have common ones)
-    BOUNDS: ClassVar[dict[str, str]] = {
-        "ce_weight": "[0, inf)",
-        "marginal_weight": "[0, inf)",
-        "conditional_weight": "[0, inf)",
-    }
 
     preset: str = "tim"
-    ce_weight: float | None = None
-    marginal_weight: float | None = None
-    conditional_weight: float | None = None
-    temperature: float | None = None  # initial value when learn_temperature
+    ce_weight: float | None = option(None, min=0)
+    marginal_weight: float | None = option(None, min=0)
+    conditional_weight: float | None = option(None, min=0)
+    temperature: float | None = option(None, min=0, min_open=True)  # initial value when learn_temperature
     learn_temperature: bool | None = None
-    lr: float | None = None
+    lr: float | None = option(None, min=0, min_open=True)
     steps: int | None = option(None, min=0)
 
     def __post_init__(self) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
+from poodle import defaults
 from poodle.errors import ConfigError
-from poodle.solvers.base import check_value
+from poodle.options import option, violation
 from poodle.utils import check_seed
 
 RECIPES = ("simple", "rot", "rot-kd")
@@ -63,62 +64,40 @@ class TrainConfig:
         out: output directory (default ``<cache_root>/<dataset>/checkpoints/<backbone>-<recipe>``).
     """
 
-    # Intervals of the numeric fields, checked once in :meth:`check` (so the command line and the
-    # library get the same check); every float must also be finite.
-    BOUNDS: ClassVar[dict[str, str]] = {
-        "epochs": "[1, inf)",
-        "batch_size": "[1, inf)",
-        "lr": "(0, inf)",
-        "momentum": "[0, 1)",
-        "weight_decay": "[0, inf)",
-        "gamma": "(0, 1]",
-        "label_smoothing": "[0, 1)",
-        "rot_weight": "[0, inf)",
-        "generations": "[0, inf)",
-        "temperature": "(0, inf)",
-        "sup_weight": "[0, inf)",
-        "kd_weight": "[0, inf)",
-        "image_size": "[1, inf)",
-        "val_every": "[0, inf)",
-        "val_episodes": "[1, inf)",
-        "val_way": "[2, inf)",
-        "val_shot": "[1, inf)",
-        "val_query": "[1, inf)",
-        "workers": "[0, inf)",
-    }
-
+    # Numeric fields declare their bounds (poodle.options.option), checked once in :meth:`check`, so
+    # the command line and the library get the same check; every number must also be finite.
     dataset: str
     backbone: str
     recipe: str = "simple"
     data_root: str | None = None
-    epochs: int = 100  # paper 5.1
-    batch_size: int = 64  # paper 5.1
-    lr: float = 0.05  # paper 5.1
-    momentum: float = 0.9  # release configs (SGD, nesterov off)
-    weight_decay: float = 5e-4  # paper 5.1
+    epochs: int = option(100, min=1)  # paper 5.1
+    batch_size: int = option(64, min=1)  # paper 5.1
+    lr: float = option(0.05, min=0, min_open=True)  # paper 5.1
+    momentum: float = option(0.9, min=0, max=1, max_open=True)  # release configs (SGD, nesterov off)
+    weight_decay: float = option(5e-4, min=0)  # paper 5.1
     milestones: tuple[int, ...] | None = None  # paper 5.1: 60/80 (tiered 60/80/90) of 100
-    gamma: float = 0.1  # paper 5.1: "decreased by a factor of 10"
-    label_smoothing: float = 0.1  # release default (SmoothCrossEntropy)
-    rot_weight: float = 1.0  # appendix A: lambda_ssl = 1
-    generations: int = 2  # appendix A: T = 2
-    temperature: float = 4.0  # appendix A: tau = 4
+    gamma: float = option(0.1, min=0, min_open=True, max=1)  # paper 5.1: "decreased by a factor of 10"
+    label_smoothing: float = option(0.1, min=0, max=1, max_open=True)  # release default (SmoothCrossEntropy)
+    rot_weight: float = option(1.0, min=0)  # appendix A: lambda_ssl = 1
+    generations: int = option(2, min=0)  # appendix A: T = 2
+    temperature: float = option(4.0, min=0, min_open=True)  # appendix A: tau = 4
     teacher: str = "last"  # appendix A: "the last checkpoint"
-    sup_weight: float = 1.0  # appendix A: lambdas = 1 (release: 0.5)
-    kd_weight: float = 1.0  # appendix A: lambdas = 1 (release: 0.5)
-    image_size: int = 84  # paper 5.1
+    sup_weight: float = option(1.0, min=0)  # appendix A: lambdas = 1 (release: 0.5)
+    kd_weight: float = option(1.0, min=0)  # appendix A: lambdas = 1 (release: 0.5)
+    image_size: int = option(84, min=1)  # paper 5.1
     augment: str = "paper"  # release transform.py with_augment
-    val_every: int = 4  # release meta_val_interval
-    val_episodes: int = 500  # release meta_val
-    val_way: int = 5
-    val_shot: int = 1  # release meta_val_shot
-    val_query: int = 15
+    val_every: int = option(4, min=0)  # release meta_val_interval
+    val_episodes: int = option(500, min=1)  # release meta_val
+    val_way: int = option(5, min=2)
+    val_shot: int = option(1, min=1)  # release meta_val_shot
+    val_query: int = option(15, min=1)
     val_split: str = "val"
     seed: int = 0
     channels_last: bool = False
-    workers: int = 4
-    device: str = "auto"
+    workers: int = option(4, min=0)
+    device: str = defaults.DEVICE
     amp: bool | None = None
-    cache_root: str = "cache"
+    cache_root: str = defaults.CACHE_ROOT
     out: str | None = None
 
     def __post_init__(self) -> None:
@@ -140,16 +119,9 @@ class TrainConfig:
                 f"teacher must be one of {', '.join(TEACHERS)}, got {self.teacher!r}", params=("teacher",)
             )
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            try:
-                check_value("train", f.name, value, self.BOUNDS.get(f.name))
-            except ConfigError:
-                raise ConfigError(
-                    f"{f.name} must be "
-                    + (f"in {self.BOUNDS[f.name]}" if f.name in self.BOUNDS else "finite")
-                    + f", got {value}",
-                    params=(f.name,),
-                ) from None
+            why = violation(f, getattr(self, f.name))
+            if why is not None:
+                raise ConfigError.bad_value(f.name, getattr(self, f.name), why)
         try:
             check_seed(self.seed)
         except ConfigError as e:
