@@ -414,9 +414,9 @@ def test_paddle_empties_classes_absent_from_the_queries(make_features):
 def test_bms_min_size_is_respected(make_features):
     from poodle.solvers.bms import min_size_sinkhorn
 
-    p = torch.softmax(torch.randn(3, 20, 4, dtype=torch.float64) * 3, -1)
+    p = torch.softmax(torch.randn(3, 4, 20, dtype=torch.float64) * 3, 1)  # [E, K, Nq]
     q = min_size_sinkhorn(p, torch.tensor([2.0, 4.0, 1.0], dtype=torch.float64), 50)
-    assert (q.sum(1) >= torch.tensor([2.0, 4.0, 1.0], dtype=torch.float64)[:, None] - 1e-9).all()
+    assert (q.sum(2) >= torch.tensor([2.0, 4.0, 1.0], dtype=torch.float64)[:, None] - 1e-9).all()
 
 
 @pytest.mark.parametrize("counts", [BALANCED, IMBALANCED], ids=["balanced", "imbalanced"])

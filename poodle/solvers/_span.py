@@ -41,11 +41,13 @@ def span_flops(n_s: int, n_q: int, d: int, k: int, scores: int, sums: int, gram:
 
 
 def use_gram(n_s: int, n_q: int, d: int, k: int, scores: int, sums: int) -> bool:
-    """Whether the Gram form does less arithmetic (it does when ``N`` is small against ``D`` and
-    the step count)."""
+    """Whether to hold centres in the Gram form: when it does less arithmetic and the Gram matrix is
+    smaller than the rows (``N < D``; with more rows than dimensions its entries carry no less
+    rounding than the rows, and the measured gain is small)."""
     if FORCE_GRAM is not None:
         return FORCE_GRAM
-    return span_flops(n_s, n_q, d, k, scores, sums, True) < span_flops(n_s, n_q, d, k, scores, sums, False)
+    gram, explicit = (span_flops(n_s, n_q, d, k, scores, sums, g) for g in (True, False))
+    return n_s + n_q < d and gram < explicit
 
 
 class RowSpan:
@@ -54,12 +56,20 @@ class RowSpan:
     (explicit) or a ``[E, K, N]`` one (Gram); ``scores`` and ``sums`` are the numbers of score
     evaluations and of query-weighted sums the caller will make (they pick the form)."""
 
-    def __init__(self, z: Tensor, n_s: int, k: int, scores: int, sums: int) -> None:
+    def __init__(
+        self, z: Tensor, n_s: int, k: int, scores: int, sums: int, gram: bool | None = None, centre: bool = False
+    ) -> None:
         self.z, self.n_s = z, n_s
         self.z_s, self.z_q = z[:, :n_s], z[:, n_s:]
-        self.gram = use_gram(n_s, z.shape[1] - n_s, z.shape[2], k, scores, sums)
+        self.gram = use_gram(n_s, z.shape[1] - n_s, z.shape[2], k, scores, sums) if gram is None else gram
+        self.origin: Tensor | None = None
         if self.gram:
-            self.g = torch.bmm(z, z.transpose(1, 2))  # [E, N, N]
+            if centre:
+                # products relative to the queries' mean: the Gram entries are then of the size of
+                # the spread, not of the offset, and so are their rounding errors
+                self.origin = self.z_q.mean(1, keepdim=True)
+                self.z = z - self.origin
+            self.g = torch.bmm(self.z, self.z.transpose(1, 2))  # [E, N, N]
 
     def support_sum(self, w_s: Tensor) -> Tensor:
         """The state of ``w_s z_s``: ``w_s [E, K, Ns]``."""
@@ -84,6 +94,12 @@ class RowSpan:
             return ag[:, :, self.n_s :], (ag * state).sum(2)
         return torch.bmm(state, self.z_q.transpose(1, 2)), row_sqnorm(state).squeeze(2)
 
+    def dots(self, state: Tensor) -> Tensor:
+        """``<mu_k, z_q> [E, K, Nq]``."""
+        if self.gram:
+            return torch.bmm(state, self.g[:, :, self.n_s :])
+        return torch.bmm(state, self.z_q.transpose(1, 2))
+
     def sqnorm(self, state: Tensor) -> Tensor:
         """``||mu_k||^2 [E, K]``."""
         if self.gram:
@@ -98,4 +114,8 @@ class RowSpan:
 
     def explicit(self, state: Tensor) -> Tensor:
         """The centres ``[E, K, D]``."""
-        return torch.bmm(state, self.z) if self.gram else state
+        if not self.gram:
+            return state
+        if self.origin is None:
+            return torch.bmm(state, self.z)
+        return torch.baddbmm(state.sum(2, keepdim=True) * self.origin, state, self.z)

@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._transductive import dist_flops, softmax_logits
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
+from poodle.solvers._span import RowSpan, span_flops, use_gram
+from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
 
 
 @dataclass
@@ -62,7 +62,7 @@ def minmax_scale(z_s: Tensor, z_q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PaddleConfig) -> float:
-    return cfg.steps * (dist_flops(Nq, way, D) + dist_flops(Ns + Nq, way, D))
+    return span_flops(Ns, Nq, D, way, cfg.steps, cfg.steps, use_gram(Ns, Nq, D, way, cfg.steps, cfg.steps))
 
 
 @register(
@@ -78,17 +78,23 @@ def paddle(batch: EpisodeBatch, cfg: PaddleConfig) -> SolverOutput:
     z_s, z_q = batch.support, batch.query
     if cfg.scale_features:
         z_s, z_q = minmax_scale(z_s, z_q)
-    E, n_q, way = z_q.shape[0], z_q.shape[1], batch.way
+    n_q, way = z_q.shape[1], batch.way
     coef = (cfg.lmd if cfg.lmd > 0 else float(n_q)) / n_q
-    y_s = one_hot(batch.support_labels, way, z_s.dtype)
-    ys_t_zs = torch.bmm(y_s.transpose(1, 2), z_s)
-    n_s = y_s.sum(1)  # [E, K], >= 1 per class
-    w = class_means(z_s, batch.support_labels, way)
-    v = torch.zeros(E, 1, way, dtype=z_q.dtype, device=z_q.device)
+    y_t = one_hot(batch.support_labels, way, z_s.dtype).transpose(1, 2)  # [E, K, Ns]
+    span = RowSpan(torch.cat([z_s, z_q], 1), z_s.shape[1], way, cfg.steps, cfg.steps, centre=True)
+    ys_t_zs = span.support_sum(y_t)
+    n_s = y_t.sum(2, keepdim=True)  # [E, K, 1], >= 1 per class
+    w = ys_t_zs / n_s
+    v = None
     u = None
     for _ in range(cfg.steps):
-        u = torch.softmax(softmax_logits(z_q, w, 1.0) + coef * v, -1)
-        v = torch.log(u.mean(1, keepdim=True) + 1e-6) + 1.0
-        w = (torch.bmm(u.transpose(1, 2), z_q) + ys_t_zs) / (u.sum(1) + n_s).unsqueeze(-1)
+        dots, sq = span.scores(w)
+        logits = dots.add_(sq.mul_(-0.5).unsqueeze(2))  # [E, K, Nq]: <z_q, w_k> - ||w_k||^2 / 2
+        u = torch.softmax(logits if v is None else logits.add_(v), 1)
+        v = u.mean(2, keepdim=True).add_(1e-6).log_().add_(1.0).mul_(coef)  # coef * v, [E, K, 1]
+        w = (span.query_sum(u) + ys_t_zs) / (u.sum(2, keepdim=True) + n_s)
     assert u is not None  # cfg.steps >= 1
-    return SolverOutput(torch.log_softmax(torch.log(u.clamp_min(1e-30)), -1), {"prototypes": w, "assignments": u})
+    u = u.transpose(1, 2).contiguous()
+    return SolverOutput(
+        torch.log_softmax(torch.log(u.clamp_min(1e-30)), -1), {"prototypes": span.explicit(w), "assignments": u}
+    )
