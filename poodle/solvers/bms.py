@@ -44,7 +44,7 @@ from poodle.options import option
 from poodle.solvers._span import RowSpan, span_flops, use_gram
 from poodle.solvers._transductive import dist_flops, grad_ready, log_normalise
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
-from poodle.solvers.pt_map import power_transform
+from poodle.solvers.pt_map import transformed_rows, unit_rows_
 
 
 @dataclass
@@ -58,10 +58,11 @@ class BMSConfig:
     momentum: float = option(0.8, min=0, max=1, max_open=True)
 
 
-def peme(x: Tensor, power: float) -> Tensor:
-    """PEMnE on all samples of each episode ``[E, N, D]``."""
-    x = F.normalize(power_transform(x, power), dim=-1)
-    return F.normalize(x - x.mean(1, keepdim=True), dim=-1)
+def peme(parts: list[Tensor], power: float) -> Tensor:
+    """PEMnE on all samples of each episode, ``parts`` (``[E, n_i, D]`` each) stacked along the rows:
+    ``[E, sum n_i, D]``."""
+    x = transformed_rows(parts, power)
+    return unit_rows_(x.sub_(x.mean(1, keepdim=True)))
 
 
 def min_size_sinkhorn(p: Tensor, min_size: Tensor, n_iter: int) -> Tensor:
@@ -103,7 +104,11 @@ def _refine(z: Tensor, w: Tensor, target: Tensor, epochs: int, lr: float, moment
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BMSConfig) -> float:
     refine = cfg.steps * 3 * cfg.epochs * dist_flops(Ns + Nq, way, D)
     gram = cfg.epochs == 0 and use_gram(Ns, Nq, D, way, cfg.steps, cfg.steps)
-    return refine + span_flops(Ns, Nq, D, way, cfg.steps, cfg.steps, gram) + (0 if gram else cfg.steps * 2.0 * way * Ns * D)
+    return (
+        refine
+        + span_flops(Ns, Nq, D, way, cfg.steps, cfg.steps, gram)
+        + (0 if gram else cfg.steps * 2.0 * way * Ns * D)
+    )
 
 
 @register(
@@ -117,7 +122,7 @@ def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]`` (transformed space) and
     ``assignments [E, Nq, way]``."""
     n_s, way = batch.support.shape[1], batch.way
-    z = peme(torch.cat([batch.support, batch.query], 1), cfg.power)
+    z = peme([batch.support, batch.query], cfg.power)
     y_t = one_hot(batch.support_labels, way, z.dtype).transpose(1, 2)  # [E, K, Ns]
     # the refinement's SGD needs explicit centres
     span = RowSpan(z, n_s, way, cfg.steps, cfg.steps, gram=False if cfg.epochs > 0 else None)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from poodle.options import option
@@ -50,25 +49,42 @@ class PTMapConfig:
     sinkhorn_max_iter: int = option(1000, min=1)
 
 
-def power_transform(x: Tensor, beta: float) -> Tensor:
+def power_transform(x: Tensor, beta: float, out: Tensor | None = None) -> Tensor:
     """``sign(x) (|x| + 1e-6)^beta`` (= the paper's ``(x + 1e-6)^beta`` for ``x >= 0``); an exact
-    zero (either sign) maps to ``1e-6^beta``. Four passes over ``x``, in place after the first."""
-    t = x.abs().add_(1e-6).pow_(beta).copysign_(x)
+    zero (either sign) maps to ``1e-6^beta``. Written into ``out`` (same shape) when given."""
+    t = torch.abs(x, out=out) if out is not None else x.abs()
+    t.add_(1e-6).pow_(beta).copysign_(x)
     return t.masked_fill_(x == 0, 1e-6**beta)
 
 
-def preprocess(z_s: Tensor, z_q: Tensor, beta: float) -> tuple[Tensor, Tensor]:
-    """PT-MAP's feature pipeline for ``[E, N, D]`` support and query sets."""
-    z_s = F.normalize(power_transform(z_s, beta), dim=-1)
-    z_q = F.normalize(power_transform(z_q, beta), dim=-1)
-    z_s = F.normalize(z_s - z_s.mean(1, keepdim=True), dim=-1)
-    z_q = F.normalize(z_q - z_q.mean(1, keepdim=True), dim=-1)
-    return z_s, z_q
+def unit_rows_(x: Tensor) -> Tensor:
+    """``F.normalize(x, dim=-1)`` in place (the same values, no new ``[E, N, D]`` tensor)."""
+    return x.div_(torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(1e-12))
 
 
-# Off the CPU, how many sweeps run between two looks at the convergence masks (each look is a
-# host sync); the masks freeze a converged episode, so when the loop notices changes no result.
-CHECK_EVERY = 8
+def transformed_rows(parts: list[Tensor], beta: float) -> Tensor:
+    """The power-transformed, unit rows of ``parts`` (each ``[E, n_i, D]``) stacked along the rows
+    into one new ``[E, sum n_i, D]`` tensor: each pass over the features runs in place."""
+    sizes = [t.shape[1] for t in parts]
+    z = parts[0].new_empty(parts[0].shape[0], sum(sizes), parts[0].shape[2])
+    for x, block in zip(parts, z.split(sizes, 1)):
+        power_transform(x, beta, out=block)
+    return unit_rows_(z)
+
+
+def preprocess(z_s: Tensor, z_q: Tensor, beta: float) -> Tensor:
+    """PT-MAP's feature pipeline for ``[E, Ns, D]`` support and ``[E, Nq, D]`` query sets (each
+    centred on its own mean): ``[E, Ns + Nq, D]``, support first."""
+    z = transformed_rows([z_s, z_q], beta)
+    for block in z.split([z_s.shape[1], z_q.shape[1]], 1):
+        block.sub_(block.mean(1, keepdim=True))
+    return unit_rows_(z)
+
+
+# Off the CPU, how many sweeps run between two looks at the convergence masks (each look is a host
+# sync): a sweep is about 15 operations, so at most one sync per 150 device operations. The masks
+# freeze a converged episode, so when the loop notices changes no result.
+CHECK_EVERY_SWEEPS = 16
 
 
 def sinkhorn(cost: Tensor, lam: float, col_mass: float, tol: float, max_iter: int) -> Tensor:
@@ -88,54 +104,72 @@ def balance(p: Tensor, col_mass: float, tol: float, max_iter: int, reset: Tensor
 
     Classes are the middle axis so that both reductions run along vectors (a sum over an innermost
     axis of 5 is several times slower). On the CPU the loop looks at the masks every sweep and drops
-    finished episodes from the batch; elsewhere it masks them and looks every ``CHECK_EVERY`` sweeps.
-    """
+    finished episodes from the batch once a quarter of it has finished; elsewhere it masks them and
+    looks every ``CHECK_EVERY_SWEEPS`` sweeps."""
     if p.device.type == "cpu":
-        return _balance_compacting(p, col_mass, tol, max_iter, reset)
+        return _balance_dropping(p, col_mass, tol, max_iter, reset)
     active = torch.ones(p.shape[0], dtype=torch.bool, device=p.device)
     u = p.new_zeros(p.shape[0], p.shape[2])
     for it in range(max_iter):
         rows = p.sum(1)  # [E, N]
         active &= (u - rows).abs_().amax(1) > tol
-        if it % CHECK_EVERY == CHECK_EVERY - 1 and not bool(active.any()):
+        if (it + 1) % CHECK_EVERY_SWEEPS == 0 and not bool(active.any()):
             break
-        live = active.unsqueeze(1)
-        u = torch.where(live, rows, u)
-        # a finished episode is divided and multiplied by exactly 1: its values do not change
-        p.div_(torch.where(live, rows.clamp_min_(TINY), 1.0).unsqueeze(1))
-        p.mul_(torch.where(live, p.sum(2).clamp_min_(TINY).reciprocal_().mul_(col_mass), 1.0).unsqueeze(2))
-        if reset is not None:
-            p[:, :, : reset.shape[2]] = torch.where(active[:, None, None], reset, p[:, :, : reset.shape[2]])
+        u = _sweep(p, rows, u, active, col_mass, reset)
     return p
 
 
-def _sweep(p: Tensor, rows: Tensor, col_mass: float, reset: Tensor | None) -> None:
-    p.div_(rows.clamp_min(TINY).unsqueeze(1))
-    p.mul_(p.sum(2).clamp_min_(TINY).reciprocal_().mul_(col_mass).unsqueeze(2))
+def _sweep(p: Tensor, rows: Tensor, u: Tensor, live: Tensor | None, col_mass: float, reset: Tensor | None) -> Tensor:
+    """One sweep on ``p`` in place, on the episodes of ``live [E]`` (None: all); returns the new ``u``.
+    A finished episode is divided and multiplied by exactly 1: its values do not change."""
+    if live is None:
+        p.div_(rows.clamp_min(TINY).unsqueeze(1))
+        p.mul_(p.sum(2).clamp_min_(TINY).reciprocal_().mul_(col_mass).unsqueeze(2))
+        if reset is not None:
+            p[:, :, : reset.shape[2]] = reset
+        return rows
+    on = live.unsqueeze(1)
+    p.div_(torch.where(on, rows.clamp_min(TINY), 1.0).unsqueeze(1))
+    p.mul_(torch.where(on, p.sum(2).clamp_min_(TINY).reciprocal_().mul_(col_mass), 1.0).unsqueeze(2))
     if reset is not None:
-        p[:, :, : reset.shape[2]] = reset
+        ns = reset.shape[2]
+        p[:, :, :ns] = torch.where(on.unsqueeze(2), reset, p[:, :, :ns])
+    return torch.where(on, rows, u)
 
 
-def _balance_compacting(p: Tensor, col_mass: float, tol: float, max_iter: int, reset: Tensor | None) -> Tensor:
-    """:func:`balance` on the CPU: the batch shrinks to the episodes still running."""
+def _balance_dropping(p: Tensor, col_mass: float, tol: float, max_iter: int, reset: Tensor | None) -> Tensor:
+    """:func:`balance` on the CPU, where a look at the masks costs nothing: the batch shrinks to the
+    episodes still running whenever a quarter of it has finished (each drop copies the rest)."""
     out = p
-    idx = torch.arange(p.shape[0], device=p.device)
+    idx: Tensor | None = None  # the rows of ``out`` that ``p`` holds, once it is a copy
+    live: Tensor | None = None  # the episodes of ``p`` still running, when some are not
     u = p.new_zeros(p.shape[0], p.shape[2])
     for _ in range(max_iter):
         rows = p.sum(1)
         moved = (u - rows).abs_().amax(1) > tol
-        n = int(moved.sum())
-        if n < p.shape[0]:
-            done = ~moved
-            out[idx[done]] = p[done]
-            if n == 0:
-                return out
-            p, rows, idx = p[moved], rows[moved], idx[moved]
+        if live is not None:
+            moved &= live
+        n = int(moved.count_nonzero())
+        if n == 0:
+            break
+        if n == p.shape[0]:
+            live = None
+        elif 4 * n > 3 * p.shape[0]:
+            live = moved
+        else:
+            keep = moved.nonzero().squeeze(1)
+            if idx is None:  # ``p`` is ``out``: the finished episodes are already in place
+                idx = keep
+            else:
+                gone = (~moved).nonzero().squeeze(1)
+                out.index_copy_(0, idx.index_select(0, gone), p.index_select(0, gone))
+                idx = idx.index_select(0, keep)
+            p, rows, u, live = p.index_select(0, keep), rows.index_select(0, keep), u.index_select(0, keep), None
             if reset is not None:
-                reset = reset[moved]
-        u = rows
-        _sweep(p, rows, col_mass, reset)
-    out[idx] = p
+                reset = reset.index_select(0, keep)
+        u = _sweep(p, rows, u, live, col_mass, reset)
+    if idx is not None:
+        out.index_copy_(0, idx, p)
     return out
 
 
@@ -154,15 +188,15 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PTMapConfig) -> floa
 def pt_map(batch: EpisodeBatch, cfg: PTMapConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final plan's rows, normalised); state
     ``prototypes [E, way, D]`` (in the transformed space) and ``assignments [E, Nq, way]``."""
-    z_s, z_q = preprocess(batch.support, batch.query, cfg.beta)
+    z = preprocess(batch.support, batch.query, cfg.beta)
     way = batch.way
-    col = z_q.shape[1] / way
-    y_t = one_hot(batch.support_labels, way, z_s.dtype).transpose(1, 2)  # [E, K, Ns]
-    span = RowSpan(torch.cat([z_s, z_q], 1), z_s.shape[1], way, cfg.steps + 1, cfg.steps)
+    col = batch.query.shape[1] / way
+    y_t = one_hot(batch.support_labels, way, z.dtype).transpose(1, 2)  # [E, K, Ns]
+    span = RowSpan(z, batch.support.shape[1], way, cfg.steps + 1, cfg.steps)
     support = span.support_sum(y_t)
     counts = y_t.sum(2, keepdim=True)  # [E, K, 1], >= 1 (every class has a support point)
     mu = support / counts
-    q2 = row_sqnorm(z_q).transpose(1, 2)  # [E, 1, Nq]
+    q2 = row_sqnorm(span.z_q).transpose(1, 2)  # [E, 1, Nq]
 
     def plan_of(mu: Tensor) -> Tensor:  # [E, K, Nq]
         dots, sq = span.scores(mu)
