@@ -21,6 +21,15 @@ Part 2 (throughput): each method's episodes/s on the standard workload (D=640, 5
 against one episode at a time, same configuration. The batched run must not be slower per episode.
 ``--tp-methods`` limits it to some rows (e.g. ``alpha-tim,paddle,bms,proto-lp``).
 
+Part 3 (``--roofline``): each method of ``--methods`` (default PT-MAP, PEMnE-BMS, protoLP, PADDLE)
+on one thread, as each CPU worker of ``evaluate`` runs it, on the chunk ``evaluate`` picks: episodes/s,
+the registered FLOPs per episode, the GFLOP/s reached and their share of a large matmul's rate
+measured in the same run; for the Sinkhorn methods, the share of the time in the Sinkhorn sweeps,
+the sweeps per episode and their time against that of the cheapest torch pass over the same bytes.
+On the standard workload (D=640) and a demo-like 64-d set (``--roofline-cache FILE``: a cache's test
+split, e.g. the demo's conv4 features; else post-ReLU clustered features).
+
+    python benchmarks/transductive.py --skip-accuracy --skip-throughput --roofline --methods pt-map,paddle
     python benchmarks/transductive.py                   # full: 500 episodes per setting (~10 min, 2 quiet cores)
     python benchmarks/transductive.py --quick           # 20 episodes, balanced and kappa=1, small throughput run
     python benchmarks/transductive.py --cache cache/glyphs/conv4_64.h5 --episodes 2000 --device cuda
@@ -359,6 +368,228 @@ def throughput_table(tp: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------ part 3: the roofline per method
+
+ROOFLINE_METHODS = "pt-map,bms,proto-lp,paddle"
+
+
+def demo_like_batch(n: int, dim: int = 64, shot: int = 1, seed: int = 0) -> EpisodeBatch:
+    """``n`` standard episodes (5-way, 15 queries per class) of post-ReLU clustered features, tighter
+    than :func:`standard_batch`'s: like the demo's conv4 features (64-d, many exact zeros, classes
+    well apart), on which PT-MAP's Sinkhorn needs ten times more sweeps than on 640-d random ones."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(n, 5, dim, generator=g)
+
+    def around(k: int) -> torch.Tensor:
+        x = (centres.unsqueeze(2) + torch.randn(n, 5, k, dim, generator=g)).clamp_min(0)
+        return torch.nn.functional.normalize(x, dim=-1).reshape(n, 5 * k, dim)
+
+    labels = torch.arange(5).repeat_interleave(shot).expand(n, -1).contiguous()
+    return EpisodeBatch(around(shot), labels, around(15), None, 5)
+
+
+def cache_batch(path: str, n: int, shot: int, seed: int = 0) -> EpisodeBatch:
+    """``n`` standard episodes drawn from the ``test`` split of a feature cache."""
+    from poodle.episodes import EpisodeSpec, sample_episodes
+
+    test = read_split(path, "test")
+    eps = sample_episodes(test.labels, EpisodeSpec(way=5, shot=shot, query=QUERY, seed=seed), n)
+    return EpisodeBatch(test.features[eps.support], eps.support_labels, test.features[eps.query], None, 5)
+
+
+def _best_seconds(fn, min_seconds: float, repeats: int) -> float:
+    """Seconds per call of ``fn``: best of ``repeats`` timings of enough calls to last ``min_seconds``."""
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-6)
+    calls = max(1, math.ceil(min_seconds / once))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def matmul_rate(n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a large float32 matmul on this thread count (the roofline)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2.0 * n**3 / _best_seconds(lambda: a @ b, 0.3, repeats)
+
+
+def pass_seconds(shape: tuple[int, ...], repeats: int = 5) -> tuple[float, float]:
+    """(seconds of one in-place elementwise pass over a float32 tensor of ``shape``, its bandwidth in
+    bytes/s counting a read and a write): the cheapest full pass torch makes at that size."""
+    x = torch.rand(shape)
+    t = _best_seconds(lambda: x.mul_(1.0), 0.2, repeats)
+    return t, 2 * 4 * x.numel() / t
+
+
+class _SweepClock:
+    """Counts and times the Sinkhorn sweeps of PT-MAP / protoLP (``pt_map._sweep``) and PEMnE-BMS
+    (``bms.min_size_sinkhorn``) while installed (absent in older code: then counts nothing)."""
+
+    def __init__(self) -> None:
+        self.episode_sweeps = 0
+        self.seconds = 0.0
+        self.bytes = 0.0
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, module: Any, name: str, count: Any, nbytes: Any) -> None:
+        fn = getattr(module, name, None)
+        if fn is None:
+            return
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            self.seconds += time.perf_counter() - t0
+            self.episode_sweeps += count(*a)
+            self.bytes += nbytes(*a)
+            return out
+
+        self._undo.append((module, name, fn))
+        setattr(module, name, timed)
+
+    def __enter__(self) -> _SweepClock:
+        from poodle.solvers import bms, pt_map
+
+        # bytes per episode-sweep: balance reads p for each of its two sums and reads and writes it
+        # for each of its two scalings (6 K N floats) and makes 8 passes over N-vectors; the min-size
+        # sweep has three sums, two scalings and the guard's add (9 K N)
+        def kn(p: torch.Tensor) -> int:
+            return p.shape[1] * p.shape[2]
+
+        self._wrap(
+            pt_map, "_sweep", lambda p, *a: p.shape[0], lambda p, *a: 4.0 * p.shape[0] * (6 * kn(p) + 8 * p.shape[2])
+        )
+        self._wrap(
+            bms,
+            "min_size_sinkhorn",
+            lambda p, m, n: p.shape[0] * n,
+            lambda p, m, n: 4.0 * p.shape[0] * n * (9 * kn(p) + 4 * p.shape[1]),
+        )
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, name, fn in reversed(self._undo):
+            setattr(module, name, fn)
+
+
+def roofline_cases(args: argparse.Namespace) -> list[tuple[str, int, Any]]:
+    """(label, D, batch maker) of the roofline's feature sets: the standard workload (D=640) and a
+    demo-like 64-d one (``--roofline-cache``'s test split, else :func:`demo_like_batch`)."""
+    cases: list[tuple[str, int, Any]] = [("random 640-d", 640, lambda n, shot: standard_batch(n, 640, shot, seed=1))]
+    if args.roofline_cache:
+        dim = read_split(args.roofline_cache, "test").dim
+        cases.append(
+            (
+                f"{Path(args.roofline_cache).name} {dim}-d",
+                dim,
+                lambda n, shot: cache_batch(args.roofline_cache, n, shot),
+            )
+        )
+    else:
+        cases.append(("demo-like 64-d", 64, lambda n, shot: demo_like_batch(n, 64, shot, seed=1)))
+    return cases
+
+
+def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
+    """Each method of ``--methods`` on one thread (as each CPU worker of ``evaluate`` runs it), on
+    the chunk ``evaluate`` picks for the workload: episodes/s, its registered FLOPs per episode, the
+    GFLOP/s reached and their share of the large-matmul rate measured in the same run; and where a
+    Sinkhorn loop is in the way, the share of the time it takes, its sweeps per episode, the bytes
+    they move and the time the cheapest torch pass over the same tensor would take for them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mm = matmul_rate()
+        rows = []
+        for label, dim, make in roofline_cases(args):
+            chunk = choose_chunk(80, dim, 5, torch.device("cpu"), parse_size("2GiB"))
+            for shot in args.shots:
+                batch = make(chunk, shot)
+                for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
+                    rows.append(_roofline_row(name, label, dim, shot, chunk, batch, args))
+                    print(_roofline_line(rows[-1], mm), file=sys.stderr)
+        mm_after = matmul_rate()
+    finally:
+        torch.set_num_threads(before)
+    return {"matmul_flops": mm, "matmul_flops_after": mm_after, "rows": rows}
+
+
+def _roofline_row(name: str, label: str, dim: int, shot: int, chunk: int, batch: EpisodeBatch, args) -> dict[str, Any]:
+    cfg = solvers.make_config(name, {}, strict=True)
+    info = solvers.get(name)
+    sec = _best_seconds(lambda: info.fn(batch, cfg), args.tp_seconds, args.repeats)
+    with _SweepClock() as clock:  # a separate, instrumented call
+        t0 = time.perf_counter()
+        info.fn(batch, cfg)
+        total = time.perf_counter() - t0
+    flops = info.flops(5 * shot, 5 * QUERY, 0, dim, 5, cfg) if info.flops else float("nan")
+    row = {"method": name, "features": label, "dim": dim, "shot": shot, "chunk": chunk}
+    row |= {"eps_per_s": chunk / sec, "flops_per_episode": flops, "flop_per_s": flops * chunk / sec}
+    if clock.episode_sweeps:
+        # the cheapest in-place pass over the sweep's [E, K, Nq] tensor, at this chunk's size
+        t_pass, bw = pass_seconds((chunk, 5, 5 * QUERY))
+        row |= {
+            "sweep_share": clock.seconds / total,
+            "sweeps_per_episode": clock.episode_sweeps / chunk,
+            "sweep_us": 1e6 * clock.seconds / clock.episode_sweeps,
+            "sweep_bytes": clock.bytes / clock.episode_sweeps,
+            "pass_bandwidth": bw,
+            "bound_us": 1e6 * clock.bytes / clock.episode_sweeps / bw,
+        }
+    return row
+
+
+def _roofline_line(r: dict[str, Any], mm: float) -> str:
+    text = (
+        f"{r['method']:9s} {r['features']:>22s} {r['shot']}-shot chunk {r['chunk']:4d}: {r['eps_per_s']:8.1f} eps/s, "
+        f"{r['flops_per_episode'] / 1e6:7.2f} MFLOP/ep, {r['flop_per_s'] / 1e9:6.2f} GFLOP/s = "
+        f"{100 * r['flop_per_s'] / mm:5.1f}% of matmul"
+    )
+    if "sweep_share" in r:
+        text += (
+            f"; Sinkhorn {100 * r['sweep_share']:.0f}% of the time, {r['sweeps_per_episode']:.0f} sweeps/ep, "
+            f"{r['sweep_us']:.2f} us/sweep/ep vs {r['bound_us']:.2f} us at the pass bandwidth "
+            f"({r['pass_bandwidth'] / 1e9:.1f} GB/s, {r['sweep_bytes'] / 1e3:.1f} kB)"
+        )
+    return text
+
+
+def roofline_table(rf: dict[str, Any]) -> str:
+    mm = rf["matmul_flops"]
+    lines = [
+        f"Large matmul (1024^3 float32, 1 thread): {mm / 1e9:.1f} GFLOP/s before, "
+        f"{rf['matmul_flops_after'] / 1e9:.1f} after.",
+        "",
+        "| method | features | shot | chunk | eps/s (1 thread) | MFLOP/episode | GFLOP/s | % of matmul "
+        "| Sinkhorn share | sweeps/episode | us per episode-sweep | us at pass bandwidth |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rf["rows"]:
+        sweep = (
+            [
+                f"{100 * r['sweep_share']:.0f}%",
+                f"{r['sweeps_per_episode']:.0f}",
+                f"{r['sweep_us']:.2f}",
+                f"{r['bound_us']:.2f}",
+            ]
+            if "sweep_share" in r
+            else ["-"] * 4
+        )
+        cells = [r["method"], r["features"], str(r["shot"]), str(r["chunk"]), f"{r['eps_per_s']:.1f}"]
+        cells += [
+            f"{r['flops_per_episode'] / 1e6:.2f}",
+            f"{r['flop_per_s'] / 1e9:.2f}",
+            f"{100 * r['flop_per_s'] / mm:.1f}",
+        ]
+        lines.append("| " + " | ".join(cells + sweep) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", help="feature cache (HDF5) with 'test' and 'train' splits")
@@ -400,6 +631,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument(
+        "--roofline", action="store_true", help="part 3: each method's GFLOP/s against the matmul rate (one thread)"
+    )
+    ap.add_argument("--methods", default=ROOFLINE_METHODS, help="the roofline's methods (comma-separated)")
+    ap.add_argument("--roofline-cache", help="feature cache whose test split is the roofline's second feature set")
     args = ap.parse_args(argv)
     if args.quick:
         args.episodes, args.tp_single, args.repeats, args.tp_seconds = 20, 2, 2, 0.2
@@ -442,6 +678,10 @@ def main(argv: list[str] | None = None) -> int:
             throughput_table(tp),
             "",
         ]
+    if args.roofline:
+        rf = run_roofline(args)
+        report["roofline"] = rf
+        md += ["Roofline, one thread, the chunk evaluate() picks:", "", roofline_table(rf), ""]
     with atomic_path(out / "transductive.json") as tmp:
         tmp.write_text(json.dumps(report, indent=1))
     with atomic_path(out / "transductive.md") as tmp:

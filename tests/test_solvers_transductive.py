@@ -477,3 +477,78 @@ def test_analytic_gradient_is_autograd_of_the_loss(make_features, name):
     assert torch.allclose(seen["gW"], gw, atol=1e-10, rtol=0)
     assert torch.allclose(seen["gt"], gt.view(-1), atol=1e-10, rtol=0)
     assert seen["rowsum"].abs().max() < 1e-12  # why |x|^2 drops out of dL/dgamma
+
+
+# ------------------------------------------------------------------ PT-MAP / BMS / protoLP / PADDLE internals
+SPAN_METHODS = {"pt-map": {}, "bms": {}, "proto-lp": {"reduced_dim": 0}, "paddle": {}}
+
+
+@pytest.mark.parametrize("gram", [True, False], ids=["gram", "explicit"])
+@pytest.mark.parametrize("name", sorted(SPAN_METHODS))
+def test_both_forms_of_the_centres_match_reference(make_features, monkeypatch, name, gram):
+    # centres held as weights over the episode's rows (Gram form) or explicitly: the same method
+    from poodle.solvers import _span
+
+    monkeypatch.setattr(_span, "FORCE_GRAM", gram)
+    batch, _ = build_batch(make_features, 2, IMBALANCED, seed=11)
+    cfg = config(name, **SPAN_METHODS[name])
+    ref_lp, ref_st = run_reference(name, batch, cfg)
+    assert_matches(name, solvers.run(name, batch, cfg), ref_lp, ref_st)
+
+
+def test_gram_form_is_chosen_by_arithmetic():
+    from poodle.solvers._span import span_flops, use_gram
+
+    assert use_gram(5, 75, 640, 5, 21, 20)  # the standard workload: half the FLOPs
+    assert span_flops(5, 75, 640, 5, 21, 20, True) < 0.6 * span_flops(5, 75, 640, 5, 21, 20, False)
+    assert not use_gram(5, 75, 64, 5, 21, 20)  # more rows than dimensions
+    assert not use_gram(5, 600, 640, 5, 2, 1)  # few steps over many rows
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["plain", "support-reset"])
+def test_sinkhorn_dropping_finished_episodes_matches_the_masked_schedule(monkeypatch, reset):
+    # the CPU drops converged episodes from the batch; other devices mask them and look every 16
+    # sweeps: the same plan, episode by episode (tolerances that stop them at different sweeps)
+    from poodle.solvers import pt_map
+
+    g = torch.Generator().manual_seed(0)
+    cost = (
+        torch.rand(9, 5, 30, generator=g, dtype=torch.float64)
+        * torch.linspace(0.2, 3, 9, dtype=torch.float64)[:, None, None]
+    )
+    y = torch.eye(5, dtype=torch.float64)[torch.arange(10) % 5].T.expand(9, 5, 10) if reset else None
+    p0 = torch.exp(-10 * cost)
+    dropped = pt_map.balance(p0.clone(), 6.0, 1e-9, 300, y)
+    monkeypatch.setattr(pt_map, "DROP_ON_CPU", False)
+    masked = pt_map.balance(p0.clone(), 6.0, 1e-9, 300, y)
+    assert torch.equal(dropped, masked)
+    assert torch.allclose(dropped.sum(1), torch.ones(9, 30, dtype=torch.float64), atol=1e-6)
+    if reset:
+        assert torch.equal(dropped[:, :, :10], y)
+
+
+def test_power_transform_in_place_matches_the_formula():
+    from poodle.solvers.pt_map import power_transform
+
+    x = torch.tensor([[0.0, -0.0, 1e-8, 0.3, -0.3, 2.5, -7.0]])
+    for beta in (0.5, 0.3, 1.0):
+        want = torch.sign(x) * (x.abs() + 1e-6) ** beta + (x == 0).to(x.dtype) * (1e-6**beta)
+        assert torch.equal(power_transform(x, beta), want)
+        out = torch.empty_like(x)
+        assert power_transform(x, beta, out=out) is out and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("n, d", [(12, 30), (30, 12)], ids=["rows<dims", "rows>dims"])
+def test_proto_lp_projection_is_the_svd_projection(n, d):
+    from poodle.solvers.proto_lp import svd_project
+
+    x = torch.rand(3, n, d, generator=torch.Generator().manual_seed(1))
+    got = svd_project(x, 7)
+    vh = torch.linalg.svd(x.double(), full_matrices=False).Vh[:, :7]
+    want = torch.bmm(x.double(), vh.transpose(1, 2))
+    assert got.shape == (3, n, 7) and got.dtype == x.dtype
+    # coordinates up to a sign per direction: the same distances, the same Gram matrix
+    assert torch.allclose(
+        torch.bmm(got, got.transpose(1, 2)).double(), torch.bmm(want, want.transpose(1, 2)), atol=1e-5
+    )
+    assert torch.allclose(got.double().abs(), want.abs(), atol=1e-5)

@@ -54,7 +54,9 @@ class RowSpan:
     """The rows ``z [E, N, D]`` of a batch of episodes, support first (``n_s`` of them), and the form
     in which centres are held (see the module docstring). A *state* is a ``[E, K, D]`` tensor
     (explicit) or a ``[E, K, N]`` one (Gram); ``scores`` and ``sums`` are the numbers of score
-    evaluations and of query-weighted sums the caller will make (they pick the form)."""
+    evaluations and of query-weighted sums the caller will make (they pick the form; ``gram``
+    forces one). With ``centre``, the Gram form takes its products relative to the queries' mean
+    (for methods that only see differences of squared distances; ``z`` is then changed in place)."""
 
     def __init__(
         self, z: Tensor, n_s: int, k: int, scores: int, sums: int, gram: bool | None = None, centre: bool = False
@@ -65,10 +67,11 @@ class RowSpan:
         self.origin: Tensor | None = None
         if self.gram:
             if centre:
-                # products relative to the queries' mean: the Gram entries are then of the size of
-                # the spread, not of the offset, and so are their rounding errors
+                # products relative to the queries' mean (``z`` is centred in place): the Gram
+                # entries are then of the size of the spread, not of the offset, and so are their
+                # rounding errors
                 self.origin = self.z_q.mean(1, keepdim=True)
-                self.z = z - self.origin
+                z.sub_(self.origin)
             self.g = torch.bmm(self.z, self.z.transpose(1, 2))  # [E, N, N]
 
     def support_sum(self, w_s: Tensor) -> Tensor:
@@ -82,6 +85,18 @@ class RowSpan:
         if self.gram:
             return F.pad(w_q, (self.n_s, 0))
         return torch.bmm(w_q, self.z_q)
+
+    def mean(self, w_s: Tensor, w_q: Tensor, den: Tensor, support: Tensor | None = None) -> Tensor:
+        """The state of ``(w_s z_s + w_q z_q) / den``: ``w_s [E, K, Ns]``, ``w_q [E, K, Nq]``,
+        ``den [E, K, 1]``; ``support`` is ``support_sum(w_s)`` when the caller holds it."""
+        if self.gram:
+            out = w_q.new_empty(*w_q.shape[:2], self.z.shape[1])
+            torch.div(w_s, den, out=out[:, :, : self.n_s])
+            torch.div(w_q, den, out=out[:, :, self.n_s :])
+            return out
+        if support is None:
+            support = self.support_sum(w_s)
+        return torch.bmm(w_q, self.z_q).add_(support).div_(den)
 
     def sum(self, w: Tensor) -> Tensor:
         """The state of ``w z`` over all rows: ``w [E, K, N]``."""

@@ -52,13 +52,16 @@ class PaddleConfig:
     scale_features: bool = True  # the authors' per-episode min-max scaling over the queries
 
 
-def minmax_scale(z_s: Tensor, z_q: Tensor) -> tuple[Tensor, Tensor]:
+def minmax_scale(z_s: Tensor, z_q: Tensor) -> Tensor:
     """Per episode and dimension, map the query set onto ``[0, 1]`` and the support set with the same
-    affine map. ``[E, N, D]`` each."""
+    affine map: ``z_s [E, Ns, D]``, ``z_q [E, Nq, D]`` -> both stacked, ``[E, Ns + Nq, D]``."""
     lo = z_q.amin(1, keepdim=True)
     rng = z_q.amax(1, keepdim=True) - lo
     rng = torch.where(rng == 0, torch.ones_like(rng), rng)
-    return (z_s - lo) / rng, (z_q - lo) / rng
+    z = z_q.new_empty(z_q.shape[0], z_s.shape[1] + z_q.shape[1], z_q.shape[2])
+    torch.sub(z_s, lo, out=z[:, : z_s.shape[1]])
+    torch.sub(z_q, lo, out=z[:, z_s.shape[1] :])
+    return z.div_(rng)
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PaddleConfig) -> float:
@@ -75,13 +78,14 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PaddleConfig) -> flo
 def paddle(batch: EpisodeBatch, cfg: PaddleConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final assignments ``u``); state ``prototypes
     [E, way, D]`` (in the scaled space) and ``assignments [E, Nq, way]``."""
-    z_s, z_q = batch.support, batch.query
+    n_s, n_q, way = batch.support.shape[1], batch.query.shape[1], batch.way
     if cfg.scale_features:
-        z_s, z_q = minmax_scale(z_s, z_q)
-    n_q, way = z_q.shape[1], batch.way
+        z = minmax_scale(batch.support, batch.query)
+    else:
+        z = torch.cat([batch.support, batch.query], 1)
     coef = (cfg.lmd if cfg.lmd > 0 else float(n_q)) / n_q
-    y_t = one_hot(batch.support_labels, way, z_s.dtype).transpose(1, 2)  # [E, K, Ns]
-    span = RowSpan(torch.cat([z_s, z_q], 1), z_s.shape[1], way, cfg.steps, cfg.steps, centre=True)
+    y_t = one_hot(batch.support_labels, way, z.dtype).transpose(1, 2)  # [E, K, Ns]
+    span = RowSpan(z, n_s, way, cfg.steps, cfg.steps, centre=True)
     ys_t_zs = span.support_sum(y_t)
     n_s = y_t.sum(2, keepdim=True)  # [E, K, 1], >= 1 per class
     w = ys_t_zs / n_s
@@ -92,7 +96,7 @@ def paddle(batch: EpisodeBatch, cfg: PaddleConfig) -> SolverOutput:
         logits = dots.add_(sq.mul_(-0.5).unsqueeze(2))  # [E, K, Nq]: <z_q, w_k> - ||w_k||^2 / 2
         u = torch.softmax(logits if v is None else logits.add_(v), 1)
         v = u.mean(2, keepdim=True).add_(1e-6).log_().add_(1.0).mul_(coef)  # coef * v, [E, K, 1]
-        w = (span.query_sum(u) + ys_t_zs) / (u.sum(2, keepdim=True) + n_s)
+        w = span.mean(y_t, u, u.sum(2, keepdim=True).add_(n_s), support=ys_t_zs)
     assert u is not None  # cfg.steps >= 1
     u = u.transpose(1, 2).contiguous()
     return SolverOutput(
