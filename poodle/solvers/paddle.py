@@ -87,8 +87,8 @@ def paddle(batch: EpisodeBatch, cfg: PaddleConfig) -> SolverOutput:
     y_t = one_hot(batch.support_labels, way, z.dtype).transpose(1, 2)  # [E, K, Ns]
     span = RowSpan(z, n_s, way, cfg.steps, cfg.steps, centre=True)
     ys_t_zs = span.support_sum(y_t)
-    n_s = y_t.sum(2, keepdim=True)  # [E, K, 1], >= 1 per class
-    w = ys_t_zs / n_s
+    counts = y_t.sum(2, keepdim=True)  # [E, K, 1], >= 1 per class
+    w = ys_t_zs / counts
     v = None
     u = None
     for _ in range(cfg.steps):
@@ -96,7 +96,7 @@ def paddle(batch: EpisodeBatch, cfg: PaddleConfig) -> SolverOutput:
         logits = dots.add_(sq.mul_(-0.5).unsqueeze(2))  # [E, K, Nq]: <z_q, w_k> - ||w_k||^2 / 2
         u = torch.softmax(logits if v is None else logits.add_(v), 1)
         v = u.mean(2, keepdim=True).add_(1e-6).log_().add_(1.0).mul_(coef)  # coef * v, [E, K, 1]
-        w = span.mean(y_t, u, u.sum(2, keepdim=True).add_(n_s), support=ys_t_zs)
+        w = span.mean(y_t, u, u.sum(2, keepdim=True).add_(counts), support=ys_t_zs)
     assert u is not None  # cfg.steps >= 1
     u = u.transpose(1, 2).contiguous()
     return SolverOutput(
