@@ -552,3 +552,20 @@ def test_proto_lp_projection_is_the_svd_projection(n, d):
         torch.bmm(got, got.transpose(1, 2)).double(), torch.bmm(want, want.transpose(1, 2)), atol=1e-5
     )
     assert torch.allclose(got.double().abs(), want.abs(), atol=1e-5)
+
+
+def test_bms_min_size_sinkhorn_skips_its_guard_only_where_it_changes_nothing():
+    from poodle.solvers.bms import min_size_sinkhorn
+
+    g = torch.Generator().manual_seed(2)
+    p = torch.softmax(torch.randn(6, 5, 40, generator=g) * 4, 1)  # float32, entries far above 1e-13
+    p[0, 2] = 0.0  # an empty class: the guard's sum must be taken there
+    target = torch.tensor([3.0, 8.0, 1.0, 5.0, 7.0, 2.0])
+
+    want = p.clone()  # the authors' sweep, the guard always summed
+    for _ in range(30):
+        want = want / want.sum(1, keepdim=True)
+        small = want.sum(2, keepdim=True) < target[:, None, None]
+        want = torch.where(small, want / ((want + 1e-20).sum(2, keepdim=True) / target[:, None, None]), want)
+    assert torch.equal(min_size_sinkhorn(p.clone(), target, 30), want)
+    assert torch.equal(min_size_sinkhorn(p[1:].clone(), target[1:], 30), want[1:])

@@ -91,10 +91,10 @@ DROP_ON_CPU = True
 
 
 def sinkhorn(cost: Tensor, lam: float, col_mass: float, tol: float, max_iter: int) -> Tensor:
-    """Entropic OT plan ``[E, K, N]`` for ``cost [E, K, N]`` (classes first): every sample (column)
-    carries mass 1, every class (row) receives ``col_mass``. Each episode stops once its samples'
+    """Entropic OT plan ``[E, K, N]`` for ``cost [E, K, N]`` (classes first; overwritten: the plan
+    is written there): every sample (column) carries mass 1, every class (row) receives ``col_mass``. Each episode stops once its samples'
     masses moved by at most ``tol`` in one sweep."""
-    p = torch.exp(cost.mul(-lam))
+    p = cost.mul_(-lam).exp_()  # the caller's temporary
     p.div_(p.sum((1, 2), keepdim=True).clamp_min_(TINY))
     return balance(p, col_mass, tol, max_iter)
 
