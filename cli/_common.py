@@ -77,13 +77,31 @@ def say_error(error: PoodleError) -> None:
     console.print(styled("error:", "bold red", " " + text), soft_wrap=True)
 
 
+def check_paths(ctx: click.Context | None) -> None:
+    """Every path the command was given (its ``click.Path`` options and arguments) must resolve
+    (:func:`poodle.utils.resolve_path`): a symbolic link loop or a file used as a folder is one
+    error naming the option, before any work."""
+    if ctx is None:
+        return
+    from poodle.utils import resolve_path
+
+    for p in ctx.command.params:
+        value = ctx.params.get(p.name or "")
+        if not isinstance(p.type, click.Path) or value is None:
+            continue
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if v is not None and str(v) != "-":  # an argument has no flag: named as its help shows it
+                resolve_path(v, p.name if isinstance(p, click.Option) else None, p.human_readable_name)
+
+
 def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a :class:`PoodleError` into ``error: <message>`` on stderr (library parameter names
-    written as flags) and exit code 1."""
+    """Check the command's paths (:func:`check_paths`), then turn a :class:`PoodleError` into
+    ``error: <message>`` on stderr (library parameter names written as flags) and exit code 1."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            check_paths(click.get_current_context(silent=True))
             return fn(*args, **kwargs)
         except PoodleError as e:
             if getattr(e, "quiet", False):  # another rank of a torchrun run failed and printed its error
@@ -91,10 +109,10 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             say_error(e)
             sys.exit(1)
         except OSError as e:
-            # what the checks up front could not foresee (disk full, permissions changed mid-run): one
-            # line naming the file, not a traceback from deep inside h5py or PIL
+            # what the checks up front could not foresee (permissions changed mid-run): one line
+            # naming the file, not a traceback from deep inside h5py or PIL
             where = (
-                f" {e.filename}" + (f" -> {e.filename2}" if getattr(e, "filename2", None) else "")
+                f" {e.filename}" + (f" -> {e.filename2}" if getattr(e, "filename2", None) else "") + ":"
                 if getattr(e, "filename", None)
                 else ""
             )

@@ -47,8 +47,10 @@ def describe(event: Any) -> str | None:
     if isinstance(event, SplitReused):
         return f"{event.split}: already complete in {event.path}, skipped"
     if isinstance(event, SplitResumed):
-        where = f" already staged in {event.files} files" if event.files > 1 else ""
-        return f"{event.split}: resuming after image {event.done} of {event.total}{where}"
+        if event.shares is None:
+            return f"{event.split}: resuming after image {event.done} of {event.total}"
+        files = count(event.shares, "file")
+        return f"{event.split}: resuming, {event.done} of {event.total} images already staged in {files}"
     return None
 
 

@@ -119,23 +119,26 @@ def report(
         text = None
     if text is not None:
         if out is not None:
-            from poodle.utils import atomic_path
+            from poodle.utils import atomic_write
 
-            with atomic_path(out) as tmp:
-                tmp.write_text(text)
+            atomic_write(out, text)
             console.print(f"wrote {out}", highlight=False)
         else:
             click.echo(text, nl=not text.endswith("\n"))
         return
     if out is not None:
+        import io
+
         from rich.console import Console
 
-        rich_table = render_table(table, width=200)
-        with open(out, "w") as f:
-            c = Console(file=f, width=200, markup=False, highlight=False)
-            c.print(rich_table)
-            for note in table.notes:
-                c.print(note, highlight=False)
+        from poodle.utils import atomic_write
+
+        buf = io.StringIO()  # written whole under a temporary name: an old report is replaced or kept
+        c = Console(file=buf, width=200, markup=False, highlight=False)
+        c.print(render_table(table, width=200))
+        for note in table.notes:
+            c.print(note, highlight=False)
+        atomic_write(out, buf.getvalue())
         console.print(f"wrote {out}", highlight=False)
     else:
         stdout.print(render_table(table))

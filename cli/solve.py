@@ -223,8 +223,9 @@ class _ListsMethods(click.Command):
     "--max-memory",
     default=None,
     type=SizeType(),
-    help=f"Bound on the working set of the chunks in flight (sets the chunk size) "
-    f"[{defaults.MAX_MEMORY} on CPU; 80% of the free memory on CUDA].",
+    help=f"Bound on the memory a call holds (features, negative pool, chunks in flight; on CPU also the "
+    f"episodes drawn in advance); sets the chunk size [{defaults.MAX_MEMORY} for the chunks on CPU; 80% of "
+    f"the free memory on CUDA].",
 )
 @click.option(
     "--workers",

@@ -11,7 +11,7 @@ from poodle.cli._common import console, friendly_errors, out
 @click.option(
     "--data-root",
     required=True,
-    type=click.Path(file_okay=False, exists=True),
+    type=click.Path(file_okay=False),
     help="A folder of class folders: <root>/<class>/<image>.",
 )
 @click.option(

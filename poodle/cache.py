@@ -41,7 +41,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import h5py
 import numpy as np
@@ -49,7 +49,7 @@ import torch
 
 from poodle import __version__, prefetch
 from poodle.errors import CacheError
-from poodle.utils import atomic_path
+from poodle.utils import FailSafeFile, atomic_path, resolve_path, write_errno, write_error
 
 FORMAT = "poodle-features"
 VERSION = 2
@@ -136,6 +136,7 @@ class _Reader:
         self.path = Path(path)
 
     def __enter__(self) -> h5py.File:
+        resolve_path(self.path, what="cache")
         if not self.path.exists():
             raise CacheError(f"{self.path}: no such cache file")
         if self.path.is_dir():
@@ -601,6 +602,67 @@ def cache_lock(cache_path: str | os.PathLike) -> Iterator[None]:
         os.close(fd)  # closing releases the flock
 
 
+def _lock_or_fail(fd: int, path: Path) -> None:
+    """Lock the open staging file ``fd`` for this process (``flock``, not waiting): a CacheError
+    when another process holds it."""
+    try:
+        import fcntl  # POSIX only: imported here so that the module loads elsewhere
+    except ImportError:  # not POSIX: no inter-process lock available
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise CacheError(
+            f"{path}: in use by another process (is another `poodle extract` writing this cache?)"
+        ) from None
+
+
+def replace_with_copy(
+    cache_path: Path,
+    split: str,
+    root_attrs: Mapping[str, Any],
+    fill: Callable[[h5py.Group], None],
+    *,
+    fresh: bool = False,
+    staged: str = "",
+) -> None:
+    """Put split ``split`` into the cache atomically: a copy of the cache (a new file with
+    ``root_attrs`` when the cache is absent or ``fresh``) under a name unique to this process gets
+    the group, which ``fill`` writes; the split is validated and the copy renamed over the cache.
+    The caller holds :func:`cache_lock`. Written through a :class:`~poodle.utils.FailSafeFile`: a
+    failed write (a full disk) is a :class:`~poodle.errors.WriteError` naming the cache, which is
+    then as it was (the copy is removed; ``staged``: where the split stays for a re-run)."""
+    tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    kept = "is as it was" if cache_path.exists() and not fresh else "was not made"
+    outcome = f"the cache {kept}" + (f"; split {split!r} stays staged in {staged} for a re-run" if staged else "")
+    io_: FailSafeFile | None = None
+    try:
+        copied = cache_path.exists() and not fresh
+        if copied:
+            shutil.copyfile(cache_path, tmp)
+        io_ = FailSafeFile(tmp, "r+" if copied else "w+")
+        with h5py.File(io_, "r+" if copied else "w") as f:
+            if not copied:
+                _set_attrs(f, root_attrs)
+            if split in f:
+                del f[split]
+            fill(f.create_group(split))
+            f.flush()
+            io_.check(cache_path, outcome)  # before reading back what may not have been written
+            _validate_split(f[split], tmp, split)
+        io_.close()
+        io_.check(cache_path, outcome)
+        os.replace(tmp, cache_path)
+    except BaseException as e:
+        if io_ is not None:
+            io_.close()
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(e, OSError) and write_errno(e) is not None:  # copying the cache
+            raise write_error(cache_path, e, outcome) from e
+        raise
+
+
 class SplitWriter:
     """Streams one split into its staging file, batch by batch, and commits it into the cache.
 
@@ -652,6 +714,7 @@ class SplitWriter:
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.f: h5py.File | None = None
+        self._io: FailSafeFile | None = None
         self.resumed = False
         if not restart and self.path.exists():
             self.resumed = self._try_resume()
@@ -660,14 +723,30 @@ class SplitWriter:
 
     # -- opening
     def _open(self, mode: str) -> h5py.File:
+        """The staging file, existing (``a``) or made empty (``w``), locked for this process and
+        opened through a :class:`~poodle.utils.FailSafeFile`: HDF5 never sees a failed write (a
+        full disk), which :meth:`_check` then reports."""
+        fd = os.open(self.path, os.O_RDWR | (os.O_CREAT if mode == "w" else 0), 0o666)
         try:
-            return h5py.File(self.path, mode)
-        except OSError as e:
-            if "lock" in str(e).lower():
-                raise CacheError(
-                    f"{self.path}: in use by another process (is another `poodle extract` writing this cache?)"
-                ) from None
+            _lock_or_fail(fd, self.path)
+            if mode == "w":  # emptied only once locked: never under another process writing it
+                os.ftruncate(fd, 0)
+            io_ = FailSafeFile(fd, "r+")
+        except BaseException:
+            os.close(fd)
             raise
+        try:
+            f = h5py.File(io_, "r+" if mode == "a" else "w")
+        except BaseException:
+            io_.close()
+            raise
+        self._io = io_
+        return f
+
+    def _check(self, outcome: str) -> None:
+        """The :class:`~poodle.errors.WriteError` of the staging file when a write to it failed."""
+        if self._io is not None:
+            self._io.check(self.path, outcome)
 
     def _try_resume(self) -> bool:
         try:
@@ -713,7 +792,8 @@ class SplitWriter:
         except Exception:  # noqa: BLE001 - any damage means: start this split again
             ok = False
         if not ok:
-            f.close()
+            self.f = f
+            self.close()
             self.path.unlink()
             return False
         self.f = f
@@ -721,8 +801,6 @@ class SplitWriter:
         return True
 
     def _create(self) -> None:
-        if self.path.exists():
-            self.path.unlink()
         f = self._open("w")
         _set_attrs(f, {"format": PARTIAL_FORMAT, **self._key})
         self._state = np.zeros(3 + self.dim, dtype=np.float64)
@@ -740,6 +818,7 @@ class SplitWriter:
         g.create_dataset("skipped", shape=(0,), maxshape=(None,), dtype=STRING, chunks=(256,))
         f.flush()
         self.f = f
+        self._check("nothing else was changed")
 
     # -- state
     @property
@@ -781,6 +860,20 @@ class SplitWriter:
         n_consumed = b + len(skipped) if n_consumed is None else int(n_consumed)
         if n_consumed != b + len(skipped):
             raise CacheError(f"batch covers {n_consumed} images but holds {b} rows and {len(skipped)} skipped")
+        self._append(raw, labels, paths, n_consumed, skipped)
+        # on disk the state head still points at the last whole batch: a re-run resumes from there
+        self._check("the batches written before are kept for a re-run to resume from")
+
+    def _append(
+        self,
+        raw: np.ndarray,
+        labels: Sequence[int] | np.ndarray,
+        paths: Sequence[str],
+        n_consumed: int,
+        skipped: Sequence[str],
+    ) -> None:
+        assert self.f is not None, "writer is closed"
+        b = raw.shape[0]
         f, g = self.f, self.f[self.split]
         n0 = self.n_rows
         if b:
@@ -814,9 +907,14 @@ class SplitWriter:
         self._state, self._slot = state, slot
 
     def close(self) -> None:
+        """Close the staging file (what HDF5 still holds is written; a write that fails leaves the
+        file as a killed process would: a re-run resumes after the last whole batch)."""
         if self.f is not None:
             self.f.close()
             self.f = None
+        if self._io is not None:
+            self._io.close()  # also releases the lock
+            self._io = None
 
     def reopen(self) -> None:
         """Open the staging file again after :meth:`close` (e.g. once DataLoader workers are forked,
@@ -845,62 +943,56 @@ class SplitWriter:
         assert self.f is not None, "writer is closed"
         if self.n_consumed != self.n_total:
             raise CacheError(f"split {self.split!r}: only {self.n_consumed} of {self.n_total} images done")
-        src_f = self.f
-        n, name = self.n_rows, self.split
-        # A name unique to this process and call: two committing processes never share a temporary.
-        tmp = self.cache_path.with_name(f"{self.cache_path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        name = self.split
         with cache_lock(self.cache_path):
-            try:
-                # Re-read under the lock: another process may have committed a split since this one began.
-                if self.cache_path.exists() and not fresh:
-                    try:
-                        now = read_attrs(self.cache_path)
-                    except CacheError as e:
-                        raise CacheError(f"{e}; it changed while this split was extracted") from None
-                    mism = identity_mismatches(now, self.root_attrs)
-                    if mism:
-                        raise CacheError(
-                            f"{self.cache_path} was replaced while split {name!r} was extracted "
-                            f"and now holds features made with {'; '.join(mism)}"
-                        )
-                    shutil.copyfile(self.cache_path, tmp)
-                    dst_f = h5py.File(tmp, "a")
-                else:
-                    dst_f = h5py.File(tmp, "w")
-                    _set_attrs(dst_f, self.root_attrs)
-                with dst_f:
-                    if name in dst_f:
-                        del dst_f[name]
-                    src, dst = src_f[name], dst_f.create_group(name)
-                    fd = dst.create_dataset("features", shape=(n, self.dim), dtype=self.dtype)
-                    ld = dst.create_dataset("labels", shape=(n,), dtype=np.int64)
-                    pd = dst.create_dataset("paths", shape=(n,), dtype=STRING)
-                    nd = dst.create_dataset("norms", shape=(n,), dtype=np.float32)
-                    for a in range(0, n, _ROWS_PER_BLOCK):
-                        b = min(n, a + _ROWS_PER_BLOCK)
-                        fd[a:b] = src["features"][a:b]
-                        nd[a:b] = src["norms"][a:b]
-                        ld[a:b] = src["labels"][a:b]
-                        pd[a:b] = src["paths"].asstr()[a:b]
-                    dst.create_dataset("classes", data=np.array(self.classes, dtype=object), dtype=STRING)
-                    raw_mean = self._state[3:] / n if n else np.zeros(self.dim)
-                    dst.attrs["n_images"] = n
-                    dst.attrs["feature_dim"] = self.dim
-                    _set_vector(dst, "raw_mean", raw_mean.astype(np.float32))
-                    dst.attrs.create("samples_sha256", self._key["samples_sha256"], dtype=STRING)
-                    _set_skipped(dst, _strings(src["skipped"])[: self.n_skipped] if self.n_skipped else [])
-                    if extra_attrs:
-                        _set_attrs(dst, extra_attrs)
-                    dst.attrs["complete"] = True
-                    _validate_split(dst, tmp, name)
-                os.replace(tmp, self.cache_path)
-            except BaseException:
-                if tmp.exists():
-                    tmp.unlink()
-                raise
+            # Re-read under the lock: another process may have committed a split since this one began.
+            if self.cache_path.exists() and not fresh:
+                try:
+                    now = read_attrs(self.cache_path)
+                except CacheError as e:
+                    raise CacheError(f"{e}; it changed while this split was extracted") from None
+                mism = identity_mismatches(now, self.root_attrs)
+                if mism:
+                    raise CacheError(
+                        f"{self.cache_path} was replaced while split {name!r} was extracted "
+                        f"and now holds features made with {'; '.join(mism)}"
+                    )
+            replace_with_copy(
+                self.cache_path,
+                name,
+                self.root_attrs,
+                lambda dst: self._write_split(dst, extra_attrs),
+                fresh=fresh,
+                staged=str(self.path),
+            )
         self.close()
         self.path.unlink()
         return self.cache_path
+
+    def _write_split(self, dst: h5py.Group, extra_attrs: Mapping[str, Any] | None) -> None:
+        """The staged split, complete, into the group ``dst`` of the cache's copy."""
+        assert self.f is not None, "writer is closed"
+        src, n = self.f[self.split], self.n_rows
+        fd = dst.create_dataset("features", shape=(n, self.dim), dtype=self.dtype)
+        ld = dst.create_dataset("labels", shape=(n,), dtype=np.int64)
+        pd = dst.create_dataset("paths", shape=(n,), dtype=STRING)
+        nd = dst.create_dataset("norms", shape=(n,), dtype=np.float32)
+        for a in range(0, n, _ROWS_PER_BLOCK):
+            b = min(n, a + _ROWS_PER_BLOCK)
+            fd[a:b] = src["features"][a:b]
+            nd[a:b] = src["norms"][a:b]
+            ld[a:b] = src["labels"][a:b]
+            pd[a:b] = src["paths"].asstr()[a:b]
+        dst.create_dataset("classes", data=np.array(self.classes, dtype=object), dtype=STRING)
+        raw_mean = self._state[3:] / n if n else np.zeros(self.dim)
+        dst.attrs["n_images"] = n
+        dst.attrs["feature_dim"] = self.dim
+        _set_vector(dst, "raw_mean", raw_mean.astype(np.float32))
+        dst.attrs.create("samples_sha256", self._key["samples_sha256"], dtype=STRING)
+        _set_skipped(dst, _strings(src["skipped"])[: self.n_skipped] if self.n_skipped else [])
+        if extra_attrs:
+            _set_attrs(dst, extra_attrs)
+        dst.attrs["complete"] = True
 
     def discard(self) -> None:
         """Close and delete the staging file."""

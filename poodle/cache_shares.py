@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -37,14 +35,13 @@ from poodle.cache import (
     PARTIAL_FORMAT,
     STRING,
     SplitWriter,
-    _set_attrs,
     _set_skipped,
     _set_vector,
     _strings,
     _text,
-    _validate_split,
     cache_lock,
     partial_path,
+    replace_with_copy,
 )
 from poodle.errors import CacheError
 
@@ -337,42 +334,35 @@ def commit_shares(
     """
     cache_path = Path(cache_path)
     parts = _tiling(split, covered, n_split)
-    # a name unique to this process; commits into one cache are serialised by its lock (poodle.cache)
-    tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     files = [h5py.File(c.path, "r") for c in parts]
-    lock = cache_lock(cache_path)
-    lock.__enter__()
-    try:
+    done: dict[str, Any] = {}
+
+    def fill(dst: h5py.Group) -> None:
         staged = [_Staged(c, f, _committed_state(c, f, dim)) for c, f in zip(parts, files)]
         n = sum(s.rows for s in staged)
-        with _open_copy(cache_path, tmp, root_attrs, fresh) as dst_f:
-            if split in dst_f:
-                del dst_f[split]
-            dst = dst_f.create_group(split)
-            total, skipped = _merge_rows(dst, staged, split, n, dim, FEATURE_DTYPES[dtype], batch_size)
-            labels = dst["labels"][()]
-            if labels.size and (labels.min() < 0 or labels.max() >= len(classes)):
-                raise CacheError(f"split {split!r}: staged labels outside the {len(classes)} classes")
-            dst.create_dataset("classes", data=np.array(list(classes), dtype=object), dtype=STRING)
-            dst.attrs["n_images"] = n
-            dst.attrs["feature_dim"] = dim
-            _set_vector(dst, "raw_mean", (total / n if n else np.zeros(dim)).astype(np.float32))
-            dst.attrs.create("samples_sha256", samples_sha256, dtype=STRING)
-            _set_skipped(dst, skipped)
-            dst.attrs["complete"] = True
-            _validate_split(dst, tmp, split)
-        os.replace(tmp, cache_path)
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
-        raise
+        total, skipped = _merge_rows(dst, staged, split, n, dim, FEATURE_DTYPES[dtype], batch_size)
+        labels = dst["labels"][()]
+        if labels.size and (labels.min() < 0 or labels.max() >= len(classes)):
+            raise CacheError(f"split {split!r}: staged labels outside the {len(classes)} classes")
+        dst.create_dataset("classes", data=np.array(list(classes), dtype=object), dtype=STRING)
+        dst.attrs["n_images"] = n
+        dst.attrs["feature_dim"] = dim
+        _set_vector(dst, "raw_mean", (total / n if n else np.zeros(dim)).astype(np.float32))
+        dst.attrs.create("samples_sha256", samples_sha256, dtype=STRING)
+        _set_skipped(dst, skipped)
+        dst.attrs["complete"] = True
+        done.update(n=n, skipped=len(skipped))
+
+    try:
+        # commits into one cache are serialised by its lock (poodle.cache)
+        with cache_lock(cache_path):
+            replace_with_copy(cache_path, split, root_attrs, fill, fresh=fresh, staged="its share files")
     finally:
-        lock.__exit__(None, None, None)
         for f in files:
             f.close()
     for c in parts:
         c.path.unlink()
-    return n, len(skipped)
+    return done["n"], done["skipped"]
 
 
 def _tiling(split: str, covered: Sequence[Covered], n_split: int) -> list[Covered]:
@@ -393,17 +383,6 @@ def _committed_state(c: Covered, f: h5py.File, dim: int) -> np.ndarray:
     if state is None:
         raise CacheError(f"{c.path}: its state is damaged; delete it and run again")
     return state
-
-
-def _open_copy(cache_path: Path, tmp: Path, root_attrs: Mapping[str, Any], fresh: bool) -> h5py.File:
-    """``tmp`` opened for writing: a copy of the cache, or a new file with ``root_attrs`` when the
-    cache is absent or ``fresh``."""
-    if cache_path.exists() and not fresh:
-        shutil.copyfile(cache_path, tmp)
-        return h5py.File(tmp, "a")
-    f = h5py.File(tmp, "w")
-    _set_attrs(f, root_attrs)
-    return f
 
 
 def _merge_rows(

@@ -29,6 +29,7 @@ Drawing one episode, in this order from its generator:
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import os
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from poodle import defaults
 from poodle._episodes_bulk import BulkDraw, SplitTables
 from poodle._mt19937 import verified
 from poodle.errors import ConfigError, EpisodeError
-from poodle.utils import atomic_path, check_output, check_seed, generator
+from poodle.utils import atomic_write, check_output, check_seed, generator, resolve_path
 
 FORMAT = "poodle-episodes"
 VERSION = 1
@@ -138,6 +139,20 @@ class EpisodeSet:
 
     def __len__(self) -> int:
         return int(self.support.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its index tensors."""
+        ts = (
+            self.support,
+            self.query,
+            self.support_labels,
+            self.query_labels,
+            self.negatives,
+            self.index,
+            self.class_ids,
+        )
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def __getitem__(self, sl: slice) -> EpisodeSet:
         if not isinstance(sl, slice):
@@ -436,22 +451,25 @@ def save_episodes(path: str | os.PathLike, eps: EpisodeSet, **attrs: object) -> 
         check_output(path, "episodes", what="episode file")
     except ConfigError as e:
         raise EpisodeError(str(e)) from None
-    with atomic_path(path) as tmp:
-        with h5py.File(tmp, "w") as f:
-            for name in ("support", "query", "support_labels", "query_labels", "index", "class_ids"):
-                f.create_dataset(name, data=getattr(eps, name).cpu().numpy().astype(np.int64))
-            if eps.negatives is not None:
-                f.create_dataset("negatives", data=eps.negatives.cpu().numpy().astype(np.int64))
-            a = f.attrs
-            a["format"], a["version"] = FORMAT, VERSION
-            a["split"], a["way"], a["shot"], a["query"] = eps.spec.split, eps.spec.way, eps.spec.shot, eps.spec.query
-            a["imbalance"] = 0.0 if eps.spec.imbalance is None else float(eps.spec.imbalance)  # 0: balanced
-            a["seed"] = eps.spec.seed
-            a["query_classes"] = 0 if eps.spec.query_classes is None else int(eps.spec.query_classes)  # 0: all
-            a["negative_source"] = eps.negative_source
-            a["n_neg"] = 0 if eps.negatives is None else int(eps.negatives.shape[1])
-            for k, v in attrs.items():
-                a[k] = v
+    # built in memory, then written with plain file I/O: a full disk is then one clean error, never
+    # a failed write inside HDF5 (whose library may crash at exit after one)
+    buf = io.BytesIO()
+    with h5py.File(buf, "w") as f:
+        for name in ("support", "query", "support_labels", "query_labels", "index", "class_ids"):
+            f.create_dataset(name, data=getattr(eps, name).cpu().numpy().astype(np.int64))
+        if eps.negatives is not None:
+            f.create_dataset("negatives", data=eps.negatives.cpu().numpy().astype(np.int64))
+        a = f.attrs
+        a["format"], a["version"] = FORMAT, VERSION
+        a["split"], a["way"], a["shot"], a["query"] = eps.spec.split, eps.spec.way, eps.spec.shot, eps.spec.query
+        a["imbalance"] = 0.0 if eps.spec.imbalance is None else float(eps.spec.imbalance)  # 0: balanced
+        a["seed"] = eps.spec.seed
+        a["query_classes"] = 0 if eps.spec.query_classes is None else int(eps.spec.query_classes)  # 0: all
+        a["negative_source"] = eps.negative_source
+        a["n_neg"] = 0 if eps.negatives is None else int(eps.negatives.shape[1])
+        for k, v in attrs.items():
+            a[k] = v
+    atomic_write(path, buf.getbuffer())
     return path
 
 
@@ -461,7 +479,7 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
     Shapes and labels are validated; with ``labels [N]`` of the split (and ``pool_size`` of the
     negative pool) the indices are checked against the cache too. EpisodeError names the problem.
     """
-    path = Path(path)
+    path = resolve_path(path, what="episodes file")
     if not path.is_file():
         raise EpisodeError(f"{path}: no such episodes file")
     try:

@@ -61,3 +61,14 @@ class EpisodeError(PoodleError):
 
 class ConfigError(PoodleError):
     """An unknown option, a value of the wrong type, or an impossible combination."""
+
+
+class WriteError(PoodleError):
+    """A file could not be written to the end (a full disk, a quota, a file-size limit, a folder
+    that became read-only): ``path`` is the file as the caller named it, ``errno`` the system's
+    code. Whoever raises it has left every file that existed before as it was (a temporary is
+    removed, an append is cut back)."""
+
+    def __init__(self, *args: object, path: str = "", errno: int | None = None) -> None:
+        super().__init__(*args)
+        self.path, self.errno = path, errno

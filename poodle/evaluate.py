@@ -85,16 +85,33 @@ def default_budget(device: torch.device) -> int:
     return parse_size(defaults.MAX_MEMORY)
 
 
+def held_text(held: int, parts: Mapping[str, int] | None = None) -> str:
+    """What is held for a whole call, said: ``the features and negative pool held for the whole run
+    take 59.8 MiB`` (``parts``: bytes by what holds them, when more than the features and pool)."""
+    parts = {k: v for k, v in (parts or {}).items() if v}
+    if len(parts) <= 1:
+        return f"{next(iter(parts), 'the features and negative pool')} held for the whole run take {_mib(held)}"
+    each = ", ".join(f"{k} {_mib(v)}" for k, v in parts.items())
+    return f"what is held for the whole run takes {_mib(held)} ({each})"
+
+
 def check_memory_bound(
-    budget: int, n_rows: int, dim: int, way: int, workers: int, itemsize: int = 4, held: int = 0
+    budget: int,
+    n_rows: int,
+    dim: int,
+    way: int,
+    workers: int,
+    itemsize: int = 4,
+    held: int = 0,
+    held_parts: Mapping[str, int] | None = None,
 ) -> int:
     """The number of chunk workers that fits ``budget`` bytes once ``held`` bytes (features and
-    pool) are set aside (fewer workers than asked when one chunk per worker would not fit); a
-    ConfigError saying what is held and by how much the bound falls short when not even one
-    episode fits."""
+    pool, and what ``held_parts`` names) are set aside (fewer workers than asked when one chunk
+    per worker would not fit); a ConfigError saying what is held and by how much the bound falls
+    short when not even one episode fits."""
     need = episode_bytes(n_rows, dim, way, itemsize)
     if need + held > budget:
-        what = f"the features and negative pool held for the whole run take {_mib(held)}, and " if held else ""
+        what = f"{held_text(held, held_parts)}, and " if held else ""
         raise ConfigError(
             f"max_memory {_mib(budget)} cannot be met: {what}one episode ({n_rows} rows of D={dim}, negatives "
             f"included) needs about {_mib(need)}: {_mib(need + held - budget)} more; raise it to at "
@@ -128,9 +145,11 @@ def plan_chunks(
     chunk_size: int | None = None,
     itemsize: int = 4,
     held: int = 0,
+    held_parts: Mapping[str, int] | None = None,
 ) -> ChunkPlan:
     """Chunk size, workers and chunk bounds of a call of ``n_episodes`` episodes of ``n_rows`` rows
-    of ``dim`` floats. An explicit ``max_memory`` counts the ``held`` bytes too; the default bound
+    of ``dim`` floats. An explicit ``max_memory`` counts the ``held`` bytes too (``held_parts``:
+    what holds them, for the message when the bound cannot be met); the default bound
     (:func:`default_budget`) is for the chunks alone. The first chunks ramp up (1, 2, 4, ... up to the
     chunk size) so the first results come within a fraction of a second."""
     if device.type != "cpu":
@@ -141,7 +160,7 @@ def plan_chunks(
         raise ConfigError(f"workers must be at least 1, got {workers}", params=("workers",))
     budget = parse_size(max_memory) if max_memory is not None else default_budget(device) + held
     if chunk_size is None:
-        workers = check_memory_bound(budget, n_rows, dim, way, workers, itemsize, held)
+        workers = check_memory_bound(budget, n_rows, dim, way, workers, itemsize, held, held_parts)
     # each worker holds one chunk: the memory bound is shared between them
     chunk = chunk_size or choose_chunk(n_rows, dim, way, device, max(1, (budget - held) // workers), itemsize)
     chunk = max(1, min(int(chunk), n_episodes))
@@ -234,9 +253,11 @@ def _negatives(
     negatives.validate()
     if negatives.generated:
         return _Negatives(negatives, count=negatives.n_neg)
-    pool = load_pool(negatives.source, cache_path, dim=dim)
+    # read once: through the preprocessing when there is one (no untransformed copy kept besides)
+    pool = load_pool(negatives.source, cache_path, dim=dim) if preprocess is None else None
     if preprocess is not None:
         pool = preprocess.pool(negatives.source, cache_path, dim)
+    assert pool is not None
     held = episodes.negatives is not None and episodes.negative_source == negatives.source
     if held:
         assert episodes.negatives is not None
@@ -546,6 +567,20 @@ class _Tally:
         }
 
 
+def _held_parts(
+    gatherer: Gatherer, episodes: EpisodeSet | EpisodeStream, also_held: Mapping[str, int] | None
+) -> dict[str, int]:
+    """What a call holds from its start to its end, by what holds it: the features and the pool on
+    the device and, on the CPU (where the bound is the host's memory), the episodes drawn in
+    advance and what the caller names."""
+    parts = {"the features and negative pool": gatherer.held_bytes}
+    if gatherer.device.type == "cpu":
+        if isinstance(episodes, EpisodeSet):
+            parts["the episodes drawn in advance"] = episodes.nbytes
+        parts.update(also_held or {})
+    return {k: v for k, v in parts.items() if v}
+
+
 def _check_episodes(features: Any, episodes: EpisodeSet | EpisodeStream) -> None:
     if len(episodes) == 0:
         raise EpisodeError("no episodes to solve")
@@ -574,6 +609,8 @@ def evaluate(
     preprocess: Any = None,
     ready: Callable[[], None] | None = None,
     overlap: bool | None = None,
+    also_held: Mapping[str, int] | None = None,
+    planned: Callable[[ChunkPlan], None] | None = None,
 ) -> dict[str, Tensor]:
     """Per-episode accuracies of every method on ``episodes``.
 
@@ -594,6 +631,9 @@ def evaluate(
         preprocess: a :class:`poodle.preprocess.Preprocessor` whose transform the negative pool gets
             (the caller transforms ``features`` itself).
         ready: called once every check has passed, just before solving starts.
+        also_held: bytes the caller holds for the whole call, by what holds them (``{"the split as
+            read, before preprocessing": n}``): an explicit ``max_memory`` on the CPU counts them.
+        planned: called with the :class:`ChunkPlan` (bound, bytes held) once the call is planned.
 
     Returns:
         ``{label: float64 [E] accuracies in [0, 1]}`` on the CPU.
@@ -606,6 +646,7 @@ def evaluate(
     D = features.features.shape[1]
     neg = _negatives(methods, negatives, episodes, cache_path, D, preprocess)
     gatherer = Gatherer(features.features, episodes, neg, dev, dtype)
+    parts = _held_parts(gatherer, episodes, also_held) if max_memory is not None else {}
     plan = plan_chunks(
         len(episodes),
         spec.n_support + spec.n_query + neg.count,
@@ -616,8 +657,11 @@ def evaluate(
         workers=workers,
         chunk_size=chunk_size,
         itemsize=torch.empty((), dtype=dtype).element_size(),
-        held=gatherer.held_bytes if max_memory is not None else 0,
+        held=sum(parts.values()),
+        held_parts=parts,
     )
+    if planned is not None:
+        planned(plan)
     if ready is not None:
         ready()
     E = len(episodes)

@@ -84,12 +84,13 @@ class SplitReused:
 @dataclass(frozen=True)
 class SplitResumed:
     """Split ``split`` resumes an interrupted run: ``done`` of ``total`` images were already
-    written (in ``files`` staging files)."""
+    written, in the split's staging file (``shares=None``) or in ``shares`` staged shares of a
+    torchrun run."""
 
     split: str
     done: int
     total: int
-    files: int = 1
+    shares: int | None = None
 
 
 Event = Ready | CellsStarted | CellFinished | EpisodesSolved | Notice | SplitWritten | SplitReused | SplitResumed

@@ -31,7 +31,7 @@ from poodle._mt19937 import M32, MT19937, RANGE64, normal_fill_, packed_words, r
 from poodle.cache import read_split
 from poodle.errors import CacheError, ConfigError
 from poodle.prefetch import pool_location
-from poodle.utils import derive_seeds, generator
+from poodle.utils import derive_seeds, generator, resolve_path
 
 # Third component of the negatives' generator seed: keeps them independent of the episode draw.
 NEG_STREAM = 1
@@ -66,7 +66,7 @@ _POOLS: dict[tuple[str, str, int, int], Tensor] = {}
 
 def pool_file(source: str, cache_path: Path | str | None) -> Path:
     """The file of a pool source (``base``: the cache itself); a ConfigError when it is missing."""
-    path = pool_location(source, cache_path)[0]
+    path = resolve_path(pool_location(source, cache_path)[0], "negatives")
     if not path.is_file():
         raise ConfigError(
             f"negatives {source}: no such cache file {str(path)!r} (the keywords are base, random, sphere and "

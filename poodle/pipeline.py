@@ -33,12 +33,13 @@ from poodle.cache import SplitFeatures, read_split
 from poodle.cells import Cell
 from poodle.episodes import EpisodeSet, EpisodeStream, load_episodes
 from poodle.errors import ConfigError
-from poodle.evaluate import evaluate
+from poodle.evaluate import ChunkPlan, evaluate
 from poodle.events import CellFinished, CellsStarted, EpisodesSolved, Notice, OnEvent, Ready, ignore
 from poodle.negatives import pool_file
 from poodle.prefetch import pool_location
 from poodle.preprocess import Preprocessor
 from poodle.results import ResultsFile, cache_identity, identity_key, make_record
+from poodle.utils import resolve_path
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ def fingerprints(cells: Sequence[Cell]) -> dict[Path, str]:
     pool file the cells read, by file; a missing file is a ConfigError naming it."""
     files: set[Path] = set()
     for c in cells:
+        resolve_path(c.cache_file, what="feature cache")
         if c.cache_file.is_dir():
             raise ConfigError(f"feature cache {c.cache_file} is a directory, not a file")
         if not c.cache_file.is_file():
@@ -171,6 +173,7 @@ class Inputs:
         self._shared: Counter[tuple] = Counter()
         self.load_seconds = 0.0
         self.sample_seconds = 0.0
+        self._said: set[str] = set()
 
     def keep(self, call_list: Sequence[Sequence[Cell]]) -> None:
         """Tell which episode settings several calls share (those are drawn once, in full)."""
@@ -217,6 +220,12 @@ class Inputs:
             self.sample_seconds += time.perf_counter() - t0
         return self._episodes[key]
 
+    def notice(self, event: Notice) -> None:
+        """Emit ``event`` once per run (a word about every call would repeat it)."""
+        if event.message not in self._said:
+            self._said.add(event.message)
+            self.on_event(event)
+
     def put(self, cell: Cell, episodes: EpisodeSet) -> None:
         """Use ``episodes`` (drawn and completed by the caller, e.g. to save them) for ``cell``'s setting."""
         self.features(cell)
@@ -251,6 +260,22 @@ def solve_call(
     labels = {c.index: keys[c.index][1] for c in batch}
     methods = [(labels[c.index], c.method, c.config()) for c in batch]
     stats: dict[str, Any] = {}
+    raw = inputs.features(c0)
+    # a preprocessing's copy is solved; the split as read stays in memory beside it (Inputs keeps it)
+    also = {} if features is raw else {"the split as read, before preprocessing": _nbytes(raw.features)}
+
+    def planned(plan: ChunkPlan) -> None:
+        if options.max_memory is not None and device.type == "cpu" and pre.working_bytes:
+            inputs.notice(
+                Notice(
+                    "memory-beyond-bound",
+                    f"max_memory {_mib(plan.budget)} counts what each call holds ({_mib(plan.held)}) and its "
+                    f"chunks; preprocess {pre.spec} also took {_mib(pre.working_bytes)} for a moment before "
+                    f"solving (the rows it transforms, as float64), beyond the bound",
+                    ("max_memory", "preprocess"),
+                )
+            )
+
     t0 = time.perf_counter()
     accs = evaluate(
         features,
@@ -266,6 +291,8 @@ def solve_call(
         stats=stats,
         preprocess=pre,
         ready=(lambda: on_event(Ready())) if ready else None,
+        also_held=also,
+        planned=planned,
     )
     call_seconds = time.perf_counter() - t0
     info = {
@@ -282,6 +309,14 @@ def solve_call(
         )
         for c in batch
     }
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def cell_record(

@@ -41,7 +41,7 @@ from poodle.negatives import GENERATED, NegativeSpec, generate, sample_indices
 from poodle.preprocess import Preprocess, Preprocessor, parse
 from poodle.solvers import EpisodeBatch
 from poodle.stats import wilson_interval
-from poodle.utils import atomic_path, content_hash, count, resolve_device
+from poodle.utils import atomic_path, content_hash, count, resolve_device, resolve_path
 
 UNLABELLED = "?"  # the class name of unlabelled query images inside the predict cache
 
@@ -58,7 +58,7 @@ def _images_under(d: Path) -> list[Path]:
 
 def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
     """``[(absolute path, class)]`` from ``folder/<class>/<images>`` (images found recursively)."""
-    d = Path(folder).expanduser()
+    d = resolve_path(Path(folder).expanduser(), "support")
     if not d.is_dir():
         raise DataError(f"support {d}: no such folder", params=("support",))
     class_dirs = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -76,7 +76,7 @@ def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
 
 
 def _read_csv(path: str | os.PathLike, what: str, need_label: bool) -> list[tuple[str, str | None]]:
-    p = Path(path).expanduser()
+    p = resolve_path(Path(path).expanduser(), what)
     if not p.is_file():
         raise DataError(f"{what} {p}: no such file", params=(what,))
     with open(p, newline="", encoding="utf-8") as fh:
@@ -117,7 +117,7 @@ def support_from_csv(path: str | os.PathLike) -> list[tuple[str, str]]:
 
 def query_from_folder(folder: str | os.PathLike) -> list[tuple[str, str | None]]:
     """``[(absolute path, None)]``: every image under ``folder``, sorted."""
-    d = Path(folder).expanduser()
+    d = resolve_path(Path(folder).expanduser(), "query")
     if not d.is_dir():
         raise DataError(f"query {d}: no such folder", params=("query",))
     files = _images_under(d)

@@ -65,7 +65,7 @@ def start(path: str | os.PathLike, splits: Iterable[str]) -> None:
     Does nothing for a file that does not exist or splits already being read."""
     p = Path(path)
     try:
-        key_path = str(p.resolve())
+        key_path = os.path.realpath(p)  # never raises (a link loop is reported by the caller's own read)
         if not p.is_file():
             return
     except OSError:
@@ -104,7 +104,7 @@ def take(path: str | os.PathLike, split: str, shape: tuple[int, ...]) -> Any | N
     Waits for the read if it is still running. An array is handed out once."""
     p = Path(path)
     try:
-        key = (str(p.resolve()), split)
+        key = (os.path.realpath(p), split)
     except OSError:
         return None
     with _lock:

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from poodle.cache import list_splits, read_split
 from poodle.errors import CacheError, ConfigError, DataError
-from poodle.negatives import GENERATED, load_pool, pool_location
+from poodle.negatives import GENERATED, load_pool, pool_file, pool_location
 
 KINDS = ("l2n", "cl2n", "power")
 DEFAULT_BETA = 0.5  # PT-MAP's default
@@ -89,9 +89,16 @@ def parse(text: str | Preprocess | None) -> Preprocess:
     return Preprocess("power", beta)
 
 
-def _normalise(x: Tensor) -> Tensor:
+def _normalise_(x: Tensor) -> Tensor:
+    """``x`` divided by its row norms, in place (rows of zeros stay zero)."""
     n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    return x / torch.where(n > 0, n, torch.ones_like(n))
+    return x.div_(torch.where(n > 0, n, torch.ones_like(n)))
+
+
+def _float64_copy(x: Tensor) -> Tensor:
+    # the one working copy of a transform: the operations after it run in place on it, so a
+    # transform holds one float64 copy of the rows at a time (same values as out-of-place)
+    return x.to(torch.float64, copy=True)
 
 
 def power_transform(x: Tensor, beta: float, where: str = "features") -> Tensor:
@@ -105,14 +112,16 @@ def power_transform(x: Tensor, beta: float, where: str = "features") -> Tensor:
             f"the power transform needs non-negative (ReLU) features: use l2n or cl2n",
             params=("preprocess",),
         )
-    return _normalise(x.double().pow(beta)).to(x.dtype)
+    return _normalise_(_float64_copy(x).pow_(beta)).to(x.dtype)
 
 
 def centre_transform(x: Tensor, centre: Tensor, norms: Tensor | None = None) -> Tensor:
     """``normalise(x * norms - centre)``: ``x [N, D]`` normalised rows, ``norms [N]`` (None: centre
     the normalised rows), ``centre [D]``."""
-    raw = x.double() if norms is None else x.double() * norms.double().unsqueeze(-1)
-    return _normalise(raw - centre.double()).to(x.dtype)
+    raw = _float64_copy(x)
+    if norms is not None:
+        raw.mul_(norms.double().unsqueeze(-1))
+    return _normalise_(raw.sub_(centre.double())).to(x.dtype)
 
 
 class Preprocessor:
@@ -127,6 +136,9 @@ class Preprocessor:
         self.log = log or (lambda msg: None)
         self._said: set[str] = set()
         self._pools: dict[tuple[str, str], Tensor] = {}
+        # the most bytes a transform needed beyond its input and output: its float64 working copy
+        # of the rows, and a pool's rows as read (freed once transformed)
+        self.working_bytes = 0
         self.centre_raw: Tensor | None = None
         self.centre_normalised: Tensor | None = None
         if self.spec.needs_base:
@@ -134,10 +146,11 @@ class Preprocessor:
                 raise ConfigError(
                     "preprocess cl2n needs a base split (the cache's train split) to centre on", params=("preprocess",)
                 )
-            x = base.features.double()
+            x = _float64_copy(base.features)
+            self._working(x.numel() * 8)
             self.centre_normalised = x.mean(0)
             if base.norms is not None:
-                self.centre_raw = (x * base.norms.double().unsqueeze(-1)).mean(0)
+                self.centre_raw = x.mul_(base.norms.double().unsqueeze(-1)).mean(0)
             self.base_where = f"split {base.name!r}"
 
     @classmethod
@@ -167,6 +180,9 @@ class Preprocessor:
     def is_identity(self) -> bool:
         return self.spec.kind == "l2n"
 
+    def _working(self, n: int) -> None:
+        self.working_bytes = max(self.working_bytes, int(n))
+
     def _say(self, msg: str) -> None:
         if msg not in self._said:
             self._said.add(msg)
@@ -178,6 +194,7 @@ class Preprocessor:
         kind = self.spec.kind
         if kind == "l2n":
             return x
+        self._working(x.numel() * 8)
         if kind == "power":
             return power_transform(x, self.spec.beta, where)
         if self.centre_raw is not None and norms is not None:
@@ -205,12 +222,7 @@ class Preprocessor:
             return None
         if self.is_identity:
             return load_pool(source, cache_path, dim)
-        path, split = pool_location(source, cache_path)
-        if not path.is_file():
-            raise ConfigError(
-                f"negative pool {source!r}: no such cache file {str(path)!r} (negatives: base, random, sphere, "
-                f"none or FILE[:SPLIT])"
-            )
+        path, split = pool_file(source, cache_path), pool_location(source, cache_path)[1]
         key = (str(path.resolve()), split)
         if key not in self._pools:
             try:
@@ -218,6 +230,7 @@ class Preprocessor:
             except CacheError as e:
                 raise CacheError(f"negative pool {source!r}: {e}") from None
             self._pools = {key: self.rows(s.features, s.norms, where=f"negative pool {source!r}")}
+            self._working(s.features.numel() * (8 + s.features.element_size()))
         pool = self._pools[key]
         if pool.shape[0] == 0:
             raise CacheError(f"negative pool {source!r} ({path}:{split}) has no rows")

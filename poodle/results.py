@@ -28,18 +28,20 @@ When a key occurs twice the last record wins. The schema is in docs/architecture
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from poodle import __version__
 from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
 from poodle.stats import mean_ci
-from poodle.utils import atomic_path, content_hash, file_sha256
+from poodle.utils import atomic_write, check_size_limit, content_hash, file_sha256, resolve_path, write_error
 
 FORMAT = "poodle-results"
 VERSION = 2
@@ -66,7 +68,7 @@ _FINGERPRINTS: dict[tuple[str, int, int], str] = {}
 def cache_identity(path: str | os.PathLike) -> str:
     """The content fingerprint of a cache file (hex sha256 of its bytes), computed once per process
     for an unchanged file (same path, size and modification time)."""
-    p = Path(path)
+    p = resolve_path(path, what="feature cache")
     try:
         st = p.stat()
     except FileNotFoundError:
@@ -256,13 +258,23 @@ def _parse_lines(path: Path, raw: bytes) -> tuple[list[tuple[int, dict[str, Any]
 def read_results(path: str | os.PathLike) -> ResultsContent:
     """Read a results file. A malformed line other than a cut last one is a :class:`ConfigError`
     naming the line."""
-    path = Path(path)
+    path = resolve_path(path, what="results file")
     try:
-        raw = path.read_bytes()
+        raw = _read_locked(path)
     except FileNotFoundError:
         raise ConfigError(f"results file {path} does not exist") from None
     except IsADirectoryError:
         raise ConfigError(f"results file {path} is a directory") from None
+    return _parse(path, raw)
+
+
+def _read_locked(path: Path) -> bytes:
+    """The file's bytes, read under a shared lock: never half of an append in progress."""
+    with open(path, "rb") as f, _locked(f.fileno(), exclusive=False):
+        return f.read()
+
+
+def _parse(path: Path, raw: bytes) -> ResultsContent:
     objs, complete = _parse_lines(path, raw)
     if not objs:
         raise ConfigError(f"{path} is empty or has no header line")
@@ -286,6 +298,22 @@ def read_results(path: str | os.PathLike) -> ResultsContent:
     return ResultsContent(path, header, list(records.values()), complete)
 
 
+@contextlib.contextmanager
+def _locked(fd: int, exclusive: bool) -> Iterator[None]:
+    """An advisory lock (``flock``) on an open results file, released on leaving: appends hold it
+    exclusively, so two processes writing one file never interleave or cut each other's records."""
+    try:
+        import fcntl  # POSIX only: imported here so that the module loads elsewhere
+    except ImportError:  # pragma: no cover - no locking where there is no fcntl
+        yield
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
 # ---------------------------------------------------------------------------------------------
 # Writing
 
@@ -304,28 +332,21 @@ def new_header(**meta: Any) -> dict[str, Any]:
 class ResultsFile:
     """A results file opened for lookups and appends.
 
-    Opening creates the file (header only, atomically) when it does not exist, or when ``fresh``
-    (then its old content is discarded). A cut last line is cut off before the first append.
+    Opening creates the file (header only) when it does not exist, or when ``fresh`` (then its old
+    content is discarded). Several processes may append to one file at once (two ``poodle grid``
+    runs of one grid): every append holds an exclusive lock, first cuts off a torn last line (a
+    writer killed mid-append) and, if the write fails (disk full), cuts its own bytes off again, so
+    that the file holds whole records only and every record of another writer is kept.
     """
 
     def __init__(self, path: str | os.PathLike, *, fresh: bool = False, **meta: Any) -> None:
-        self.path = Path(path)
-        if self.path.exists() and not fresh:
-            res = read_results(self.path)
-            if res.complete_bytes < self.path.stat().st_size:
-                with open(self.path, "r+b") as f:
-                    f.truncate(res.complete_bytes)
-                    f.flush()
-                    os.fsync(f.fileno())
-            self.results = res
+        self.path = resolve_path(path, what="results file")
+        header = _line(new_header(**meta))
+        if fresh:
+            atomic_write(self.path, header)
         else:
-            header = new_header(**meta)
-            with atomic_path(self.path) as tmp:
-                with open(tmp, "wb") as f:
-                    f.write(_line(header))
-                    f.flush()
-                    os.fsync(f.fileno())
-            self.results = ResultsContent(self.path, header, [])
+            _create_exclusive(self.path, header)
+        self.results = _parse(self.path, _read_locked(self.path))
 
     @property
     def header(self) -> dict[str, Any]:
@@ -339,17 +360,86 @@ class ResultsFile:
         return self.results.get(key)
 
     def append(self, record: Mapping[str, Any]) -> None:
-        """Append one record (a line, flushed and fsynced) and make it visible to :meth:`get`."""
+        """Append one record (a line, written whole under the lock and fsynced) and make it visible
+        to :meth:`get`. A :class:`~poodle.errors.WriteError` when it cannot be written; the file is
+        then as it was."""
         if record.get("kind") != "cell" or "key" not in record:
             raise ValueError("a results record needs kind='cell' and a key (see make_record)")
-        with open(self.path, "ab") as f:
-            f.write(_line(record))
-            f.flush()
-            os.fsync(f.fileno())
+        data = _line(record)
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            with _locked(fd, exclusive=True):
+                end = _whole_lines_end(fd)
+                try:
+                    if end < os.fstat(fd).st_size:  # a torn last line of a killed writer goes first
+                        os.ftruncate(fd, end)
+                    check_size_limit(end + len(data))
+                    _write_all(fd, data, end)
+                    os.fsync(fd)
+                except OSError as e:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, end)
+                        os.fsync(fd)
+                    raise write_error(self.path, e, "the record was not appended; the file is as it was") from e
+        finally:
+            os.close(fd)
         rec = dict(record)
         self.results._by_key.pop(rec["key"], None)
         self.results.records = [r for r in self.results.records if r["key"] != rec["key"]] + [rec]
         self.results._by_key[rec["key"]] = rec
+
+
+def _create_exclusive(path: Path, header: bytes) -> None:
+    """Create ``path`` holding ``header`` unless a file is there. The header is written whole under
+    a temporary name, then hard-linked to ``path``, which fails when another process created the
+    file first: its file, and any record already appended to it, is kept. An empty file (which
+    :func:`poodle.utils.check_output` lets one replace) is replaced."""
+    target = Path(os.path.realpath(path))  # a link's target is created, the link kept
+    if target.exists() and target.stat().st_size > 0:
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        try:
+            with open(tmp, "xb") as f:
+                f.write(header)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise write_error(path, e, "nothing was written under that name") from e
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            if target.stat().st_size == 0:
+                os.replace(tmp, target)
+        except OSError:  # a file system without hard links: the header is written in place
+            with contextlib.suppress(FileExistsError), open(target, "xb") as f:
+                f.write(header)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _whole_lines_end(fd: int) -> int:
+    """The length of the file's part made of whole lines (a torn last line of a killed writer is
+    after it). Read from the end in blocks: records are long, but only the tail is read."""
+    size = os.fstat(fd).st_size
+    pos = size
+    while pos > 0:
+        start = max(0, pos - (1 << 16))
+        block = os.pread(fd, pos - start, start)
+        nl = block.rfind(b"\n")
+        if nl >= 0:
+            return start + nl + 1
+        pos = start
+    return 0
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _line(obj: Mapping[str, Any]) -> bytes:

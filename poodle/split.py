@@ -35,7 +35,7 @@ import numpy as np
 from poodle import __version__
 from poodle.data.sources import _is_image
 from poodle.errors import ConfigError, DataError
-from poodle.utils import atomic_path
+from poodle.utils import atomic_path, resolve_path
 
 SETTINGS = ("noisy", "disjoint")
 DEFAULT_FRACTION = {"noisy": 0.2, "disjoint": 0.5}
@@ -174,8 +174,11 @@ def make_split(
 ) -> dict[str, Any]:
     """Write the pool and test split files of ``data_root`` into ``out``; returns the record written
     to ``out/split.json``. An existing ``out`` made with other settings is refused without ``force``."""
-    root = Path(data_root).expanduser().resolve()
-    out = Path(out)
+    root = resolve_path(Path(data_root).expanduser(), "data_root")
+    if not root.exists():
+        raise DataError(f"data_root {root} does not exist", params=("data_root",))
+    root = root.resolve()
+    out = resolve_path(out, "out")
     _check_setting(setting)
     fraction = DEFAULT_FRACTION[setting] if fraction is None else float(fraction)
     classes = class_folders(root)

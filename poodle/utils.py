@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno as _errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -16,7 +18,7 @@ import h5py
 import numpy as np
 import torch
 
-from poodle.errors import ConfigError
+from poodle.errors import ConfigError, WriteError
 
 _UNITS = {
     "": 1,
@@ -103,8 +105,8 @@ def check_writable_dir(path: str | os.PathLike, what: str = "output", param: str
     real probe file is created and removed, since permission bits do not tell (root, read-only mounts).
     ``param``: the library parameter that named ``path`` (the error says it, for the front end to map)."""
     params = () if param is None else (param,)
+    p = resolve_path(path, param, what)
     what = param or what
-    p = Path(path)
     parent = p.parent
     probe = parent
     while not probe.exists() and probe.parent != probe:
@@ -162,26 +164,179 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+# ---------------------------------------------------------------------------------------------
+# Paths and writes
+
+
+def _unresolvable(path: Path, e: OSError) -> str:
+    """Why ``path`` cannot be resolved (``e`` from ``os.stat``), naming the component at fault."""
+    parts = path.parts
+    for i in range(1, len(parts) + 1):  # the first prefix that fails in the same way is the culprit
+        prefix = Path(*parts[:i])
+        try:
+            os.stat(prefix)
+        except OSError as inner:
+            if inner.errno == e.errno:
+                if e.errno == _errno.ELOOP:
+                    return "a symbolic link loop" if i == len(parts) else f"{prefix} is a symbolic link loop"
+                if e.errno == _errno.ENOTDIR:
+                    return f"{Path(*parts[: i - 1])} is a file, not a directory"
+                if e.errno == _errno.EACCES:
+                    return f"permission denied to look into {Path(*parts[: i - 1]) if i > 1 else prefix}"
+                break
+    return e.strerror or str(e)
+
+
+def resolve_path(path: str | os.PathLike, param: str | None = None, what: str = "path") -> Path:
+    """``path`` as given, once it is known to resolve: every name on the way exists or is simply
+    missing (then nothing is there yet, and the caller decides what that means). A symbolic link
+    loop, a file used as a folder, a folder that cannot be searched or a name that is too long is a
+    ConfigError naming ``param`` (or ``what``), the path and why: the one check of path arguments,
+    so that none of them reaches ``Path.exists`` (which says False for a loop) or ``Path.resolve``
+    (which raises RuntimeError for one)."""
+    p = Path(path)
+    try:
+        os.stat(p)
+    except FileNotFoundError:
+        return p
+    except OSError as e:
+        raise ConfigError(
+            f"{param or what} {path}: cannot be resolved: {_unresolvable(p, e)}",
+            params=() if param is None else (param,),
+        ) from None
+    return p
+
+
+# errnos of a write that could not be completed (disk full, quota, size limit, read-only, I/O)
+_WRITE_ERRNOS = {
+    _errno.EFBIG: "beyond the file-size limit of this process, ulimit -f, or of the file system",
+    _errno.ENOSPC: "the disk is full",
+    _errno.EDQUOT: "the disk quota is used up",
+    _errno.EROFS: "the file system is read-only",
+    _errno.EIO: "an input/output error of the device",
+    _errno.EACCES: "permission denied",
+    _errno.EPERM: "operation not permitted",
+}
+
+
+def check_size_limit(size: int) -> None:
+    """OSError(EFBIG) when this process may not make a file of ``size`` bytes (``RLIMIT_FSIZE``,
+    ``ulimit -f``): said before writing, since writing past it sends SIGXFSZ, which kills a process
+    that does not ignore it (Python does) halfway through the write."""
+    try:
+        import resource  # POSIX only: imported here so that the module loads elsewhere
+    except ImportError:  # pragma: no cover
+        return
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and size > limit:
+        raise OSError(_errno.EFBIG, os.strerror(_errno.EFBIG))
+
+
+def write_errno(e: BaseException) -> int | None:
+    """The errno of a failed write in ``e``: an ``OSError``'s own, or the one HDF5 and torch write
+    into their messages (``errno = 28``); None when ``e`` is no failed write."""
+    code = getattr(e, "errno", None)
+    if code is None and isinstance(e, (OSError, RuntimeError)):
+        m = re.search(r"errno = (\d+)", str(e))
+        code = int(m.group(1)) if m else None
+    return code if code in _WRITE_ERRNOS else None
+
+
+def write_error(path: str | os.PathLike, e: BaseException, outcome: str) -> WriteError:
+    """The :class:`WriteError` of a failed write of ``path`` (``e`` holds the cause; see
+    :func:`write_errno`): ``cannot write PATH: CAUSE (WHY); OUTCOME``."""
+    code = write_errno(e)
+    cause = os.strerror(code) if code is not None else (str(e).splitlines() or [type(e).__name__])[0]
+    why = f" ({_WRITE_ERRNOS[code]})" if code is not None else ""
+    return WriteError(f"cannot write {path}: {cause}{why}; {outcome}", path=str(path), errno=code)
+
+
+class FailSafeFile(io.FileIO):
+    """A file for h5py's file-object driver (``h5py.File(FailSafeFile(path, "w+"), "w")``) that never
+    reports a failed write to HDF5: the first failure is kept in :attr:`failed` and every later
+    write is dropped. HDF5 does not survive a failed write (its library may crash then, or when the
+    process exits), so the file on disk simply stops where the failure struck, as if the process had
+    been killed there, while HDF5 carries on; whoever writes checks :attr:`failed` once the h5py
+    call returns (:meth:`check`) and raises the :class:`WriteError`."""
+
+    failed: OSError | None = None
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = view.nbytes
+        if self.failed is None:
+            try:
+                check_size_limit(self.tell() + n)
+                while view:
+                    view = view[super().write(view) or 0 :]
+            except OSError as e:
+                self.failed = e
+        return n
+
+    def truncate(self, size: int | None = None) -> int:
+        if self.failed is None:
+            try:
+                return super().truncate(size)
+            except OSError as e:
+                self.failed = e
+        return self.tell() if size is None else size
+
+    def check(self, path: str | os.PathLike, outcome: str) -> None:
+        """Raise the :class:`WriteError` of ``path`` if a write failed."""
+        if self.failed is not None:
+            raise write_error(path, self.failed, outcome) from self.failed
+
+
+def _is_write_of(e: BaseException, tmp: Path) -> bool:
+    """Whether ``e`` is a failed write of ``tmp`` (not, say, a failed read of another file)."""
+    if write_errno(e) is None:
+        return False
+    names = [str(n) for n in (getattr(e, "filename", None), getattr(e, "filename2", None)) if n is not None]
+    return not names or str(tmp) in names
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str = ".partial") -> Iterator[Path]:
     """Yield a temporary sibling path; rename it onto ``path`` only if the block completes.
 
-    An interrupted write therefore never leaves a file under the final name. The temporary name
-    holds the process id and a random part, so concurrent writers never share one.
+    An interrupted write therefore never leaves a file under the final name, and a failed one
+    (disk full, file-size limit) leaves the file that was there as it was: the temporary is removed
+    and a :class:`WriteError` names ``path`` and the cause. The temporary name holds the process
+    id and a random part, so concurrent writers never share one. When ``path`` is a symbolic
+    link, the file it points to is replaced (the link stays); a path that cannot be resolved is a
+    ConfigError (:func:`resolve_path`).
     """
-    path = Path(path)
+    shown = Path(path)
+    path = Path(os.path.realpath(resolve_path(shown, what="output")))
+    existed = path.exists()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"{path}: cannot create its directory ({e.strerror})") from None
+        raise ConfigError(f"{shown}: cannot create its directory ({e.strerror})") from None
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{suffix}")
     try:
         yield tmp
         os.replace(tmp, path)
-    except BaseException:
-        if tmp.exists():
+    except BaseException as e:
+        with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(e, (OSError, RuntimeError)) and _is_write_of(e, tmp):
+            outcome = f"{shown} is as it was" if existed else "nothing was written under that name"
+            raise write_error(shown, e, outcome) from e
         raise
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | bytearray | memoryview | str) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` under a temporary name, flushed to the disk, then
+    renamed (:func:`atomic_path`): all of it or, with a :class:`WriteError`, nothing."""
+    raw = data.encode() if isinstance(data, str) else data
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            check_size_limit(memoryview(raw).nbytes)
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+    return Path(path)
 
 
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -258,8 +413,8 @@ def check_output(
     A file of the same kind is replaced later, atomically, by whoever writes it. ``param``: the
     library parameter that named ``path`` (the errors say it, for the front end to map)."""
     params = () if param is None else (param,)
+    p = resolve_path(path, param, what)
     what = param or what
-    p = Path(path)
     for inp in inputs:
         if inp is not None and Path(inp).exists() and p.exists() and os.path.samefile(p, inp):
             raise ConfigError(f"{what} {path} is the input file {inp}; choose another name", params=params)

@@ -344,7 +344,9 @@ def test_images_go_through_the_transform_of_the_negatives_cache(task, tmp_path):
     )
     said: list[str] = []
     args = (support_from_folder(root / "support"), query_from_folder(root / "query"), "conv4_64")
-    res = predict(*args, method="poodle", options={"steps": 5}, negatives_from=base, on_event=lambda e: said.append(e.message))
+    res = predict(
+        *args, method="poodle", options={"steps": 5}, negatives_from=base, on_event=lambda e: said.append(e.message)
+    )
     assert len(res.paths) == 12 and any("image size 32 px, as the features of base32.h5" in m for m in said)
     with pytest.raises(ConfigError, match=r"the images went through 'eval: .*84.*', but the features of"):
         predict(*args, image_size=84, negatives_from=base)

@@ -56,8 +56,11 @@ def test_append_lookup_last_wins_and_a_cut_last_line_is_dropped(tmp_path):
     with open(path, "ab") as fh:
         fh.write(b'{"kind":"cell","key":"0123","acc":[0.5,')
     assert len(RS.read_results(path)) == 2
-    f2 = RS.ResultsFile(path)  # opening for appends cuts the partial line off
-    assert path.read_bytes().endswith(b"\n") and len(f2.records) == 2
+    torn = path.read_bytes()
+    f2 = RS.ResultsFile(path)  # opening reads and changes nothing; the next append cuts the partial line off
+    assert path.read_bytes() == torn and len(f2.records) == 2
+    f2.append(r2)
+    assert path.read_bytes() == torn[: torn.rindex(b"\n") + 1] + RS._line(r2)
     lines = path.read_text().splitlines()
     lines.insert(1, "not json")
     path.write_text("\n".join(lines) + "\n")

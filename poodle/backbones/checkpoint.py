@@ -11,6 +11,7 @@ a strict load that lists every missing key, unexpected key and shape mismatch.
 from __future__ import annotations
 
 import functools
+import io
 import os
 import re
 import warnings
@@ -23,7 +24,7 @@ from torch import nn
 
 from poodle.backbones.base import BACKBONES, Backbone
 from poodle.errors import CheckpointError, ConfigError
-from poodle.utils import atomic_path, file_sha256
+from poodle.utils import atomic_write, file_sha256, resolve_path
 
 PREFIX = "module."
 # First key component of every head any registered backbone may carry.
@@ -59,7 +60,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     Raises CheckpointError naming the file when it is missing, not a torch file, not loadable
     with ``weights_only=True``, or holds no state dict.
     """
-    p = Path(path)
+    p = resolve_path(path, what="checkpoint")
     if not p.is_file():
         raise CheckpointError(f"checkpoint {p} does not exist")
     if p.suffix == ".safetensors":
@@ -300,10 +301,11 @@ def save_checkpoint(model: nn.Module, path: str | os.PathLike, **extra: Any) -> 
     # contiguous: a channels-last model's weights are stored in the usual layout, as any reader expects
     state = {PREFIX + k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     obj = {"state_dict": state, "arch": getattr(model, "name", type(model).__name__), **extra}
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
-    return path
+    # serialised in memory, then written with plain file I/O: a full disk is one clean error naming
+    # the file (torch's own writer reports it as an internal assertion)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return atomic_write(path, buf.getbuffer())
 
 
 def checkpoint_digest(checkpoint: str | os.PathLike | None) -> str:
@@ -311,7 +313,7 @@ def checkpoint_digest(checkpoint: str | os.PathLike | None) -> str:
     file is a CheckpointError."""
     if checkpoint is None:
         return "none"
-    ck = Path(checkpoint).expanduser()
+    ck = resolve_path(Path(checkpoint).expanduser(), "checkpoint")
     if not ck.is_file():
         raise CheckpointError(f"checkpoint {ck} does not exist", params=("checkpoint",))
     return file_sha256(ck)

@@ -12,12 +12,13 @@ from pathlib import Path
 from poodle.data.cifar import CifarSource
 from poodle.data.sources import CUB_SPLITS, NAMES, CsvSource, CubSource, DatasetSource, FolderSource
 from poodle.errors import ConfigError, DataError
+from poodle.utils import resolve_path
 
 
 def _need_root(name: str, data_root: str | os.PathLike | None) -> Path:
     if data_root is None:
         raise ConfigError(f"dataset {name} needs a data_root folder", params=("dataset", "data_root"))
-    root = Path(data_root).expanduser()
+    root = resolve_path(Path(data_root).expanduser(), "data_root")
     if not root.exists():
         raise DataError(f"data root {root} does not exist")
     if not root.is_dir():

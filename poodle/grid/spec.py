@@ -26,7 +26,7 @@ from poodle import solvers
 from poodle.cells import Cell, Locations, check_general, located, make_cell, numbered
 from poodle.defaults import GENERAL_DEFAULTS, GENERAL_KEYS, NEGATIVE_KEYWORDS
 from poodle.errors import ConfigError, PoodleError
-from poodle.utils import content_hash
+from poodle.utils import content_hash, resolve_path
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,6 +40,7 @@ TOP_LEVEL_ONLY = ("name", "description", "product", "caches", "cell")
 
 
 def _load_toml(path: Path) -> dict[str, Any]:
+    resolve_path(path, what="grid file")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
