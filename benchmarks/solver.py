@@ -20,6 +20,7 @@ step against the torch formulation's.
     POODLE_AUTHORS_CODE=/tmp/ext/poodle python benchmarks/solver.py --authors-episodes 100
     python benchmarks/solver.py --device cuda --episodes 10000
     python benchmarks/solver.py --cost-only     # the cost model and its measurements alone
+    python benchmarks/solver.py --methods laplacianshot,kmeans --episodes 2000   # per-method roofline
 """
 
 from __future__ import annotations
@@ -374,6 +375,107 @@ def cost_model_section(test, path: Path, dev: torch.device, n_ep: int, traced: i
     )
 
 
+# ------------------------------------------------------------------ per-method roofline
+
+# the configuration field that counts a method's iterations, for methods that stop per episode and
+# report ``iterations`` in their state: their FLOPs per episode are counted at the mean iterations
+_ITER_FIELDS = {"kmeans": "max_iter", "bayes-kmeans": "max_iter", "laplacianshot": "steps"}
+
+
+def episode_flops(method: str, cfg, iterations: float | None) -> float:
+    """FLOPs per episode of ``method`` (its registered count), at ``iterations`` per episode for the
+    methods of ``_ITER_FIELDS`` (the count is linear in the iteration field)."""
+    info = solvers.get(method)
+    args = (WAY, WAY * QUERY, 0, D, WAY)
+    field = _ITER_FIELDS.get(method)
+    if field is None or iterations is None:
+        return float(info.flops(*args, cfg))
+    f0, f1 = (info.flops(*args, solvers.make_config(method, {**_fields(cfg), field: k})) for k in (0, 1))
+    return float(f0 + iterations * (f1 - f0))
+
+
+def _fields(cfg) -> dict:
+    return {k: v for k, v in solvers.config_dict(cfg).items() if v is not None}
+
+
+def kernel_ceilings(dev: torch.device, e: int) -> dict[str, float]:
+    """GFLOP/s of the kernels these methods are made of, one thread, on a chunk of ``e`` standard
+    episodes: the ``[75, 640] x [640, 5]`` distance product, the ``[75, 640] x [640, 75]`` Gram
+    product, LaplacianShot's ``[75, 75] x [75, 5]`` kNN product, the ``80 x 80`` symmetric
+    eigen-decomposition (9 n^3 FLOPs), a softmax over 5 classes (as 5 FLOPs per value: its rate
+    beside the others), and the large matmul."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(e, 80, D, generator=g).to(dev)
+    w = torch.randn(e, WAY, D, generator=g).to(dev)
+    gram = torch.bmm(x, x.transpose(1, 2))
+    knn = (torch.rand(e, 75, 75, generator=g) < 0.04).to(dev, torch.float32)
+    y = torch.rand(e, 75, WAY, generator=g).to(dev)
+    a, b = torch.randn(1024, 1024, generator=g).to(dev), torch.randn(1024, 1024, generator=g).to(dev)
+    cases = {
+        "bmm [75,640]x[640,5]": (lambda: torch.bmm(x[:, 5:], w.transpose(1, 2)), 2 * e * 75 * WAY * D),
+        "bmm [75,640]x[640,75]": (lambda: torch.bmm(x[:, 5:], x[:, 5:].transpose(1, 2)), 2 * e * 75 * 75 * D),
+        "bmm [75,75]x[75,5]": (lambda: torch.bmm(knn, y), 2 * e * 75 * 75 * WAY),
+        "eigh 80x80": (lambda: torch.linalg.eigh(gram), 9 * e * 80**3),
+        "softmax [75,5]": (lambda: torch.softmax(y, -1), 5 * e * 75 * WAY),
+        "matmul 1024^3": (lambda: a @ b, 2 * 1024**3),
+    }
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        for name, (fn, flops) in cases.items():
+            best = float("inf")
+            for _ in range(5):
+                _sync(dev)
+                t = time.perf_counter()
+                fn()
+                _sync(dev)
+                best = min(best, time.perf_counter() - t)
+            out[name] = flops / best / 1e9
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def roofline_section(test, dev: torch.device, methods: list[str], n_ep: int, workers: int | None, flops_mm: float):
+    """Each method's episodes/s on ``n_ep`` standard episodes (1-shot, no negatives) through
+    ``evaluate`` (its chunking and workers), its FLOPs per episode and the fraction of the large-matmul
+    rate it reaches, as Markdown; then the one-thread rates of the kernels these methods are made of."""
+    spec = EpisodeSpec(way=WAY, shot=1, query=QUERY, seed=3)
+    eps = sample_episodes(test.labels, spec, n_ep)
+    lines = [
+        "| method | episodes/s | iterations (mean) | MFLOP/episode | GFLOP/s | % of matmul |",
+        "|---|---|---|---|---|---|",
+    ]
+    for method in methods:
+        cfg = solvers.make_config(method, {})
+        iters = None
+        if method in _ITER_FIELDS:
+            sub = eps[: min(200, n_ep)]
+            batch = EpisodeBatch(test.features[sub.support], sub.support_labels, test.features[sub.query], None, WAY)
+            done = solvers.run(method, batch.to(dev), cfg).state.get("iterations")
+            iters = None if done is None else float(done.double().mean())
+        f_ep = episode_flops(method, cfg, iters)
+        evaluate(test, eps[:4], [(method, method, cfg)], device=dev, workers=workers)  # warm-up
+        best = float("inf")
+        for _ in range(2):
+            _sync(dev)
+            t = time.perf_counter()
+            evaluate(test, eps, [(method, method, cfg)], device=dev, workers=workers)
+            _sync(dev)
+            best = min(best, time.perf_counter() - t)
+        rate = n_ep / best
+        it = f"{iters:.2f}" if iters is not None else "-"
+        lines.append(
+            f"| {method} | {rate:,.1f} | {it} | {f_ep / 1e6:.2f} | {rate * f_ep / 1e9:.2f} | "
+            f"{100 * rate * f_ep / flops_mm:.1f}% |"
+        )
+    ceil = kernel_ceilings(dev, 40)
+    mm1 = ceil["matmul 1024^3"]
+    kern = ", ".join(f"{k} {v:.1f} GFLOP/s ({100 * v / mm1:.0f}%)" for k, v in ceil.items() if "matmul" not in k)
+    return "\n".join(lines) + f"\n\nOne thread, 40 episodes: matmul 1024^3 {mm1:.1f} GFLOP/s; {kern} of it."
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--episodes", type=int, default=2000)
@@ -417,6 +519,11 @@ def main() -> None:
     )
     ap.add_argument("--no-cost-model", action="store_true", help="skip the GPU cost model")
     ap.add_argument("--cost-only", action="store_true", help="only the GPU cost model and its measurements")
+    ap.add_argument(
+        "--methods",
+        default=None,
+        help="only the per-method roofline table of these methods (comma-separated), on --episodes episodes",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -443,6 +550,13 @@ def main() -> None:
         )
         print(blas_summary())
         print(f"CPU solver formulation: {_native.status()}")
+        if args.methods:
+            print(
+                f"large matmul ({mm_n}^3, float32, {torch.get_num_threads()} thread(s)): "
+                f"{flops_mm / 1e9:,.1f} GFLOP/s; workers {args.workers or 'default'}\n"
+            )
+            print(roofline_section(test, dev, args.methods.split(","), n_ep, args.workers, flops_mm))
+            return
         if args.cost_only:
             cost_ep = 16 if args.quick and args.cost_episodes == 200 else args.cost_episodes
             print("\nGPU cost model, standard workload:\n")

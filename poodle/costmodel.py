@@ -202,7 +202,12 @@ class Trace:
 
 
 _NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "lift_fresh", "detach", "alias", "_to_copy_meta"}
+# reads of a tensor's value on the host
 _SYNCS = {"_local_scalar_dense", "is_nonzero", "item", "equal"}
+# decompositions whose CUDA kernels read their error codes back to the host (torch's
+# ``_linalg_check_errors`` inside them: one sync each, hidden from this mode; where it is called
+# on its own, as by ``linalg.inv`` or ``linalg.solve``, it is counted as the sync it is)
+_CHECKED = {"_linalg_eigh", "_linalg_svd", "linalg_pinv"}
 
 
 def _unique_bytes(t: Tensor) -> int:
@@ -214,8 +219,13 @@ def _unique_bytes(t: Tensor) -> int:
     return n * t.element_size()
 
 
-def _tracer(per: int) -> Any:
-    """A TorchDispatchMode that fills a :class:`Trace`, dividing bytes and FLOPs by ``per`` episodes."""
+def _tracer(per: int, answer: bool | None = None) -> Any:
+    """A TorchDispatchMode that fills a :class:`Trace`, dividing bytes and FLOPs by ``per`` episodes.
+
+    ``answer``: a host read of a tensor's value (``.item()``, ``bool(t)``) is not run but answered
+    with this value (``int``/``float`` of it for numbers), so that solvers run on the ``meta``
+    device, which has shapes and no values (``bool(active.any())`` answered False: every episode
+    has converged)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
     from torch.utils.flop_counter import flop_registry
@@ -227,11 +237,16 @@ def _tracer(per: int) -> Any:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = kwargs or {}
-            out = func(*args, **kwargs)
             name = func.__name__.split(".")[0]
-            if name in _SYNCS:
+            if name in _SYNCS and answer is not None:
+                self.trace.syncs += 1
+                return _answer(args[0], answer) if name == "_local_scalar_dense" else answer
+            out = func(*args, **kwargs)
+            if name in _SYNCS or name == "_linalg_check_errors":
                 self.trace.syncs += 1
                 return out
+            if name in _CHECKED:
+                self.trace.syncs += 1
             if func.is_view or name in _NO_TRAFFIC:
                 return out
             outs = {a.name for a in func._schema.arguments if a.is_out}
@@ -246,6 +261,12 @@ def _tracer(per: int) -> Any:
             return out
 
     return _Count()
+
+
+def _answer(t: Tensor, value: bool) -> bool | int | float:
+    if t.dtype == torch.bool:
+        return value
+    return float(value) if t.dtype.is_floating_point else int(value)
 
 
 def standard_batch(workload: Workload = STANDARD, episodes: int = 4, seed: int = 0) -> Any:
@@ -272,12 +293,13 @@ def standard_batch(workload: Workload = STANDARD, episodes: int = 4, seed: int =
 
 def _run_traced(method: str, cfg: Any, batch: Any) -> Trace:
     from poodle import solvers
-    from poodle.solvers import _optim
+    from poodle.solvers import _optim, _transductive
 
     before = _optim.USE_NATIVE
     _optim.USE_NATIVE = False
     try:
-        with _tracer(batch.n_episodes) as mode:
+        # convergence checks as a GPU makes them (once per CHECK_EVERY iterations), not per iteration
+        with _transductive.device_schedule(), _tracer(batch.n_episodes) as mode:
             solvers.run(method, batch, cfg)
     finally:
         _optim.USE_NATIVE = before

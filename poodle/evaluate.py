@@ -423,7 +423,10 @@ def solve_batch(batch: EpisodeBatch, method: str, cfg: Any) -> Tensor:
     info = solvers.get(method)
     if not info.needs_negatives(cfg):
         batch = dataclasses.replace(batch, negatives=None)
-    return solvers.run(info.name, batch, cfg).log_probs
+    # nothing a solver returns needs a gradient (BMS, the one with autograd inside, leaves this mode
+    # for its refinement): no version counters or autograd bookkeeping on any operation
+    with torch.inference_mode():
+        return solvers.run(info.name, batch, cfg).log_probs
 
 
 def solve_chunk(chunk: Chunk, methods: Sequence[Method], clock: _Clock) -> Solved:

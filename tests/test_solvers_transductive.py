@@ -506,10 +506,11 @@ def test_gram_form_is_chosen_by_arithmetic():
 
 
 @pytest.mark.parametrize("reset", [False, True], ids=["plain", "support-reset"])
-def test_sinkhorn_dropping_finished_episodes_matches_the_masked_schedule(monkeypatch, reset):
+def test_sinkhorn_dropping_finished_episodes_matches_the_masked_schedule(reset):
     # the CPU drops converged episodes from the batch; other devices mask them and look every 16
     # sweeps: the same plan, episode by episode (tolerances that stop them at different sweeps)
     from poodle.solvers import pt_map
+    from poodle.solvers._transductive import device_schedule
 
     g = torch.Generator().manual_seed(0)
     cost = (
@@ -519,8 +520,8 @@ def test_sinkhorn_dropping_finished_episodes_matches_the_masked_schedule(monkeyp
     y = torch.eye(5, dtype=torch.float64)[torch.arange(10) % 5].T.expand(9, 5, 10) if reset else None
     p0 = torch.exp(-10 * cost)
     dropped = pt_map.balance(p0.clone(), 6.0, 1e-9, 300, y)
-    monkeypatch.setattr(pt_map, "DROP_ON_CPU", False)
-    masked = pt_map.balance(p0.clone(), 6.0, 1e-9, 300, y)
+    with device_schedule():
+        masked = pt_map.balance(p0.clone(), 6.0, 1e-9, 300, y)
     assert torch.equal(dropped, masked)
     assert torch.allclose(dropped.sum(1), torch.ones(9, 30, dtype=torch.float64), atol=1e-6)
     if reset:

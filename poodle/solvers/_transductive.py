@@ -7,13 +7,128 @@ one-hot support labels.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from poodle.solvers.base import one_hot
+
 # Smallest probability any log below is allowed to see: keeps 0 * log(0) and 0 / 0 out of every
 # method without changing a result that was finite (it is far below float32 resolution near 1).
 TINY = 1e-30
+
+# ---------------------------------------------------------------------------------------------
+# Convergence checks. A loop that stops per episode keeps an ``active [E]`` mask on the device and
+# freezes an episode's state once it has converged, so its result does not depend on when the loop
+# as a whole stops: the loop may look at the mask as seldom as it likes. Looking is a host sync
+# (``bool(active.any())``): on a GPU it drains the queue the host has run ahead to fill, so off the
+# CPU a loop looks once per CHECK_EVERY iterations. On the CPU a look costs nothing and stopping at
+# once saves up to CHECK_EVERY - 1 sweeps over every episode, so there it looks every iteration
+# (measured: docs/gpu.md, "Host syncs").
+CHECK_EVERY = 8
+# A Sinkhorn sweep is about 15 operations, so its loops look once per 16 sweeps: at most one sync
+# per 150 device operations, the bound tests/test_meta_device.py holds every method to.
+CHECK_EVERY_SWEEPS = 16
+_DEVICE_SCHEDULE = [False]  # set by device_schedule(): the CPU checks as seldom as a GPU
+
+
+@contextlib.contextmanager
+def device_schedule() -> Iterator[None]:
+    """Inside the block, loops on the CPU check convergence (and take every other sync-free branch)
+    as they would on a GPU: what the cost model traces and what the tests compare with the CPU's
+    own schedule. Process-wide; not for concurrent solving threads."""
+    before = _DEVICE_SCHEDULE[0]
+    _DEVICE_SCHEDULE[0] = True
+    try:
+        yield
+    finally:
+        _DEVICE_SCHEDULE[0] = before
+
+
+def syncs_freely(t: Tensor) -> bool:
+    """Whether reading a value of ``t`` on the host costs nothing: on the CPU (outside
+    :func:`device_schedule`), where there is no device queue to drain."""
+    return t.device.type == "cpu" and not _DEVICE_SCHEDULE[0]
+
+
+def should_stop(active: Tensor, it: int, every: int = CHECK_EVERY) -> bool:
+    """Whether a per-episode loop may stop after iteration ``it`` (0-based): no episode of
+    ``active [E]`` (bool) is still iterating. Looks (one host sync) at every iteration where that is
+    free (:func:`syncs_freely`), otherwise only after every ``every``-th iteration, and answers
+    False in between (the caller's masks keep every episode's result the same either way)."""
+    if not syncs_freely(active) and (it + 1) % every:
+        return False
+    return not bool(active.any())
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched decompositions where they are fast.
+#
+# On CUDA, torch sends a batch of symmetric eigenproblems to cuSOLVER's batched Jacobi solver
+# (syevjBatched) only when n <= 32, and SVDs to gesvdjBatched only when m, n <= 32 (the size
+# cuSOLVER documents for gesvdjBatched); above that it loops over the batch, one solver call per
+# matrix (pytorch PR #62003 set the gate; issue #174674 measured 914 ms for 500 float32 100 x 100
+# eighs on one GPU, 8.4 ms with one batched call; issue #175585 an 83x step from n = 32 to 33). So a
+# [4096, 80, 80] batch would be 4,096 serial calls: such batches go to the host in bulk instead, one
+# copy each way, LAPACK per matrix in the input's dtype (the CPU path's own arithmetic, so CPU and
+# CUDA get the same decomposition of the same matrix), the batch split over the host's cores.
+# On the CPU, LAPACK runs single-threaded per matrix: measured on [256, 80, 80] float32 (2-core
+# EPYC), 1.2 ms per matrix with one thread against 13.8 ms with two (MKL's threads fight over an
+# 80 x 80 problem); docs/gpu.md, "Host syncs".
+BATCHED_SOLVER_MAX = 32
+HOST_MIN_PER_THREAD = 64  # matrices per host thread below which one thread does them all
+
+
+def _on_host(a: Tensor) -> bool:
+    return a.device.type == "cuda" and a.dim() > 2 and max(a.shape[-2:]) > BATCHED_SOLVER_MAX
+
+
+def batched_eigh(a: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh`` of ``a [E, n, n]`` (symmetric; ascending eigenvalues ``[E, n]``,
+    eigenvectors ``[E, n, n]``) placed where it is fast: on a CUDA device when ``n <= 32``, else
+    on the host in bulk (see above); on the CPU single-threaded per matrix. Every matrix's
+    decomposition is the one LAPACK gives it alone, whatever the batch."""
+    w, v = _placed(torch.linalg.eigh, a)
+    return w, v
+
+
+def batched_svd(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.linalg.svd(a, full_matrices=False)`` of ``a [E, m, n]`` placed as :func:`batched_eigh`
+    (``U [E, m, k]``, ``S [E, k]``, ``Vh [E, k, n]``, ``k = min(m, n)``)."""
+    u, s, vh = _placed(lambda x: torch.linalg.svd(x, full_matrices=False), a)
+    return u, s, vh
+
+
+def _placed(fn: Callable[[Tensor], tuple[Tensor, ...]], a: Tensor) -> tuple[Tensor, ...]:
+    if _on_host(a):
+        host = a.detach().to("cpu")  # one host sync, as the device solver's own error check is
+        out = _host_map(fn, host, max(1, len(os.sched_getaffinity(0))))
+        return tuple(t.to(a.device, non_blocking=True) for t in out)
+    if a.device.type == "cpu":
+        return _host_map(fn, a, 1)
+    return fn(a)
+
+
+def _host_map(fn: Callable[[Tensor], tuple[Tensor, ...]], a: Tensor, threads: int) -> tuple[Tensor, ...]:
+    """``fn`` of a CPU batch, each matrix single-threaded, the batch split over ``threads``."""
+    n_parts = max(1, min(threads, a.shape[0] // HOST_MIN_PER_THREAD)) if a.dim() > 2 else 1
+    before = torch.get_num_threads()
+    if before != 1:
+        torch.set_num_threads(1)
+    try:
+        if n_parts == 1:
+            return tuple(fn(a))
+        with ThreadPoolExecutor(n_parts, thread_name_prefix="poodle-linalg") as ex:
+            parts = list(ex.map(fn, a.chunk(n_parts)))
+        return tuple(torch.cat(ts) for ts in zip(*parts))
+    finally:
+        if before != 1:
+            torch.set_num_threads(before)
 
 
 def grad_ready(t: Tensor) -> Tensor:
@@ -56,14 +171,22 @@ def cosine(x: Tensor, w: Tensor, x_norm: Tensor | None = None) -> Tensor:
     return torch.bmm(x, w.transpose(1, 2)) / (x_norm.clamp_min(1e-12) * w_norm.clamp_min(1e-12))
 
 
-def weighted_means(a_s: Tensor, z_s: Tensor, a_q: Tensor, z_q: Tensor, fallback: Tensor) -> Tensor:
+def support_share(a_s: Tensor, z_s: Tensor) -> tuple[Tensor, Tensor]:
+    """The support's part of :func:`weighted_means`: ``(a_s^T z_s [E, K, D], sum a_s [E, K])`` for
+    assignments ``a_s [E, Ns, K]`` (made once where the support's assignments are fixed)."""
+    return torch.bmm(a_s.transpose(1, 2), z_s), a_s.sum(1)
+
+
+def weighted_means(support: tuple[Tensor, Tensor], a_q: Tensor, z_q: Tensor, fallback: Tensor) -> Tensor:
     """``(a_s^T z_s + a_q^T z_q) / (sum a_s + sum a_q)`` per class: ``[E, K, D]``.
 
-    ``a_s [E, Ns, K]`` and ``a_q [E, Nq, K]`` are (soft or hard) assignments. A class with zero total
-    weight keeps ``fallback [E, K, D]`` (its previous centre) instead of becoming NaN.
+    ``support`` is :func:`support_share` of the support's assignments; ``a_q [E, Nq, K]`` the
+    queries' (soft or hard) assignments. A class with zero total weight keeps ``fallback [E, K, D]``
+    (its previous centre) instead of becoming NaN.
     """
-    num = torch.bmm(a_s.transpose(1, 2), z_s) + torch.bmm(a_q.transpose(1, 2), z_q)
-    den = (a_s.sum(1) + a_q.sum(1)).unsqueeze(-1)  # [E, K, 1]
+    num_s, den_s = support
+    num = num_s + torch.bmm(a_q.transpose(1, 2), z_q)
+    den = (den_s + a_q.sum(1)).unsqueeze(-1)  # [E, K, 1]
     empty = den <= 0
     return torch.where(empty, fallback, num / torch.where(empty, torch.ones_like(den), den))
 
@@ -76,20 +199,29 @@ def centre_and_project(z_s: Tensor, z_q: Tensor, reduced_dim: int) -> tuple[Tens
     ``z_s [E, Ns, D]``, ``z_q [E, Nq, D]`` -> the same with ``D`` replaced by ``min(reduced_dim,
     Ns + Nq, D)`` (or unchanged when ``reduced_dim == 0``).
     """
-    z_s = F.normalize(z_s - z_s.mean(1, keepdim=True), dim=-1)
-    z_q = F.normalize(z_q - z_q.mean(1, keepdim=True), dim=-1)
     if reduced_dim <= 0:
-        return z_s, z_q
-    x = torch.cat([z_s, z_q], 1)  # [E, N, D]
+        return _centred(z_s), _centred(z_q)
+    # both sets, centred and normalised, written straight into one [E, N, D] buffer (no concatenation)
+    E, ns, D = z_s.shape
+    x = torch.empty(E, ns + z_q.shape[1], D, dtype=z_s.dtype, device=z_s.device)
+    _centred(z_s, out=x[:, :ns])
+    _centred(z_q, out=x[:, ns:])
     n = x.shape[1]
     r = min(reduced_dim, n, x.shape[2])
     # Coordinates in the top-r principal directions, x V_r = U_r S_r, from the eigen-decomposition
     # of the small N x N Gram matrix (cheaper than an SVD of N x D). Distances after projection do
     # not depend on the sign/rotation ambiguity of the basis within the sub-space.
-    evals, evecs = torch.linalg.eigh(torch.bmm(x, x.transpose(1, 2)))  # ascending
+    evals, evecs = batched_eigh(torch.bmm(x, x.transpose(1, 2)))  # ascending
     top = evecs[:, :, n - r :] * evals[:, n - r :].clamp_min(0).sqrt().unsqueeze(1)
     top = F.normalize(top, dim=-1)
     return top[:, : z_s.shape[1]], top[:, z_s.shape[1] :]
+
+
+def _centred(z: Tensor, out: Tensor | None = None) -> Tensor:
+    """``F.normalize(z - mean(z), dim=-1)`` over the rows of each episode of ``z [E, N, D]``, the
+    same arithmetic as that expression, written into ``out`` when given."""
+    c = z - z.mean(1, keepdim=True)
+    return torch.div(c, torch.linalg.vector_norm(c, dim=-1, keepdim=True).clamp_min(1e-12), out=out)
 
 
 def log_normalise(p: Tensor) -> Tensor:
@@ -103,8 +235,14 @@ def dist_flops(n: int, k: int, d: int) -> float:
 
 
 def rectified_prototypes(
-    z_s: Tensor, labels_s: Tensor, z_q: Tensor, way: int, epsilon: float, shift: bool = True
-) -> tuple[Tensor, Tensor]:
+    z_s: Tensor,
+    labels_s: Tensor,
+    z_q: Tensor,
+    way: int,
+    epsilon: float,
+    shift: bool = True,
+    q2: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """BD-CSPN's bias-diminished prototypes (Liu et al. 2020, Eqs. 5-8).
 
     Cross-class bias: queries are shifted by ``delta = mean(z_s) - mean(z_q)`` (when ``shift``).
@@ -112,30 +250,40 @@ def rectified_prototypes(
     nearest basic prototype (cosine) is that class; the rectified prototype is the average of that
     set weighted by ``softmax_i(epsilon * cos(x_i, P_k))`` over the set's members.
 
-    ``z_s [E, Ns, D]``, ``labels_s [E, Ns]``, ``z_q [E, Nq, D]`` -> ``(prototypes [E, way, D],
-    delta [E, 1, D])``. The shifted queries are never materialised: every product with them is
-    ``z_q . v + delta . v`` (the solver is memory-bound; this reads the features fewer times).
-    Every class contains its support points, so no weight is 0/0.
+    ``z_s [E, Ns, D]``, ``labels_s [E, Ns]``, ``z_q [E, Nq, D]`` (``q2``: its :func:`row_sqnorm` when
+    the caller has it) -> ``(prototypes [E, way, D], delta [E, 1, D], ||z_q + delta|| [E, Nq, 1])``.
+    The shifted queries are never materialised: every product with them is ``z_q . v + delta . v``
+    (the solver is memory-bound; this reads the features fewer times); their norms are returned for
+    the caller's :func:`shifted_cosine`. Every class contains its support points, so no weight is 0/0.
     """
     delta = (z_s.mean(1, keepdim=True) - z_q.mean(1, keepdim=True)) if shift else torch.zeros_like(z_s[:, :1])
-    y_s = F.one_hot(labels_s, way).to(z_s.dtype)
+    y_s = one_hot(labels_s, way, z_s.dtype)
     base = torch.bmm(y_s.transpose(1, 2), z_s) / y_s.sum(1).clamp_min(1.0).unsqueeze(-1)
     cos_s = cosine(z_s, base)
-    cos_q = shifted_cosine(z_q, delta, base)
-    member_q = F.one_hot(cos_q.argmax(-1), way).bool()
+    q_norm = shifted_norm(z_q, delta, q2)
+    cos_q = shifted_cosine(z_q, delta, base, q_norm)
+    member_q = one_hot(cos_q.argmax(-1), way, torch.bool)
     logits = (epsilon * torch.cat([cos_s, cos_q], 1)).masked_fill(~torch.cat([y_s.bool(), member_q], 1), float("-inf"))
     w = torch.softmax(logits, dim=1)  # over the set's members
     w_s, w_q = w[:, : z_s.shape[1]], w[:, z_s.shape[1] :]
     protos = (
         torch.bmm(w_s.transpose(1, 2), z_s) + torch.bmm(w_q.transpose(1, 2), z_q) + w_q.sum(1).unsqueeze(-1) * delta
     )
-    return protos, delta
+    return protos, delta, q_norm
 
 
-def shifted_cosine(z_q: Tensor, delta: Tensor, w: Tensor) -> Tensor:
-    """``cos(z_q + delta, w)``: ``z_q [E, Nq, D]``, ``delta [E, 1, D]``, ``w [E, K, D]`` -> ``[E, Nq, K]``."""
+def shifted_norm(z_q: Tensor, delta: Tensor, q2: Tensor | None = None) -> Tensor:
+    """``||z_q + delta||`` per row, ``[E, Nq, 1]``, without making ``z_q + delta`` (``q2``:
+    :func:`row_sqnorm` of ``z_q`` when the caller has it)."""
+    q2 = row_sqnorm(z_q) if q2 is None else q2
+    return (q2 + 2 * torch.bmm(z_q, delta.transpose(1, 2)) + row_sqnorm(delta)).clamp_min(0.0).sqrt()
+
+
+def shifted_cosine(z_q: Tensor, delta: Tensor, w: Tensor, q_norm: Tensor | None = None) -> Tensor:
+    """``cos(z_q + delta, w)``: ``z_q [E, Nq, D]``, ``delta [E, 1, D]``, ``w [E, K, D]`` -> ``[E, Nq, K]``
+    (``q_norm``: :func:`shifted_norm` when the caller has it)."""
     wt = w.transpose(1, 2)
     dot = torch.bmm(z_q, wt) + torch.bmm(delta, wt)
-    sq = (row_sqnorm(z_q) + 2 * torch.bmm(z_q, delta.transpose(1, 2)) + row_sqnorm(delta)).clamp_min(0.0)
+    q_norm = shifted_norm(z_q, delta) if q_norm is None else q_norm
     w_norm = torch.linalg.vector_norm(w, dim=-1).unsqueeze(1)
-    return dot / (sq.sqrt().clamp_min(1e-12) * w_norm.clamp_min(1e-12))
+    return dot / (q_norm.clamp_min(1e-12) * w_norm.clamp_min(1e-12))

@@ -366,8 +366,12 @@ def resolve_preset(cfg: Any, method: str = "") -> None:
 
 
 def one_hot(labels: Tensor, way: int, dtype: torch.dtype) -> Tensor:
-    """``[E, N]`` int64 -> ``[E, N, way]`` float one-hot."""
-    return torch.nn.functional.one_hot(labels, way).to(dtype)
+    """``[E, N]`` int64 -> ``[E, N, way]`` one-hot of ``dtype``.
+
+    A scatter, not ``F.one_hot``: on the CPU that checks its labels' range with two reductions read
+    back to the host (which the GPU cost model would count as syncs a GPU does not make)."""
+    out = torch.zeros(*labels.shape, way, dtype=dtype, device=labels.device)
+    return out.scatter_(-1, labels.unsqueeze(-1), 1)
 
 
 def class_means(x: Tensor, labels: Tensor, way: int) -> Tensor:

@@ -46,6 +46,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BDCSPNConfig) -> flo
 )
 def bd_cspn(batch: EpisodeBatch, cfg: BDCSPNConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]`` (rectified)."""
-    p, delta = rectified_prototypes(batch.support, batch.support_labels, batch.query, batch.way, cfg.epsilon, cfg.shift)
-    log_probs = torch.log_softmax(cfg.epsilon * shifted_cosine(batch.query, delta, p), -1)
+    z_q = batch.query
+    p, delta, q_norm = rectified_prototypes(batch.support, batch.support_labels, z_q, batch.way, cfg.epsilon, cfg.shift)
+    log_probs = torch.log_softmax(cfg.epsilon * shifted_cosine(z_q, delta, p, q_norm), -1)
     return SolverOutput(log_probs, {"prototypes": p})

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from poodle.options import option
 from poodle.solvers._span import RowSpan, span_flops, use_gram
-from poodle.solvers._transductive import dist_flops, grad_ready, log_normalise
+from poodle.solvers._transductive import dist_flops, grad_ready, log_normalise, syncs_freely
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
 from poodle.solvers.pt_map import transformed_rows, unit_rows_
 
@@ -81,7 +81,7 @@ def min_size_sinkhorn(p: Tensor, min_size: Tensor, n_iter: int) -> Tensor:
         p.div_(p.sum(1, keepdim=True))
         mass = p.sum(2)  # [E, K]
         small = mass < target
-        if p.device.type != "cpu" or float(p.amin()) <= floor:
+        if not syncs_freely(p) or float(p.amin()) <= floor:
             guard = torch.empty_like(p) if guard is None else guard
             mass = torch.add(p, 1e-20, out=guard).sum(2)
         p.div_(torch.where(small, mass.div_(target), 1.0).unsqueeze(2))
@@ -92,10 +92,11 @@ def _refine(z: Tensor, w: Tensor, target: Tensor, epochs: int, lr: float, moment
     """The authors' ``train``: SGD on a cosine classifier ``s * <z, w_k / ||w_k||>`` with soft labels
     ``target [E, N, K]``, centres ``w [E, K, D]`` renormalised after every step; the scale ``s``
     restarts at 1 and is discarded."""
-    with torch.enable_grad():
+    # the one solver with autograd: it leaves the inference mode evaluate solves in
+    with torch.inference_mode(False), torch.enable_grad():
         w = grad_ready(w).detach().clone().requires_grad_(True)
         s = torch.ones(z.shape[0], 1, 1, dtype=z.dtype, device=z.device, requires_grad=True)
-        zz = grad_ready(z)
+        zz, target = grad_ready(z), grad_ready(target)
         opt = torch.optim.SGD([w, s], lr=lr, momentum=momentum)
         for _ in range(epochs):
             opt.zero_grad(set_to_none=True)

@@ -39,8 +39,10 @@ from poodle.solvers._transductive import (
     centre_and_project,
     dist_flops,
     row_sqnorm,
+    should_stop,
     softmax_logits,
     sqdist,
+    support_share,
     weighted_means,
 )
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
@@ -60,19 +62,26 @@ def kmeans_loop(
     prev_q = torch.full(z_q.shape[:2], -1, dtype=torch.long, device=z_s.device)
     prev_s = labels_s.clone() if fix_support else torch.full_like(labels_s, -1)
     iters = torch.zeros(E, dtype=torch.long, device=z_s.device)
-    q2, s2 = row_sqnorm(z_q), row_sqnorm(z_s)
-    for _ in range(max_iter):
+    q2 = row_sqnorm(z_q)
+    s2 = None if fix_support else row_sqnorm(z_s)
+    # fixed support labels: their share of every update is the same, made once
+    fixed = support_share(one_hot(labels_s, K, z_s.dtype), z_s) if fix_support else None
+    for it in range(max_iter):
         lab_q = sqdist(z_q, centres, q2).argmin(-1)
-        lab_s = labels_s if fix_support else sqdist(z_s, centres, s2).argmin(-1)
-        unchanged = (lab_q == prev_q).all(1) & (lab_s == prev_s).all(1)
+        unchanged = (lab_q == prev_q).all(1)
+        if not fix_support:
+            lab_s = sqdist(z_s, centres, s2).argmin(-1)
+            unchanged = unchanged & (lab_s == prev_s).all(1)
         active = active & ~unchanged
-        if not bool(active.any()):
+        if should_stop(active, it):  # a converged episode is frozen below, so looking late changes nothing
             break
-        new = weighted_means(one_hot(lab_s, K, z_s.dtype), z_s, one_hot(lab_q, K, z_s.dtype), z_q, centres)
+        share = fixed if fixed is not None else support_share(one_hot(lab_s, K, z_s.dtype), z_s)
+        new = weighted_means(share, one_hot(lab_q, K, z_s.dtype), z_q, centres)
         keep = ~active
         centres = torch.where(keep[:, None, None], centres, new)
         prev_q = torch.where(keep[:, None], prev_q, lab_q)
-        prev_s = torch.where(keep[:, None], prev_s, lab_s)
+        if not fix_support:
+            prev_s = torch.where(keep[:, None], prev_s, lab_s)
         iters = iters + active.long()
     return centres, prev_q, prev_s, iters
 
@@ -85,8 +94,16 @@ class KMeansConfig:
 
 
 def _flops_km(Ns: int, Nq: int, M: int, D: int, way: int, cfg: KMeansConfig) -> float:
-    # an upper bound: clustering usually converges in a handful of iterations
-    return cfg.max_iter * 2 * dist_flops(Ns + Nq, way, D)
+    # An episode that moves its centres ``max_iter`` times: max_iter + 1 assignment passes (the last
+    # finds nothing changed) and max_iter mean updates, besides the support means and the final
+    # logits. Linear in max_iter: benchmarks count it at the measured mean iterations (a handful).
+    assign = dist_flops(Nq if cfg.fix_support else Ns + Nq, way, D)
+    return (
+        dist_flops(Ns, way, D)
+        + (cfg.max_iter + 1) * assign
+        + cfg.max_iter * dist_flops(Ns + Nq, way, D)
+        + dist_flops(Nq, way, D)
+    )
 
 
 @register(
@@ -118,7 +135,9 @@ def _flops_bkm(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BayesKMeansConfi
     n = Ns + Nq
     r = min(cfg.reduced_dim, n, D) if cfg.reduced_dim > 0 else D
     pca = 2.0 * n * n * D + 9.0 * n**3 if cfg.reduced_dim > 0 else 0.0  # Gram + eigh
-    return pca + cfg.max_iter * dist_flops(n, way, r) + dist_flops(Ns, Nq, r)
+    # k-means over all n rows as in _flops_km (linear in max_iter), then the Bayes step
+    clustering = (2 * cfg.max_iter + 1) * dist_flops(n, way, r) + dist_flops(Ns, way, r)
+    return pca + clustering + dist_flops(Ns, way, r) + dist_flops(Ns, Nq, r)
 
 
 @register(
@@ -130,13 +149,13 @@ def _flops_bkm(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BayesKMeansConfi
 )
 def bayes_kmeans(batch: EpisodeBatch, cfg: BayesKMeansConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``centres [E, way, r]`` (in the projected space),
-    ``clusters [E, Nq]`` (each query's cluster)."""
+    ``clusters [E, Nq]`` (each query's cluster) and ``iterations [E]`` (the k-means updates)."""
     z_s, z_q = batch.support, batch.query
     if cfg.centre or cfg.reduced_dim > 0:
         z_s, z_q = centre_and_project(z_s, z_q, cfg.reduced_dim)
     way = batch.way
     c0 = class_means(z_s, batch.support_labels, way)
-    c, cq, _, _ = kmeans_loop(z_s, batch.support_labels, z_q, c0, cfg.max_iter, fix_support=False)
+    c, cq, _, iters = kmeans_loop(z_s, batch.support_labels, z_q, c0, cfg.max_iter, fix_support=False)
     # p(c|s) against unit-norm centres, as TAFSSL
     log_pcs = torch.log_softmax(-cfg.sigma * sqdist(z_s, F.normalize(c, dim=-1)), -1)  # [E, Ns, K]
     log_kern = -cfg.sigma * sqdist(z_s, z_q)  # [E, Ns, Nq]
@@ -147,4 +166,4 @@ def bayes_kmeans(batch: EpisodeBatch, cfg: BayesKMeansConfig) -> SolverOutput:
     log_member = torch.log(member).unsqueeze(2)  # 0 / -inf
     per_class = torch.logsumexp(joint.unsqueeze(-1) + log_member, dim=1)  # [E, Nq, way]
     log_probs = torch.log_softmax(per_class, -1)
-    return SolverOutput(log_probs, {"centres": c, "clusters": cq})
+    return SolverOutput(log_probs, {"centres": c, "clusters": cq, "iterations": iters})

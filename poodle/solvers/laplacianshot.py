@@ -50,12 +50,19 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._transductive import TINY, cosine, dist_flops, rectified_prototypes, sqdist
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register, validate_config
+from poodle.solvers._transductive import (
+    TINY,
+    cosine,
+    dist_flops,
+    rectified_prototypes,
+    row_sqnorm,
+    should_stop,
+    sqdist,
+)
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register, validate_config
 
 PRESETS: dict[str, dict[str, Any]] = {
     # the method as Ziko et al.'s paper and BD-CSPN's paper write it
@@ -88,18 +95,24 @@ class LaplacianShotConfig:
         return bool(self.self_neighbour), bool(self.released_rectification), bool(self.shifted_unary)
 
 
-def knn_graph(z_q: Tensor, k: int) -> Tensor:
+def knn_graph(z_q: Tensor, k: int, q2: Tensor | None = None) -> Tensor:
     """``z_q [E, Nq, D]`` -> ``[E, Nq, Nq]`` 0/1 affinity: row ``q`` marks its ``k`` nearest other
-    queries (Euclidean; self excluded; ``k`` clipped to ``Nq - 1``)."""
+    queries (Euclidean; self excluded; ``k`` clipped to ``Nq - 1``; ``q2``: :func:`row_sqnorm` of
+    ``z_q`` when the caller has it).
+
+    Squared distances from the queries' Gram matrix, ``||a||^2 + ||b||^2 - 2 a.b``: one batched
+    product and no ``[E, Nq, D + 2]`` copies (``torch.cdist`` augments both sides with their norms),
+    and no square root, which ranks nothing differently."""
     E, n, _ = z_q.shape
     k = min(k, n - 1)
     w = torch.zeros(E, n, n, dtype=z_q.dtype, device=z_q.device)
     if k <= 0:
         return w
-    d = torch.cdist(z_q, z_q)
-    d = d + torch.diag(torch.full((n,), float("inf"), dtype=d.dtype, device=d.device))
+    q2 = row_sqnorm(z_q) if q2 is None else q2
+    d = torch.baddbmm(q2 + q2.transpose(1, 2), z_q, z_q.transpose(1, 2), alpha=-2.0)
+    d.diagonal(dim1=1, dim2=2).fill_(float("inf"))
     idx = d.topk(k, dim=-1, largest=False).indices
-    return w.scatter(2, idx, 1.0)
+    return w.scatter_(2, idx, 1.0)
 
 
 def released_rectification(
@@ -114,22 +127,56 @@ def released_rectification(
     base = class_means(z_s, labels_s, way)
     x = torch.cat([z_s, z_q], 1)
     cos = cosine(x, base)  # [E, N, way]
-    member = F.one_hot(cos.argmax(-1), way).to(x.dtype)  # [E, N, way]
+    member = one_hot(cos.argmax(-1), way, x.dtype)  # [E, N, way]
     w = torch.softmax(epsilon * cos, -1) * member
     count = member.sum(1)  # [E, way]
     protos = torch.bmm(w.transpose(1, 2), x) / count.clamp_min(1.0).unsqueeze(-1)
     return protos, count > 0, z_q
 
 
-def bound_energy(y: Tensor, unary: Tensor, w: Tensor, lmd: float) -> Tensor:
-    """The authors' energy ``sum(y*a - lmd*(W y)*y + y*log y)`` per episode ``[E]``."""
-    pair = torch.bmm(w, y)
+def bound_energy(y: Tensor, unary: Tensor, w: Tensor, lmd: float, pair: Tensor | None = None) -> Tensor:
+    """The authors' energy ``sum(y*a - lmd*(W y)*y + y*log y)`` per episode ``[E]`` (``pair``:
+    ``W y`` when the caller has it)."""
+    pair = torch.bmm(w, y) if pair is None else pair
     return (unary * y - lmd * pair * y + y * torch.log(y.clamp_min(1e-20))).sum((1, 2))
 
 
+def bound_updates(unary: Tensor, w: Tensor, cfg: LaplacianShotConfig, masked: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The bound iterations ``y = softmax(-a + lmd W y)`` from ``y = softmax(-a)``, each episode
+    until its energy's relative change is at most ``tol`` (after the third iteration) or for
+    ``steps`` iterations. ``unary [E, Nq, K]`` (``masked``: infinite for dropped classes), ``w [E, Nq,
+    Nq]`` -> ``(logits, y, iterations [E])``. ``W y`` is computed once per iteration: the energy's
+    product is the next update's."""
+    E = unary.shape[0]
+    neg = -unary
+    logits = neg
+    y = torch.softmax(logits, -1)
+    pair = torch.bmm(w, y)
+    active = torch.ones(E, dtype=torch.bool, device=unary.device)
+    old = torch.full((E,), float("inf"), dtype=unary.dtype, device=unary.device)
+    iters = torch.zeros(E, dtype=torch.long, device=unary.device)
+    for i in range(cfg.steps):
+        new_logits = neg + cfg.lmd * pair
+        new_y = torch.softmax(new_logits, -1)
+        keep = ~active
+        logits = torch.where(keep[:, None, None], logits, new_logits)
+        y = torch.where(keep[:, None, None], y, new_y)
+        iters = iters + active.long()
+        pair = torch.bmm(w, y)
+        energy = bound_energy(y, unary.masked_fill(y == 0, 0.0) if masked else unary, w, cfg.lmd, pair)
+        done = (energy - old).abs() <= cfg.tol * old.abs() if i > 1 else torch.zeros_like(active)
+        old = torch.where(active, energy, old)
+        active = active & ~done
+        if should_stop(active, i):  # a stopped episode is frozen above, so looking late changes nothing
+            break
+    return logits, y, iters
+
+
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: LaplacianShotConfig) -> float:
+    # rectification (three products with the rows), the kNN Gram matrix, the unary term, and one
+    # ``W y`` product per bound iteration (plus the first); linear in ``steps``
     rect = 3 * dist_flops(Ns + Nq, way, D) if cfg.rectify else 0.0
-    return rect + dist_flops(Nq, Nq, D) + dist_flops(Nq, way, D) + cfg.steps * 2 * dist_flops(Nq, way, Nq)
+    return rect + dist_flops(Nq, Nq, D) + dist_flops(Nq, way, D) + (cfg.steps + 1) * dist_flops(Nq, way, Nq)
 
 
 @register(
@@ -144,41 +191,23 @@ def laplacianshot(batch: EpisodeBatch, cfg: LaplacianShotConfig) -> SolverOutput
     ``prototypes [E, way, D]``, ``iterations [E]``."""
     self_nb, released, shifted = cfg.resolved()
     z_s, z_q = batch.support, batch.query
+    q2 = row_sqnorm(z_q)  # for the rectification, the unary term and the kNN graph
     kept = None
     z_u = z_q
     if cfg.rectify and released:
         m, kept, z_shift = released_rectification(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon)
+        z_u = z_shift if shifted else z_q
     elif cfg.rectify:
-        m, delta = rectified_prototypes(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon)
-        z_shift = z_q + delta
+        m, delta, _ = rectified_prototypes(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon, q2=q2)
+        z_u = z_q + delta if shifted else z_q
     else:
-        m, z_shift = class_means(z_s, batch.support_labels, batch.way), z_q
-    if shifted and cfg.rectify:
-        z_u = z_shift
-    unary = sqdist(z_u, m)  # [E, Nq, way]
+        m = class_means(z_s, batch.support_labels, batch.way)
+    unary = sqdist(z_u, m, q2 if z_u is z_q else None)  # [E, Nq, way]
     if kept is not None:
         # a dropped class takes no query: infinite unary (its softmax weight is exactly 0)
         unary = unary.masked_fill(~kept.unsqueeze(1), float("inf"))
-    w = knn_graph(z_q, cfg.knn - 1 if self_nb else cfg.knn)
-    logits = -unary
-    y = torch.softmax(logits, -1)
-    E = z_q.shape[0]
-    active = torch.ones(E, dtype=torch.bool, device=z_q.device)
-    old = torch.full((E,), float("inf"), dtype=z_q.dtype, device=z_q.device)
-    iters = torch.zeros(E, dtype=torch.long, device=z_q.device)
-    for i in range(cfg.steps):
-        new_logits = -unary + cfg.lmd * torch.bmm(w, y)
-        new_y = torch.softmax(new_logits, -1)
-        keep = ~active
-        logits = torch.where(keep[:, None, None], logits, new_logits)
-        y = torch.where(keep[:, None, None], y, new_y)
-        iters = iters + active.long()
-        energy = bound_energy(y, unary if kept is None else unary.masked_fill(y == 0, 0.0), w, cfg.lmd)
-        done = (energy - old).abs() <= cfg.tol * old.abs() if i > 1 else torch.zeros_like(active)
-        old = torch.where(active, energy, old)
-        active = active & ~done
-        if not bool(active.any()):
-            break
+    w = knn_graph(z_q, cfg.knn - 1 if self_nb else cfg.knn, q2)
+    logits, y, iters = bound_updates(unary, w, cfg, kept is not None)
     if kept is not None:
         # As released: the prototype list shrinks, so kept class number j (in class order) answers
         # with label j. A stable sort puts the kept classes first, in order.

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._transductive import centre_and_project, dist_flops, sqdist
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
+from poodle.solvers._transductive import centre_and_project, dist_flops, row_sqnorm, sqdist, support_share
+from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
 
 
 @dataclass
@@ -73,16 +73,16 @@ def mean_shift(batch: EpisodeBatch, cfg: MeanShiftConfig) -> SolverOutput:
     z_s, z_q = batch.support, batch.query
     if cfg.centre or cfg.reduced_dim > 0:
         z_s, z_q = centre_and_project(z_s, z_q, cfg.reduced_dim)
-    y_s = one_hot(batch.support_labels, batch.way, z_s.dtype)
-    mu0 = class_means(z_s, batch.support_labels, batch.way)
-    mu = mu0
-    log_p = torch.log_softmax(-cfg.sigma * sqdist(z_q, mu), -1)
+    labelled = support_share(one_hot(batch.support_labels, batch.way, z_s.dtype), z_s)  # fixed: made once
+    mu = labelled[0] / labelled[1].clamp_min(1.0).unsqueeze(-1)  # the support class means
+    q2 = row_sqnorm(z_q)
+    log_p = torch.log_softmax(-cfg.sigma * sqdist(z_q, mu, q2), -1)
     selected = torch.zeros(z_s.shape[0], dtype=torch.long, device=z_s.device)
     for _ in range(cfg.steps):
         sel = confident_top_d(log_p.exp(), cfg.threshold)  # [E, Nq, K]
-        num = torch.bmm(y_s.transpose(1, 2), z_s) + torch.bmm(sel.transpose(1, 2), z_q)
-        den = (y_s.sum(1) + sel.sum(1)).unsqueeze(-1)  # >= shots >= 1
+        num = labelled[0] + torch.bmm(sel.transpose(1, 2), z_q)
+        den = (labelled[1] + sel.sum(1)).unsqueeze(-1)  # >= shots >= 1
         mu = num / den.clamp_min(1.0)
-        log_p = torch.log_softmax(-cfg.sigma * sqdist(z_q, mu), -1)
+        log_p = torch.log_softmax(-cfg.sigma * sqdist(z_q, mu, q2), -1)
         selected = sel.sum(1)[:, 0].long()
     return SolverOutput(log_p, {"prototypes": mu, "selected": selected})

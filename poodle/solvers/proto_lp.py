@@ -50,7 +50,7 @@ from torch import Tensor
 
 from poodle.options import option
 from poodle.solvers._span import RowSpan, span_flops, use_gram
-from poodle.solvers._transductive import TINY, dist_flops, log_normalise, row_sqnorm
+from poodle.solvers._transductive import TINY, batched_eigh, dist_flops, log_normalise, row_sqnorm
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
 from poodle.solvers.pt_map import balance, sinkhorn, transformed_rows, unit_rows_
 
@@ -83,15 +83,16 @@ def svd_project(x: Tensor, dim: int) -> Tensor:
     the glyph features); the float64 one gives a float64 SVD's coordinates to 1e-13, and from
     float32 rows to 3e-8 where a float32 SVD gave them to 3e-5 (Gram matrices of the coordinates,
     standard workload). A batched float32 SVD of ``[E, 80, 640]`` costs 3x more on a CPU (3.7 ms
-    against 1.25 ms an episode, one thread), and CUDA runs either one matrix at a time."""
+    against 1.25 ms an episode, one thread); on CUDA either would run one matrix at a time, and
+    :func:`~poodle.solvers._transductive.batched_eigh` sends the batch to the host in bulk."""
     n, d = x.shape[1], x.shape[2]
     r = min(dim, n, d)
     xd = x.double()
     if n <= d:
-        w, u = torch.linalg.eigh(torch.bmm(xd, xd.transpose(1, 2)))  # ascending
+        w, u = batched_eigh(torch.bmm(xd, xd.transpose(1, 2)))  # ascending
         coords = u[:, :, n - r :] * w[:, None, n - r :].clamp_min(0).sqrt()
     else:
-        coords = torch.bmm(xd, torch.linalg.eigh(torch.bmm(xd.transpose(1, 2), xd))[1][:, :, d - r :])
+        coords = torch.bmm(xd, batched_eigh(torch.bmm(xd.transpose(1, 2), xd))[1][:, :, d - r :])
     return coords.flip(-1).to(x.dtype)
 
 

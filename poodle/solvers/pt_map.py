@@ -29,7 +29,7 @@ from torch import Tensor
 
 from poodle.options import option
 from poodle.solvers._span import RowSpan, span_flops, use_gram
-from poodle.solvers._transductive import TINY, log_normalise, row_sqnorm
+from poodle.solvers._transductive import CHECK_EVERY_SWEEPS, TINY, log_normalise, row_sqnorm, should_stop, syncs_freely
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
 
 
@@ -81,19 +81,10 @@ def preprocess(z_s: Tensor, z_q: Tensor, beta: float) -> Tensor:
     return unit_rows_(z)
 
 
-# Off the CPU, how many sweeps run between two looks at the convergence masks (each look is a host
-# sync): a sweep is about 15 operations, so at most one sync per 150 device operations. The masks
-# freeze a converged episode, so when the loop notices changes no result.
-CHECK_EVERY_SWEEPS = 16
-# On the CPU, drop finished episodes and look every sweep (False: the masked schedule of other
-# devices, which tests compare with it).
-DROP_ON_CPU = True
-
-
 def sinkhorn(cost: Tensor, lam: float, col_mass: float, tol: float, max_iter: int) -> Tensor:
     """Entropic OT plan ``[E, K, N]`` for ``cost [E, K, N]`` (classes first; overwritten: the plan
-    is written there): every sample (column) carries mass 1, every class (row) receives ``col_mass``. Each episode stops once its samples'
-    masses moved by at most ``tol`` in one sweep."""
+    is written there): every sample (column) carries mass 1, every class (row) receives
+    ``col_mass``. Each episode stops once its samples' masses moved by at most ``tol`` in one sweep."""
     p = cost.mul_(-lam).exp_()  # the caller's temporary
     p.div_(p.sum((1, 2), keepdim=True).clamp_min_(TINY))
     return balance(p, col_mass, tol, max_iter)
@@ -106,17 +97,18 @@ def balance(p: Tensor, col_mass: float, tol: float, max_iter: int, reset: Tensor
     of those before the previous one (at most ``max_iter`` sweeps).
 
     Classes are the middle axis so that both reductions run along vectors (a sum over an innermost
-    axis of 5 is several times slower). On the CPU the loop looks at the masks every sweep and drops
-    finished episodes from the batch once a quarter of it has finished; elsewhere it masks them and
-    looks every ``CHECK_EVERY_SWEEPS`` sweeps."""
-    if p.device.type == "cpu" and DROP_ON_CPU:
+    axis of 5 is several times slower). Where a look at the masks costs nothing (the CPU,
+    :func:`~poodle.solvers._transductive.syncs_freely`) the loop looks every sweep and drops finished
+    episodes from the batch once a quarter of it has finished; elsewhere it masks them and looks
+    every ``CHECK_EVERY_SWEEPS`` sweeps."""
+    if syncs_freely(p):
         return _balance_dropping(p, col_mass, tol, max_iter, reset)
     active = torch.ones(p.shape[0], dtype=torch.bool, device=p.device)
     u = p.new_zeros(p.shape[0], p.shape[2])
     for it in range(max_iter):
         rows = p.sum(1)  # [E, N]
         active &= (u - rows).abs_().amax(1) > tol
-        if (it + 1) % CHECK_EVERY_SWEEPS == 0 and not bool(active.any()):
+        if should_stop(active, it, CHECK_EVERY_SWEEPS):  # stopped episodes are frozen below
             break
         u = _sweep(p, rows, u, active, col_mass, reset)
     return p

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from poodle.options import option
-from poodle.solvers._transductive import dist_flops, softmax_logits, weighted_means
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
+from poodle.solvers._transductive import dist_flops, softmax_logits, support_share, weighted_means
+from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
 
 
 @dataclass
@@ -36,7 +36,10 @@ class SoftKMeansConfig:
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: SoftKMeansConfig) -> float:
-    return (cfg.steps + 1) * 2 * dist_flops(Ns + Nq, way, D)
+    # the support means; per step the queries' logits and the means over the queries (and the
+    # support's logits and means when they are re-assigned); the final logits
+    per_step = dist_flops(Nq, way, D) * 2 + (2 * dist_flops(Ns, way, D) if not cfg.fix_support else 0.0)
+    return dist_flops(Ns, way, D) + cfg.steps * per_step + dist_flops(Nq, way, D)
 
 
 @register(
@@ -51,11 +54,14 @@ def soft_kmeans(batch: EpisodeBatch, cfg: SoftKMeansConfig) -> SolverOutput:
     (the queries' last soft assignments ``[E, Nq, way]``)."""
     z_s, z_q = batch.support, batch.query
     y_s = one_hot(batch.support_labels, batch.way, z_s.dtype)
-    p = class_means(z_s, batch.support_labels, batch.way)
-    a_q = torch.softmax(softmax_logits(z_q, p, cfg.scale), -1)
+    labelled = support_share(y_s, z_s)  # the support's share of an update, and its class means
+    p = labelled[0] / labelled[1].clamp_min(1.0).unsqueeze(-1)
+    a_q = None
     for _ in range(cfg.steps):
         a_q = torch.softmax(softmax_logits(z_q, p, cfg.scale), -1)
-        a_s = y_s if cfg.fix_support else torch.softmax(softmax_logits(z_s, p, cfg.scale), -1)
-        p = weighted_means(a_s, z_s, a_q, z_q, p)
-    log_probs = torch.log_softmax(softmax_logits(z_q, p, cfg.scale), -1)
-    return SolverOutput(log_probs, {"prototypes": p, "assignments": a_q})
+        a_s = labelled if cfg.fix_support else support_share(torch.softmax(softmax_logits(z_s, p, cfg.scale), -1), z_s)
+        p = weighted_means(a_s, a_q, z_q, p)
+    logits = softmax_logits(z_q, p, cfg.scale)
+    if a_q is None:  # no refinement: the assignments to the support means
+        a_q = torch.softmax(logits, -1)
+    return SolverOutput(torch.log_softmax(logits, -1), {"prototypes": p, "assignments": a_q})
