@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from poodle import solvers
+from poodle import costmodel, solvers
 from poodle.cache import list_splits, read_split, write_arrays
 from poodle.cells import Cell, make_cell, numbered
 from poodle.evaluate import choose_chunk
@@ -403,25 +403,41 @@ CLOCK = [time.perf_counter]
 
 
 def _best_seconds(fn, min_seconds: float, repeats: int) -> float:
-    """Seconds per call of ``fn``: best of ``repeats`` timings of enough calls to last ``min_seconds``."""
-    clock = CLOCK[0]
-    t0 = clock()
+    """Seconds per call of ``fn`` on :data:`CLOCK`: see :func:`_best_both`."""
+    wall, cpu = _best_both(fn, min_seconds, repeats)
+    return cpu if CLOCK[0] is time.thread_time else wall
+
+
+def _best_both(fn, min_seconds: float, repeats: int) -> tuple[float, float]:
+    """(wall, thread CPU) seconds per call of ``fn``: the best of ``repeats`` timings of enough calls
+    to last ``min_seconds``, each clock's best on its own."""
+    t0 = time.perf_counter()
     fn()
-    once = max(clock() - t0, 1e-6)
+    once = max(time.perf_counter() - t0, 1e-6)
     calls = max(1, math.ceil(min_seconds / once))
-    best = float("inf")
+    wall = cpu = float("inf")
     for _ in range(repeats):
-        t0 = clock()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(calls):
             fn()
-        best = min(best, (clock() - t0) / calls)
-    return best
+        wall = min(wall, (time.perf_counter() - t0) / calls)
+        cpu = min(cpu, (time.thread_time() - c0) / calls)
+    return wall, cpu
 
 
-def matmul_rate(n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of a large float32 matmul on this thread count (the roofline)."""
+def matmul_rate(n: int = 1024, repeats: int = 5) -> tuple[float, float]:
+    """FLOP/s of a large float32 matmul on this thread count (the roofline), by the wall clock and
+    by the thread's CPU time."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2.0 * n**3 / _best_seconds(lambda: a @ b, 0.3, repeats)
+    wall, cpu = _best_both(lambda: a @ b, 0.3, repeats)
+    return 2.0 * n**3 / wall, 2.0 * n**3 / cpu
+
+
+def op_seconds(repeats: int = 5) -> float:
+    """CPU seconds of one in-place operation on 40 numbers: what any torch operation costs at least
+    (dispatch, checks, the loop's set-up)."""
+    x = torch.rand(40)
+    return _best_both(lambda: x.mul_(1.0), 0.2, repeats)[1]
 
 
 def pass_seconds(shape: tuple[int, ...], repeats: int = 5) -> tuple[float, float]:
@@ -516,32 +532,52 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     CLOCK[0] = time.thread_time if args.roofline_clock == "cpu" else time.perf_counter
     try:
-        mm = matmul_rate()
+        mm, mm_cpu = matmul_rate()
+        t_op = op_seconds()
         rows = []
         for label, dim, make in roofline_cases(args):
             chunk = choose_chunk(80, dim, 5, torch.device("cpu"), parse_size("2GiB"))
+            bandwidth = pass_seconds((chunk, 80, dim))[1]  # an in-place pass over a chunk's features
             for shot in args.shots:
                 batch = make(chunk, shot)
                 for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
                     rows.append(_roofline_row(name, label, dim, shot, chunk, batch, args))
-                    print(_roofline_line(rows[-1], mm), file=sys.stderr)
-        mm_after = matmul_rate()
+                    r = rows[-1]
+                    r["floors_us"] = {  # per episode: the arithmetic, the bytes, the operations
+                        "compute": 1e6 * r["flops_per_episode"] / mm_cpu,
+                        "memory": 1e6 * r["bytes_per_episode"] / bandwidth,
+                        "ops": 1e6 * r["ops_per_call"] * t_op / chunk,
+                    }
+                    print(_roofline_line(rows[-1], mm, mm_cpu), file=sys.stderr)
+        mm_after, mm_cpu_after = matmul_rate()
     finally:
         torch.set_num_threads(before)
-    return {"matmul_flops": mm, "matmul_flops_after": mm_after, "rows": rows, "clock": args.roofline_clock}
+    return {
+        "matmul_flops": mm,
+        "matmul_flops_after": mm_after,
+        "matmul_flops_cpu": mm_cpu,
+        "matmul_flops_cpu_after": mm_cpu_after,
+        "rows": rows,
+        "sweep_clock": args.roofline_clock,
+        "op_seconds": t_op,
+    }
 
 
 def _roofline_row(name: str, label: str, dim: int, shot: int, chunk: int, batch: EpisodeBatch, args) -> dict[str, Any]:
     cfg = solvers.make_config(name, {}, strict=True)
     info = solvers.get(name)
-    sec = _best_seconds(lambda: info.fn(batch, cfg), args.tp_seconds, args.repeats)
+    sec, cpu = _best_both(lambda: info.fn(batch, cfg), args.tp_seconds, args.repeats)
     with _SweepClock() as clock:  # a separate, instrumented call
         t0 = CLOCK[0]()
         info.fn(batch, cfg)
         total = CLOCK[0]() - t0
     flops = info.flops(5 * shot, 5 * QUERY, 0, dim, 5, cfg) if info.flops else float("nan")
+    with costmodel._tracer(chunk) as mode:  # what the call does on this device's own schedule
+        info.fn(batch, cfg)
     row = {"method": name, "features": label, "dim": dim, "shot": shot, "chunk": chunk}
+    row |= {"ops_per_call": mode.trace.launches, "bytes_per_episode": mode.trace.bytes}
     row |= {"eps_per_s": chunk / sec, "flops_per_episode": flops, "flop_per_s": flops * chunk / sec}
+    row |= {"eps_per_s_cpu": chunk / cpu, "flop_per_s_cpu": flops * chunk / cpu}
     if clock.episode_sweeps:
         # the cheapest in-place pass over the sweep's [E, K, Nq] tensor, at this chunk's size
         t_pass, bw = pass_seconds((chunk, 5, 5 * QUERY))
@@ -556,11 +592,12 @@ def _roofline_row(name: str, label: str, dim: int, shot: int, chunk: int, batch:
     return row
 
 
-def _roofline_line(r: dict[str, Any], mm: float) -> str:
+def _roofline_line(r: dict[str, Any], mm: float, mm_cpu: float) -> str:
     text = (
         f"{r['method']:9s} {r['features']:>22s} {r['shot']}-shot chunk {r['chunk']:4d}: {r['eps_per_s']:8.1f} eps/s, "
         f"{r['flops_per_episode'] / 1e6:7.2f} MFLOP/ep, {r['flop_per_s'] / 1e9:6.2f} GFLOP/s = "
-        f"{100 * r['flop_per_s'] / mm:5.1f}% of matmul"
+        f"{100 * r['flop_per_s'] / mm:5.1f}% of matmul (CPU clock: {r['eps_per_s_cpu']:.1f} eps/s, "
+        f"{100 * r['flop_per_s_cpu'] / mm_cpu:.1f}%)"
     )
     if "sweep_share" in r:
         text += (
@@ -572,32 +609,34 @@ def _roofline_line(r: dict[str, Any], mm: float) -> str:
 
 
 def roofline_table(rf: dict[str, Any]) -> str:
-    mm = rf["matmul_flops"]
+    mm, mm_cpu = rf["matmul_flops"], rf["matmul_flops_cpu"]
     lines = [
-        f"Large matmul (1024^3 float32, 1 thread): {mm / 1e9:.1f} GFLOP/s before, "
-        f"{rf['matmul_flops_after'] / 1e9:.1f} after; {rf['clock']} clock.",
+        f"Large matmul (1024^3 float32, 1 thread): {mm / 1e9:.1f} GFLOP/s before the methods, "
+        f"{rf['matmul_flops_after'] / 1e9:.1f} after (by the thread's CPU time: {mm_cpu / 1e9:.1f} and "
+        f"{rf['matmul_flops_cpu_after'] / 1e9:.1f}); the Sinkhorn columns by the {rf['sweep_clock']} clock.",
+        "",
+        f"One in-place operation on 40 numbers: {1e6 * rf['op_seconds']:.1f} us of CPU time. Floors per episode "
+        "(CPU time): compute = FLOPs / the matmul rate; memory = the bytes the operations move (traced) / "
+        "the bandwidth of an in-place pass over the chunk's features; ops = operations per call x one "
+        "operation's cost / chunk.",
         "",
         "| method | features | shot | chunk | eps/s (1 thread) | MFLOP/episode | GFLOP/s | % of matmul "
+        "| CPU-time eps/s | CPU-time % | us/episode (CPU) | compute floor | memory floor | ops/call | op floor "
         "| Sinkhorn share | sweeps/episode | us per episode-sweep | us at pass bandwidth |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|" + "---|" * 19,
     ]
     for r in rf["rows"]:
-        sweep = (
-            [
-                f"{100 * r['sweep_share']:.0f}%",
-                f"{r['sweeps_per_episode']:.0f}",
-                f"{r['sweep_us']:.2f}",
-                f"{r['bound_us']:.2f}",
-            ]
-            if "sweep_share" in r
-            else ["-"] * 4
-        )
+        sweep = ["-"] * 4
+        if "sweep_share" in r:
+            sweep = [f"{100 * r['sweep_share']:.0f}%", f"{r['sweeps_per_episode']:.0f}", f"{r['sweep_us']:.2f}"]
+            sweep.append(f"{r['bound_us']:.2f}")
         cells = [r["method"], r["features"], str(r["shot"]), str(r["chunk"]), f"{r['eps_per_s']:.1f}"]
-        cells += [
-            f"{r['flops_per_episode'] / 1e6:.2f}",
-            f"{r['flop_per_s'] / 1e9:.2f}",
-            f"{100 * r['flop_per_s'] / mm:.1f}",
-        ]
+        cells += [f"{r['flops_per_episode'] / 1e6:.2f}", f"{r['flop_per_s'] / 1e9:.2f}"]
+        cells += [f"{100 * r['flop_per_s'] / mm:.1f}", f"{r['eps_per_s_cpu']:.1f}"]
+        cells.append(f"{100 * r['flop_per_s_cpu'] / mm_cpu:.1f}")
+        fl = r["floors_us"]
+        cells += [f"{1e6 / r['eps_per_s_cpu']:.0f}", f"{fl['compute']:.0f}", f"{fl['memory']:.0f}"]
+        cells += [f"{r['ops_per_call']:,}", f"{fl['ops']:.0f}"]
         lines.append("| " + " | ".join(cells + sweep) + " |")
     return "\n".join(lines)
 
