@@ -425,26 +425,31 @@ def _best_both(fn, min_seconds: float, repeats: int) -> tuple[float, float]:
     return wall, cpu
 
 
-def matmul_rate(n: int = 1024, repeats: int = 5) -> tuple[float, float]:
+# seconds and repeats of the roofline's calibrations (matmul, one operation, one pass); the test
+# shortens them
+CALIBRATE = [0.3, 5]
+
+
+def matmul_rate(n: int = 1024) -> tuple[float, float]:
     """FLOP/s of a large float32 matmul on this thread count (the roofline), by the wall clock and
     by the thread's CPU time."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    wall, cpu = _best_both(lambda: a @ b, 0.3, repeats)
+    wall, cpu = _best_both(lambda: a @ b, *CALIBRATE)
     return 2.0 * n**3 / wall, 2.0 * n**3 / cpu
 
 
-def op_seconds(repeats: int = 5) -> float:
+def op_seconds() -> float:
     """CPU seconds of one in-place operation on 40 numbers: what any torch operation costs at least
     (dispatch, checks, the loop's set-up)."""
     x = torch.rand(40)
-    return _best_both(lambda: x.mul_(1.0), 0.2, repeats)[1]
+    return _best_both(lambda: x.mul_(1.0), *CALIBRATE)[1]
 
 
-def pass_seconds(shape: tuple[int, ...], repeats: int = 5) -> tuple[float, float]:
+def pass_seconds(shape: tuple[int, ...]) -> tuple[float, float]:
     """(seconds of one in-place elementwise pass over a float32 tensor of ``shape``, its bandwidth in
     bytes/s counting a read and a write): the cheapest full pass torch makes at that size."""
     x = torch.rand(shape)
-    t = _best_seconds(lambda: x.mul_(1.0), 0.2, repeats)
+    t = _best_seconds(lambda: x.mul_(1.0), *CALIBRATE)
     return t, 2 * 4 * x.numel() / t
 
 
@@ -536,7 +541,7 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
         t_op = op_seconds()
         rows = []
         for label, dim, make in roofline_cases(args):
-            chunk = choose_chunk(80, dim, 5, torch.device("cpu"), parse_size("2GiB"))
+            chunk = args.roofline_chunk or choose_chunk(80, dim, 5, torch.device("cpu"), parse_size("2GiB"))
             bandwidth = pass_seconds((chunk, 80, dim))[1]  # an in-place pass over a chunk's features
             for shot in args.shots:
                 batch = make(chunk, shot)
@@ -687,6 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--methods", default=ROOFLINE_METHODS, help="the roofline's methods (comma-separated)")
     ap.add_argument("--roofline-cache", help="feature cache whose test split is the roofline's second feature set")
+    ap.add_argument("--roofline-chunk", type=int, default=0, help="episodes per call (0: the chunk evaluate picks)")
     ap.add_argument(
         "--roofline-clock",
         choices=["wall", "cpu"],
