@@ -50,7 +50,7 @@ from torch import Tensor
 
 from poodle.options import option
 from poodle.solvers._span import RowSpan, span_flops, use_gram
-from poodle.solvers._transductive import TINY, batched_eigh, dist_flops, log_normalise, row_sqnorm
+from poodle.solvers._transductive import TINY, batched_eigh, log_normalise, row_sqnorm
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
 from poodle.solvers.pt_map import balance, sinkhorn, transformed_rows, unit_rows_
 
@@ -142,7 +142,10 @@ def lp_normalise(p: Tensor, y_t: Tensor, col_mass: float, balanced: bool, tol: f
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: ProtoLPConfig) -> float:
     d = min(cfg.reduced_dim, Ns + Nq, D) if cfg.reduced_dim > 0 else D
     gram = use_gram(Ns, Nq, d, way, cfg.steps + 1, cfg.steps)
-    project = dist_flops(Ns + Nq, Ns + Nq, D) if cfg.reduced_dim > 0 else 0.0
+    n, m = Ns + Nq, min(Ns + Nq, D)
+    # the projection (float64): the smaller Gram matrix, its eigen-decomposition (9 m^3, LAPACK's
+    # usual count with vectors) and, from x^T x, the product with its top vectors
+    project = 2.0 * n * D * m + 9.0 * m**3 + (2.0 * n * D * d if n > D else 0.0) if cfg.reduced_dim > 0 else 0.0
     # the steps' weighted sums run over all N rows: count the support part too
     return (
         project
