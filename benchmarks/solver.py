@@ -49,6 +49,7 @@ from poodle.negatives import NegativeSpec
 from poodle.solvers import _native, _optim
 from poodle.solvers.base import EpisodeBatch
 from poodle.stats import mean_ci
+from poodle.system import blas
 from poodle.utils import resolve_device
 
 D, WAY, QUERY, N_NEG, STEPS = 640, 5, 15, 375, 250
@@ -75,17 +76,9 @@ def cpu_model() -> str:
 
 
 def blas_summary() -> str:
-    """torch's BLAS/LAPACK/oneDNN lines and numpy's BLAS, in one line each."""
-    keep = ("Math Kernel", "MKL-DNN", "OpenBLAS", "BLAS_INFO", "CPU capability", "OpenMP")
-    lines = [ln.strip(" -") for ln in torch.__config__.show().splitlines() if any(k in ln for k in keep)]
-    lines = [ln if "BLAS_INFO" not in ln else "BLAS_INFO=" + ln.split("BLAS_INFO=")[1].split(",")[0] for ln in lines]
-    try:
-        cfg = np.show_config(mode="dicts")
-        blas = cfg.get("Build Dependencies", {}).get("blas", {})
-        np_blas = f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
-    except TypeError:  # numpy < 1.25
-        np_blas = "unknown"
-    return "torch: " + "; ".join(lines) + f"\nnumpy {np.__version__} BLAS: {np_blas}"
+    """torch's BLAS/LAPACK/oneDNN lines and numpy's BLAS, in one line each (:func:`poodle.system.blas`)."""
+    found = blas()
+    return f"torch: {found['torch']}\nnumpy {np.__version__} BLAS: {found['numpy']}"
 
 
 def matmul_flops(device: torch.device, n: int = 2048, reps: int = 10) -> float:

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import re
 import sys
+import warnings
 from typing import Any, Callable, Iterator
 
 import click
@@ -27,6 +28,7 @@ from rich.progress import (
 from rich.text import Text
 
 from poodle.errors import PoodleError
+from poodle.events import NoticeWarning
 
 console = Console(stderr=True, markup=False, highlight=False)
 out = Console(markup=False, highlight=False)
@@ -94,15 +96,34 @@ def check_paths(ctx: click.Context | None) -> None:
                 resolve_path(v, p.name if isinstance(p, click.Option) else None, p.human_readable_name)
 
 
+@contextlib.contextmanager
+def notices_as_notes() -> Iterator[None]:
+    """Inside: a :class:`poodle.events.NoticeWarning` (a notice from deep inside the library, such as
+    the fused kernel's loader) prints as one ``note:`` line; other warnings as usual."""
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+            if isinstance(message, NoticeWarning):
+                note(message.notice)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
+
+
 def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Check the command's paths (:func:`check_paths`), then turn a :class:`PoodleError` into
-    ``error: <message>`` on stderr (library parameter names written as flags) and exit code 1."""
+    ``error: <message>`` on stderr (library parameter names written as flags) and exit code 1;
+    library notices raised as warnings print as ``note:`` lines."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             check_paths(click.get_current_context(silent=True))
-            return fn(*args, **kwargs)
+            with notices_as_notes():
+                return fn(*args, **kwargs)
         except PoodleError as e:
             if getattr(e, "quiet", False):  # another rank of a torchrun run failed and printed its error
                 sys.exit(1)

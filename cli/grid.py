@@ -95,6 +95,7 @@ def grid(
     from poodle import distributed
     from poodle import grid as G
     from poodle.pipeline import RunOptions
+    from poodle.system import formulations
 
     # under torchrun: every rank reads the grid (an error is printed once), rank 0 alone displays
     d = distributed.init(device) if not dry_run else distributed.Dist()
@@ -133,6 +134,7 @@ def grid(
             f"{out} also holds {result.other_records} record(s) of cells not in this grid (earlier versions of it, "
             f"or other caches); poodle report shows them too: select with --where"
         )
+    console.print(f"arithmetic: {formulations(result.records)}", highlight=False, soft_wrap=True)
     console.print(f"next: poodle report {out} --rows ... --cols ...", highlight=False)
 
 

@@ -1,4 +1,6 @@
-"""``poodle info FILE``: validate a feature cache and summarise its splits and attributes."""
+"""``poodle info FILE``: validate a feature cache and summarise its splits and attributes;
+``poodle info --system``: what a bug report needs (versions, BLAS, threads, devices, the fused
+kernel's state)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,37 @@ from poodle.cli._common import console, friendly_errors, out, styled
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=click.Path(dir_okay=False), required=False)
+@click.option(
+    "--system",
+    is_flag=True,
+    help="Print what a bug report needs instead: versions of poodle, Python, torch, numpy and h5py, the "
+    "BLAS, thread and worker counts, devices, and the fused CPU kernel's state (compiler, flags, "
+    "directory, loaded or why not).",
+)
 @friendly_errors
-def info(file: str) -> None:
+def info(file: str | None, system: bool) -> None:
     """Validate a feature cache (schema, dtypes, row norms, completeness) and summarise it."""
+    if system:
+        _system()
+        if file is None:
+            return
+    elif file is None:
+        raise click.UsageError("give a feature cache FILE, or --system")
+    _cache(file)
+
+
+def _system() -> None:
+    from poodle.system import system_info
+
+    # plain lines, never folded: they are pasted into bug reports
+    for section, items in system_info().items():
+        out.print(section, soft_wrap=True)
+        for k, v in items.items():
+            out.print(f"  {k}: {v}", soft_wrap=True)
+
+
+def _cache(file: str) -> None:
     from rich import box
     from rich.table import Table
 

@@ -348,6 +348,7 @@ def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str 
     """The setting, the table (paired differences to the first method) and the throughput."""
     from poodle.cli._common import render_table
     from poodle.report import solve_table
+    from poodle.system import formulations
 
     if save_episodes:
         console.print(f"episodes written to {save_episodes}")
@@ -368,5 +369,6 @@ def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str 
     console.print(
         f"{res.n_episodes / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s, chunks of {res.chunk_size})"
     )
+    console.print(f"arithmetic: {formulations(res.records)}", highlight=False, soft_wrap=True)
     if results_path:
         console.print(f"results appended to {results_path}")

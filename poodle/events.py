@@ -60,6 +60,16 @@ class Notice:
     params: tuple[str, ...] = field(default=())
 
 
+class NoticeWarning(UserWarning):
+    """A :class:`Notice` from where no ``on_event`` callback reaches (the fused kernel's loader, deep
+    inside a solver), raised with :func:`warnings.warn` once per process; the command line prints
+    it as one note line, a library user sees a warning of this class."""
+
+    def __init__(self, notice: Notice) -> None:
+        super().__init__(notice.message)
+        self.notice = notice
+
+
 @dataclass(frozen=True)
 class SplitWritten:
     """Split ``split`` is complete in the feature cache ``path``: ``images`` rows of ``classes``
@@ -107,6 +117,7 @@ __all__ = [
     "EpisodesSolved",
     "Event",
     "Notice",
+    "NoticeWarning",
     "OnEvent",
     "Ready",
     "SplitResumed",

@@ -39,6 +39,8 @@ from poodle.negatives import pool_file
 from poodle.prefetch import pool_location
 from poodle.preprocess import Preprocessor
 from poodle.results import ResultsFile, cache_identity, identity_key, make_record
+from poodle.solvers import _optim
+from poodle.solvers import get as solver_info
 from poodle.utils import resolve_path
 
 
@@ -305,7 +307,12 @@ def solve_call(
     return {
         labels[c.index]: (
             accs[labels[c.index]].double().cpu(),
-            {**info, "seconds": float(stats["seconds"].get(labels[c.index], call_seconds / len(batch)))},
+            {
+                **info,
+                "seconds": float(stats["seconds"].get(labels[c.index], call_seconds / len(batch))),
+                # provenance, not identity: which arithmetic the method's fits ran here
+                "formulation": _optim.formulation(solver_info(c.method).name, device),
+            },
         )
         for c in batch
     }

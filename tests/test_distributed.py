@@ -289,6 +289,7 @@ TIMINGS = {
     "workers",
     "chunk_size",
     "versions",
+    "formulation",
 }
 
 

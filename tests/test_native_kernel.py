@@ -1,15 +1,24 @@
-"""The fused CPU kernel of the weighted-distance solvers (poodle/solvers/_wd_kernel.c): it computes
-what the torch formulation computes, on shapes that exercise every tail and padding path, gives an
-episode the same bits whatever chunk it comes in, and falls back cleanly where it cannot be built."""
+"""The fused CPU kernel of the fine-tuning solvers (poodle/solvers/_fit_kernel.c): it computes what
+the torch formulation computes, on shapes that exercise every tail and padding path and on strided
+and shared inputs, gives an episode the same bits whatever chunk it comes in, is loaded only from a
+private directory and only when it says this source and interface, and falls back cleanly (one
+notice, the torch formulation) where it cannot be had."""
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import hashlib
 import os
+import stat
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from poodle.events import NoticeWarning
 from poodle.solvers import _native, _optim
 from poodle.solvers._optim import RowTerms, fit_weighted_distance
 
@@ -87,19 +96,24 @@ def test_an_episode_gets_the_same_bits_in_any_chunk(monkeypatch):
 
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
-    """The loader as in a new process, its library cache in ``tmp_path``."""
+    """The loader as in a new process, its library cache in ``tmp_path / "native"``."""
     monkeypatch.setattr(_native, "_lib", None)
-    monkeypatch.setattr(_native, "_tried", False)
-    monkeypatch.setattr(_native, "_reason", "")
+    monkeypatch.setattr(_native, "_state", None)
     monkeypatch.setenv("POODLE_NATIVE_DIR", str(tmp_path / "native"))
     return tmp_path / "native"
 
 
-def test_no_compiler_falls_back_with_one_notice(fresh_loader, monkeypatch, capsys):
+def _notices(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, NoticeWarning)]
+
+
+def test_no_compiler_falls_back_with_one_notice(fresh_loader, monkeypatch):
     monkeypatch.setattr(_native, "_compiler", lambda: None)
-    assert _native.load() is None and _native.load() is None
-    err = capsys.readouterr().err
-    assert err.count("poodle: no C compiler") == 1 and "torch formulation" in err
+    with pytest.warns(NoticeWarning) as record:
+        assert _native.load() is None and _native.load() is None
+    (notice,) = _notices(record)
+    assert notice.startswith("no C compiler") and "torch formulation" in notice
+    assert record[0].message.notice.code == "native-kernel"
     assert not _native.usable(torch.zeros(1))
     assert _native.status().startswith("torch formulation (no C compiler")
     # and the solvers still run (torch formulation)
@@ -108,34 +122,196 @@ def test_no_compiler_falls_back_with_one_notice(fresh_loader, monkeypatch, capsy
     assert w.shape == w0.shape
 
 
-def test_a_compiler_that_fails_falls_back(fresh_loader, monkeypatch, tmp_path, capsys):
+def test_a_compiler_that_fails_falls_back(fresh_loader, monkeypatch, tmp_path):
     bad = tmp_path / "badcc"
     bad.write_text("#!/bin/sh\necho 'badcc: internal error' >&2\nexit 1\n")
     bad.chmod(0o755)
     monkeypatch.setenv("CC", str(bad))
-    assert _native.load() is None
-    err = capsys.readouterr().err
-    assert "the fused kernel did not build" in err and "badcc: internal error" in err
+    with pytest.warns(NoticeWarning) as record:
+        assert _native.load() is None
+    (notice,) = _notices(record)
+    assert "the fused kernel did not build" in notice and "badcc: internal error" in notice
     assert not list(fresh_loader.glob("*.so")) and not list(fresh_loader.glob("*.so.*"))
 
 
-def test_disabled_by_environment(fresh_loader, monkeypatch, capsys):
+def test_disabled_by_environment(fresh_loader, monkeypatch, recwarn):
     monkeypatch.setenv("POODLE_NATIVE", "0")
     assert _native.load() is None
-    assert capsys.readouterr().err == ""
+    assert not _notices(recwarn)
     assert "POODLE_NATIVE=0" in _native.status()
 
 
-@pytest.mark.skipif(_native._compiler() is None, reason="no C compiler on this machine")
-def test_library_built_once_and_reused(fresh_loader, monkeypatch):
+needs_compiler = pytest.mark.skipif(_native._compiler() is None, reason="no C compiler on this machine")
+is_root = hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+@needs_compiler
+def test_library_built_once_into_a_private_directory_and_reused(fresh_loader, monkeypatch):
     assert _native.load() is not None
-    (lib,) = fresh_loader.glob("wd_kernel-*.so")
+    assert stat.S_IMODE(fresh_loader.stat().st_mode) == 0o700
+    (lib,) = fresh_loader.glob("fit_kernel-*.so")
+    assert not lib.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    st = _native.state()
+    assert st.loaded and st.library == str(lib) and st.directory == str(fresh_loader)
+    assert st.source_hash == hashlib.sha256(_native._SOURCE.read_bytes()).hexdigest()
     stamp = os.stat(lib).st_mtime_ns
     monkeypatch.setattr(_native, "_lib", None)
-    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setattr(_native, "_state", None)
     assert _native.load() is not None
     assert [p.name for p in fresh_loader.iterdir()] == [lib.name]  # no temporary left, no second build
     assert os.stat(lib).st_mtime_ns == stamp
+
+
+def _refused_then_same_as_torch(monkeypatch, what: str) -> None:
+    """The kernel is refused with one notice naming ``what``, and the fits equal the torch formulation's."""
+    with pytest.warns(NoticeWarning) as record:
+        assert _native.load() is None
+    (notice,) = _notices(record)
+    assert "not loaded" in notice and what in notice and "torch formulation" in notice
+    assert not _native.state().loaded
+    x, terms, w0 = _problem(E=2, n=15, D=9, K=3)
+    w, g = fit_weighted_distance(x, terms, w0, steps=20, lr=1e-2)
+    monkeypatch.setattr(_optim, "USE_NATIVE", False)
+    wt, gt = fit_weighted_distance(x, terms, w0, steps=20, lr=1e-2)
+    assert torch.equal(w, wt) and torch.equal(g, gt)
+
+
+@needs_compiler
+def test_a_group_writable_directory_is_refused(fresh_loader, monkeypatch):
+    fresh_loader.mkdir()
+    fresh_loader.chmod(0o775)
+    _refused_then_same_as_torch(monkeypatch, "writable by group or others (mode 0775)")
+    assert not list(fresh_loader.iterdir())  # nothing built there
+
+
+@needs_compiler
+@pytest.mark.skipif(not is_root, reason="giving a directory to another user needs root")
+def test_a_directory_of_another_user_is_refused(fresh_loader, monkeypatch):
+    fresh_loader.mkdir(mode=0o700)
+    os.chown(fresh_loader, 54321, 54321)
+    _refused_then_same_as_torch(monkeypatch, "owned by uid 54321")
+
+
+@needs_compiler
+@pytest.mark.parametrize("how", ["group-writable", "other user"])
+def test_a_library_file_others_could_write_is_refused(fresh_loader, monkeypatch, how):
+    if how == "other user" and not is_root:
+        pytest.skip("giving a file to another user needs root")
+    assert _native.load() is not None  # built and loaded once: the file is ours
+    (lib,) = fresh_loader.glob("fit_kernel-*.so")
+    if how == "group-writable":
+        lib.chmod(0o770)
+    else:
+        os.chown(lib, 54321, 54321)
+    monkeypatch.setattr(_native, "_lib", None)
+    monkeypatch.setattr(_native, "_state", None)
+    _refused_then_same_as_torch(monkeypatch, f"library {lib}")
+
+
+@needs_compiler
+def test_no_private_cache_directory_builds_into_a_fresh_temporary_one(fresh_loader, monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("POODLE_NATIVE_DIR", str(blocker / "native"))
+    assert _native.load() is not None
+    where = Path(_native.state().directory)
+    assert where.parent == Path(tempfile.gettempdir()) and where.name.startswith("poodle-native-")
+    assert where.name != f"poodle-native-{os.getuid()}"  # not the predictable name of before
+    assert stat.S_IMODE(where.stat().st_mode) == 0o700 and where.stat().st_uid == os.getuid()
+    assert list(where.glob("fit_kernel-*.so"))
+
+
+@needs_compiler
+def test_a_library_of_another_source_is_rebuilt_never_called(fresh_loader, monkeypatch):
+    real = _native._compile
+    calls = []
+
+    def wrong_source(cc, flags, path, source_hash):
+        calls.append(path)
+        return real(cc, flags, path, "0" * 64)  # as if built from another version of the source
+
+    monkeypatch.setattr(_native, "_compile", wrong_source)
+    with pytest.warns(NoticeWarning) as record:
+        assert _native.load() is None  # just built, and still not what this module expects: not called
+    assert "was just built but it says interface 2 and source 000000000000" in _notices(record)[0]
+    assert len(list(fresh_loader.glob("fit_kernel-*.so"))) == 1
+    # a later process finds that library: it is rebuilt, then loaded
+    rebuilt = []
+    monkeypatch.setattr(_native, "_compile", lambda *a: rebuilt.append(a[2]) or real(*a))
+    monkeypatch.setattr(_native, "_lib", None)
+    monkeypatch.setattr(_native, "_state", None)
+    loaded = _native.load()
+    assert loaded is not None and rebuilt == calls
+    assert loaded.poodle_kernel_source().decode() == _native.state().source_hash
+
+
+@needs_compiler
+def test_a_library_of_another_interface_is_not_called(fresh_loader, monkeypatch):
+    monkeypatch.setattr(_native, "FIT_INTERFACE", _native.FIT_INTERFACE + 1)
+    with pytest.warns(NoticeWarning) as record:
+        assert _native.load() is None
+    assert f"it says interface {_native.FIT_INTERFACE - 1}" in _notices(record)[0]
+
+
+@needs_kernel
+def test_the_c_side_checks_the_struct_version_and_size():
+    lib = _native.load()
+    x, terms, w0 = _problem(E=1, n=6, D=4, K=2)
+    args = _native.FitArgs(version=_native.FIT_INTERFACE + 1, size=ctypes.sizeof(_native.FitArgs))
+    assert lib.poodle_fit(ctypes.byref(args)) == -2
+    args = _native.FitArgs(version=_native.FIT_INTERFACE, size=ctypes.sizeof(_native.FitArgs) - 8)
+    assert lib.poodle_fit(ctypes.byref(args)) == -2
+    args = _native.FitArgs(version=_native.FIT_INTERFACE, size=ctypes.sizeof(_native.FitArgs), dtype=7)
+    assert lib.poodle_fit(ctypes.byref(args)) == -3
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_strided_and_shared_inputs_give_the_same_bits(dtype):
+    """Rows every other row of a larger tensor, episodes every other episode, targets shared by all
+    episodes (stride 0): the struct's strides address them; the bits equal contiguous inputs'."""
+    E, n, D, K = 3, 13, 11, 4
+    x, terms, w0 = _problem(E=E, n=n, D=D, K=K, dtype=dtype, free=True)
+    shared = RowTerms(terms.targets[:1], terms.ce, terms.coef, terms.free)
+    big = torch.zeros(2 * E, 2 * n, D, dtype=dtype)
+    big[::2, ::2] = x
+    strided = big[::2, ::2]
+    assert strided.stride() == (4 * n * D, 2 * D, 1)
+    opts = _optim.FitOptions(steps=25, lr=1e-2)
+    ref = _native.fit(
+        x,
+        w0,
+        _optim.WeightedDistance(
+            x, RowTerms(terms.targets[:1].expand(E, K, n).contiguous(), terms.ce, terms.coef, terms.free)
+        ).kernel(),
+        opts,
+    )
+    out = _native.fit(strided, w0, _optim.WeightedDistance(strided, shared).kernel(), opts)
+    assert torch.equal(ref[0], out[0]) and torch.equal(ref[1], out[1])
+    # a logit loss, its one-hot targets shared
+    y = torch.eye(K, dtype=dtype)[:, :K].unsqueeze(0)
+    loss = _native.KernelTerms("tim", y, n_support=K, weights=(1.0, 1.0, 0.1))
+    ref = _native.fit(x, w0, dataclasses.replace(loss, targets=y.expand(E, K, K).contiguous()), opts)
+    out = _native.fit(strided, w0, loss, opts)
+    assert torch.equal(ref[0], out[0]) and torch.equal(ref[1], out[1])
+
+
+def test_formulation_says_which_arithmetic_ran(monkeypatch):
+    from poodle import solvers
+
+    batch = _episodes(E=2, Ns=5, Nq=10, D=8, K=5)
+    for name, over in (("poodle", dict(steps=3, beta=0.0)), ("alpha-tim", dict(steps=3)), ("proto", {})):
+        solvers.run(name, batch, solvers.make_config(name, over, strict=True))
+    kernel = f"kernel {_native.state().source_hash[:12]}"
+    assert _optim.formulation("poodle", "cpu") == (
+        kernel if _native.state().loaded else f"torch ({_native.state().reason})"
+    )
+    assert _optim.formulation("alpha-tim", "cpu") == "torch (no fused kernel for this loss)"
+    assert _optim.formulation("proto", "cpu") == "torch"  # no fit of this engine
+    assert _optim.formulation("poodle", "cuda") == "torch"
+    monkeypatch.setattr(_optim, "USE_NATIVE", False)
+    solvers.run("poodle", batch, solvers.make_config("poodle", dict(steps=3, beta=0.0), strict=True))
+    assert _optim.formulation("poodle", "cpu") == "torch (the fused kernel switched off)"
 
 
 def _episodes(E=3, Ns=7, Nq=29, D=27, K=5, dtype=torch.float64, seed=0):

@@ -11,6 +11,7 @@ import pkgutil
 from typing import Any, Iterable, Mapping
 
 from poodle.errors import ConfigError
+from poodle.solvers import _optim
 from poodle.solvers import base as _base
 from poodle.solvers.base import (
     EpisodeBatch,
@@ -103,4 +104,5 @@ def run(name: str, batch: EpisodeBatch, config: Any = None, **options: Any) -> S
     else:
         _base.check_config(info.name, config)
     info.check_negatives(config, None if batch.negatives is None else "given")
-    return info.fn(batch, config)
+    with _optim.running(info.name):  # what its fits run is recorded under its name
+        return info.fn(batch, config)

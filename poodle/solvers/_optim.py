@@ -1,28 +1,49 @@
-"""The shared engine of the fine-tuning solvers (ce, poodle, naive-ood): an analytic-gradient,
-batched fit of prototypes ``W [E, K, D]`` and one scale ``gamma [E]`` per episode, under any loss
-of the "weighted distance" family, followed by a hand-written batched Adam.
+"""The shared engine of the fine-tuning solvers (ce, poodle, naive-ood, tim-gd, alpha-tim,
+entropy-min): an analytic-gradient, batched fit of prototypes ``W [E, K, D]`` and one scale
+``gamma [E]`` per episode, under any loss of the distance logits, with a hand-written batched Adam.
 
 Why not autograd: the authors' implementation builds the loss from ``[T, n, D]`` tensors every
 step (recomputing ``||x||^2`` of every fixed row), which is memory-bound and allocates per step.
 Here every row of an episode (support, query when transductive, negatives) sits once in one tensor
-``X [E, n, D]`` with per-row coefficients, ``||x||^2`` is precomputed, and one step is two thin
-batched matmuls (``X W^T`` and ``G^T X``) plus a few small elementwise operations on ``[E, n, K]``
-and ``[E, K*D]`` buffers that are allocated once.
+``X [E, n, D]``, and one step is two thin batched matmuls (``X W^T`` and ``G^T X``) plus a few small
+elementwise operations on ``[E, K, n]`` and ``[E, K*D]`` buffers that are allocated once; on CPU
+the fused kernel (:mod:`poodle.solvers._native`) does the same arithmetic in one pass over the rows.
 
-The loss of one episode, with logits ``l_ik = gamma * (x_i.w_k - ||x_i||^2/2 - ||w_k||^2/2)``
-(= ``-(gamma/2) ||x_i - w_k||^2``) and ``p_i = softmax_k(l_i)``, is::
+The logits are ``l_ik = gamma * (x_i.w_k - ||w_k||^2/2)`` (``-(gamma/2) ||x_i - w_k||^2`` up to a
+per-row constant, which the softmax ignores) and ``p_i = softmax_k(l_i)``. Given ``G = dL/dl``
+(rows along the last axis, ``[E, K, n]``), the chain rule through ``l`` gives
+``dL/dw_k = gamma * (sum_i G_ik x_i - (sum_i G_ik) w_k)`` and
+``dL/dgamma = sum_ik G_ik (x_i.w_k - ||w_k||^2/2) - c0``, where ``c0`` is what the loss's
+``||x||^2`` terms add, a constant of the episode.
+
+**How a loss plugs in.** A loss is an object with
+
+- ``grad_logits(P, L, G)``: writes ``dL/dl [E, K, n]`` into ``G`` from the probabilities ``P`` and
+  the logits ``L`` (both ``[E, K, n]``): the torch formulation;
+- ``gamma_offset``: ``[E]`` or ``None``, the constant ``c0`` above;
+- ``kernel()``: the :class:`~poodle.solvers._native.KernelTerms` of the fused CPU kernel, or
+  ``None`` where the kernel does not know the loss (the torch formulation then runs on CPU too).
+
+:func:`fit` runs it: the kernel where it can, otherwise :func:`fit_torch`, the one step loop of
+the torch formulation. The two losses here are :class:`WeightedDistance` (POODLE, CE, naive-OOD:
+per-row coefficients, :class:`RowTerms`) and :class:`LogitLoss` (a ``grad_logits`` callback, with
+a :class:`NativeLoss` where the kernel computes it: TIM-GD, entropy minimisation). A new fused
+loss in the kernel is a ``LOSS_`` case in ``_fit_kernel.c`` (its dL/dlogits of the query rows), a
+key of ``_native.LOSSES`` and the ``kernel()`` of its loss object here.
+
+The weighted-distance loss of one episode, with ``p_i = softmax_k(l_i)``, is::
 
     L = sum_i ce_i * (-sum_k t_ik log p_ik)              # cross-entropy rows (t: target distribution)
-      + sum_i c_i * sum_k l_ik * q_ik                    # weighted-distance rows, q = stopgrad(p) or p
+      + sum_i c_i * sum_k l'_ik * q_ik                   # weighted-distance rows, q = stopgrad(p) or p
 
-Its gradient with respect to the logits is, row by row (``lbar_i = sum_k p_ik l_ik``)::
+with ``l'_ik = l_ik - gamma ||x_i||^2 / 2``, the full distance logit. Its gradient with respect to
+the logits is, row by row (``lbar_i = sum_k p_ik l_ik``)::
 
     dL/dl_ik = ce_i * (p_ik - t_ik) + c_i * p_ik + [no stop-gradient] c_i * p_ik * (l_ik - lbar_i)
 
-and the chain rule through ``l`` gives ``dL/dw_k = gamma * (sum_i G_ik x_i - (sum_i G_ik) w_k)``
-and ``dL/dgamma = sum_ik G_ik (x_i.w_k - ||w_k||^2/2) - sum_i (sum_k G_ik) ||x_i||^2/2``, where
-``sum_k G_ik = c_i`` exactly (the cross-entropy part sums to zero over classes, and so does the
-no-stop-gradient part), so the last term is a per-episode constant computed once.
+and ``sum_k G_ik = c_i`` exactly (the cross-entropy part sums to zero over classes, and so does the
+no-stop-gradient part), so ``c0 = sum_i c_i ||x_i||^2 / 2``. Losses of the softmax alone (TIM,
+entropy) have rows of ``G`` summing to zero and no ``c0``.
 
 The loss of a chunk is the sum of its episodes' losses, so with Adam (element-wise) every episode
 is optimised exactly as it would be alone.
@@ -30,13 +51,16 @@ is optimised exactly as it would be alone.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import Tensor
 
 from poodle.solvers import _native
+from poodle.solvers._native import KernelTerms
 
 # Whether CPU fits may use the fused C kernel (see _native.py); the tests switch it off to check the
 # torch formulation against the same references.
@@ -45,6 +69,30 @@ USE_NATIVE = True
 # Padding of each episode's parameter row: keeps the K*D prototype block and the scale in one
 # buffer (one Adam for both) while every episode's row starts on a 64-byte boundary.
 _PAD = 16
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """The fit's start and Adam: ``scale0`` (the initial ``gamma`` of every episode), ``steps``,
+    ``lr``, ``betas``, ``eps`` with exactly ``torch.optim.Adam``'s arithmetic, and ``learn_scale``
+    (whether ``gamma`` is learned; it is in the authors' code)."""
+
+    scale0: float = 10.0
+    steps: int = 250
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    learn_scale: bool = True
+
+
+class Loss(Protocol):
+    """A loss of the distance logits (see the module docstring: how a loss plugs in)."""
+
+    gamma_offset: Tensor | None
+
+    def grad_logits(self, P: Tensor, L: Tensor, G: Tensor) -> None: ...
+
+    def kernel(self) -> KernelTerms | None: ...
 
 
 @dataclass
@@ -70,10 +118,51 @@ class RowTerms:
     free: Tensor | None = None
 
 
+class WeightedDistance:
+    """The weighted-distance loss of rows ``x [E, n, D]`` with coefficients ``terms`` (POODLE, CE,
+    naive-OOD)."""
+
+    def __init__(self, x: Tensor, terms: RowTerms) -> None:
+        self.terms = terms
+        self.shape = x.shape
+        # the ||x||^2 part of dL/dgamma, -sum_i c_i ||x_i||^2 / 2, is constant over the steps
+        x2 = (x * x).sum(-1).unsqueeze(1)  # [E, 1, n]
+        self.gamma_offset: Tensor | None = (terms.coef * x2).sum((1, 2)).mul_(0.5)  # [E]
+        self._buffers: tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None] | None = None
+
+    def kernel(self) -> KernelTerms:
+        t = self.terms
+        return KernelTerms("weighted-distance", t.targets, t.ce + t.coef, t.free, self.gamma_offset)
+
+    def _prepared(self, P: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+        """``r``, the targets and ``free`` expanded to every episode, and the no-stop-gradient scratch."""
+        if self._buffers is None:
+            E, K, n = P.shape
+            t = self.terms
+            free = None if t.free is None else t.free.expand(E, 1, n).contiguous()
+            lbar = torch.empty(E, 1, n, device=P.device, dtype=P.dtype) if free is not None else None
+            t1 = torch.empty_like(P) if free is not None else None
+            r = (t.ce + t.coef).expand(E, 1, n).contiguous()
+            self._buffers = (r, t.targets.expand(E, K, n).contiguous(), free, lbar, t1)
+        return self._buffers
+
+    def grad_logits(self, P: Tensor, L: Tensor, G: Tensor) -> None:
+        r, targets, free, lbar, T1 = self._prepared(P)
+        torch.mul(P, r, out=G)
+        G.sub_(targets)
+        if free is not None:
+            assert T1 is not None and lbar is not None
+            torch.mul(P, L, out=T1)
+            torch.sum(T1, 1, keepdim=True, out=lbar)
+            torch.sub(L, lbar, out=T1)
+            T1.mul_(P).mul_(free)
+            G.add_(T1)
+
+
 @dataclass
 class NativeLoss:
-    """A logit loss the fused CPU kernel computes itself (``lf_fit`` in ``_wd_kernel.c``), given to
-    :func:`fit_logit_loss` beside the ``grad_logits`` of the torch formulation, which it replaces.
+    """A logit loss the fused CPU kernel computes itself, given to :func:`fit_logit_loss` beside the
+    ``grad_logits`` of the torch formulation, which it replaces there.
 
     Attributes:
         kind: ``"tim"`` (TIM's mutual information, weights ``(ce, marginal, conditional)``) or
@@ -89,26 +178,137 @@ class NativeLoss:
     weights: tuple[float, float, float]
 
 
-def _adam_step(
-    theta: Tensor,
-    grad: Tensor,
-    m: Tensor,
-    v: Tensor,
-    den: Tensor,
-    step: int,
-    lr: float,
-    b1: float,
-    b2: float,
-    eps: float,
-) -> None:
+class LogitLoss:
+    """A loss of the softmax probabilities given by its ``grad_logits`` (TIM-GD, alpha-TIM,
+    entropy minimisation), with its :class:`NativeLoss` where the kernel knows it."""
+
+    gamma_offset: Tensor | None = None
+
+    def __init__(self, grad_logits: Callable[[Tensor, Tensor, Tensor], None], native: NativeLoss | None) -> None:
+        self.grad_logits = grad_logits
+        self.native = native
+
+    def kernel(self) -> KernelTerms | None:
+        n = self.native
+        return None if n is None else KernelTerms(n.kind, n.targets, n_support=n.n_support, weights=n.weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+
+
+def adam_step(theta: Tensor, grad: Tensor, m: Tensor, v: Tensor, den: Tensor, step: int, opts: FitOptions) -> None:
     """One step of torch.optim.Adam (its single-tensor path), operation for operation, in place on
     ``theta`` with moments ``m``, ``v`` and scratch ``den`` (all shaped like ``theta``)."""
+    b1, b2 = opts.betas
     m.lerp_(grad, 1 - b1)
     v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-    step_size = lr / (1 - b1**step)
+    step_size = opts.lr / (1 - b1**step)
     torch.sqrt(v, out=den)
-    den.div_((1 - b2**step) ** 0.5).add_(eps)
+    den.div_((1 - b2**step) ** 0.5).add_(opts.eps)
     theta.addcdiv_(m, den, value=-step_size)
+
+
+def fit_torch(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions) -> tuple[Tensor, Tensor]:
+    """The torch formulation: ``opts.steps`` Adam steps on the prototypes and scales of ``E``
+    episodes, rows ``x [E, n, D]``, from ``w0 [E, K, D]`` -> ``(W [E, K, D], gamma [E, 1, 1])``."""
+    E, n, D = x.shape
+    K = w0.shape[1]
+    F = K * D
+    dev, dt = x.device, x.dtype
+    # prototypes and scale in one buffer per episode (one Adam for both), and their gradient
+    theta = torch.zeros(E, F + _PAD, device=dev, dtype=dt)
+    theta[:, :F] = w0.reshape(E, F)
+    theta[:, F] = opts.scale0
+    W, gamma = theta[:, :F].view(E, K, D), theta[:, F].view(E, 1, 1)
+    grad = torch.zeros_like(theta)
+    gW, gg = grad[:, :F].view(E, K, D), grad[:, F]
+    m, v, den = torch.zeros_like(theta), torch.zeros_like(theta), torch.empty_like(theta)
+    xt = x.transpose(1, 2)
+    S = torch.empty(E, K, n, device=dev, dtype=dt)
+    Z, L, P, G, GZ = (torch.empty_like(S) for _ in range(5))
+    GX = torch.empty(E, K, D, device=dev, dtype=dt)
+    w2 = torch.empty(E, K, device=dev, dtype=dt)
+    colsum = torch.empty(E, K, device=dev, dtype=dt)
+    softmax_out = torch.ops.aten._softmax.out
+    for step in range(1, opts.steps + 1):
+        torch.bmm(W, xt, out=S)  # x.w
+        torch.linalg.vecdot(W, W, out=w2)
+        torch.sub(S, w2.unsqueeze(-1), alpha=0.5, out=Z)  # x.w - |w|^2/2
+        torch.mul(Z, gamma, out=L)  # logits
+        softmax_out(L, 1, False, out=P)
+        loss.grad_logits(P, L, G)  # dL/dlogits
+        if opts.learn_scale:
+            torch.mul(G, Z, out=GZ)
+            torch.sum(GZ.view(E, -1), 1, out=gg)
+            if loss.gamma_offset is not None:
+                gg.sub_(loss.gamma_offset)
+        torch.sum(G, 2, out=colsum)
+        torch.bmm(G, x, out=GX)  # (an in-place baddbmm on the
+        torch.addcmul(GX, W, colsum.unsqueeze(-1), value=-1.0, out=gW)  # strided gW runs per episode)
+        gW.mul_(gamma)
+        adam_step(theta, grad, m, v, den, step, opts)
+    return W.clone(), gamma.clone()
+
+
+# which arithmetic each method's fits ran, for the records (:func:`formulation`)
+_ran: dict[tuple[str | None, str], str] = {}
+_running = threading.local()
+
+
+@contextlib.contextmanager
+def running(method: str) -> Iterator[None]:
+    """Inside: this thread's fits are ``method``'s (``solvers.run`` says so)."""
+    before = getattr(_running, "method", None)
+    _running.method = method
+    try:
+        yield
+    finally:
+        _running.method = before
+
+
+def fit(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions) -> tuple[Tensor, Tensor]:
+    """Fit the prototypes and scales of ``E`` episodes under ``loss``: the fused kernel where it
+    can run (CPU, float32/64, the loss known to it, :data:`USE_NATIVE`), else :func:`fit_torch`.
+
+    Args:
+        x: ``[E, n, D]`` every row the loss sees.
+        w0: ``[E, K, D]`` initial prototypes.
+        loss: see :class:`Loss`.
+        opts: the start scale and Adam.
+
+    Returns:
+        ``(W [E, K, D], gamma [E, 1, 1])`` after ``opts.steps`` Adam steps.
+    """
+    terms = loss.kernel() if USE_NATIVE and x.device.type == "cpu" else None
+    if terms is not None and _native.usable(x):
+        what = _native.formulation()
+        result = _native.fit(x, w0, terms, opts)
+    else:
+        if x.device.type != "cpu":
+            what = "torch"
+        elif not USE_NATIVE:
+            what = "torch (the fused kernel switched off)"
+        elif terms is None:
+            what = "torch (no fused kernel for this loss)"
+        elif x.dtype not in (torch.float32, torch.float64):
+            what = f"torch (the fused kernel takes float32 and float64, not {x.dtype})"
+        else:
+            what = _native.formulation()
+        result = fit_torch(x, w0, loss, opts)
+    _ran[(getattr(_running, "method", None), x.device.type)] = what
+    return result
+
+
+def formulation(method: str, device: torch.device | str) -> str:
+    """The arithmetic ``method``'s fits ran in this process on ``device``'s kind: ``kernel <source
+    hash>`` (the fused CPU kernel), ``torch (<why not the kernel>)`` on CPU, ``torch`` on a GPU and
+    for methods without a fit of this engine."""
+    return _ran.get((method, torch.device(device).type), "torch")
+
+
+# ---------------------------------------------------------------------------------------------
+# The solvers' entry points
 
 
 def fit_weighted_distance(
@@ -123,90 +323,18 @@ def fit_weighted_distance(
     eps: float = 1e-8,
     learn_scale: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """Fine-tune the prototypes and scales of ``E`` episodes at once.
+    """Fine-tune the prototypes and scales of ``E`` episodes under the weighted-distance loss.
 
     Args:
         x: ``[E, n, D]`` every row that enters the loss (support, [query], negatives).
         terms: per-row coefficients (see :class:`RowTerms`).
         w0: ``[E, K, D]`` initial prototypes.
-        scale0: initial scale ``gamma`` (the same for every episode).
-        steps, lr, betas, eps: Adam, with exactly ``torch.optim.Adam``'s arithmetic.
-        learn_scale: whether gamma is learned (it is in the authors' code).
+        scale0, steps, lr, betas, eps, learn_scale: see :class:`FitOptions`.
 
     Returns:
         ``(W [E, K, D], gamma [E, 1, 1])`` after ``steps`` Adam steps.
     """
-    E, n, D = x.shape
-    K = w0.shape[1]
-    F = K * D
-    dev, dt = x.device, x.dtype
-    if USE_NATIVE and _native.usable(x):
-        x2n = (x * x).sum(-1).unsqueeze(1)
-        c0n = (terms.coef * x2n).sum((1, 2)).mul_(0.5)
-        return _native.fit(
-            x, terms.targets, terms.ce + terms.coef, terms.free, c0n, w0, scale0, steps, lr, betas, eps, learn_scale
-        )
-    theta = torch.zeros(E, F + _PAD, device=dev, dtype=dt)
-    theta[:, :F] = w0.reshape(E, F)
-    theta[:, F] = scale0
-    W = theta[:, :F].view(E, K, D)
-    gamma = theta[:, F].view(E, 1, 1)
-    xt = x.transpose(1, 2)
-
-    grad = torch.zeros_like(theta)
-    gW = grad[:, :F].view(E, K, D)
-    gg = grad[:, F]
-    m = torch.zeros_like(theta)
-    v = torch.zeros_like(theta)
-    den = torch.empty_like(theta)
-
-    S = torch.empty(E, K, n, device=dev, dtype=dt)
-    Z = torch.empty_like(S)
-    L = torch.empty_like(S)
-    P = torch.empty_like(S)
-    G = torch.empty_like(S)
-    GZ = torch.empty_like(S)
-    GX = torch.empty(E, K, D, device=dev, dtype=dt)
-    w2 = torch.empty(E, K, device=dev, dtype=dt)
-    colsum = torch.empty(E, K, device=dev, dtype=dt)
-    free = None if terms.free is None else terms.free.expand(E, 1, n).contiguous()
-    lbar = torch.empty(E, 1, n, device=dev, dtype=dt) if free is not None else None
-    T1 = torch.empty_like(S) if free is not None else None
-
-    x2 = (x * x).sum(-1).unsqueeze(1)  # [E, 1, n]
-    r = (terms.ce + terms.coef).expand(E, 1, n).contiguous()
-    targets = terms.targets.expand(E, K, n).contiguous()
-    # the ||x||^2 part of dL/dgamma, -sum_i c_i ||x_i||^2 / 2, is constant over the steps
-    c0 = (terms.coef * x2).sum((1, 2)).mul_(0.5)  # [E]
-
-    b1, b2 = betas
-    softmax_out = torch.ops.aten._softmax.out
-    for step in range(1, steps + 1):
-        torch.bmm(W, xt, out=S)  # x.w
-        torch.linalg.vecdot(W, W, out=w2)
-        torch.sub(S, w2.unsqueeze(-1), alpha=0.5, out=Z)  # x.w - |w|^2/2
-        torch.mul(Z, gamma, out=L)  # logits + gamma|x|^2/2
-        softmax_out(L, 1, False, out=P)
-        torch.mul(P, r, out=G)  # dL/dlogits
-        G.sub_(targets)
-        if free is not None:
-            assert T1 is not None and lbar is not None
-            torch.mul(P, L, out=T1)
-            torch.sum(T1, 1, keepdim=True, out=lbar)
-            torch.sub(L, lbar, out=T1)
-            T1.mul_(P).mul_(free)
-            G.add_(T1)
-        if learn_scale:
-            torch.mul(G, Z, out=GZ)
-            torch.sum(GZ.view(E, -1), 1, out=gg)
-            gg.sub_(c0)
-        torch.sum(G, 2, out=colsum)
-        torch.bmm(G, x, out=GX)  # (an in-place baddbmm on the
-        torch.addcmul(GX, W, colsum.unsqueeze(-1), value=-1.0, out=gW)  # strided gW runs per episode)
-        gW.mul_(gamma)
-
-        _adam_step(theta, grad, m, v, den, step, lr, b1, b2, eps)
-    return W.clone(), gamma.clone()
+    return fit(x, w0, WeightedDistance(x, terms), FitOptions(scale0, steps, lr, betas, eps, learn_scale))
 
 
 def fit_logit_loss(
@@ -223,78 +351,25 @@ def fit_logit_loss(
     native: NativeLoss | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Adam on the prototypes and scale of ``E`` episodes for any loss of the distance logits
-    ``l_ik = gamma * (x_i.w_k - ||w_k||^2/2)`` whose gradient rows sum to zero over classes (every
-    loss of the softmax probabilities does: the softmax ignores a constant added to a row), given
-    ``dL/dl`` by ``grad_logits(P, L, G)``, which writes it into ``G``. What autograd would compute,
-    with one pass of a few fused operations per step instead of a recorded graph (TIM-GD runs 1,000
-    steps of it).
+    whose gradient rows sum to zero over classes (every loss of the softmax probabilities does: the
+    softmax ignores a constant added to a row), given ``dL/dl`` by ``grad_logits(P, L, G)``, which
+    writes it into ``G``. What autograd would compute, with one pass of a few fused operations per
+    step instead of a recorded graph (TIM-GD runs 1,000 steps of it).
 
     Args:
         x: ``[E, n, D]`` every row the loss sees.
         w0: ``[E, K, D]`` initial prototypes.
         grad_logits: fills ``G [E, K, n]`` from the probabilities ``P [E, K, n]`` (softmax over
             ``K``) and the logits ``L [E, K, n]``.
-        scale0, steps, lr, learn_scale, betas, eps: as :func:`fit_weighted_distance`.
-        native: the same loss as ``grad_logits``, for the fused CPU kernel (used when given, the
-            kernel is usable and :data:`USE_NATIVE`): one pass over an episode's rows per step
-            instead of about 25 torch operations, each a pass over ``[E, K, n]``.
+        scale0, steps, lr, learn_scale, betas, eps: see :class:`FitOptions`.
+        native: the same loss as ``grad_logits``, for the fused CPU kernel: one pass over an
+            episode's rows per step instead of about 25 torch operations, each a pass over
+            ``[E, K, n]``.
 
     Returns:
         ``(W [E, K, D], gamma [E, 1, 1])``.
     """
-    if native is not None and USE_NATIVE and _native.usable(x):
-        return _native.fit_logits(
-            x,
-            native.n_support,
-            native.targets,
-            native.kind,
-            native.weights,
-            w0,
-            scale0,
-            steps,
-            lr,
-            betas,
-            eps,
-            learn_scale,
-        )
-    E, n, D = x.shape
-    K = w0.shape[1]
-    F = K * D
-    dev, dt = x.device, x.dtype
-    theta = torch.zeros(E, F + _PAD, device=dev, dtype=dt)
-    theta[:, :F] = w0.reshape(E, F)
-    theta[:, F] = scale0
-    W = theta[:, :F].view(E, K, D)
-    gamma = theta[:, F].view(E, 1, 1)
-    xt = x.transpose(1, 2)
-    grad = torch.zeros_like(theta)
-    gW = grad[:, :F].view(E, K, D)
-    gg = grad[:, F]
-    m = torch.zeros_like(theta)
-    v = torch.zeros_like(theta)
-    den = torch.empty_like(theta)
-    S = torch.empty(E, K, n, device=dev, dtype=dt)
-    Z, L, P, G, GZ = (torch.empty_like(S) for _ in range(5))
-    GX = torch.empty(E, K, D, device=dev, dtype=dt)
-    w2 = torch.empty(E, K, device=dev, dtype=dt)
-    colsum = torch.empty(E, K, device=dev, dtype=dt)
-    b1, b2 = betas
-    for step in range(1, steps + 1):
-        torch.bmm(W, xt, out=S)
-        torch.linalg.vecdot(W, W, out=w2)
-        torch.sub(S, w2.unsqueeze(-1), alpha=0.5, out=Z)
-        torch.mul(Z, gamma, out=L)
-        torch.softmax(L, 1, out=P)
-        grad_logits(P, L, G)
-        if learn_scale:
-            torch.mul(G, Z, out=GZ)
-            torch.sum(GZ.view(E, -1), 1, out=gg)
-        torch.sum(G, 2, out=colsum)
-        torch.bmm(G, x, out=GX)
-        torch.addcmul(GX, W, colsum.unsqueeze(-1), value=-1.0, out=gW)
-        gW.mul_(gamma)
-        _adam_step(theta, grad, m, v, den, step, lr, b1, b2, eps)
-    return W.clone(), gamma.clone()
+    return fit(x, w0, LogitLoss(grad_logits, native), FitOptions(scale0, steps, lr, betas, eps, learn_scale))
 
 
 def weighted_distance_flops(n: int, D: int, K: int, steps: int, free: bool = False) -> float:
@@ -304,17 +379,19 @@ def weighted_distance_flops(n: int, D: int, K: int, steps: int, free: bool = Fal
     return steps * per_step
 
 
-def episode_bytes(n: int, D: int, K: int, itemsize: int = 4) -> int:
-    """Working set of one episode in :func:`fit_weighted_distance` (bytes): the rows, the
-    parameter/Adam buffers and the ``[n, K]`` temporaries."""
-    return itemsize * (n * D + 6 * (K * D + _PAD) + 10 * n * K + 2 * n)
-
-
 __all__ = [
-    "RowTerms",
+    "FitOptions",
+    "Loss",
+    "LogitLoss",
     "NativeLoss",
-    "fit_weighted_distance",
+    "RowTerms",
+    "WeightedDistance",
+    "adam_step",
+    "fit",
     "fit_logit_loss",
+    "fit_torch",
+    "fit_weighted_distance",
+    "formulation",
+    "running",
     "weighted_distance_flops",
-    "episode_bytes",
 ]

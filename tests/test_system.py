@@ -1,0 +1,107 @@
+"""Which arithmetic ran, said everywhere it matters: each results record's ``formulation`` (provenance,
+outside the identity: keys of records written before it existed are unchanged, and those files
+still read), the solve summary's ``arithmetic:`` line with the kernel's one notice, and
+``poodle info --system`` (poodle.system) with what a bug report needs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from poodle.cache import write_arrays
+from poodle.pipeline import RunOptions, run_cells
+from poodle.results import IDENTITY_FIELDS, ResultsFile, identity_key, read_results
+from poodle.solve import solve
+from poodle.solvers import _native
+from poodle.system import formulations, system_info
+
+CPU = RunOptions(device="cpu")
+
+
+@pytest.fixture
+def cache(tmp_path, make_features):
+    xtr, ytr = make_features(10, 20, 16, seed=1)
+    xte, yte = make_features(8, 20, 16, seed=2, spread=0.5)
+    return write_arrays(
+        tmp_path / "c.h5",
+        {"train": (xtr, ytr, [f"b{i}" for i in range(10)]), "test": (xte, yte, [f"t{i}" for i in range(8)])},
+    )
+
+
+def test_records_say_which_arithmetic_ran_outside_their_identity(cache, tmp_path):
+    out = tmp_path / "r.jsonl"
+    methods = ["proto", "poodle", "alpha-tim"]
+    res = solve(cache, methods, options={m: {"steps": 3} for m in methods[1:]}, episodes=4, n_neg=5, out=out, run=CPU)
+    got = {r["label"]: r["formulation"] for r in res.records}
+    st = _native.state()
+    assert got["proto"] == "torch"  # no fit of the engine
+    assert got["poodle"] == (f"kernel {st.source_hash[:12]}" if st.loaded else f"torch ({st.reason})")
+    assert got["alpha-tim"] == "torch (no fused kernel for this loss)"
+    assert formulations(res.records) == f"proto: torch; poodle: {got['poodle']}; alpha-tim: {got['alpha-tim']}"
+    for r in res.records:
+        identity = {k: r[k] for k in IDENTITY_FIELDS if k in r}
+        assert r["key"] == identity_key(identity) == identity_key({**identity, "formulation": "anything"})
+    # a file written before the field existed: its records read, keep their keys and are found again
+    lines = out.read_text().splitlines()
+    old = [json.loads(line) for line in lines]
+    for r in old[1:]:
+        del r["formulation"]
+    out.write_text("".join(json.dumps(r) + "\n" for r in old))
+    records = read_results(out).records
+    assert [r["key"] for r in records] == [r["key"] for r in res.records]
+    assert formulations(records) == "proto, poodle, alpha-tim: not recorded"
+    again = run_cells(res.cells, out=out, options=CPU)
+    assert again.computed == 0 and len(ResultsFile(out).records) == 3
+
+
+def test_solve_says_the_arithmetic_and_the_refused_kernel_once(cache, tmp_path, monkeypatch):
+    from poodle.cli.solve import solve as solve_cmd
+
+    if _native._compiler() is None:
+        pytest.skip("no C compiler: the kernel is not refused but absent")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setattr(_native, "_lib", None)
+    monkeypatch.setattr(_native, "_state", None)
+    monkeypatch.setenv("POODLE_NATIVE_DIR", str(shared))
+    args = ["--cache", cache, "--episodes", 6, "--method", "poodle", "--method", "ce", "--steps", 3, "--n-neg", 5]
+    r = CliRunner().invoke(solve_cmd, [str(a) for a in args])
+    assert r.exit_code == 0, r.output
+    assert r.output.count("note: the fused kernel is not loaded: directory") == 1
+    assert f"{shared} is writable by group or others (mode 0777)" in r.output
+    reason = f"torch (not loaded: directory {shared} is writable by group or others (mode 0777))"
+    assert f"arithmetic: poodle, ce: {reason}" in r.output
+    assert not list(shared.iterdir())
+
+
+def test_info_system_prints_what_a_bug_report_needs():
+    from poodle.cli.info import info
+
+    facts = system_info()
+    assert set(facts) == {"versions", "BLAS", "threads and workers", "devices", "fused CPU kernel"}
+    assert {"poodle", "python", "torch", "numpy", "h5py"} <= set(facts["versions"])
+    assert {"state", "compiler", "flags", "directory", "source sha256"} <= set(facts["fused CPU kernel"])
+    r = CliRunner().invoke(info, ["--system"])
+    assert r.exit_code == 0, r.output
+    import h5py
+    import numpy
+    import torch
+
+    st = _native.state()
+    for text in (
+        f"torch: {torch.__version__}",
+        f"numpy: {numpy.__version__}",
+        f"h5py: {h5py.version.version}",
+        "BLAS",
+        f"torch intra-op threads: {torch.get_num_threads()}",
+        f"CUDA available: {torch.cuda.is_available()}",
+        "state: loaded" if st.loaded else f"state: not loaded: {st.reason}",
+        f"directory: {st.directory}",
+        f"source sha256: {st.source_hash}",
+    ):
+        assert text in r.output, text
+    r = CliRunner().invoke(info, [])
+    assert r.exit_code == 2 and "give a feature cache FILE, or --system" in r.output
