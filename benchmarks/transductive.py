@@ -21,6 +21,15 @@ Part 2 (throughput): each method's episodes/s on the standard workload (D=640, 5
 against one episode at a time, same configuration. The batched run must not be slower per episode.
 ``--tp-methods`` limits it to some rows (e.g. ``alpha-tim,paddle,bms,proto-lp``).
 
+Part 3 (``--roofline``): each method of ``--methods`` (default PT-MAP, PEMnE-BMS, protoLP, PADDLE)
+on one thread, as each CPU worker of ``evaluate`` runs it, on the chunk ``evaluate`` picks: episodes/s,
+the registered FLOPs per episode, the GFLOP/s reached and their share of a large matmul's rate
+measured in the same run; for the Sinkhorn methods, the share of the time in the Sinkhorn sweeps,
+the sweeps per episode and their time against that of the cheapest torch pass over the same bytes.
+On the standard workload (D=640) and a demo-like 64-d set (``--roofline-cache FILE``: a cache's test
+split, e.g. the demo's conv4 features; else post-ReLU clustered features).
+
+    python benchmarks/transductive.py --skip-accuracy --skip-throughput --roofline --methods pt-map,paddle
     python benchmarks/transductive.py                   # full: 500 episodes per setting (~10 min, 2 quiet cores)
     python benchmarks/transductive.py --quick           # 20 episodes, balanced and kappa=1, small throughput run
     python benchmarks/transductive.py --cache cache/glyphs/conv4_64.h5 --episodes 2000 --device cuda
@@ -44,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from poodle import solvers
+from poodle import costmodel, solvers
 from poodle.cache import list_splits, read_split, write_arrays
 from poodle.cells import Cell, make_cell, numbered
 from poodle.evaluate import choose_chunk
@@ -359,6 +368,284 @@ def throughput_table(tp: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------ part 3: the roofline per method
+
+ROOFLINE_METHODS = "pt-map,bms,proto-lp,paddle"
+
+
+def demo_like_batch(n: int, dim: int = 64, shot: int = 1, seed: int = 0) -> EpisodeBatch:
+    """``n`` standard episodes (5-way, 15 queries per class) of post-ReLU clustered features, tighter
+    than :func:`standard_batch`'s: like the demo's conv4 features (64-d, many exact zeros, classes
+    well apart), on which PT-MAP's Sinkhorn needs ten times more sweeps than on 640-d random ones."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(n, 5, dim, generator=g)
+
+    def around(k: int) -> torch.Tensor:
+        x = (centres.unsqueeze(2) + torch.randn(n, 5, k, dim, generator=g)).clamp_min(0)
+        return torch.nn.functional.normalize(x, dim=-1).reshape(n, 5 * k, dim)
+
+    labels = torch.arange(5).repeat_interleave(shot).expand(n, -1).contiguous()
+    return EpisodeBatch(around(shot), labels, around(15), None, 5)
+
+
+def cache_batch(path: str, n: int, shot: int, seed: int = 0) -> EpisodeBatch:
+    """``n`` standard episodes drawn from the ``test`` split of a feature cache."""
+    from poodle.episodes import EpisodeSpec, sample_episodes
+
+    test = read_split(path, "test")
+    eps = sample_episodes(test.labels, EpisodeSpec(way=5, shot=shot, query=QUERY, seed=seed), n)
+    return EpisodeBatch(test.features[eps.support], eps.support_labels, test.features[eps.query], None, 5)
+
+
+# the roofline's clock: wall time, or this thread's CPU time (--roofline-clock cpu: on a shared,
+# oversubscribed machine the time the thread computed, not the time it waited for a core)
+CLOCK = [time.perf_counter]
+
+
+def _best_seconds(fn, min_seconds: float, repeats: int) -> float:
+    """Seconds per call of ``fn`` on :data:`CLOCK`: see :func:`_best_both`."""
+    wall, cpu = _best_both(fn, min_seconds, repeats)
+    return cpu if CLOCK[0] is time.thread_time else wall
+
+
+def _best_both(fn, min_seconds: float, repeats: int) -> tuple[float, float]:
+    """(wall, thread CPU) seconds per call of ``fn``: the best of ``repeats`` timings of enough calls
+    to last ``min_seconds``, each clock's best on its own."""
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-6)
+    calls = max(1, math.ceil(min_seconds / once))
+    wall = cpu = float("inf")
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        for _ in range(calls):
+            fn()
+        wall = min(wall, (time.perf_counter() - t0) / calls)
+        cpu = min(cpu, (time.thread_time() - c0) / calls)
+    return wall, cpu
+
+
+# seconds and repeats of the roofline's calibrations (matmul, one operation, one pass); the test
+# shortens them
+CALIBRATE = [0.3, 5]
+
+
+def matmul_rate(n: int = 1024) -> tuple[float, float]:
+    """FLOP/s of a large float32 matmul on this thread count (the roofline), by the wall clock and
+    by the thread's CPU time."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    wall, cpu = _best_both(lambda: a @ b, *CALIBRATE)
+    return 2.0 * n**3 / wall, 2.0 * n**3 / cpu
+
+
+def op_seconds() -> float:
+    """CPU seconds of one in-place operation on 40 numbers: what any torch operation costs at least
+    (dispatch, checks, the loop's set-up)."""
+    x = torch.rand(40)
+    return _best_both(lambda: x.mul_(1.0), *CALIBRATE)[1]
+
+
+def pass_seconds(shape: tuple[int, ...]) -> tuple[float, float]:
+    """(seconds of one in-place elementwise pass over a float32 tensor of ``shape``, its bandwidth in
+    bytes/s counting a read and a write): the cheapest full pass torch makes at that size."""
+    x = torch.rand(shape)
+    t = _best_seconds(lambda: x.mul_(1.0), *CALIBRATE)
+    return t, 2 * 4 * x.numel() / t
+
+
+class _SweepClock:
+    """Counts and times the Sinkhorn loops of PT-MAP and protoLP (``balance``: the time of the whole
+    loop, the episodes of each sweep counted at ``_sweep``) and of PEMnE-BMS (``min_size_sinkhorn``)
+    while installed (absent in older code: then counts nothing)."""
+
+    def __init__(self) -> None:
+        self.episode_sweeps = 0
+        self.seconds = 0.0
+        self.bytes = 0.0
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, module: Any, name: str, count: Any = None, nbytes: Any = None, timed: bool = True) -> None:
+        fn = getattr(module, name, None)
+        if fn is None:
+            return
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            t0 = CLOCK[0]()
+            out = fn(*a, **k)
+            if timed:
+                self.seconds += CLOCK[0]() - t0
+            if count is not None:
+                self.episode_sweeps += count(*a)
+                self.bytes += nbytes(*a)
+            return out
+
+        self._undo.append((module, name, fn))
+        setattr(module, name, wrapped)
+
+    def __enter__(self) -> _SweepClock:
+        from poodle.solvers import bms, proto_lp, pt_map
+
+        # bytes per episode-sweep: balance reads p for each of its two sums and reads and writes it
+        # for each of its two scalings (6 K N floats) and makes 8 passes over N-vectors; the min-size
+        # sweep has three sums, two scalings and the guard's add (9 K N)
+        def kn(p: torch.Tensor) -> int:
+            return p.shape[1] * p.shape[2]
+
+        if hasattr(pt_map, "_sweep"):
+            sweep_bytes = lambda p, *a: 4.0 * p.shape[0] * (6 * kn(p) + 8 * p.shape[2])  # noqa: E731
+            self._wrap(pt_map, "_sweep", lambda p, *a: p.shape[0], sweep_bytes, timed=False)
+            self._wrap(pt_map, "balance")
+            self._wrap(proto_lp, "balance")
+        self._wrap(
+            bms,
+            "min_size_sinkhorn",
+            lambda p, m, n: p.shape[0] * n,
+            lambda p, m, n: 4.0 * p.shape[0] * n * (9 * kn(p) + 4 * p.shape[1]),
+        )
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, name, fn in reversed(self._undo):
+            setattr(module, name, fn)
+
+
+def roofline_cases(args: argparse.Namespace) -> list[tuple[str, int, Any]]:
+    """(label, D, batch maker) of the roofline's feature sets: the standard workload (D=640) and a
+    demo-like 64-d one (``--roofline-cache``'s test split, else :func:`demo_like_batch`)."""
+    cases: list[tuple[str, int, Any]] = [("random 640-d", 640, lambda n, shot: standard_batch(n, 640, shot, seed=1))]
+    if args.roofline_cache:
+        dim = read_split(args.roofline_cache, "test").dim
+        cases.append(
+            (
+                f"{Path(args.roofline_cache).name} {dim}-d",
+                dim,
+                lambda n, shot: cache_batch(args.roofline_cache, n, shot),
+            )
+        )
+    else:
+        cases.append(("demo-like 64-d", 64, lambda n, shot: demo_like_batch(n, 64, shot, seed=1)))
+    return cases
+
+
+def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
+    """Each method of ``--methods`` on one thread (as each CPU worker of ``evaluate`` runs it), on
+    the chunk ``evaluate`` picks for the workload: episodes/s, its registered FLOPs per episode, the
+    GFLOP/s reached and their share of the large-matmul rate measured in the same run; and where a
+    Sinkhorn loop is in the way, the share of the time it takes, its sweeps per episode, the bytes
+    they move and the time the cheapest torch pass over the same tensor would take for them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    CLOCK[0] = time.thread_time if args.roofline_clock == "cpu" else time.perf_counter
+    try:
+        mm, mm_cpu = matmul_rate()
+        t_op = op_seconds()
+        rows = []
+        for label, dim, make in roofline_cases(args):
+            chunk = args.roofline_chunk or choose_chunk(80, dim, 5, torch.device("cpu"), parse_size("2GiB"))
+            bandwidth = pass_seconds((chunk, 80, dim))[1]  # an in-place pass over a chunk's features
+            for shot in args.shots:
+                batch = make(chunk, shot)
+                for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
+                    rows.append(_roofline_row(name, label, dim, shot, chunk, batch, args))
+                    r = rows[-1]
+                    r["floors_us"] = {  # per episode: the arithmetic, the bytes, the operations
+                        "compute": 1e6 * r["flops_per_episode"] / mm_cpu,
+                        "memory": 1e6 * r["bytes_per_episode"] / bandwidth,
+                        "ops": 1e6 * r["ops_per_call"] * t_op / chunk,
+                    }
+                    print(_roofline_line(rows[-1], mm, mm_cpu), file=sys.stderr)
+        mm_after, mm_cpu_after = matmul_rate()
+    finally:
+        torch.set_num_threads(before)
+    return {
+        "matmul_flops": mm,
+        "matmul_flops_after": mm_after,
+        "matmul_flops_cpu": mm_cpu,
+        "matmul_flops_cpu_after": mm_cpu_after,
+        "rows": rows,
+        "sweep_clock": args.roofline_clock,
+        "op_seconds": t_op,
+    }
+
+
+def _roofline_row(name: str, label: str, dim: int, shot: int, chunk: int, batch: EpisodeBatch, args) -> dict[str, Any]:
+    cfg = solvers.make_config(name, {}, strict=True)
+    info = solvers.get(name)
+    sec, cpu = _best_both(lambda: info.fn(batch, cfg), args.tp_seconds, args.repeats)
+    with _SweepClock() as clock:  # a separate, instrumented call
+        t0 = CLOCK[0]()
+        info.fn(batch, cfg)
+        total = CLOCK[0]() - t0
+    flops = info.flops(5 * shot, 5 * QUERY, 0, dim, 5, cfg) if info.flops else float("nan")
+    with costmodel._tracer(chunk) as mode:  # what the call does on this device's own schedule
+        info.fn(batch, cfg)
+    row = {"method": name, "features": label, "dim": dim, "shot": shot, "chunk": chunk}
+    row |= {"ops_per_call": mode.trace.launches, "bytes_per_episode": mode.trace.bytes}
+    row |= {"eps_per_s": chunk / sec, "flops_per_episode": flops, "flop_per_s": flops * chunk / sec}
+    row |= {"eps_per_s_cpu": chunk / cpu, "flop_per_s_cpu": flops * chunk / cpu}
+    if clock.episode_sweeps:
+        # the cheapest in-place pass over the sweep's [E, K, Nq] tensor, at this chunk's size
+        t_pass, bw = pass_seconds((chunk, 5, 5 * QUERY))
+        row |= {
+            "sweep_share": clock.seconds / total,
+            "sweeps_per_episode": clock.episode_sweeps / chunk,
+            "sweep_us": 1e6 * clock.seconds / clock.episode_sweeps,
+            "sweep_bytes": clock.bytes / clock.episode_sweeps,
+            "pass_bandwidth": bw,
+            "bound_us": 1e6 * clock.bytes / clock.episode_sweeps / bw,
+        }
+    return row
+
+
+def _roofline_line(r: dict[str, Any], mm: float, mm_cpu: float) -> str:
+    text = (
+        f"{r['method']:9s} {r['features']:>22s} {r['shot']}-shot chunk {r['chunk']:4d}: {r['eps_per_s']:8.1f} eps/s, "
+        f"{r['flops_per_episode'] / 1e6:7.2f} MFLOP/ep, {r['flop_per_s'] / 1e9:6.2f} GFLOP/s = "
+        f"{100 * r['flop_per_s'] / mm:5.1f}% of matmul (CPU clock: {r['eps_per_s_cpu']:.1f} eps/s, "
+        f"{100 * r['flop_per_s_cpu'] / mm_cpu:.1f}%)"
+    )
+    if "sweep_share" in r:
+        text += (
+            f"; Sinkhorn {100 * r['sweep_share']:.0f}% of the time, {r['sweeps_per_episode']:.0f} sweeps/ep, "
+            f"{r['sweep_us']:.2f} us/sweep/ep vs {r['bound_us']:.2f} us at the pass bandwidth "
+            f"({r['pass_bandwidth'] / 1e9:.1f} GB/s, {r['sweep_bytes'] / 1e3:.1f} kB)"
+        )
+    return text
+
+
+def roofline_table(rf: dict[str, Any]) -> str:
+    mm, mm_cpu = rf["matmul_flops"], rf["matmul_flops_cpu"]
+    lines = [
+        f"Large matmul (1024^3 float32, 1 thread): {mm / 1e9:.1f} GFLOP/s before the methods, "
+        f"{rf['matmul_flops_after'] / 1e9:.1f} after (by the thread's CPU time: {mm_cpu / 1e9:.1f} and "
+        f"{rf['matmul_flops_cpu_after'] / 1e9:.1f}); the Sinkhorn columns by the {rf['sweep_clock']} clock.",
+        "",
+        f"One in-place operation on 40 numbers: {1e6 * rf['op_seconds']:.1f} us of CPU time. Floors per episode "
+        "(CPU time): compute = FLOPs / the matmul rate; memory = the bytes the operations move (traced) / "
+        "the bandwidth of an in-place pass over the chunk's features; ops = operations per call x one "
+        "operation's cost / chunk.",
+        "",
+        "| method | features | shot | chunk | eps/s (1 thread) | MFLOP/episode | GFLOP/s | % of matmul "
+        "| CPU-time eps/s | CPU-time % | us/episode (CPU) | compute floor | memory floor | ops/call | op floor "
+        "| Sinkhorn share | sweeps/episode | us per episode-sweep | us at pass bandwidth |",
+        "|" + "---|" * 19,
+    ]
+    for r in rf["rows"]:
+        sweep = ["-"] * 4
+        if "sweep_share" in r:
+            sweep = [f"{100 * r['sweep_share']:.0f}%", f"{r['sweeps_per_episode']:.0f}", f"{r['sweep_us']:.2f}"]
+            sweep.append(f"{r['bound_us']:.2f}")
+        cells = [r["method"], r["features"], str(r["shot"]), str(r["chunk"]), f"{r['eps_per_s']:.1f}"]
+        cells += [f"{r['flops_per_episode'] / 1e6:.2f}", f"{r['flop_per_s'] / 1e9:.2f}"]
+        cells += [f"{100 * r['flop_per_s'] / mm:.1f}", f"{r['eps_per_s_cpu']:.1f}"]
+        cells.append(f"{100 * r['flop_per_s_cpu'] / mm_cpu:.1f}")
+        fl = r["floors_us"]
+        cells += [f"{1e6 / r['eps_per_s_cpu']:.0f}", f"{fl['compute']:.0f}", f"{fl['memory']:.0f}"]
+        cells += [f"{r['ops_per_call']:,}", f"{fl['ops']:.0f}"]
+        lines.append("| " + " | ".join(cells + sweep) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", help="feature cache (HDF5) with 'test' and 'train' splits")
@@ -400,6 +687,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument(
+        "--roofline", action="store_true", help="part 3: each method's GFLOP/s against the matmul rate (one thread)"
+    )
+    ap.add_argument("--methods", default=ROOFLINE_METHODS, help="the roofline's methods (comma-separated)")
+    ap.add_argument("--roofline-cache", help="feature cache whose test split is the roofline's second feature set")
+    ap.add_argument("--roofline-chunk", type=int, default=0, help="episodes per call (0: the chunk evaluate picks)")
+    ap.add_argument(
+        "--roofline-clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="the roofline's clock: wall time, or the thread's CPU time (a shared, oversubscribed machine)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.episodes, args.tp_single, args.repeats, args.tp_seconds = 20, 2, 2, 0.2
@@ -442,6 +741,10 @@ def main(argv: list[str] | None = None) -> int:
             throughput_table(tp),
             "",
         ]
+    if args.roofline:
+        rf = run_roofline(args)
+        report["roofline"] = rf
+        md += ["Roofline, one thread, the chunk evaluate() picks:", "", roofline_table(rf), ""]
     with atomic_path(out / "transductive.json") as tmp:
         tmp.write_text(json.dumps(report, indent=1))
     with atomic_path(out / "transductive.md") as tmp:

@@ -80,3 +80,21 @@ def test_query_classes_columns(bench, monkeypatch, tmp_path):
     assert "| Method | N=all, 1-shot | N=2, 1-shot |" in md
     recs = read_results(out / bench.RESULTS_FILE).records
     assert sorted(str(r["episode"].get("query_classes")) for r in recs) == ["2", "None"]
+
+
+def test_roofline_part_counts_what_it_reports(bench, tmp_path, monkeypatch):
+    # part 3 on PADDLE (no Sinkhorn) and PEMnE-BMS (its sweeps counted), the 64-d set from a cache
+    monkeypatch.setattr(bench, "CALIBRATE", [0.0, 1])
+    cache = bench.synthetic_cache(tmp_path / "c", dim=64)
+    argv = ["--skip-accuracy", "--skip-throughput", "--roofline", "--methods", "paddle,bms", "--shots", "1"]
+    argv += ["--roofline-cache", str(cache), "--roofline-chunk", "4", "--tp-seconds", "0", "--repeats", "1"]
+    argv += ["--out", str(tmp_path / "o")]
+    assert bench.main(argv) == 0
+    rf = json.loads((tmp_path / "o" / "transductive.json").read_text())["roofline"]
+    rows = {(r["method"], r["dim"]): r for r in rf["rows"]}
+    assert set(rows) == {("paddle", 640), ("bms", 640), ("paddle", 64), ("bms", 64)}
+    assert rows[("bms", 640)]["sweeps_per_episode"] == 20 * 50  # steps x sweeps, every episode
+    assert "sweep_share" not in rows[("paddle", 640)]
+    for r in rows.values():
+        assert r["eps_per_s"] > 0 and r["ops_per_call"] > 0 and r["flops_per_episode"] > 0
+    assert "| bms | random 640-d | 1 | 4 |" in (tmp_path / "o" / "transductive.md").read_text()

@@ -414,9 +414,9 @@ def test_paddle_empties_classes_absent_from_the_queries(make_features):
 def test_bms_min_size_is_respected(make_features):
     from poodle.solvers.bms import min_size_sinkhorn
 
-    p = torch.softmax(torch.randn(3, 20, 4, dtype=torch.float64) * 3, -1)
+    p = torch.softmax(torch.randn(3, 4, 20, dtype=torch.float64) * 3, 1)  # [E, K, Nq]
     q = min_size_sinkhorn(p, torch.tensor([2.0, 4.0, 1.0], dtype=torch.float64), 50)
-    assert (q.sum(1) >= torch.tensor([2.0, 4.0, 1.0], dtype=torch.float64)[:, None] - 1e-9).all()
+    assert (q.sum(2) >= torch.tensor([2.0, 4.0, 1.0], dtype=torch.float64)[:, None] - 1e-9).all()
 
 
 @pytest.mark.parametrize("counts", [BALANCED, IMBALANCED], ids=["balanced", "imbalanced"])
@@ -477,3 +477,96 @@ def test_analytic_gradient_is_autograd_of_the_loss(make_features, name):
     assert torch.allclose(seen["gW"], gw, atol=1e-10, rtol=0)
     assert torch.allclose(seen["gt"], gt.view(-1), atol=1e-10, rtol=0)
     assert seen["rowsum"].abs().max() < 1e-12  # why |x|^2 drops out of dL/dgamma
+
+
+# ------------------------------------------------------------------ PT-MAP / BMS / protoLP / PADDLE internals
+SPAN_METHODS = {"pt-map": {}, "bms": {}, "proto-lp": {"reduced_dim": 0}, "paddle": {}}
+
+
+@pytest.mark.parametrize("gram", [True, False], ids=["gram", "explicit"])
+@pytest.mark.parametrize("name", sorted(SPAN_METHODS))
+def test_both_forms_of_the_centres_match_reference(make_features, monkeypatch, name, gram):
+    # centres held as weights over the episode's rows (Gram form) or explicitly: the same method
+    from poodle.solvers import _span
+
+    monkeypatch.setattr(_span, "FORCE_GRAM", gram)
+    batch, _ = build_batch(make_features, 2, IMBALANCED, seed=11)
+    cfg = config(name, **SPAN_METHODS[name])
+    ref_lp, ref_st = run_reference(name, batch, cfg)
+    assert_matches(name, solvers.run(name, batch, cfg), ref_lp, ref_st)
+
+
+def test_gram_form_is_chosen_by_arithmetic():
+    from poodle.solvers._span import span_flops, use_gram
+
+    assert use_gram(5, 75, 640, 5, 21, 20)  # the standard workload: half the FLOPs
+    assert span_flops(5, 75, 640, 5, 21, 20, True) < 0.6 * span_flops(5, 75, 640, 5, 21, 20, False)
+    assert not use_gram(5, 75, 64, 5, 21, 20)  # more rows than dimensions
+    assert not use_gram(5, 600, 640, 5, 2, 1)  # few steps over many rows
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["plain", "support-reset"])
+def test_sinkhorn_dropping_finished_episodes_matches_the_masked_schedule(reset):
+    # the CPU drops converged episodes from the batch; other devices mask them and look every 16
+    # sweeps: the same plan, episode by episode (tolerances that stop them at different sweeps)
+    from poodle.solvers import pt_map
+    from poodle.solvers._transductive import device_schedule
+
+    g = torch.Generator().manual_seed(0)
+    cost = (
+        torch.rand(9, 5, 30, generator=g, dtype=torch.float64)
+        * torch.linspace(0.2, 3, 9, dtype=torch.float64)[:, None, None]
+    )
+    y = torch.eye(5, dtype=torch.float64)[torch.arange(10) % 5].T.expand(9, 5, 10) if reset else None
+    p0 = torch.exp(-10 * cost)
+    dropped = pt_map.balance(p0.clone(), 6.0, 1e-9, 300, y)
+    with device_schedule():
+        masked = pt_map.balance(p0.clone(), 6.0, 1e-9, 300, y)
+    assert torch.equal(dropped, masked)
+    assert torch.allclose(dropped.sum(1), torch.ones(9, 30, dtype=torch.float64), atol=1e-6)
+    if reset:
+        assert torch.equal(dropped[:, :, :10], y)
+
+
+def test_power_transform_in_place_matches_the_formula():
+    from poodle.solvers.pt_map import power_transform
+
+    x = torch.tensor([[0.0, -0.0, 1e-8, 0.3, -0.3, 2.5, -7.0]])
+    for beta in (0.5, 0.3, 1.0):
+        want = torch.sign(x) * (x.abs() + 1e-6) ** beta + (x == 0).to(x.dtype) * (1e-6**beta)
+        assert torch.equal(power_transform(x, beta), want)
+        out = torch.empty_like(x)
+        assert power_transform(x, beta, out=out) is out and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("n, d", [(12, 30), (30, 12)], ids=["rows<dims", "rows>dims"])
+def test_proto_lp_projection_is_the_svd_projection(n, d):
+    from poodle.solvers.proto_lp import svd_project
+
+    x = torch.rand(3, n, d, generator=torch.Generator().manual_seed(1))
+    got = svd_project(x, 7)
+    vh = torch.linalg.svd(x.double(), full_matrices=False).Vh[:, :7]
+    want = torch.bmm(x.double(), vh.transpose(1, 2))
+    assert got.shape == (3, n, 7) and got.dtype == x.dtype
+    # coordinates up to a sign per direction: the same distances, the same Gram matrix
+    assert torch.allclose(
+        torch.bmm(got, got.transpose(1, 2)).double(), torch.bmm(want, want.transpose(1, 2)), atol=1e-5
+    )
+    assert torch.allclose(got.double().abs(), want.abs(), atol=1e-5)
+
+
+def test_bms_min_size_sinkhorn_skips_its_guard_only_where_it_changes_nothing():
+    from poodle.solvers.bms import min_size_sinkhorn
+
+    g = torch.Generator().manual_seed(2)
+    p = torch.softmax(torch.randn(6, 5, 40, generator=g) * 4, 1)  # float32, entries far above 1e-13
+    p[0, 2] = 0.0  # an empty class: the guard's sum must be taken there
+    target = torch.tensor([3.0, 8.0, 1.0, 5.0, 7.0, 2.0])
+
+    want = p.clone()  # the authors' sweep, the guard always summed
+    for _ in range(30):
+        want = want / want.sum(1, keepdim=True)
+        small = want.sum(2, keepdim=True) < target[:, None, None]
+        want = torch.where(small, want / ((want + 1e-20).sum(2, keepdim=True) / target[:, None, None]), want)
+    assert torch.equal(min_size_sinkhorn(p.clone(), target, 30), want)
+    assert torch.equal(min_size_sinkhorn(p[1:].clone(), target[1:], 30), want[1:])

@@ -41,9 +41,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._transductive import dist_flops, grad_ready, log_normalise
+from poodle.solvers._span import RowSpan, span_flops, use_gram
+from poodle.solvers._transductive import dist_flops, grad_ready, log_normalise, syncs_freely
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
-from poodle.solvers.pt_map import power_transform
+from poodle.solvers.pt_map import transformed_rows, unit_rows_
 
 
 @dataclass
@@ -57,20 +58,33 @@ class BMSConfig:
     momentum: float = option(0.8, min=0, max=1, max_open=True)
 
 
-def peme(x: Tensor, power: float) -> Tensor:
-    """PEMnE on all samples of each episode ``[E, N, D]``."""
-    x = F.normalize(power_transform(x, power), dim=-1)
-    return F.normalize(x - x.mean(1, keepdim=True), dim=-1)
+def peme(parts: list[Tensor], power: float) -> Tensor:
+    """PEMnE on all samples of each episode, ``parts`` (``[E, n_i, D]`` each) stacked along the rows:
+    ``[E, sum n_i, D]``."""
+    x = transformed_rows(parts, power)
+    return unit_rows_(x.sub_(x.mean(1, keepdim=True)))
 
 
 def min_size_sinkhorn(p: Tensor, min_size: Tensor, n_iter: int) -> Tensor:
-    """``p [E, Nq, K]`` -> rows summing to 1 (before the last column step), every class mass at
-    least ``min_size [E]``."""
-    target = min_size[:, None, None].to(p.dtype)
+    """``p [E, K, Nq]`` (classes first; overwritten and returned) -> samples (columns) summing to 1
+    (before the last class step), every class mass at least ``min_size [E]``.
+
+    Classes are the middle axis so that both reductions run along vectors (see
+    :func:`poodle.solvers.pt_map.balance`); a class above ``min_size`` is divided by exactly 1. The
+    authors guard the rescaling against an empty class by summing ``p + 1e-20``; when every entry
+    is above ``4e-20 / eps`` that sum is the plain sum, bit for bit (adding 1e-20 rounds back to
+    each entry), so on the CPU, where looking costs nothing, the guard's pass is skipped then."""
+    target = min_size[:, None].to(p.dtype)  # [E, 1]
+    floor = 4e-20 / torch.finfo(p.dtype).eps
+    guard: Tensor | None = None
     for _ in range(n_iter):
-        p = p / p.sum(2, keepdim=True)
-        small = p.sum(1, keepdim=True) < target  # [E, 1, K]
-        p = torch.where(small, p / ((p + 1e-20).sum(1, keepdim=True) / target), p)
+        p.div_(p.sum(1, keepdim=True))
+        mass = p.sum(2)  # [E, K]
+        small = mass < target
+        if not syncs_freely(p) or float(p.amin()) <= floor:
+            guard = torch.empty_like(p) if guard is None else guard
+            mass = torch.add(p, 1e-20, out=guard).sum(2)
+        p.div_(torch.where(small, mass.div_(target), 1.0).unsqueeze(2))
     return p
 
 
@@ -96,7 +110,13 @@ def _refine(z: Tensor, w: Tensor, target: Tensor, epochs: int, lr: float, moment
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BMSConfig) -> float:
-    return cfg.steps * (2 + 3 * cfg.epochs) * dist_flops(Ns + Nq, way, D)
+    refine = cfg.steps * 3 * cfg.epochs * dist_flops(Ns + Nq, way, D)
+    gram = cfg.epochs == 0 and use_gram(Ns, Nq, D, way, cfg.steps, cfg.steps)
+    return (
+        refine
+        + span_flops(Ns, Nq, D, way, cfg.steps, cfg.steps, gram)
+        + (0 if gram else cfg.steps * 2.0 * way * Ns * D)
+    )
 
 
 @register(
@@ -110,19 +130,21 @@ def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]`` (transformed space) and
     ``assignments [E, Nq, way]``."""
     n_s, way = batch.support.shape[1], batch.way
-    z = peme(torch.cat([batch.support, batch.query], 1), cfg.power)
-    y_s = one_hot(batch.support_labels, way, z.dtype)
-    mu = F.normalize(torch.bmm(y_s.transpose(1, 2), z[:, :n_s]) / y_s.sum(1).unsqueeze(-1), dim=-1)
+    z = peme([batch.support, batch.query], cfg.power)
+    y_t = one_hot(batch.support_labels, way, z.dtype).transpose(1, 2)  # [E, K, Ns]
+    # the refinement's SGD needs explicit centres
+    span = RowSpan(z, n_s, way, cfg.steps, cfg.steps, gram=False if cfg.epochs > 0 else None)
+    mu = span.normalize(span.support_sum(y_t) / y_t.sum(2, keepdim=True))
     min_size = torch.full((z.shape[0],), float(batch.shot), dtype=z.dtype, device=z.device)
     q = None
     for _ in range(cfg.steps):
-        p_q = torch.softmax(cfg.lam * torch.bmm(z[:, n_s:], mu.transpose(1, 2)), -1)
-        q = min_size_sinkhorn(p_q, min_size, cfg.sinkhorn_iter)
-        w = torch.cat([y_s, q], 1)  # [E, N, K]
-        counts = one_hot(w.argmax(-1), way, z.dtype).sum(1)  # [E, K]
+        q = min_size_sinkhorn(torch.softmax(span.dots(mu).mul_(cfg.lam), 1), min_size, cfg.sinkhorn_iter)
+        w = torch.cat([y_t, q], 2)  # [E, K, N]
+        counts = one_hot(w.argmax(1), way, z.dtype).sum(1)  # [E, K]
         min_size = counts.amin(1)
-        mu = F.normalize(torch.bmm(w.transpose(1, 2), z) / w.sum(1).unsqueeze(-1), dim=-1)
+        mu = span.normalize(span.sum(w) / w.sum(2, keepdim=True))
         if cfg.epochs > 0:
-            mu = _refine(z, mu, w, cfg.epochs, cfg.lr, cfg.momentum)
+            mu = _refine(z, mu, w.transpose(1, 2), cfg.epochs, cfg.lr, cfg.momentum)
     assert q is not None  # cfg.steps >= 1
-    return SolverOutput(log_normalise(q), {"prototypes": mu, "assignments": q})
+    q = q.transpose(1, 2).contiguous()
+    return SolverOutput(log_normalise(q), {"prototypes": span.explicit(mu), "assignments": q})

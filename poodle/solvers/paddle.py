@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._transductive import dist_flops, softmax_logits
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
+from poodle.solvers._span import RowSpan, span_flops, use_gram
+from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
 
 
 @dataclass
@@ -52,17 +52,20 @@ class PaddleConfig:
     scale_features: bool = True  # the authors' per-episode min-max scaling over the queries
 
 
-def minmax_scale(z_s: Tensor, z_q: Tensor) -> tuple[Tensor, Tensor]:
+def minmax_scale(z_s: Tensor, z_q: Tensor) -> Tensor:
     """Per episode and dimension, map the query set onto ``[0, 1]`` and the support set with the same
-    affine map. ``[E, N, D]`` each."""
+    affine map: ``z_s [E, Ns, D]``, ``z_q [E, Nq, D]`` -> both stacked, ``[E, Ns + Nq, D]``."""
     lo = z_q.amin(1, keepdim=True)
     rng = z_q.amax(1, keepdim=True) - lo
     rng = torch.where(rng == 0, torch.ones_like(rng), rng)
-    return (z_s - lo) / rng, (z_q - lo) / rng
+    z = z_q.new_empty(z_q.shape[0], z_s.shape[1] + z_q.shape[1], z_q.shape[2])
+    torch.sub(z_s, lo, out=z[:, : z_s.shape[1]])
+    torch.sub(z_q, lo, out=z[:, z_s.shape[1] :])
+    return z.div_(rng)
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PaddleConfig) -> float:
-    return cfg.steps * (dist_flops(Nq, way, D) + dist_flops(Ns + Nq, way, D))
+    return span_flops(Ns, Nq, D, way, cfg.steps, cfg.steps, use_gram(Ns, Nq, D, way, cfg.steps, cfg.steps))
 
 
 @register(
@@ -75,20 +78,27 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PaddleConfig) -> flo
 def paddle(batch: EpisodeBatch, cfg: PaddleConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final assignments ``u``); state ``prototypes
     [E, way, D]`` (in the scaled space) and ``assignments [E, Nq, way]``."""
-    z_s, z_q = batch.support, batch.query
+    n_s, n_q, way = batch.support.shape[1], batch.query.shape[1], batch.way
     if cfg.scale_features:
-        z_s, z_q = minmax_scale(z_s, z_q)
-    E, n_q, way = z_q.shape[0], z_q.shape[1], batch.way
+        z = minmax_scale(batch.support, batch.query)
+    else:
+        z = torch.cat([batch.support, batch.query], 1)
     coef = (cfg.lmd if cfg.lmd > 0 else float(n_q)) / n_q
-    y_s = one_hot(batch.support_labels, way, z_s.dtype)
-    ys_t_zs = torch.bmm(y_s.transpose(1, 2), z_s)
-    n_s = y_s.sum(1)  # [E, K], >= 1 per class
-    w = class_means(z_s, batch.support_labels, way)
-    v = torch.zeros(E, 1, way, dtype=z_q.dtype, device=z_q.device)
+    y_t = one_hot(batch.support_labels, way, z.dtype).transpose(1, 2)  # [E, K, Ns]
+    span = RowSpan(z, n_s, way, cfg.steps, cfg.steps, centre=True)
+    ys_t_zs = span.support_sum(y_t)
+    counts = y_t.sum(2, keepdim=True)  # [E, K, 1], >= 1 per class
+    w = ys_t_zs / counts
+    v = None
     u = None
     for _ in range(cfg.steps):
-        u = torch.softmax(softmax_logits(z_q, w, 1.0) + coef * v, -1)
-        v = torch.log(u.mean(1, keepdim=True) + 1e-6) + 1.0
-        w = (torch.bmm(u.transpose(1, 2), z_q) + ys_t_zs) / (u.sum(1) + n_s).unsqueeze(-1)
+        dots, sq = span.scores(w)
+        logits = dots.add_(sq.mul_(-0.5).unsqueeze(2))  # [E, K, Nq]: <z_q, w_k> - ||w_k||^2 / 2
+        u = torch.softmax(logits if v is None else logits.add_(v), 1)
+        v = u.mean(2, keepdim=True).add_(1e-6).log_().add_(1.0).mul_(coef)  # coef * v, [E, K, 1]
+        w = span.mean(y_t, u, u.sum(2, keepdim=True).add_(counts), support=ys_t_zs)
     assert u is not None  # cfg.steps >= 1
-    return SolverOutput(torch.log_softmax(torch.log(u.clamp_min(1e-30)), -1), {"prototypes": w, "assignments": u})
+    u = u.transpose(1, 2).contiguous()
+    return SolverOutput(
+        torch.log_softmax(torch.log(u.clamp_min(1e-30)), -1), {"prototypes": span.explicit(w), "assignments": u}
+    )

@@ -46,21 +46,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._transductive import (
-    CHECK_EVERY_SWEEPS,
-    TINY,
-    dist_flops,
-    log_normalise,
-    row_sqnorm,
-    should_stop,
-    sqdist,
-)
+from poodle.solvers._span import RowSpan, span_flops, use_gram
+from poodle.solvers._transductive import TINY, batched_eigh, log_normalise, row_sqnorm
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
-from poodle.solvers.pt_map import power_transform, sinkhorn
+from poodle.solvers.pt_map import balance, sinkhorn, transformed_rows, unit_rows_
 
 
 @dataclass
@@ -82,19 +74,35 @@ class ProtoLPConfig:
 
 def svd_project(x: Tensor, dim: int) -> Tensor:
     """Coordinates of ``x [E, N, D]`` in its top ``dim`` right singular vectors (no centring):
-    ``[E, N, min(dim, N, D)]``, up to a per-direction sign (no distance sees it). An SVD of ``x``
-    itself, not an eigen-decomposition of its Gram matrix: in float32 the Gram matrix loses the
-    weaker directions' precision, which changed about 1% of the predictions on the glyph features."""
-    r = min(dim, x.shape[1], x.shape[2])
-    vh = torch.linalg.svd(x, full_matrices=False).Vh  # [E, min(N, D), D]
-    return torch.bmm(x, vh[:, :r].transpose(1, 2))
+    ``[E, N, min(dim, N, D)]``, up to a per-direction sign (no distance sees it).
+
+    From the eigen-decomposition of the smaller Gram matrix (``x x^T`` when ``N <= D``, whose
+    eigenvectors scaled by the singular values are the coordinates; else ``x^T x``, whose
+    eigenvectors are the right singular vectors), formed and decomposed in float64: the float32
+    Gram matrix loses the weaker directions' precision (it changed about 1% of the predictions on
+    the glyph features); the float64 one gives a float64 SVD's coordinates to 1e-13, and from
+    float32 rows to 3e-8 where a float32 SVD gave them to 3e-5 (Gram matrices of the coordinates,
+    standard workload). A batched float32 SVD of ``[E, 80, 640]`` costs 3x more on a CPU (3.7 ms
+    against 1.25 ms an episode, one thread); on CUDA either would run one matrix at a time, and
+    :func:`~poodle.solvers._transductive.batched_eigh` sends the batch to the host in bulk."""
+    n, d = x.shape[1], x.shape[2]
+    r = min(dim, n, d)
+    xd = x.double()
+    if n <= d:
+        w, u = batched_eigh(torch.bmm(xd, xd.transpose(1, 2)))  # ascending
+        coords = u[:, :, n - r :] * w[:, None, n - r :].clamp_min(0).sqrt()
+    else:
+        coords = torch.bmm(xd, batched_eigh(torch.bmm(xd.transpose(1, 2), xd))[1][:, :, d - r :])
+    return coords.flip(-1).to(x.dtype)
 
 
-def preprocess(z: Tensor, power: float, reduced_dim: int) -> Tensor:
-    z = F.normalize(power_transform(z, power), dim=-1)
+def preprocess(parts: list[Tensor], power: float, reduced_dim: int) -> Tensor:
+    """The features of ``parts`` (``[E, n_i, D]`` each) stacked along the rows, transformed:
+    ``[E, sum n_i, d]``."""
+    z = transformed_rows(parts, power)
     if reduced_dim > 0:
         z = svd_project(z, reduced_dim)
-    return F.normalize(z - z.mean(1, keepdim=True), dim=-1)
+    return unit_rows_(z.sub_(z.mean(1, keepdim=True)))
 
 
 def lower_symmetric(m: Tensor) -> Tensor:
@@ -103,52 +111,47 @@ def lower_symmetric(m: Tensor) -> Tensor:
     return low + torch.tril(m, -1).transpose(-1, -2)
 
 
-def propagate(z: Tensor, y_s: Tensor, gamma: float) -> Tensor:
-    """Label propagation over the prototype graph: ``z [E, N, K]`` assignments (support rows first,
-    one-hot), ``y_s [E, Ns, K]`` -> ``P = z A [E, N, K]``."""
-    n_s, k = y_s.shape[1], z.shape[2]
-    delta = z.sum(1).clamp_min(TINY)  # [E, K]
-    w = torch.bmm(z.transpose(1, 2), z / delta.unsqueeze(1))
+def propagate(z: Tensor, yty: Tensor, gamma: float) -> Tensor:
+    """Label propagation over the prototype graph: ``z [E, K, N]`` assignments (classes first, the
+    support samples first and one-hot), ``yty = Y_s^T Y_s [E, K, K]`` -> ``P^T = (z^T A)^T [E, K, N]``."""
+    k = z.shape[1]
+    delta = z.sum(2).clamp_min(TINY)  # [E, K]
+    w = torch.bmm(z, (z / delta.unsqueeze(2)).transpose(1, 2))
     eye = torch.eye(k, dtype=z.dtype, device=z.device)
-    z_l = z[:, :n_s]
-    m = lower_symmetric(torch.bmm(z_l.transpose(1, 2), z_l) + gamma * (eye - w))
-    rhs = torch.bmm(z_l.transpose(1, 2), y_s)
+    # the support rows of z are the labels: Z_s^T Z_s = Z_s^T Y_s = Y_s^T Y_s
+    m = lower_symmetric(yty + gamma * (eye - w))
     chol, info = torch.linalg.cholesky_ex(m)
-    a = torch.cholesky_solve(rhs, chol)
+    a = torch.cholesky_solve(yty, chol)
     bad = info != 0
     if bool(bad.any()):
-        a = torch.where(bad[:, None, None], torch.linalg.pinv(m, hermitian=True) @ rhs, a)
-    return torch.bmm(z, a)
+        a = torch.where(bad[:, None, None], torch.linalg.pinv(m, hermitian=True) @ yty, a)
+    return torch.bmm(a.transpose(1, 2), z)
 
 
-def lp_normalise(p: Tensor, y_s: Tensor, col_mass: float, balanced: bool, tol: float, max_iter: int) -> Tensor:
-    """The authors' normalisation of the propagated labels ``p [E, N, K]``: Sinkhorn sweeps (rows 1,
-    columns ``col_mass``) with the support rows reset to ``y_s`` after each, until the row sums move by
-    at most ``tol`` (per episode); rows only when not ``balanced``."""
-    n_s = y_s.shape[1]
+def lp_normalise(p: Tensor, y_t: Tensor, col_mass: float, balanced: bool, tol: float, max_iter: int) -> Tensor:
+    """The authors' normalisation of the propagated labels ``p [E, K, N]`` (classes first): Sinkhorn
+    sweeps (samples 1, classes ``col_mass``) with the support samples reset to ``y_t [E, K, Ns]``
+    after each, until the sample sums move by at most ``tol`` (per episode); samples only when not
+    ``balanced``."""
     if not balanced:
-        p = p / p.sum(2, keepdim=True).clamp_min(TINY)
-        return torch.cat([y_s, p[:, n_s:]], 1)
-    E = p.shape[0]
-    active = torch.ones(E, dtype=torch.bool, device=p.device)
-    u = torch.zeros(p.shape[:2], dtype=p.dtype, device=p.device)
-    for it in range(max_iter):
-        rows = p.sum(2)
-        active = active & ((u - rows).abs().amax(1) > tol)
-        if should_stop(active, it, CHECK_EVERY_SWEEPS):  # stopped episodes are frozen below
-            break
-        q = p / rows.clamp_min(TINY).unsqueeze(2)
-        q = q * (col_mass / q.sum(1).clamp_min(TINY)).unsqueeze(1)
-        q = torch.cat([y_s, q[:, n_s:]], 1)
-        p = torch.where(active[:, None, None], q, p)
-        u = torch.where(active[:, None], rows, u)
-    return p
+        p = p / p.sum(1, keepdim=True).clamp_min(TINY)
+        return torch.cat([y_t, p[:, :, y_t.shape[2] :]], 2)
+    return balance(p, col_mass, tol, max_iter, reset=y_t)
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: ProtoLPConfig) -> float:
     d = min(cfg.reduced_dim, Ns + Nq, D) if cfg.reduced_dim > 0 else D
-    per_step = dist_flops(Nq, way, d) + 2 * dist_flops(Ns + Nq, way, d)
-    return dist_flops(Ns + Nq, Ns + Nq, D) + (cfg.steps + 1) * per_step
+    gram = use_gram(Ns, Nq, d, way, cfg.steps + 1, cfg.steps)
+    n, m = Ns + Nq, min(Ns + Nq, D)
+    # the projection (float64): the smaller Gram matrix, its eigen-decomposition (9 m^3, LAPACK's
+    # usual count with vectors) and, from x^T x, the product with its top vectors
+    project = 2.0 * n * D * m + 9.0 * m**3 + (2.0 * n * D * d if n > D else 0.0) if cfg.reduced_dim > 0 else 0.0
+    # the steps' weighted sums run over all N rows: count the support part too
+    return (
+        project
+        + span_flops(Ns, Nq, d, way, cfg.steps + 1, cfg.steps, gram)
+        + (0 if gram else cfg.steps * 2.0 * way * Ns * d)
+    )
 
 
 @register(
@@ -162,26 +165,28 @@ def proto_lp(batch: EpisodeBatch, cfg: ProtoLPConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final plan's rows, normalised); state
     ``prototypes [E, way, d]`` (transformed space) and ``assignments [E, Nq, way]``."""
     n_s, n_q, way = batch.support.shape[1], batch.query.shape[1], batch.way
-    z = preprocess(torch.cat([batch.support, batch.query], 1), cfg.power, cfg.reduced_dim)
-    z_s, z_q = z[:, :n_s], z[:, n_s:]
-    y_s = one_hot(batch.support_labels, way, z.dtype)
-    mu = F.normalize(torch.bmm(y_s.transpose(1, 2), z_s) / y_s.sum(1).unsqueeze(-1), dim=-1)
-    q2 = row_sqnorm(z_q)
+    z = preprocess([batch.support, batch.query], cfg.power, cfg.reduced_dim)
+    y_t = one_hot(batch.support_labels, way, z.dtype).transpose(1, 2)  # [E, K, Ns]
+    yty = torch.bmm(y_t, y_t.transpose(1, 2))
+    span = RowSpan(z, n_s, way, cfg.steps + 1, cfg.steps)
+    mu = span.normalize(span.support_sum(y_t) / y_t.sum(2, keepdim=True))
+    q2 = row_sqnorm(span.z_q).transpose(1, 2)  # [E, 1, Nq]
 
-    def assign(mu: Tensor) -> Tensor:
-        cost = sqdist(z_q, mu, q2)
+    def assign(mu: Tensor) -> Tensor:  # [E, K, Nq]
+        dots, sq = span.scores(mu)
+        cost = dots.mul(-2.0).add_(q2).add_(sq.unsqueeze(2)).clamp_min_(0.0)
         if cfg.balanced:
             return sinkhorn(cost, cfg.lam, n_q / way, cfg.sinkhorn_tol, cfg.sinkhorn_max_iter)
-        return torch.softmax(-cfg.lam * cost, -1)
+        return torch.softmax(cost.mul_(-cfg.lam), 1)
 
     for _ in range(cfg.steps):
-        zz = torch.cat([y_s, assign(mu)], 1)  # [E, N, K]
+        zz = torch.cat([y_t, assign(mu)], 2)  # [E, K, N]
         p = lp_normalise(
-            propagate(zz, y_s, cfg.gamma), y_s, (n_s + n_q) / way, cfg.balanced, cfg.lp_tol, cfg.sinkhorn_max_iter
+            propagate(zz, yty, cfg.gamma), y_t, (n_s + n_q) / way, cfg.balanced, cfg.lp_tol, cfg.sinkhorn_max_iter
         )
-        mask = (cfg.mix * p + (1 - cfg.mix) * zz).clamp(0, 1)
-        den = mask.sum(1).unsqueeze(-1)  # [E, K, 1] >= support
-        est = torch.bmm(mask.transpose(1, 2), z) / den.clamp_min(TINY)
+        mask = (cfg.mix * p + (1 - cfg.mix) * zz).clamp_(0, 1)
+        den = mask.sum(2, keepdim=True)  # [E, K, 1] >= support
+        est = span.sum(mask) / den.clamp_min(TINY)
         mu = mu + cfg.alpha * (est - mu)
-    plan = assign(mu)
-    return SolverOutput(log_normalise(plan), {"prototypes": mu, "assignments": plan})
+    plan = assign(mu).transpose(1, 2).contiguous()
+    return SolverOutput(log_normalise(plan), {"prototypes": span.explicit(mu), "assignments": plan})

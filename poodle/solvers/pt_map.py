@@ -25,20 +25,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._transductive import (
-    CHECK_EVERY_SWEEPS,
-    TINY,
-    dist_flops,
-    log_normalise,
-    row_sqnorm,
-    should_stop,
-    sqdist,
-)
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
+from poodle.solvers._span import RowSpan, span_flops, use_gram
+from poodle.solvers._transductive import CHECK_EVERY_SWEEPS, TINY, log_normalise, row_sqnorm, should_stop, syncs_freely
+from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
 
 
 @dataclass
@@ -57,44 +49,128 @@ class PTMapConfig:
     sinkhorn_max_iter: int = option(1000, min=1)
 
 
-def power_transform(x: Tensor, beta: float) -> Tensor:
-    """``sign(x) (|x| + 1e-6)^beta`` (= the paper's ``(x + 1e-6)^beta`` for ``x >= 0``)."""
-    return torch.sign(x) * (x.abs() + 1e-6) ** beta + (x == 0).to(x.dtype) * (1e-6**beta)
+def power_transform(x: Tensor, beta: float, out: Tensor | None = None) -> Tensor:
+    """``sign(x) (|x| + 1e-6)^beta`` (= the paper's ``(x + 1e-6)^beta`` for ``x >= 0``); an exact
+    zero (either sign) maps to ``1e-6^beta``. Written into ``out`` (same shape) when given."""
+    t = torch.abs(x, out=out) if out is not None else x.abs()
+    t.add_(1e-6).pow_(beta).copysign_(x)
+    return t.masked_fill_(x == 0, 1e-6**beta)
 
 
-def preprocess(z_s: Tensor, z_q: Tensor, beta: float) -> tuple[Tensor, Tensor]:
-    """PT-MAP's feature pipeline for ``[E, N, D]`` support and query sets."""
-    z_s = F.normalize(power_transform(z_s, beta), dim=-1)
-    z_q = F.normalize(power_transform(z_q, beta), dim=-1)
-    z_s = F.normalize(z_s - z_s.mean(1, keepdim=True), dim=-1)
-    z_q = F.normalize(z_q - z_q.mean(1, keepdim=True), dim=-1)
-    return z_s, z_q
+def unit_rows_(x: Tensor) -> Tensor:
+    """``F.normalize(x, dim=-1)`` in place (the same values, no new ``[E, N, D]`` tensor)."""
+    return x.div_(torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(1e-12))
+
+
+def transformed_rows(parts: list[Tensor], beta: float) -> Tensor:
+    """The power-transformed, unit rows of ``parts`` (each ``[E, n_i, D]``) stacked along the rows
+    into one new ``[E, sum n_i, D]`` tensor: each pass over the features runs in place."""
+    sizes = [t.shape[1] for t in parts]
+    z = parts[0].new_empty(parts[0].shape[0], sum(sizes), parts[0].shape[2])
+    for x, block in zip(parts, z.split(sizes, 1)):
+        power_transform(x, beta, out=block)
+    return unit_rows_(z)
+
+
+def preprocess(z_s: Tensor, z_q: Tensor, beta: float) -> Tensor:
+    """PT-MAP's feature pipeline for ``[E, Ns, D]`` support and ``[E, Nq, D]`` query sets (each
+    centred on its own mean): ``[E, Ns + Nq, D]``, support first."""
+    z = transformed_rows([z_s, z_q], beta)
+    for block in z.split([z_s.shape[1], z_q.shape[1]], 1):
+        block.sub_(block.mean(1, keepdim=True))
+    return unit_rows_(z)
 
 
 def sinkhorn(cost: Tensor, lam: float, col_mass: float, tol: float, max_iter: int) -> Tensor:
-    """Entropic OT plan ``[E, N, K]`` for ``cost [E, N, K]``: rows sum to 1, columns to
-    ``col_mass``. Each episode stops once its row sums moved by at most ``tol`` in one sweep."""
-    p = torch.exp(-lam * cost)
-    p = p / p.sum((1, 2), keepdim=True).clamp_min(TINY)
-    E = p.shape[0]
-    active = torch.ones(E, dtype=torch.bool, device=p.device)
-    u = torch.zeros(p.shape[:2], dtype=p.dtype, device=p.device)
+    """Entropic OT plan ``[E, K, N]`` for ``cost [E, K, N]`` (classes first; overwritten: the plan
+    is written there): every sample (column) carries mass 1, every class (row) receives
+    ``col_mass``. Each episode stops once its samples' masses moved by at most ``tol`` in one sweep."""
+    p = cost.mul_(-lam).exp_()  # the caller's temporary
+    p.div_(p.sum((1, 2), keepdim=True).clamp_min_(TINY))
+    return balance(p, col_mass, tol, max_iter)
+
+
+def balance(p: Tensor, col_mass: float, tol: float, max_iter: int, reset: Tensor | None = None) -> Tensor:
+    """Sinkhorn sweeps on ``p [E, K, N]`` (overwritten and returned): samples (columns) normalised
+    to 1, then classes (rows) to ``col_mass``, and, with ``reset [E, K, Ns]``, the first ``Ns``
+    samples set back to it; per episode, until the sample masses before a sweep are within ``tol``
+    of those before the previous one (at most ``max_iter`` sweeps).
+
+    Classes are the middle axis so that both reductions run along vectors (a sum over an innermost
+    axis of 5 is several times slower). Where a look at the masks costs nothing (the CPU,
+    :func:`~poodle.solvers._transductive.syncs_freely`) the loop looks every sweep and drops finished
+    episodes from the batch once a quarter of it has finished; elsewhere it masks them and looks
+    every ``CHECK_EVERY_SWEEPS`` sweeps."""
+    if syncs_freely(p):
+        return _balance_dropping(p, col_mass, tol, max_iter, reset)
+    active = torch.ones(p.shape[0], dtype=torch.bool, device=p.device)
+    u = p.new_zeros(p.shape[0], p.shape[2])
     for it in range(max_iter):
-        rows = p.sum(2)
-        moved = (u - rows).abs().amax(1) > tol
-        active = active & moved
+        rows = p.sum(1)  # [E, N]
+        active &= (u - rows).abs_().amax(1) > tol
         if should_stop(active, it, CHECK_EVERY_SWEEPS):  # stopped episodes are frozen below
             break
-        q = p / rows.clamp_min(TINY).unsqueeze(2)
-        q = q * (col_mass / q.sum(1).clamp_min(TINY)).unsqueeze(1)
-        keep = ~active
-        p = torch.where(keep[:, None, None], p, q)
-        u = torch.where(keep[:, None], u, rows)
+        u = _sweep(p, rows, u, active, col_mass, reset)
     return p
 
 
+def _sweep(p: Tensor, rows: Tensor, u: Tensor, live: Tensor | None, col_mass: float, reset: Tensor | None) -> Tensor:
+    """One sweep on ``p`` in place, on the episodes of ``live [E]`` (None: all); returns the new ``u``.
+    A finished episode is divided and multiplied by exactly 1: its values do not change."""
+    if live is None:
+        p.div_(rows.clamp_min(TINY).unsqueeze(1))
+        p.mul_(p.sum(2).clamp_min_(TINY).reciprocal_().mul_(col_mass).unsqueeze(2))
+        if reset is not None:
+            p[:, :, : reset.shape[2]] = reset
+        return rows
+    on = live.unsqueeze(1)
+    p.div_(torch.where(on, rows.clamp_min(TINY), 1.0).unsqueeze(1))
+    p.mul_(torch.where(on, p.sum(2).clamp_min_(TINY).reciprocal_().mul_(col_mass), 1.0).unsqueeze(2))
+    if reset is not None:
+        ns = reset.shape[2]
+        p[:, :, :ns] = torch.where(on.unsqueeze(2), reset, p[:, :, :ns])
+    return torch.where(on, rows, u)
+
+
+def _balance_dropping(p: Tensor, col_mass: float, tol: float, max_iter: int, reset: Tensor | None) -> Tensor:
+    """:func:`balance` on the CPU, where a look at the masks costs nothing: the batch shrinks to the
+    episodes still running whenever a quarter of it has finished (each drop copies the rest)."""
+    out = p
+    idx: Tensor | None = None  # the rows of ``out`` that ``p`` holds, once it is a copy
+    live: Tensor | None = None  # the episodes of ``p`` still running, when some are not
+    u = p.new_zeros(p.shape[0], p.shape[2])
+    for _ in range(max_iter):
+        rows = p.sum(1)
+        moved = (u - rows).abs_().amax(1) > tol
+        if live is not None:
+            moved &= live
+        n = int(moved.count_nonzero())
+        if n == 0:
+            break
+        if n == p.shape[0]:
+            live = None
+        elif 4 * n > 3 * p.shape[0]:
+            live = moved
+        else:
+            keep = moved.nonzero().squeeze(1)
+            if idx is None:  # ``p`` is ``out``: the finished episodes are already in place
+                idx = keep
+            else:
+                gone = (~moved).nonzero().squeeze(1)
+                out.index_copy_(0, idx.index_select(0, gone), p.index_select(0, gone))
+                idx = idx.index_select(0, keep)
+            p, rows, u, live = p.index_select(0, keep), rows.index_select(0, keep), u.index_select(0, keep), None
+            if reset is not None:
+                reset = reset.index_select(0, keep)
+        u = _sweep(p, rows, u, live, col_mass, reset)
+    if idx is not None:
+        out.index_copy_(0, idx, p)
+    return out
+
+
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PTMapConfig) -> float:
-    return (cfg.steps + 1) * (dist_flops(Nq, way, D) + dist_flops(Ns + Nq, way, D))
+    gram = use_gram(Ns, Nq, D, way, cfg.steps + 1, cfg.steps)
+    return span_flops(Ns, Nq, D, way, cfg.steps + 1, cfg.steps, gram)
 
 
 @register(
@@ -107,16 +183,24 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PTMapConfig) -> floa
 def pt_map(batch: EpisodeBatch, cfg: PTMapConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final plan's rows, normalised); state
     ``prototypes [E, way, D]`` (in the transformed space) and ``assignments [E, Nq, way]``."""
-    z_s, z_q = preprocess(batch.support, batch.query, cfg.beta)
+    z = preprocess(batch.support, batch.query, cfg.beta)
     way = batch.way
-    col = z_q.shape[1] / way
-    y_s = one_hot(batch.support_labels, way, z_s.dtype)
-    mu = class_means(z_s, batch.support_labels, way)
-    q2 = row_sqnorm(z_q)
+    col = batch.query.shape[1] / way
+    y_t = one_hot(batch.support_labels, way, z.dtype).transpose(1, 2)  # [E, K, Ns]
+    span = RowSpan(z, batch.support.shape[1], way, cfg.steps + 1, cfg.steps)
+    support = span.support_sum(y_t)
+    counts = y_t.sum(2, keepdim=True)  # [E, K, 1], >= 1 (every class has a support point)
+    mu = support / counts
+    q2 = row_sqnorm(span.z_q).transpose(1, 2)  # [E, 1, Nq]
+
+    def plan_of(mu: Tensor) -> Tensor:  # [E, K, Nq]
+        dots, sq = span.scores(mu)
+        cost = dots.mul(-2.0).add_(q2).add_(sq.unsqueeze(2)).clamp_min_(0.0)
+        return sinkhorn(cost, cfg.lam, col, cfg.sinkhorn_tol, cfg.sinkhorn_max_iter)
+
     for _ in range(cfg.steps):
-        plan = sinkhorn(sqdist(z_q, mu, q2), cfg.lam, col, cfg.sinkhorn_tol, cfg.sinkhorn_max_iter)
-        num = torch.bmm(y_s.transpose(1, 2), z_s) + torch.bmm(plan.transpose(1, 2), z_q)
-        est = num / (y_s.sum(1) + plan.sum(1)).unsqueeze(-1)  # >= shots > 0
+        plan = plan_of(mu)
+        est = span.mean(y_t, plan, plan.sum(2, keepdim=True).add_(counts), support=support)
         mu = mu + cfg.alpha * (est - mu)
-    plan = sinkhorn(sqdist(z_q, mu, q2), cfg.lam, col, cfg.sinkhorn_tol, cfg.sinkhorn_max_iter)
-    return SolverOutput(log_normalise(plan), {"prototypes": mu, "assignments": plan})
+    plan = plan_of(mu).transpose(1, 2).contiguous()
+    return SolverOutput(log_normalise(plan), {"prototypes": span.explicit(mu), "assignments": plan})
