@@ -17,7 +17,7 @@ Two variants (``preset``). The default, ``"default"``, is the method as the pape
 with weights normalised over those members), and the unary term on the unshifted queries.
 ``"official"`` reproduces the authors' released code (imtiazziko/LaplacianShot,
 ``src/train_lshot.py`` ``metric_class_type`` with ``--proto-rect True --lshot``, and
-``src/lshot_update.py``) exactly, which differs in three ways:
+``src/lshot_update.py``) exactly, which differs in four ways:
 
 * their kNN graph (scikit-learn ``NearestNeighbors(n_neighbors=knn)``, first column dropped)
   counts each point as its own nearest neighbour, so their ``knn = 3`` links each query to 2 others
@@ -29,7 +29,10 @@ with weights normalised over those members), and the unary term on the unshifted
   and, as in their code, the later classes then answer with the dropped class's label (their
   ``np.take(support_label, l)`` indexes the shortened prototype list; it needs every support
   point of a class to be nearer another class's mean and no query, so only from 2 shots);
-* the unary term uses the shifted queries ``z_q + mean(z_s) - mean(z_q)``.
+* the unary term uses the shifted queries ``z_q + mean(z_s) - mean(z_q)``;
+* lambda is 1.0 (``run.sh``'s ``--lmd 1.0``, the default of its ``--lmd``; ``run.sh`` also asks
+  for ``--tune-lmd``, a search over 0.1..1.5 on the validation split, which needs that split's
+  features); the default preset keeps 0.7.
 
 The options ``self_neighbour``, ``released_rectification`` and ``shifted_unary`` switch the three
 one at a time (``None``, their default, follows the preset), so each one's effect can be measured.
@@ -57,10 +60,12 @@ from poodle.solvers._transductive import TINY, cosine, dist_flops, rectified_pro
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register, validate_config
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # the method as Ziko et al.'s paper and BD-CSPN's paper write it
-    "default": dict(self_neighbour=False, released_rectification=False, shifted_unary=False),
-    # imtiazziko/LaplacianShot as released (src/train_lshot.py metric_class_type, --proto-rect True)
-    "official": dict(self_neighbour=True, released_rectification=True, shifted_unary=True),
+    # the method as Ziko et al.'s paper and BD-CSPN's paper write it; lambda 0.7 from the paper's
+    # validation grid (0.1..1.0)
+    "default": dict(lmd=0.7, self_neighbour=False, released_rectification=False, shifted_unary=False),
+    # imtiazziko/LaplacianShot as released (src/train_lshot.py metric_class_type, run.sh: --lshot
+    # --proto-rect True --lmd 1.0, the default of src/utils/configuration.py's --lmd; knn 3 there too)
+    "official": dict(lmd=1.0, self_neighbour=True, released_rectification=True, shifted_unary=True),
 }
 
 
@@ -70,7 +75,7 @@ class LaplacianShotConfig:
     # intervals checked by solvers.base.validate_config (lr, steps, scale, ... have common ones)
     BOUNDS: ClassVar[dict[str, str]] = {"knn": "[1, inf)", "lmd": "[0, inf)", "tol": "[0, inf)", "epsilon": "(0, inf)"}
     knn: int = 3  # Ziko et al.: k = 3 nearest neighbours
-    lmd: float = 0.7  # lambda; tuned on validation in the paper (their grid 0.1..1.0)
+    lmd: float | None = None  # lambda (None: the preset's; 0.7 default, 1.0 official)
     steps: int = 20  # bound iterations (authors' bound_update default)
     tol: float = 1e-6  # relative energy change that stops an episode
     rectify: bool = True  # BD-CSPN prototype rectification (the authors' proto_rect)
@@ -87,6 +92,10 @@ class LaplacianShotConfig:
     def resolved(self) -> tuple[bool, bool, bool]:
         """``(self_neighbour, released_rectification, shifted_unary)`` as used."""
         return bool(self.self_neighbour), bool(self.released_rectification), bool(self.shifted_unary)
+
+    def lambda_used(self) -> float:
+        """``lmd`` as used (the preset's unless given; a built config always holds it)."""
+        return float(self.lmd if self.lmd is not None else PRESETS[self.preset]["lmd"])
 
 
 def knn_graph(z_q: Tensor, k: int) -> Tensor:
@@ -168,13 +177,13 @@ def laplacianshot(batch: EpisodeBatch, cfg: LaplacianShotConfig) -> SolverOutput
     old = torch.full((E,), float("inf"), dtype=z_q.dtype, device=z_q.device)
     iters = torch.zeros(E, dtype=torch.long, device=z_q.device)
     for i in range(cfg.steps):
-        new_logits = -unary + cfg.lmd * torch.bmm(w, y)
+        new_logits = -unary + cfg.lambda_used() * torch.bmm(w, y)
         new_y = torch.softmax(new_logits, -1)
         keep = ~active
         logits = torch.where(keep[:, None, None], logits, new_logits)
         y = torch.where(keep[:, None, None], y, new_y)
         iters = iters + active.long()
-        energy = bound_energy(y, unary if kept is None else unary.masked_fill(y == 0, 0.0), w, cfg.lmd)
+        energy = bound_energy(y, unary if kept is None else unary.masked_fill(y == 0, 0.0), w, cfg.lambda_used())
         done = (energy - old).abs() <= cfg.tol * old.abs() if i > 1 else torch.zeros_like(active)
         old = torch.where(active, energy, old)
         active = active & ~done
