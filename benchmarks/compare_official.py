@@ -131,9 +131,10 @@ def run_ours(cache: Path, episodes: Path, method: str, options: tuple[str, ...])
         if done.returncode:
             raise SystemExit(f"poodle solve failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
         rec = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    acc = next(r["acc"] for r in rec if r.get("kind") == "cell")
+    cell = next(r for r in rec if r.get("kind") == "cell")
     shown = ["poodle", *cmd[4:-4]]
-    return {"acc": np.asarray(acc, dtype=np.float64), "wall": wall, "cmd": " ".join(shown)}
+    acc = np.asarray(cell["acc"], dtype=np.float64)
+    return {"acc": acc, "wall": wall, "solve_eps": cell.get("episodes_per_s"), "cmd": " ".join(shown)}
 
 
 def our_predictions(ep: Episodes, method: str, options: tuple[str, ...]) -> torch.Tensor | None:
@@ -183,24 +184,26 @@ def compare(row: Release, kind: str, theirs: Theirs, ours: dict, pred: torch.Ten
         "method": row.method, "repo": row.repo, "kind": kind, "note": row.note, "how": theirs.how,
         "n": n, "identical": int(same.sum()), "ours": float(acc_o.mean()), "theirs": float(theirs.acc.mean()),
         "max_diff": float(np.abs(acc_o - theirs.acc).max()), "agree": agree, "ours_eps": ours_eps,
-        "ours_n": len(ours["acc"]), "their_eps": their_eps, "ratio": ours_eps / their_eps, "cmd": ours["cmd"],
+        "ours_n": len(ours["acc"]), "ours_solve_eps": ours["solve_eps"], "their_eps": their_eps,
+        "ratio": ours_eps / their_eps, "cmd": ours["cmd"],
         "differing": [int(i) for i in np.flatnonzero(~same)[:8]],
     }  # fmt: skip
 
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| method | release | their input | episodes | identical accuracy | mean ours | mean theirs | "
-        "predictions agree | ours ep/s (whole process) | theirs ep/s | ratio |\n"
+        "| method | release | their input | episodes compared | identical accuracy | mean ours | mean theirs | "
+        "predictions agree | ours ep/s, whole process (solving alone) | theirs ep/s | ratio |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
         agree = "" if r["agree"] is None else f"{100 * r['agree']:.2f}%"
+        solving = "?" if r.get("ours_solve_eps") is None else f"{r['ours_solve_eps']:.1f}"
         inp = {"raw": "theirs", "l2n": "ours (L2N rows)"}[r["kind"]] + (f"; {r['note']}" if r["note"] else "")
         lines.append(
             f"| `{r['method']}` | {r['repo']} | {inp} | {r['n']} | {r['identical']}/{r['n']} | "
-            f"{100 * r['ours']:.2f} | {100 * r['theirs']:.2f} | {agree} | {r['ours_eps']:.1f} ({r['ours_n']}) | "
+            f"{100 * r['ours']:.2f} | {100 * r['theirs']:.2f} | {agree} | {r['ours_eps']:.1f} ({solving}) | "
             f"{r['their_eps']:.2f} | {r['ratio']:.1f}x |"
         )
     return "\n".join(lines)
