@@ -241,7 +241,7 @@ class _NoModel:
 
 
 # ---------------------------------------------------------- oveilleux/Realistic_Transductive_Few_Shot
-def alpha_tim(checkout: Path, ep: Episodes, kind: str, balanced: bool = True) -> Theirs:
+def alpha_tim(checkout: Path, ep: Episodes, kind: str) -> Theirs:
     """``src/eval.py`` ``Evaluator.run_full_evaluation``'s loop: per batch of ``batch_size`` tasks
     (1 in every released base config), a new ``ALPHA_TIM`` built from the base config and
     ``methods_config/alpha_tim.yaml``, ``run_task`` (features, L2 normalisation, lambda, prototypes,
@@ -249,7 +249,7 @@ def alpha_tim(checkout: Path, ep: Episodes, kind: str, balanced: bool = True) ->
     U = _import_from(checkout, "src.utils", stubs=("src",))
     T = _import_from(checkout, "src.methods.tim", stubs=("src", "src.methods"))
     T.tqdm = _NoBar
-    setting = "balanced" if balanced else "dirichlet"
+    setting = "dirichlet"  # their protocol; config/balanced has the same method config and batch size
     args = U.load_cfg_from_cfg_file(str(checkout / f"config/{setting}/base_config/resnet18/mini/base_config.yaml"))
     args.update(U.load_cfg_from_cfg_file(str(checkout / f"config/{setting}/methods_config/alpha_tim.yaml")))
     s, q = ep.inputs(kind)
