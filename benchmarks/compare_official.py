@@ -1,469 +1,337 @@
-"""Per-episode comparison of poodle's transductive solvers with their authors' released code.
+"""Each transductive method against its authors' released code: same episodes, same CPU, one table.
 
-Runs the authors' implementation (a checkout you provide; nothing is downloaded or copied) on CPU and
-poodle's batched solver on the same episodes and the same features, and prints, per method, how
-many episodes get identical accuracies and identical predictions, and both mean accuracies.
+For every method with a release, on one episode file: ``poodle solve --episodes-from FILE`` as a
+whole process (start-up, cache read and all, timed from launch to exit), and the release's own
+functions run as its evaluation runs them (``benchmarks/official_releases.py``: their batching,
+their config files' values, their preprocessing; timed over their evaluation loop alone, after
+their imports, with the features in memory). Printed per method: the episodes with identical
+accuracy, both mean accuracies, the prediction agreement where their code exposes predictions,
+both episodes/s and their ratio.
 
-    python benchmarks/compare_official.py --method alpha-tim --checkout PATH/Realistic_Transductive_Few_Shot
-    python benchmarks/compare_official.py --method tim-gd --checkout PATH/Realistic_Transductive_Few_Shot
-    python benchmarks/compare_official.py --method paddle --checkout PATH/PADDLE
-    python benchmarks/compare_official.py --method bms --checkout PATH/BMS                 (yhu01/BMS)
-    python benchmarks/compare_official.py --method proto-lp --checkout PATH/protoLP        (allenhaozhu/protoLP)
-    python benchmarks/compare_official.py --method laplacianshot --checkout PATH/LaplacianShot
+    python benchmarks/compare_official.py --cache FILE --episodes 2000 --checkouts DIR
+    python benchmarks/compare_official.py --cache FILE --episodes-from EPISODES.h5 --method pt-map \\
+        --checkout pt-map=PATH/PT-MAP
+    python benchmarks/compare_official.py --synthetic standard --episodes 2000 --checkouts DIR
     python benchmarks/compare_official.py --laplacian-ablation --cache FILE --episodes 500   (ours only)
 
-``--checkout`` defaults to the environment variable ``POODLE_OFFICIAL_<METHOD>`` (e.g.
-``POODLE_OFFICIAL_ALPHA_TIM``); without either, the method is skipped with a message and exit
-status 0. Episodes come from a feature cache (``--cache FILE``, poodle's episode sampler with
-``--way/--shot/--query/--imbalance/--query-classes/--seed``) or, without one, from synthetic
-post-ReLU clustered features. Both sides get the same L2-normalised float32 features.
+Checkouts (nothing is downloaded, copied or vendored): ``--checkout METHOD=PATH``, the environment
+variable ``POODLE_OFFICIAL_<METHOD>`` (``POODLE_OFFICIAL_PT_MAP=PATH``), or ``--checkouts DIR`` /
+``POODLE_OFFICIAL_DIR``, a folder holding the repositories under their GitHub names (``DIR/TIM``,
+``DIR/Realistic_Transductive_Few_Shot``, ``DIR/PADDLE``, ``DIR/LaplacianShot``, ``DIR/PT-MAP``,
+``DIR/BMS``, ``DIR/protoLP``, ``DIR/TAFSSL``). A method without one is skipped with a message and
+the exit status stays 0. Their code needs ``tqdm``, ``pyyaml``, ``scipy``, ``scikit-learn`` and
+(mboudiaf/TIM) ``sacred``, which poodle does not install.
 
-What is changed in their code to run it here (nothing else): the device (CPU); for protoLP, whose
-script is not importable as a module, its source is executed with ``'cuda'`` replaced by ``'cpu'``
-and its hard-coded 5-way / 10,000-episode identity sized to the episodes at hand; LaplacianShot's
-``np.float`` (removed from NumPy) is provided as ``float`` and BMS's ``torch.qr`` (removed from
-PyTorch) as ``torch.linalg.qr(mode="reduced")``, the replacement their own code has commented out.
-Their progress bars are silenced. Where
-their entry point needs their dataset files, this script calls the functions and classes that entry
-point calls, in the same order, with the configuration values of their released config files.
+Episodes: ``--episodes-from FILE`` (written by ``poodle solve --save-episodes``), or drawn from
+``--cache`` with ``--split/--way/--shot/--query/--imbalance/--query-classes/--seed`` and written to
+a temporary episode file that both sides read. Without ``--cache``, ``--synthetic`` writes a
+temporary cache: ``standard`` (benchmarks/solver.py's standard workload: D=640 clustered Gaussian
+features, negative coordinates included), ``standard-nonneg`` (the same, shifted by its smallest
+coordinate so that the power transforms of PT-MAP, BMS and protoLP are defined, as on post-ReLU
+backbone features), ``relu`` (post-ReLU clustered features of ``--dim``).
+
+``--their-episodes N`` (or ``METHOD=N``) gives a release only the first N episodes (for the
+slowest, one task per call); agreement and their speed are then over those N, ours over all.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
+import json
 import os
+import subprocess
 import sys
-import types
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from poodle import solvers
-from poodle.solvers import EpisodeBatch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from official_releases import RELEASES, Episodes, Release, Theirs  # noqa: E402
 
-METHODS = ("tim-gd", "alpha-tim", "paddle", "bms", "proto-lp", "laplacianshot")
+from poodle import solvers  # noqa: E402
+from poodle.solvers import EpisodeBatch  # noqa: E402
 
-
-# --------------------------------------------------------------------------------- episodes
-def synthetic_episodes(
-    n: int,
-    way: int,
-    shot: int,
-    query: int,
-    dim: int,
-    seed: int,
-    spread: float,
-    imbalance: float | None,
-    query_classes: int | None,
-):
-    """Post-ReLU clustered features (a backbone's look) drawn through poodle's episode sampler."""
-    from poodle.episodes import EpisodeSpec, sample_episodes
-
-    g = torch.Generator().manual_seed(seed)
-    n_classes, per_class = max(2 * way, 10), 60
-    centres = torch.randn(n_classes, dim, generator=g).clamp_min(0) * 2
-    x = centres.repeat_interleave(per_class, 0) + spread * torch.randn(n_classes * per_class, dim, generator=g)
-    x = F.normalize(x.clamp_min(0) + 1e-3, dim=-1)
-    labels = torch.arange(n_classes).repeat_interleave(per_class)
-    spec = EpisodeSpec(way=way, shot=shot, query=query, imbalance=imbalance, seed=seed, query_classes=query_classes)
-    return x, sample_episodes(labels, spec, n)
+METHODS = tuple(dict.fromkeys(r.method for r in RELEASES))
 
 
-def cache_episodes(
-    path: str,
-    split: str,
-    n: int,
-    way: int,
-    shot: int,
-    query: int,
-    seed: int,
-    imbalance: float | None,
-    query_classes: int | None,
-):
-    from poodle.cache import read_split
-    from poodle.episodes import EpisodeSpec, sample_episodes
+# --------------------------------------------------------------------------------- features
+def write_synthetic(kind: str, folder: Path, dim: int, seed: int) -> Path:
+    """A temporary cache (``train`` and ``test`` splits) of the kind ``--synthetic`` names."""
+    from poodle.cache import write_arrays
 
-    feats = read_split(path, split)
-    spec = EpisodeSpec(
-        split=split, way=way, shot=shot, query=query, imbalance=imbalance, seed=seed, query_classes=query_classes
-    )
-    return feats.features.float(), sample_episodes(feats.labels, spec, n, classes=feats.classes)
+    if kind in ("standard", "standard-nonneg"):
+        from solver import clustered  # benchmarks/solver.py: the standard workload's features
 
-
-def as_batch(x: torch.Tensor, eps) -> tuple[EpisodeBatch, torch.Tensor]:
-    return (
-        EpisodeBatch(x[eps.support], eps.support_labels.clone(), x[eps.query], None, eps.spec.way),
-        eps.query_labels.clone(),
-    )
-
-
-# ------------------------------------------------------------------------- their code, on CPU
-class _Quiet:
-    def info(self, *a, **k): ...
-    def del_logger(self): ...
-
-
-class _NoModel:
-    def train(self): ...
-    def eval(self): ...
-
-
-def _package_stub(name: str, path: Path) -> None:
-    """Make ``name`` importable without running its ``__init__`` (which imports every method)."""
-    mod = types.ModuleType(name)
-    mod.__path__ = [str(path)]
-    sys.modules[name] = mod
-
-
-def _fresh_src(checkout: Path) -> None:
-    for k in [k for k in sys.modules if k == "src" or k.startswith("src.")]:
-        del sys.modules[k]
-    sys.path.insert(0, str(checkout))
-    _package_stub("src", checkout / "src")
-    _package_stub("src.methods", checkout / "src" / "methods")
-    if importlib.util.find_spec("requests") is None:  # imported, never used, by PADDLE's utils
-        sys.modules["requests"] = types.ModuleType("requests")
-
-
-def _yaml(path: Path) -> dict:
-    import yaml
-
-    return yaml.safe_load(path.read_text())["METHOD"]
-
-
-def official_alpha_tim(checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None):
-    _fresh_src(checkout)
-    T = importlib.import_module("src.methods.tim")
-    T.tqdm = lambda it, *a, **k: it
-    cfg = _yaml(checkout / "config" / "dirichlet" / "methods_config" / "alpha_tim.yaml")
-    m = T.ALPHA_TIM.__new__(T.ALPHA_TIM)
-    m.device, m.model, m.logger = "cpu", _NoModel(), _Quiet()
-    m.temp, m.loss_weights, m.iter = cfg["temp"], list(cfg["loss_weights"]), steps or cfg["iter"]
-    m.lr, m.entropies = float(cfg["lr_alpha_tim"]), list(cfg["entropies"])
-    m.alpha_values, m.use_tuned_alpha_values = list(cfg["alpha_values"]), cfg["use_tuned_alpha_values"]
-    m.init_info_lists()
-    s, q = F.normalize(batch.support, dim=2), F.normalize(batch.query, dim=2)
-    m.compute_lambda(support=s, query=q, y_s=batch.support_labels)
-    m.init_weights(support=s, y_s=batch.support_labels, query=q, y_q=y_q)
-    m.run_adaptation(support=s, query=q, y_s=batch.support_labels, y_q=y_q, shot=batch.shot)
-    ours = dict(temperature=float(cfg["temp"]), lr=float(cfg["lr_alpha_tim"]), steps=m.iter)
-    return m.get_logits(q).argmax(2).detach(), ours
-
-
-def official_tim_gd(checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None):
-    """TIM-GD as released with alpha-TIM (the ``TIM_GD`` class of the same authors' code base), run
-    with the TIM paper's scripts' settings, which are our default preset: weights 0.1 / 1 / 0.1,
-    temperature 15, Adam lr 1e-4, 1,000 iterations (that repository's own ``tim.yaml`` uses weights
-    1 / 1 / 1). Their support cross-entropy is ``log(softmax + 1e-12)``, ours ``log_softmax``."""
-    _fresh_src(checkout)
-    T = importlib.import_module("src.methods.tim")
-    T.tqdm = lambda it, *a, **k: it
-    m = T.TIM_GD.__new__(T.TIM_GD)
-    m.device, m.model, m.logger = "cpu", _NoModel(), _Quiet()
-    m.temp, m.loss_weights, m.iter, m.lr = 15.0, [0.1, 1.0, 0.1], steps or 1000, 1e-4
-    m.init_info_lists()
-    m.record_info = lambda **kw: None  # per-iteration accuracy logging only
-    s, q = F.normalize(batch.support, dim=2), F.normalize(batch.query, dim=2)
-    m.init_weights(support=s, y_s=batch.support_labels, query=q, y_q=y_q)
-    m.run_adaptation(support=s, query=q, y_s=batch.support_labels, y_q=y_q, shot=batch.shot)
-    return m.get_logits(q).argmax(2).detach(), dict(steps=m.iter)
-
-
-def official_paddle(checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None):
-    _fresh_src(checkout)
-    P = importlib.import_module("src.methods.paddle")
-    P.tqdm = lambda it, *a, **k: it
-    cfg = _yaml(checkout / "config" / "mini" / "resnet18" / "methods_config" / "paddle.yaml")
-    m = P.PADDLE.__new__(P.PADDLE)
-    m.device, m.model, m.logger = "cpu", None, _Quiet()
-    m.iter, m.alpha = steps or cfg["iter"], cfg["alpha"]
-    m.init_info_lists()
-    q, s = P.MinMaxScaler(feature_range=(0, 1))(batch.query.clone(), batch.support.clone())
-    m.run_method(support=s, query=q, y_s=batch.support_labels, y_q=y_q)
-    return m.u.argmax(2), dict(lmd=float(cfg["alpha"]), steps=m.iter)
-
-
-def official_bms(checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None):
-    sys.modules.setdefault("matplotlib", types.ModuleType("matplotlib"))
-    sys.modules.setdefault("matplotlib.pyplot", types.ModuleType("matplotlib.pyplot"))
-    sys.path.insert(0, str(checkout))
-    B = importlib.import_module("test_standard_bms")
-    # torch.qr was removed from PyTorch; their own commented-out line is the torch.linalg.qr equivalent
-    torch_shim = types.ModuleType("torch_with_qr")
-    torch_shim.__dict__.update(torch.__dict__)
-    torch_shim.qr = lambda a: torch.linalg.qr(a, mode="reduced")
-    B.torch = torch_shim
-    # their parse_args() defaults: --method BMS --preprocess PEME --step 20 --lam 8.5 --epoch 0
-    B.params = argparse.Namespace(method="BMS")
-    n_steps, lam, cfg = steps or 20, 8.5, {"lr": 0.1, "mmt": 0.8, "epochs": 0}
-    E, n_l = batch.support.shape[0], batch.support.shape[1]
-    data = torch.cat([batch.support, batch.query], 1)
-    # getRunSet's PEME: P (inline there: sqrt(x + 1e-6)), E, M (centre + QR), E
-    data = torch.sqrt(data + 1e-6)
-    data = B.scaleEachUnitaryDatas(data)
-    data = B.QRreduction(B.centerDatas(data))
-    data = B.scaleEachUnitaryDatas(data)
-    ds = B.DataSet()
-    ds.data, ds.n_runs, ds.n_samples, ds.n_feat = data, E, data.shape[1], data.shape[2]
-    ds.n_ways, ds.n_shot, ds.n_lsamples = batch.way, batch.shot, n_l
-    ds.n_queries = batch.query.shape[1] // batch.way
-    ds.labels = torch.cat([batch.support_labels, y_q], 1)
-    wmasker = B.SimpleWMask(ds)
-    mm = B.TrainedLinRegModel(ds)
-    # initFromLabelledDatas reshapes their class-interleaved layout; the support means directly:
-    y1 = F.one_hot(batch.support_labels, batch.way).float()
-    mm.mus = torch.bmm(y1.transpose(1, 2), data[:, :n_l]) / y1.sum(1).unsqueeze(-1)
-    mm.initParams()
-    min_size = torch.ones(E) * batch.shot
-    probas = None
-    for _ in range(n_steps):
-        probas = mm.getProbas(scoresRescale=lam)
-        probas = wmasker.getWMask(probas, min_size)
-        min_size = wmasker.getMinsize(probas)
-        mm.train(probas, cfg, wmasker=wmasker, updateWeights=True)
-    return probas[:, n_l:].argmax(2), dict(lam=lam, steps=n_steps, epochs=0)
-
-
-def official_proto_lp(checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None):
-    src = (checkout / "test_standard_GSSL_lapshot.py").read_text()
-    src = src.replace("device='cuda'", "device='cpu'").replace(".cuda()", "")
-    src = src.replace("torch.eye(5,", "torch.eye(n_ways,").replace("reshape((1, 5, 5))", "reshape((1, n_ways, n_ways))")
-    src = src.replace("repeat(10000, 1, 1)", "repeat(n_runs, 1, 1)")
-    sys.modules.setdefault("tqdm.notebook", importlib.import_module("tqdm"))
-    mod = types.ModuleType("protolp_official")
-    exec(compile(src, str(checkout / "test_standard_GSSL_lapshot.py"), "exec"), mod.__dict__)
-    E, n_l, n_u, way = batch.support.shape[0], batch.support.shape[1], batch.query.shape[1], batch.way
-    labels = torch.cat([batch.support_labels, y_q], 1)
-    g = mod.__dict__
-    g.update(
-        n_runs=E, n_shot=batch.shot, n_ways=way, n_queries=n_u / way, n_lsamples=n_l, n_usamples=n_u, labels=labels
-    )
-    # their __main__: power 0.5, unit, SVD to 40, centre + unit; lam 10, alpha 0.2, 100 epochs
-    nd = torch.cat([batch.support, batch.query], 1)
-    nd = torch.pow(nd + 1e-6, 0.5)
-    nd = mod.scaleEachUnitaryDatas(nd)
-    nd = mod.SVDreduction(nd, 40)
-    nd = mod.centerDatas(nd)
-    model = mod.GaussianModel(way, 10)
-    y1 = F.one_hot(batch.support_labels, way).float()
-    model.mus_ori = torch.bmm(y1.transpose(1, 2), nd[:, :n_l]) / y1.sum(1).unsqueeze(-1)
-    model.initFromCenter(model.mus_ori.clone())
-    n_epochs = steps or 100
-    mod.MAP(0.2).loop(model, nd, E, way, n_u, n_l, n_epochs=n_epochs)
-    final = model.getProbas(nd, E, way, n_u, n_l)
-    return final[:, n_l:].argmax(2), dict(steps=n_epochs, lam=10.0, alpha=0.2, reduced_dim=40)
-
-
-def official_laplacianshot(
-    checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None, lmd: float = 0.7, knn: int = 3
-):
-    sys.modules.setdefault("matplotlib", types.ModuleType("matplotlib"))
-    plt = types.ModuleType("matplotlib.pyplot")
-    sys.modules.setdefault("matplotlib.pyplot", plt)
-    sys.modules["matplotlib"].use = lambda *a, **k: None
-    sys.modules["matplotlib"].pyplot = plt
-    sys.path.insert(0, str(checkout / "src"))
-    L = importlib.import_module("lshot_update")
-    from numpy import linalg as LA
-    from scipy import sparse
-    from sklearn.neighbors import NearestNeighbors
-
-    # the four functions train_lshot.py's evaluation runs, taken from its source unchanged (the
-    # module itself needs their datasets and models at import)
-    tree = ast.parse((checkout / "src" / "train_lshot.py").read_text())
-    keep = [
-        n
-        for n in tree.body
-        if isinstance(n, ast.FunctionDef)
-        and n.name in ("get_metric", "metric_class_type", "create_affinity", "lshot_prediction")
-    ]
-    np_shim = types.ModuleType("numpy_with_float")
-    np_shim.__dict__.update(np.__dict__)
-    np_shim.float = float
-    args = argparse.Namespace(
-        proto_rect=True, meta_val_way=batch.way, lshot=True, lmd=lmd, knn=knn, plot_converge=False, num_NN=1
-    )
-    ns = dict(
-        np=np_shim,
-        LA=LA,
-        torch=torch,
-        F=F,
-        sparse=sparse,
-        NearestNeighbors=NearestNeighbors,
-        bound_update=L.bound_update,
-        args=args,
-    )
-    exec(compile(ast.Module(body=keep, type_ignores=[]), "train_lshot.py", "exec"), ns)
-    accs = []
-    for e in range(batch.support.shape[0]):
-        gal = batch.support[e].numpy().astype(np.float32)
-        qry = batch.query[e].numpy().astype(np.float32)
-        accs.append(
-            ns["metric_class_type"](
-                gal, qry, batch.support_labels[e].numpy(), y_q[e].tolist(), batch.shot, norm_type="L2N"
-            )
-        )
-    return torch.tensor(accs, dtype=torch.float64), dict(preset="official", lmd=lmd, knn=knn)
-
-
-OFFICIAL = {
-    "tim-gd": official_tim_gd,
-    "alpha-tim": official_alpha_tim,
-    "paddle": official_paddle,
-    "bms": official_bms,
-    "proto-lp": official_proto_lp,
-    "laplacianshot": official_laplacianshot,
-}
-
-
-def compare(
-    method: str, checkout: Path, batch: EpisodeBatch, y_q: torch.Tensor, steps: int | None, their_batch: int = 0
-) -> dict:
-    """``their_batch``: episodes per call of their code (0: all at once). Their Sinkhorn loops stop when
-    the *whole* batch has converged; ours per episode, which is what a batch of one gives."""
-    E = batch.support.shape[0]
-    size = their_batch or E
-    parts, options = [], {}
-    for lo in range(0, E, size):
-        sl = slice(lo, lo + size)
-        sub = EpisodeBatch(batch.support[sl], batch.support_labels[sl], batch.query[sl], None, batch.way)
-        t, options = OFFICIAL[method](checkout, sub, y_q[sl], steps)
-        parts.append(t)
-    theirs = torch.cat(parts)
-    out = solvers.run(method, batch, **options)
-    pred = out.log_probs.argmax(-1)
-    ours_acc = (pred == y_q).double().mean(1)
-    if theirs.dtype == torch.float64 and theirs.dim() == 1:  # they report accuracies only
-        their_acc, agree = theirs, None
+        xtr, ytr = clustered(64, 600, 640, seed=1)
+        xte, yte = clustered(20, 600, 640, seed=2, spread=1.2)
+        if kind == "standard-nonneg":
+            low = min(xtr.min(), xte.min())
+            xtr, xte = xtr - low, xte - low
     else:
-        their_acc = (theirs == y_q).double().mean(1)
-        agree = (theirs == pred).double().mean().item()
-    same = ours_acc == their_acc
+        g = torch.Generator().manual_seed(seed)
+
+        def relu_clusters(n_classes: int) -> tuple[np.ndarray, np.ndarray]:
+            centres = torch.randn(n_classes, dim, generator=g).clamp_min(0) * 2
+            x = centres.repeat_interleave(100, 0) + 4.0 * torch.randn(n_classes * 100, dim, generator=g)
+            return (x.clamp_min(0) + 1e-3).numpy(), np.arange(n_classes).repeat(100)
+
+        (xtr, ytr), (xte, yte) = relu_clusters(64), relu_clusters(20)
+    splits = {"train": (xtr, ytr, [f"b{i}" for i in range(64)]), "test": (xte, yte, [f"t{i}" for i in range(20)])}
+    return write_arrays(folder / f"synthetic-{kind}.h5", splits, dataset=f"synthetic-{kind}")
+
+
+def episode_file(a: argparse.Namespace, cache: Path, folder: Path) -> Path:
+    """``--episodes-from``, or the episodes drawn from the cache, written where both sides read them."""
+    if a.episodes_from:
+        return Path(a.episodes_from)
+    from poodle.cache import read_split
+    from poodle.episodes import EpisodeSpec, sample_episodes, save_episodes
+
+    labels = read_split(cache, a.split)
+    spec = EpisodeSpec(
+        split=a.split, way=a.way, shot=a.shot, query=a.query, imbalance=a.imbalance, seed=a.seed,
+        query_classes=a.query_classes,
+    )  # fmt: skip
+    eps = sample_episodes(labels.labels, spec, a.episodes, classes=labels.classes)
+    return save_episodes(folder / "episodes.h5", eps, cache=str(cache))
+
+
+def load(cache: Path, episodes: Path) -> Episodes:
+    """The episodes of ``episodes`` with the rows of ``cache``: raw (row x stored norm) and L2N."""
+    from poodle.cache import list_splits, read_split
+    from poodle.episodes import load_episodes
+
+    eps = load_episodes(episodes)
+    split = read_split(cache, eps.spec.split)
+    x = split.features.float()
+    raw = x * split.norms.unsqueeze(1) if split.norms is not None else x
+    xn = F.normalize(x, dim=-1)
+    mean = read_split(cache, "train").raw_mean if "train" in list_splits(cache) else None
+    return Episodes(
+        raw[eps.support], raw[eps.query], xn[eps.support], xn[eps.query], eps.support_labels.clone(),
+        eps.query_labels.clone(), eps.spec.way, eps.spec.shot, mean,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------- our side
+def run_ours(cache: Path, episodes: Path, method: str, options: tuple[str, ...]) -> dict:
+    """``poodle solve`` as a subprocess on the episode file: per-episode accuracies and wall seconds
+    from launch to exit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.jsonl"
+        cmd = [sys.executable, "-m", "poodle.cli.main", "solve", "--cache", str(cache), "--episodes-from"]
+        cmd += [str(episodes), "--method", method, *options, "--device", "cpu", "--out", str(out)]
+        t = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        if done.returncode:
+            raise SystemExit(f"poodle solve failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
+        rec = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    cell = next(r for r in rec if r.get("kind") == "cell")
+    shown = ["poodle", *cmd[4:-4]]
+    acc = np.asarray(cell["acc"], dtype=np.float64)
+    return {"acc": acc, "wall": wall, "cmd": " ".join(shown)}
+
+
+def our_predictions(ep: Episodes, method: str, options: tuple[str, ...]) -> torch.Tensor | None:
+    """Our predictions on the same rows, in process (for the prediction agreement only; accuracies
+    and timings come from ``poodle solve``). ``None`` for options other than ``--preset``."""
+    opts: dict = {}
+    for k, v in zip(options[::2], options[1::2]):
+        if k == "--preset":
+            opts["preset"] = v
+        elif k != "--preprocess" or v != "l2n":
+            return None
+    batch = EpisodeBatch(ep.s_l2n, ep.y_s, ep.q_l2n, None, ep.way)
+    preds = []
+    for lo in range(0, ep.n, 200):
+        sub = EpisodeBatch(batch.support[lo : lo + 200], batch.support_labels[lo : lo + 200],
+                           batch.query[lo : lo + 200], None, ep.way)  # fmt: skip
+        preds.append(solvers.run(method, sub, **opts).log_probs.argmax(-1))
+    return torch.cat(preds)
+
+
+# ------------------------------------------------------------------------------- comparison
+def checkout_for(method: str, repo: str, a: argparse.Namespace) -> Path | None:
+    given = dict(c.split("=", 1) for c in a.checkout)
+    env = "POODLE_OFFICIAL_" + method.upper().replace("-", "_")
+    path = given.get(method) or os.environ.get(env)
+    parent = a.checkouts or os.environ.get("POODLE_OFFICIAL_DIR")
+    if not path and parent and (Path(parent) / repo.split("/")[1]).is_dir():
+        path = str(Path(parent) / repo.split("/")[1])
+    return Path(path) if path else None
+
+
+def their_count(method: str, a: argparse.Namespace, n: int) -> int:
+    counts = dict(c.split("=", 1) if "=" in c else ("*", c) for c in a.their_episodes)
+    return min(n, int(counts.get(method, counts.get("*", n))))
+
+
+def compare(row: Release, kind: str, theirs: Theirs, ours: dict, pred: torch.Tensor | None) -> dict:
+    n = len(theirs.acc)
+    acc_o = ours["acc"][:n]
+    same = np.abs(acc_o - theirs.acc) < 1e-6  # their logs keep float32 accuracies
+    agree = None
+    if theirs.pred is not None and pred is not None:
+        agree = float((theirs.pred == pred[:n]).double().mean())
+    ours_eps = len(ours["acc"]) / ours["wall"]
+    their_eps = n / theirs.seconds
     return {
-        "method": method,
-        "options": options,
-        "episodes": len(same),
-        "identical": int(same.sum()),
-        "ours": ours_acc.mean().item(),
-        "theirs": their_acc.mean().item(),
-        "max_diff": (ours_acc - their_acc).abs().max().item(),
-        "prediction_agreement": agree,
-        "differing": [int(i) for i in (~same).nonzero().flatten()[:10]],
-    }
+        "method": row.method, "repo": row.repo, "kind": kind, "note": row.note, "how": theirs.how,
+        "n": n, "identical": int(same.sum()), "ours": float(acc_o.mean()), "theirs": float(theirs.acc.mean()),
+        "max_diff": float(np.abs(acc_o - theirs.acc).max()), "agree": agree, "ours_eps": ours_eps,
+        "ours_n": len(ours["acc"]), "their_eps": their_eps,
+        "ratio": ours_eps / their_eps, "cmd": ours["cmd"],
+        "differing": [int(i) for i in np.flatnonzero(~same)[:8]],
+    }  # fmt: skip
 
 
+def table(rows: list[dict]) -> str:
+    head = (
+        "| method | release | their input | episodes compared | identical accuracy | mean ours | mean theirs | "
+        "predictions agree | ours ep/s (whole process) | theirs ep/s | ratio |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in rows:
+        agree = "" if r["agree"] is None else f"{100 * r['agree']:.3f}%"
+        inp = {"raw": "theirs", "l2n": "ours (L2N rows)"}[r["kind"]] + (f"; {r['note']}" if r["note"] else "")
+        lines.append(
+            f"| `{r['method']}` | {r['repo']} | {inp} | {r['n']} | {r['identical']}/{r['n']} | "
+            f"{100 * r['ours']:.2f} | {100 * r['theirs']:.2f} | {agree} | {r['ours_eps']:.1f} | "
+            f"{r['their_eps']:.2f} | {r['ratio']:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
+def run_all(a: argparse.Namespace, cache: Path, episodes: Path) -> list[dict]:
+    ep = load(cache, episodes)
+    ours_done: dict = {}
+    rows = []
+    for row in RELEASES:
+        if a.method and row.method not in a.method:
+            continue
+        checkout = checkout_for(row.method, row.repo, a)
+        if checkout is None:
+            env = "POODLE_OFFICIAL_" + row.method.upper().replace("-", "_")
+            print(
+                f"{row.method}: skipped (give --checkout {row.method}=PATH, {env} or --checkouts DIR with {row.repo})"
+            )
+            continue
+        key = (row.method, row.ours)
+        if key not in ours_done:
+            ours_done[key] = (
+                run_ours(cache, episodes, row.method, row.ours),
+                our_predictions(ep, row.method, row.ours),
+            )
+        ours, pred = ours_done[key]
+        n = their_count(row.method, a, ep.n)
+        n = min(n, row.max_episodes) if row.max_episodes else n
+        for kind in ["raw"] + (["l2n"] if row.l2n or a.l2n_too else []):
+            r = compare(row, kind, row.run(checkout, ep.head(n), kind), ours, pred)
+            rows.append(r)
+            print(
+                f"{r['method']} ({r['repo']}, input {kind}{', ' + r['note'] if r['note'] else ''}): identical "
+                f"accuracy on {r['identical']}/{r['n']} episodes; mean ours {100 * r['ours']:.2f}%, theirs "
+                f"{100 * r['theirs']:.2f}% (largest difference {100 * r['max_diff']:.2f} points"
+                + (f", differing e.g. {r['differing']}" if r["differing"] else "")
+                + f"); {r['ours_eps']:.1f} vs {r['their_eps']:.2f} episodes/s ({r['ratio']:.1f}x); theirs: "
+                f"{r['how']}; ours: {r['cmd']}",
+                flush=True,
+            )
+    return rows
+
+
+# ------------------------------------------------------------------------ LaplacianShot ablation
 LAPLACIAN_VARIANTS = [
     ("default (the paper's method)", {}),
     ("+ self_neighbour", {"self_neighbour": True}),
     ("+ released_rectification", {"released_rectification": True}),
     ("+ shifted_unary", {"shifted_unary": True}),
-    ("official (all three)", {"preset": "official"}),
+    ("official (the release: all three, lambda 1.0)", {"preset": "official"}),
     ("official - self_neighbour", {"preset": "official", "self_neighbour": False}),
     ("official - released_rectification", {"preset": "official", "released_rectification": False}),
     ("official - shifted_unary", {"preset": "official", "shifted_unary": False}),
+    ("official with lambda 0.7", {"preset": "official", "lmd": 0.7}),
 ]
 
 
-def laplacian_ablation(batch: EpisodeBatch, y_q: torch.Tensor, chunk: int = 100) -> None:
+def laplacian_ablation(ep: Episodes, chunk: int = 100) -> None:
     """Each difference between our default LaplacianShot and the released code, alone, on these episodes."""
     from poodle.stats import mean_ci, paired_difference
 
     accs = {}
     for label, opts in LAPLACIAN_VARIANTS:
-        pred = torch.cat(
-            [
-                solvers.run(
-                    "laplacianshot",
-                    EpisodeBatch(
-                        batch.support[i : i + chunk],
-                        batch.support_labels[i : i + chunk],
-                        batch.query[i : i + chunk],
-                        None,
-                        batch.way,
-                    ),
-                    **opts,
-                ).log_probs.argmax(-1)
-                for i in range(0, batch.support.shape[0], chunk)
-            ]
-        )
-        accs[label] = (pred == y_q).double().mean(1)
-    base = accs[LAPLACIAN_VARIANTS[0][0]]
+        preds = []
+        for lo in range(0, ep.n, chunk):
+            sl = slice(lo, lo + chunk)
+            batch = EpisodeBatch(ep.s_l2n[sl], ep.y_s[sl], ep.q_l2n[sl], None, ep.way)
+            preds.append(solvers.run("laplacianshot", batch, **opts).log_probs.argmax(-1))
+        accs[label] = (torch.cat(preds) == ep.y_q).double().mean(1)
+    base, official = accs[LAPLACIAN_VARIANTS[0][0]], accs[LAPLACIAN_VARIANTS[4][0]]
     for label, acc in accs.items():
         m, ci = mean_ci(acc)
         d, dci = paired_difference(acc, base)
+        same = int((acc == official).sum())
         print(
-            f"laplacianshot {label:36s} {100 * m:6.2f} ± {100 * ci:.2f}   vs default {100 * d:+6.2f} ± {100 * dci:.2f}"
+            f"laplacianshot {label:48s} {100 * m:6.2f} ± {100 * ci:.2f}   vs default {100 * d:+6.2f} ± {100 * dci:.2f}"
+            f"   same accuracy as official on {same}/{len(acc)} episodes"
         )
 
 
-def main() -> None:
+# ------------------------------------------------------------------------------------- main
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--method", choices=METHODS, action="append", default=[])
-    ap.add_argument(
-        "--laplacian-ablation",
-        action="store_true",
-        help="ours only: LaplacianShot with each difference from the released code switched alone",
-    )
-    ap.add_argument("--checkout", help="the authors' repository (default: $POODLE_OFFICIAL_<METHOD>)")
-    ap.add_argument("--cache", help="feature cache (HDF5); default: synthetic features")
+    ap.add_argument("--method", choices=METHODS, action="append", default=[], help="default: every method")
+    ap.add_argument("--checkout", action="append", default=[], metavar="METHOD=PATH")
+    ap.add_argument("--checkouts", metavar="DIR", help="folder of the releases under their GitHub names")
+    ap.add_argument("--their-episodes", action="append", default=[], metavar="[METHOD=]N")
+    ap.add_argument("--l2n-too", action="store_true", help="also run every release on our L2-normalised rows")
+    ap.add_argument("--laplacian-ablation", action="store_true", help="ours only: LaplacianShot's variants")
+    ap.add_argument("--cache", help="feature cache (HDF5)")
+    ap.add_argument("--synthetic", choices=("standard", "standard-nonneg", "relu"), default="standard")
+    ap.add_argument("--dim", type=int, default=64, help="--synthetic relu: dimension")
+    ap.add_argument("--episodes-from", help="episode file (poodle solve --save-episodes)")
     ap.add_argument("--split", default="test")
-    ap.add_argument("--episodes", type=int, default=50)
+    ap.add_argument("--episodes", type=int, default=2000)
     ap.add_argument("--way", type=int, default=5)
     ap.add_argument("--shot", type=int, default=1)
     ap.add_argument("--query", type=int, default=15)
     ap.add_argument("--imbalance", type=float)
     ap.add_argument("--query-classes", type=int)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dim", type=int, default=64, help="synthetic features' dimension")
-    ap.add_argument("--spread", type=float, default=1.5, help="synthetic features' within-class spread")
-    ap.add_argument("--steps", type=int, help="override both sides' iteration counts (quick checks)")
-    ap.add_argument(
-        "--their-batch",
-        type=int,
-        default=0,
-        help="episodes per call of their code (0: all at once; 1: their batch-wide Sinkhorn "
-        "stopping becomes per episode, as ours)",
-    )
-    a = ap.parse_args()
-    torch.set_num_threads(1)
-    if a.cache:
-        x, eps = cache_episodes(
-            a.cache, a.split, a.episodes, a.way, a.shot, a.query, a.seed, a.imbalance, a.query_classes
-        )
-    else:
-        x, eps = synthetic_episodes(
-            a.episodes, a.way, a.shot, a.query, a.dim, a.seed, a.spread, a.imbalance, a.query_classes
-        )
-    batch, y_q = as_batch(x, eps)
-    print(
-        f"torch {torch.__version__}, numpy {np.__version__}; {a.episodes} episodes {a.way}-way {a.shot}-shot "
-        f"{a.query} queries"
-        + (f", imbalance {a.imbalance:g}" if a.imbalance else "")
-        + (f", query classes {a.query_classes}" if a.query_classes else "")
-        + f", features {'from ' + a.cache if a.cache else f'synthetic D={a.dim}'}"
-    )
-    if a.laplacian_ablation:
-        laplacian_ablation(batch, y_q)
-    for method in a.method:
-        env = "POODLE_OFFICIAL_" + method.upper().replace("-", "_")
-        checkout = a.checkout if len(a.method) == 1 and a.checkout else os.environ.get(env)
-        if not checkout:
-            print(f"{method}: skipped (give --checkout or set {env} to the authors' repository)")
-            continue
-        r = compare(method, Path(checkout), batch, y_q, a.steps, a.their_batch)
-        pa = r["prediction_agreement"]
-        agree = "" if pa is None else f", predictions agree {100 * pa:.2f}%"
+    ap.add_argument("--json", help="write the rows here too")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = Path(a.cache) if a.cache else write_synthetic(a.synthetic, Path(tmp), a.dim, a.seed)
+        episodes = episode_file(a, cache, Path(tmp))
+        load1, load5, load15 = os.getloadavg()
         print(
-            f"{method}: identical accuracy on {r['identical']}/{r['episodes']} episodes{agree}; mean accuracy "
-            f"ours {100 * r['ours']:.2f}%, theirs {100 * r['theirs']:.2f}%; largest per-episode difference "
-            f"{100 * r['max_diff']:.2f} points; options {r['options']}"
-            + (f"; differing episodes {r['differing']}" if r["differing"] else "")
+            f"torch {torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}; "
+            f"{os.cpu_count()} CPUs, load average {load1:.2f} {load5:.2f} {load15:.2f}; features "
+            + (str(cache) if a.cache else f"synthetic {a.synthetic}")
+            + f"; episodes {episodes if a.episodes_from else f'drawn ({a.episodes}, {a.way}-way {a.shot}-shot)'}",
+            flush=True,
         )
+        if a.laplacian_ablation:
+            laplacian_ablation(load(cache, episodes))
+            return 0
+        rows = run_all(a, cache, episodes)
+    if rows:
+        print()
+        print(table(rows))
+        if a.json:
+            Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

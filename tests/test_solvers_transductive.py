@@ -378,6 +378,11 @@ def test_laplacianshot_official_drops_an_empty_class_and_shifts_labels():
 def test_laplacianshot_variant_switches_follow_the_preset():
     assert solvers.make_config("laplacianshot", {}).resolved() == (False, False, False)
     assert solvers.make_config("laplacianshot", {"preset": "official"}).resolved() == (True, True, True)
+    # lambda: the paper's validated 0.7 by default, the release's 1.0 (run.sh, --lmd) officially;
+    # an explicit value wins over either preset
+    assert solvers.make_config("laplacianshot", {}).lmd == 0.7
+    assert solvers.make_config("laplacianshot", {"preset": "official"}).lmd == 1.0
+    assert solvers.make_config("laplacianshot", {"preset": "official", "lmd": "0.7"}).lmd == 0.7
     cfg = solvers.make_config("laplacianshot", {"preset": "official", "self_neighbour": "false"})
     assert cfg.resolved() == (False, True, True)
     with pytest.raises(ConfigError, match="unknown preset 'paper'"):

@@ -17,7 +17,7 @@ Two variants (``preset``). The default, ``"default"``, is the method as the pape
 with weights normalised over those members), and the unary term on the unshifted queries.
 ``"official"`` reproduces the authors' released code (imtiazziko/LaplacianShot,
 ``src/train_lshot.py`` ``metric_class_type`` with ``--proto-rect True --lshot``, and
-``src/lshot_update.py``) exactly, which differs in three ways:
+``src/lshot_update.py``) exactly, which differs in four ways:
 
 * their kNN graph (scikit-learn ``NearestNeighbors(n_neighbors=knn)``, first column dropped)
   counts each point as its own nearest neighbour, so their ``knn = 3`` links each query to 2 others
@@ -29,7 +29,10 @@ with weights normalised over those members), and the unary term on the unshifted
   and, as in their code, the later classes then answer with the dropped class's label (their
   ``np.take(support_label, l)`` indexes the shortened prototype list; it needs every support
   point of a class to be nearer another class's mean and no query, so only from 2 shots);
-* the unary term uses the shifted queries ``z_q + mean(z_s) - mean(z_q)``.
+* the unary term uses the shifted queries ``z_q + mean(z_s) - mean(z_q)``;
+* lambda is 1.0 (``run.sh``'s ``--lmd 1.0``, the default of its ``--lmd``; ``run.sh`` also asks
+  for ``--tune-lmd``, a search over 0.1..1.5 on the validation split, which needs that split's
+  features); the default preset keeps 0.7.
 
 The options ``self_neighbour``, ``released_rectification`` and ``shifted_unary`` switch the three
 one at a time (``None``, their default, follows the preset), so each one's effect can be measured.
@@ -65,10 +68,12 @@ from poodle.solvers._transductive import (
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register, validate_config
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # the method as Ziko et al.'s paper and BD-CSPN's paper write it
-    "default": dict(self_neighbour=False, released_rectification=False, shifted_unary=False),
-    # imtiazziko/LaplacianShot as released (src/train_lshot.py metric_class_type, --proto-rect True)
-    "official": dict(self_neighbour=True, released_rectification=True, shifted_unary=True),
+    # the method as Ziko et al.'s paper and BD-CSPN's paper write it; lambda 0.7 from the paper's
+    # validation grid (0.1..1.0)
+    "default": dict(lmd=0.7, self_neighbour=False, released_rectification=False, shifted_unary=False),
+    # imtiazziko/LaplacianShot as released (src/train_lshot.py metric_class_type, run.sh: --lshot
+    # --proto-rect True --lmd 1.0, the default of src/utils/configuration.py's --lmd; knn 3 there too)
+    "official": dict(lmd=1.0, self_neighbour=True, released_rectification=True, shifted_unary=True),
 }
 
 
@@ -76,7 +81,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 class LaplacianShotConfig:
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
     knn: int = option(3, min=1)  # Ziko et al.: k = 3 nearest neighbours
-    lmd: float = option(0.7, min=0)  # lambda; tuned on validation in the paper (their grid 0.1..1.0)
+    lmd: float | None = option(None, min=0)  # lambda (None: the preset's; 0.7 default, 1.0 official)
     steps: int = option(20, min=0)  # bound iterations (authors' bound_update default)
     tol: float = option(1e-6, min=0)  # relative energy change that stops an episode
     rectify: bool = True  # BD-CSPN prototype rectification (the authors' proto_rect)
@@ -93,6 +98,10 @@ class LaplacianShotConfig:
     def resolved(self) -> tuple[bool, bool, bool]:
         """``(self_neighbour, released_rectification, shifted_unary)`` as used."""
         return bool(self.self_neighbour), bool(self.released_rectification), bool(self.shifted_unary)
+
+    def lambda_used(self) -> float:
+        """``lmd`` as used (the preset's unless given; a built config always holds it)."""
+        return float(self.lmd if self.lmd is not None else PRESETS[self.preset]["lmd"])
 
 
 def knn_graph(z_q: Tensor, k: int, q2: Tensor | None = None) -> Tensor:
@@ -148,6 +157,7 @@ def bound_updates(unary: Tensor, w: Tensor, cfg: LaplacianShotConfig, masked: bo
     Nq]`` -> ``(logits, y, iterations [E])``. ``W y`` is computed once per iteration: the energy's
     product is the next update's."""
     E = unary.shape[0]
+    lmd = cfg.lambda_used()
     neg = -unary
     logits = neg
     y = torch.softmax(logits, -1)
@@ -156,14 +166,14 @@ def bound_updates(unary: Tensor, w: Tensor, cfg: LaplacianShotConfig, masked: bo
     old = torch.full((E,), float("inf"), dtype=unary.dtype, device=unary.device)
     iters = torch.zeros(E, dtype=torch.long, device=unary.device)
     for i in range(cfg.steps):
-        new_logits = neg + cfg.lmd * pair
+        new_logits = neg + lmd * pair
         new_y = torch.softmax(new_logits, -1)
         keep = ~active
         logits = torch.where(keep[:, None, None], logits, new_logits)
         y = torch.where(keep[:, None, None], y, new_y)
         iters = iters + active.long()
         pair = torch.bmm(w, y)
-        energy = bound_energy(y, unary.masked_fill(y == 0, 0.0) if masked else unary, w, cfg.lmd, pair)
+        energy = bound_energy(y, unary.masked_fill(y == 0, 0.0) if masked else unary, w, lmd, pair)
         done = (energy - old).abs() <= cfg.tol * old.abs() if i > 1 else torch.zeros_like(active)
         old = torch.where(active, energy, old)
         active = active & ~done
