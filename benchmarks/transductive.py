@@ -42,6 +42,7 @@ temporary cache, D=128, 64 base classes (the negative pool) and 20 test classes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -513,6 +514,8 @@ def roofline_cases(args: argparse.Namespace) -> list[tuple[str, int, Any]]:
     """(label, D, batch maker) of the roofline's feature sets: the standard workload (D=640) and a
     demo-like 64-d one (``--roofline-cache``'s test split, else :func:`demo_like_batch`)."""
     cases: list[tuple[str, int, Any]] = [("random 640-d", 640, lambda n, shot: standard_batch(n, 640, shot, seed=1))]
+    if getattr(args, "roofline_standard_only", False):  # benchmarks/methods.py: the standard workload alone
+        return cases
     if args.roofline_cache:
         dim = read_split(args.roofline_cache, "test").dim
         cases.append(
@@ -568,19 +571,41 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# the configuration field that counts a method's iterations, for methods that stop per episode and
+# report ``iterations`` in their state (as benchmarks/solver.py): their registered FLOPs, linear in
+# that field, are counted at the mean iterations the call made, not at the cap
+ITER_FIELDS = {"kmeans": "max_iter", "bayes-kmeans": "max_iter", "laplacianshot": "steps"}
+
+
+def episode_flops(name: str, cfg: Any, ns: int, dim: int, iterations: float | None) -> float:
+    """Registered FLOPs per standard episode (``ns`` support rows, 75 queries, 5-way, ``dim``), at
+    ``iterations`` per episode for the methods of :data:`ITER_FIELDS` (else at the configuration's)."""
+    info = solvers.get(name)
+    if info.flops is None:
+        return float("nan")
+    shape = (ns, 5 * QUERY, 0, dim, 5)
+    if iterations is None:
+        return float(info.flops(*shape, cfg))
+    f0, f1 = (info.flops(*shape, dataclasses.replace(cfg, **{ITER_FIELDS[name]: k})) for k in (0, 1))
+    return float(f0 + iterations * (f1 - f0))
+
+
 def _roofline_row(name: str, label: str, dim: int, shot: int, chunk: int, batch: EpisodeBatch, args) -> dict[str, Any]:
-    cfg = solvers.make_config(name, {}, strict=True)
+    # options per method (benchmarks/methods.py runs POODLE transductive); none from the command line
+    cfg = solvers.make_config(name, getattr(args, "roofline_options", {}).get(name, {}), strict=True)
     info = solvers.get(name)
     sec, cpu = _best_both(lambda: info.fn(batch, cfg), args.tp_seconds, args.repeats)
     with _SweepClock() as clock:  # a separate, instrumented call
         t0 = CLOCK[0]()
-        info.fn(batch, cfg)
+        out = info.fn(batch, cfg)
         total = CLOCK[0]() - t0
-    flops = info.flops(5 * shot, 5 * QUERY, 0, dim, 5, cfg) if info.flops else float("nan")
+    iters = out.state.get("iterations") if name in ITER_FIELDS else None
+    flops = episode_flops(name, cfg, 5 * shot, dim, None if iters is None else float(iters.double().mean()))
     with costmodel._tracer(chunk) as mode:  # what the call does on this device's own schedule
         info.fn(batch, cfg)
     row = {"method": name, "features": label, "dim": dim, "shot": shot, "chunk": chunk}
     row |= {"ops_per_call": mode.trace.launches, "bytes_per_episode": mode.trace.bytes}
+    row |= {"iterations": None if iters is None else float(iters.double().mean())}
     row |= {"eps_per_s": chunk / sec, "flops_per_episode": flops, "flop_per_s": flops * chunk / sec}
     row |= {"eps_per_s_cpu": chunk / cpu, "flop_per_s_cpu": flops * chunk / cpu}
     if clock.episode_sweeps:
