@@ -20,7 +20,8 @@ variable ``POODLE_OFFICIAL_<METHOD>`` (``POODLE_OFFICIAL_PT_MAP=PATH``), or ``--
 ``DIR/Realistic_Transductive_Few_Shot``, ``DIR/PADDLE``, ``DIR/LaplacianShot``, ``DIR/PT-MAP``,
 ``DIR/BMS``, ``DIR/protoLP``, ``DIR/TAFSSL``). A method without one is skipped with a message and
 the exit status stays 0. Their code needs ``tqdm``, ``pyyaml``, ``scipy``, ``scikit-learn`` and
-(mboudiaf/TIM) ``sacred``, which poodle does not install.
+(mboudiaf/TIM) ``sacred``, which poodle does not install; ``sacred`` imports ``pkg_resources``,
+which setuptools 81 removed: ``pip install tqdm pyyaml scipy scikit-learn sacred "setuptools<81"``.
 
 Episodes: ``--episodes-from FILE`` (written by ``poodle solve --save-episodes``), or drawn from
 ``--cache`` with ``--split/--way/--shot/--query/--imbalance/--query-classes/--seed`` and written to
