@@ -108,6 +108,12 @@ def releases(args: argparse.Namespace) -> list[dict]:
         return compare_official.run_all(a, cache, compare_official.episode_file(a, cache, Path(tmp)))
 
 
+def _input(row: dict) -> str:
+    """What tells a method's release rows apart: the note, and "on our L2N rows" for ``--l2n-too``
+    style rows (the release fed poodle's L2-normalised rows instead of its own input)."""
+    return ", ".join(([row["note"]] if row["note"] else []) + (["on our L2N rows"] if row["kind"] == "l2n" else []))
+
+
 def release_cells(method: str, theirs: list[dict], compared: bool) -> list[str]:
     """Ours whole process, the release's episodes/s, the ratio (from the method's first release
     row: the release's own setting) and every release row's agreement; or why there is none."""
@@ -115,7 +121,7 @@ def release_cells(method: str, theirs: list[dict], compared: bool) -> list[str]:
         why = "skipped (no checkout)" if compared else "not run"
         return ["-", "-", "-", why if method in compare_official.METHODS else "no release"]
     t = theirs[0]
-    agree = "; ".join(f"{x['identical']}/{x['n']}" + (f" ({x['note']})" if x["note"] else "") for x in theirs)
+    agree = "; ".join(f"{x['identical']}/{x['n']}" + (f" ({how})" if (how := _input(x)) else "") for x in theirs)
     return [f"{t['ours_eps']:.1f}", f"{t['their_eps']:.3g}", f"{t['ratio']:.1f}x", agree]
 
 

@@ -48,11 +48,15 @@ def test_table_marks_40_percent_and_names_each_limit(mod):
     rel = [
         {"method": "tim-gd", "ours_eps": 40.0, "their_eps": 4.0, "ratio": 10.0, "identical": 20, "n": 20, "note": ""},
         {"method": "pt-map", "ours_eps": 300.0, "their_eps": 30.0, "ratio": 10.0, "identical": 9, "n": 10, "note": ""},
+        {"method": "pt-map", "ours_eps": 300.0, "their_eps": 3.0, "ratio": 100.0, "identical": 10, "n": 10, "note": ""},
     ]
+    for r, kind in zip(rel, ["raw", "raw", "l2n"]):
+        r["kind"] = kind
     text = mod.table(rf, rel, compared=True)
     lines = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
     assert lines["| TIM-GD"] == "| TIM-GD | 100.0 | 500.00 | 50.00 | **50.0%** | 40.0 | 4 | 10.0x | 20/20 |"
-    assert "| 1.0% | 300.0 | 30 | 10.0x | 9/10 |" in lines["| PT-MAP"]
+    # the first release row gives the speed; each row's agreement, the one on our L2N rows so named
+    assert "| 1.0% | 300.0 | 30 | 10.0x | 9/10; 10/10 (on our L2N rows) |" in lines["| PT-MAP"]
     assert lines["| PEMnE-BMS"].endswith("| - | - | - | skipped (no checkout) |")
     assert "1.00 (at 3.2 iterations)" in lines["| k-means"] and lines["| k-means"].endswith("| no release |")
     notes = text.split("Below 40% of the matmul rate")[1]
