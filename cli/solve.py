@@ -257,6 +257,14 @@ class _ListsMethods(click.Command):
     help="CPU: chunks solved at once, each single-threaded [default: torch's thread count].",
 )
 @click.option(
+    "--cuda-step",
+    type=click.Choice(defaults.CUDA_STEPS),
+    default=defaults.CUDA_STEP,
+    show_default=True,
+    help="The fine-tuning fits' step on CUDA: torch, or triton (one pass over the rows a step; "
+    "opt-in until timed on a GPU, docs/gpu.md).",
+)
+@click.option(
     "--preprocess",
     default=defaults.PREPROCESS,
     show_default=True,
@@ -309,6 +317,7 @@ def solve(
     device,
     max_memory,
     workers,
+    cuda_step,
     preprocess,
     results_path,
 ) -> None:
@@ -344,7 +353,7 @@ def solve(
             episodes_from=episodes_from,
             save_episodes_to=save_episodes,
             out=results_path,
-            run=RunOptions(device=device, max_memory=max_memory, workers=workers),
+            run=RunOptions(device=device, max_memory=max_memory, workers=workers, cuda_step=cuda_step),
             on_event=solve_events(advance),
             **given,
         )
