@@ -40,7 +40,7 @@ class LazyGroup(click.Group):
 @click.option(
     "--config",
     "config_file",
-    type=click.Path(dir_okay=False),
+    type=click.Path(),  # a folder given is refused by the project file's reader, in one line
     default=None,
     help='Project file of option defaults: a table per command ([extract] dataset = "mini") and '
     "[defaults] for keys several commands share; typed options win [default: ./poodle.toml if present].",

@@ -340,7 +340,7 @@ def solve(
     given = {k: ctx.params[k] for k in SETTINGS if _explicit(ctx, k)}
     # under torchrun (poodle.distributed) rank 0 alone shows a bar (of its share) and prints
     world, rank, _ = env_world()
-    total = None if episodes_from else len(share(episodes, world, rank))
+    total = None if episodes_from or episodes < 1 else len(share(episodes, world, rank))  # < 1: the library says
     # drawn once the library's checks up front have passed (Ready): an error there comes alone
     bar = (
         progress_bar("solving", total=total, unit="episodes", lazy=True) if rank == 0 else contextlib.nullcontext(None)

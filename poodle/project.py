@@ -49,11 +49,15 @@ def read_project(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     level but tables."""
     p = Path(path)
     try:
-        text = p.read_bytes().decode("utf-8")
+        # utf-8-sig: a byte order mark (Windows editors write one) is not part of the TOML text
+        text = p.read_bytes().decode("utf-8-sig")
     except FileNotFoundError:
-        raise ConfigError(f"project file {p} does not exist") from None
+        dangling = " (a symbolic link to nothing)" if p.is_symlink() else ""
+        raise ConfigError(f"project file {p} does not exist{dangling}") from None
     except IsADirectoryError:
         raise ConfigError(f"project file {p} is a directory") from None
+    except OSError as e:  # a symbolic link loop, no permission to read, an I/O error
+        raise ConfigError(f"project file {p} cannot be read: {_os_reason(e)}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"project file {p} is not UTF-8 text (byte {e.start})") from None
     try:
@@ -67,6 +71,16 @@ def read_project(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
                 f"such as [extract]"
             )
     return data
+
+
+def _os_reason(e: OSError) -> str:
+    import errno
+
+    if e.errno == errno.ELOOP:
+        return "a symbolic link loop"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return (e.strerror or str(e)).lower()
 
 
 def project_defaults(
