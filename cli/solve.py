@@ -128,7 +128,7 @@ def _cache_path(ctx: click.Context, cache: str | None, dataset: str | None, back
     is given), said on the first line. Typed options win over the project file's."""
     from poodle.cli._common import from_project
     from poodle.errors import ConfigError
-    from poodle.project import latest_cache
+    from poodle.project import index_trouble, latest_cache
 
     cache_root, tag = ctx.params["cache_root"], ctx.params["tag"]
     if cache and (dataset or backbone):
@@ -144,9 +144,11 @@ def _cache_path(ctx: click.Context, cache: str | None, dataset: str | None, back
         found = latest_cache(cache_root, dataset=dataset, backbone=backbone)
         if found is None:
             of = " and ".join(x for x in (backbone and f"backbone {backbone}", dataset and f"dataset {dataset}") if x)
+            trouble = index_trouble(cache_root, dataset=dataset, backbone=backbone)
             raise ConfigError(
-                f"no feature cache{' of ' + of if of else ''} written by poodle extract under {cache_root}: make one "
-                f"with 'poodle extract --backbone NAME' or give --cache FILE"
+                f"no feature cache{' of ' + of if of else ''} written by poodle extract under {cache_root}"
+                f"{': ' + trouble + ';' if trouble else ':'} make one with 'poodle extract --backbone NAME' or "
+                f"give --cache FILE"
             )
         console.print(f"features: {found.path} (the cache poodle extract wrote last)", soft_wrap=True)
         return found.path

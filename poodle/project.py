@@ -189,6 +189,18 @@ def latest_checkpoint(cache_root: str | os.PathLike, backbone: str, dataset: str
     return runs[-1] if runs else None
 
 
+def unfinished_runs(cache_root: str | os.PathLike, backbone: str, dataset: str) -> list[Path]:
+    """The run folders of ``backbone`` on ``dataset`` under ``cache_root`` (``poodle train``'s default
+    ``<backbone>-<recipe>``) that hold a checkpoint but no readable ``train.json``: stopped before the
+    last epoch, or with that file damaged. No default checkpoint is taken from them."""
+    folder = Path(cache_root) / dataset / "checkpoints"
+    return [
+        d
+        for d in sorted(folder.glob(f"{backbone}-*"))
+        if d.is_dir() and any((d / f).is_file() for f in ("last.pt", "best.pt")) and _run_of(d / "train.json") is None
+    ]
+
+
 # ------------------------------------------------------------------------------------------ the caches' index
 
 
@@ -283,6 +295,42 @@ def latest_cache(
         if (dataset is None or r.dataset == dataset) and (backbone is None or r.backbone == backbone)
     ]
     return found[-1] if found else None
+
+
+def index_trouble(
+    cache_root: str | os.PathLike, *, dataset: str | None = None, backbone: str | None = None
+) -> str | None:
+    """Why the index gives no cache (of ``dataset`` / ``backbone`` when given) although it exists:
+    it cannot be read, is not JSON (cut short, edited by hand) or not an index, or the cache it
+    names last was deleted. None where there is no index or nothing is wrong with it."""
+    index = index_path(cache_root)
+    if not os.path.lexists(index):
+        return None
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except IsADirectoryError:
+        return f"{index} is a directory, not the index of caches"
+    except OSError as e:
+        return f"{index} cannot be read: {_os_reason(e)}"
+    except UnicodeDecodeError as e:
+        return f"{index} is not UTF-8 text (byte {e.start})"
+    except json.JSONDecodeError as e:
+        return f"{index} is not valid JSON at line {e.lineno}, column {e.colno}: {e.msg[:1].lower()}{e.msg[1:]}"
+    entries = data.get("caches") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        return f"{index} is not an index of caches (no list 'caches')"
+    root = Path(cache_root)
+    named = [
+        e
+        for e in entries
+        if isinstance(e, dict)
+        and isinstance(e.get("path"), str)
+        and (dataset is None or e.get("dataset") == dataset)
+        and (backbone is None or e.get("backbone") == backbone)
+    ]
+    if named and not (root / named[-1]["path"]).is_file():
+        return f"{index} names last {root / named[-1]['path']}, which no longer exists"
+    return None
 
 
 def cache_of(
