@@ -247,6 +247,9 @@ def extract(
     with d.guard():
         opts.check(dataset)
         model_spec = _model_spec(backbone, opts)
+        trouble = project.check_index(opts.cache_root) if opts.record else None
+    if trouble:
+        tell(Notice("index-restarted", f"{trouble}: it is started anew with this cache", ()))
     weights = _weights(d, model_spec.name, opts)
     plan = _plan(d, dataset, model_spec, opts, source, tell, weights)
     if not plan.todo:

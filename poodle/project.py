@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from poodle import defaults
-from poodle.errors import ConfigError, PoodleError
+from poodle.errors import CacheError, ConfigError, PoodleError
 
 try:  # Python >= 3.11
     import tomllib
@@ -297,28 +297,36 @@ def latest_cache(
     return found[-1] if found else None
 
 
+def _read_index(cache_root: str | os.PathLike) -> tuple[list[Any], str | None]:
+    """The index's entries as written, and why it cannot be read (None: it can, or there is none)."""
+    index = index_path(cache_root)
+    if not os.path.lexists(index):
+        return [], None
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except IsADirectoryError:
+        return [], f"{index} is a directory, not the index of caches"
+    except OSError as e:
+        return [], f"{index} cannot be read: {_os_reason(e)}"
+    except UnicodeDecodeError as e:
+        return [], f"{index} is not UTF-8 text (byte {e.start})"
+    except json.JSONDecodeError as e:
+        return [], f"{index} is not valid JSON at line {e.lineno}, column {e.colno}: {e.msg[:1].lower()}{e.msg[1:]}"
+    entries = data.get("caches") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        return [], f"{index} is not an index of caches (no list 'caches')"
+    return entries, None
+
+
 def index_trouble(
     cache_root: str | os.PathLike, *, dataset: str | None = None, backbone: str | None = None
 ) -> str | None:
     """Why the index gives no cache (of ``dataset`` / ``backbone`` when given) although it exists:
     it cannot be read, is not JSON (cut short, edited by hand) or not an index, or the cache it
     names last was deleted. None where there is no index or nothing is wrong with it."""
-    index = index_path(cache_root)
-    if not os.path.lexists(index):
-        return None
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except IsADirectoryError:
-        return f"{index} is a directory, not the index of caches"
-    except OSError as e:
-        return f"{index} cannot be read: {_os_reason(e)}"
-    except UnicodeDecodeError as e:
-        return f"{index} is not UTF-8 text (byte {e.start})"
-    except json.JSONDecodeError as e:
-        return f"{index} is not valid JSON at line {e.lineno}, column {e.colno}: {e.msg[:1].lower()}{e.msg[1:]}"
-    entries = data.get("caches") if isinstance(data, dict) else None
-    if not isinstance(entries, list):
-        return f"{index} is not an index of caches (no list 'caches')"
+    entries, trouble = _read_index(cache_root)
+    if trouble is not None:
+        return trouble
     root = Path(cache_root)
     named = [
         e
@@ -329,8 +337,19 @@ def index_trouble(
         and (backbone is None or e.get("backbone") == backbone)
     ]
     if named and not (root / named[-1]["path"]).is_file():
-        return f"{index} names last {root / named[-1]['path']}, which no longer exists"
+        return f"{index_path(root)} names last {root / named[-1]['path']}, which no longer exists"
     return None
+
+
+def check_index(cache_root: str | os.PathLike) -> str | None:
+    """Before an extraction writes anything: CacheError when the index could not be replaced after
+    it (something other than a file in its place); else what is wrong with an index that
+    :func:`record_cache` will start anew (it cannot be read), or None."""
+    index = index_path(cache_root)
+    if os.path.lexists(index) and not index.is_file():
+        what = "a directory" if index.is_dir() else "not a regular file"
+        raise CacheError(f"{index}, the index of the caches extract writes, is {what}: move it out of the way")
+    return _read_index(cache_root)[1]
 
 
 def cache_of(
