@@ -311,7 +311,7 @@ def _read_index(cache_root: str | os.PathLike) -> tuple[list[Any], str | None]:
     except UnicodeDecodeError as e:
         return [], f"{index} is not UTF-8 text (byte {e.start})"
     except json.JSONDecodeError as e:
-        return [], f"{index} is not valid JSON at line {e.lineno}, column {e.colno}: {e.msg[:1].lower()}{e.msg[1:]}"
+        return [], f"{index} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno})"
     entries = data.get("caches") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         return [], f"{index} is not an index of caches (no list 'caches')"
