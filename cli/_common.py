@@ -83,7 +83,7 @@ def say_error(error: PoodleError) -> None:
         options = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
         for param, flag in flags.items():
             name = next((o.name for o in options.values() if flag in o.opts), None)
-            if name in keys and from_project(ctx, name):
+            if name is not None and name in keys and from_project(ctx, name):
                 flags[param] = f"{flag} ({keys[name]})"
     text = as_flags(str(error), flags)
     console.print(styled("error:", "bold red", " " + text), soft_wrap=True)

@@ -27,8 +27,7 @@ class OneLineUsageError(click.UsageError):
     every other error (``error: ...``), pointing at ``--help`` instead of printing the usage block."""
 
     def __init__(self, error: click.UsageError) -> None:
-        super().__init__(error.format_message(), error.ctx)
-        self.exit_code = error.exit_code
+        super().__init__(error.format_message(), error.ctx)  # exit code 2, as click's
 
     def show(self, file: object = None) -> None:
         from poodle.cli._common import console, styled

@@ -104,8 +104,11 @@ TOML_CASES = [
     ('[solve]\ntransductive = "yes"\n', 'poodle.toml: [solve] transductive = "yes": expected true or false'),
     ("[solve]\ntransductive = 1\n", "poodle.toml: [solve] transductive = 1: expected true or false"),
     ("[solve]\nmethod = [1, 2]\n", 'poodle.toml: [solve] method = [1, 2]: expected a string (in quotes: "...")'),
-    ('[solve]\nway = [5]\n', "poodle.toml: [solve] way = [5]: expected one value, not a list"),
-    ('[solve]\ncuda_step = "cuda"\n', "poodle.toml: [solve] cuda_step = \"cuda\": 'cuda' is not one of 'torch', 'triton'"),
+    ("[solve]\nway = [5]\n", "poodle.toml: [solve] way = [5]: expected one value, not a list"),
+    (
+        '[solve]\ncuda_step = "cuda"\n',
+        "poodle.toml: [solve] cuda_step = \"cuda\": 'cuda' is not one of 'torch', 'triton'",
+    ),
     ('[solve]\nmax_memory = "lots"\n', 'poodle.toml: [solve] max_memory = "lots": cannot read memory size'),
     ('[extract]\ndataset = "imagenet"\n', "poodle.toml: [extract] dataset = \"imagenet\": 'imagenet' is not one of"),
     (b"[solve]\n# caf\xe9\nepisodes = 3\n", "project file poodle.toml is not UTF-8 text (byte 13)"),
@@ -126,7 +129,9 @@ def test_a_value_of_the_right_type_that_the_library_refuses_names_the_file_table
     features(tmp_path / "f.h5")
     (tmp_path / "poodle.toml").write_text('[solve]\ncache = "f.h5"\nepisodes = -3\n')
     line = fails(tmp_path, "solve", "--device", "cpu")  # was a ValueError traceback (share(-3, 1, 0))
-    assert line == "error: --episodes (poodle.toml [solve] episodes) (the number of episodes) must be a positive integer, got -3"
+    assert line == (
+        "error: --episodes (poodle.toml [solve] episodes) (the number of episodes) must be a positive integer, got -3"
+    )
     assert fails(tmp_path, "solve", "--device", "cpu", "--episodes", -3) == (
         "error: --episodes (the number of episodes) must be a positive integer, got -3"
     )
@@ -189,8 +194,15 @@ def _recorded(tmp_path: Path) -> Path:
     "index,message",
     [
         (None, ""),
-        ("{not json", ": cache/caches.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2)"),
-        ('{"caches": [{"path": "glyphs/conv', ": cache/caches.json is not valid JSON (Unterminated string starting at: line 1"),
+        (
+            "{not json",
+            ": cache/caches.json is not valid JSON (Expecting property name enclosed in double quotes: line 1 "
+            "column 2)",
+        ),
+        (
+            '{"caches": [{"path": "glyphs/conv',
+            ": cache/caches.json is not valid JSON (Unterminated string starting at: line 1",
+        ),
         ("[1, 2]", ": cache/caches.json is not an index of caches (no list 'caches')"),
         ("dir", ": cache/caches.json is a directory, not the index of caches"),
         ("deleted", ": cache/caches.json names last cache/glyphs/conv4_64.h5, which no longer exists"),
@@ -223,9 +235,7 @@ def images(tmp_path) -> Path:
     return _images.write_folder(tmp_path / "img", {"train": 2, "test": 2}, 3, size=32, splits=("train", "test"))
 
 
-def test_extract_with_a_folder_for_the_index_writes_no_cache_and_an_unreadable_index_is_started_anew(
-    tmp_path, images
-):
+def test_extract_with_a_folder_for_the_index_writes_no_cache_and_an_unreadable_index_is_started_anew(tmp_path, images):
     (tmp_path / "cache" / "caches.json").mkdir(parents=True)
     # was: the whole cache written, then a failure naming a temporary file
     assert fails(tmp_path, *EXTRACT, "--backbone", "conv4_64", "--random-weights") == (
@@ -236,7 +246,9 @@ def test_extract_with_a_folder_for_the_index_writes_no_cache_and_an_unreadable_i
     res = CliRunner().invoke(cli, [*EXTRACT, "--backbone", "conv4_64", "--random-weights"])
     assert res.exit_code == 0, res.output
     assert res.output.startswith("note: cache/caches.json is not valid JSON (Expecting value: line 1 column 13)")
-    assert [r.path for r in project.cache_records(tmp_path / "cache")] == [tmp_path / "cache" / "folder" / "conv4_64.h5"]
+    assert [r.path for r in project.cache_records(tmp_path / "cache")] == [
+        tmp_path / "cache" / "folder" / "conv4_64.h5"
+    ]
 
 
 # ------------------------------------------------------------------------------------------ the default checkpoint
@@ -252,7 +264,9 @@ def _run(tmp_path: Path, name: str, checkpoint: bytes, summary: str | None) -> P
     return out
 
 
-SUMMARY = json.dumps({"config": {"dataset": "folder", "backbone": "conv4_64", "image_size": 32}, "checkpoint": "best.pt"})
+SUMMARY = json.dumps(
+    {"config": {"dataset": "folder", "backbone": "conv4_64", "image_size": 32}, "checkpoint": "best.pt"}
+)
 
 
 @pytest.mark.parametrize("summary", [None, "{cut short"], ids=["stopped", "damaged-summary"])
@@ -342,7 +356,10 @@ def test_predict_names_the_weights_enum_member_that_does_not_exist(tmp_path):
     "args,message",
     [
         (["solve", "--cuda-step", "cuda"], "Invalid value for '--cuda-step': 'cuda' is not one of 'torch', 'triton'"),
-        (["grid", "g.toml", "--cuda-step", "x"], "Invalid value for '--cuda-step': 'x' is not one of 'torch', 'triton'"),
+        (
+            ["grid", "g.toml", "--cuda-step", "x"],
+            "Invalid value for '--cuda-step': 'x' is not one of 'torch', 'triton'",
+        ),
         (["solve", "--episodes", "x"], "Invalid value for '--episodes': 'x' is not a valid integer"),
         (["solv"], "No such command 'solv'"),
         (["predict", "--support", "x"], "Missing option '--backbone'"),
