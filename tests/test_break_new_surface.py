@@ -284,7 +284,7 @@ def test_an_unfinished_training_run_is_named_and_not_taken(tmp_path, images, sum
     "checkpoint,message",
     [
         (b"garbage", "is not a torch checkpoint (UnpicklingError: Unsupported operand 103)"),
-        (b"", "is empty (0 bytes): not a checkpoint"),  # was "(EOFError: )"
+        (b"", "is not a torch checkpoint (an empty file)"),  # was "(EOFError: )"
         ("keys", "does not fit conv4_64: 28 missing keys (encoder.0.0.weight"),
     ],
 )

@@ -64,7 +64,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     if not p.is_file():
         raise CheckpointError(f"checkpoint {p} does not exist")
     if p.stat().st_size == 0:  # torch says only "EOFError"
-        raise CheckpointError(f"{p} is empty (0 bytes): not a checkpoint")
+        raise CheckpointError(f"{p} is not a torch checkpoint (an empty file)")
     if p.suffix == ".safetensors":
         return _read_safetensors(p), {}
     try:
