@@ -29,6 +29,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from poodle import defaults
 from poodle.errors import PoodleError
 from poodle.events import NoticeWarning
 
@@ -363,6 +364,17 @@ def progress_bar(description: str, total: int | None, unit: str = "items", lazy:
     finally:
         if bar.task is not None:
             bar.progress.stop()
+
+
+# solve and grid: the step CUDA fits take (poodle.pipeline.RunOptions.cuda_step)
+cuda_step_option = click.option(
+    "--cuda-step",
+    type=click.Choice(defaults.CUDA_STEPS),
+    default=defaults.CUDA_STEP,
+    show_default=True,
+    help="The fine-tuning fits' step on CUDA: torch, or triton (one pass over the rows a step; "
+    "opt-in until timed on a GPU, docs/gpu.md).",
+)
 
 
 class SizeType(click.ParamType):

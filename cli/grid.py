@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import SizeType, console, friendly_errors, note, parse_set, styled
+from poodle.cli._common import SizeType, console, cuda_step_option, friendly_errors, note, parse_set, styled
 
 
 def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
@@ -83,14 +83,7 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
     help=f"Bound on the memory a call holds (features, negative pool, chunks in flight) "
     f"[{defaults.MAX_MEMORY} for the chunks on CPU; 80% of the free memory on CUDA].",
 )
-@click.option(
-    "--cuda-step",
-    type=click.Choice(defaults.CUDA_STEPS),
-    default=defaults.CUDA_STEP,
-    show_default=True,
-    help="The fine-tuning fits' step on CUDA: torch, or triton (one pass over the rows a step; "
-    "opt-in until timed on a GPU, docs/gpu.md).",
-)
+@cuda_step_option
 @friendly_errors
 def grid(
     grid_file: Path,

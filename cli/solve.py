@@ -10,7 +10,17 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import SizeType, console, friendly_errors, note, out, parse_set, progress_bar, user_set
+from poodle.cli._common import (
+    SizeType,
+    console,
+    cuda_step_option,
+    friendly_errors,
+    note,
+    out,
+    parse_set,
+    progress_bar,
+    user_set,
+)
 
 # CLI option -> (library config field, the one method it is for; None: every chosen method with that field).
 # A field name that methods use with different meanings (solvers.homonyms: ``alpha`` is POODLE's pull
@@ -258,14 +268,7 @@ class _ListsMethods(click.Command):
     default=None,
     help="CPU: chunks solved at once, each single-threaded [default: torch's thread count].",
 )
-@click.option(
-    "--cuda-step",
-    type=click.Choice(defaults.CUDA_STEPS),
-    default=defaults.CUDA_STEP,
-    show_default=True,
-    help="The fine-tuning fits' step on CUDA: torch, or triton (one pass over the rows a step; "
-    "opt-in until timed on a GPU, docs/gpu.md).",
-)
+@cuda_step_option
 @click.option(
     "--preprocess",
     default=defaults.PREPROCESS,
