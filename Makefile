@@ -29,7 +29,7 @@ lint: $(DEV_STAMP)
 	$(BIN)/mypy poodle cli
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/poodle demo

@@ -247,10 +247,11 @@ def agreement(rep: Report, ctx: dict, args: argparse.Namespace) -> None:
     rep.add(f"{n} standard episodes, every method, {what}:\n\n" + "\n".join(lines))
     rep.number("CPU vs device, episodes identical (all methods)", f"{same_all}/{total}")
     if dev.type == "cuda" and _triton_step.available()[0]:
-        from _triton_dispatch import METHODS, triton_step
+        from poodle.solvers._optim import TRITON_METHODS as METHODS
+        from poodle.solvers._optim import cuda_step
 
         sub = [m for m in methods if m[0] in METHODS]
-        with triton_step():
+        with cuda_step("triton"):
             tri = evaluate(test, eps, sub, device=dev, **kw)
         lines = ["| method | episodes identical (Triton vs torch formulation, on the device) |", "|---|---|"]
         same_t = 0
@@ -306,11 +307,12 @@ def methods_throughput(rep: Report, ctx: dict, args: argparse.Namespace) -> None
     rep.number("methods timed on the device", len(rates))
     rep.number("POODLE transductive on the device (episodes/s)", f"{rates['poodle']:,.1f}")
     if dev.type == "cuda" and _triton_step.available()[0]:
-        from _triton_dispatch import METHODS, triton_step
+        from poodle.solvers._optim import TRITON_METHODS as METHODS
+        from poodle.solvers._optim import cuda_step
 
         lines = ["| method | torch step episodes/s | Triton step episodes/s | Triton / torch |", "|---|---|---|---|"]
         for m in [m for m in methods if m[0] in METHODS]:
-            with triton_step():
+            with cuda_step("triton"):
                 r = _rate(test, eps, m, dev, kw)
             lines.append(f"| {m[0]} | {rates[m[0]]:,.1f} | {r:,.1f} | {r / rates[m[0]]:.2f}x |")
         rep.add("The Triton step (opt-in) against the torch formulation, same episodes:\n\n" + "\n".join(lines))

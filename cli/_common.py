@@ -29,6 +29,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from poodle import defaults
 from poodle.errors import PoodleError
 from poodle.events import NoticeWarning
 
@@ -77,7 +78,15 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
 def say_error(error: PoodleError) -> None:
     """``error: <message>`` on stderr, the library's parameter names written as this command's flags."""
     ctx = click.get_current_context(silent=True)
-    text = as_flags(str(error), flags_of(ctx.command if ctx else None, getattr(error, "params", ())))
+    flags = flags_of(ctx.command if ctx else None, getattr(error, "params", ()))
+    if ctx is not None:  # a value the project file gave: the file, table and key it was set at
+        keys = ctx.meta.get(_PROJECT_KEYS, {}).get(ctx.info_name, {})
+        options = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
+        for param, flag in flags.items():
+            name = next((o.name for o in options.values() if flag in o.opts), None)
+            if name is not None and name in keys and from_project(ctx, name):
+                flags[param] = f"{flag} ({keys[name]})"
+    text = as_flags(str(error), flags)
     console.print(styled("error:", "bold red", " " + text), soft_wrap=True)
 
 
@@ -182,8 +191,8 @@ def project_default_map(ctx: click.Context, config_file: str | None) -> dict[str
     from poodle.project import project_defaults, read_project
 
     path = Path(config_file) if config_file is not None else Path(defaults.PROJECT_FILE)
-    if config_file is None and not path.is_file():
-        return None
+    if config_file is None and not os.path.lexists(path):
+        return None  # a poodle.toml that is a folder, a dangling link or a loop is read, and refused
     tables = read_project(path)
     group = ctx.command
     assert isinstance(group, click.Group)
@@ -202,20 +211,79 @@ def project_default_map(ctx: click.Context, config_file: str | None) -> dict[str
     for cmd_name, entries in found.items():
         for name, (table, key, value) in entries.items():
             param = options[cmd_name][name]
+            optional_value = not param.is_flag and getattr(param, "_flag_needs_value", False)
+            if value is False and optional_value:
+                continue  # `pretrained = false`: the option not given
+            if value is True and optional_value:
+                value = param.flag_value  # `pretrained = true`: the option typed alone (--pretrained)
             if param.multiple and not isinstance(value, list):
                 value = [value]
-            if value is True and not param.is_flag and getattr(param, "_flag_needs_value", False):
-                value = param.flag_value  # `pretrained = true`: the option typed alone (--pretrained)
+            wrong = _toml_type_error(param, value)
+            if wrong:
+                raise ConfigError(f"{path}: [{table}] {key} = {_toml_text(value)}: {wrong}")
             if isinstance(param.type, click.Path) and isinstance(value, str) and base != Path():
                 value = value if os.path.isabs(os.path.expanduser(value)) else str(base / value)
             try:
                 param.type_cast_value(ctx, value)
             except click.BadParameter as e:
-                raise ConfigError(f"{path}: [{table}] {key} = {value!r}: {e.message.rstrip('.')}") from None
+                raise ConfigError(f"{path}: [{table}] {key} = {_toml_text(value)}: {e.message.rstrip('.')}") from None
             if param.name in default_map.get(cmd_name, {}):
                 raise ConfigError(f"{path}: [{table}] {key}: that option is set twice (e.g. out and json)")
             default_map.setdefault(cmd_name, {})[cast(str, param.name)] = value
+            # where a value came from, for an error the library raises about it later (say_error)
+            ctx.meta.setdefault(_PROJECT_KEYS, {}).setdefault(cmd_name, {})[param.name] = f"{path} [{table}] {key}"
     return default_map
+
+
+_PROJECT_KEYS = "poodle.project_keys"  # ctx.meta: {command: {option name: "poodle.toml [table] key"}}
+
+
+def _toml_text(value: Any) -> str:
+    """``value`` as the project file writes it (``"many"``, ``true``, ``[1, 2]``), cut short."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = '"' + value + '"'
+    elif isinstance(value, list):
+        text = "[" + ", ".join(_toml_text(v) for v in value) + "]"
+    elif isinstance(value, dict):
+        text = "{" + ", ".join(f"{k} = {_toml_text(v)}" for k, v in value.items()) + "}"
+    else:
+        text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _toml_type_error(param: click.Option, value: Any) -> str | None:
+    """What is wrong with the type of a project file's ``value`` for ``param`` (None: nothing). TOML
+    has types: a number is not read from a string, nor a string from a number, nor a number from
+    ``true`` (click would turn 3.5 into 3 and true into 1)."""
+    if param.multiple:
+        if not isinstance(value, list):
+            return "expected a list"
+        return next((w for v in value if (w := _toml_scalar_error(param, v))), None)
+    if isinstance(value, list):
+        return "expected one value, not a list"
+    return _toml_scalar_error(param, value)
+
+
+def _toml_scalar_error(param: click.Option, value: Any) -> str | None:
+    if isinstance(value, dict):
+        return "expected a value, not a table"
+    if isinstance(value, list):
+        return "expected a value, not a list"
+    t = param.type
+    if param.is_flag or isinstance(t, click.types.BoolParamType):
+        return None if isinstance(value, bool) else "expected true or false"
+    if isinstance(t, click.types.IntParamType):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return None if ok else "expected an integer"
+    if isinstance(t, click.types.FloatParamType):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return None if ok else "expected a number"
+    if isinstance(t, (click.types.StringParamType, click.Choice, click.Path)):
+        return None if isinstance(value, str) else 'expected a string (in quotes: "...")'
+    ok = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+    return None if ok else "expected a string or a number"
 
 
 def from_project(ctx: click.Context, name: str) -> bool:
@@ -296,6 +364,17 @@ def progress_bar(description: str, total: int | None, unit: str = "items", lazy:
     finally:
         if bar.task is not None:
             bar.progress.stop()
+
+
+# solve and grid: the step CUDA fits take (poodle.pipeline.RunOptions.cuda_step)
+cuda_step_option = click.option(
+    "--cuda-step",
+    type=click.Choice(defaults.CUDA_STEPS),
+    default=defaults.CUDA_STEP,
+    show_default=True,
+    help="The fine-tuning fits' step on CUDA: torch, or triton (one pass over the rows a step; "
+    "opt-in until timed on a GPU, docs/gpu.md).",
+)
 
 
 class SizeType(click.ParamType):

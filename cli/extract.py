@@ -304,7 +304,17 @@ def choose_weights(
     if run is None:
         how = f"poodle train --backbone {backbone}" + ("" if dataset == defaults.DATASET else f" --dataset {dataset}")
         how += f" --data-root {ctx.params['data_root']}" if ctx.params.get("data_root") else ""
-        raise ConfigError(f"no checkpoint of {name} on {dataset}: train one with '{how}' or give --checkpoint FILE")
+        root = ctx.params.get("cache_root") or defaults.CACHE_ROOT
+        stopped = project.unfinished_runs(root, name, dataset)
+        unfinished = (
+            f"; {stopped[-1]} has no complete train.json (a run that did not finish: the same poodle train "
+            f"command resumes it)"
+            if stopped
+            else ""
+        )
+        raise ConfigError(
+            f"no checkpoint of {name} on {dataset}{unfinished}: train one with '{how}' or give --checkpoint FILE"
+        )
     console.print(
         f"checkpoint: {run.checkpoint} (the newest complete training run of {name} on {dataset}, {run.image_size} px)",
         soft_wrap=True,

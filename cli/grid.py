@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import SizeType, console, friendly_errors, note, parse_set, styled
+from poodle.cli._common import SizeType, console, cuda_step_option, friendly_errors, note, parse_set, styled
 
 
 def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
@@ -83,6 +83,7 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
     help=f"Bound on the memory a call holds (features, negative pool, chunks in flight) "
     f"[{defaults.MAX_MEMORY} for the chunks on CPU; 80% of the free memory on CUDA].",
 )
+@cuda_step_option
 @friendly_errors
 def grid(
     grid_file: Path,
@@ -95,6 +96,7 @@ def grid(
     dry_run: bool,
     device: str,
     max_memory: int | None,
+    cuda_step: str,
 ) -> None:
     """Run every cell of GRID_FILE (a TOML grid, see docs/grid.md) and append its results.
 
@@ -124,7 +126,7 @@ def grid(
     t0 = time.perf_counter()
     with d.guard():
         G.fingerprints(cells)  # a missing cache or pool is an error before any bar is drawn
-    options = RunOptions(device=device, max_memory=max_memory, cells_per_call=cells_per_call)
+    options = RunOptions(device=device, max_memory=max_memory, cells_per_call=cells_per_call, cuda_step=cuda_step)
     if not d.main:
         G.run_grid(spec, out, force=force, options=options, cells=cells)
         return

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import click
 
@@ -21,7 +22,35 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+class OneLineUsageError(click.UsageError):
+    """click's usage error (a bad value, a missing option, an unknown command) said on one line like
+    every other error (``error: ...``), pointing at ``--help`` instead of printing the usage block."""
+
+    def __init__(self, error: click.UsageError) -> None:
+        super().__init__(error.format_message(), error.ctx)  # exit code 2, as click's
+
+    def show(self, file: object = None) -> None:
+        from poodle.cli._common import console, styled
+
+        where = f" (see '{self.ctx.command_path} --help')" if self.ctx is not None else ""
+        console.print(styled("error:", "bold red", f" {self.format_message().rstrip('.')}{where}"), soft_wrap=True)
+
+
 class LazyGroup(click.Group):
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as e:
+            raise OneLineUsageError(e) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OneLineUsageError:
+            raise
+        except click.UsageError as e:  # a command's options, parsed here
+            raise OneLineUsageError(e) from None
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
 
@@ -40,7 +69,7 @@ class LazyGroup(click.Group):
 @click.option(
     "--config",
     "config_file",
-    type=click.Path(dir_okay=False),
+    type=click.Path(),  # a folder given is refused by the project file's reader, in one line
     default=None,
     help='Project file of option defaults: a table per command ([extract] dataset = "mini") and '
     "[defaults] for keys several commands share; typed options win [default: ./poodle.toml if present].",

@@ -10,7 +10,17 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import SizeType, console, friendly_errors, note, out, parse_set, progress_bar, user_set
+from poodle.cli._common import (
+    SizeType,
+    console,
+    cuda_step_option,
+    friendly_errors,
+    note,
+    out,
+    parse_set,
+    progress_bar,
+    user_set,
+)
 
 # CLI option -> (library config field, the one method it is for; None: every chosen method with that field).
 # A field name that methods use with different meanings (solvers.homonyms: ``alpha`` is POODLE's pull
@@ -128,7 +138,7 @@ def _cache_path(ctx: click.Context, cache: str | None, dataset: str | None, back
     is given), said on the first line. Typed options win over the project file's."""
     from poodle.cli._common import from_project
     from poodle.errors import ConfigError
-    from poodle.project import latest_cache
+    from poodle.project import index_trouble, latest_cache
 
     cache_root, tag = ctx.params["cache_root"], ctx.params["tag"]
     if cache and (dataset or backbone):
@@ -144,9 +154,11 @@ def _cache_path(ctx: click.Context, cache: str | None, dataset: str | None, back
         found = latest_cache(cache_root, dataset=dataset, backbone=backbone)
         if found is None:
             of = " and ".join(x for x in (backbone and f"backbone {backbone}", dataset and f"dataset {dataset}") if x)
+            trouble = index_trouble(cache_root, dataset=dataset, backbone=backbone)
             raise ConfigError(
-                f"no feature cache{' of ' + of if of else ''} written by poodle extract under {cache_root}: make one "
-                f"with 'poodle extract --backbone NAME' or give --cache FILE"
+                f"no feature cache{' of ' + of if of else ''} written by poodle extract under {cache_root}"
+                f"{': ' + trouble + ';' if trouble else ':'} make one with 'poodle extract --backbone NAME' or "
+                f"give --cache FILE"
             )
         console.print(f"features: {found.path} (the cache poodle extract wrote last)", soft_wrap=True)
         return found.path
@@ -256,6 +268,7 @@ class _ListsMethods(click.Command):
     default=None,
     help="CPU: chunks solved at once, each single-threaded [default: torch's thread count].",
 )
+@cuda_step_option
 @click.option(
     "--preprocess",
     default=defaults.PREPROCESS,
@@ -309,6 +322,7 @@ def solve(
     device,
     max_memory,
     workers,
+    cuda_step,
     preprocess,
     results_path,
 ) -> None:
@@ -331,7 +345,7 @@ def solve(
     given = {k: ctx.params[k] for k in SETTINGS if _explicit(ctx, k)}
     # under torchrun (poodle.distributed) rank 0 alone shows a bar (of its share) and prints
     world, rank, _ = env_world()
-    total = None if episodes_from else len(share(episodes, world, rank))
+    total = None if episodes_from or episodes < 1 else len(share(episodes, world, rank))  # < 1: the library says
     # drawn once the library's checks up front have passed (Ready): an error there comes alone
     bar = (
         progress_bar("solving", total=total, unit="episodes", lazy=True) if rank == 0 else contextlib.nullcontext(None)
@@ -344,7 +358,7 @@ def solve(
             episodes_from=episodes_from,
             save_episodes_to=save_episodes,
             out=results_path,
-            run=RunOptions(device=device, max_memory=max_memory, workers=workers),
+            run=RunOptions(device=device, max_memory=max_memory, workers=workers, cuda_step=cuda_step),
             on_event=solve_events(advance),
             **given,
         )

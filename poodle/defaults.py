@@ -21,6 +21,10 @@ N_NEG = 400
 METHOD = "poodle"
 PREPROCESS = "l2n"  # feature preprocessing (poodle.preprocess): the cached L2-normalised rows
 DEVICE = "auto"
+# The step of the fine-tuning fits on CUDA: "torch" (two batched matmuls a step) or "triton" (one
+# kernel that reads each row once a step; opt-in until a GPU has timed both, docs/gpu.md).
+CUDA_STEP = "torch"
+CUDA_STEPS = ("torch", "triton")
 CACHE_ROOT = "cache"  # where extract, train and demo keep what they make, by dataset
 DATASET = "glyphs"  # the embedded dataset (generated on first use): extract's and train's default
 # Image side fed to a backbone of the release: the paper's 84, except where a dataset has its own

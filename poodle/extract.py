@@ -38,7 +38,7 @@ from poodle.cache import (
 )
 from poodle.data import ImageDataset, PixelCache, resolve_dataset
 from poodle.data.transforms import eval_transform, native_eval_transform
-from poodle.errors import CacheError, ConfigError, DataError
+from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
 from poodle.events import Notice, OnEvent, SplitResumed, SplitReused, SplitWritten, ignore
 from poodle.utils import check_writable_dir
 
@@ -247,13 +247,23 @@ def extract(
     with d.guard():
         opts.check(dataset)
         model_spec = _model_spec(backbone, opts)
+        trouble = project.check_index(opts.cache_root) if opts.record else None
+    if trouble:
+        tell(Notice("index-restarted", f"{trouble}: it is started anew with this cache", ()))
     weights = _weights(d, model_spec.name, opts)
     plan = _plan(d, dataset, model_spec, opts, source, tell, weights)
     if not plan.todo:
         _record(d, opts, plan)
         return plan.out
     with d.guard():
-        model = _load_model(model_spec, weights.checkpoint, d.device)
+        try:
+            model = _load_model(model_spec, weights.checkpoint, d.device)
+        except CheckpointError as e:
+            if not weights.origin:
+                raise
+            # a pretrained file found in timm's / torch hub's cache: damaged (a copy cut short) or foreign
+            hint = "it is in the library's cache: delete it and run again to download it anew"
+            raise CheckpointError(e.message, params=e.params, hint=hint) from None
     workers = default_workers() if opts.workers is None else int(opts.workers)
     run = _Run(d, model, opts, workers, progress_factory, tell)
     for split in plan.todo:

@@ -56,6 +56,9 @@ class RunOptions:
         cells_per_call: cells on the same episodes and negatives solved by one call (each chunk's
             episodes are then gathered, and their negatives drawn, once for all of them).
         chunk_size: episodes per chunk, overriding the automatic choice (tests, benchmarks).
+        cuda_step: the fine-tuning fits' step on CUDA, ``"torch"`` or ``"triton"``
+            (:func:`poodle.solvers._optim.cuda_step`: the same accuracies, probabilities to float
+            rounding).
     """
 
     device: str | torch.device = defaults.DEVICE
@@ -63,6 +66,7 @@ class RunOptions:
     workers: int | None = None
     cells_per_call: int = defaults.CELLS_PER_CALL
     chunk_size: int | None = None
+    cuda_step: str = defaults.CUDA_STEP
 
 
 def versions() -> dict[str, str]:
@@ -279,23 +283,24 @@ def solve_call(
             )
 
     t0 = time.perf_counter()
-    accs = evaluate(
-        features,
-        episodes,
-        methods,
-        negatives=users[0].negative_spec() if users else None,
-        cache_path=c0.cache_file,
-        device=device,
-        max_memory=options.max_memory,
-        workers=options.workers,
-        chunk_size=options.chunk_size,
-        progress=lambda n: on_event(EpisodesSolved(n, len(batch))),
-        stats=stats,
-        preprocess=pre,
-        ready=(lambda: on_event(Ready())) if ready else None,
-        also_held=also,
-        planned=planned,
-    )
+    with _optim.cuda_step(options.cuda_step):
+        accs = evaluate(
+            features,
+            episodes,
+            methods,
+            negatives=users[0].negative_spec() if users else None,
+            cache_path=c0.cache_file,
+            device=device,
+            max_memory=options.max_memory,
+            workers=options.workers,
+            chunk_size=options.chunk_size,
+            progress=lambda n: on_event(EpisodesSolved(n, len(batch))),
+            stats=stats,
+            preprocess=pre,
+            ready=(lambda: on_event(Ready())) if ready else None,
+            also_held=also,
+            planned=planned,
+        )
     call_seconds = time.perf_counter() - t0
     info = {
         "call_seconds": round(call_seconds, 4),

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from poodle import defaults
-from poodle.errors import ConfigError, PoodleError
+from poodle.errors import CacheError, ConfigError, PoodleError
 
 try:  # Python >= 3.11
     import tomllib
@@ -49,11 +49,15 @@ def read_project(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     level but tables."""
     p = Path(path)
     try:
-        text = p.read_bytes().decode("utf-8")
+        # utf-8-sig: a byte order mark (Windows editors write one) is not part of the TOML text
+        text = p.read_bytes().decode("utf-8-sig")
     except FileNotFoundError:
-        raise ConfigError(f"project file {p} does not exist") from None
+        dangling = " (a symbolic link to nothing)" if p.is_symlink() else ""
+        raise ConfigError(f"project file {p} does not exist{dangling}") from None
     except IsADirectoryError:
         raise ConfigError(f"project file {p} is a directory") from None
+    except OSError as e:  # a symbolic link loop, no permission to read, an I/O error
+        raise ConfigError(f"project file {p} cannot be read: {_os_reason(e)}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"project file {p} is not UTF-8 text (byte {e.start})") from None
     try:
@@ -67,6 +71,16 @@ def read_project(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
                 f"such as [extract]"
             )
     return data
+
+
+def _os_reason(e: OSError) -> str:
+    import errno
+
+    if e.errno == errno.ELOOP:
+        return "a symbolic link loop"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return (e.strerror or str(e)).lower()
 
 
 def project_defaults(
@@ -175,6 +189,18 @@ def latest_checkpoint(cache_root: str | os.PathLike, backbone: str, dataset: str
     return runs[-1] if runs else None
 
 
+def unfinished_runs(cache_root: str | os.PathLike, backbone: str, dataset: str) -> list[Path]:
+    """The run folders of ``backbone`` on ``dataset`` under ``cache_root`` (``poodle train``'s default
+    ``<backbone>-<recipe>``) that hold a checkpoint but no readable ``train.json``: stopped before the
+    last epoch, or with that file damaged. No default checkpoint is taken from them."""
+    folder = Path(cache_root) / dataset / "checkpoints"
+    return [
+        d
+        for d in sorted(folder.glob(f"{backbone}-*"))
+        if d.is_dir() and any((d / f).is_file() for f in ("last.pt", "best.pt")) and _run_of(d / "train.json") is None
+    ]
+
+
 # ------------------------------------------------------------------------------------------ the caches' index
 
 
@@ -269,6 +295,61 @@ def latest_cache(
         if (dataset is None or r.dataset == dataset) and (backbone is None or r.backbone == backbone)
     ]
     return found[-1] if found else None
+
+
+def _read_index(cache_root: str | os.PathLike) -> tuple[list[Any], str | None]:
+    """The index's entries as written, and why it cannot be read (None: it can, or there is none)."""
+    index = index_path(cache_root)
+    if not os.path.lexists(index):
+        return [], None
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except IsADirectoryError:
+        return [], f"{index} is a directory, not the index of caches"
+    except OSError as e:
+        return [], f"{index} cannot be read: {_os_reason(e)}"
+    except UnicodeDecodeError as e:
+        return [], f"{index} is not UTF-8 text (byte {e.start})"
+    except json.JSONDecodeError as e:
+        return [], f"{index} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno})"
+    entries = data.get("caches") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        return [], f"{index} is not an index of caches (no list 'caches')"
+    return entries, None
+
+
+def index_trouble(
+    cache_root: str | os.PathLike, *, dataset: str | None = None, backbone: str | None = None
+) -> str | None:
+    """Why the index gives no cache (of ``dataset`` / ``backbone`` when given) although it exists:
+    it cannot be read, is not JSON (cut short, edited by hand) or not an index, or the cache it
+    names last was deleted. None where there is no index or nothing is wrong with it."""
+    entries, trouble = _read_index(cache_root)
+    if trouble is not None:
+        return trouble
+    root = Path(cache_root)
+    named = [
+        e
+        for e in entries
+        if isinstance(e, dict)
+        and isinstance(e.get("path"), str)
+        and (dataset is None or e.get("dataset") == dataset)
+        and (backbone is None or e.get("backbone") == backbone)
+    ]
+    if named and not (root / named[-1]["path"]).is_file():
+        return f"{index_path(root)} names last {root / named[-1]['path']}, which no longer exists"
+    return None
+
+
+def check_index(cache_root: str | os.PathLike) -> str | None:
+    """Before an extraction writes anything: CacheError when the index could not be replaced after
+    it (something other than a file in its place); else what is wrong with an index that
+    :func:`record_cache` will start anew (it cannot be read), or None."""
+    index = index_path(cache_root)
+    if os.path.lexists(index) and not index.is_file():
+        what = "a directory" if index.is_dir() else "not a regular file"
+        raise CacheError(f"{index}, the index of the caches extract writes, is {what}: move it out of the way")
+    return _read_index(cache_root)[1]
 
 
 def cache_of(

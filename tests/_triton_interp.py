@@ -16,7 +16,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _triton_dispatch import triton_step  # noqa: E402
 
 from poodle import solvers  # noqa: E402
 from poodle.solvers import EpisodeBatch, _optim, _triton_step  # noqa: E402
@@ -89,7 +88,7 @@ def solver_case(name: str, over: dict, shot: int, Nq_per: int, D: int, K: int, M
     cfg = solvers.make_config(name, over, strict=True)
     ref = solvers.run(name, batch, cfg)
     t = time.perf_counter()
-    with triton_step():
+    with _optim.cuda_step("triton", devices=("cpu",)):
         out = solvers.run(name, batch, cfg)
     secs = time.perf_counter() - t
     acc_r = (ref.log_probs.argmax(-1) == yq).double().mean(1)
@@ -103,6 +102,8 @@ def solver_case(name: str, over: dict, shot: int, Nq_per: int, D: int, K: int, M
         "w_diff": float((out.state["prototypes"] - ref.state["prototypes"]).abs().max()),
         "moved": float((ref.state["prototypes"] - w0).abs().max()),
         "seconds": secs,
+        # which arithmetic the dispatch ran (the records' "formulation")
+        "formulation": _optim.formulation(name, "cpu"),
     }
 
 

@@ -87,8 +87,11 @@ def test_config_names_another_file_whose_paths_are_read_from_its_folder(tmp_path
         ),
         ("[solve]\nepisods = 3\n", "poodle.toml: [solve] episods: solve has no option 'episods' (its options:"),
         ("[defaults]\nnope = 1\n", "poodle.toml: [defaults] nope: no command has an option 'nope'"),
-        ('[solve]\nepisodes = "many"\n', "poodle.toml: [solve] episodes = 'many': 'many' is not a valid integer"),
-        ('[extract]\ndataset = "imagenet"\n', "poodle.toml: [extract] dataset = 'imagenet': 'imagenet' is not one of"),
+        ('[solve]\nepisodes = "many"\n', 'poodle.toml: [solve] episodes = "many": expected an integer'),
+        (
+            '[extract]\ndataset = "imagenet"\n',
+            "poodle.toml: [extract] dataset = \"imagenet\": 'imagenet' is not one of",
+        ),
         ("episodes = 3\n", "poodle.toml: 'episodes' is outside any table"),
         ("[solve\n", "project file poodle.toml is not valid TOML"),
     ],

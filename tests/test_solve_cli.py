@@ -156,6 +156,7 @@ def test_solve_imbalanced_random_negatives(tmp_path, cache):
         ),
         (["--n-neg", 0], "--n-neg must be a positive integer"),
         (["--max-memory", "1B"], "cannot be met"),
+        (["--cuda-step", "cutlass"], "'cutlass' is not one of 'torch', 'triton'"),
         (["--method", "poodle", "--alpha", -1], "--alpha: method 'poodle': option 'alpha' must lie in [0, inf)"),
     ],
 )

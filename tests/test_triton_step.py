@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from poodle import solvers
 from poodle.costmodel import torch_step_bytes, triton_step_bytes
 from poodle.errors import ConfigError
-from poodle.solvers import _triton_step
+from poodle.solvers import _optim, _triton_step
 
 SCRIPT = Path(__file__).with_name("_triton_interp.py")
 needs_triton = pytest.mark.skipif(not _triton_step.available()[0], reason="Triton not installed")
@@ -52,11 +53,31 @@ def test_weighted_distance_fit_matches_torch_float64(results, case):
 )
 def test_solvers_on_the_triton_step_match_per_episode(results, case):
     r = results[case]
+    assert r["formulation"] == "triton"  # cuda_step("triton") sent the fit to the kernel
     assert r["moved"] > 5e-3
     assert r["acc_triton"] == r["acc_ref"]  # every episode's accuracy identical
     f32 = case.startswith("f32")
     assert r["prob_diff"] < (1e-5 if f32 else 1e-12)
     assert r["w_diff"] < (1e-6 if f32 else 1e-10)
+
+
+def test_cuda_step_is_checked_and_leaves_cpu_fits_alone():
+    with pytest.raises(ConfigError, match="cuda_step must be one of torch, triton") as e:
+        with _optim.cuda_step("cutlass"):
+            pass
+    assert (e.value.param, e.value.value) == ("cuda_step", "cutlass")
+    from poodle.solvers.base import EpisodeBatch
+
+    g = torch.Generator().manual_seed(0)
+    batch = EpisodeBatch(
+        torch.randn(2, 5, 16, generator=g), torch.arange(5).repeat(2, 1), torch.randn(2, 10, 16, generator=g), None, 5
+    )
+    cfg = solvers.make_config("tim-gd", {"steps": 3})
+    ref = solvers.run("tim-gd", batch, cfg)
+    with _optim.cuda_step("triton"):  # CPU tensors: the CPU's arithmetic, bit for bit
+        out = solvers.run("tim-gd", batch, cfg)
+    assert torch.equal(out.log_probs, ref.log_probs)
+    assert _optim.formulation("tim-gd", "cpu") != "triton"
 
 
 def test_triton_step_reads_the_rows_once():

@@ -63,6 +63,8 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     p = resolve_path(path, what="checkpoint")
     if not p.is_file():
         raise CheckpointError(f"checkpoint {p} does not exist")
+    if p.stat().st_size == 0:  # torch says only "EOFError"
+        raise CheckpointError(f"{p} is not a torch checkpoint (an empty file)")
     if p.suffix == ".safetensors":
         return _read_safetensors(p), {}
     try:
@@ -83,6 +85,8 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         # The weights-only unpickler buries the real cause ("Unsupported operand 100") mid-message.
         detail = next((ln for ln in lines if ln.startswith("Unsupported")), lines[0] if lines else "")
+        # torch's zip reader goes on about "an internal miniz error" and file corruption: its first sentence says it
+        detail = detail.split(". ")[0]
         raise CheckpointError(f"{p} is not a torch checkpoint ({type(e).__name__}: {detail[:160]})") from e
     wrapper = next((k for k in WRAPPERS if isinstance(obj, Mapping) and isinstance(obj.get(k), Mapping)), None)
     if wrapper is not None:

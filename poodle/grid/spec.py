@@ -125,30 +125,7 @@ def parse_grid(
 ) -> GridSpec:
     """Check a grid's TOML content and normalise it (see :func:`load_grid`)."""
     where = str(path)
-    flat: dict[str, Any] = {}
-    origin: dict[str, str] = {}
-    for key, value in data.items():
-        # "episodes" and "negatives" are both section names and options: a plain value is the option
-        if key in SECTIONS and (isinstance(value, dict) or key not in GENERAL_KEYS):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}: [{key}] must be a table of options")
-            for k, v in value.items():
-                if isinstance(v, dict):
-                    raise ConfigError(f"{where}: [{key}].{k} is a table; options take a value or a list")
-                if k in flat:
-                    raise ConfigError(f"{where}: option {k!r} is given twice ({origin[k]} and [{key}])")
-                flat[k], origin[k] = v, f"[{key}]"
-        elif key in TOP_LEVEL_ONLY:
-            continue
-        else:
-            if isinstance(value, dict):
-                raise ConfigError(
-                    f"{where}: unknown section [{key}]; sections are "
-                    f"{', '.join('[' + s + ']' for s in SECTIONS)}, [caches] and [[cell]]"
-                )
-            if key in flat:
-                raise ConfigError(f"{where}: option {key!r} is given twice")
-            flat[key], origin[key] = value, "top level"
+    flat = _flatten(data, where)
     for k, v in (overrides or {}).items():
         flat[k] = v
 
@@ -173,20 +150,7 @@ def parse_grid(
 
     fields_by_method = _solver_fields()
     axes = {k: _normalise_values(where, k, v) for k, v in flat.items()}
-    cells = []
-    for i, c in enumerate(raw_cells):
-        cw = f"{where}: [[cell]] #{i + 1}"
-        cell: dict[str, Any] = {}
-        for k, v in c.items():
-            if isinstance(v, dict):
-                raise ConfigError(f"{cw}: {k!r} is a table; options take a value or a list")
-            if k == "label":
-                if not isinstance(v, str) or not v:
-                    raise ConfigError(f"{cw}: 'label' must be a non-empty string, got {v!r}")
-                cell[k] = v
-            else:
-                cell[k] = _normalise_values(cw, k, v)
-        cells.append(cell)
+    cells = [_read_cell(f"{where}: [[cell]] #{i + 1}", c) for i, c in enumerate(raw_cells)]
 
     defaulted = False
     if "cache" not in axes and (product or not all("cache" in c for c in cells)) and default_cache is not None:
@@ -210,6 +174,50 @@ def parse_grid(
     )
     _check_option_names(spec, fields_by_method)
     return spec
+
+
+def _flatten(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The options of the top level and of the section tables, as one mapping (each given once)."""
+    flat: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for key, value in data.items():
+        # "episodes" and "negatives" are both section names and options: a plain value is the option
+        if key in SECTIONS and (isinstance(value, dict) or key not in GENERAL_KEYS):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: [{key}] must be a table of options")
+            for k, v in value.items():
+                if isinstance(v, dict):
+                    raise ConfigError(f"{where}: [{key}].{k} is a table; options take a value or a list")
+                if k in flat:
+                    raise ConfigError(f"{where}: option {k!r} is given twice ({origin[k]} and [{key}])")
+                flat[k], origin[k] = v, f"[{key}]"
+        elif key in TOP_LEVEL_ONLY:
+            continue
+        else:
+            if isinstance(value, dict):
+                raise ConfigError(
+                    f"{where}: unknown section [{key}]; sections are "
+                    f"{', '.join('[' + s + ']' for s in SECTIONS)}, [caches] and [[cell]]"
+                )
+            if key in flat:
+                raise ConfigError(f"{where}: option {key!r} is given twice")
+            flat[key], origin[key] = value, "top level"
+    return flat
+
+
+def _read_cell(cw: str, c: Mapping[str, Any]) -> dict[str, Any]:
+    """One ``[[cell]]`` table: its label and its options' values as lists."""
+    cell: dict[str, Any] = {}
+    for k, v in c.items():
+        if isinstance(v, dict):
+            raise ConfigError(f"{cw}: {k!r} is a table; options take a value or a list")
+        if k == "label":
+            if not isinstance(v, str) or not v:
+                raise ConfigError(f"{cw}: 'label' must be a non-empty string, got {v!r}")
+            cell[k] = v
+        else:
+            cell[k] = _normalise_values(cw, k, v)
+    return cell
 
 
 def _normalise_values(where: str, key: str, value: Any) -> list[Any]:

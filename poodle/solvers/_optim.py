@@ -25,9 +25,11 @@ per-row constant, which the softmax ignores) and ``p_i = softmax_k(l_i)``. Given
   ``None`` where the kernel does not know the loss (the torch formulation then runs on CPU too).
 
 :func:`fit` runs it: the kernel where it can, otherwise :func:`fit_torch`, the one step loop of
-the torch formulation. The two losses here are :class:`WeightedDistance` (POODLE, CE, naive-OOD:
-per-row coefficients, :class:`RowTerms`) and :class:`LogitLoss` (a ``grad_logits`` callback, with
-a :class:`NativeLoss` where the kernel computes it: TIM-GD, entropy minimisation). A new fused
+the torch formulation; on CUDA under :func:`cuda_step` ``("triton")``, the Triton step
+(:mod:`poodle.solvers._triton_step`) for the losses it knows. The two losses here are
+:class:`WeightedDistance` (POODLE, CE, naive-OOD: per-row coefficients, :class:`RowTerms`) and
+:class:`LogitLoss` (a ``grad_logits`` callback, with a :class:`NativeLoss` where a kernel computes
+it: TIM-GD, entropy minimisation, and alpha-TIM for the Triton step alone). A new fused
 loss in the kernel is a ``LOSS_`` case in ``_fit_kernel.c`` (its dL/dlogits of the query rows), a
 key of ``_native.LOSSES`` and the ``kernel()`` of its loss object here.
 
@@ -59,12 +61,19 @@ from typing import Callable, Iterator, Protocol
 import torch
 from torch import Tensor
 
+from poodle import defaults
+from poodle.errors import ConfigError
 from poodle.solvers import _native
 from poodle.solvers._native import KernelTerms
 
 # Whether CPU fits may use the fused C kernel (see _native.py); the tests switch it off to check the
 # torch formulation against the same references.
 USE_NATIVE = True
+
+# The step CUDA fits take (see cuda_step); process-wide, as chunks may be solved in worker threads.
+CUDA_STEPS = defaults.CUDA_STEPS
+TRITON_METHODS = ("poodle", "ce", "naive-ood", "tim-gd", "alpha-tim", "entropy-min")  # whose fits it takes
+_cuda_step = {"name": defaults.CUDA_STEP, "devices": ("cuda",)}
 
 # Padding of each episode's parameter row: keeps the K*D prototype block and the scale in one
 # buffer (one Adam for both) while every episode's row starts on a 64-byte boundary.
@@ -165,17 +174,20 @@ class NativeLoss:
     ``grad_logits`` of the torch formulation, which it replaces there.
 
     Attributes:
-        kind: ``"tim"`` (TIM's mutual information, weights ``(ce, marginal, conditional)``) or
-            ``"entropy"`` (mean query entropy, weights ``(ce, entropy, unused)``).
+        kind: ``"tim"`` (TIM's mutual information, weights ``(ce, marginal, conditional)``),
+            ``"entropy"`` (mean query entropy, weights ``(ce, entropy, unused)``) or ``"alpha"``
+            (alpha-TIM, weights as ``"tim"``; the Triton step computes it, the CPU kernel does not).
         n_support: the number ``Ns`` of support rows, first among the rows.
         targets: ``[E, K, Ns]`` one-hot support labels.
         weights: the loss's three weights (see ``kind``).
+        alpha: the alpha-entropy order (``"alpha"`` only).
     """
 
     kind: str
     n_support: int
     targets: Tensor
     weights: tuple[float, float, float]
+    alpha: float = 0.0
 
 
 class LogitLoss:
@@ -190,7 +202,9 @@ class LogitLoss:
 
     def kernel(self) -> KernelTerms | None:
         n = self.native
-        return None if n is None else KernelTerms(n.kind, n.targets, n_support=n.n_support, weights=n.weights)
+        if n is None or n.kind not in _native.LOSSES:
+            return None
+        return KernelTerms(n.kind, n.targets, n_support=n.n_support, weights=n.weights)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,13 +294,16 @@ def fit(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions) -> tuple[Tensor, Te
     Returns:
         ``(W [E, K, D], gamma [E, 1, 1])`` after ``opts.steps`` Adam steps.
     """
-    terms = loss.kernel() if USE_NATIVE and x.device.type == "cpu" else None
-    if terms is not None and _native.usable(x):
+    triton = _triton_loss(x, loss)
+    terms = loss.kernel() if USE_NATIVE and x.device.type == "cpu" and triton is None else None
+    if triton is not None:
+        what, result = "triton", _triton_fit(x, w0, triton, opts)
+    elif terms is not None and _native.usable(x):
         what = _native.formulation()
         result = _native.fit(x, w0, terms, opts)
     else:
         if x.device.type != "cpu":
-            what = "torch"
+            what = "torch" if _cuda_step["name"] == "torch" else "torch (no Triton step for this fit here)"
         elif not USE_NATIVE:
             what = "torch (the fused kernel switched off)"
         elif terms is None:
@@ -298,6 +315,52 @@ def fit(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions) -> tuple[Tensor, Te
         result = fit_torch(x, w0, loss, opts)
     _ran[(getattr(_running, "method", None), x.device.type)] = what
     return result
+
+
+@contextlib.contextmanager
+def cuda_step(name: str, devices: tuple[str, ...] = ("cuda",)) -> Iterator[None]:
+    """Inside: fits on ``devices`` take the ``name`` step, ``"torch"`` (:func:`fit_torch`) or
+    ``"triton"`` (one kernel reading each row once a step, for POODLE, CE, naive-OOD, TIM-GD,
+    alpha-TIM and entropy minimisation; other fits and a machine without Triton run torch).
+    Accuracies agree with the torch formulation and probabilities to float rounding
+    (``tests/test_triton_step.py``). ``devices`` other than CUDA need Triton's interpreter (tests)."""
+    if name not in CUDA_STEPS:
+        raise ConfigError(
+            f"cuda_step must be one of {', '.join(CUDA_STEPS)}, not {name!r}",
+            param="cuda_step",
+            value=name,
+            reason=f"must be one of {', '.join(CUDA_STEPS)}",
+        )
+    before = dict(_cuda_step)
+    _cuda_step.update(name=name, devices=tuple(devices))
+    try:
+        yield
+    finally:
+        _cuda_step.update(before)
+
+
+def _triton_loss(x: Tensor, loss: Loss) -> RowTerms | NativeLoss | None:
+    """What the Triton step is given for ``loss``, when it is to take this fit; else ``None``."""
+    if _cuda_step["name"] != "triton" or x.device.type not in _cuda_step["devices"]:
+        return None
+    if isinstance(loss, WeightedDistance):
+        described: RowTerms | NativeLoss | None = loss.terms
+    elif isinstance(loss, LogitLoss):
+        described = loss.native
+    else:
+        return None
+    from poodle.solvers import _triton_step
+
+    return described if described is not None and _triton_step.available()[0] else None
+
+
+def _triton_fit(x: Tensor, w0: Tensor, what: RowTerms | NativeLoss, opts: FitOptions) -> tuple[Tensor, Tensor]:
+    from poodle.solvers import _triton_step
+
+    kw = dict(scale0=opts.scale0, steps=opts.steps, lr=opts.lr, betas=opts.betas, eps=opts.eps)
+    if isinstance(what, RowTerms):
+        return _triton_step.fit_weighted_distance(x, what, w0, learn_scale=opts.learn_scale, **kw)  # type: ignore[arg-type]
+    return _triton_step.fit_logit_loss(x, w0, what, learn_scale=opts.learn_scale, **kw)  # type: ignore[arg-type]
 
 
 def formulation(method: str, device: torch.device | str) -> str:

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._optim import fit_logit_loss
+from poodle.solvers._optim import NativeLoss, fit_logit_loss
 from poodle.solvers._transductive import dist_flops, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
@@ -115,6 +115,8 @@ def alpha_tim(batch: EpisodeBatch, cfg: AlphaTimConfig) -> SolverOutput:
         steps=cfg.steps,
         lr=cfg.lr,
         learn_scale=False,
+        # the Triton step's description of the loss (the CPU kernel does not know it)
+        native=NativeLoss("alpha", Ns, y_t, (w_ce, w_marg, w_cond), alpha=a),
     )
     log_probs = torch.log_softmax(softmax_logits(z_q, w, cfg.temperature), -1)
     return SolverOutput(log_probs, {"prototypes": w})
