@@ -61,8 +61,12 @@ def _read(path: Path, splits: list[str], box: dict[str, Any]) -> None:
 
 
 def start(path: str | os.PathLike, splits: Iterable[str]) -> None:
-    """Begin reading ``features`` of ``splits`` of the cache at ``path`` in a daemon thread.
-    Does nothing for a file that does not exist or splits already being read."""
+    """Begin reading ``features`` of ``splits`` of the cache at ``path`` in a thread.
+    Does nothing for a file that does not exist or splits already being read.
+
+    The thread is not a daemon: a process that ends before taking the arrays (a bad option found
+    first) waits for the read, which holds h5py's global lock; a daemon thread frozen holding it
+    made the interpreter's shutdown, which frees h5py objects, wait forever."""
     p = Path(path)
     try:
         key_path = os.path.realpath(p)  # never raises (a link loop is reported by the caller's own read)
@@ -75,7 +79,7 @@ def start(path: str | os.PathLike, splits: Iterable[str]) -> None:
         if not todo:
             return
         box: dict[str, Any] = {}
-        t = threading.Thread(target=_read, args=(p, todo, box), name="poodle-prefetch", daemon=True)
+        t = threading.Thread(target=_read, args=(p, todo, box), name="poodle-prefetch", daemon=False)
         for s in todo:
             _pending[(key_path, s)] = (t, box)
     t.start()
