@@ -377,6 +377,13 @@ cuda_step_option = click.option(
 )
 
 
+def pretrained_option(help: str) -> Callable[[Any], Any]:
+    """extract's and predict's ``--pretrained [WEIGHTS]``: a bare flag means the library's default weights."""
+    return click.option(
+        "--pretrained", is_flag=False, flag_value=defaults.PRETRAINED, default=None, metavar="[WEIGHTS]", help=help
+    )
+
+
 class SizeType(click.ParamType):
     """A memory size like 4GiB or 512MiB, converted to bytes."""
 

@@ -8,7 +8,16 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import console, friendly_errors, note, out, progress_bar, say_glyphs_generation, styled
+from poodle.cli._common import (
+    console,
+    friendly_errors,
+    note,
+    out,
+    pretrained_option,
+    progress_bar,
+    say_glyphs_generation,
+    styled,
+)
 
 DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100"]
 
@@ -98,15 +107,10 @@ def say_event(event: Any) -> None:
     "timm's, DINOv2's and CLIP's original files) or a .safetensors file [default: the newest complete "
     "`poodle train` or `poodle demo` run of --backbone on --dataset under --cache-root].",
 )
-@click.option(
-    "--pretrained",
-    is_flag=False,
-    flag_value=defaults.PRETRAINED,
-    default=None,
-    metavar="[WEIGHTS]",
-    help="timm:/torchvision: backbones: the library's own pretrained weights, from its cache (HF_HOME, "
+@pretrained_option(
+    "timm:/torchvision: backbones: the library's own pretrained weights, from its cache (HF_HOME, "
     "TORCH_HOME) or downloaded there: timm's for the tag in the name (timm:NAME.TAG); torchvision's "
-    "default weights, or the member of its weights enum named (--pretrained IMAGENET1K_V2).",
+    "default weights, or the member of its weights enum named (--pretrained IMAGENET1K_V2)."
 )
 @click.option(
     "--random-weights",

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import console, friendly_errors, note, out, parse_set, progress_bar
+from poodle.cli._common import console, friendly_errors, note, out, parse_set, pretrained_option, progress_bar
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -44,14 +44,7 @@ from poodle.cli._common import console, friendly_errors, note, out, parse_set, p
     default=None,
     help="Weights (torch state dict or .safetensors), loaded strictly [default: random weights].",
 )
-@click.option(
-    "--pretrained",
-    is_flag=False,
-    flag_value=defaults.PRETRAINED,
-    default=None,
-    metavar="[WEIGHTS]",
-    help="timm:/torchvision: backbones: the library's own pretrained weights, as for `poodle extract`.",
-)
+@pretrained_option("timm:/torchvision: backbones: the library's own pretrained weights, as for `poodle extract`.")
 @click.option("--method", default=defaults.METHOD, show_default=True, help="Any method of `poodle solve`.")
 @click.option("--transductive", is_flag=True, help="Use the query images too (methods that can).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="A config field of the method (repeatable).")

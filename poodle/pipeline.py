@@ -68,6 +68,9 @@ class RunOptions:
     chunk_size: int | None = None
     cuda_step: str = defaults.CUDA_STEP
 
+    def __post_init__(self) -> None:
+        _optim.check_cuda_step(self.cuda_step)  # refused when made, before any file is read
+
 
 def versions() -> dict[str, str]:
     return {"poodle": __version__, "torch": torch.__version__, "python": platform.python_version()}

@@ -66,6 +66,10 @@ def test_cuda_step_is_checked_and_leaves_cpu_fits_alone():
         with _optim.cuda_step("cutlass"):
             pass
     assert (e.value.param, e.value.value) == ("cuda_step", "cutlass")
+    from poodle.pipeline import RunOptions
+
+    with pytest.raises(ConfigError, match="cuda_step must be one of"):
+        RunOptions(cuda_step="cutlass")  # refused when made, before any file is read
     from poodle.solvers.base import EpisodeBatch
 
     g = torch.Generator().manual_seed(0)

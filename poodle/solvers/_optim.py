@@ -317,13 +317,8 @@ def fit(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions) -> tuple[Tensor, Te
     return result
 
 
-@contextlib.contextmanager
-def cuda_step(name: str, devices: tuple[str, ...] = ("cuda",)) -> Iterator[None]:
-    """Inside: fits on ``devices`` take the ``name`` step, ``"torch"`` (:func:`fit_torch`) or
-    ``"triton"`` (one kernel reading each row once a step, for POODLE, CE, naive-OOD, TIM-GD,
-    alpha-TIM and entropy minimisation; other fits and a machine without Triton run torch).
-    Accuracies agree with the torch formulation and probabilities to float rounding
-    (``tests/test_triton_step.py``). ``devices`` other than CUDA need Triton's interpreter (tests)."""
+def check_cuda_step(name: str) -> None:
+    """ConfigError unless ``name`` is one of :data:`CUDA_STEPS`."""
     if name not in CUDA_STEPS:
         raise ConfigError(
             f"cuda_step must be one of {', '.join(CUDA_STEPS)}, not {name!r}",
@@ -331,6 +326,16 @@ def cuda_step(name: str, devices: tuple[str, ...] = ("cuda",)) -> Iterator[None]
             value=name,
             reason=f"must be one of {', '.join(CUDA_STEPS)}",
         )
+
+
+@contextlib.contextmanager
+def cuda_step(name: str, devices: tuple[str, ...] = ("cuda",)) -> Iterator[None]:
+    """Inside: fits on ``devices`` take the ``name`` step, ``"torch"`` (:func:`fit_torch`) or
+    ``"triton"`` (one kernel reading each row once a step, for POODLE, CE, naive-OOD, TIM-GD,
+    alpha-TIM and entropy minimisation; other fits and a machine without Triton run torch).
+    Accuracies agree with the torch formulation and probabilities to float rounding
+    (``tests/test_triton_step.py``). ``devices`` other than CUDA need Triton's interpreter (tests)."""
+    check_cuda_step(name)
     before = dict(_cuda_step)
     _cuda_step.update(name=name, devices=tuple(devices))
     try:
