@@ -31,6 +31,11 @@ features, negative coordinates included), ``standard-nonneg`` (the same, shifted
 coordinate so that the power transforms of PT-MAP, BMS and protoLP are defined, as on post-ReLU
 backbone features), ``relu`` (post-ReLU clustered features of ``--dim``).
 
+Where a release's accuracy differs from ours on some episode, the release runs a second time on
+the same episodes with every coordinate moved by at most one unit in the last place, and the
+episodes it keeps are printed ("the release against itself"): a method whose outcome hangs on
+rounding disagrees with itself about as often as with us (``--no-self-check``: skip it).
+
 ``--their-episodes N`` (or ``METHOD=N``) gives a release only the first N episodes (for the
 slowest, one task per call); agreement and their speed are then over those N, ours over all.
 """
@@ -191,19 +196,29 @@ def compare(row: Release, kind: str, theirs: Theirs, ours: dict, pred: torch.Ten
     }  # fmt: skip
 
 
+def self_check(row: Release, checkout: Path, ep: Episodes, kind: str, theirs: Theirs, seed: int) -> int:
+    """The release run again on the same episodes with every coordinate moved by at most one unit
+    in the last place (``Episodes.one_ulp``): how many episodes keep their accuracy. Where ours and
+    the release differ, this tells a method whose outcome hangs on rounding (the release disagrees
+    with itself about as often) from a difference of method."""
+    again = row.run(checkout, ep.one_ulp(seed), kind)
+    return int((np.abs(again.acc - theirs.acc) < 1e-6).sum())
+
+
 def table(rows: list[dict]) -> str:
     head = (
         "| method | release | their input | episodes compared | identical accuracy | mean ours | mean theirs | "
-        "predictions agree | ours ep/s (whole process) | theirs ep/s | ratio |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|"
+        "predictions agree | release vs itself, rows one ulp away | ours ep/s (whole process) | theirs ep/s | ratio |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
         agree = "" if r["agree"] is None else f"{100 * r['agree']:.3f}%"
+        itself = f"{r['itself']}/{r['n']}" if "itself" in r else ""
         inp = {"raw": "theirs", "l2n": "ours (L2N rows)"}[r["kind"]] + (f"; {r['note']}" if r["note"] else "")
         lines.append(
             f"| `{r['method']}` | {r['repo']} | {inp} | {r['n']} | {r['identical']}/{r['n']} | "
-            f"{100 * r['ours']:.2f} | {100 * r['theirs']:.2f} | {agree} | {r['ours_eps']:.1f} | "
+            f"{100 * r['ours']:.2f} | {100 * r['theirs']:.2f} | {agree} | {itself} | {r['ours_eps']:.1f} | "
             f"{r['their_eps']:.2f} | {r['ratio']:.1f}x |"
         )
     return "\n".join(lines)
@@ -233,14 +248,23 @@ def run_all(a: argparse.Namespace, cache: Path, episodes: Path) -> list[dict]:
         n = their_count(row.method, a, ep.n)
         n = min(n, row.max_episodes) if row.max_episodes else n
         for kind in ["raw"] + (["l2n"] if row.l2n or a.l2n_too else []):
-            r = compare(row, kind, row.run(checkout, ep.head(n), kind), ours, pred)
+            theirs = row.run(checkout, ep.head(n), kind)
+            r = compare(row, kind, theirs, ours, pred)
+            if a.self_check and r["identical"] < r["n"]:
+                r["itself"] = self_check(row, checkout, ep.head(n), kind, theirs, a.seed)
             rows.append(r)
             print(
                 f"{r['method']} ({r['repo']}, input {kind}{', ' + r['note'] if r['note'] else ''}): identical "
                 f"accuracy on {r['identical']}/{r['n']} episodes; mean ours {100 * r['ours']:.2f}%, theirs "
                 f"{100 * r['theirs']:.2f}% (largest difference {100 * r['max_diff']:.2f} points"
                 + (f", differing e.g. {r['differing']}" if r["differing"] else "")
-                + f"); {r['ours_eps']:.1f} vs {r['their_eps']:.2f} episodes/s ({r['ratio']:.1f}x); theirs: "
+                + ")"
+                + (
+                    f"; the release against itself on rows one ulp away: {r['itself']}/{r['n']} identical"
+                    if "itself" in r
+                    else ""
+                )
+                + f"; {r['ours_eps']:.1f} vs {r['their_eps']:.2f} episodes/s ({r['ratio']:.1f}x); theirs: "
                 f"{r['how']}; ours: {r['cmd']}",
                 flush=True,
             )
@@ -291,6 +315,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--checkout", action="append", default=[], metavar="METHOD=PATH")
     ap.add_argument("--checkouts", metavar="DIR", help="folder of the releases under their GitHub names")
     ap.add_argument("--their-episodes", action="append", default=[], metavar="[METHOD=]N")
+    ap.add_argument(
+        "--no-self-check",
+        dest="self_check",
+        action="store_false",
+        help="do not rerun a release that differs from ours on its rows moved by one ulp",
+    )
     ap.add_argument("--l2n-too", action="store_true", help="also run every release on our L2-normalised rows")
     ap.add_argument("--laplacian-ablation", action="store_true", help="ours only: LaplacianShot's variants")
     ap.add_argument("--cache", help="feature cache (HDF5)")

@@ -93,6 +93,7 @@ def releases(args: argparse.Namespace) -> list[dict]:
     argv = ["--synthetic", "standard-nonneg", "--episodes", str(args.episodes), "--seed", str(args.seed)]
     argv += [f"--checkout={c}" for c in args.checkout] + [f"--their-episodes={n}" for n in args.their_episodes]
     argv += ["--checkouts", args.checkouts] if args.checkouts else []
+    argv += [] if args.self_check else ["--no-self-check"]
     argv += [f"--method={m}" for m in compare_official.METHODS if m in args.methods]
     a = compare_official.parse(argv)
     found = {r.method for r in compare_official.RELEASES if compare_official.checkout_for(r.method, r.repo, a)}
@@ -114,6 +115,11 @@ def _input(row: dict) -> str:
     return ", ".join(([row["note"]] if row["note"] else []) + (["on our L2N rows"] if row["kind"] == "l2n" else []))
 
 
+def _itself(row: dict) -> str:
+    """The release against itself on rows one ulp away, where it was rerun (it differed from ours)."""
+    return f" [release vs itself, rows one ulp away: {row['itself']}/{row['n']}]" if "itself" in row else ""
+
+
 def release_cells(method: str, theirs: list[dict], compared: bool) -> list[str]:
     """Ours whole process, the release's episodes/s, the ratio (from the method's first release
     row: the release's own setting) and every release row's agreement; or why there is none."""
@@ -121,7 +127,9 @@ def release_cells(method: str, theirs: list[dict], compared: bool) -> list[str]:
         why = "skipped (no checkout)" if compared else "not run"
         return ["-", "-", "-", why if method in compare_official.METHODS else "no release"]
     t = theirs[0]
-    agree = "; ".join(f"{x['identical']}/{x['n']}" + (f" ({how})" if (how := _input(x)) else "") for x in theirs)
+    agree = "; ".join(
+        f"{x['identical']}/{x['n']}" + (f" ({how})" if (how := _input(x)) else "") + _itself(x) for x in theirs
+    )
     return [f"{t['ours_eps']:.1f}", f"{t['their_eps']:.3g}", f"{t['ratio']:.1f}x", agree]
 
 
@@ -169,6 +177,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--checkouts", metavar="DIR", help="folder of the releases under their GitHub names")
     ap.add_argument("--checkout", action="append", default=[], metavar="METHOD=PATH")
     ap.add_argument("--their-episodes", action="append", default=[], metavar="[METHOD=]N")
+    ap.add_argument(
+        "--no-self-check",
+        dest="self_check",
+        action="store_false",
+        help="do not rerun a release that differs from ours on its rows moved by one ulp",
+    )
     ap.add_argument("--no-releases", action="store_true", help="the roofline columns only")
     ap.add_argument("--episodes", type=int, default=2000, help="episodes of the release comparison (ours)")
     ap.add_argument("--seed", type=int, default=0)

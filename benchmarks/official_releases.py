@@ -82,6 +82,23 @@ class Episodes:
             self.way, self.shot, self.train_mean,
         )  # fmt: skip
 
+    def one_ulp(self, seed: int = 0) -> Episodes:
+        """The same episodes with every coordinate of every row moved by at most one unit in the
+        last place (up or down, or kept, each with a seeded coin per coordinate and direction): an
+        input change of the size of one rounding, to see whether a release reproduces itself."""
+        g = torch.Generator().manual_seed(seed)
+
+        def nudge(x: torch.Tensor) -> torch.Tensor:
+            move = torch.rand(x.shape, generator=g) < 0.5
+            up = torch.rand(x.shape, generator=g) < 0.5
+            towards = torch.where(up, torch.full_like(x, float("inf")), torch.full_like(x, float("-inf")))
+            return torch.where(move, torch.nextafter(x, towards), x)
+
+        return Episodes(
+            nudge(self.s_raw), nudge(self.q_raw), nudge(self.s_l2n), nudge(self.q_l2n), self.y_s, self.y_q,
+            self.way, self.shot, self.train_mean,
+        )  # fmt: skip
+
     def interleaved(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(data [E, Ns + Nq, D], labels [E, Ns + Nq])`` in the layout of the PT-MAP family's
         scripts: support first, ordered shot-major (``s * way + c``, which their
