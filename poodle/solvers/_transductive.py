@@ -144,6 +144,50 @@ def row_sqnorm(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
 
 
+def row_dot(x: Tensor, v: Tensor) -> Tensor:
+    """``x . v`` for every row: ``x [E, N, D]``, ``v [E, 1, D]`` -> ``[E, N, 1]``.
+
+    A batched matrix-vector product as ``torch.bmm`` with one output column takes a CPU path
+    whose rounding depends on how many episodes share the batch (1 or 3 episodes differ from 2, 7
+    or 40 in the last bit), which would make an episode's result depend on its chunk. With a zero
+    second column the product takes the matrix path, the same bits for every batch size (and the
+    same as the one-column product of the large batches that `poodle solve` runs)."""
+    two = torch.cat([v, torch.zeros_like(v)], 1)
+    return torch.bmm(x, two.transpose(1, 2))[..., :1]
+
+
+def times_narrow(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for ``a [E, N, M]`` and a narrow ``b [E, M, K]`` (a few classes) -> ``[E, N, K]``.
+
+    On CPU a batched product whose right operand is row-major with a few columns rounds an
+    episode's product differently depending on its position in the batch (oneDNN splits the batch);
+    with the operand column-major every episode gets the same bits in any chunk."""
+    return torch.bmm(a, b.transpose(1, 2).contiguous().transpose(1, 2))
+
+
+# ATen runs an elementwise kernel on one thread below this many elements (its parallel grain, 32768)
+_SERIAL_BLOCK = 511 * 64
+
+
+def pow_anywhere(x: Tensor, exponent: float) -> Tensor:
+    """``x ** exponent``, each element rounded the same wherever it sits in ``x``.
+
+    ATen's CPU kernel computes a tensor's last few elements (after the last whole pair of vectors)
+    with the scalar ``std::pow``, the rest with the vectorised one, and the two can differ in the last
+    bit: an episode's result would depend on its place in the chunk. Here every element takes the
+    vector path: the flat tensor is padded to a multiple of 64 elements (two vectors of any width)
+    and raised in blocks under ATen's parallel grain (one thread each, no split inside a block)."""
+    if x.device.type != "cpu":
+        return x**exponent
+    flat = x.reshape(-1)
+    n = flat.numel()
+    padded = torch.ones(-(-n // 64) * 64, dtype=x.dtype)
+    padded[:n] = flat
+    for block in padded.split(_SERIAL_BLOCK):
+        block.pow_(exponent)
+    return padded[:n].view_as(x)
+
+
 def sqdist(x: Tensor, w: Tensor, x2: Tensor | None = None) -> Tensor:
     """Squared Euclidean distances ``x [E, N, D]``, ``w [E, K, D]`` -> ``[E, N, K]`` (never negative).
 
@@ -276,7 +320,7 @@ def shifted_norm(z_q: Tensor, delta: Tensor, q2: Tensor | None = None) -> Tensor
     """``||z_q + delta||`` per row, ``[E, Nq, 1]``, without making ``z_q + delta`` (``q2``:
     :func:`row_sqnorm` of ``z_q`` when the caller has it)."""
     q2 = row_sqnorm(z_q) if q2 is None else q2
-    return (q2 + 2 * torch.bmm(z_q, delta.transpose(1, 2)) + row_sqnorm(delta)).clamp_min(0.0).sqrt()
+    return (q2 + 2 * row_dot(z_q, delta) + row_sqnorm(delta)).clamp_min(0.0).sqrt()
 
 
 def shifted_cosine(z_q: Tensor, delta: Tensor, w: Tensor, q_norm: Tensor | None = None) -> Tensor:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from poodle.options import option
 from poodle.solvers._optim import NativeLoss, fit_logit_loss
-from poodle.solvers._transductive import dist_flops, softmax_logits
+from poodle.solvers._transductive import dist_flops, pow_anywhere, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
 
@@ -103,7 +103,9 @@ def alpha_tim(batch: EpisodeBatch, cfg: AlphaTimConfig) -> SolverOutput:
         pq = P[..., Ns:]
         marg = pq.mean(2, keepdim=True)  # [E, K, 1]
         # d(-w_marg H_a(marg) + w_cond H_a(p + 1e-12)) / dp, with dH_a(q)/dq = -a q^(a-1) / (a - 1)
-        u = (marg.pow(a - 1.0).mul_(w_marg) - (pq + 1e-12).pow_(a - 1.0).mul_(w_cond)).mul_(a / ((a - 1.0) * Nq))
+        u = (pow_anywhere(marg, a - 1.0).mul_(w_marg) - pow_anywhere(pq + 1e-12, a - 1.0).mul_(w_cond)).mul_(
+            a / ((a - 1.0) * Nq)
+        )
         # through the softmax: dL/dl_j = p_j (u_j - sum_k p_k u_k)
         torch.mul(pq, u - (pq * u).sum(1, keepdim=True), out=G[..., Ns:])
 

@@ -64,6 +64,7 @@ from poodle.solvers._transductive import (
     row_sqnorm,
     should_stop,
     sqdist,
+    times_narrow,
 )
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register, validate_config
 
@@ -114,7 +115,10 @@ def knn_graph(z_q: Tensor, k: int, q2: Tensor | None = None) -> Tensor:
     and no square root, which ranks nothing differently."""
     E, n, _ = z_q.shape
     k = min(k, n - 1)
-    w = torch.zeros(E, n, n, dtype=z_q.dtype, device=z_q.device)
+    # each episode's matrix starts 64-byte aligned whatever the batch (MKL rounds a product of
+    # misaligned operands differently, so W y would depend on the episode's place in the chunk)
+    size = n * n
+    w = torch.zeros(E, -(-size // 16) * 16, dtype=z_q.dtype, device=z_q.device)[:, :size].view(E, n, n)
     if k <= 0:
         return w
     q2 = row_sqnorm(z_q) if q2 is None else q2
@@ -146,7 +150,7 @@ def released_rectification(
 def bound_energy(y: Tensor, unary: Tensor, w: Tensor, lmd: float, pair: Tensor | None = None) -> Tensor:
     """The authors' energy ``sum(y*a - lmd*(W y)*y + y*log y)`` per episode ``[E]`` (``pair``:
     ``W y`` when the caller has it)."""
-    pair = torch.bmm(w, y) if pair is None else pair
+    pair = times_narrow(w, y) if pair is None else pair
     return (unary * y - lmd * pair * y + y * torch.log(y.clamp_min(1e-20))).sum((1, 2))
 
 
@@ -161,7 +165,7 @@ def bound_updates(unary: Tensor, w: Tensor, cfg: LaplacianShotConfig, masked: bo
     neg = -unary
     logits = neg
     y = torch.softmax(logits, -1)
-    pair = torch.bmm(w, y)
+    pair = times_narrow(w, y)
     active = torch.ones(E, dtype=torch.bool, device=unary.device)
     old = torch.full((E,), float("inf"), dtype=unary.dtype, device=unary.device)
     iters = torch.zeros(E, dtype=torch.long, device=unary.device)
@@ -172,7 +176,7 @@ def bound_updates(unary: Tensor, w: Tensor, cfg: LaplacianShotConfig, masked: bo
         logits = torch.where(keep[:, None, None], logits, new_logits)
         y = torch.where(keep[:, None, None], y, new_y)
         iters = iters + active.long()
-        pair = torch.bmm(w, y)
+        pair = times_narrow(w, y)
         energy = bound_energy(y, unary.masked_fill(y == 0, 0.0) if masked else unary, w, lmd, pair)
         done = (energy - old).abs() <= cfg.tol * old.abs() if i > 1 else torch.zeros_like(active)
         old = torch.where(active, energy, old)

@@ -29,7 +29,15 @@ from torch import Tensor
 
 from poodle.options import option
 from poodle.solvers._span import RowSpan, span_flops, use_gram
-from poodle.solvers._transductive import CHECK_EVERY_SWEEPS, TINY, log_normalise, row_sqnorm, should_stop, syncs_freely
+from poodle.solvers._transductive import (
+    CHECK_EVERY_SWEEPS,
+    TINY,
+    log_normalise,
+    pow_anywhere,
+    row_sqnorm,
+    should_stop,
+    syncs_freely,
+)
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
 
 
@@ -53,7 +61,7 @@ def power_transform(x: Tensor, beta: float, out: Tensor | None = None) -> Tensor
     """``sign(x) (|x| + 1e-6)^beta`` (= the paper's ``(x + 1e-6)^beta`` for ``x >= 0``); an exact
     zero (either sign) maps to ``1e-6^beta``. Written into ``out`` (same shape) when given."""
     t = torch.abs(x, out=out) if out is not None else x.abs()
-    t.add_(1e-6).pow_(beta).copysign_(x)
+    t.copy_(pow_anywhere(t.add_(1e-6), beta)).copysign_(x)
     return t.masked_fill_(x == 0, 1e-6**beta)
 
 

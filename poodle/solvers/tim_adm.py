@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from poodle.options import option
-from poodle.solvers._transductive import TINY, dist_flops, softmax_logits
+from poodle.solvers._transductive import TINY, dist_flops, pow_anywhere, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
 
@@ -68,8 +68,8 @@ def tim_adm(batch: EpisodeBatch, cfg: TimADMConfig) -> SolverOutput:
     q = torch.softmax(softmax_logits(z_q, w, cfg.temperature), -1)
     for _ in range(cfg.steps):
         p_q = torch.softmax(softmax_logits(z_q, w, cfg.temperature), -1)
-        pw = p_q**power
-        q = pw / pw.sum(1, keepdim=True).clamp_min(TINY) ** beta
+        pw = pow_anywhere(p_q, power)
+        q = pw / pow_anywhere(pw.sum(1, keepdim=True).clamp_min(TINY), beta)
         q = q / q.sum(2, keepdim=True).clamp_min(TINY)
         p_s = torch.softmax(softmax_logits(z_s, w, cfg.temperature), -1)
         num = c_s * (
