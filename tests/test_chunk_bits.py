@@ -13,7 +13,7 @@ import torch
 from poodle import solvers
 from poodle.solvers.base import EpisodeBatch
 
-E, WAY, SHOT, Q, D, M = 11, 5, 1, 15, 64, 20
+E, WAY, SHOT, Q, D, M = 11, 5, 1, 15, 100, 20
 
 
 def _batch() -> EpisodeBatch:
@@ -34,8 +34,10 @@ def _options(name: str) -> dict:
 
 
 def _part(b: EpisodeBatch, sl: slice) -> EpisodeBatch:
-    neg = None if b.negatives is None else b.negatives[sl]
-    return EpisodeBatch(b.support[sl], b.support_labels[sl], b.query[sl], neg, b.way)
+    # fresh tensors, as `poodle solve` gathers each chunk into new buffers: an episode's rows then
+    # start at another alignment than in the whole batch (D = 100: 400-byte rows)
+    neg = None if b.negatives is None else b.negatives[sl].clone()
+    return EpisodeBatch(b.support[sl].clone(), b.support_labels[sl].clone(), b.query[sl].clone(), neg, b.way)
 
 
 @pytest.mark.parametrize("name", solvers.available())
