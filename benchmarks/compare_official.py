@@ -34,7 +34,7 @@ backbone features), ``relu`` (post-ReLU clustered features of ``--dim``).
 Where a release's accuracy differs from ours on some episode, the release runs a second time on
 the same episodes with every coordinate moved by at most one unit in the last place, and the
 episodes it keeps are printed ("the release against itself"): a method whose outcome hangs on
-rounding disagrees with itself about as often as with us (``--no-self-check``: skip it).
+rounding disagrees with itself on a comparable share of episodes (``--no-self-check``: skip it).
 
 ``--their-episodes N`` (or ``METHOD=N``) gives a release only the first N episodes (for the
 slowest, one task per call); agreement and their speed are then over those N, ours over all.
@@ -138,7 +138,7 @@ def run_ours(cache: Path, episodes: Path, method: str, options: tuple[str, ...])
             raise SystemExit(f"poodle solve failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
         rec = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     cell = next(r for r in rec if r.get("kind") == "cell")
-    shown = ["poodle", *cmd[4:-4]]
+    shown = ["poodle", *cmd[3:-4]]
     acc = np.asarray(cell["acc"], dtype=np.float64)
     return {"acc": acc, "wall": wall, "cmd": " ".join(shown)}
 
@@ -200,9 +200,27 @@ def self_check(row: Release, checkout: Path, ep: Episodes, kind: str, theirs: Th
     """The release run again on the same episodes with every coordinate moved by at most one unit
     in the last place (``Episodes.one_ulp``): how many episodes keep their accuracy. Where ours and
     the release differ, this tells a method whose outcome hangs on rounding (the release disagrees
-    with itself about as often) from a difference of method."""
+    with itself on a comparable share of episodes) from a difference of method."""
     again = row.run(checkout, ep.one_ulp(seed), kind)
     return int((np.abs(again.acc - theirs.acc) < 1e-6).sum())
+
+
+INPUT = {"raw": "their input", "l2n": "our L2N rows"}
+
+LEGEND = """\
+How to read it:
+- identical accuracy: episodes whose accuracy is the same on both sides, of those the release ran.
+- release vs itself: only where the release differs from ours on some episode. The release runs again on
+  the same episodes with every coordinate moved by at most one unit in the last place; the count is the
+  episodes whose accuracy it keeps. A count of the same order as "identical accuracy" means rounding
+  decides those episodes, not a difference of method (docs/transductive.md, "TIM-GD and TIM-ADM on
+  near-chance episodes"). A full count (n/n) next to a lower "identical accuracy" means the release is
+  stable on those episodes: the difference comes from the method or its input.
+  Blank: not rerun (no episode differs, or --no-self-check).
+- predictions agree: the share of queries with the same label, where their code returns its predictions
+  and ours ran with the release's options; blank otherwise.
+- ours ep/s is a whole `poodle solve` process, start-up included (about 2-3 s: at a few hundred episodes
+  it dominates); theirs is their evaluation loop alone, after their imports."""
 
 
 def table(rows: list[dict]) -> str:
@@ -215,7 +233,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         agree = "" if r["agree"] is None else f"{100 * r['agree']:.3f}%"
         itself = f"{r['itself']}/{r['n']}" if "itself" in r else ""
-        inp = {"raw": "theirs", "l2n": "ours (L2N rows)"}[r["kind"]] + (f"; {r['note']}" if r["note"] else "")
+        inp = INPUT[r["kind"]] + (f"; {r['note']}" if r["note"] else "")
         lines.append(
             f"| `{r['method']}` | {r['repo']} | {inp} | {r['n']} | {r['identical']}/{r['n']} | "
             f"{100 * r['ours']:.2f} | {100 * r['theirs']:.2f} | {agree} | {itself} | {r['ours_eps']:.1f} | "
@@ -228,15 +246,19 @@ def run_all(a: argparse.Namespace, cache: Path, episodes: Path) -> list[dict]:
     ep = load(cache, episodes)
     ours_done: dict = {}
     rows = []
+    skipped: set[str] = set()
     for row in RELEASES:
         if a.method and row.method not in a.method:
             continue
         checkout = checkout_for(row.method, row.repo, a)
         if checkout is None:
             env = "POODLE_OFFICIAL_" + row.method.upper().replace("-", "_")
-            print(
-                f"{row.method}: skipped (give --checkout {row.method}=PATH, {env} or --checkouts DIR with {row.repo})"
-            )
+            if row.method not in skipped:  # a method with two release rows is named once
+                print(
+                    f"{row.method}: skipped (give --checkout {row.method}=PATH, {env}, or --checkouts DIR or "
+                    f"POODLE_OFFICIAL_DIR=DIR with DIR/{row.repo.split('/')[1]} from {row.repo})"
+                )
+            skipped.add(row.method)
             continue
         key = (row.method, row.ours)
         if key not in ours_done:
@@ -254,7 +276,7 @@ def run_all(a: argparse.Namespace, cache: Path, episodes: Path) -> list[dict]:
                 r["itself"] = self_check(row, checkout, ep.head(n), kind, theirs, a.seed)
             rows.append(r)
             print(
-                f"{r['method']} ({r['repo']}, input {kind}{', ' + r['note'] if r['note'] else ''}): identical "
+                f"{r['method']} ({r['repo']}, on {INPUT[kind]}{', ' + r['note'] if r['note'] else ''}): identical "
                 f"accuracy on {r['identical']}/{r['n']} episodes; mean ours {100 * r['ours']:.2f}%, theirs "
                 f"{100 * r['theirs']:.2f}% (largest difference {100 * r['max_diff']:.2f} points"
                 + (f", differing e.g. {r['differing']}" if r["differing"] else "")
@@ -359,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         print()
         print(table(rows))
+        print()
+        print(LEGEND)
         if a.json:
             Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -34,7 +34,17 @@ def test_every_method_is_skipped_cleanly_without_a_checkout(monkeypatch, capsys)
     out = capsys.readouterr().out
     for method in mod.METHODS:
         env = "POODLE_OFFICIAL_" + method.upper().replace("-", "_")
-        assert f"{method}: skipped (give --checkout {method}=PATH, {env}" in out
+        assert out.count(f"{method}: skipped (give --checkout {method}=PATH, {env}, ") == 1  # once per method
+    assert "POODLE_OFFICIAL_DIR=DIR with DIR/LaplacianShot from imtiazziko/LaplacianShot" in out
+
+
+def test_our_side_is_a_poodle_solve_process_and_shows_its_command(tmp_path):
+    mod = _load("compare_official")
+    a = mod.parse(["--synthetic", "relu", "--dim", "8", "--episodes", "3"])
+    cache = mod.write_synthetic(a.synthetic, tmp_path, a.dim, a.seed)
+    ours = mod.run_ours(cache, mod.episode_file(a, cache, tmp_path), "proto", ("--preprocess", "l2n"))
+    assert ours["cmd"].startswith(f"poodle solve --cache {cache} --episodes-from ")  # runnable as shown
+    assert ours["cmd"].endswith("--method proto --preprocess l2n") and len(ours["acc"]) == 3 and ours["wall"] > 0
 
 
 def test_interleaved_layout_is_shot_major_with_the_queries_after():
