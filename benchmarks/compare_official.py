@@ -331,9 +331,8 @@ def laplacian_ablation(ep: Episodes, chunk: int = 100) -> None:
 
 
 # ------------------------------------------------------------------------------------- main
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--method", choices=METHODS, action="append", default=[], help="default: every method")
+def add_release_options(ap: argparse.ArgumentParser) -> None:
+    """Where the releases are and how much of them to run (this script's and ``methods.py``'s)."""
     ap.add_argument("--checkout", action="append", default=[], metavar="METHOD=PATH")
     ap.add_argument("--checkouts", metavar="DIR", help="folder of the releases under their GitHub names")
     ap.add_argument("--their-episodes", action="append", default=[], metavar="[METHOD=]N")
@@ -343,6 +342,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_false",
         help="do not rerun a release that differs from ours on its rows moved by one ulp",
     )
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--method", choices=METHODS, action="append", default=[], help="default: every method")
+    add_release_options(ap)
     ap.add_argument("--l2n-too", action="store_true", help="also run every release on our L2-normalised rows")
     ap.add_argument("--laplacian-ablation", action="store_true", help="ours only: LaplacianShot's variants")
     ap.add_argument("--cache", help="feature cache (HDF5)")

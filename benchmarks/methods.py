@@ -174,15 +174,7 @@ def table(rf: dict[str, Any], rel: list[dict], compared: bool) -> str:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", default=",".join(m for _, m in METHODS), help="comma-separated (default: all)")
-    ap.add_argument("--checkouts", metavar="DIR", help="folder of the releases under their GitHub names")
-    ap.add_argument("--checkout", action="append", default=[], metavar="METHOD=PATH")
-    ap.add_argument("--their-episodes", action="append", default=[], metavar="[METHOD=]N")
-    ap.add_argument(
-        "--no-self-check",
-        dest="self_check",
-        action="store_false",
-        help="do not rerun a release that differs from ours on its rows moved by one ulp",
-    )
+    compare_official.add_release_options(ap)
     ap.add_argument("--no-releases", action="store_true", help="the roofline columns only")
     ap.add_argument("--episodes", type=int, default=2000, help="episodes of the release comparison (ours)")
     ap.add_argument("--seed", type=int, default=0)
