@@ -29,15 +29,28 @@ Transductivity = Literal["never", "optional", "always"]
 class EpisodeBatch:
     """A chunk of ``E`` episodes, gathered onto one device.
 
+    Episodes of different shapes (Meta-Dataset's protocol: each episode its own number of classes,
+    support rows per class and queries) share one chunk padded to its largest episode. The padding
+    is invisible to every method: a padded class takes no probability, a padded row no weight in any
+    sum, mean, entropy, marginal, graph or decomposition, so an episode's result is the one it gets
+    solved alone (:meth:`episode` crops it back to its real size).
+
     Attributes:
         support: ``[E, Ns, D]`` float, rows L2-normalised, in any order; classes may have unequal
             numbers of support rows (``poodle predict``), so solvers use ``support_labels``, never
-            a ``[way, shot]`` reshape (tests/test_ragged_shots.py checks every method).
-        support_labels: ``[E, Ns]`` int64 in ``0..way-1``.
-        query: ``[E, Nq, D]`` float, rows L2-normalised; with imbalance the per-class counts vary
-            but ``Nq`` is the same for every episode.
-        negatives: ``[E, M, D]`` float (L2-normalised) or ``None`` when no negatives are used.
-        way: number of classes per episode.
+            a ``[way, shot]`` reshape (tests/test_ragged_shots.py checks every method). Padded rows
+            are zeros.
+        support_labels: ``[E, Ns]`` int64 in ``0..ways[e]-1``; ``-1`` marks a padded row.
+        query: ``[E, Nq, D]`` float, rows L2-normalised; with imbalance the per-class counts vary.
+            Padded rows are zeros.
+        negatives: ``[E, M, D]`` float (L2-normalised) or ``None`` when no negatives are used. Every
+            episode has all ``M`` (never padded).
+        way: the number of classes of the chunk's largest episode (the last axis of the output).
+        ways: ``[E]`` int64, each episode's own number of classes (labels ``0..ways[e]-1`` are real,
+            the rest padding), or ``None`` when every episode has ``way``.
+        support_mask: ``[E, Ns]`` bool, True for a real support row (``support_labels >= 0``), or
+            ``None`` when every row is real.
+        query_mask: ``[E, Nq]`` bool, True for a real query row, or ``None`` when every row is real.
     """
 
     support: Tensor
@@ -45,6 +58,9 @@ class EpisodeBatch:
     query: Tensor
     negatives: Tensor | None
     way: int
+    ways: Tensor | None = None
+    support_mask: Tensor | None = None
+    query_mask: Tensor | None = None
 
     @property
     def n_episodes(self) -> int:
@@ -55,18 +71,98 @@ class EpisodeBatch:
         """Support rows per class when shots are equal (the mean, rounded down, otherwise)."""
         return self.support.shape[1] // self.way
 
+    @property
+    def ragged(self) -> bool:
+        """Whether any episode is padded (its classes, support or query rows)."""
+        return self.ways is not None or self.support_mask is not None or self.query_mask is not None
+
+    @property
+    def class_mask(self) -> Tensor | None:
+        """``[E, way]`` bool, True for an episode's real classes; ``None`` when all are real."""
+        if self.ways is None:
+            return None
+        return torch.arange(self.way, device=self.ways.device) < self.ways.unsqueeze(1)
+
+    def query_weight(self, dtype: torch.dtype | None = None) -> Tensor | None:
+        """``[E, Nq, 1]`` 1.0 for a real query row and 0.0 for padding (``None`` when all are real)."""
+        if self.query_mask is None:
+            return None
+        return self.query_mask.to(dtype or self.query.dtype).unsqueeze(-1)
+
+    def n_query(self) -> Tensor:
+        """``[E]`` the number of real query rows of each episode (of the query's dtype)."""
+        if self.query_mask is None:
+            return torch.full((self.n_episodes,), self.query.shape[1], dtype=self.query.dtype, device=self.query.device)
+        return self.query_mask.sum(1).to(self.query.dtype)
+
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> EpisodeBatch:
         def mv(t: Tensor, is_float: bool = True) -> Tensor:
             return t.to(device=device, dtype=dtype if (is_float and dtype is not None) else t.dtype)
 
-        neg = None if self.negatives is None else mv(self.negatives)
-        return EpisodeBatch(mv(self.support), mv(self.support_labels, False), mv(self.query), neg, self.way)
+        def opt(t: Tensor | None, is_float: bool = False) -> Tensor | None:
+            return None if t is None else mv(t, is_float)
+
+        return EpisodeBatch(
+            mv(self.support),
+            mv(self.support_labels, False),
+            mv(self.query),
+            opt(self.negatives, True),
+            self.way,
+            opt(self.ways),
+            opt(self.support_mask),
+            opt(self.query_mask),
+        )
 
     def episode(self, i: int) -> EpisodeBatch:
-        """Episode ``i`` alone, as a batch of one (for per-episode references and debugging)."""
+        """Episode ``i`` alone, as a batch of one cropped to its real size (its own ``way``, its real
+        support and query rows in their order): for per-episode references and debugging."""
         sl = slice(i, i + 1)
         neg = None if self.negatives is None else self.negatives[sl]
-        return EpisodeBatch(self.support[sl], self.support_labels[sl], self.query[sl], neg, self.way)
+        support, labels, query = self.support[sl], self.support_labels[sl], self.query[sl]
+        way = self.way if self.ways is None else int(self.ways[i])
+        if self.support_mask is not None:
+            keep = self.support_mask[i]
+            support, labels = support[:, keep], labels[:, keep]
+        if self.query_mask is not None:
+            query = query[:, self.query_mask[i]]
+        return EpisodeBatch(support, labels, query, neg, way)
+
+    @staticmethod
+    def stack(episodes: list[EpisodeBatch]) -> EpisodeBatch:
+        """One chunk of single (unpadded) episodes of any shapes, padded to the largest: support and
+        query rows keep their order and are followed by zero rows (labels ``-1``). The masks and
+        ``ways`` are ``None`` where no episode needs them, so equal episodes stack to a plain batch."""
+        if not episodes:
+            raise ValueError("no episodes to stack")
+        way = max(e.way for e in episodes)
+        ns = max(e.support.shape[1] for e in episodes)
+        nq = max(e.query.shape[1] for e in episodes)
+        ref = episodes[0].support
+
+        def pad(t: Tensor, n: int, value: float) -> Tensor:
+            extra = n - t.shape[1]
+            if extra == 0:
+                return t
+            fill = torch.full((t.shape[0], extra, *t.shape[2:]), value, dtype=t.dtype, device=t.device)
+            return torch.cat([t, fill], 1)
+
+        support = torch.cat([pad(e.support, ns, 0.0) for e in episodes])
+        labels = torch.cat([pad(e.support_labels, ns, -1) for e in episodes])
+        query = torch.cat([pad(e.query, nq, 0.0) for e in episodes])
+        negs = [e.negatives for e in episodes]
+        negatives = None if any(n is None for n in negs) else torch.cat(negs)  # type: ignore[arg-type]
+        ways_list = [e.way for e in episodes for _ in range(e.n_episodes)]
+        ragged_ways = any(w != way for w in ways_list)
+        ways = torch.tensor(ways_list, dtype=torch.int64, device=ref.device) if ragged_ways else None
+        s_rows = [e.support.shape[1] for e in episodes]
+        q_rows = [e.query.shape[1] for e in episodes]
+        support_mask = labels >= 0 if any(n != ns for n in s_rows) else None
+        query_mask = None
+        if any(n != nq for n in q_rows):
+            query_mask = torch.cat(
+                [(torch.arange(nq, device=ref.device) < e.query.shape[1]).expand(e.n_episodes, nq) for e in episodes]
+            )
+        return EpisodeBatch(support, labels, query, negatives, way, ways, support_mask, query_mask)
 
 
 @dataclass
@@ -365,13 +461,22 @@ def resolve_preset(cfg: Any, method: str = "") -> None:
 # Tensor helpers every prototype-based method needs.
 
 
+def mask_classes(logits: Tensor, batch: EpisodeBatch, fill: float = float("-inf")) -> Tensor:
+    """``logits [E, N, way]`` with the padded classes of ragged episodes set to ``fill`` (so a
+    softmax gives them exactly zero probability); ``logits`` itself when no class is padded."""
+    mask = batch.class_mask
+    if mask is None:
+        return logits
+    return logits.masked_fill(~mask.unsqueeze(1), fill)
+
+
 def one_hot(labels: Tensor, way: int, dtype: torch.dtype) -> Tensor:
-    """``[E, N]`` int64 -> ``[E, N, way]`` one-hot of ``dtype``.
+    """``[E, N]`` int64 -> ``[E, N, way]`` one-hot of ``dtype``; a padded row (label ``-1``) is all zeros.
 
     A scatter, not ``F.one_hot``: on the CPU that checks its labels' range with two reductions read
     back to the host (which the GPU cost model would count as syncs a GPU does not make)."""
     out = torch.zeros(*labels.shape, way, dtype=dtype, device=labels.device)
-    return out.scatter_(-1, labels.unsqueeze(-1), 1)
+    return out.scatter_(-1, labels.clamp_min(0).unsqueeze(-1), (labels >= 0).unsqueeze(-1).to(dtype))
 
 
 def class_means(x: Tensor, labels: Tensor, way: int) -> Tensor:
