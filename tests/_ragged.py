@@ -61,14 +61,17 @@ def ragged_batch(seed: int = 0, n_neg: int = 0, **kw) -> tuple[EpisodeBatch, lis
     return EpisodeBatch.stack(episodes), episodes
 
 
-def assert_same_as_alone(name: str, padded_lp: torch.Tensor, alone_lp: list[torch.Tensor], batch: EpisodeBatch,
-                         tol: float = 1e-9) -> None:
+def assert_same_as_alone(
+    name: str, padded_lp: torch.Tensor, alone_lp: list[torch.Tensor], batch: EpisodeBatch, tol: float = 1e-9
+) -> None:
     """``padded_lp [E, Nq, way]`` (a ragged chunk's output) holds, for each episode, ``alone_lp[e]
     [1, nq_e, way_e]``: the same predictions and probabilities within ``tol`` on its real rows and
     classes, and exactly zero probability on its padded classes."""
     for e, want in enumerate(alone_lp):
         nq, way = want.shape[1], want.shape[2]
-        rows = torch.arange(padded_lp.shape[1]) if batch.query_mask is None else torch.nonzero(batch.query_mask[e])[:, 0]
+        rows = (
+            torch.arange(padded_lp.shape[1]) if batch.query_mask is None else torch.nonzero(batch.query_mask[e])[:, 0]
+        )
         got = padded_lp[e, rows]
         assert got.shape[0] == nq, f"{name}: episode {e} has {got.shape[0]} real queries, alone {nq}"
         assert torch.all(got[:, way:].exp() == 0), f"{name}: episode {e} puts probability on a padded class"
