@@ -92,6 +92,15 @@ def say_event(event: Any) -> None:
     help="cub only: the release's 100/50/50 rule, or the 140/30/30 class lists (cached as cub-140-30-30).",
 )
 @click.option(
+    "--class-split",
+    default=None,
+    metavar="NAME|DIR",
+    help="folder only: class folders <data-root>/<class>/ split by class lists, Meta-Dataset's "
+    "(md-ilsvrc, md-omniglot, md-aircraft, md-cub, md-dtd, md-quickdraw, md-fungi, md-vgg-flower, "
+    "md-traffic-sign, md-mscoco; docs/datasets.md) or a folder of train.txt, val.txt, test.txt; "
+    "cached as that name.",
+)
+@click.option(
     "--data-root", type=click.Path(file_okay=False), default=None, help="Folder of the dataset (not needed for glyphs)."
 )
 @click.option(
@@ -190,6 +199,7 @@ def extract(
     ctx: click.Context,
     dataset: str,
     cub_split: str,
+    class_split: str | None,
     data_root: str | None,
     backbone: str,
     checkpoint: str | None,
@@ -247,6 +257,7 @@ def extract(
         force=force,
         skip_bad=skip_bad,
         cub_split=cub_split,
+        class_split=class_split,
         progress_factory=bar,
         on_event=say_event,
     )

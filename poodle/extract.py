@@ -127,6 +127,9 @@ class ExtractOptions:
             instead of stopping with a DataError.
         cub_split: ``release`` (100/50/50) or ``140-30-30`` for ``dataset="cub"``; the latter is
             cached as dataset ``cub-140-30-30``.
+        class_split: for ``dataset="folder"``, class folders ``<data_root>/<class>/`` split by class
+            lists: a shipped split (``md-ilsvrc``, ... :data:`poodle.data.sources.CLASS_SPLITS`) or a
+            folder of ``train.txt``/``val.txt``/``test.txt``; cached as dataset ``<class_split>``.
         crop_pct, interpolation: override the crop fraction (crop / resize) and the resize
             interpolation of a torchvision/timm model's evaluation transform.
         record: enter the cache in ``<cache_root>/caches.json`` when it is complete, so that
@@ -147,6 +150,7 @@ class ExtractOptions:
     force: bool = False
     skip_bad: bool = False
     cub_split: str = defaults.CUB_SPLIT
+    class_split: str | None = None
     crop_pct: float | None = None
     interpolation: str | None = None
     record: bool = True
@@ -167,6 +171,11 @@ class ExtractOptions:
             raise ConfigError(
                 f"cub_split {self.cub_split} is an option of dataset cub, not {dataset}",
                 params=("cub_split", "dataset"),
+            )
+        if self.class_split is not None and dataset != "folder":
+            raise ConfigError(
+                f"class_split {self.class_split} is an option of dataset folder, not {dataset}",
+                params=("class_split", "dataset"),
             )
 
 
@@ -328,10 +337,14 @@ def _plan(
     source = given_source
     with d.guard():
         if d.main and source is None:
-            source = resolve_dataset(dataset, opts.data_root, Path(opts.cache_root), cub_split=opts.cub_split)
+            source = resolve_dataset(
+                dataset, opts.data_root, Path(opts.cache_root), cub_split=opts.cub_split, class_split=opts.class_split
+            )
     with d.guard():
         if source is None:
-            source = resolve_dataset(dataset, opts.data_root, Path(opts.cache_root), cub_split=opts.cub_split)
+            source = resolve_dataset(
+                dataset, opts.data_root, Path(opts.cache_root), cub_split=opts.cub_split, class_split=opts.class_split
+            )
         if given_source is None:
             dataset = source.name  # e.g. cub-140-30-30: another split is another dataset in the cache
         out = cache_path(opts.cache_root, dataset, stem, opts.tag)

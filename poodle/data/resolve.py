@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from poodle.data.cifar import CifarSource
-from poodle.data.sources import CUB_SPLITS, NAMES, CsvSource, CubSource, DatasetSource, FolderSource
+from poodle.data.sources import CUB_SPLITS, NAMES, CsvSource, CubSource, DatasetSource, FolderSource, ListedSource
 from poodle.errors import ConfigError, DataError
 from poodle.utils import resolve_path
 
@@ -42,10 +42,15 @@ def _preset_csv(name: str, root: Path, images: tuple[str, ...], release_csv: str
 
 
 def resolve_dataset(
-    name: str, data_root: str | os.PathLike | None, cache_root: str | Path = "cache", *, cub_split: str = "release"
+    name: str,
+    data_root: str | os.PathLike | None,
+    cache_root: str | Path = "cache",
+    *,
+    cub_split: str = "release",
+    class_split: str | None = None,
 ) -> DatasetSource:
-    """The :class:`DatasetSource` of dataset ``name`` at ``data_root`` (``cub_split``: see ``cub``
-    in :mod:`poodle.data.sources`).
+    """The :class:`DatasetSource` of dataset ``name`` at ``data_root`` (``cub_split``: see ``cub``,
+    ``class_split``: see ``folder`` in :mod:`poodle.data.sources`).
 
     Checks only that the root exists (and for presets, which of their layouts is present); the split
     files and images are checked when a split's samples are listed.
@@ -61,11 +66,15 @@ def resolve_dataset(
         return FolderSource(Path(ensure_glyphs(Path(cache_root))), "glyphs")
     if name not in NAMES:
         raise ConfigError(f"unknown dataset {name!r}; known: {', '.join(NAMES)}")
+    if class_split is not None and name != "folder":
+        raise ConfigError(
+            f"class_split {class_split} is an option of dataset folder, not {name}", params=("class_split", "dataset")
+        )
     root = _need_root(name, data_root)
     if name == "csv":
         return CsvSource(root, "csv")
     if name == "folder":
-        return FolderSource(root, "folder")
+        return FolderSource(root, "folder") if class_split is None else ListedSource(root, class_split)
     if name == "mini":
         return _preset_csv("mini", root, ("images",), "split/mini", "images")
     if name == "tiered":

@@ -29,7 +29,11 @@ Layouts (see docs/stage1.md):
   ``poodle/data/splits/`` (CIFAR-FS: 64/16/20 fine classes, Bertinetto et al. 2019; FC100: 12/4/4
   superclasses = 60/20/20 fine classes, Oreshkin et al. 2018). Images are served from a memory map
   of the files; a sample's path is ``<file>#<record index>``, e.g. ``cifar-100-binary/train.bin#123``.
-- ``folder``: ``<root>/<split>/<class>/<image>``.
+- ``folder``: ``<root>/<split>/<class>/<image>``. With ``class_split`` (a shipped split name such as
+  ``md-ilsvrc``, see :data:`CLASS_SPLITS`, or a folder of ``train.txt``/``val.txt``/``test.txt``):
+  ``<root>/<class>/<image>``, one folder per listed class, the lists saying which split each class
+  belongs to (:class:`ListedSource`). A line may be a path under the root (Omniglot's
+  ``images_background/Latin/character01``). The dataset is then named after the split (``md-cub``).
 - ``glyphs``: the embedded generated dataset (folder layout), created under the cache root on first use.
 """
 
@@ -65,12 +69,34 @@ SPLITS = ("train", "val", "test")
 NAMES = ("csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100")
 CUB_SPLITS = ("release", "140-30-30")
 SPLITS_DIR = Path(__file__).with_name("splits")  # package data: class lists of the named splits
+# Meta-Dataset's class splits (google-research/meta-dataset's dataset conversion), for ``folder``
+# datasets; where each list comes from: splits/README.md. A split without a list file has no classes
+# there (Traffic Signs: test only; MSCOCO: validation and test only).
+CLASS_SPLITS = (
+    "md-ilsvrc",
+    "md-omniglot",
+    "md-aircraft",
+    "md-cub",
+    "md-dtd",
+    "md-quickdraw",
+    "md-fungi",
+    "md-vgg-flower",
+    "md-traffic-sign",
+    "md-mscoco",
+)
+
+
+def _read_list(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def split_list(name: str, split: str) -> list[str]:
-    """The class (or superclass) names of ``split`` in the shipped split ``name``, in file order."""
+    """The class (or superclass) names of ``split`` in the shipped split ``name``, in file order
+    (empty when the split has no list file: a test-only split's train and val)."""
     path = SPLITS_DIR / name / f"{split}.txt"
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not path.is_file() and (SPLITS_DIR / name).is_dir():
+        return []
+    return _read_list(path)
 
 
 def _is_image(name: str) -> bool:
@@ -281,4 +307,87 @@ class CubSource(DatasetSource):
                 f"{len(self.class_dirs)} class folders in {self.image_dir}",
                 params=("dataset",),
             )
+        return out
+
+
+class ListedSource(DatasetSource):
+    """Class folders under one root, ``<root>/<class>/<image>``, assigned to splits by class lists.
+
+    ``class_split``: a name of :data:`CLASS_SPLITS` (the lists shipped in ``splits/<name>/``) or a
+    folder holding ``train.txt``, ``val.txt`` and ``test.txt`` (any of them; one class a line). A line
+    is a class folder's path under the root (it may be nested, as Omniglot's
+    ``images_background/Latin/character01``) and is the class's name. A split without a list file, or
+    with an empty one, is absent. The dataset is named ``class_split`` (a folder: its name), so each
+    split has its own cache directory. Only the listed folders are read, those of a split when its
+    samples are listed: extracting ``test`` needs only the test classes on disk.
+    """
+
+    def __init__(self, root: Path, class_split: str) -> None:
+        if class_split in CLASS_SPLITS:
+            list_dir, name = SPLITS_DIR / class_split, class_split
+        else:
+            list_dir = Path(class_split).expanduser()
+            if not list_dir.is_dir():
+                raise ConfigError(
+                    f"class_split {class_split!r} is neither a shipped split ({', '.join(CLASS_SPLITS)}) "
+                    "nor a folder of train.txt, val.txt, test.txt",
+                    params=("class_split",),
+                )
+            name = list_dir.resolve().name
+        super().__init__(name, root)
+        self.class_split = class_split
+        self.list_dir = list_dir
+        self.lists = {s: _read_list(list_dir / f"{s}.txt") for s in SPLITS if (list_dir / f"{s}.txt").is_file()}
+        self.lists = {s: v for s, v in self.lists.items() if v}
+        if not self.lists:
+            raise DataError(
+                f"class_split {class_split}: no class list in {list_dir} (train.txt, val.txt, test.txt)",
+                params=("class_split",),
+            )
+        owner: dict[str, str] = {}
+        for s, names in self.lists.items():
+            for c in names:
+                # a class in two lists would make its images train and test samples at once
+                if c in owner:
+                    where = "twice" if owner[c] == s else f"in {owner[c]}.txt and {s}.txt"
+                    raise DataError(
+                        f"class_split {class_split}: class {c!r} is listed {where}", params=("class_split",)
+                    )
+                parts = Path(c).parts
+                if Path(c).is_absolute() or ".." in parts or c.startswith(("/", "\\")):
+                    raise DataError(
+                        f"class_split {class_split}: class {c!r} of {s}.txt must be a folder path under the "
+                        "data root (no absolute paths, no '..')",
+                        params=("class_split",),
+                    )
+                owner[c] = s
+
+    def describe(self) -> str:
+        return f"{self.name}: class folders in {self.root}, split by the lists in {self.list_dir}"
+
+    def splits(self) -> list[str]:
+        return list(self.lists)
+
+    def _list(self, split: str) -> list[tuple[str, str]]:
+        if split not in self.lists:
+            raise DataError(
+                f"class_split {self.class_split} has no {split} classes; extract the ones it has with "
+                f"splits {','.join(self.lists)}",
+                params=("class_split", "splits"),
+            )
+        names = sorted(self.lists[split])
+        missing = [c for c in names if not (self.root / c).is_dir()]
+        if missing:
+            raise DataError(
+                f"class_split {self.class_split}: class folder {missing[0]!r} of its {split} split is not in "
+                f"{self.root} ({len(missing)} of {len(names)} missing)",
+                params=("class_split", "data_root"),
+            )
+        out: list[tuple[str, str]] = []
+        for c in names:
+            d = self.root / c
+            files = sorted(f for f in os.listdir(d) if _is_image(f) and (d / f).is_file())
+            if not files:
+                raise DataError(f"class {c!r} has no images: {d} (image extensions: {' '.join(IMAGE_EXTENSIONS)})")
+            out.extend((_rel(d / f, self.root), c) for f in files)
         return out
