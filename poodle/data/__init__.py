@@ -32,6 +32,7 @@ from poodle.data.sources import (
     CubSource,
     DatasetSource,
     FolderSource,
+    ListedSource,
 )
 from poodle.data.transforms import Identity, eval_transform, load_rgb, train_transform, transform_stages
 from poodle.errors import ConfigError, DataError
@@ -41,6 +42,7 @@ __all__ = [
     "CsvSource",
     "FolderSource",
     "CubSource",
+    "ListedSource",
     "resolve_dataset",
     "ImageDataset",
     "PixelCache",
