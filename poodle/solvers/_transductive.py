@@ -278,8 +278,8 @@ def centre_and_project(
     ``z_s [E, Ns, D]``, ``z_q [E, Nq, D]`` -> the same with ``D`` replaced by ``min(reduced_dim,
     Ns + Nq, D)`` (or unchanged when ``reduced_dim == 0``). ``s_weight [E, Ns, 1]`` and ``q_weight
     [E, Nq, 1]`` (0/1; :func:`row_weight`) mark a ragged chunk's real rows: the means are over them,
-    and padded rows come out zero, so they add nothing to the Gram matrix (its padded rows and
-    columns are zero: their eigenvalues are 0, below every real direction's).
+    padded rows take no part in the decomposition (their block of the Gram matrix is decoupled, its
+    eigenvalues below every real direction's) and come out zero.
     """
     if reduced_dim <= 0:
         return _centred(z_s, weight=s_weight), _centred(z_q, weight=q_weight)
@@ -293,15 +293,23 @@ def centre_and_project(
     # Coordinates in the top-r principal directions, x V_r = U_r S_r, from the eigen-decomposition
     # of the small N x N Gram matrix (cheaper than an SVD of N x D). Distances after projection do
     # not depend on the sign/rotation ambiguity of the basis within the sub-space.
-    evals, evecs = batched_eigh(torch.bmm(x, x.transpose(1, 2)))  # ascending
-    top = evecs[:, :, n - r :] * evals[:, n - r :].clamp_min(0).sqrt().unsqueeze(1)
-    top = F.normalize(top, dim=-1)
+    gram = torch.bmm(x, x.transpose(1, 2))
+    real = None
     if s_weight is not None or q_weight is not None:
-        # a padded row's coordinates are exactly zero (its eigenvector entries are, up to rounding)
-        ones = torch.ones_like(top[:, :1, :1])
+        ones = torch.ones_like(x[:, :1, :1])
         w_s = ones.expand(E, ns, 1) if s_weight is None else s_weight
         w_q = ones.expand(E, z_q.shape[1], 1) if q_weight is None else q_weight
-        top = top * torch.cat([w_s, w_q], 1)
+        real = torch.cat([w_s, w_q], 1)  # [E, N, 1]
+        # A padded row's Gram row and column are zero; a zero block of repeated eigenvalues is what
+        # LAPACK's float32 solver fails to converge on (measured), so its diagonal is -1 instead: its
+        # eigenvalues -1 lie below every real one (>= 0), its eigenvectors are the padded coordinates,
+        # and the real block's decomposition is untouched.
+        gram.diagonal(dim1=1, dim2=2).add_(real.squeeze(-1) - 1)
+    evals, evecs = batched_eigh(gram)  # ascending
+    top = evecs[:, :, n - r :] * evals[:, n - r :].clamp_min(0).sqrt().unsqueeze(1)
+    top = F.normalize(top, dim=-1)
+    if real is not None:
+        top = top * real  # a padded row's coordinates are exactly zero
     return top[:, : z_s.shape[1]], top[:, z_s.shape[1] :]
 
 
