@@ -14,7 +14,17 @@ from poodle import solvers
 from poodle.cache import SplitFeatures
 from poodle.episodes import EpisodeSet, EpisodeSpec
 from poodle.errors import ConfigError, EpisodeError
-from poodle.evaluate import choose_chunk, episode_bytes, episode_shapes, evaluate, plan_chunks, plan_ragged
+from poodle.evaluate import (
+    Gatherer,
+    _Negatives,
+    choose_chunk,
+    episode_bytes,
+    episode_shapes,
+    evaluate,
+    plan_chunks,
+    plan_ragged,
+)
+from poodle.negatives import NegativeSpec
 from poodle.solvers import EpisodeBatch
 
 N_CLASSES, PER_CLASS, DIM = 60, 40, 24
@@ -188,3 +198,31 @@ def test_a_ragged_set_is_checked_before_solving():
     sup[3, 0] = -1  # padding with a real label
     with pytest.raises(EpisodeError, match="episode 3 support entry 0"):
         evaluate(features, broken(support=sup), method, device="cpu")
+
+
+@pytest.mark.parametrize("source", ["sphere", "pool"])
+def test_a_bucketed_chunk_holds_each_episodes_own_rows_and_negatives(source):
+    features = _features()
+    eps = ragged_set(features.labels, 9, seed=3)
+    pool = torch.nn.functional.normalize(torch.randn(50, DIM, generator=torch.Generator().manual_seed(0)), dim=-1)
+    spec = NegativeSpec("sphere" if source == "sphere" else "base", 4)
+    neg = _Negatives(spec, None if source == "sphere" else pool, False, 4)
+    cpu = torch.device("cpu")
+    plain = Gatherer(features.features, eps, neg, cpu, torch.float32)
+    ref = plain.gather(plain.prepare(0, 9))
+    order = torch.randperm(9, generator=torch.Generator().manual_seed(1))
+    bucketed = Gatherer(features.features, eps, neg, cpu, torch.float32)
+    bucketed.reorder(order)
+    for a, b in ((0, 4), (4, 9)):
+        chunk = bucketed.gather(bucketed.prepare(a, b))
+        for i, e in enumerate(order[a:b].tolist()):
+            assert torch.equal(chunk.negatives[i], ref.negatives[e])
+            real_s, real_q = eps.support[e] >= 0, eps.query[e] >= 0
+            ns, nq = int(real_s.sum()), int(real_q.sum())
+            # the episode's rows first, then zero rows labelled -1 up to the chunk's largest
+            assert torch.equal(chunk.support[i, :ns], features.features[eps.support[e, :ns]])
+            assert torch.equal(chunk.query_labels[i, :nq], eps.query_labels[e, :nq])
+            assert torch.all(chunk.support[i, ns:] == 0) and torch.all(chunk.support_labels[i, ns:] == -1)
+            assert torch.all(chunk.query[i, nq:] == 0) and torch.all(chunk.query_labels[i, nq:] == -1)
+        assert chunk.way == int(eps.ways[order[a:b]].max())
+        assert chunk.support.shape[1] == int((eps.support[order[a:b]] >= 0).sum(1).max())
