@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -48,6 +49,11 @@ from poodle.utils import parse_size, resolve_device
 CPU_CHUNK_BYTES = 8 * 2**20
 # Upper bound on a chunk on GPU: beyond a few thousand episodes nothing is gained.
 GPU_MAX_CHUNK = 4096
+# Ragged episodes in buckets (plan_ragged): a chunk of episodes sorted by size stops growing once
+# its padded rows would pass this many times its real rows, unless it holds fewer episodes than
+# BUCKET_LEAST (a GPU stays busy with a few hundred episodes; on CPU the cache share cuts first).
+BUCKET_WASTE = 1.1
+BUCKET_LEAST = {"cpu": 4, "cuda": 256}
 
 Method = tuple[str, str, Any]  # (label, registered method name, config)
 
@@ -153,6 +159,7 @@ def plan_chunks(
     held: int = 0,
     held_parts: Mapping[str, int] | None = None,
     shapes: Tensor | None = None,
+    waste: float | None = None,
 ) -> ChunkPlan:
     """Chunk size, workers and chunk bounds of a call of ``n_episodes`` episodes of ``n_rows`` rows
     of ``dim`` floats. An explicit ``max_memory`` counts the ``held`` bytes too (``held_parts``:
@@ -163,8 +170,10 @@ def plan_chunks(
     Ragged episodes: ``shapes [E, 3]`` int64 gives each episode's support rows, query rows and ways
     (in the order the chunks are cut), ``n_rows`` and ``way`` the largest episode's (rows with the
     negatives). A chunk is padded to its largest episode, so each chunk takes as many episodes as
-    its padded shape fits (the memory bound, and on CPU the cache share); an explicit
-    ``chunk_size`` cuts chunks of that many episodes as for fixed ones."""
+    its padded shape fits (the memory bound, and on CPU the cache share) and, with ``waste``, no
+    more than keep its padded rows within ``waste`` times its real rows once it holds
+    ``BUCKET_LEAST`` episodes; an explicit ``chunk_size`` cuts chunks of that many episodes as for
+    fixed ones."""
     if device.type != "cpu":
         workers = 1
     elif workers is None:
@@ -181,7 +190,7 @@ def plan_chunks(
     bounds, a, size = [], 0, max(1, chunk // 8) if n_episodes > 8 * chunk else chunk
     if shapes is not None and chunk_size is None:
         n_neg = n_rows - int((shapes[:, 0] + shapes[:, 1]).max())
-        bounds = _fitted_bounds(shapes, n_neg, dim, device, per_worker, itemsize, size)
+        bounds = _fitted_bounds(shapes, n_neg, dim, device, per_worker, itemsize, size, waste)
         chunk = max(b - a for a, b in bounds)
     else:
         while a < n_episodes:
@@ -194,12 +203,21 @@ def plan_chunks(
 
 
 def _fitted_bounds(
-    shapes: Tensor, n_neg: int, dim: int, device: torch.device, max_memory: int, itemsize: int, first: int
+    shapes: Tensor,
+    n_neg: int,
+    dim: int,
+    device: torch.device,
+    max_memory: int,
+    itemsize: int,
+    first: int,
+    waste: float | None = None,
 ) -> list[tuple[int, int]]:
     """Chunks of ragged episodes (``shapes [E, 3]``, see :func:`plan_chunks`), in order, each as many
     episodes as fit ``max_memory`` (and on CPU the cache share) at the chunk's padded shape: its
     largest support, query and way. The first chunk takes at most ``first`` episodes, each next at
-    most twice the one before (the ramp of fixed episodes)."""
+    most twice the one before (the ramp of fixed episodes). ``waste``: a chunk of more than
+    ``BUCKET_LEAST`` episodes also keeps its padded rows within ``waste`` times its real rows."""
+    least = BUCKET_LEAST["cpu" if device.type == "cpu" else "cuda"]
     E = shapes.shape[0]
     cap = GPU_MAX_CHUNK if device.type != "cpu" else E
     bounds, a, limit = [], 0, first
@@ -214,7 +232,10 @@ def _fitted_bounds(
         fits = n * per_episode <= max_memory
         if device.type == "cpu":
             fits &= n * rows * dim * itemsize <= CPU_CHUNK_BYTES
-        # both sides grow with n: the prefixes that fit are the first ones
+        if waste is not None:
+            padded = n * (rows - n_neg)
+            fits &= (n <= least) | (padded <= waste * torch.cumsum(s[:, 0] + s[:, 1], 0))
+        # a chunk is the longest prefix whose every shorter prefix fits too
         count = max(1, int(fits.to(torch.int64).cumprod(0).sum()))
         bounds.append((a, a + count))
         a, limit = a + count, 2 * limit
@@ -251,10 +272,17 @@ def plan_ragged(episodes: EpisodeSet, n_neg: int, dim: int, device: torch.device
     n_rows = int((shapes[:, 0] + shapes[:, 1]).max()) + n_neg
     way = int(shapes[:, 2].max())
     plain = plan_chunks(len(episodes), n_rows, dim, way, device, shapes=shapes, **kw)
-    # size = rows, then ways; a stable sort keeps episodes of one size in their order
-    key = (shapes[:, 0] + shapes[:, 1]) * (way + 1) + shapes[:, 2]
+    # Support and query are padded separately, so episodes of one total size can pad badly together
+    # (500 support rows and 50 queries next to 100 and 450): buckets are bands of query counts
+    # (each 1.25 times the one before), by support rows within a band, then ways. On Meta-Dataset's
+    # shapes (2,000 episodes drawn by its rules, D = 640) this pads 1.03x the real rows on CPU against
+    # 1.07x sorted by total rows (1.16x against 1.36x in the few large chunks of a GPU; in episode
+    # order 1.25x and 1.40x).
+    ns, nq, ways = shapes[:, 0], shapes[:, 1], shapes[:, 2]
+    band = torch.floor(torch.log(nq.clamp_min(1).double()) / math.log(1.25)).long()
+    key = (band * (int(ns.max()) + 1) + ns) * (way + 1) + ways
     order = torch.sort(key, stable=True).indices
-    bucketed = plan_chunks(len(episodes), n_rows, dim, way, device, shapes=shapes[order], **kw)
+    bucketed = plan_chunks(len(episodes), n_rows, dim, way, device, shapes=shapes[order], waste=BUCKET_WASTE, **kw)
     if bucketed.padded_rows < plain.padded_rows:
         return dataclasses.replace(bucketed, order=order)
     return plain

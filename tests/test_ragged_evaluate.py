@@ -15,6 +15,8 @@ from poodle.cache import SplitFeatures
 from poodle.episodes import EpisodeSet, EpisodeSpec
 from poodle.errors import ConfigError, EpisodeError
 from poodle.evaluate import (
+    BUCKET_LEAST,
+    BUCKET_WASTE,
     Gatherer,
     _Negatives,
     choose_chunk,
@@ -161,6 +163,14 @@ def test_planning_counts_each_chunks_padded_shape():
             # the chunk at its padded shape fits the bound; one more episode would not (or none is left)
             assert b - a == 1 or (b - a) <= choose_chunk(rows, DIM, way, torch.device("cpu"), budget)
             assert b - a == 1 or (b - a) * episode_bytes(rows, DIM, way) <= budget
+    # with room for many episodes a chunk, a bucket of more than a few pads at most BUCKET_WASTE
+    # times its real rows
+    roomy = plan_ragged(eps, 0, DIM, torch.device("cpu"), max_memory=1 << 28, workers=1)
+    sh = shapes[roomy.order]
+    assert any(b - a > BUCKET_LEAST["cpu"] for a, b in roomy.bounds)
+    for a, b in roomy.bounds:
+        if b - a > BUCKET_LEAST["cpu"]:
+            assert (b - a) * int(sh[a:b, 0].max() + sh[a:b, 1].max()) <= BUCKET_WASTE * int(sh[a:b, :2].sum())
     # small episodes share bigger chunks than large ones
     sizes = [b - a for a, b in plan.bounds]
     assert max(sizes) > min(sizes)
