@@ -482,6 +482,7 @@ class Gatherer:
         self.features = features.to(device=device, dtype=dtype)
         self.pool = None if negatives.pool is None else negatives.pool.to(device=device, dtype=dtype)
         self.cuda = device.type == "cuda"
+        self.order: Tensor | None = None  # the episodes' order in the chunks (reorder); None: theirs
 
     @property
     def held_bytes(self) -> int:
@@ -493,22 +494,30 @@ class Gatherer:
 
     def reorder(self, order: Tensor) -> None:
         """Take the episodes in ``order`` (``[E]``, a permutation; :func:`plan_ragged`'s buckets):
-        position ``i`` of every later chunk is episode ``order[i]``."""
-        eps = self.episodes
+        position ``i`` of every later chunk is episode ``order[i]`` (each chunk's index rows are
+        taken when it is prepared: no reordered copy of the set is held)."""
+        if not isinstance(self.episodes, EpisodeSet):
+            raise TypeError("only an episode set drawn in advance can be solved in buckets")
+        self.order = order
+
+    def _episodes(self, a: int, b: int) -> EpisodeSet:
+        if self.order is None:
+            return self.episodes[a:b]
+        eps, rows = self.episodes, self.order[a:b]
         assert isinstance(eps, EpisodeSet)
 
         def take(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t[order]
+            return None if t is None else t[rows]
 
         fields = ("support", "query", "support_labels", "query_labels", "negatives", "index", "class_ids", "ways")
         taken: dict[str, Any] = {f: take(getattr(eps, f)) for f in fields}
-        self.episodes = dataclasses.replace(eps, **taken)
+        return dataclasses.replace(eps, **taken)
 
     def prepare(self, a: int, b: int) -> HostChunk:
         """The host work of episodes ``a..b-1``: draw them (a stream draws here) and their negatives
         (on a GPU drawn there, from the same per-episode streams: no host generation, no copy); a
         chunk of ragged episodes is cropped to its largest."""
-        sub = self.episodes[a:b]
+        sub = self._episodes(a, b)
         padding = None
         if sub.ways is not None:
             sub, padding = crop_ragged(sub)
