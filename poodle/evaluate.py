@@ -22,6 +22,12 @@ Three parts, each with one job:
 
 Every method sees the same chunk, hence identical episodes and identical negatives, and results
 depend neither on the chunking nor on the number of workers (tested).
+
+Ragged episodes (an :class:`~poodle.episodes.EpisodeSet` with ``ways``: each episode its own way,
+shots and queries, index tensors padded with -1) are solved in chunks padded to each chunk's
+largest episode (masks and ways on the :class:`~poodle.solvers.base.EpisodeBatch`; accuracy over
+real queries), planned at each chunk's padded shape and cut in buckets of similar size where that
+pads fewer rows (:func:`plan_ragged`); each episode's result is the one it gets alone.
 """
 
 from __future__ import annotations
@@ -917,7 +923,8 @@ def evaluate(
         features: a ``poodle.cache.SplitFeatures`` (``features [N, D]``, ``labels [N]``) of the split
             the episodes index.
         episodes: an episode set (its ``negatives`` indices are used when their source matches), or
-            an :class:`~poodle.episodes.EpisodeStream` (drawn chunk by chunk: same results, flat memory).
+            an :class:`~poodle.episodes.EpisodeStream` (drawn chunk by chunk: same results, flat memory;
+            a stream of ragged episodes is drawn in advance, as its shapes plan the chunks).
         methods: ``(label, method_name, config)`` triples; config a dataclass, a dict of options or None.
         negatives: the negative source and count; ``None`` means no negatives.
         cache_path: the cache file (its ``train`` split is the ``base`` pool).
@@ -926,7 +933,9 @@ def evaluate(
         progress: called with the number of episodes just solved (all methods).
         dtype: the solvers' float type (float64 for references).
         stats: if given, filled with ``chunk_size``, ``n_chunks``, ``device``, ``seconds`` per label,
-            ``n_neg``, ``workers``, ``first_chunk_s``, ``max_memory`` and ``held_bytes``.
+            ``n_neg``, ``workers``, ``first_chunk_s``, ``max_memory`` and ``held_bytes``; for ragged
+            episodes also ``rows``, ``padded_rows`` (support and query rows without and with the
+            chunks' padding) and ``bucketed``.
         preprocess: a :class:`poodle.preprocess.Preprocessor` whose transform the negative pool gets
             (the caller transforms ``features`` itself).
         ready: called once every check has passed, just before solving starts.
@@ -940,6 +949,10 @@ def evaluate(
     t_call = time.perf_counter()
     dev = resolve_device(device)
     methods = _resolve_methods(methods)
+    if isinstance(episodes, EpisodeStream) and getattr(episodes, "ragged", False):
+        # episodes of different shapes are planned by their shapes (each chunk's padded size, the
+        # buckets), which only drawing them tells
+        episodes = episodes.materialize()
     _check_episodes(features, episodes)
     spec = episodes.spec
     D = features.features.shape[1]
