@@ -121,6 +121,10 @@ class EpisodeSet:
         negative_source: the source ``negatives`` index into ("" when none).
         index: int64 ``[E]`` global episode numbers (``i`` of ``generator(seed, i)``).
         class_ids: int64 ``[E, way]`` the split's class index of each label.
+        ways: int64 ``[E]`` each episode's own number of classes, or ``None`` for fixed episodes.
+            Ragged episodes (each its own way, shots and queries) pad ``support``, ``query`` and
+            both label tensors with ``-1`` to the set's largest episode; :mod:`poodle.evaluate`
+            solves them in padded chunks.
     """
 
     support: Tensor
@@ -132,6 +136,7 @@ class EpisodeSet:
     negative_source: str = ""
     index: Tensor | None = None
     class_ids: Tensor | None = None
+    ways: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.index is None:
@@ -151,6 +156,7 @@ class EpisodeSet:
             self.negatives,
             self.index,
             self.class_ids,
+            self.ways,
         )
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
@@ -171,6 +177,7 @@ class EpisodeSet:
             self.negative_source,
             cut(self.index),
             cut(self.class_ids),
+            cut(self.ways),
         )
 
     def with_negatives(self, negatives: Tensor | None, source: str) -> EpisodeSet:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from poodle.solvers._transductive import row_sqnorm
+from poodle.solvers._transductive import masked_mean, row_sqnorm
 
 # Force one form (tests): None chooses by arithmetic, True the Gram form, False the explicit form.
 FORCE_GRAM: bool | None = None
@@ -56,10 +56,19 @@ class RowSpan:
     (explicit) or a ``[E, K, N]`` one (Gram); ``scores`` and ``sums`` are the numbers of score
     evaluations and of query-weighted sums the caller will make (they pick the form; ``gram``
     forces one). With ``centre``, the Gram form takes its products relative to the queries' mean
-    (for methods that only see differences of squared distances; ``z`` is then changed in place)."""
+    (for methods that only see differences of squared distances; ``z`` is then changed in place);
+    ``query_weight [E, Nq, 1]`` (0/1) marks a ragged chunk's real queries, whose mean that is."""
 
     def __init__(
-        self, z: Tensor, n_s: int, k: int, scores: int, sums: int, gram: bool | None = None, centre: bool = False
+        self,
+        z: Tensor,
+        n_s: int,
+        k: int,
+        scores: int,
+        sums: int,
+        gram: bool | None = None,
+        centre: bool = False,
+        query_weight: Tensor | None = None,
     ) -> None:
         self.z, self.n_s = z, n_s
         self.z_s, self.z_q = z[:, :n_s], z[:, n_s:]
@@ -70,7 +79,7 @@ class RowSpan:
                 # products relative to the queries' mean (``z`` is centred in place): the Gram
                 # entries are then of the size of the spread, not of the offset, and so are their
                 # rounding errors
-                self.origin = self.z_q.mean(1, keepdim=True)
+                self.origin = masked_mean(self.z_q, query_weight)
                 z.sub_(self.origin)
             self.g = torch.bmm(self.z, self.z.transpose(1, 2))  # [E, N, N]
 

@@ -16,11 +16,39 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from poodle.solvers.base import one_hot
+from poodle.solvers.base import EpisodeBatch, one_hot
 
 # Smallest probability any log below is allowed to see: keeps 0 * log(0) and 0 / 0 out of every
 # method without changing a result that was finite (it is far below float32 resolution near 1).
 TINY = 1e-30
+
+
+# ---------------------------------------------------------------------------------------------
+# Ragged chunks: a padded row takes no weight, a padded class no probability (EpisodeBatch). Every
+# helper below that takes a ``pad`` batch (or row weights) uses its masks; with ``None`` it runs the
+# code of fixed chunks unchanged, so their bits stay what they were.
+
+
+def row_weight(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``[E, N, 1]`` 1.0 for a real row of ``mask [E, N]`` and 0.0 for padding (``None``: all real)."""
+    return None if mask is None else mask.to(dtype).unsqueeze(-1)
+
+
+def masked_mean(z: Tensor, weight: Tensor | None) -> Tensor:
+    """The mean of each episode's real rows: ``z [E, N, D]``, ``weight [E, N, 1]`` (0/1, or ``None``
+    for all rows) -> ``[E, 1, D]``."""
+    if weight is None:
+        return z.mean(1, keepdim=True)
+    return (z * weight).sum(1, keepdim=True) / weight.sum(1, keepdim=True).clamp_min(1.0)
+
+
+def mask_padded_classes(scores: Tensor, class_mask: Tensor | None, fill: float = float("-inf")) -> Tensor:
+    """``scores [E, N, K]`` with each episode's padded classes (``class_mask [E, K]`` False) set to
+    ``fill``; ``scores`` itself when ``class_mask`` is ``None``."""
+    if class_mask is None:
+        return scores
+    return scores.masked_fill(~class_mask.unsqueeze(1), fill)
+
 
 # ---------------------------------------------------------------------------------------------
 # Convergence checks. A loop that stops per episode keeps an ``active [E]`` mask on the device and
@@ -236,36 +264,63 @@ def weighted_means(support: tuple[Tensor, Tensor], a_q: Tensor, z_q: Tensor, fal
     return torch.where(empty, fallback, num / torch.where(empty, torch.ones_like(den), den))
 
 
-def centre_and_project(z_s: Tensor, z_q: Tensor, reduced_dim: int) -> tuple[Tensor, Tensor]:
+def centre_and_project(
+    z_s: Tensor,
+    z_q: Tensor,
+    reduced_dim: int,
+    s_weight: Tensor | None = None,
+    q_weight: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """TAFSSL's task-adaptive sub-space: centre support and query sets on their own means,
     L2-normalise, then (``reduced_dim > 0``) project every episode onto the top ``reduced_dim``
     right singular vectors of its stacked samples and normalise again.
 
     ``z_s [E, Ns, D]``, ``z_q [E, Nq, D]`` -> the same with ``D`` replaced by ``min(reduced_dim,
-    Ns + Nq, D)`` (or unchanged when ``reduced_dim == 0``).
+    Ns + Nq, D)`` (or unchanged when ``reduced_dim == 0``). ``s_weight [E, Ns, 1]`` and ``q_weight
+    [E, Nq, 1]`` (0/1; :func:`row_weight`) mark a ragged chunk's real rows: the means are over them,
+    padded rows take no part in the decomposition (their block of the Gram matrix is decoupled, its
+    eigenvalues below every real direction's) and come out zero.
     """
     if reduced_dim <= 0:
-        return _centred(z_s), _centred(z_q)
+        return _centred(z_s, weight=s_weight), _centred(z_q, weight=q_weight)
     # both sets, centred and normalised, written straight into one [E, N, D] buffer (no concatenation)
     E, ns, D = z_s.shape
     x = torch.empty(E, ns + z_q.shape[1], D, dtype=z_s.dtype, device=z_s.device)
-    _centred(z_s, out=x[:, :ns])
-    _centred(z_q, out=x[:, ns:])
+    _centred(z_s, out=x[:, :ns], weight=s_weight)
+    _centred(z_q, out=x[:, ns:], weight=q_weight)
     n = x.shape[1]
     r = min(reduced_dim, n, x.shape[2])
     # Coordinates in the top-r principal directions, x V_r = U_r S_r, from the eigen-decomposition
     # of the small N x N Gram matrix (cheaper than an SVD of N x D). Distances after projection do
     # not depend on the sign/rotation ambiguity of the basis within the sub-space.
-    evals, evecs = batched_eigh(torch.bmm(x, x.transpose(1, 2)))  # ascending
+    gram = torch.bmm(x, x.transpose(1, 2))
+    real = None
+    if s_weight is not None or q_weight is not None:
+        ones = torch.ones_like(x[:, :1, :1])
+        w_s = ones.expand(E, ns, 1) if s_weight is None else s_weight
+        w_q = ones.expand(E, z_q.shape[1], 1) if q_weight is None else q_weight
+        real = torch.cat([w_s, w_q], 1)  # [E, N, 1]
+        # A padded row's Gram row and column are zero; a zero block of repeated eigenvalues is what
+        # LAPACK's float32 solver fails to converge on (measured), so its diagonal is -1 instead: its
+        # eigenvalues -1 lie below every real one (>= 0), its eigenvectors are the padded coordinates,
+        # and the real block's decomposition is untouched.
+        gram.diagonal(dim1=1, dim2=2).add_(real.squeeze(-1) - 1)
+    evals, evecs = batched_eigh(gram)  # ascending
     top = evecs[:, :, n - r :] * evals[:, n - r :].clamp_min(0).sqrt().unsqueeze(1)
     top = F.normalize(top, dim=-1)
+    if real is not None:
+        top = top * real  # a padded row's coordinates are exactly zero
     return top[:, : z_s.shape[1]], top[:, z_s.shape[1] :]
 
 
-def _centred(z: Tensor, out: Tensor | None = None) -> Tensor:
+def _centred(z: Tensor, out: Tensor | None = None, weight: Tensor | None = None) -> Tensor:
     """``F.normalize(z - mean(z), dim=-1)`` over the rows of each episode of ``z [E, N, D]``, the
-    same arithmetic as that expression, written into ``out`` when given."""
-    c = z - z.mean(1, keepdim=True)
+    same arithmetic as that expression, written into ``out`` when given; with ``weight [E, N, 1]``
+    the mean is over the real rows and padded rows come out zero."""
+    if weight is None:
+        c = z - z.mean(1, keepdim=True)
+    else:
+        c = (z - masked_mean(z, weight)) * weight
     return torch.div(c, torch.linalg.vector_norm(c, dim=-1, keepdim=True).clamp_min(1e-12), out=out)
 
 
@@ -287,6 +342,7 @@ def rectified_prototypes(
     epsilon: float,
     shift: bool = True,
     q2: Tensor | None = None,
+    pad: EpisodeBatch | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """BD-CSPN's bias-diminished prototypes (Liu et al. 2020, Eqs. 5-8).
 
@@ -300,16 +356,33 @@ def rectified_prototypes(
     The shifted queries are never materialised: every product with them is ``z_q . v + delta . v``
     (the solver is memory-bound; this reads the features fewer times); their norms are returned for
     the caller's :func:`shifted_cosine`. Every class contains its support points, so no weight is 0/0.
+    ``pad``: the ragged batch whose masks apply (the means are over real rows, a padded query joins
+    no class, no query joins a padded class, and a padded class's prototype is zero).
     """
-    delta = (z_s.mean(1, keepdim=True) - z_q.mean(1, keepdim=True)) if shift else torch.zeros_like(z_s[:, :1])
+    ragged = pad is not None and pad.ragged
+    s_w = row_weight(pad.support_mask, z_s.dtype) if ragged and pad is not None else None
+    q_w = pad.query_weight() if ragged and pad is not None else None
+    cm = pad.class_mask if ragged and pad is not None else None
+    if shift:
+        delta = (
+            masked_mean(z_s, s_w) - masked_mean(z_q, q_w)
+            if ragged
+            else z_s.mean(1, keepdim=True) - z_q.mean(1, keepdim=True)
+        )
+    else:
+        delta = torch.zeros_like(z_s[:, :1])
     y_s = one_hot(labels_s, way, z_s.dtype)
     base = torch.bmm(y_s.transpose(1, 2), z_s) / y_s.sum(1).clamp_min(1.0).unsqueeze(-1)
     cos_s = cosine(z_s, base)
     q_norm = shifted_norm(z_q, delta, q2)
     cos_q = shifted_cosine(z_q, delta, base, q_norm)
-    member_q = one_hot(cos_q.argmax(-1), way, torch.bool)
+    member_q = one_hot(mask_padded_classes(cos_q, cm).argmax(-1), way, torch.bool)
+    if q_w is not None:
+        member_q = member_q & (q_w > 0)
     logits = (epsilon * torch.cat([cos_s, cos_q], 1)).masked_fill(~torch.cat([y_s.bool(), member_q], 1), float("-inf"))
     w = torch.softmax(logits, dim=1)  # over the set's members
+    if ragged:
+        w = w.nan_to_num(0.0)  # a padded class has no member: zero weights, not 0/0
     w_s, w_q = w[:, : z_s.shape[1]], w[:, z_s.shape[1] :]
     protos = (
         torch.bmm(w_s.transpose(1, 2), z_s) + torch.bmm(w_q.transpose(1, 2), z_q) + w_q.sum(1).unsqueeze(-1) * delta

@@ -24,7 +24,7 @@ import torch
 
 from poodle.options import option
 from poodle.solvers._transductive import dist_flops, rectified_prototypes, shifted_cosine
-from poodle.solvers.base import EpisodeBatch, SolverOutput, register
+from poodle.solvers.base import EpisodeBatch, SolverOutput, mask_classes, register
 
 
 @dataclass
@@ -47,6 +47,8 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BDCSPNConfig) -> flo
 def bd_cspn(batch: EpisodeBatch, cfg: BDCSPNConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]`` (rectified)."""
     z_q = batch.query
-    p, delta, q_norm = rectified_prototypes(batch.support, batch.support_labels, z_q, batch.way, cfg.epsilon, cfg.shift)
-    log_probs = torch.log_softmax(cfg.epsilon * shifted_cosine(z_q, delta, p, q_norm), -1)
+    p, delta, q_norm = rectified_prototypes(
+        batch.support, batch.support_labels, z_q, batch.way, cfg.epsilon, cfg.shift, pad=batch
+    )
+    log_probs = torch.log_softmax(mask_classes(cfg.epsilon * shifted_cosine(z_q, delta, p, q_norm), batch), -1)
     return SolverOutput(log_probs, {"prototypes": p})

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from poodle.options import option
 from poodle.solvers._transductive import cosine, dist_flops
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_classes, one_hot, register
 
 
 @dataclass
@@ -52,19 +52,33 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: CanTConfig) -> float
 def can_t(batch: EpisodeBatch, cfg: CanTConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]`` (unit norm)."""
     z_s, z_q = batch.support, batch.query
-    n_q = z_q.shape[1]
+    n_q = z_q.shape[1]  # a ragged chunk's largest episode: the most iterations any episode makes
     y_s = one_hot(batch.support_labels, batch.way, z_s.dtype)
     p = F.normalize(class_means(z_s, batch.support_labels, batch.way), dim=-1)
     q_norm = torch.linalg.vector_norm(z_q, dim=-1, keepdim=True)
+    if batch.ragged:
+        # each episode its own query count, hence its own number of iterations and top-k sizes
+        n_qe = batch.n_query().long()  # [E]
+        n_iter_e = n_qe // cfg.step if cfg.iterations < 0 else torch.full_like(n_qe, cfg.iterations)
+        ranks = torch.arange(n_q, device=z_q.device).expand_as(q_norm[..., 0])
     for i in range(_n_iter(cfg, n_q)):
-        prob = torch.softmax(cfg.scale * cosine(z_q, p, q_norm), -1)
+        prob = torch.softmax(mask_classes(cfg.scale * cosine(z_q, p, q_norm), batch), -1)
         conf, pseudo = prob.max(-1)  # [E, Nq]
-        k = min((i + 1) * cfg.step, n_q)
-        top = conf.topk(k, dim=1).indices
-        chosen = torch.zeros_like(conf).scatter(1, top, 1.0)  # [E, Nq]
+        if not batch.ragged:
+            k = min((i + 1) * cfg.step, n_q)
+            top = conf.topk(k, dim=1).indices
+            chosen = torch.zeros_like(conf).scatter(1, top, 1.0)  # [E, Nq]
+        else:
+            if batch.query_mask is not None:
+                conf = conf.masked_fill(~batch.query_mask, float("-inf"))  # a padded query ranks last
+            order = conf.argsort(dim=1, descending=True, stable=True)
+            rank = torch.empty_like(order).scatter_(1, order, ranks)
+            chosen = (rank < ((i + 1) * cfg.step)) & (rank < n_qe.unsqueeze(1))
+            chosen = chosen.to(z_s.dtype)
         a_q = one_hot(pseudo, batch.way, z_s.dtype) * chosen.unsqueeze(-1)
         # every class keeps its support points, so the mean is never 0/0
         num = torch.bmm(y_s.transpose(1, 2), z_s) + torch.bmm(a_q.transpose(1, 2), z_q)
-        p = F.normalize(num / (y_s.sum(1) + a_q.sum(1)).unsqueeze(-1).clamp_min(1.0), dim=-1)
-    log_probs = torch.log_softmax(cfg.scale * cosine(z_q, p, q_norm), -1)
+        new = F.normalize(num / (y_s.sum(1) + a_q.sum(1)).unsqueeze(-1).clamp_min(1.0), dim=-1)
+        p = new if not batch.ragged else torch.where((i < n_iter_e)[:, None, None], new, p)
+    log_probs = torch.log_softmax(mask_classes(cfg.scale * cosine(z_q, p, q_norm), batch), -1)
     return SolverOutput(log_probs, {"prototypes": p})

@@ -38,25 +38,38 @@ from poodle.options import option
 from poodle.solvers._transductive import (
     centre_and_project,
     dist_flops,
+    mask_padded_classes,
     row_sqnorm,
+    row_weight,
     should_stop,
     softmax_logits,
     sqdist,
     support_share,
     weighted_means,
 )
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_classes, one_hot, register
 
 
 def kmeans_loop(
-    z_s: Tensor, labels_s: Tensor, z_q: Tensor, centres: Tensor, max_iter: int, fix_support: bool
+    z_s: Tensor,
+    labels_s: Tensor,
+    z_q: Tensor,
+    centres: Tensor,
+    max_iter: int,
+    fix_support: bool,
+    pad: EpisodeBatch | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Batched hard k-means with per-episode convergence.
 
     ``z_s [E, Ns, D]``, ``labels_s [E, Ns]``, ``z_q [E, Nq, D]``, ``centres [E, K, D]`` (start).
     Returns ``(centres [E, K, D], query_assign [E, Nq], support_assign [E, Ns], iterations [E])``.
-    Ties go to the lowest class index. A cluster left without members keeps its centre.
+    Ties go to the lowest class index. A cluster left without members keeps its centre. ``pad``: the
+    ragged batch whose masks apply: no row joins a padded cluster, and a padded row joins none (its
+    assignment is -1), so it moves no centre and never keeps an episode iterating.
     """
+    cm = s_mask = q_mask = None
+    if pad is not None and pad.ragged:
+        cm, s_mask, q_mask = pad.class_mask, pad.support_mask, pad.query_mask
     E, K = centres.shape[0], centres.shape[1]
     active = torch.ones(E, dtype=torch.bool, device=z_s.device)
     prev_q = torch.full(z_q.shape[:2], -1, dtype=torch.long, device=z_s.device)
@@ -67,10 +80,14 @@ def kmeans_loop(
     # fixed support labels: their share of every update is the same, made once
     fixed = support_share(one_hot(labels_s, K, z_s.dtype), z_s) if fix_support else None
     for it in range(max_iter):
-        lab_q = sqdist(z_q, centres, q2).argmin(-1)
+        lab_q = mask_padded_classes(sqdist(z_q, centres, q2), cm, float("inf")).argmin(-1)
+        if q_mask is not None:
+            lab_q = lab_q.masked_fill(~q_mask, -1)
         unchanged = (lab_q == prev_q).all(1)
         if not fix_support:
-            lab_s = sqdist(z_s, centres, s2).argmin(-1)
+            lab_s = mask_padded_classes(sqdist(z_s, centres, s2), cm, float("inf")).argmin(-1)
+            if s_mask is not None:
+                lab_s = lab_s.masked_fill(~s_mask, -1)
             unchanged = unchanged & (lab_s == prev_s).all(1)
         active = active & ~unchanged
         if should_stop(active, it):  # a converged episode is frozen below, so looking late changes nothing
@@ -117,8 +134,8 @@ def kmeans(batch: EpisodeBatch, cfg: KMeansConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes`` (final centres) and ``iterations [E]``."""
     z_s, z_q = batch.support, batch.query
     c0 = class_means(z_s, batch.support_labels, batch.way)
-    c, _, _, iters = kmeans_loop(z_s, batch.support_labels, z_q, c0, cfg.max_iter, cfg.fix_support)
-    log_probs = torch.log_softmax(softmax_logits(z_q, c, cfg.scale), -1)
+    c, _, _, iters = kmeans_loop(z_s, batch.support_labels, z_q, c0, cfg.max_iter, cfg.fix_support, batch)
+    log_probs = torch.log_softmax(mask_classes(softmax_logits(z_q, c, cfg.scale), batch), -1)
     return SolverOutput(log_probs, {"prototypes": c, "iterations": iters})
 
 
@@ -152,15 +169,18 @@ def bayes_kmeans(batch: EpisodeBatch, cfg: BayesKMeansConfig) -> SolverOutput:
     ``clusters [E, Nq]`` (each query's cluster) and ``iterations [E]`` (the k-means updates)."""
     z_s, z_q = batch.support, batch.query
     if cfg.centre or cfg.reduced_dim > 0:
-        z_s, z_q = centre_and_project(z_s, z_q, cfg.reduced_dim)
+        # a ragged chunk's padded rows take no part in the means or the PCA (they come out zero)
+        s_w, q_w = row_weight(batch.support_mask, z_s.dtype), batch.query_weight()
+        z_s, z_q = centre_and_project(z_s, z_q, cfg.reduced_dim, s_w, q_w)
     way = batch.way
     c0 = class_means(z_s, batch.support_labels, way)
-    c, cq, _, iters = kmeans_loop(z_s, batch.support_labels, z_q, c0, cfg.max_iter, fix_support=False)
-    # p(c|s) against unit-norm centres, as TAFSSL
-    log_pcs = torch.log_softmax(-cfg.sigma * sqdist(z_s, F.normalize(c, dim=-1)), -1)  # [E, Ns, K]
+    c, cq, _, iters = kmeans_loop(z_s, batch.support_labels, z_q, c0, cfg.max_iter, fix_support=False, pad=batch)
+    # p(c|s) against unit-norm centres, as TAFSSL (an episode's padded clusters take no probability)
+    log_pcs = torch.log_softmax(mask_classes(-cfg.sigma * sqdist(z_s, F.normalize(c, dim=-1)), batch), -1)
     log_kern = -cfg.sigma * sqdist(z_s, z_q)  # [E, Ns, Nq]
     E, Ns, Nq = log_kern.shape
-    log_pcs_q = torch.gather(log_pcs, 2, cq.unsqueeze(1).expand(E, Ns, Nq))  # p(c*(q)|s)
+    # p(c*(q)|s); a padded query (cluster -1) reads cluster 0: its row is padding whatever it holds
+    log_pcs_q = torch.gather(log_pcs, 2, cq.clamp_min(0).unsqueeze(1).expand(E, Ns, Nq))
     joint = log_kern + log_pcs_q  # [E, Ns, Nq]
     member = one_hot(batch.support_labels, way, z_s.dtype)  # [E, Ns, way]
     log_member = torch.log(member).unsqueeze(2)  # 0 / -inf

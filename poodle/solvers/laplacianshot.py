@@ -60,13 +60,24 @@ from poodle.solvers._transductive import (
     TINY,
     cosine,
     dist_flops,
+    mask_padded_classes,
+    masked_mean,
     rectified_prototypes,
     row_sqnorm,
+    row_weight,
     should_stop,
     sqdist,
     times_narrow,
 )
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register, validate_config
+from poodle.solvers.base import (
+    EpisodeBatch,
+    SolverOutput,
+    class_means,
+    mask_classes,
+    one_hot,
+    register,
+    validate_config,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # the method as Ziko et al.'s paper and BD-CSPN's paper write it; lambda 0.7 from the paper's
@@ -105,10 +116,12 @@ class LaplacianShotConfig:
         return float(self.lmd if self.lmd is not None else PRESETS[self.preset]["lmd"])
 
 
-def knn_graph(z_q: Tensor, k: int, q2: Tensor | None = None) -> Tensor:
+def knn_graph(z_q: Tensor, k: int, q2: Tensor | None = None, query_mask: Tensor | None = None) -> Tensor:
     """``z_q [E, Nq, D]`` -> ``[E, Nq, Nq]`` 0/1 affinity: row ``q`` marks its ``k`` nearest other
     queries (Euclidean; self excluded; ``k`` clipped to ``Nq - 1``; ``q2``: :func:`row_sqnorm` of
-    ``z_q`` when the caller has it).
+    ``z_q`` when the caller has it). ``query_mask [E, Nq]``: a ragged chunk's real queries; a padded
+    query is nobody's neighbour and has none (its row and column are zero), and ``k`` is clipped to
+    each episode's own count less one.
 
     Squared distances from the queries' Gram matrix, ``||a||^2 + ||b||^2 - 2 a.b``: one batched
     product and no ``[E, Nq, D + 2]`` copies (``torch.cdist`` augments both sides with their norms),
@@ -124,42 +137,68 @@ def knn_graph(z_q: Tensor, k: int, q2: Tensor | None = None) -> Tensor:
     q2 = row_sqnorm(z_q) if q2 is None else q2
     d = torch.baddbmm(q2 + q2.transpose(1, 2), z_q, z_q.transpose(1, 2), alpha=-2.0)
     d.diagonal(dim1=1, dim2=2).fill_(float("inf"))
-    idx = d.topk(k, dim=-1, largest=False).indices
-    return w.scatter_(2, idx, 1.0)
+    if query_mask is None:
+        idx = d.topk(k, dim=-1, largest=False).indices
+        return w.scatter_(2, idx, 1.0)
+    d = d.masked_fill(~query_mask.unsqueeze(1), float("inf"))
+    dist, idx = d.topk(k, dim=-1, largest=False)
+    # an infinite distance is a padded query (or the row's own): no edge
+    w.scatter_(2, idx, (dist < float("inf")).to(w.dtype))
+    return w.mul_(query_mask.unsqueeze(-1).to(w.dtype))
 
 
 def released_rectification(
-    z_s: Tensor, labels_s: Tensor, z_q: Tensor, way: int, epsilon: float
+    z_s: Tensor, labels_s: Tensor, z_q: Tensor, way: int, epsilon: float, pad: EpisodeBatch | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The released code's prototype rectification (see the module docstring).
 
     ``z_s [E, Ns, D]``, ``labels_s [E, Ns]``, ``z_q [E, Nq, D]`` -> ``(prototypes [E, way, D],
     kept [E, way] bool, shifted queries [E, Nq, D])``; a dropped class's prototype is zero.
+    ``pad``: the ragged batch whose masks apply (means over real rows; a padded row is no member,
+    a padded class is never predicted, so it is dropped).
     """
-    z_q = z_q + (z_s.mean(1, keepdim=True) - z_q.mean(1, keepdim=True))
+    cm = None
+    if pad is None or not pad.ragged:
+        z_q = z_q + (z_s.mean(1, keepdim=True) - z_q.mean(1, keepdim=True))
+        real = None
+    else:
+        cm, q_mask = pad.class_mask, pad.query_mask
+        z_q = z_q + (masked_mean(z_s, row_weight(pad.support_mask, z_s.dtype)) - masked_mean(z_q, pad.query_weight()))
+        real = torch.cat(
+            [labels_s >= 0, torch.ones_like(z_q[..., 0], dtype=torch.bool) if q_mask is None else q_mask], 1
+        )
     base = class_means(z_s, labels_s, way)
     x = torch.cat([z_s, z_q], 1)
-    cos = cosine(x, base)  # [E, N, way]
+    cos = mask_padded_classes(cosine(x, base), cm)  # [E, N, way]
     member = one_hot(cos.argmax(-1), way, x.dtype)  # [E, N, way]
+    if real is not None:
+        member = member * real.unsqueeze(-1).to(x.dtype)  # a padded row is no member
     w = torch.softmax(epsilon * cos, -1) * member
     count = member.sum(1)  # [E, way]
     protos = torch.bmm(w.transpose(1, 2), x) / count.clamp_min(1.0).unsqueeze(-1)
     return protos, count > 0, z_q
 
 
-def bound_energy(y: Tensor, unary: Tensor, w: Tensor, lmd: float, pair: Tensor | None = None) -> Tensor:
+def bound_energy(
+    y: Tensor, unary: Tensor, w: Tensor, lmd: float, pair: Tensor | None = None, rows: Tensor | None = None
+) -> Tensor:
     """The authors' energy ``sum(y*a - lmd*(W y)*y + y*log y)`` per episode ``[E]`` (``pair``:
-    ``W y`` when the caller has it)."""
+    ``W y`` when the caller has it; ``rows [E, Nq, 1]``: 0/1, a ragged chunk's real queries, the
+    only ones summed)."""
     pair = times_narrow(w, y) if pair is None else pair
-    return (unary * y - lmd * pair * y + y * torch.log(y.clamp_min(1e-20))).sum((1, 2))
+    terms = unary * y - lmd * pair * y + y * torch.log(y.clamp_min(1e-20))
+    return (terms if rows is None else terms * rows).sum((1, 2))
 
 
-def bound_updates(unary: Tensor, w: Tensor, cfg: LaplacianShotConfig, masked: bool) -> tuple[Tensor, Tensor, Tensor]:
+def bound_updates(
+    unary: Tensor, w: Tensor, cfg: LaplacianShotConfig, masked: bool, rows: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """The bound iterations ``y = softmax(-a + lmd W y)`` from ``y = softmax(-a)``, each episode
     until its energy's relative change is at most ``tol`` (after the third iteration) or for
     ``steps`` iterations. ``unary [E, Nq, K]`` (``masked``: infinite for dropped classes), ``w [E, Nq,
     Nq]`` -> ``(logits, y, iterations [E])``. ``W y`` is computed once per iteration: the energy's
-    product is the next update's."""
+    product is the next update's. ``rows [E, Nq, 1]``: a ragged chunk's real queries, the only ones
+    the energy (hence each episode's stop) sees."""
     E = unary.shape[0]
     lmd = cfg.lambda_used()
     neg = -unary
@@ -177,7 +216,7 @@ def bound_updates(unary: Tensor, w: Tensor, cfg: LaplacianShotConfig, masked: bo
         y = torch.where(keep[:, None, None], y, new_y)
         iters = iters + active.long()
         pair = times_narrow(w, y)
-        energy = bound_energy(y, unary.masked_fill(y == 0, 0.0) if masked else unary, w, lmd, pair)
+        energy = bound_energy(y, unary.masked_fill(y == 0, 0.0) if masked else unary, w, lmd, pair, rows)
         done = (energy - old).abs() <= cfg.tol * old.abs() if i > 1 else torch.zeros_like(active)
         old = torch.where(active, energy, old)
         active = active & ~done
@@ -208,11 +247,12 @@ def laplacianshot(batch: EpisodeBatch, cfg: LaplacianShotConfig) -> SolverOutput
     q2 = row_sqnorm(z_q)  # for the rectification, the unary term and the kNN graph
     kept = None
     z_u = z_q
+    pad = batch if batch.ragged else None  # a ragged chunk: its masks, else today's arithmetic
     if cfg.rectify and released:
-        m, kept, z_shift = released_rectification(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon)
+        m, kept, z_shift = released_rectification(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon, pad)
         z_u = z_shift if shifted else z_q
     elif cfg.rectify:
-        m, delta, _ = rectified_prototypes(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon, q2=q2)
+        m, delta, _ = rectified_prototypes(z_s, batch.support_labels, z_q, batch.way, cfg.epsilon, q2=q2, pad=pad)
         z_u = z_q + delta if shifted else z_q
     else:
         m = class_means(z_s, batch.support_labels, batch.way)
@@ -220,15 +260,18 @@ def laplacianshot(batch: EpisodeBatch, cfg: LaplacianShotConfig) -> SolverOutput
     if kept is not None:
         # a dropped class takes no query: infinite unary (its softmax weight is exactly 0)
         unary = unary.masked_fill(~kept.unsqueeze(1), float("inf"))
-    w = knn_graph(z_q, cfg.knn - 1 if self_nb else cfg.knn, q2)
-    logits, y, iters = bound_updates(unary, w, cfg, kept is not None)
+    elif pad is not None:
+        unary = mask_padded_classes(unary, batch.class_mask, float("inf"))  # a padded class: the same
+    w = knn_graph(z_q, cfg.knn - 1 if self_nb else cfg.knn, q2, batch.query_mask)
+    masked = kept is not None or batch.class_mask is not None
+    logits, y, iters = bound_updates(unary, w, cfg, masked, batch.query_weight())
     if kept is not None:
         # As released: the prototype list shrinks, so kept class number j (in class order) answers
         # with label j. A stable sort puts the kept classes first, in order.
         order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices  # [E, way]
         y = y.gather(2, order.unsqueeze(1).expand_as(y))
         return SolverOutput(
-            torch.log_softmax(torch.log(y.clamp_min(TINY)), -1),
+            torch.log_softmax(mask_classes(torch.log(y.clamp_min(TINY)), batch), -1),
             {"prototypes": m, "iterations": iters, "assignments": y.clamp_min(TINY)},
         )
     log_probs = torch.log_softmax(logits, -1)

@@ -25,8 +25,15 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._transductive import centre_and_project, dist_flops, row_sqnorm, sqdist, support_share
-from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
+from poodle.solvers._transductive import (
+    centre_and_project,
+    dist_flops,
+    row_sqnorm,
+    row_weight,
+    sqdist,
+    support_share,
+)
+from poodle.solvers.base import EpisodeBatch, SolverOutput, mask_classes, one_hot, register
 
 
 @dataclass
@@ -40,16 +47,26 @@ class MeanShiftConfig:
     centre: bool = True
 
 
-def confident_top_d(p_q: Tensor, threshold: float) -> Tensor:
+def confident_top_d(
+    p_q: Tensor, threshold: float, query_mask: Tensor | None = None, class_mask: Tensor | None = None
+) -> Tensor:
     """TAFSSL's ``most_confident`` for a batch: ``p_q [E, Nq, K]`` -> selection mask ``[E, Nq, K]``.
 
     ``mask[e, q, k]`` is 1 when query ``q`` is among the ``d_e`` most probable queries of class
     ``k``, with ``d_e`` the number of ranks at which every class's query has ``p > threshold``.
+    A ragged chunk's padded queries (``query_mask [E, Nq]`` False) rank last and are never
+    selected; its padded classes (``class_mask [E, K]`` False) bound no rank and select nothing.
     """
     E, Nq, K = p_q.shape
+    if query_mask is not None:
+        p_q = p_q.masked_fill(~query_mask.unsqueeze(-1), -1.0)
     srt, order = p_q.sort(dim=1, descending=True, stable=True)  # [E, Nq, K]
+    if class_mask is not None:
+        srt = srt.masked_fill(~class_mask.unsqueeze(1), float("inf"))
     d = (srt.min(dim=2).values > threshold).sum(1)  # [E]
     within = (torch.arange(Nq, device=p_q.device).view(1, Nq, 1) < d.view(E, 1, 1)).to(p_q.dtype)
+    if class_mask is not None:
+        within = within * class_mask.unsqueeze(1).to(p_q.dtype)
     return torch.zeros_like(p_q).scatter(1, order, within.expand(E, Nq, K))
 
 
@@ -72,17 +89,19 @@ def mean_shift(batch: EpisodeBatch, cfg: MeanShiftConfig) -> SolverOutput:
     ``selected [E]`` (queries added per class at the last step)."""
     z_s, z_q = batch.support, batch.query
     if cfg.centre or cfg.reduced_dim > 0:
-        z_s, z_q = centre_and_project(z_s, z_q, cfg.reduced_dim)
+        # a ragged chunk's padded rows take no part in the means or the PCA (they come out zero)
+        s_w, q_w = row_weight(batch.support_mask, z_s.dtype), batch.query_weight()
+        z_s, z_q = centre_and_project(z_s, z_q, cfg.reduced_dim, s_w, q_w)
     labelled = support_share(one_hot(batch.support_labels, batch.way, z_s.dtype), z_s)  # fixed: made once
     mu = labelled[0] / labelled[1].clamp_min(1.0).unsqueeze(-1)  # the support class means
     q2 = row_sqnorm(z_q)
-    log_p = torch.log_softmax(-cfg.sigma * sqdist(z_q, mu, q2), -1)
+    log_p = torch.log_softmax(mask_classes(-cfg.sigma * sqdist(z_q, mu, q2), batch), -1)
     selected = torch.zeros(z_s.shape[0], dtype=torch.long, device=z_s.device)
     for _ in range(cfg.steps):
-        sel = confident_top_d(log_p.exp(), cfg.threshold)  # [E, Nq, K]
+        sel = confident_top_d(log_p.exp(), cfg.threshold, batch.query_mask, batch.class_mask)  # [E, Nq, K]
         num = labelled[0] + torch.bmm(sel.transpose(1, 2), z_q)
         den = (labelled[1] + sel.sum(1)).unsqueeze(-1)  # >= shots >= 1
         mu = num / den.clamp_min(1.0)
-        log_p = torch.log_softmax(-cfg.sigma * sqdist(z_q, mu, q2), -1)
+        log_p = torch.log_softmax(mask_classes(-cfg.sigma * sqdist(z_q, mu, q2), batch), -1)
         selected = sel.sum(1)[:, 0].long()
     return SolverOutput(log_p, {"prototypes": mu, "selected": selected})

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from poodle.options import option
 from poodle.solvers._span import RowSpan, span_flops, use_gram
-from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
+from poodle.solvers.base import EpisodeBatch, SolverOutput, mask_classes, one_hot, register
 
 
 @dataclass
@@ -52,11 +52,17 @@ class PaddleConfig:
     scale_features: bool = True  # the authors' per-episode min-max scaling over the queries
 
 
-def minmax_scale(z_s: Tensor, z_q: Tensor) -> Tensor:
+def minmax_scale(z_s: Tensor, z_q: Tensor, query_mask: Tensor | None = None) -> Tensor:
     """Per episode and dimension, map the query set onto ``[0, 1]`` and the support set with the same
-    affine map: ``z_s [E, Ns, D]``, ``z_q [E, Nq, D]`` -> both stacked, ``[E, Ns + Nq, D]``."""
-    lo = z_q.amin(1, keepdim=True)
-    rng = z_q.amax(1, keepdim=True) - lo
+    affine map: ``z_s [E, Ns, D]``, ``z_q [E, Nq, D]`` -> both stacked, ``[E, Ns + Nq, D]``.
+    ``query_mask [E, Nq]``: a ragged chunk's real queries, over which the range is taken."""
+    if query_mask is None:
+        lo = z_q.amin(1, keepdim=True)
+        rng = z_q.amax(1, keepdim=True) - lo
+    else:
+        pad = ~query_mask.unsqueeze(-1)
+        lo = z_q.masked_fill(pad, float("inf")).amin(1, keepdim=True)
+        rng = z_q.masked_fill(pad, float("-inf")).amax(1, keepdim=True) - lo
     rng = torch.where(rng == 0, torch.ones_like(rng), rng)
     z = z_q.new_empty(z_q.shape[0], z_s.shape[1] + z_q.shape[1], z_q.shape[2])
     torch.sub(z_s, lo, out=z[:, : z_s.shape[1]])
@@ -80,12 +86,18 @@ def paddle(batch: EpisodeBatch, cfg: PaddleConfig) -> SolverOutput:
     [E, way, D]`` (in the scaled space) and ``assignments [E, Nq, way]``."""
     n_s, n_q, way = batch.support.shape[1], batch.query.shape[1], batch.way
     if cfg.scale_features:
-        z = minmax_scale(batch.support, batch.query)
+        z = minmax_scale(batch.support, batch.query, batch.query_mask)
     else:
         z = torch.cat([batch.support, batch.query], 1)
-    coef = (cfg.lmd if cfg.lmd > 0 else float(n_q)) / n_q
+    q_w = batch.query_weight()  # [E, Nq, 1] of a ragged chunk, else None
+    if batch.ragged:
+        # each episode its own query count: lambda / Nq, and the mean over its real queries
+        n_qe = batch.n_query().to(z.dtype).view(-1, 1, 1)
+        coef: Tensor | float = (cfg.lmd / n_qe) if cfg.lmd > 0 else torch.ones_like(n_qe)
+    else:
+        coef = (cfg.lmd if cfg.lmd > 0 else float(n_q)) / n_q
     y_t = one_hot(batch.support_labels, way, z.dtype).transpose(1, 2)  # [E, K, Ns]
-    span = RowSpan(z, n_s, way, cfg.steps, cfg.steps, centre=True)
+    span = RowSpan(z, n_s, way, cfg.steps, cfg.steps, centre=True, query_weight=q_w)
     ys_t_zs = span.support_sum(y_t)
     counts = y_t.sum(2, keepdim=True)  # [E, K, 1], >= 1 per class
     w = ys_t_zs / counts
@@ -94,11 +106,19 @@ def paddle(batch: EpisodeBatch, cfg: PaddleConfig) -> SolverOutput:
     for _ in range(cfg.steps):
         dots, sq = span.scores(w)
         logits = dots.add_(sq.mul_(-0.5).unsqueeze(2))  # [E, K, Nq]: <z_q, w_k> - ||w_k||^2 / 2
+        if batch.ragged:
+            logits = mask_classes(logits.transpose(1, 2), batch).transpose(1, 2)
         u = torch.softmax(logits if v is None else logits.add_(v), 1)
-        v = u.mean(2, keepdim=True).add_(1e-6).log_().add_(1.0).mul_(coef)  # coef * v, [E, K, 1]
-        w = span.mean(y_t, u, u.sum(2, keepdim=True).add_(counts), support=ys_t_zs)
+        if q_w is None:
+            v = u.mean(2, keepdim=True).add_(1e-6).log_().add_(1.0).mul_(coef)  # coef * v, [E, K, 1]
+        else:
+            u = u * q_w.transpose(1, 2)  # a padded query takes no part in v or the centres
+            v = (u.sum(2, keepdim=True) / n_qe).add_(1e-6).log_().add_(1.0).mul_(coef)
+        den = u.sum(2, keepdim=True).add_(counts)
+        if batch.ragged:
+            den = den.clamp_min_(1.0)  # a padded class has no member: a zero centre, not 0/0
+        w = span.mean(y_t, u, den, support=ys_t_zs)
     assert u is not None  # cfg.steps >= 1
     u = u.transpose(1, 2).contiguous()
-    return SolverOutput(
-        torch.log_softmax(torch.log(u.clamp_min(1e-30)), -1), {"prototypes": span.explicit(w), "assignments": u}
-    )
+    log_u = mask_classes(torch.log(u.clamp_min(1e-30)), batch)  # a padded class: exactly no probability
+    return SolverOutput(torch.log_softmax(log_u, -1), {"prototypes": span.explicit(w), "assignments": u})

@@ -17,7 +17,7 @@ import torch
 
 from poodle.options import option
 from poodle.solvers._transductive import softmax_logits
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_classes, register
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,9 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: ProtoConfig) -> floa
     summary="nearest class mean of the normalised support features (no fine-tuning)",
 )
 def proto(batch: EpisodeBatch, cfg: ProtoConfig) -> SolverOutput:
-    """Prototypes ``[E, way, D]`` = class means; log-probs ``[E, Nq, way]`` of ``-(scale/2)||q - w||^2``."""
+    """Prototypes ``[E, way, D]`` = class means; log-probs ``[E, Nq, way]`` of ``-(scale/2)||q - w||^2``
+    (a ragged chunk's padded classes -inf)."""
     w = class_means(batch.support, batch.support_labels, batch.way)
     scale = torch.full((w.shape[0], 1, 1), cfg.scale, dtype=w.dtype, device=w.device)
-    return SolverOutput(torch.log_softmax(softmax_logits(batch.query, w, scale), -1), {"prototypes": w, "scale": scale})
+    logits = mask_classes(softmax_logits(batch.query, w, scale), batch)
+    return SolverOutput(torch.log_softmax(logits, -1), {"prototypes": w, "scale": scale})

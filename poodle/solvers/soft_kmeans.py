@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from poodle.options import option
-from poodle.solvers._transductive import dist_flops, softmax_logits, support_share, weighted_means
-from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
+from poodle.solvers._transductive import dist_flops, row_weight, softmax_logits, support_share, weighted_means
+from poodle.solvers.base import EpisodeBatch, SolverOutput, mask_classes, one_hot, register
 
 
 @dataclass
@@ -56,12 +56,20 @@ def soft_kmeans(batch: EpisodeBatch, cfg: SoftKMeansConfig) -> SolverOutput:
     y_s = one_hot(batch.support_labels, batch.way, z_s.dtype)
     labelled = support_share(y_s, z_s)  # the support's share of an update, and its class means
     p = labelled[0] / labelled[1].clamp_min(1.0).unsqueeze(-1)
+    # a ragged chunk: padded classes take no probability, padded rows no weight in the means
+    q_w, s_w = batch.query_weight(), row_weight(batch.support_mask, z_s.dtype)
     a_q = None
     for _ in range(cfg.steps):
-        a_q = torch.softmax(softmax_logits(z_q, p, cfg.scale), -1)
-        a_s = labelled if cfg.fix_support else support_share(torch.softmax(softmax_logits(z_s, p, cfg.scale), -1), z_s)
+        a_q = torch.softmax(mask_classes(softmax_logits(z_q, p, cfg.scale), batch), -1)
+        if q_w is not None:
+            a_q = a_q * q_w
+        if cfg.fix_support:
+            a_s = labelled
+        else:
+            soft_s = torch.softmax(mask_classes(softmax_logits(z_s, p, cfg.scale), batch), -1)
+            a_s = support_share(soft_s if s_w is None else soft_s * s_w, z_s)
         p = weighted_means(a_s, a_q, z_q, p)
-    logits = softmax_logits(z_q, p, cfg.scale)
+    logits = mask_classes(softmax_logits(z_q, p, cfg.scale), batch)
     if a_q is None:  # no refinement: the assignments to the support means
         a_q = torch.softmax(logits, -1)
     return SolverOutput(torch.log_softmax(logits, -1), {"prototypes": p, "assignments": a_q})
