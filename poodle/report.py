@@ -577,8 +577,9 @@ def domain_table(
     Args:
         results: :class:`Result` objects (:func:`load_results`, filtered as wanted) or results
             records (:func:`poodle.results.make_record`, e.g. those of one ``poodle solve`` run).
-        methods: the keys that tell methods apart (``"label"``, ``"method,beta"``). Default: the
-            keys that vary within some domain, without the derived ones (:func:`drop_derived`).
+        methods: the keys that tell methods apart (``"label"``, ``"method,beta"``). Default:
+            ``label``, and while two results of one domain share their keys, each key varying
+            within a domain that separates more of them (``label,beta`` for a beta sweep).
         p_threshold: significance level of the paired t-test.
 
     Raises:
@@ -595,13 +596,7 @@ def domain_table(
         raise ConfigError("a per-domain table needs results; none given")
     keys = split_keys(methods)
     if keys is None:
-        by_domain: dict[Any, list[Result]] = {}
-        for r in res:
-            by_domain.setdefault(_hashable(r.flat.get(DOMAIN_KEY)), []).append(r)
-        keys = []
-        for group in by_domain.values():
-            keys += [k for k in varying_keys(group) if k != DOMAIN_KEY and k not in keys]
-        keys = drop_derived(res, keys, [DOMAIN_KEY]) or ["label"]
+        keys = _method_keys(res)
     if DOMAIN_KEY in keys:
         raise ConfigError(f"{DOMAIN_KEY!r} names the domains (the columns); it cannot tell methods apart")
     base = build_table(res, rows=keys, cols=[DOMAIN_KEY], bold="none", show_ci=show_ci)
@@ -652,6 +647,28 @@ def domain_table(
     if unfinished:
         _note_unfinished(table, unfinished, "col")
     return table
+
+
+def _method_keys(results: Sequence[Result]) -> list[str]:
+    """The keys that tell the methods of each domain apart: ``label``, then, while two results of
+    one domain still share them, each key that varies within a domain and separates more of them
+    (in order of first appearance)."""
+    groups: dict[Any, list[Result]] = {}
+    for r in results:
+        groups.setdefault(_hashable(r.flat.get(DOMAIN_KEY)), []).append(r)
+
+    def collisions(keys: list[str]) -> int:
+        return sum(len(g) - len({tuple(_hashable(r.flat.get(k)) for k in keys) for r in g}) for g in groups.values())
+
+    keys = ["label"]
+    for group in groups.values():
+        for k in varying_keys(group):
+            n = collisions(keys)
+            if n == 0:
+                return keys
+            if k not in keys and k != DOMAIN_KEY and collisions(keys + [k]) < n:
+                keys.append(k)
+    return keys
 
 
 def _mark_domains(table: DomainTable, p_threshold: float, incomplete: bool) -> None:

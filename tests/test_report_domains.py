@@ -181,3 +181,20 @@ def test_report_cli_domains(tmp_path):
     assert "m1" in res.output and "m3" not in res.output and "1.33 [" in res.output  # m1: ranks 1, 2, 1
     res = runner.invoke(report, [str(path), "--domains", "--cols", "shot"])
     assert res.exit_code == 1 and "--domains puts the domains (caches) on the columns" in res.output
+
+
+def test_methods_are_told_apart_by_label_then_by_the_options_that_separate_them():
+    records = []
+    for domain in ("A", "B"):
+        for label, beta, mean in (("proto", None, 0.5), ("poodle", 0.0, 0.6), ("poodle", 0.5, 0.7)):
+            r = _record(domain, label, _acc(mean, len(records)), len(records))
+            r["options"] = {} if beta is None else {"beta": beta, "steps": 100}
+            r["key"] += f"-{beta}"
+            records.append(r)
+    table = R.domain_table(records)
+    assert table.row_keys == ["label", "beta"]  # steps does not separate anything more
+    assert table.rows == [("proto", None), ("poodle", 0.0), ("poodle", 0.5)]
+    assert table.rank.tolist() == [3, 2, 1]
+    assert R.domain_table(records, "method,beta").row_keys == ["method", "beta"]
+    with pytest.raises(ConfigError, match="several results fall at"):
+        R.domain_table(records, "label")
