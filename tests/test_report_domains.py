@@ -198,3 +198,16 @@ def test_methods_are_told_apart_by_label_then_by_the_options_that_separate_them(
     assert R.domain_table(records, "method,beta").row_keys == ["method", "beta"]
     with pytest.raises(ConfigError, match="several results fall at"):
         R.domain_table(records, "label")
+
+
+def test_an_unfinished_file_leaves_a_domain_with_an_empty_entry_unmarked(tmp_path):
+    records = [r for r in _records() if not (r["cache"] == "C" and r["label"] == "m3")]
+    path = tmp_path / "part.results.jsonl"
+    with open(path, "w") as f:
+        f.write(json.dumps({"format": FORMAT, "version": VERSION, "kind": "header", "n_cells": 9}) + "\n")
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    table = R.domain_table(R.load_results([path]))
+    assert sorted(table.best) == [0, 1] and not any(table.entries[i, 2].bold for i in range(2))
+    assert np.isnan(table.rank[2]) and table.ranks[:2].tolist() == [[1, 2, 1], [2, 1, 2]]
+    assert any("8 of 9 cells finished" in n for n in table.notes)
