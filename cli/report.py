@@ -50,6 +50,12 @@ from poodle.cli._common import out as stdout
 @click.option("--no-ci", is_flag=True, help="Print means only.")
 @click.option("--caption", default=None, help="LaTeX caption.")
 @click.option(
+    "--domains",
+    is_flag=True,
+    help="Meta-Dataset's per-domain table: a column per cache, then each method's mean over domains and "
+    "average rank with its 95% interval (--rows: the keys that tell methods apart).",
+)
+@click.option(
     "--figure",
     type=click.Choice(["heatmap", "steps", "negatives"]),
     default=None,
@@ -79,6 +85,7 @@ def report(
     p_threshold: float,
     no_ci: bool,
     caption: str | None,
+    domains: bool,
     figure: str | None,
     baseline: str | None,
     panels: str | None,
@@ -110,7 +117,15 @@ def report(
             )
         console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
         return
-    table = R.build_table(res, rows, cols, bold=bold, test=test, p_threshold=p_threshold, show_ci=not no_ci)
+    table: R.Table
+    if domains:
+        if cols is not None:
+            from poodle.errors import ConfigError
+
+            raise ConfigError("--domains puts the domains (caches) on the columns; leave out --cols")
+        table = R.domain_table(res, rows, p_threshold=p_threshold, show_ci=not no_ci)
+    else:
+        table = R.build_table(res, rows, cols, bold=bold, test=test, p_threshold=p_threshold, show_ci=not no_ci)
     if fmt == "markdown":
         text = R.to_markdown(table)
     elif fmt == "latex":

@@ -14,10 +14,16 @@ then), so the test is on the per-episode differences. The rule, precisely (``tes
 captions of the paper's tables ``tab:varying_img_resolution`` and ``tab:varying_finetuning_steps``
 state. No correction for multiple comparisons is made (the paper makes none). Figures live in
 :mod:`poodle.report_figures`.
+
+:func:`domain_table` is Meta-Dataset's per-domain table: a column per domain (the records'
+``cache``), the mean over domains and each method's average rank with a 95% interval; there the
+best of each domain is bold together with every entry not significantly different from it, as
+Meta-Dataset's papers mark their tables.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -27,7 +33,15 @@ import numpy as np
 from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
 from poodle.results import read_results, record_flat
-from poodle.stats import mean_ci, paired_difference, paired_ttest
+from poodle.stats import (
+    RANK_BOOTSTRAP,
+    RANK_SEED,
+    average_rank_interval,
+    descending_ranks,
+    mean_ci,
+    paired_difference,
+    paired_ttest,
+)
 
 # Keys that identify the episodes a result was solved on: equal keys -> identical episodes.
 PAIRING_KEYS = EPISODE_KEYS + OPTIONAL_EPISODE_KEYS
@@ -300,6 +314,9 @@ def _latex_escape(text: str) -> str:
 class Entry:
     result: Result
     bold: bool = False
+    # domain tables: p of the two-sided paired t-test against the best entry of its domain (None
+    # for the best itself and for entries not tested)
+    p: float | None = None
 
 
 @dataclass
@@ -497,6 +514,193 @@ def solve_table(records: Sequence[Mapping[str, Any]], seconds: bool = True) -> T
     return table
 
 
+@dataclass
+class DomainTable(Table):
+    """A :class:`Table` of methods (rows) x domains (columns, the ``cache`` key) with, in ``extra``,
+    the mean over domains and the average rank; the numbers behind those two columns as arrays.
+
+    Attributes:
+        best: column (domain) index -> row index of its best entry, for the domains marked.
+        ranks: ``[M, D]`` rank of each method in each domain (1 = best, ties averaged), NaN for a
+            method not ranked (missing in some domain).
+        mean, mean_ci: ``[M]`` mean over domains of the per-domain mean accuracies and the 95%
+            half-width, in [0, 1]; NaN for a method missing in some domain.
+        rank, rank_low, rank_high: ``[M]`` average rank over domains and its 95% interval; NaN as above.
+    """
+
+    best: dict[int, int] = field(default_factory=dict)
+    ranks: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    mean: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    mean_ci: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    rank: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    rank_low: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    rank_high: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    @property
+    def domains(self) -> list[str]:
+        return [str(c[0]) for c in self.cols]
+
+
+DOMAIN_KEY = "cache"
+
+
+def domain_table(
+    results: Sequence[Result | Mapping[str, Any]],
+    methods: str | Sequence[str] | None = None,
+    *,
+    p_threshold: float = 0.05,
+    show_ci: bool = True,
+    n_boot: int = RANK_BOOTSTRAP,
+    seed: int = RANK_SEED,
+) -> DomainTable:
+    """Meta-Dataset's per-domain table: one column per domain (the ``cache`` of each result, i.e. a
+    grid's ``[caches]`` name or ``poodle solve``'s cache), one row per method, then the mean over
+    domains and each method's average rank.
+
+    - Entries: mean accuracy ± 95% CI over the domain's episodes (as every table). In each domain
+      the best entry (highest mean) is bold, and so is every other entry whose two-sided paired
+      t-test against the best over the domain's episodes gives p > ``p_threshold`` (not
+      significantly different from it; ``Entry.p`` keeps that p). Nothing is marked in a domain
+      with fewer than two entries, with entries not on identical episodes (listed under the table),
+      or, for unfinished results files, with an empty entry.
+    - ``mean over domains``: the mean of the D per-domain means, ± ``sqrt(sum_d ci_d^2) / D`` (the
+      domains' episodes are independent, so the variances of their means add).
+    - ``average rank``: in each domain the methods are ranked by mean accuracy (1 = best; means
+      within 1e-9 tie and share the mean of their positions), and the ranks averaged over domains;
+      ``[low, high]`` is a 95% bootstrap interval over the episodes within each domain (``n_boot``
+      resamples, paired across the methods of a domain, seeded by ``seed``; the domains themselves
+      are not resampled): :func:`poodle.stats.average_rank_interval` says exactly how.
+
+    A method missing in some domain gets ``–`` for both and is left out of every domain's ranking
+    (named under the table).
+
+    Args:
+        results: :class:`Result` objects (:func:`load_results`, filtered as wanted) or results
+            records (:func:`poodle.results.make_record`, e.g. those of one ``poodle solve`` run).
+        methods: the keys that tell methods apart (``"label"``, ``"method,beta"``). Default:
+            ``label``, and while two results of one domain share their keys, each key varying
+            within a domain that separates more of them (``label,beta`` for a beta sweep).
+        p_threshold: significance level of the paired t-test.
+
+    Raises:
+        ConfigError: no results, an unknown key, ``cache`` among ``methods``, or two results on
+            the same method and domain (the message names the keys that tell them apart).
+    """
+    check_p(p_threshold)
+    unfinished = list(getattr(results, "unfinished", ()))
+    res = [
+        r if isinstance(r, Result) else Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), "records", i)
+        for i, r in enumerate(results)
+    ]
+    if not res:
+        raise ConfigError("a per-domain table needs results; none given")
+    keys = split_keys(methods)
+    if keys is None:
+        keys = _method_keys(res)
+    if DOMAIN_KEY in keys:
+        raise ConfigError(f"{DOMAIN_KEY!r} names the domains (the columns); it cannot tell methods apart")
+    base = build_table(res, rows=keys, cols=[DOMAIN_KEY], bold="none", show_ci=show_ci)
+    table = DomainTable(base.row_keys, base.col_keys, base.rows, base.cols, base.entries, show_ci=show_ci)
+    n_methods, n_domains = table.shape
+    _mark_domains(table, p_threshold, incomplete=bool(unfinished))
+
+    complete = [i for i in range(n_methods) if all((i, j) in table.entries for j in range(n_domains))]
+    nan = np.full(n_methods, np.nan)
+    table.mean, table.mean_ci = nan.copy(), nan.copy()
+    table.rank, table.rank_low, table.rank_high = nan.copy(), nan.copy(), nan.copy()
+    table.ranks = np.full((n_methods, n_domains), np.nan)
+    for i in complete:
+        cell = [table.entries[i, j].result for j in range(n_domains)]
+        table.mean[i] = np.mean([r.mean for r in cell])
+        table.mean_ci[i] = math.sqrt(sum(r.ci95**2 for r in cell)) / n_domains
+    if complete:
+        accs = [[table.entries[i, j].result.acc for i in complete] for j in range(n_domains)]
+        point, low, high = average_rank_interval(accs, n_boot=n_boot, seed=seed)
+        table.rank[complete], table.rank_low[complete], table.rank_high[complete] = point, low, high
+        for j in range(n_domains):
+            table.ranks[complete, j] = descending_ranks([table.entries[i, j].result.mean for i in complete])
+
+    def mean_text(i: int) -> str:
+        if i not in complete:
+            return "–"
+        m, c = 100 * table.mean[i], 100 * table.mean_ci[i]
+        return f"{m:.2f} ± {c:.2f}" if show_ci else f"{m:.2f}"
+
+    def rank_text(i: int) -> str:
+        if i not in complete:
+            return "–"
+        return f"{table.rank[i]:.2f} [{table.rank_low[i]:.2f}, {table.rank_high[i]:.2f}]"
+
+    table.extra = [
+        ("mean over domains", [mean_text(i) for i in range(n_methods)]),
+        ("average rank [95%]", [rank_text(i) for i in range(n_methods)]),
+    ]
+    table.notes.append(
+        f"Mean over domains: the mean of the {n_domains} per-domain means ± 1.96 sqrt(sum of the domains' "
+        "squared standard errors) / domains. Average rank: each domain ranks the methods by mean accuracy "
+        "(1 = best, ties share their mean position), averaged over domains; [low, high] is a 95% bootstrap "
+        f"interval from {n_boot} resamples of the episodes within each domain (paired across methods, seed {seed})."
+    )
+    missing = [", ".join(table.row_labels(i)) for i in range(n_methods) if i not in complete]
+    if missing:
+        table.notes.append(f"Not ranked (missing in some domain): {'; '.join(missing)}.")
+    if unfinished:
+        _note_unfinished(table, unfinished, "col")
+    return table
+
+
+def _method_keys(results: Sequence[Result]) -> list[str]:
+    """The keys that tell the methods of each domain apart: ``label``, then, while two results of
+    one domain still share them, each key that varies within a domain and separates more of them
+    (in order of first appearance)."""
+    groups: dict[Any, list[Result]] = {}
+    for r in results:
+        groups.setdefault(_hashable(r.flat.get(DOMAIN_KEY)), []).append(r)
+
+    def collisions(keys: list[str]) -> int:
+        return sum(len(g) - len({tuple(_hashable(r.flat.get(k)) for k in keys) for r in g}) for g in groups.values())
+
+    keys = ["label"]
+    for group in groups.values():
+        for k in varying_keys(group):
+            n = collisions(keys)
+            if n == 0:
+                return keys
+            if k not in keys and k != DOMAIN_KEY and collisions(keys + [k]) < n:
+                keys.append(k)
+    return keys
+
+
+def _mark_domains(table: DomainTable, p_threshold: float, incomplete: bool) -> None:
+    """Bold the best entry of each column (domain) and every entry not significantly different
+    from it (two-sided paired t-test against the best, p > ``p_threshold``)."""
+    n_rows, n_cols = table.shape
+    unpaired = []
+    for j in range(n_cols):
+        present = [i for i in range(n_rows) if (i, j) in table.entries]
+        if len(present) < 2 or (incomplete and len(present) < n_rows):
+            continue
+        group = [table.entries[i, j].result for i in present]
+        if len({r.pairing() for r in group}) > 1 or len({len(r.acc) for r in group}) > 1:
+            unpaired.append(table.col_label(j))
+            continue
+        best = present[int(np.argmax([r.mean for r in group]))]
+        table.best[j] = best
+        table.entries[best, j].bold = True
+        for i in present:
+            if i != best:
+                _, p = paired_ttest(table.entries[best, j].result.acc, table.entries[i, j].result.acc)
+                table.entries[i, j].p = p
+                table.entries[i, j].bold = p > p_threshold
+    table.notes.append(
+        "Accuracy (%) mean ± 95% CI over episodes. Bold: best of its domain, and every entry of the "
+        "domain not significantly different from it (two-sided paired t-test over episodes against the "
+        f"best, p > {p_threshold:g})."
+    )
+    if unpaired:
+        table.notes.append(f"Not tested (entries not on identical episodes): {'; '.join(unpaired)}.")
+
+
 def check_p(p_threshold: float) -> float:
     """ConfigError unless the significance level lies in (0, 1)."""
     if isinstance(p_threshold, bool) or not isinstance(p_threshold, (int, float)) or not 0 < p_threshold < 1:
@@ -580,16 +784,18 @@ def to_markdown(table: Table) -> str:
 
 def to_latex(table: Table, caption: str | None = None, label: str | None = None) -> str:
     """A booktabs ``tabular`` with one header row per column key (equal neighbours merged with
-    ``\\multicolumn`` as in the paper's tables); entries as ``$mean \\pm ci$``, bold via ``\\mathbf``."""
-    nr, nc = len(table.row_keys), len(table.cols)
-    spec = "l" * nr + "c" * nc
+    ``\\multicolumn`` as in the paper's tables); entries as ``$mean \\pm ci$``, bold via ``\\mathbf``;
+    the table's further text columns (``extra``: differences, mean over domains, ranks) last."""
+    nr, nc, nx = len(table.row_keys), len(table.cols), len(table.extra)
+    spec = "l" * nr + "c" * (nc + nx)
     out = [r"\begin{table}[t]", r"\centering"]
     if caption:
         out.append(rf"\caption{{{caption}}}")
     out += [rf"\begin{{tabular}}{{{spec}}}", r"\toprule"]
     for level, key in enumerate(table.col_keys):
+        last = level == len(table.col_keys) - 1
         cells = [""] * nr
-        if level == len(table.col_keys) - 1:
+        if last:
             cells = [key_name(k, True) for k in table.row_keys]
         rules = []
         j = 0
@@ -604,14 +810,17 @@ def to_latex(table: Table, caption: str | None = None, label: str | None = None)
             if level < len(table.col_keys) - 1:
                 rules.append(rf"\cmidrule(lr){{{nr + j + 1}-{nr + k + 1}}}")
             j = k + 1
+        cells += [_latex_text(title) if last else "" for title, _ in table.extra]
         out.append(" & ".join(cells) + r" \\")
         if rules:
             out.append(" ".join(rules))
     if not table.col_keys:
-        out.append(" & ".join([key_name(k, True) for k in table.row_keys] + ["accuracy"]) + r" \\")
+        head = [key_name(k, True) for k in table.row_keys] + ["accuracy"]
+        out.append(" & ".join(head + [_latex_text(title) for title, _ in table.extra]) + r" \\")
     out.append(r"\midrule")
     for i in range(len(table.rows)):
         cells = table.row_labels(i, latex=True) + [table.cell_text(i, j, latex=True) for j in range(nc)]
+        cells += [_latex_text(texts[i]) for _, texts in table.extra]
         out.append(" & ".join(cells) + r" \\")
     out += [r"\bottomrule", r"\end{tabular}"]
     if label:
@@ -619,3 +828,8 @@ def to_latex(table: Table, caption: str | None = None, label: str | None = None)
     out.append(r"\end{table}")
     notes = "".join(f"% {n}\n" for n in table.notes)
     return notes + "\n".join(out) + "\n"
+
+
+def _latex_text(text: str) -> str:
+    """A plain-text cell (an ``extra`` column's) in LaTeX: escaped, ``±`` as ``$\\pm$``, ``–`` as ``--``."""
+    return _latex_escape(text).replace("±", r"$\pm$").replace("–", "--")
