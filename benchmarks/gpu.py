@@ -81,21 +81,59 @@ GOAL_S = 2.0  # issue 24: 10,000 standard POODLE episodes in at most 2 s on one 
 RESERVE_S = 2.0  # kept back from the budget for the last report and the exit
 SUMMARY_LIMIT = 6000  # characters of the printed summary: one screen, well inside a 12,000-character tail
 
-# A child runs under this shim, which makes the child's process group (the shim and everything it
-# starts) die with the check: it leads a new group, asks the kernel for SIGTERM when its parent dies
-# (prctl PR_SET_PDEATHSIG, Linux), and on SIGTERM kills its group. So a check killed with SIGKILL,
-# which cannot clean up, still leaves none of its processes running.
+# A child runs under this shim, which takes the child's whole process tree down with it: it leads a
+# new process group, adopts the orphans of the tree (PR_SET_CHILD_SUBREAPER: torchrun's workers, for
+# one, start sessions of their own, out of the group's reach), asks the kernel for SIGTERM when the
+# check dies (PR_SET_PDEATHSIG: a check killed with SIGKILL cannot clean up), and on SIGTERM kills
+# every descendant it finds in /proc, then its group and itself. Linux; elsewhere it kills its group.
 SHIM = """
-import os, signal, subprocess, sys
+import os, signal, subprocess, sys, time
 os.setpgrp()
 try:
     import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(36, 1)
+    libc.prctl(1, signal.SIGTERM)
 except (OSError, AttributeError):
     pass
-signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
-if os.getppid() != int(sys.argv[1]):
+
+def tree():
+    kids = {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            f = open("/proc/" + d + "/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if d.isdigit() and f[0] != "Z":
+            kids.setdefault(int(f[1]), []).append(int(d))
+    out, todo = [], [os.getpid()]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+def stop(*_):
+    for _ in range(50):
+        pids = tree()
+        if not pids:
+            break
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+        time.sleep(0.02)
     os.killpg(0, signal.SIGKILL)
+
+signal.signal(signal.SIGTERM, stop)
+if os.getppid() != int(sys.argv[1]):
+    stop()
 sys.exit(subprocess.call(sys.argv[2:]))
 """
 
@@ -273,6 +311,7 @@ class Report:
                     "seconds": round(s.seconds, 2),
                     "allotted_s": round(s.allotted, 1),
                     "numbers": s.numbers,
+                    "headline": s.headline,
                     "data": s.data,
                 }
                 for s in self.sections
@@ -306,11 +345,19 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _kill_group(pgid: int) -> None:
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Stop a child run under :data:`SHIM` and everything it started: SIGTERM to the shim, which
+    kills the tree; its process group killed outright if it has not gone in 5 s."""
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    proc.wait()
 
 
 def _run(sec: Section, ctx: Ctx, cmd: list[str], env: dict | None = None) -> tuple[str, float]:
@@ -335,8 +382,8 @@ def _run(sec: Section, ctx: Ctx, cmd: list[str], env: dict | None = None) -> tup
             except subprocess.TimeoutExpired:
                 raise Deadline() from None
         except BaseException:
-            _kill_group(proc.pid)
-            proc.wait()
+            with _quiet():
+                _kill_tree(proc)
             with _quiet():
                 sec.add(
                     f"`{' '.join(cmd[1:])}` stopped after {time.perf_counter() - t:.1f} s, its process group "
@@ -368,10 +415,16 @@ def _block(text: str, limit: int = 12000) -> str:
 _ENDS: list[float] = []  # the ends (time.monotonic) of the shares in force, the innermost last
 
 
+def _alarm_in(seconds: float) -> None:
+    """:class:`Deadline` in ``seconds`` (0: no alarm)."""
+    signal.signal(signal.SIGALRM, _alarm)  # SIGALRM's default ends the process
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
 def _arm(ctx: Ctx) -> None:
     """The alarm at the nearest end in force: a share's, or the budget's."""
     end = min([ctx.budget.end, *_ENDS])
-    signal.setitimer(signal.ITIMER_REAL, max(0.001, end - time.monotonic()))
+    _alarm_in(max(0.001, end - time.monotonic()))
 
 
 @contextmanager
@@ -894,7 +947,6 @@ def main(argv: list[str] | None = None) -> int:
     for s in sections:
         if s.name in args.skip:
             s.status, s.reason = "skipped", "--skip"
-    signal.signal(signal.SIGALRM, _alarm)
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     code = 0
@@ -934,7 +986,7 @@ def _run_section(sec: Section, ctx: Ctx, rest: list[Section]) -> bool:
     in place and the others go on; a stop from outside is recorded and passed on. False when it was
     skipped for want of time."""
     left = ctx.budget.left()
-    if left < sec.min_s:
+    if left <= 0 or left < sec.min_s:
         sec.status = "skipped"
         sec.reason = f"budget spent: {left:.0f} s left, needs about {sec.min_s:.0f} s"
         return False
@@ -945,7 +997,7 @@ def _run_section(sec: Section, ctx: Ctx, rest: list[Section]) -> bool:
     t = time.monotonic()
     sec.soft_end = t + sec.allotted
     sec.status = "running"
-    signal.setitimer(signal.ITIMER_REAL, left)
+    _alarm_in(max(0.001, left))
     try:
         sec.fn(sec, ctx)
         sec.status = "done"
