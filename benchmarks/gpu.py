@@ -447,11 +447,13 @@ def _share(ctx: Ctx, seconds: float) -> Iterator[list[bool]]:
 
 
 def _grow(run: Callable[[int], float], n0: int, n_max: int, seconds: float, runs: list[tuple[int, float]]) -> None:
-    """Call ``run(n)`` (which returns its wall seconds) at growing ``n``, from ``n0``, while a run
-    at least twice as large fits in half of what is left of ``seconds``, up to ``n_max``; each
-    run's ``(n, seconds)`` is appended to ``runs`` as it ends. Projecting linearly is cautious on a
-    GPU, where a small run costs about what a full chunk does."""
+    """Call ``run(n)`` (which returns its wall seconds) at growing ``n``: ``n0`` twice (the first
+    run warms up: the allocator, CUDA's context and kernels, Triton's compilation), then, projecting
+    from the last run, a run at least twice as large while it fits in half of what is left of
+    ``seconds``, up to ``n_max``. Each run's ``(n, seconds)`` is appended to ``runs`` as it ends.
+    Projecting linearly is cautious on a GPU, where a small run costs about what a full chunk does."""
     n, spent = max(1, min(n0, n_max)), 0.0
+    spent += run(n)
     while True:
         t = run(n)
         runs.append((n, t))
@@ -460,6 +462,13 @@ def _grow(run: Callable[[int], float], n0: int, n_max: int, seconds: float, runs
         if n >= n_max or nxt < 2 * n and nxt < n_max:
             return
         n = nxt
+
+
+def _method_share(seconds: float, methods: list[tuple[str, str, dict]], i: int) -> float:
+    """Method ``i``'s part of ``seconds`` shared by methods ``i`` onwards: POODLE, the method the
+    check is for, weighs three times any other."""
+    w = [3.0 if m[0] == "poodle" else 1.0 for m in methods[i:]]
+    return seconds * w[0] / sum(w)
 
 
 def _timed(ctx: Ctx, method: tuple, n: int) -> float:
@@ -472,9 +481,9 @@ def _timed(ctx: Ctx, method: tuple, n: int) -> float:
 
 
 def _rate(ctx: Ctx, method: tuple, n_max: int, seconds: float) -> tuple[int, float] | None:
-    """Episodes/s of ``method`` on the device, sized to ``seconds``: a first run (which also warms
-    up the allocator and compiles kernels), then runs growing until one fills its share, all cut at
-    twice the share; ``(episodes, episodes/s)`` of the last run finished, None if none was."""
+    """Episodes/s of ``method`` on the device, sized to ``seconds``: a warm-up, then runs growing
+    until one fills its share (:func:`_grow`), all cut at twice the share; ``(episodes,
+    episodes/s)`` of the last timed run finished, None if none was."""
     runs: list[tuple[int, float]] = []
     with _share(ctx, max(2 * seconds, 1.0)):
         _grow(lambda k: _timed(ctx, method, k), 4, n_max, seconds, runs)
@@ -617,7 +626,7 @@ def agreement(sec: Section, ctx: Ctx) -> None:
     rows: dict[str, dict[str, Any]] = {}
     try:
         for i, m in enumerate(methods):
-            share = sec.soft_left() / (len(methods) - i)
+            share = _method_share(sec.soft_left(), methods, i)
             if share <= 0 and rows:
                 break
             rows[m[0]] = {"episodes": 0, "identical": 0, "max_acc_diff": 0.0, "cut": False}
@@ -666,7 +675,7 @@ def triton(sec: Section, ctx: Ctx) -> None:
     if dev.type == "cuda" and ok:
         try:
             for i, m in enumerate(methods):
-                share = sec.soft_left() * 0.8 / (len(methods) - i)
+                share = _method_share(0.8 * sec.soft_left(), methods, i)
                 if share <= 0:
                     break
                 row: dict[str, Any] = {}
@@ -677,13 +686,11 @@ def triton(sec: Section, ctx: Ctx) -> None:
                         tri_acc = evaluate(ctx.test, eps, [m], device=dev, **kw)[m[0]].cpu()
                     row.update(episodes=len(eps), identical=int((tri_acc == torch_acc).sum()))
                     per[m[0]] = row
-                    got = ctx.rates.get(m[0]) or _rate(ctx, m, ctx.args.episodes, share * 0.3)
-                    if got:
-                        row.update(torch_eps_s=got[1])
-                    with cuda_step("triton"):
-                        got = _rate(ctx, m, ctx.args.episodes, share * 0.3)
-                    if got:
-                        row.update(triton_eps_s=got[1], timed_episodes=got[0])
+                    got = _rate(ctx, m, ctx.args.episodes, share * 0.4)
+                    if got:  # the Triton step on as many episodes (compiled and warm by now)
+                        row.update(torch_eps_s=got[1], timed_episodes=got[0])
+                        with cuda_step("triton"):
+                            row.update(triton_eps_s=got[0] / _timed(ctx, m, got[0]))
         finally:
             with _quiet():
                 _triton_report(sec, per)
@@ -708,13 +715,15 @@ def _triton_report(sec: Section, per: dict[str, dict[str, Any]]) -> None:
         return "-" if v is None else f"{v:,.1f}"
 
     lines = [
-        "| method | episodes identical | torch step episodes/s | Triton step episodes/s | Triton / torch |",
-        "|---|---|---|---|---|",
+        "| method | episodes identical | episodes timed | torch step episodes/s | Triton step episodes/s "
+        "| Triton / torch |",
+        "|---|---|---|---|---|---|",
     ]
     for k, row in per.items():
         a, b = row.get("torch_eps_s"), row.get("triton_eps_s")
         ratio = f"{b / a:.2f}x" if a and b else "-"
-        lines.append(f"| {k} | {row['identical']}/{row['episodes']} | {r(a)} | {r(b)} | {ratio} |")
+        timed = f"{row['timed_episodes']:,}" if "timed_episodes" in row else "-"
+        lines.append(f"| {k} | {row['identical']}/{row['episodes']} | {timed} | {r(a)} | {r(b)} | {ratio} |")
     sec.add(
         "The Triton step (opt-in) against the torch formulation on the device, same episodes:\n\n" + "\n".join(lines)
     )
@@ -734,7 +743,7 @@ def methods_throughput(sec: Section, ctx: Ctx) -> None:
     rows: list[Any] = []
     try:
         for i, m in enumerate(methods):
-            share = 0.7 * sec.soft_left() / (len(methods) - i)
+            share = _method_share(0.7 * sec.soft_left(), methods, i)
             if share <= 0 and rates:
                 break
             got = _rate(ctx, m, ctx.args.episodes, share)
