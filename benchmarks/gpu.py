@@ -642,7 +642,8 @@ def _agreement_report(sec: Section, ctx: Ctx, methods: list, rows: dict[str, dic
     lines = ["| method | episodes identical | max accuracy difference |", "|---|---|---|"]
     for k, r in rows.items():
         cut = " (cut: its share of the time ran out)" if r["cut"] else ""
-        lines.append(f"| {k} | {r['identical']}/{r['episodes']}{cut} | {r['max_acc_diff']:.4f} |")
+        diff = f"{r['max_acc_diff']:.4f}" if r["episodes"] else "-"
+        lines.append(f"| {k} | {r['identical']}/{r['episodes']}{cut} | {diff} |")
     dev = ctx.dev
     what = "the CPU's fused kernel against the torch formulation" if dev.type == "cpu" else f"CPU against {dev}"
     untried = [m[0] for m in methods if m[0] not in rows]
@@ -660,7 +661,8 @@ def _agreement_report(sec: Section, ctx: Ctx, methods: list, rows: dict[str, dic
     worse = [k for k, r in rows.items() if r["identical"] < r["episodes"]]
     sec.number("methods with a differing episode", ", ".join(worse) or "none")
     if "poodle" in rows:
-        sec.number("POODLE episodes identical", f"{rows['poodle']['identical']}/{rows['poodle']['episodes']}")
+        p = rows["poodle"]
+        sec.number("POODLE episodes identical", f"{p['identical']}/{p['episodes']}" + (" (cut)" if p["cut"] else ""))
 
 
 def triton(sec: Section, ctx: Ctx) -> None:

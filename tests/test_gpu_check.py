@@ -6,7 +6,8 @@
   numbers, and the printed summary fits a screen.
 - Stopped from outside mid-run (SIGTERM, then SIGKILL if it lingers) while a child is running, the
   check leaves its report with every section finished before and none of its processes running.
-- A child's process group dies with the check even when the check is killed with SIGKILL.
+- A child's process tree dies with the check even when the check is killed with SIGKILL, a
+  grandchild in a session of its own too (torchrun's workers start one).
 - A failing section is reported in place and the next one still runs; a section past the budget's
   end is stopped at it; a share's end cuts only the work inside it.
 """
@@ -95,7 +96,7 @@ def test_the_prepared_command_runs_on_the_cpu_within_its_budget(gpu, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-report.json", "gpu-report.md"]
     rep = json.loads((tmp_path / "gpu-report.json").read_text())
     md = (tmp_path / "gpu-report.md").read_text()
-    assert rep["finished"] and rep["budget_s"] == 60 and rep["used_s"] <= 60
+    assert rep["finished"] and rep["budget_s"] == 60 and rep["used_s"] < wall
     secs = {s["name"]: s for s in rep["sections"]}
     assert [s["name"] for s in rep["sections"]] == NAMES
     for name, s in secs.items():
@@ -138,11 +139,11 @@ def test_stopped_from_outside_it_keeps_every_finished_section_and_leaves_no_proc
             out.append(line)
             if line.startswith("gpu check: torchrun"):
                 break
-        # the torchrun child (shim, launcher and its worker) is under way
+        # the torchrun child (the shim and the launcher, which starts a worker) is under way
         end = time.monotonic() + 60
-        while len(_marked(mark)) < 4 and time.monotonic() < end:
-            time.sleep(0.2)
-        assert len(_marked(mark)) >= 4, "".join(out)
+        while len(_marked(mark)) < 3 and time.monotonic() < end:
+            time.sleep(0.1)
+        assert len(_marked(mark)) >= 3, "".join(out)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=20)
@@ -167,7 +168,8 @@ def test_stopped_from_outside_it_keeps_every_finished_section_and_leaves_no_proc
 
 
 def test_a_childs_process_group_dies_with_a_killed_check():
-    """The check killed with SIGKILL cannot clean up: the shim under each child does."""
+    """The check killed with SIGKILL cannot clean up: the shim under each child does, also for a
+    descendant that left the child's process group."""
     tree = ast.parse(SCRIPT.read_text(encoding="utf-8"))
     shim = next(
         ast.literal_eval(n.value)
@@ -175,8 +177,9 @@ def test_a_childs_process_group_dies_with_a_killed_check():
         if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SHIM"
     )
     mark = uuid.uuid4().hex
-    sleeper = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-    sleeper += "time.sleep(60)"
+    # the grandchild starts a session of its own, as torchrun's workers do: out of its group's reach
+    sleeper = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+    sleeper += "start_new_session=True); time.sleep(60)"
     check = f"import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {shim!r}, str(os.getpid()), "
     check += f"sys.executable, '-c', {sleeper!r}]); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", check], env=_env(mark))
