@@ -539,12 +539,12 @@ def environment(sec: Section, ctx: Ctx) -> None:
         lines.append(f"- {p} {v}")
     lines.append(f"- torch CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
     if dev.type == "cuda":
-        p = torch.cuda.get_device_properties(dev)
+        props = torch.cuda.get_device_properties(dev)
         lines.append(
-            f"- device: {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, "
-            f"L2 {getattr(p, 'L2_cache_size', 0) / 2**20:.0f} MiB, compute capability {p.major}.{p.minor}"
+            f"- device: {props.name}, {props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} SMs, "
+            f"L2 {getattr(props, 'L2_cache_size', 0) / 2**20:.0f} MiB, compute capability {props.major}.{props.minor}"
         )
-        sec.number("device", p.name)
+        sec.number("device", props.name)
     else:
         sec.number("device", f"cpu ({solver_bench.cpu_model()})")
     lines.append(f"- CPU: {solver_bench.cpu_model()}, {len(os.sched_getaffinity(0))} cores visible")
@@ -703,7 +703,7 @@ def triton(sec: Section, ctx: Ctx) -> None:
             "tests/test_triton_step.py (the `tests` section). Its prediction follows."
         )
         sec.number("Triton step measured", f"no ({reason})")
-    rows = []
+    rows: list[Any] = []
     for m in methods:
         if sec.soft_left() <= 0 and rows:
             break
@@ -947,7 +947,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]  (a stop loses no line)
+    if hasattr(sys.stdout, "reconfigure"):  # line by line: a run stopped from outside loses no line
+        sys.stdout.reconfigure(line_buffering=True)
     args = _parse(argv)
     md = args.out or (args.out_dir / "gpu-report.md" if args.out_dir else Path("gpu-report.md"))
     budget = Budget(args.budget)
@@ -978,6 +979,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(rep.summary())
         rep.finished = True
     except Stopped as e:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # stopping already: a second signal must not cut the report
+            signal.signal(sig, signal.SIG_IGN)
         rep.stopped = f"{e} from outside"
         code = 143 if str(e) == "SIGTERM" else 130
         for s in sections:
