@@ -36,7 +36,9 @@ demo: $(STAMP)
 
 # The GPU check (docs/gpu.md): on a GPU machine that already has torch, torchvision, h5py, click, rich
 # and timm, and no network: `pip install --no-deps --no-build-isolation -e .` then `make gpu-check`.
-# Uses that Python (no venv); writes gpu-report.md. GPU_CHECK_ARGS passes options (--authors-code DIR).
+# Uses that Python (no venv). Keeps to a budget, set-up included (--budget, default 300 s: five
+# minutes); rewrites gpu-report.md and gpu-report.json after every section. GPU_CHECK_ARGS passes
+# options (--budget S, --out-dir DIR, --skip NAMES, --authors-code DIR).
 gpu-check:
 	$(PYTHON) benchmarks/gpu.py $(GPU_CHECK_ARGS)
 
