@@ -135,20 +135,23 @@ def test_loop_matches_the_torch_formulation():
 
 
 # ------------------------------------------------------------------- the methods on ragged chunks
-FAST = {
-    "pt-map": {"steps": 4},
-    "bms": {"steps": 4, "sinkhorn_iter": 20},
-    "proto-lp": {"steps": 4, "reduced_dim": 8},
+CASES = {
+    "pt-map": ("pt-map", {"steps": 4}),
+    "bms": ("bms", {"steps": 4, "sinkhorn_iter": 20}),
+    "bms-sgd": ("bms", {"steps": 2, "sinkhorn_iter": 10, "epochs": 3}),
+    "proto-lp": ("proto-lp", {"steps": 4, "reduced_dim": 8}),
+    "proto-lp-unbalanced": ("proto-lp", {"steps": 3, "reduced_dim": 8, "balanced": False}),
 }
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["c-loop", "torch"])
-@pytest.mark.parametrize("name", sorted(FAST))
-def test_ragged_chunk_is_each_episode_alone_and_its_reference(name, native, monkeypatch):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ragged_chunk_is_each_episode_alone_and_its_reference(case, native, monkeypatch):
     if native and _sinkhorn_native.load() is None:
         pytest.skip("fused Sinkhorn loop unavailable")
     monkeypatch.setattr(_optim, "USE_NATIVE", native)
-    cfg = solvers.make_config(name, FAST[name], strict=True)
+    name, options = CASES[case]
+    cfg = solvers.make_config(name, options, strict=True)
     batch, episodes = ragged_batch(seed=2)
     out = solvers.run(name, batch, cfg)
     alone = [solvers.run(name, ep, cfg).log_probs for ep in episodes]

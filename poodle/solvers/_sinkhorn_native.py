@@ -191,13 +191,18 @@ def formulation() -> str:
 
 
 def usable(p: Tensor) -> bool:
-    """Whether the loop runs on plan ``p``: a CPU float32/float64 tensor, the native kernels not
-    switched off (``_optim.USE_NATIVE``) and a loadable library. Records the method's formulation."""
+    """Whether the loop runs on plan ``p``: a CPU float32/float64 tensor outside
+    :func:`~poodle.solvers._transductive.device_schedule` (which runs what a GPU runs), the native
+    kernels not switched off (``_optim.USE_NATIVE``) and a loadable library. Records the method's
+    formulation."""
     from poodle.solvers import _optim
+    from poodle.solvers._transductive import syncs_freely
 
     if p.device.type != "cpu":
         return False
-    if not _optim.USE_NATIVE:
+    if not syncs_freely(p):
+        what, ok = "torch (the device schedule)", False
+    elif not _optim.USE_NATIVE:
         what, ok = "torch (the fused kernel switched off)", False
     elif p.dtype not in _DTYPES:
         what, ok = f"torch (the fused Sinkhorn loop takes float32 and float64, not {p.dtype})", False
