@@ -133,12 +133,18 @@ def _refine(
         for _ in range(epochs):
             opt.zero_grad(set_to_none=True)
             scores = torch.bmm(zz, F.normalize(w, dim=-1).transpose(1, 2)) * s
-            if classes is None:
+            if classes is None and n_rows is None:
                 loss = -(torch.log_softmax(scores, -1) * target).sum(2).mean(1).sum()
             else:
-                logp = torch.log_softmax(scores.masked_fill(~classes.unsqueeze(1), float("-inf")), -1)
-                per_row = torch.where(classes.unsqueeze(1), logp * target, 0.0).sum(2)
-                loss = -(per_row.sum(1) / n_rows).sum()
+                logp = (
+                    torch.log_softmax(scores, -1)
+                    if classes is None
+                    else torch.log_softmax(scores.masked_fill(~classes.unsqueeze(1), float("-inf")), -1)
+                )
+                if classes is not None:  # -inf * 0 on a padded class
+                    logp = torch.where(classes.unsqueeze(1), logp, 0.0)
+                per_row = (logp * target).sum(2)
+                loss = -(per_row.sum(1) / (n_rows if n_rows is not None else per_row.shape[1])).sum()
             loss.backward()
             opt.step()
             with torch.no_grad():
