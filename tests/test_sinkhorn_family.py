@@ -135,12 +135,16 @@ def test_loop_matches_the_torch_formulation():
 
 
 # ------------------------------------------------------------------- the methods on ragged chunks
+# episodes with fewer rows than dimensions: protoLP projects them from the rows' Gram matrix, padded
+# rows included, where the larger ones use the dimensions' (both must leave the padding out)
+SMALL = [([1] * 5, [1, 2, 1, 1, 2]), ([2, 1, 1], [1, 2, 1]), ([1] * 7, [1] * 7)]
 CASES = {
-    "pt-map": ("pt-map", {"steps": 4}),
-    "bms": ("bms", {"steps": 4, "sinkhorn_iter": 20}),
-    "bms-sgd": ("bms", {"steps": 2, "sinkhorn_iter": 10, "epochs": 3}),
-    "proto-lp": ("proto-lp", {"steps": 4, "reduced_dim": 8}),
-    "proto-lp-unbalanced": ("proto-lp", {"steps": 3, "reduced_dim": 8, "balanced": False}),
+    "pt-map": ("pt-map", {"steps": 4}, None),
+    "bms": ("bms", {"steps": 4, "sinkhorn_iter": 20}, None),
+    "bms-sgd": ("bms", {"steps": 2, "sinkhorn_iter": 10, "epochs": 3}, None),
+    "proto-lp": ("proto-lp", {"steps": 4, "reduced_dim": 8}, None),
+    "proto-lp-small": ("proto-lp", {"steps": 4, "reduced_dim": 8}, SMALL),
+    "proto-lp-unbalanced": ("proto-lp", {"steps": 3, "reduced_dim": 8, "balanced": False}, None),
 }
 
 
@@ -150,9 +154,9 @@ def test_ragged_chunk_is_each_episode_alone_and_its_reference(case, native, monk
     if native and _sinkhorn_native.load() is None:
         pytest.skip("fused Sinkhorn loop unavailable")
     monkeypatch.setattr(_optim, "USE_NATIVE", native)
-    name, options = CASES[case]
+    name, options, shapes = CASES[case]
     cfg = solvers.make_config(name, options, strict=True)
-    batch, episodes = ragged_batch(seed=2)
+    batch, episodes = ragged_batch(seed=2, shapes=shapes)
     out = solvers.run(name, batch, cfg)
     alone = [solvers.run(name, ep, cfg).log_probs for ep in episodes]
     assert_same_as_alone(name, out.log_probs, alone, batch)
