@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from _ragged import assert_same_as_alone, ragged_batch
@@ -169,3 +170,24 @@ def test_ragged_chunk_is_each_episode_alone_and_its_reference(case, native, monk
         assert torch.equal(got.argmax(-1), want.argmax(-1)), f"{name}: episode {e}'s predictions differ from reference"
         diff = (got.exp() - want.exp()).abs().max().item()
         assert diff <= 1e-4, f"{name}: episode {e} differs from its reference by {diff:.3g}"
+
+
+@needs_loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_pass_power_transform_is_the_formula(dtype, monkeypatch):
+    from poodle.solvers.pt_map import power_transform
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 7, 45, generator=g, dtype=torch.float64).to(dtype)
+    x[0, 0, :4] = torch.tensor([0.0, -0.0, 1e-8, -1e-8], dtype=dtype)
+    out = torch.full((3, 10, 45), 5.0, dtype=dtype)
+    got = power_transform(x, 0.5, out=out[:, 2:9])  # the C pass, into a block of a larger tensor
+    base = (x.abs() + 1e-6).double()  # the sum the transform takes the root of, in x's precision
+    # numpy's sqrt is the hardware's, correctly rounded (torch's vectorised one is not always)
+    want = torch.sign(x.double()) * torch.from_numpy(np.sqrt(base.numpy())) + (x == 0).double() * 1e-3
+    # correctly rounded: within half a unit in the last place of the formula
+    assert torch.allclose(got.double(), want, rtol=0.6 * torch.finfo(dtype).eps, atol=0)
+    assert torch.all(got[0, 0, :2] == torch.tensor(1e-3, dtype=dtype))  # either zero: 1e-6^(1/2)
+    assert torch.all(out[:, :2] == 5) and torch.all(out[:, 9:] == 5)
+    monkeypatch.setattr(_optim, "USE_NATIVE", False)
+    assert torch.allclose(power_transform(x, 0.5), got, rtol=1.2 * torch.finfo(dtype).eps, atol=0)

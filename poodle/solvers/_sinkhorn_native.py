@@ -37,7 +37,7 @@ from poodle.solvers._native import KernelState
 
 _SOURCE = Path(__file__).with_name("_sinkhorn_kernel.c")
 # POODLE_SINKHORN_INTERFACE of the C file: bump both with any change of SinkhornArgs
-SINKHORN_INTERFACE = 1
+SINKHORN_INTERFACE = 2
 MODES = {"balanced": 0, "min-size": 1}
 _DTYPES = {torch.float32: 0, torch.float64: 1}
 
@@ -95,6 +95,9 @@ def _open(path: Path, source_hash: str) -> ctypes.CDLL:
         raise _native._Stale(f"it says interface {interface} and source {source[:12] or '?'}")
     lib.poodle_sinkhorn.restype = ctypes.c_int
     lib.poodle_sinkhorn.argtypes = [ctypes.POINTER(SinkhornArgs)]
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.poodle_power_half.restype = ctypes.c_int
+    lib.poodle_power_half.argtypes = [ctypes.c_int32, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ctypes.c_double]
     return lib
 
 
@@ -278,4 +281,25 @@ def run(
     return p
 
 
-__all__ = ["MODES", "SINKHORN_INTERFACE", "SinkhornArgs", "formulation", "load", "run", "state", "usable"]
+def power_half(x: Tensor, out: Tensor, zero_value: float) -> Tensor:
+    """``out = sign(x) sqrt(|x| + 1e-6)``, an exact zero to ``zero_value``, in one pass over ``x [E, n,
+    D]`` (rows contiguous; ``out`` of the same shape and dtype): what
+    :func:`poodle.solvers.pt_map.power_transform` computes at exponent 1/2, bit for bit."""
+    lib = load()
+    assert lib is not None
+    if x.shape != out.shape or x.dtype != out.dtype or x.dim() != 3:
+        raise ValueError(f"power_half: x {tuple(x.shape)} {x.dtype} and out {tuple(out.shape)} {out.dtype} differ")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if out.stride(-1) != 1:
+        raise ValueError(f"power_half: the rows of out must be contiguous, got strides {out.stride()}")
+    E, n, D = x.shape
+    rc = lib.poodle_power_half(
+        _DTYPES[x.dtype], E, n, D, x.data_ptr(), x.stride(0), x.stride(1),
+        out.data_ptr(), out.stride(0), out.stride(1), zero_value,
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"the fused power transform refused its arguments (code {rc})")
+    return out
+
+
+__all__ = ["MODES", "SINKHORN_INTERFACE", "SinkhornArgs", "formulation", "load", "power_half", "run", "state", "usable"]

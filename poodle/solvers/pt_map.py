@@ -65,7 +65,13 @@ class PTMapConfig:
 
 def power_transform(x: Tensor, beta: float, out: Tensor | None = None) -> Tensor:
     """``sign(x) (|x| + 1e-6)^beta`` (= the paper's ``(x + 1e-6)^beta`` for ``x >= 0``); an exact
-    zero (either sign) maps to ``1e-6^beta``. Written into ``out`` (same shape) when given."""
+    zero (either sign) maps to ``1e-6^beta``. Written into ``out`` (same shape) when given.
+
+    At the methods' default ``beta = 1/2`` on the CPU, one pass of the fused library
+    (:func:`~poodle.solvers._sinkhorn_native.power_half`) computes the same bits as the several
+    passes below (ATen's pow at exponent 1/2 is its correctly rounded sqrt, as C's)."""
+    if beta == 0.5 and x.dim() == 3 and _sinkhorn_native.usable(x):
+        return _sinkhorn_native.power_half(x, torch.empty_like(x) if out is None else out, 1e-6**beta)
     t = torch.abs(x, out=out) if out is not None else x.abs()
     t.copy_(pow_anywhere(t.add_(1e-6), beta)).copysign_(x)
     return t.masked_fill_(x == 0, 1e-6**beta)
