@@ -195,8 +195,8 @@ def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
             q = torch.softmax(logits, 1)
         else:
             q = torch.softmax(logits.masked_fill_(~shape.keep, float("-inf")), 1).nan_to_num_(0.0)
-        q = min_size_sinkhorn(q, min_size, cfg.sinkhorn_iter, None if shape is None else shape.ways,
-                              None if shape is None else shape.cols)  # fmt: skip
+        own_ways, own_cols = (None, None) if shape is None else (shape.ways, shape.cols)
+        q = min_size_sinkhorn(q, min_size, cfg.sinkhorn_iter, ways=own_ways, cols=own_cols)
         w = torch.cat([y_t, q], 2)  # [E, K, N]
         # max(1).indices: the argmax over the middle axis, without argmax's slow strided path
         label = w.max(1).indices
