@@ -5,6 +5,7 @@ through the C loop and through the torch formulation."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -15,6 +16,7 @@ from _references_transductive import REFERENCES
 
 from poodle import solvers
 from poodle.solvers import _optim, _sinkhorn_native
+from poodle.solvers._transductive import device_schedule
 
 needs_loop = pytest.mark.skipif(
     _sinkhorn_native.load() is None, reason=f"fused Sinkhorn loop unavailable: {_sinkhorn_native.state().reason}"
@@ -149,16 +151,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c-loop", "torch"])
+@pytest.mark.parametrize("path", ["c-loop", "torch", "device-schedule"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_ragged_chunk_is_each_episode_alone_and_its_reference(case, native, monkeypatch):
-    if native and _sinkhorn_native.load() is None:
+def test_ragged_chunk_is_each_episode_alone_and_its_reference(case, path, monkeypatch):
+    if path == "c-loop" and _sinkhorn_native.load() is None:
         pytest.skip("fused Sinkhorn loop unavailable")
-    monkeypatch.setattr(_optim, "USE_NATIVE", native)
+    monkeypatch.setattr(_optim, "USE_NATIVE", path == "c-loop")
     name, options, shapes = CASES[case]
     cfg = solvers.make_config(name, options, strict=True)
     batch, episodes = ragged_batch(seed=2, shapes=shapes)
-    out = solvers.run(name, batch, cfg)
+    # device-schedule: the padded chunk through what a GPU runs (masked episodes, seldom looks)
+    with device_schedule() if path == "device-schedule" else contextlib.nullcontext():
+        out = solvers.run(name, batch, cfg)
     alone = [solvers.run(name, ep, cfg).log_probs for ep in episodes]
     assert_same_as_alone(name, out.log_probs, alone, batch)
     ref = REFERENCES[name]
