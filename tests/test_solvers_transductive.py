@@ -511,10 +511,13 @@ def test_gram_form_is_chosen_by_arithmetic():
 
 
 @pytest.mark.parametrize("reset", [False, True], ids=["plain", "support-reset"])
-def test_sinkhorn_dropping_finished_episodes_matches_the_masked_schedule(reset):
-    # the CPU drops converged episodes from the batch; other devices mask them and look every 16
-    # sweeps: the same plan, episode by episode (tolerances that stop them at different sweeps)
-    from poodle.solvers import pt_map
+def test_sinkhorn_dropping_finished_episodes_matches_the_masked_schedule(reset, monkeypatch):
+    # the torch formulation: the CPU drops converged episodes from the batch; other devices mask
+    # them and look every 16 sweeps: the same plan, episode by episode (tolerances that stop them at
+    # different sweeps)
+    from poodle.solvers import _optim, pt_map
+
+    monkeypatch.setattr(_optim, "USE_NATIVE", False)
     from poodle.solvers._transductive import device_schedule
 
     g = torch.Generator().manual_seed(0)
@@ -565,8 +568,11 @@ def test_proto_lp_projection_is_the_svd_projection(n, d):
     assert torch.allclose(got.double().abs(), want.abs(), atol=1e-5)
 
 
-def test_bms_min_size_sinkhorn_skips_its_guard_only_where_it_changes_nothing():
+def test_bms_min_size_sinkhorn_skips_its_guard_only_where_it_changes_nothing(monkeypatch):
+    from poodle.solvers import _optim
     from poodle.solvers.bms import min_size_sinkhorn
+
+    monkeypatch.setattr(_optim, "USE_NATIVE", False)  # the torch formulation's shortcut
 
     g = torch.Generator().manual_seed(2)
     p = torch.softmax(torch.randn(6, 5, 40, generator=g) * 4, 1)  # float32, entries far above 1e-13

@@ -231,13 +231,13 @@ def _private_dir(st: KernelState) -> Path:
     return root
 
 
-def _compile(cc: str, flags: list[str], path: Path, source_hash: str) -> str | None:
-    """Build the library at ``path``; the compiler's complaint when it fails."""
+def _compile(cc: str, flags: list[str], path: Path, source_hash: str, source: Path = _SOURCE) -> str | None:
+    """Build the library of ``source`` at ``path``; the compiler's complaint when it fails."""
     # a unique temporary name renamed when complete: concurrent processes never load half a file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     define = f'-DPOODLE_KERNEL_SOURCE="{source_hash}"'
-    cmd = [cc, *flags, define, "-fPIC", "-shared", "-o", tmp, str(_SOURCE), "-lm"]
+    cmd = [cc, *flags, define, "-fPIC", "-shared", "-o", tmp, str(source), "-lm"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if res.returncode != 0:
         os.unlink(tmp)

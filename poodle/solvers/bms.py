@@ -30,6 +30,12 @@ samples' span: no dot product changes); a negative coordinate is transformed as
 gives NaN); episodes need not be balanced nor laid out class by class (theirs reshape
 ``[shot + queries, way]``). benchmarks/compare_official.py runs their functions on the same
 episodes (docs/transductive.md).
+
+On the CPU each episode's min-size sweeps run in one C loop (:mod:`poodle.solvers._sinkhorn_native`)
+with the same arithmetic; elsewhere, or without a C compiler, the torch formulation below. In a ragged
+chunk each episode's mean, softmax, class sizes (``min_size`` starts at its own ``n_s // ways``) and
+sweeps run over its real rows and classes: a padded row is zero after the transform, a padded class
+gets no probability.
 """
 
 from __future__ import annotations
@@ -41,10 +47,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from poodle.options import option
+from poodle.solvers import _sinkhorn_native
 from poodle.solvers._span import RowSpan, span_flops, use_gram
-from poodle.solvers._transductive import dist_flops, grad_ready, log_normalise, syncs_freely
+from poodle.solvers._transductive import TINY, dist_flops, grad_ready, syncs_freely
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
-from poodle.solvers.pt_map import transformed_rows, unit_rows_
+from poodle.solvers.pt_map import centre_, plan_log_probs, plan_shape, transformed_rows, unit_rows_
 
 
 @dataclass
@@ -58,40 +65,65 @@ class BMSConfig:
     momentum: float = option(0.8, min=0, max=1, max_open=True)
 
 
-def peme(parts: list[Tensor], power: float) -> Tensor:
+def peme(parts: list[Tensor], power: float, mask: Tensor | None = None) -> Tensor:
     """PEMnE on all samples of each episode, ``parts`` (``[E, n_i, D]`` each) stacked along the rows:
-    ``[E, sum n_i, D]``."""
-    x = transformed_rows(parts, power)
-    return unit_rows_(x.sub_(x.mean(1, keepdim=True)))
+    ``[E, sum n_i, D]``. With ``mask [E, sum n_i]`` (real rows), the mean is over the real rows and
+    padded rows come out zero."""
+    return unit_rows_(centre_(transformed_rows(parts, power), mask))
 
 
-def min_size_sinkhorn(p: Tensor, min_size: Tensor, n_iter: int) -> Tensor:
+def min_size_sinkhorn(
+    p: Tensor, min_size: Tensor, n_iter: int, ways: Tensor | None = None, cols: Tensor | None = None
+) -> Tensor:
     """``p [E, K, Nq]`` (classes first; overwritten and returned) -> samples (columns) summing to 1
-    (before the last class step), every class mass at least ``min_size [E]``.
+    (before the last class step), every class mass at least ``min_size [E]``. With ``ways [E]`` and
+    ``cols [E]`` (a ragged chunk; ``p`` zero outside each episode's first ``ways`` classes and
+    ``cols`` samples), each episode over its own sizes.
 
-    Classes are the middle axis so that both reductions run along vectors (see
-    :func:`poodle.solvers.pt_map.balance`); a class above ``min_size`` is divided by exactly 1. The
-    authors guard the rescaling against an empty class by summing ``p + 1e-20``; when every entry
-    is above ``4e-20 / eps`` that sum is the plain sum, bit for bit (adding 1e-20 rounds back to
-    each entry), so on the CPU, where looking costs nothing, the guard's pass is skipped then."""
+    On the CPU the fused C loop (:mod:`poodle.solvers._sinkhorn_native`) runs each episode's sweeps.
+    The torch formulation keeps classes on the middle axis so that both reductions run along vectors
+    (see :func:`poodle.solvers.pt_map.balance`); a class above ``min_size`` is divided by exactly 1.
+    The authors guard the rescaling against an empty class by summing ``p + 1e-20``; when every
+    entry is above ``4e-20 / eps`` that sum is the plain sum, bit for bit (adding 1e-20 rounds back
+    to each entry), so on the CPU, where looking costs nothing, the guard's pass is skipped then."""
+    if _sinkhorn_native.usable(p):
+        p = p if p.is_contiguous() else p.contiguous()
+        return _sinkhorn_native.run("min-size", p, min_size, n_iter, ways=ways, cols=cols)
     target = min_size[:, None].to(p.dtype)  # [E, 1]
     floor = 4e-20 / torch.finfo(p.dtype).eps
     guard: Tensor | None = None
+    ragged = ways is not None or cols is not None
+    # the guard on an episode's real samples only; a padded sample or class stays zero
+    pad = None if cols is None else (torch.arange(p.shape[2], device=p.device) < cols[:, None]).unsqueeze(1)
     for _ in range(n_iter):
-        p.div_(p.sum(1, keepdim=True))
+        p.div_(p.sum(1, keepdim=True).clamp_min_(TINY) if ragged else p.sum(1, keepdim=True))
         mass = p.sum(2)  # [E, K]
         small = mass < target
-        if not syncs_freely(p) or float(p.amin()) <= floor:
+        if not syncs_freely(p) or ragged or float(p.amin()) <= floor:
             guard = torch.empty_like(p) if guard is None else guard
-            mass = torch.add(p, 1e-20, out=guard).sum(2)
+            torch.add(p, 1e-20, out=guard)
+            mass = (guard.mul_(pad) if pad is not None else guard).sum(2)
+            if ragged:
+                mass.clamp_min_(TINY)
         p.div_(torch.where(small, mass.div_(target), 1.0).unsqueeze(2))
     return p
 
 
-def _refine(z: Tensor, w: Tensor, target: Tensor, epochs: int, lr: float, momentum: float) -> Tensor:
+def _refine(
+    z: Tensor,
+    w: Tensor,
+    target: Tensor,
+    epochs: int,
+    lr: float,
+    momentum: float,
+    classes: Tensor | None = None,
+    n_rows: Tensor | None = None,
+) -> Tensor:
     """The authors' ``train``: SGD on a cosine classifier ``s * <z, w_k / ||w_k||>`` with soft labels
     ``target [E, N, K]``, centres ``w [E, K, D]`` renormalised after every step; the scale ``s``
-    restarts at 1 and is discarded."""
+    restarts at 1 and is discarded. In a ragged chunk, ``classes [E, K]`` (real classes: a padded
+    one takes no probability and stays zero) and ``n_rows [E]`` (real rows, whose targets are the
+    only non-zero ones: the mean over rows is over them)."""
     # the one solver with autograd: it leaves the inference mode evaluate solves in
     with torch.inference_mode(False), torch.enable_grad():
         w = grad_ready(w).detach().clone().requires_grad_(True)
@@ -101,11 +133,23 @@ def _refine(z: Tensor, w: Tensor, target: Tensor, epochs: int, lr: float, moment
         for _ in range(epochs):
             opt.zero_grad(set_to_none=True)
             scores = torch.bmm(zz, F.normalize(w, dim=-1).transpose(1, 2)) * s
-            loss = -(torch.log_softmax(scores, -1) * target).sum(2).mean(1).sum()
+            if classes is None and n_rows is None:
+                loss = -(torch.log_softmax(scores, -1) * target).sum(2).mean(1).sum()
+            else:
+                logp = (
+                    torch.log_softmax(scores, -1)
+                    if classes is None
+                    else torch.log_softmax(scores.masked_fill(~classes.unsqueeze(1), float("-inf")), -1)
+                )
+                if classes is not None:  # -inf * 0 on a padded class
+                    logp = torch.where(classes.unsqueeze(1), logp, 0.0)
+                per_row = (logp * target).sum(2)
+                loss = -(per_row.sum(1) / (n_rows if n_rows is not None else per_row.shape[1])).sum()
             loss.backward()
             opt.step()
             with torch.no_grad():
-                w.div_(w.norm(dim=-1, keepdim=True))
+                norm = w.norm(dim=-1, keepdim=True)
+                w.div_(norm if classes is None else norm.clamp_min_(TINY))
     return w.detach()
 
 
@@ -130,21 +174,41 @@ def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]`` (transformed space) and
     ``assignments [E, Nq, way]``."""
     n_s, way = batch.support.shape[1], batch.way
-    z = peme([batch.support, batch.query], cfg.power)
+    shape = plan_shape(batch)
+    rows = None if shape is None else torch.cat([batch.support_labels >= 0, shape.keep[:, 0]], 1)  # [E, N]
+    z = peme([batch.support, batch.query], cfg.power, rows)
     y_t = one_hot(batch.support_labels, way, z.dtype).transpose(1, 2)  # [E, K, Ns]
     # the refinement's SGD needs explicit centres
     span = RowSpan(z, n_s, way, cfg.steps, cfg.steps, gram=False if cfg.epochs > 0 else None)
-    mu = span.normalize(span.support_sum(y_t) / y_t.sum(2, keepdim=True))
-    min_size = torch.full((z.shape[0],), float(batch.shot), dtype=z.dtype, device=z.device)
+    classes = batch.class_mask
+    den = y_t.sum(2, keepdim=True)
+    mu = span.normalize(span.support_sum(y_t) / (den if classes is None else den.clamp_min(1.0)))
+    if shape is None:
+        min_size = torch.full((z.shape[0],), float(batch.shot), dtype=z.dtype, device=z.device)
+    else:  # each episode's own shot, as a fixed episode's: its support rows // its ways
+        ways = batch.ways if batch.ways is not None else torch.full_like(shape.cols, way)
+        min_size = torch.div((batch.support_labels >= 0).sum(1), ways, rounding_mode="floor").to(z.dtype)
     q = None
     for _ in range(cfg.steps):
-        q = min_size_sinkhorn(torch.softmax(span.dots(mu).mul_(cfg.lam), 1), min_size, cfg.sinkhorn_iter)
+        logits = span.dots(mu).mul_(cfg.lam)
+        if shape is None:
+            q = torch.softmax(logits, 1)
+        else:
+            q = torch.softmax(logits.masked_fill_(~shape.keep, float("-inf")), 1).nan_to_num_(0.0)
+        own_ways, own_cols = (None, None) if shape is None else (shape.ways, shape.cols)
+        q = min_size_sinkhorn(q, min_size, cfg.sinkhorn_iter, ways=own_ways, cols=own_cols)
         w = torch.cat([y_t, q], 2)  # [E, K, N]
-        counts = one_hot(w.argmax(1), way, z.dtype).sum(1)  # [E, K]
-        min_size = counts.amin(1)
-        mu = span.normalize(span.sum(w) / w.sum(2, keepdim=True))
+        # max(1).indices: the argmax over the middle axis, without argmax's slow strided path
+        label = w.max(1).indices
+        if rows is not None:
+            label.masked_fill_(~rows, -1)  # a padded row is no class's member
+        counts = one_hot(label, way, z.dtype).sum(1)  # [E, K]
+        min_size = (counts if classes is None else counts.masked_fill(~classes, float("inf"))).amin(1)
+        den = w.sum(2, keepdim=True)
+        mu = span.normalize(span.sum(w) / (den if classes is None else den.clamp_min(TINY)))
         if cfg.epochs > 0:
-            mu = _refine(z, mu, w.transpose(1, 2), cfg.epochs, cfg.lr, cfg.momentum)
+            n_rows = None if rows is None else rows.sum(1).to(z.dtype)
+            mu = _refine(z, mu, w.transpose(1, 2), cfg.epochs, cfg.lr, cfg.momentum, classes, n_rows)
     assert q is not None  # cfg.steps >= 1
     q = q.transpose(1, 2).contiguous()
-    return SolverOutput(log_normalise(q), {"prototypes": span.explicit(mu), "assignments": q})
+    return SolverOutput(plan_log_probs(q, batch), {"prototypes": span.explicit(mu), "assignments": q})

@@ -38,6 +38,12 @@ whole batch has converged, so their result for an episode depends on its batch-m
 ours with one episode per call; 99.3% of predictions agree when they run 100 glyph episodes at once).
 Their released code has no command line; benchmarks/compare_official.py drives their functions on
 the same episodes (docs/transductive.md).
+
+On the CPU both Sinkhorn loops run each episode's sweeps in one C loop
+(:mod:`poodle.solvers._sinkhorn_native`); elsewhere, or without a C compiler, the torch
+formulation. In a ragged chunk a padded row is zero from the power transform on (it enters neither
+the projection's Gram matrix nor a mean nor the graph) and a padded class takes no mass: each
+episode's marginals are its own (``n_q / ways``, ``(n_s + n_q) / ways``) over its real rows.
 """
 
 from __future__ import annotations
@@ -50,9 +56,18 @@ from torch import Tensor
 
 from poodle.options import option
 from poodle.solvers._span import RowSpan, span_flops, use_gram
-from poodle.solvers._transductive import TINY, batched_eigh, log_normalise, row_sqnorm
+from poodle.solvers._transductive import TINY, batched_eigh, row_sqnorm
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
-from poodle.solvers.pt_map import balance, sinkhorn, transformed_rows, unit_rows_
+from poodle.solvers.pt_map import (
+    Shape,
+    balance,
+    centre_,
+    plan_log_probs,
+    plan_shape,
+    sinkhorn,
+    transformed_rows,
+    unit_rows_,
+)
 
 
 @dataclass
@@ -96,13 +111,19 @@ def svd_project(x: Tensor, dim: int) -> Tensor:
     return coords.flip(-1).to(x.dtype)
 
 
-def preprocess(parts: list[Tensor], power: float, reduced_dim: int) -> Tensor:
+def preprocess(parts: list[Tensor], power: float, reduced_dim: int, mask: Tensor | None = None) -> Tensor:
     """The features of ``parts`` (``[E, n_i, D]`` each) stacked along the rows, transformed:
-    ``[E, sum n_i, d]``."""
+    ``[E, sum n_i, d]``. With ``mask [E, sum n_i]`` (real rows), padded rows are zero from the
+    power transform on: they enter neither the projection nor the mean."""
     z = transformed_rows(parts, power)
+    w = None if mask is None else mask.to(z.dtype).unsqueeze(2)
+    if w is not None:
+        z.mul_(w)
     if reduced_dim > 0:
         z = svd_project(z, reduced_dim)
-    return unit_rows_(z.sub_(z.mean(1, keepdim=True)))
+        if w is not None:
+            z.mul_(w)  # the rounding of the zero rows' coordinates
+    return unit_rows_(centre_(z, mask))
 
 
 def lower_symmetric(m: Tensor) -> Tensor:
@@ -128,15 +149,17 @@ def propagate(z: Tensor, yty: Tensor, gamma: float) -> Tensor:
     return torch.bmm(a.transpose(1, 2), z)
 
 
-def lp_normalise(p: Tensor, y_t: Tensor, col_mass: float, balanced: bool, tol: float, max_iter: int) -> Tensor:
+def lp_normalise(
+    p: Tensor, y_t: Tensor, col_mass: float, balanced: bool, tol: float, max_iter: int, shape: Shape | None = None
+) -> Tensor:
     """The authors' normalisation of the propagated labels ``p [E, K, N]`` (classes first): Sinkhorn
     sweeps (samples 1, classes ``col_mass``) with the support samples reset to ``y_t [E, K, Ns]``
     after each, until the sample sums move by at most ``tol`` (per episode); samples only when not
-    ``balanced``."""
+    ``balanced``. ``shape``: a ragged chunk's sizes (``p`` zero outside them)."""
     if not balanced:
         p = p / p.sum(1, keepdim=True).clamp_min(TINY)
         return torch.cat([y_t, p[:, :, y_t.shape[2] :]], 2)
-    return balance(p, col_mass, tol, max_iter, reset=y_t)
+    return balance(p, col_mass, tol, max_iter, reset=y_t, shape=shape)
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: ProtoLPConfig) -> float:
@@ -165,28 +188,40 @@ def proto_lp(batch: EpisodeBatch, cfg: ProtoLPConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final plan's rows, normalised); state
     ``prototypes [E, way, d]`` (transformed space) and ``assignments [E, Nq, way]``."""
     n_s, n_q, way = batch.support.shape[1], batch.query.shape[1], batch.way
-    z = preprocess([batch.support, batch.query], cfg.power, cfg.reduced_dim)
+    shape, lp_shape = plan_shape(batch), plan_shape(batch, n_lead=n_s)
+    rows = None if lp_shape is None else lp_shape.keep[:, 0]  # [E, N] real rows (class 0 is always real)
+    z = preprocess([batch.support, batch.query], cfg.power, cfg.reduced_dim, rows)
     y_t = one_hot(batch.support_labels, way, z.dtype).transpose(1, 2)  # [E, K, Ns]
     yty = torch.bmm(y_t, y_t.transpose(1, 2))
     span = RowSpan(z, n_s, way, cfg.steps + 1, cfg.steps)
-    mu = span.normalize(span.support_sum(y_t) / y_t.sum(2, keepdim=True))
+    den = y_t.sum(2, keepdim=True)
+    mu = span.normalize(span.support_sum(y_t) / (den if batch.ways is None else den.clamp_min(1.0)))
     q2 = row_sqnorm(span.z_q).transpose(1, 2)  # [E, 1, Nq]
 
     def assign(mu: Tensor) -> Tensor:  # [E, K, Nq]
         dots, sq = span.scores(mu)
         cost = dots.mul(-2.0).add_(q2).add_(sq.unsqueeze(2)).clamp_min_(0.0)
         if cfg.balanced:
-            return sinkhorn(cost, cfg.lam, n_q / way, cfg.sinkhorn_tol, cfg.sinkhorn_max_iter)
-        return torch.softmax(cost.mul_(-cfg.lam), 1)
+            return sinkhorn(cost, cfg.lam, n_q / way, cfg.sinkhorn_tol, cfg.sinkhorn_max_iter, shape)
+        if shape is None:
+            return torch.softmax(cost.mul_(-cfg.lam), 1)
+        # a padded class takes no probability, a padded query (no real class) none at all
+        return torch.softmax(cost.mul_(-cfg.lam).masked_fill_(~shape.keep, float("-inf")), 1).nan_to_num_(0.0)
 
     for _ in range(cfg.steps):
         zz = torch.cat([y_t, assign(mu)], 2)  # [E, K, N]
         p = lp_normalise(
-            propagate(zz, yty, cfg.gamma), y_t, (n_s + n_q) / way, cfg.balanced, cfg.lp_tol, cfg.sinkhorn_max_iter
+            propagate(zz, yty, cfg.gamma),
+            y_t,
+            (n_s + n_q) / way,
+            cfg.balanced,
+            cfg.lp_tol,
+            cfg.sinkhorn_max_iter,
+            lp_shape,
         )
         mask = (cfg.mix * p + (1 - cfg.mix) * zz).clamp_(0, 1)
         den = mask.sum(2, keepdim=True)  # [E, K, 1] >= support
         est = span.sum(mask) / den.clamp_min(TINY)
         mu = mu + cfg.alpha * (est - mu)
     plan = assign(mu).transpose(1, 2).contiguous()
-    return SolverOutput(log_normalise(plan), {"prototypes": span.explicit(mu), "assignments": plan})
+    return SolverOutput(plan_log_probs(plan, batch), {"prototypes": span.explicit(mu), "assignments": plan})

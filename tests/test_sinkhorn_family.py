@@ -1,0 +1,197 @@
+"""The fused Sinkhorn loop (``_sinkhorn_kernel.c``) against a plain float64 Sinkhorn written per
+episode, and the Sinkhorn family (PT-MAP, PEMnE-BMS, protoLP) on ragged chunks: each episode of a
+padded chunk gets what it gets alone and what its float64 reference gives on the cropped episode,
+through the C loop and through the torch formulation."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from _ragged import assert_same_as_alone, ragged_batch
+from _references_transductive import REFERENCES
+
+from poodle import solvers
+from poodle.solvers import _optim, _sinkhorn_native
+from poodle.solvers._transductive import device_schedule
+
+needs_loop = pytest.mark.skipif(
+    _sinkhorn_native.load() is None, reason=f"fused Sinkhorn loop unavailable: {_sinkhorn_native.state().reason}"
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------- the C loop alone
+def plain_balanced(p, mass, tol, max_iter, reset=None, normalise=False):
+    """The balanced Sinkhorn of one episode ``p [K, N]``, as pt_map.balance documents it."""
+    p = p.clone()
+    if normalise:
+        p = p / p.sum()
+    u = torch.zeros(p.shape[1], dtype=p.dtype)
+    for _ in range(max_iter):
+        rows = p.sum(0)
+        if (u - rows).abs().max() <= tol:
+            break
+        u = rows
+        p = p / rows.clamp_min(1e-30)
+        p = p * (mass / p.sum(1).clamp_min(1e-30))[:, None]
+        if reset is not None:
+            p[:, : reset.shape[1]] = reset
+    return p
+
+
+def plain_min_size(p, target, n_iter):
+    """The authors' min-size Sinkhorn of one episode ``p [K, N]`` (bms.min_size_sinkhorn)."""
+    p = p.clone()
+    for _ in range(n_iter):
+        p = p / p.sum(0)
+        for k in range(len(p)):
+            if p[k].sum() < target:
+                p[k] = p[k] / ((p[k] + 1e-20).sum() / target)
+    return p
+
+
+WAYS, COLS = [5, 3, 7, 1], [40, 9, 33, 17]
+
+
+def padded_plans(dtype, seed=0):
+    """Four plans of their own sizes in one ``[4, 7, 40]`` tensor, garbage (-3) outside them."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.full((4, 7, 40), -3.0, dtype=torch.float64)
+    for e, (k, n) in enumerate(zip(WAYS, COLS)):
+        p[e, :k, :n] = torch.rand(k, n, generator=g, dtype=torch.float64) ** 3 + 1e-3
+    return p.to(dtype)
+
+
+@needs_loop
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("mode", ["balanced", "reset", "min-size"])
+def test_loop_matches_a_plain_float64_sinkhorn_per_episode(mode, dtype):
+    p0 = padded_plans(dtype)
+    ways, cols = torch.tensor(WAYS), torch.tensor(COLS)
+    mass = torch.tensor([n / k for k, n in zip(WAYS, COLS)], dtype=torch.float64)
+    reset = None
+    if mode == "reset":
+        reset = torch.zeros(4, 7, 4, dtype=dtype)
+        for e, k in enumerate(WAYS):
+            reset[e, torch.arange(4) % k, torch.arange(4)] = 1.0
+    if mode == "min-size":
+        target = torch.tensor([6.0, 2.0, 5.5, 17.0], dtype=torch.float64)
+        got = _sinkhorn_native.run("min-size", p0.clone(), target, 30, ways=ways, cols=cols)
+    else:
+        target = mass
+        got = _sinkhorn_native.run(
+            "balanced", p0.clone(), mass, 500, tol=1e-9, reset=reset, normalise=mode == "balanced", ways=ways, cols=cols
+        )
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    for e, (k, n) in enumerate(zip(WAYS, COLS)):
+        start = p0[e, :k, :n].double()
+        if mode == "min-size":
+            want = plain_min_size(start, float(target[e]), 30)
+        else:
+            r = None if reset is None else reset[e, :k].double()
+            want = plain_balanced(start, float(mass[e]), 1e-9, 500, r, normalise=mode == "balanced")
+        assert torch.allclose(got[e, :k, :n].double(), want, rtol=tol, atol=tol), f"episode {e}"
+        outside = torch.ones(7, 40, dtype=torch.bool)
+        outside[:k, :n] = False
+        assert torch.all(got[e][outside] == -3), f"episode {e}: the loop wrote outside its sizes"
+        # the same bits as the episode alone, at its own size
+        alone = p0[e : e + 1, :k, :n].contiguous()
+        if mode == "min-size":
+            alone = _sinkhorn_native.run("min-size", alone, target[e : e + 1], 30)
+        else:
+            r = None if reset is None else reset[e : e + 1, :k].contiguous()
+            alone = _sinkhorn_native.run(
+                "balanced", alone, mass[e : e + 1], 500, tol=1e-9, reset=r, normalise=mode == "balanced"
+            )
+        assert torch.equal(got[e, :k, :n], alone[0]), f"episode {e}: padded bits differ from alone"
+
+
+@needs_loop
+def test_loop_matches_the_torch_formulation():
+    from poodle.solvers import bms, pt_map
+
+    g = torch.Generator().manual_seed(1)
+    cost = torch.rand(6, 5, 30, generator=g, dtype=torch.float64)
+    want = pt_map.sinkhorn(cost.clone(), 10.0, 6.0, 1e-9, 1000)  # the C loop
+    before = _optim.USE_NATIVE
+    _optim.USE_NATIVE = False
+    try:
+        torch_plan = pt_map.sinkhorn(cost.clone(), 10.0, 6.0, 1e-9, 1000)
+        q = torch.softmax(torch.randn(6, 5, 30, generator=g, dtype=torch.float64) * 4, 1)
+        target = torch.full((6,), 6.0, dtype=torch.float64)
+        torch_q = bms.min_size_sinkhorn(q.clone(), target, 40)
+    finally:
+        _optim.USE_NATIVE = before
+    assert torch.allclose(want, torch_plan, atol=1e-13)
+    assert torch.allclose(bms.min_size_sinkhorn(q.clone(), target, 40), torch_q, atol=1e-13)
+
+
+# ------------------------------------------------------------------- the methods on ragged chunks
+# episodes with fewer rows than dimensions: protoLP projects them from the rows' Gram matrix, padded
+# rows included, where the larger ones use the dimensions' (both must leave the padding out)
+SMALL = [([1] * 5, [1, 2, 1, 1, 2]), ([2, 1, 1], [1, 2, 1]), ([1] * 7, [1] * 7)]
+CASES = {
+    "pt-map": ("pt-map", {"steps": 4}, None),
+    "bms": ("bms", {"steps": 4, "sinkhorn_iter": 20}, None),
+    "bms-sgd": ("bms", {"steps": 2, "sinkhorn_iter": 10, "epochs": 3}, None),
+    "proto-lp": ("proto-lp", {"steps": 4, "reduced_dim": 8}, None),
+    "proto-lp-small": ("proto-lp", {"steps": 4, "reduced_dim": 8}, SMALL),
+    "proto-lp-unbalanced": ("proto-lp", {"steps": 3, "reduced_dim": 8, "balanced": False}, None),
+}
+
+
+@pytest.mark.parametrize("path", ["c-loop", "torch", "device-schedule"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ragged_chunk_is_each_episode_alone_and_its_reference(case, path, monkeypatch):
+    if path == "c-loop" and _sinkhorn_native.load() is None:
+        pytest.skip("fused Sinkhorn loop unavailable")
+    monkeypatch.setattr(_optim, "USE_NATIVE", path == "c-loop")
+    name, options, shapes = CASES[case]
+    cfg = solvers.make_config(name, options, strict=True)
+    batch, episodes = ragged_batch(seed=2, shapes=shapes)
+    # device-schedule: the padded chunk through what a GPU runs (masked episodes, seldom looks)
+    with device_schedule() if path == "device-schedule" else contextlib.nullcontext():
+        out = solvers.run(name, batch, cfg)
+    alone = [solvers.run(name, ep, cfg).log_probs for ep in episodes]
+    assert_same_as_alone(name, out.log_probs, alone, batch)
+    ref = REFERENCES[name]
+    kwargs = dataclasses.asdict(cfg)
+    for e, ep in enumerate(episodes):
+        want, _ = ref(ep.support[0], ep.support_labels[0], ep.query[0], ep.way, **kwargs)
+        rows = batch.query_mask[e] if batch.query_mask is not None else slice(None)
+        got = out.log_probs[e, rows, : ep.way]
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), f"{name}: episode {e}'s predictions differ from reference"
+        diff = (got.exp() - want.exp()).abs().max().item()
+        assert diff <= 1e-4, f"{name}: episode {e} differs from its reference by {diff:.3g}"
+
+
+@needs_loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_pass_power_transform_is_the_formula(dtype, monkeypatch):
+    from poodle.solvers.pt_map import power_transform
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 7, 45, generator=g, dtype=torch.float64).to(dtype)
+    x[0, 0, :4] = torch.tensor([0.0, -0.0, 1e-8, -1e-8], dtype=dtype)
+    out = torch.full((3, 10, 45), 5.0, dtype=dtype)
+    got = power_transform(x, 0.5, out=out[:, 2:9])  # the C pass, into a block of a larger tensor
+    base = (x.abs() + 1e-6).double()  # the sum the transform takes the root of, in x's precision
+    # numpy's sqrt is the hardware's, correctly rounded (torch's vectorised one is not always)
+    want = torch.sign(x.double()) * torch.from_numpy(np.sqrt(base.numpy())) + (x == 0).double() * 1e-3
+    # correctly rounded: within half a unit in the last place of the formula
+    assert torch.allclose(got.double(), want, rtol=0.6 * torch.finfo(dtype).eps, atol=0)
+    assert torch.all(got[0, 0, :2] == torch.tensor(1e-3, dtype=dtype))  # either zero: 1e-6^(1/2)
+    assert torch.all(out[:, :2] == 5) and torch.all(out[:, 9:] == 5)
+    monkeypatch.setattr(_optim, "USE_NATIVE", False)
+    assert torch.allclose(power_transform(x, 0.5), got, rtol=1.2 * torch.finfo(dtype).eps, atol=0)
