@@ -337,3 +337,70 @@ def test_a_broken_ragged_file_is_refused_by_name(tmp_path):
         del f["ways"]
     with pytest.raises(EpisodeError, match="needs /ways"):
         load_episodes(path)
+
+
+# ----------------------------------------------------------------------------- settings and the command line
+
+
+def test_cells_record_the_protocol_only_when_it_is_meta_dataset():
+    from poodle.cells import make_cell
+    from poodle.errors import ConfigError
+
+    fixed = make_cell({"cache": "c.h5", "method": "proto", "protocol": "fixed"})
+    plain = make_cell({"cache": "c.h5", "method": "proto"})
+    assert fixed.episode == plain.episode and "protocol" not in fixed.episode  # old identities keep their key
+    assert fixed.result_identity("x") == plain.result_identity("x")
+    md = make_cell({"cache": "c.h5", "method": "proto", "protocol": "meta-dataset", "shot": 1, "max_num_query": 5})
+    assert md.episode["protocol"] == "meta-dataset" and md.episode["way"] is None and md.episode["shot"] == 1
+    assert md.episode["max_num_query"] == 5 and md.episode["max_support_set_size"] == 500
+    assert "bilevel" not in md.episode
+    assert md.spec == EpisodeSpec.meta_dataset(shot=1, max_num_query=5)
+    assert md.result_identity("x") != plain.result_identity("x")
+    on = make_cell({"cache": "c.h5", "method": "proto", "protocol": "meta-dataset", "bilevel": True})
+    assert on.spec.bilevel and on.key != make_cell({"cache": "c.h5", "method": "proto", "protocol": "meta-dataset"}).key
+    with pytest.raises(ConfigError, match="add protocol = meta-dataset"):
+        make_cell({"cache": "c.h5", "method": "proto", "min_ways": 3})
+    with pytest.raises(ConfigError, match="min_ways"):
+        make_cell({"cache": "c.h5", "method": "proto", "protocol": "meta-dataset", "min_ways": 1})
+    with pytest.raises(EpisodeError, match="max_ways_upper_bound=50"):
+        make_cell({"cache": "c.h5", "method": "proto", "protocol": "meta-dataset", "min_ways": 60})
+
+
+def test_info_summarises_an_episode_file(tmp_path):
+    from click.testing import CliRunner
+
+    from poodle.cli.info import info
+
+    labels, spec = CASES["fixed way"]
+    eps = sample_episodes(labels, spec, 8)
+    path = save_episodes(tmp_path / "e.h5", eps)
+    r = CliRunner().invoke(info, [str(path)])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    real = torch.arange(eps.way) < eps.ways.unsqueeze(1)
+    assert "ways: min 7 / mean 7.00 / max 7" in lines
+    for label, counts in (("shots", eps.support_counts()[real]), ("queries", eps.query_counts()[real])):
+        lo, mean, hi = int(counts.min()), float(counts.double().mean()), int(counts.max())
+        assert lo < hi and f"{label} per class: min {lo} / mean {mean:.2f} / max {hi}" in lines
+    assert "8 episodes, meta-dataset protocol" in r.output.replace("\n", " ")
+
+
+def test_solve_protocol_reaches_the_episodes(tmp_path, make_features):
+    from poodle.cache import write_arrays
+    from poodle.solve import make_cells
+
+    cells = make_cells("c.h5", ["proto", "tim-gd"], {}, {"protocol": "meta-dataset", "episodes": 20})
+    assert all(c.spec == EpisodeSpec.meta_dataset() for c in cells)
+    x, y = make_features(12, 30, 16, seed=2)
+    cache = write_arrays(tmp_path / "c.h5", {"test": (x, y, [f"t{i}" for i in range(12)])})
+    ep = tmp_path / "e.h5"
+    from click.testing import CliRunner
+
+    from poodle.cli.solve import solve
+
+    args = ["--cache", cache, "--episodes", 6, "--method", "proto", "--protocol", "meta-dataset"]
+    CliRunner().invoke(solve, [str(a) for a in [*args, "--save-episodes", ep]])
+    eps = load_episodes(ep)  # written before solving
+    assert eps.spec == EpisodeSpec.meta_dataset() and len(eps) == 6 and eps.ragged
+    ref = sample_episodes(torch.from_numpy(y), EpisodeSpec.meta_dataset(), 6)
+    assert torch.equal(eps.query, ref.query) and torch.equal(eps.ways, ref.ways)
