@@ -203,6 +203,17 @@ def test_episodes_do_not_depend_on_the_chunk():
         assert p.support.shape[1] == int((p.support_labels >= 0).sum(1).max())  # cropped to its largest
 
 
+def test_a_ragged_set_from_another_split_is_refused():
+    labels, spec = CASES["fixed way"]
+    eps = sample_episodes(labels, spec, 6)
+    eps.check_against(labels)
+    other = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))]
+    with pytest.raises(EpisodeError, match="a label mixes classes"):
+        eps.check_against(other)
+    with pytest.raises(EpisodeError, match="split has 10 rows"):
+        eps.check_against(labels[:10])
+
+
 # ----------------------------------------------------------------------------- distributions
 
 
@@ -404,3 +415,19 @@ def test_solve_protocol_reaches_the_episodes(tmp_path, make_features):
     assert eps.spec == EpisodeSpec.meta_dataset() and len(eps) == 6 and eps.ragged
     ref = sample_episodes(torch.from_numpy(y), EpisodeSpec.meta_dataset(), 6)
     assert torch.equal(eps.query, ref.query) and torch.equal(eps.ways, ref.ways)
+
+
+def test_an_episode_file_gives_its_cells_its_setting(tmp_path):
+    from poodle.errors import ConfigError
+    from poodle.solve import _from_file, make_cells
+
+    labels, spec = CASES["log weights"]
+    path = save_episodes(tmp_path / "e.h5", sample_episodes(labels, spec, 4))
+    eps, implied = _from_file(path, {})
+    (cell,) = make_cells("c.h5", ["proto"], {}, implied, eps, str(path))
+    assert cell.spec == spec and cell.n_episodes == 4
+    with pytest.raises(ConfigError, match="protocol cannot be combined with episodes_from"):
+        _from_file(path, {"protocol": "meta-dataset"})
+    fixed = save_episodes(tmp_path / "f.h5", sample_episodes(torch.arange(8).repeat_interleave(16), EpisodeSpec(), 2))
+    eps, implied = _from_file(fixed, {})
+    assert "protocol" not in make_cells("c.h5", ["proto"], {}, implied, eps, str(fixed))[0].episode
