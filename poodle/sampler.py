@@ -15,8 +15,10 @@ drawn since keeps its value: ``randperm(n)`` is the Fisher-Yates loop of torch's
 Marsaglia and Tsang's method as torch computes it (:func:`poodle._mt19937.standard_gamma`).
 ``tests/test_sampling_bulk.py`` compares both with torch's own calls.
 
-The Meta-Dataset protocol (``protocol = "meta-dataset"``, :func:`draw_meta_dataset`) has its own
-layout of words, fixed by the setting and the split (module docstring of :mod:`poodle.episodes`).
+The Meta-Dataset protocol (``protocol = "meta-dataset"``) reads its words in a layout of its own,
+fixed by the setting and the split, and draws ragged episodes (:func:`draw_meta_dataset` gives the
+layout and the formulas); ``tests/test_meta_dataset.py`` checks it against a plain per-episode
+reimplementation.
 """
 
 from __future__ import annotations
@@ -99,17 +101,17 @@ def draw(spec: EpisodeSpec, tables: SplitTables, start: int, n: int) -> Drawn:
     checked against the split by :func:`poodle.episodes.check_spec`)."""
     check_words()
     if spec.protocol == "meta-dataset":
-        return _cat(draw_meta_dataset(spec, tables, a, b) for a, b in _blocks(start, n, _md_block(spec, tables)))
+        return _cat([draw_meta_dataset(spec, tables, a, b) for a, b in _blocks(start, n, _md_block(spec, tables))])
     fixed = _Fixed(spec, tables)
-    return _cat(fixed(a, b) for a, b in _blocks(start, n, fixed.block))
+    return _cat([fixed(a, b) for a, b in _blocks(start, n, fixed.block)])
 
 
 def _blocks(start: int, n: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(size, start + n - a)) for a in range(start, start + n, size)]
 
 
-def _cat(parts_iter: object) -> Drawn:
-    parts: list[Drawn] = list(parts_iter)  # type: ignore[call-overload]
+def _cat(parts: list[Drawn]) -> Drawn:
+    """The blocks' episodes in one, ragged ones padded with -1 to the widest block."""
     if len(parts) == 1:
         return parts[0]
 
