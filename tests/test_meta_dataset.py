@@ -431,3 +431,20 @@ def test_an_episode_file_gives_its_cells_its_setting(tmp_path):
     fixed = save_episodes(tmp_path / "f.h5", sample_episodes(torch.arange(8).repeat_interleave(16), EpisodeSpec(), 2))
     eps, implied = _from_file(fixed, {})
     assert "protocol" not in make_cells("c.h5", ["proto"], {}, implied, eps, str(fixed))[0].episode
+
+
+def test_the_pipeline_draws_ragged_episodes_up_front(tmp_path, make_features):
+    from poodle.cache import write_arrays
+    from poodle.episodes import EpisodeSet
+    from poodle.pipeline import Inputs
+    from poodle.solve import make_cells
+
+    x, y = make_features(12, 30, 16, seed=2)
+    cache = write_arrays(tmp_path / "c.h5", {"test": (x, y, [f"t{i}" for i in range(12)])})
+    md, fixed = (
+        make_cells(cache, ["proto"], {}, {**extra, "episodes": 5})[0] for extra in ({"protocol": "meta-dataset"}, {})
+    )
+    inputs = Inputs()
+    eps = inputs.episodes(md)
+    assert isinstance(eps, EpisodeSet) and eps.ragged and len(eps) == 5
+    assert isinstance(inputs.episodes(fixed), EpisodeStream)  # fixed ones stay drawn chunk by chunk
