@@ -448,3 +448,23 @@ def test_the_pipeline_draws_ragged_episodes_up_front(tmp_path, make_features):
     eps = inputs.episodes(md)
     assert isinstance(eps, EpisodeSet) and eps.ragged and len(eps) == 5
     assert isinstance(inputs.episodes(fixed), EpisodeStream)  # fixed ones stay drawn chunk by chunk
+
+
+def test_a_grid_sweeps_the_protocol_and_its_rules(tmp_path):
+    from poodle import grid as G
+    from poodle.errors import ConfigError
+
+    p = tmp_path / "g.toml"
+    p.write_text(
+        'cache = "feat.h5"\n[episodes]\nepisodes = 4\nprotocol = ["fixed", "meta-dataset"]\n'
+        'max_num_query = 5\n[solver]\nmethod = "proto"\n'
+    )
+    with pytest.raises(ConfigError, match="add protocol = meta-dataset"):
+        G.expand(G.load_grid(p))  # max_num_query on the fixed cell
+    p.write_text(
+        'cache = "feat.h5"\n[episodes]\nepisodes = 4\nprotocol = ["fixed", "meta-dataset"]\n'
+        '[solver]\nmethod = "proto"\n'
+    )
+    fixed, md = G.expand(G.load_grid(p))
+    assert "protocol" not in fixed.episode and fixed.spec == EpisodeSpec()
+    assert md.spec == EpisodeSpec.meta_dataset() and md.episode["max_num_query"] == 10
