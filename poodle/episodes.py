@@ -606,7 +606,9 @@ class EpisodeStream:
     :func:`poodle.evaluate.evaluate` accepts one in place of an :class:`EpisodeSet`; it draws each
     chunk's episodes (and negatives) in the worker that solves the chunk, so a run of any length
     starts solving at once and never holds the index tensors of all its episodes. The setting is
-    checked (EpisodeError) when the stream is made, as by :func:`sample_episodes`.
+    checked (EpisodeError) when the stream is made, as by :func:`sample_episodes`. Under the
+    Meta-Dataset protocol (``ragged``) each slice is a ragged :class:`EpisodeSet`, padded to its
+    own largest episode.
     """
 
     negatives: Tensor | None = None
