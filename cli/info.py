@@ -1,4 +1,5 @@
-"""``poodle info FILE``: validate a feature cache and summarise its splits and attributes;
+"""``poodle info FILE``: validate a feature cache and summarise its splits and attributes, or an
+episode file and its episodes' shapes;
 ``poodle info --system``: what a bug report needs (versions, BLAS, threads, devices, the fused
 kernel's state)."""
 
@@ -20,14 +21,34 @@ from poodle.cli._common import console, friendly_errors, out, styled
 )
 @friendly_errors
 def info(file: str | None, system: bool) -> None:
-    """Validate a feature cache (schema, dtypes, row norms, completeness) and summarise it."""
+    """Validate a feature cache (schema, dtypes, row norms, completeness) or an episode file and
+    summarise it."""
     if system:
         _system()
         if file is None:
             return
     elif file is None:
         raise click.UsageError("give a feature cache FILE, or --system")
-    _cache(file)
+    from poodle.utils import file_kind
+
+    if file_kind(file) == "episodes":
+        _episodes(file)
+    else:
+        _cache(file)
+
+
+def _episodes(file: str) -> None:
+    from poodle.episodes import describe_episodes, load_episodes
+
+    eps = load_episodes(file)
+    spec = eps.spec
+    shape = "" if spec.ragged else f", {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
+    # plain lines, never folded: each starts with its label, for the eye and for scripts
+    head = f"{file}: {len(eps):,} episodes, {spec.protocol} protocol{shape}, split {spec.split!r}, seed {spec.seed}"
+    out.print(head, soft_wrap=True, highlight=False)
+    for label, (lo, mean, hi) in describe_episodes(eps).items():
+        out.print(f"{label}: min {lo:g} / mean {mean:.2f} / max {hi:g}", soft_wrap=True, highlight=False)
+    out.print(styled("valid", "green"))
 
 
 def _system() -> None:

@@ -251,6 +251,14 @@ class _ListsMethods(click.Command):
     help="Queries from only N of the way classes, chosen per episode (PADDLE's K_eff); "
     "N * query queries, balanced or Dirichlet (--imbalance) over the N.",
 )
+@click.option(
+    "--protocol",
+    type=click.Choice(defaults.PROTOCOLS),
+    default=defaults.PROTOCOL,
+    show_default=True,
+    help="fixed: --way/--shot/--query episodes; meta-dataset: ways, shots and queries drawn per episode by "
+    "Meta-Dataset's rules (--way/--shot/--query given fix that part).",
+)
 @click.option("--save-episodes", type=click.Path(dir_okay=False), help="Write the episodes (HDF5).")
 @click.option("--episodes-from", type=click.Path(dir_okay=False), help="Solve the episodes of this file.")
 @click.option("--device", default=defaults.DEVICE, show_default=True, help="auto, cpu, cuda or cuda:N.")
@@ -317,6 +325,7 @@ def solve(
     n_neg,
     imbalance,
     query_classes,
+    protocol,
     save_episodes,
     episodes_from,
     device,
@@ -390,8 +399,13 @@ def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str 
     if save_episodes:
         console.print(f"episodes written to {save_episodes}")
     spec = res.spec
+    title = f"{spec.way}-way {spec.shot}-shot"
+    shape = f"{title}, {spec.query} queries/class"
+    if spec.ragged:  # what is not given is drawn per episode
+        fixed = [f"{v} {k}" for k, v in (("way", spec.way), ("shot", spec.shot), ("query", spec.query)) if v]
+        shape = title = "Meta-Dataset protocol" + (f" ({', '.join(fixed)})" if fixed else "")
     console.print(
-        f"{res.n_episodes:,} episodes: {spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
+        f"{res.n_episodes:,} episodes: {shape}"
         + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
         + (f", queries from {spec.query_classes} of the {spec.way} classes" if spec.query_classes else "")
         + f", split {spec.split} of {path}; negatives: "
@@ -400,9 +414,7 @@ def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str 
         + (f" x {res.processes} processes" if res.processes > 1 else ""),
         highlight=False,
     )
-    out.print(
-        render_table(solve_table(res.records), title=f"{spec.way}-way {spec.shot}-shot, {res.n_episodes:,} episodes")
-    )
+    out.print(render_table(solve_table(res.records), title=f"{title}, {res.n_episodes:,} episodes"))
     console.print(
         f"{res.n_episodes / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s, chunks of {res.chunk_size})"
     )

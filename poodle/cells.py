@@ -25,6 +25,7 @@ from poodle.defaults import EPISODE_KEYS, GENERAL_DEFAULTS, GENERAL_KEYS, NEGATI
 from poodle.episodes import EpisodeSpec, check_count
 from poodle.errors import ConfigError, PoodleError
 from poodle.negatives import NegativeSpec
+from poodle.options import violation
 from poodle.preprocess import parse
 from poodle.results import jsonable, make_identity, record_flat
 from poodle.utils import content_hash
@@ -70,7 +71,8 @@ class Cell:
         label: display name (a grid's ``[[cell]] label``, else the method name).
         cache: the feature cache as written (a path or a grid's ``[caches]`` name).
         episode: ``{split, way, shot, query, imbalance, seed, episodes}`` and ``query_classes``
-            when set.
+            when set; under the Meta-Dataset protocol also ``protocol`` and its rule parameters
+            (a ``way``, ``shot`` or ``query`` drawn per episode is None).
         negatives: the negative source as written (``"none"`` for a method that reads none).
         n_neg: negatives per episode (``None`` without negatives).
         method: the registered method name.
@@ -229,6 +231,12 @@ def check_general(key: str, v: Any) -> Any:
         v = None
     if v is None and key in ("imbalance", "query_classes"):
         return None
+    if key == "protocol":
+        if v not in defaults.PROTOCOLS:
+            raise ConfigError.bad_value(key, v, f"expects one of {', '.join(defaults.PROTOCOLS)}")
+        return None if v == defaults.PROTOCOL else v  # fixed: recorded by its absence (older identities)
+    if key in defaults.META_DATASET_KEYS:
+        return _meta_dataset_value(key, v)
     if key == "episodes":
         check_count(_integer(key, v))
         return _integer(key, v)
@@ -247,6 +255,53 @@ def check_general(key: str, v: Any) -> Any:
         EpisodeSpec(**alone).validate()
         return v
     raise ConfigError(f"unknown setting {key!r}", params=(key,))
+
+
+def _meta_dataset_value(key: str, v: Any) -> Any:
+    """A Meta-Dataset rule parameter alone: its type and its field's bounds (the relations between
+    them, ``min_ways <= max_ways_upper_bound``, are checked with the whole setting)."""
+    f = next(f for f in dataclasses.fields(EpisodeSpec) if f.name == key)
+    kind = _SPEC_TYPES[key]
+    if kind is bool:
+        if not isinstance(v, bool):
+            raise ConfigError.bad_value(key, v, "expects true or false")
+        return v
+    if kind is int:
+        v = _integer(key, v)
+    elif isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError.bad_value(key, v, "expects a number")
+    else:
+        v = float(v)
+    why = violation(f, v)
+    if why is not None:
+        raise ConfigError.bad_value(key, v, why)
+    return v
+
+
+def _episode_setting(general: Mapping[str, Any]) -> dict[str, Any]:
+    """A cell's ``episode``: the fixed protocol's keys (defaults filled; under Meta-Dataset a
+    ``way``, ``shot`` or ``query`` not given is None, drawn per episode), then the optional keys
+    that are set; under Meta-Dataset every rule parameter, with sampling.py's defaults
+    (``bilevel`` only when on), so that a default changed later cannot alias two settings."""
+    md = general.get("protocol") == "meta-dataset"
+    drawn = ("way", "shot", "query") if md else ()
+    episode = {k: general.get(k, None if k in drawn else GENERAL_DEFAULTS.get(k)) for k in EPISODE_FIELDS}
+    given = [k for k in defaults.META_DATASET_KEYS if general.get(k) is not None]
+    if given and not md:
+        raise ConfigError(
+            f"{', '.join(given)} belong{'s' if len(given) == 1 else ''} to the Meta-Dataset protocol: "
+            "add protocol = meta-dataset",
+            params=(*given, "protocol"),
+        )
+    episode.update({k: general[k] for k in OPTIONAL_EPISODE_KEYS if general.get(k) is not None})
+    if md:
+        rules = EpisodeSpec.meta_dataset()
+        for k in defaults.META_DATASET_KEYS:
+            if k not in episode and k != "bilevel":
+                episode[k] = getattr(rules, k)
+        if episode.get("bilevel") is False:
+            del episode["bilevel"]
+    return episode
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,8 +344,7 @@ def make_cell(
             )
     cfg = solvers.make_config(method.name, opts, strict=True)
     general = {k: check_general(k, values[k]) for k in GENERAL_KEYS if values.get(k) is not None}
-    episode = {k: general.get(k, GENERAL_DEFAULTS.get(k)) for k in EPISODE_FIELDS}
-    episode.update({k: general[k] for k in OPTIONAL_EPISODE_KEYS if general.get(k) is not None})
+    episode = _episode_setting(general)
     EpisodeSpec.from_settings(episode).validate()
     negatives, n_neg = "none", None
     if method.needs_negatives(cfg):

@@ -52,9 +52,26 @@ NEGATIVE_KEYWORDS: tuple[str, ...] = ("base", "random", "sphere", "none")
 # Options that choose the episodes: results that agree on all of them were solved on identical
 # episodes (so they are paired). ``cache`` comes first; the rest are EpisodeSpec fields + count.
 EPISODE_KEYS: tuple[str, ...] = ("cache", "split", "way", "shot", "query", "imbalance", "seed", "episodes")
+# How episodes are drawn: "fixed" (way, shot and query per episode, the paper's) or "meta-dataset"
+# (Triantafillou et al., ICLR 2020: ways, shots and queries drawn per episode by the rules of
+# google-research/meta-dataset's meta_dataset/data/sampling.py; their parameters and defaults are
+# EpisodeSpec's fields of those names).
+PROTOCOL = "fixed"
+PROTOCOLS: tuple[str, ...] = ("fixed", "meta-dataset")
+META_DATASET_KEYS: tuple[str, ...] = (
+    "min_ways",
+    "max_ways_upper_bound",
+    "max_num_query",
+    "max_support_set_size",
+    "max_support_size_contrib_per_class",
+    "min_log_weight",
+    "max_log_weight",
+    "bilevel",
+)
 # Episode options recorded only when set, so that results written before they existed keep their
-# identity: ``query_classes`` (queries from only N of the way classes; None = all).
-OPTIONAL_EPISODE_KEYS: tuple[str, ...] = ("query_classes",)
+# identity: ``query_classes`` (queries from only N of the way classes; None = all), ``protocol``
+# (absent: fixed) and, under the Meta-Dataset protocol, its rules' parameters (``bilevel`` only when on).
+OPTIONAL_EPISODE_KEYS: tuple[str, ...] = ("query_classes", "protocol") + META_DATASET_KEYS
 NEGATIVE_KEYS: tuple[str, ...] = ("negatives", "n_neg")
 # ``preprocess`` transforms the features (and the negative pool) the cells of one episode set see.
 GENERAL_KEYS: tuple[str, ...] = EPISODE_KEYS + OPTIONAL_EPISODE_KEYS + NEGATIVE_KEYS + ("preprocess", "method")

@@ -1,13 +1,15 @@
-"""Few-shot episodes: seeded, batched sampling (balanced or Dirichlet-imbalanced), HDF5 save/load.
+"""Few-shot episodes: seeded, batched sampling (fixed or Meta-Dataset's), HDF5 save/load.
 
-Episode ``i`` of a run is a pure function of ``(labels, spec, i)``: it is drawn by its own generator
-``poodle.utils.generator(spec.seed, i)``, so the chunk size, the device, the number of episodes
-drawn and the methods that run never change it. The seed tuple deliberately leaves out way, shot,
-query and imbalance: episode ``i`` of a 1-shot and of a 5-shot run with the same seed share their
-classes, and the 1-shot support image of each class is the first of the 5-shot ones (nested designs
-make shot and imbalance ablations paired too).
+Episode ``i`` of a run is a pure function of ``(labels, spec, i)``: it is made of the words of its
+own generator ``poodle.utils.generator(spec.seed, i)`` by the one sampler (:mod:`poodle.sampler`,
+thousands of episodes at a time), so the chunk size, the device, the number of episodes drawn and
+the methods that run never change it. The seed tuple deliberately leaves out way, shot, query and
+imbalance: episode ``i`` of a 1-shot and of a 5-shot run with the same seed share their classes,
+and the 1-shot support image of each class is the first of the 5-shot ones (nested designs make
+shot and imbalance ablations paired too).
 
-Drawing one episode, in this order from its generator:
+The fixed protocol (``protocol="fixed"``, the default) draws one episode in this order, as torch's
+samplers would from its generator:
 
 1. ``way`` classes without replacement (``randperm`` over the split's classes); label ``k`` is the
    ``k``-th class drawn.
@@ -24,6 +26,13 @@ Drawing one episode, in this order from its generator:
    are exactly those above (episode files written before it existed stay valid).
 3. Per class in label order, a ``randperm`` of its images: the first ``shot`` are support, the
    next ``count`` are queries. Support and query are class-major.
+
+The Meta-Dataset protocol (``protocol="meta-dataset"``, Triantafillou et al., ICLR 2020) draws each
+episode's ways, per-class shots and queries by the rules of google-research/meta-dataset's
+``meta_dataset/data/sampling.py`` (:func:`poodle.sampler.draw_meta_dataset` gives the formulas and
+the words they read); ``way``, ``shot`` or ``query`` given fix that part (its fixed-shape variants),
+and ``bilevel`` draws a superclass first, then its classes. Its episodes are ragged: an
+:class:`EpisodeSet` pads them with -1 and carries each episode's ``ways``.
 """
 
 from __future__ import annotations
@@ -41,44 +50,105 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from poodle import defaults
-from poodle._episodes_bulk import BulkDraw, SplitTables
-from poodle._mt19937 import verified
+from poodle import defaults, sampler
 from poodle.errors import ConfigError, EpisodeError
-from poodle.utils import atomic_write, check_output, check_seed, generator, resolve_path
+from poodle.options import option, violation
+from poodle.utils import atomic_write, check_output, check_seed, resolve_path
 
 FORMAT = "poodle-episodes"
-VERSION = 1
+VERSION = 1  # fixed episodes
+RAGGED_VERSION = 2  # ragged episodes: /ways, /shots, /queries, -1 padding, the protocol's attributes
+
+
+_MD_HELP = "Meta-Dataset protocol (meta_dataset/data/sampling.py's parameter of this name): "
 
 
 @dataclass(frozen=True)
 class EpisodeSpec:
-    """What an episode set is drawn from. Paper defaults: 5-way, 15 queries per class (section 5.1)."""
+    """What an episode set is drawn from. Paper defaults: 5-way, 15 queries per class (section 5.1).
+
+    ``way``, ``shot`` and ``query`` are None only under the Meta-Dataset protocol, where None means
+    drawn per episode (:meth:`meta_dataset` makes such a spec). The Meta-Dataset fields keep
+    sampling.py's names and defaults and are read only under that protocol."""
 
     split: str = defaults.SPLIT
-    way: int = defaults.WAY
-    shot: int = defaults.SHOT
-    query: int = defaults.QUERY  # queries per class; the total is way * query
+    way: int | None = defaults.WAY
+    shot: int | None = defaults.SHOT
+    query: int | None = defaults.QUERY  # queries per class; the total is way * query
     imbalance: float | None = None  # Dirichlet concentration kappa (paper appendix); None: balanced
     seed: int = defaults.SEED
     query_classes: int | None = None  # only this many of the way classes have queries; None: all
+    protocol: str = option(
+        defaults.PROTOCOL,
+        help="How episodes are drawn: fixed (way, shot, query) or meta-dataset (ways, shots and "
+        "queries drawn per episode by Meta-Dataset's rules; way/shot/query given fix that part).",
+    )
+    min_ways: int = option(5, min=2, help=_MD_HELP + "the fewest classes an episode has.")
+    max_ways_upper_bound: int = option(50, min=2, help=_MD_HELP + "the most classes an episode has.")
+    max_num_query: int = option(10, min=1, help=_MD_HELP + "the most queries per class.")
+    max_support_set_size: int = option(500, min=1, help=_MD_HELP + "the most support images an episode has.")
+    max_support_size_contrib_per_class: int = option(
+        100, min=1, help=_MD_HELP + "the most one class adds to the support set's size."
+    )
+    min_log_weight: float = option(
+        math.log(0.5), help=_MD_HELP + "the low end of a class's log-weight in the shot proportions."
+    )
+    max_log_weight: float = option(
+        math.log(2.0), help=_MD_HELP + "the high end of a class's log-weight in the shot proportions."
+    )
+    bilevel: bool = option(
+        False,
+        help="Meta-Dataset protocol: draw a superclass, then its classes (Omniglot's alphabets; the "
+        "superclass of a class is named by its class name, see superclass_names).",
+    )
+
+    @classmethod
+    def meta_dataset(cls, **values: Any) -> EpisodeSpec:
+        """A Meta-Dataset spec: ``way``, ``shot`` and ``query`` drawn unless given."""
+        return cls(**{"way": None, "shot": None, "query": None, "protocol": "meta-dataset", **values})
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> EpisodeSpec:
         """The spec of an episode-settings mapping (a results record's ``episode``, the solve
-        parameters): its spec fields, with ``query_classes`` optional; other keys (``episodes``) ignored."""
+        parameters): its spec fields, the optional ones (``query_classes``, the protocol and its
+        parameters) taking their defaults when absent; other keys (``episodes``) ignored."""
         optional = set(defaults.OPTIONAL_EPISODE_KEYS)
-        values: dict[str, Any] = {
-            f.name: settings.get(f.name) if f.name in optional else settings[f.name] for f in dataclasses.fields(cls)
-        }
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in optional:
+                values[f.name] = settings[f.name]
+            elif settings.get(f.name) is not None:
+                values[f.name] = settings[f.name]
         return cls(**values)
+
+    @property
+    def ragged(self) -> bool:
+        """Whether episodes of this spec differ in shape (the Meta-Dataset protocol)."""
+        return self.protocol == "meta-dataset"
+
+    def settings(self) -> dict[str, Any]:
+        """The spec as settings (a results record's ``episode`` keys): the fixed protocol's fields,
+        plus the protocol and its parameters only under Meta-Dataset (``bilevel`` only when on),
+        so a fixed spec has exactly the keys it had before the protocol existed."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if not self.ragged:
+            for k in ("protocol", *defaults.META_DATASET_KEYS):
+                del out[k]
+        elif not self.bilevel:
+            del out["bilevel"]
+        return out
 
     def validate(self) -> None:
         """EpisodeError for counts below their minimum (a 1-way episode is 100% correct by
-        construction, so ``way`` starts at 2), a non-positive concentration or a seed outside 63 bits.
-        This is the one place these settings are checked, for the command line, grids and the library."""
+        construction, so ``way`` starts at 2), a non-positive concentration or a seed outside 63 bits,
+        an unknown protocol or a Meta-Dataset parameter out of its bounds. This is the one place
+        these settings are checked, for the command line, grids and the library."""
+        if self.protocol not in defaults.PROTOCOLS:
+            raise EpisodeError.bad_value("protocol", self.protocol, f"must be one of {', '.join(defaults.PROTOCOLS)}")
         for name, least in (("way", 2), ("shot", 1), ("query", 1)):
             v = getattr(self, name)
+            if v is None and self.ragged:
+                continue  # drawn per episode
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
                 what = "an integer >= 2 (a 1-way episode is always right)" if name == "way" else "a positive integer"
                 raise EpisodeError.bad_value(name, v, f"must be {what}")
@@ -93,16 +163,66 @@ class EpisodeSpec:
         except ConfigError as e:
             raise EpisodeError(str(e), params=("seed",)) from None
         n = self.query_classes
-        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.way):
+        if n is not None and (
+            isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= (self.way or 0)
+        ):
             raise EpisodeError.bad_value("query_classes", n, f"must be an integer in 1..way={self.way}")
+        self._validate_meta_dataset()
+
+    def _validate_meta_dataset(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name not in defaults.META_DATASET_KEYS:
+                continue
+            v = getattr(self, f.name)
+            if f.name == "bilevel":
+                if not isinstance(v, (bool, np.bool_)):
+                    raise EpisodeError.bad_value("bilevel", v, "must be true or false")
+                continue
+            integral = f.type in (int, "int")
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer) if integral else (int, float, np.number)):
+                raise EpisodeError.bad_value(f.name, v, "must be an integer" if integral else "must be a number")
+            why = violation(f, v)
+            if why is not None:
+                raise EpisodeError.bad_value(f.name, v, why)
+        if self.min_ways > self.max_ways_upper_bound:
+            raise EpisodeError.bad_value(
+                "min_ways", self.min_ways, f"must be at most max_ways_upper_bound={self.max_ways_upper_bound}"
+            )
+        if self.min_log_weight > self.max_log_weight:
+            raise EpisodeError.bad_value(
+                "min_log_weight", self.min_log_weight, f"must be at most max_log_weight={self.max_log_weight:g}"
+            )
+        if not self.ragged:
+            return
+        for name in ("imbalance", "query_classes"):
+            if getattr(self, name) is not None:
+                raise EpisodeError(
+                    f"{name} belongs to the fixed protocol; the Meta-Dataset protocol draws its own per-class counts",
+                    params=(name, "protocol"),
+                )
+        if self.bilevel and self.way is not None:
+            raise EpisodeError(
+                "bilevel draws the ways within a superclass; it cannot be combined with a fixed way "
+                "(as in meta_dataset's sampler)",
+                params=("bilevel", "way"),
+            )
 
     @property
     def n_support(self) -> int:
-        return self.way * self.shot
+        """Support images per episode (fixed episodes only)."""
+        return self.fixed("way") * self.fixed("shot")
 
     @property
     def n_query(self) -> int:
-        return (self.way if self.query_classes is None else self.query_classes) * self.query
+        """Queries per episode (fixed episodes only)."""
+        return (self.fixed("way") if self.query_classes is None else self.query_classes) * self.fixed("query")
+
+    def fixed(self, name: str) -> int:
+        """``way``, ``shot`` or ``query``; EpisodeError when it is drawn per episode."""
+        v = getattr(self, name)
+        if v is None:
+            raise EpisodeError(f"{name} is drawn per episode under the {self.protocol} protocol; ask the episodes")
+        return int(v)
 
 
 @dataclass
@@ -110,21 +230,23 @@ class EpisodeSet:
     """``E`` episodes as row indices into one split of a cache.
 
     Attributes:
-        support: int64 ``[E, way*shot]`` row indices, class-major.
+        support: int64 ``[E, Ns]`` row indices, class-major (``Ns = way*shot``; ragged: the largest
+            episode's support size, padded with -1).
         query: int64 ``[E, Nq]`` row indices, class-major (``Nq = way*query``; per-class counts vary
-            with imbalance).
-        support_labels: int64 ``[E, way*shot]`` in ``0..way-1``.
-        query_labels: int64 ``[E, Nq]`` in ``0..way-1``.
+            with imbalance; ragged: padded with -1).
+        support_labels: int64 ``[E, Ns]`` in ``0..way-1`` (-1 on padding).
+        query_labels: int64 ``[E, Nq]`` in ``0..way-1`` (-1 on padding).
         negatives: int64 ``[E, M]`` row indices into the negative pool, or ``None`` (not drawn yet,
             or generated negatives).
         spec: the :class:`EpisodeSpec` the set was drawn with.
         negative_source: the source ``negatives`` index into ("" when none).
         index: int64 ``[E]`` global episode numbers (``i`` of ``generator(seed, i)``).
-        class_ids: int64 ``[E, way]`` the split's class index of each label.
-        ways: int64 ``[E]`` each episode's own number of classes, or ``None`` for fixed episodes.
-            Ragged episodes (each its own way, shots and queries) pad ``support``, ``query`` and
-            both label tensors with ``-1`` to the set's largest episode; :mod:`poodle.evaluate`
-            solves them in padded chunks.
+        class_ids: int64 ``[E, way]`` the split's class index of each label (ragged: ``[E, max
+            ways]``, -1 past an episode's ways).
+        ways: int64 ``[E]`` each episode's own number of classes, or ``None`` for fixed episodes
+            (every episode has ``spec.way``). Ragged episodes (each its own way, shots and queries)
+            pad ``support``, ``query`` and both label tensors with ``-1`` to the set's largest
+            episode; :mod:`poodle.evaluate` solves them in padded chunks.
     """
 
     support: Tensor
@@ -146,6 +268,26 @@ class EpisodeSet:
         return int(self.support.shape[0])
 
     @property
+    def ragged(self) -> bool:
+        """Whether the episodes differ in shape (``ways`` is set)."""
+        return self.ways is not None
+
+    @property
+    def way(self) -> int:
+        """The most classes an episode of the set has (``spec.way`` for fixed episodes)."""
+        if self.ways is None:
+            return int(self.spec.way or 0)
+        return int(self.ways.max()) if len(self) else 0
+
+    def support_counts(self) -> Tensor:
+        """int64 ``[E, way]`` support images of each label (0 past an episode's ways)."""
+        return _label_counts(self.support_labels, self.way)
+
+    def query_counts(self) -> Tensor:
+        """int64 ``[E, way]`` queries of each label (0 past an episode's ways)."""
+        return _label_counts(self.query_labels, self.way)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of its index tensors."""
         ts = (
@@ -161,13 +303,14 @@ class EpisodeSet:
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def __getitem__(self, sl: slice) -> EpisodeSet:
+        """Episodes ``sl`` (a ragged slice is cropped to its own largest episode)."""
         if not isinstance(sl, slice):
             raise TypeError("EpisodeSet supports slicing only, e.g. eps[10:20]")
 
         def cut(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[sl]
 
-        return EpisodeSet(
+        out = EpisodeSet(
             self.support[sl],
             self.query[sl],
             self.support_labels[sl],
@@ -178,6 +321,25 @@ class EpisodeSet:
             cut(self.index),
             cut(self.class_ids),
             cut(self.ways),
+        )
+        return out.cropped() if out.ragged else out
+
+    def cropped(self) -> EpisodeSet:
+        """A ragged set with its padding cut to its own largest episode (rows, labels, ways)."""
+        if self.ways is None or not len(self):
+            return self
+
+        def width(labels: Tensor) -> int:
+            return max(int((labels >= 0).sum(1).max()), 1)
+
+        ns, nq, w = width(self.support_labels), width(self.query_labels), max(self.way, 1)
+        return dataclasses.replace(
+            self,
+            support=self.support[:, :ns],
+            support_labels=self.support_labels[:, :ns],
+            query=self.query[:, :nq],
+            query_labels=self.query_labels[:, :nq],
+            class_ids=None if self.class_ids is None else self.class_ids[:, :w],
         )
 
     def with_negatives(self, negatives: Tensor | None, source: str) -> EpisodeSet:
@@ -190,24 +352,18 @@ class EpisodeSet:
         different labels from different classes); negative indices must fit ``pool_size``."""
         n = int(labels.shape[0])
         for name, t in (("support", self.support), ("query", self.query)):
-            if t.numel() and int(t.min()) < 0:
+            real = t if self.ways is None else t[t >= 0]
+            if real.numel() and int(real.min()) < 0:
                 e = int((t < 0).any(1).nonzero()[0, 0])
                 raise EpisodeError(
                     f"{where}: {name} index {int(t.min())} (episode {e}) is negative; row indices lie in 0..{n - 1}"
                 )
-            if t.numel() and int(t.max()) >= n:
+            if real.numel() and int(real.max()) >= n:
                 raise EpisodeError(
-                    f"{where}: {name} indices reach {int(t.max())} but the split has {n} rows "
+                    f"{where}: {name} indices reach {int(real.max())} but the split has {n} rows "
                     f"(0..{n - 1}); the episodes were drawn from another cache or split"
                 )
-        way = self.spec.way
-        cls_s = labels[self.support]  # [E, Ns]
-        cls_q = labels[self.query]
-        ref = cls_s.view(len(self), way, self.spec.shot)[:, :, 0]  # [E, way]
-        ok_s = (cls_s == ref.gather(1, self.support_labels)).all(1)
-        ok_q = (cls_q == ref.gather(1, self.query_labels)).all(1)
-        distinct = (ref.unsqueeze(1) != ref.unsqueeze(2)).sum((1, 2)) == way * (way - 1)
-        bad = ~(ok_s & ok_q & distinct)
+        bad = self._mixed(labels) if self.ways is not None else self._mixed_fixed(labels)
         if bool(bad.any()):
             e = int(bad.nonzero()[0, 0])
             assert self.index is not None  # set in __post_init__
@@ -228,18 +384,70 @@ class EpisodeSet:
                     f"{self.negative_source!r} has {pool_size} rows"
                 )
 
+    def _mixed_fixed(self, labels: Tensor) -> Tensor:
+        way, shot = int(self.spec.way or 0), int(self.spec.shot or 0)
+        cls_s = labels[self.support]  # [E, Ns]
+        cls_q = labels[self.query]
+        ref = cls_s.view(len(self), way, shot)[:, :, 0]  # [E, way]
+        ok_s = (cls_s == ref.gather(1, self.support_labels)).all(1)
+        ok_q = (cls_q == ref.gather(1, self.query_labels)).all(1)
+        distinct = (ref.unsqueeze(1) != ref.unsqueeze(2)).sum((1, 2)) == way * (way - 1)
+        return ~(ok_s & ok_q & distinct)
 
-def check_spec(labels: Tensor, spec: EpisodeSpec, classes: Sequence[str] | None = None) -> None:
-    """EpisodeError, naming classes, unless ``spec`` can be drawn from a split with ``labels [N]``."""
+    def _mixed(self, labels: Tensor) -> Tensor:
+        """``[E]`` episodes where a label's rows span classes, two labels share one, or a label of
+        ``0..ways-1`` has no support row (ragged sets)."""
+        assert self.ways is not None
+        E, W = len(self), self.way
+        big = int(labels.max()) + 1 if labels.numel() else 1
+        lo = torch.full((E, W), big, dtype=torch.int64)
+        hi = torch.full((E, W), -1, dtype=torch.int64)
+        for rows, lab in ((self.support, self.support_labels), (self.query, self.query_labels)):
+            real = lab >= 0
+            cls = torch.where(real, labels[rows.clamp(min=0)], 0)
+            at = lab.clamp(min=0)
+            lo.scatter_reduce_(1, at, torch.where(real, cls, big), "amin")
+            hi.scatter_reduce_(1, at, torch.where(real, cls, -1), "amax")
+        present = torch.arange(W).unsqueeze(0) < self.ways.unsqueeze(1)
+        counted = self.support_counts() > 0
+        one = (lo == hi) | ~present
+        ref = torch.where(present, lo, -1 - torch.arange(W).unsqueeze(0))  # padding: distinct negatives
+        distinct = (ref.unsqueeze(1) != ref.unsqueeze(2)).sum((1, 2)) == W * (W - 1)
+        return ~(one.all(1) & distinct & (counted | ~present).all(1))
+
+
+def _label_counts(labels: Tensor, way: int) -> Tensor:
+    E = labels.shape[0]
+    out = torch.zeros(E, max(way, 1) + 1, dtype=torch.int64)
+    out.scatter_add_(1, torch.where(labels >= 0, labels, way).clamp(max=way), torch.ones_like(labels))
+    return out[:, :way]
+
+
+def check_spec(
+    labels: Tensor,
+    spec: EpisodeSpec,
+    classes: Sequence[str] | None = None,
+    superclasses: Sequence[str] | None = None,
+) -> None:
+    """EpisodeError, naming classes, unless ``spec`` can be drawn from a split with ``labels [N]``
+    (and, with ``bilevel``, these ``superclasses``: one name per class)."""
     spec.validate()
     counts = torch.bincount(labels, minlength=len(classes) if classes is not None else 0)
     present = int((counts > 0).sum())
     names = list(classes) if classes is not None else [str(c) for c in range(len(counts))]
+    if spec.ragged:
+        _check_meta_dataset(spec, counts, names, superclasses)
+        return
+    assert spec.way is not None and spec.shot is not None and spec.query is not None  # validated
     if spec.way > present:
         raise EpisodeError(
             f"split {spec.split!r} has {present} classes with images; cannot draw {spec.way}-way episodes"
         )
     need = spec.shot + spec.query
+    _short(spec, counts, names, need, f"shot + query = {need}")
+
+
+def _short(spec: EpisodeSpec, counts: Tensor, names: list[str], need: int, what: str) -> None:
     short = [(names[c], int(counts[c])) for c in range(len(counts)) if 0 < counts[c] < need]
     if short:
         shown = ", ".join(f"{n} ({k})" for n, k in short[:10]) + (
@@ -247,136 +455,125 @@ def check_spec(labels: Tensor, spec: EpisodeSpec, classes: Sequence[str] | None 
         )
         raise EpisodeError(
             f"split {spec.split!r}: lower shot or query (or drop classes): {len(short)} class(es) have "
-            f"fewer than shot + query = {need} images: {shown}",
+            f"fewer than {what} images: {shown}",
             params=("shot", "query"),
         )
 
 
-def imbalanced_counts(p: Tensor, total: int, capacity: Tensor) -> Tensor:
-    """Largest-remainder rounding of ``total * p`` under per-class ``capacity``: int64 ``[way]``
-    summing to ``total`` (requires ``capacity.sum() >= total``)."""
-    way = p.shape[0]
-    counts = torch.zeros(way, dtype=torch.int64)  # fixed (clipped) classes hold their capacity
-    free = torch.ones(way, dtype=torch.bool)
-    remaining = total
-    while True:
-        share = torch.where(free, p, torch.zeros_like(p))
-        s = float(share.sum())
-        share = share / s if s > 0 else free.to(p.dtype) / float(free.sum())
-        raw = remaining * share
-        add = torch.floor(raw).to(torch.int64)
-        left = remaining - int(add.sum())
-        frac = torch.where(free, raw - add.to(raw.dtype), torch.full_like(raw, -1.0))
-        add[torch.sort(-frac, stable=True).indices[:left]] += 1
-        new = counts + add
-        over = free & (new > capacity)
-        if not bool(over.any()):
-            return new
-        counts = torch.where(over, capacity, counts)
-        free &= ~over
-        remaining = total - int(counts.sum())
+def _check_meta_dataset(
+    spec: EpisodeSpec, counts: Tensor, names: list[str], superclasses: Sequence[str] | None
+) -> None:
+    """The Meta-Dataset protocol's conditions (those under which sampling.py raises)."""
+    present = int((counts > 0).sum())
+    least = spec.way if spec.way is not None else spec.min_ways
+    if least > present:
+        key = "way" if spec.way is not None else "min_ways"
+        raise EpisodeError(
+            f"split {spec.split!r} has {present} classes with images; Meta-Dataset episodes need at "
+            f"least {key} = {least}",
+            params=(key,),
+        )
+    # every class must leave at least one support image and one query
+    if spec.query is not None:
+        need = (spec.shot or 1) + spec.query
+        what = f"{'shot' if spec.shot else '1'} + query = {need}"
+    elif spec.shot is not None:
+        need, what = spec.shot + 1, f"shot + 1 = {spec.shot + 1}"
+    else:
+        need, what = 2, "2 (a support image and a query)"
+    _short(spec, counts, names, need, what)
+    most = spec.way if spec.way is not None else min(spec.max_ways_upper_bound, present)
+    if spec.shot is None and spec.max_support_set_size < most:
+        raise EpisodeError.bad_value(
+            "max_support_set_size",
+            spec.max_support_set_size,
+            f"must be at least the most ways an episode can have here ({most}): one support image per class",
+        )
+    if spec.bilevel:
+        given = list(superclasses) if superclasses is not None else superclass_names(names)
+        if len(given) != len(counts):
+            raise EpisodeError(
+                f"{len(given)} superclasses given for the split's {len(counts)} classes", params=("bilevel",)
+            )
+        per: dict[str, int] = {}
+        for c, sup in enumerate(given):
+            if counts[c] > 0:
+                per[sup] = per.get(sup, 0) + 1
+        small = sorted((name, k) for name, k in per.items() if k < spec.min_ways)
+        if small:
+            shown = ", ".join(f"{n} ({k})" for n, k in small[:10])
+            raise EpisodeError(
+                f"split {spec.split!r}: bilevel needs every superclass to have at least min_ways = "
+                f"{spec.min_ways} classes with images; {len(small)} have fewer: {shown}",
+                params=("bilevel", "min_ways"),
+            )
 
 
-def query_counts(g: torch.Generator, spec: EpisodeSpec, capacity: Tensor) -> Tensor:
-    """Queries per label, int64 ``[way]`` summing to ``spec.n_query``, drawn from ``g`` right after
-    the classes (module docstring, step 2). ``capacity [way]``: each class's images minus ``shot``."""
-    way = spec.way
-    if spec.query_classes is None:
-        if spec.imbalance is None:
-            return torch.full((way,), spec.query, dtype=torch.int64)
-        gam = torch._standard_gamma(torch.full((way,), float(spec.imbalance), dtype=torch.float64), generator=g)
-        s = float(gam.sum())
-        p = gam / s if s > 0 else torch.nn.functional.one_hot(torch.tensor(0), way).double()
-        return imbalanced_counts(p, spec.n_query, capacity)
-    n = spec.query_classes
-    chosen = torch.randperm(way, generator=g)[:n]
-    if spec.imbalance is None:
-        counts = torch.zeros(way, dtype=torch.int64)
-        counts[chosen] = spec.query
-        return counts
-    gam = torch._standard_gamma(torch.full((n,), float(spec.imbalance), dtype=torch.float64), generator=g)
-    s = float(gam.sum())
-    share = gam / s if s > 0 else torch.nn.functional.one_hot(torch.tensor(0), n).double()
-    p = torch.zeros(way, dtype=torch.float64)
-    p[chosen] = share
-    # classes without queries have no capacity, so a capped class's excess stays within the n
-    cap = torch.zeros_like(capacity)
-    cap[chosen] = capacity[chosen]
-    return imbalanced_counts(p, spec.n_query, cap)
+def superclass_names(classes: Sequence[str]) -> list[str]:
+    """Each class's superclass, from its name: the part before the first ``/`` when every name has
+    one (Omniglot's ``Alphabet/character`` folders), else the part before the last ``_`` when
+    every name has one (the glyphs' ``alphabet_XXXX``); otherwise EpisodeError. Give
+    ``superclasses`` to :func:`sample_episodes` for another mapping."""
+    names = list(classes)
+    if names and all("/" in c for c in names):
+        return [c.split("/", 1)[0] for c in names]
+    if names and all("_" in c for c in names):
+        return [c.rsplit("_", 1)[0] for c in names]
+    raise EpisodeError(
+        "bilevel needs each class's superclass: class names of the form SUPER/NAME or SUPER_NAME "
+        f"(e.g. {names[0] if names else ''!r} has neither), or superclasses given to the sampler",
+        params=("bilevel",),
+    )
 
 
-def _draw_episode(
-    g: torch.Generator, spec: EpisodeSpec, eligible: Tensor, members: list[Tensor], counts_all: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    way, shot = spec.way, spec.shot
-    cls = eligible[torch.randperm(eligible.shape[0], generator=g)[:way]]
-    qcounts = query_counts(g, spec, counts_all[cls] - shot)
-    sup, qry, qlab = [], [], []
-    for k in range(way):
-        rows = members[int(cls[k])]
-        take = rows[torch.randperm(rows.shape[0], generator=g)[: shot + int(qcounts[k])]]
-        sup.append(take[:shot])
-        qry.append(take[shot:])
-        qlab.append(torch.full((int(qcounts[k]),), k, dtype=torch.int64))
-    slab = torch.arange(way, dtype=torch.int64).repeat_interleave(shot)
-    return torch.cat(sup), torch.cat(qry), slab, torch.cat(qlab), cls
+def superclass_index(superclasses: Sequence[str]) -> np.ndarray:
+    """int64 ``[C]``: each class's superclass (one name per class) as an index into their sorted names."""
+    at = {s: j for j, s in enumerate(sorted(set(superclasses)))}
+    return np.array([at[s] for s in superclasses], dtype=np.int64)
+
+
+imbalanced_counts = sampler.imbalanced_counts
 
 
 class _Draw:
-    """What drawing needs from a split's labels, computed once: the classes with images, each
-    class's rows and counts.
-
-    Episodes are drawn in bulk (:mod:`poodle._episodes_bulk`: one torch call per episode, the rest
-    vectorised over episodes), the same episodes as the per-episode path :func:`_draw_episode`
-    (``1 + way`` ``randperm`` calls each), which is kept as the reference and used where torch's
-    generator is found to draw otherwise (:func:`poodle._mt19937.verified`) or ``bulk=False``.
-    """
+    """What drawing needs from a split's labels, computed once (the classes with images, each
+    class's rows, the superclasses for ``bilevel``); called with ``(start, n)`` it draws those
+    episodes with :func:`poodle.sampler.draw`."""
 
     def __init__(
-        self, labels: Tensor, spec: EpisodeSpec, classes: Sequence[str] | None = None, *, bulk: bool = True
+        self,
+        labels: Tensor,
+        spec: EpisodeSpec,
+        classes: Sequence[str] | None = None,
+        *,
+        superclasses: Sequence[str] | None = None,
     ) -> None:
         labels = torch.as_tensor(labels, dtype=torch.int64).cpu()
-        check_spec(labels, spec, classes)
+        check_spec(labels, spec, classes, superclasses)
         self.spec = spec
         self.n_rows = int(labels.shape[0])
-        self.counts_all = torch.bincount(labels)
-        self.eligible = (self.counts_all > 0).nonzero().flatten()
-        order = torch.argsort(labels, stable=True)
-        self.members = list(torch.split(order, self.counts_all.tolist()))
-        self._bulk: BulkDraw | None = None
-        if bulk and verified():
-            size = self.counts_all.numpy()
-            tables = SplitTables(order.numpy(), np.cumsum(size) - size, size, self.eligible.numpy())
-            self._bulk = BulkDraw(spec, tables, self._one)
-
-    def _one(self, i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Episode ``i`` by the per-episode path: ``(support, query, query_labels, class_ids)``."""
-        s, q, _, ql, c = _draw_episode(
-            generator(self.spec.seed, i), self.spec, self.eligible, self.members, self.counts_all
-        )
-        return s, q, ql, c
+        sup = None
+        if spec.ragged and spec.bilevel:
+            n_cls = len(torch.bincount(labels, minlength=len(classes) if classes is not None else 0))
+            names = list(classes) if classes is not None else [str(c) for c in range(n_cls)]
+            sup = superclass_index(list(superclasses) if superclasses is not None else superclass_names(names))
+        self.tables = sampler.SplitTables.of(labels, sup)
 
     def __call__(self, start: int, n_episodes: int) -> EpisodeSet:
-        spec = self.spec
-        E, Ns = n_episodes, spec.n_support
-        if self._bulk is not None:
-            d = self._bulk(start, E)
-            sup, qry, qlab, cls = d.support, d.query, d.query_labels, d.class_ids
-        else:
-            drawn = [self._one(start + e) for e in range(E)]
-            sup, qry, qlab, cls = (torch.stack([d[k] for d in drawn]) for k in range(4))
-        slab = torch.arange(spec.way, dtype=torch.int64).repeat_interleave(spec.shot)
-        return EpisodeSet(
-            sup,
-            qry,
-            slab.unsqueeze(0).expand(E, Ns).contiguous(),
-            qlab,
+        d = sampler.draw(self.spec, self.tables, start, n_episodes)
+        eps = EpisodeSet(
+            d.support,
+            d.query,
+            d.support_labels,
+            d.query_labels,
             None,
-            spec,
+            self.spec,
             "",
-            torch.arange(start, start + E, dtype=torch.int64),
-            cls,
+            torch.arange(start, start + n_episodes, dtype=torch.int64),
+            d.class_ids,
+            d.ways,
         )
+        return eps.cropped()
 
 
 def check_count(n_episodes: object) -> None:
@@ -385,15 +582,23 @@ def check_count(n_episodes: object) -> None:
 
 
 def sample_episodes(
-    labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, classes: list[str] | None = None, start: int = 0
+    labels: Tensor,
+    spec: EpisodeSpec,
+    n_episodes: int,
+    *,
+    classes: list[str] | None = None,
+    start: int = 0,
+    superclasses: Sequence[str] | None = None,
 ) -> EpisodeSet:
     """Draw episodes ``start .. start+n_episodes-1`` from a split with ``labels [N]`` (int64).
 
     EpisodeError before any drawing when the setting is impossible (way above the number of
     classes, classes with fewer than ``shot + query`` images, named; non-positive counts).
+    ``superclasses`` (one name per class) serve ``bilevel``; without them they are read from the
+    class names (:func:`superclass_names`).
     """
     check_count(n_episodes)
-    return _Draw(labels, spec, classes)(start, int(n_episodes))
+    return _Draw(labels, spec, classes, superclasses=superclasses)(start, int(n_episodes))
 
 
 class EpisodeStream:
@@ -403,23 +608,37 @@ class EpisodeStream:
     :func:`poodle.evaluate.evaluate` accepts one in place of an :class:`EpisodeSet`; it draws each
     chunk's episodes (and negatives) in the worker that solves the chunk, so a run of any length
     starts solving at once and never holds the index tensors of all its episodes. The setting is
-    checked (EpisodeError) when the stream is made, as by :func:`sample_episodes`.
+    checked (EpisodeError) when the stream is made, as by :func:`sample_episodes`. Under the
+    Meta-Dataset protocol (``ragged``) each slice is a ragged :class:`EpisodeSet`, padded to its
+    own largest episode.
     """
 
     negatives: Tensor | None = None
     negative_source: str = ""
 
     def __init__(
-        self, labels: Tensor, spec: EpisodeSpec, n_episodes: int, *, classes: list[str] | None = None, start: int = 0
+        self,
+        labels: Tensor,
+        spec: EpisodeSpec,
+        n_episodes: int,
+        *,
+        classes: list[str] | None = None,
+        start: int = 0,
+        superclasses: Sequence[str] | None = None,
     ) -> None:
         check_count(n_episodes)
-        self._draw = _Draw(labels, spec, classes)
+        self._draw = _Draw(labels, spec, classes, superclasses=superclasses)
         self.spec = spec
         self.start = int(start)
         self.n = int(n_episodes)
 
     def __len__(self) -> int:
         return self.n
+
+    @property
+    def ragged(self) -> bool:
+        """Whether its episodes differ in shape (each chunk is an :class:`EpisodeSet` with ``ways``)."""
+        return self.spec.ragged
 
     @property
     def index(self) -> Tensor:
@@ -452,12 +671,18 @@ class EpisodeStream:
 
 
 def save_episodes(path: str | os.PathLike, eps: EpisodeSet, **attrs: object) -> Path:
-    """Write ``eps`` to HDF5 (layout in docs/stage2.md; extra ``attrs`` are stored too), atomically."""
+    """Write ``eps`` to HDF5 (layout in docs/stage2.md; extra ``attrs`` are stored too), atomically.
+
+    Fixed episodes keep the layout other tools read (version 1). Ragged ones (version 2) add
+    ``/ways [E]``, ``/shots [E, W]`` and ``/queries [E, W]`` (each label's support and query
+    counts, 0 past an episode's ways), pad the index arrays with -1, write 0 for a ``way``,
+    ``shot`` or ``query`` drawn per episode, and record the protocol and its parameters."""
     path = Path(path)
     try:
         check_output(path, "episodes", what="episode file")
     except ConfigError as e:
         raise EpisodeError(str(e)) from None
+    spec = eps.spec
     # built in memory, then written with plain file I/O: a full disk is then one clean error, never
     # a failed write inside HDF5 (whose library may crash at exit after one)
     buf = io.BytesIO()
@@ -466,12 +691,22 @@ def save_episodes(path: str | os.PathLike, eps: EpisodeSet, **attrs: object) -> 
             f.create_dataset(name, data=getattr(eps, name).cpu().numpy().astype(np.int64))
         if eps.negatives is not None:
             f.create_dataset("negatives", data=eps.negatives.cpu().numpy().astype(np.int64))
+        if eps.ways is not None:
+            f.create_dataset("ways", data=eps.ways.cpu().numpy().astype(np.int64))
+            f.create_dataset("shots", data=eps.support_counts().numpy())
+            f.create_dataset("queries", data=eps.query_counts().numpy())
         a = f.attrs
-        a["format"], a["version"] = FORMAT, VERSION
-        a["split"], a["way"], a["shot"], a["query"] = eps.spec.split, eps.spec.way, eps.spec.shot, eps.spec.query
-        a["imbalance"] = 0.0 if eps.spec.imbalance is None else float(eps.spec.imbalance)  # 0: balanced
-        a["seed"] = eps.spec.seed
-        a["query_classes"] = 0 if eps.spec.query_classes is None else int(eps.spec.query_classes)  # 0: all
+        a["format"], a["version"] = FORMAT, VERSION if eps.ways is None else RAGGED_VERSION
+        a["split"] = spec.split
+        a["way"], a["shot"], a["query"] = (0 if v is None else int(v) for v in (spec.way, spec.shot, spec.query))
+        a["imbalance"] = 0.0 if spec.imbalance is None else float(spec.imbalance)  # 0: balanced
+        a["seed"] = spec.seed
+        a["query_classes"] = 0 if spec.query_classes is None else int(spec.query_classes)  # 0: all
+        if spec.ragged:
+            a["protocol"] = spec.protocol
+            for k in defaults.META_DATASET_KEYS:
+                v = getattr(spec, k)
+                a[k] = int(v) if isinstance(v, (bool, np.bool_)) else v  # bilevel: 0 or 1
         a["negative_source"] = eps.negative_source
         a["n_neg"] = 0 if eps.negatives is None else int(eps.negatives.shape[1])
         for k, v in attrs.items():
@@ -501,7 +736,10 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
         spec = _read_spec(path, f.attrs)
         arrays = _read_index_arrays(path, f)
         source = _text(f.attrs.get("negative_source", ""))
-    _check_shapes(path, spec, arrays)
+    if spec.ragged:
+        _check_ragged(path, spec, arrays)
+    else:
+        _check_shapes(path, spec, arrays)
     eps = EpisodeSet(
         arrays["support"],
         arrays["query"],
@@ -512,6 +750,7 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
         source,
         arrays.get("index"),
         arrays.get("class_ids"),
+        arrays.get("ways"),
     )
     if labels is not None:
         eps.check_against(torch.as_tensor(labels), where=str(path), pool_size=pool_size)
@@ -540,16 +779,26 @@ def _read_spec(path: Path, a: Any) -> EpisodeSpec:
             raise EpisodeError(f"{path}: attribute {key!r} must be an integer, got {v!r}")
         return int(v)
 
+    protocol = _text(a.get("protocol", defaults.PROTOCOL))
+    ragged = protocol == "meta-dataset"
     kappa = float(num("imbalance", 0.0))
     n_qc = integer("query_classes") if "query_classes" in a else 0  # 0: every class has queries
+    shape: dict[str, Any] = {k: integer(k) for k in ("way", "shot", "query")}
+    rules: dict[str, Any] = {}
+    if ragged:  # 0: drawn per episode
+        shape = {k: (None if v == 0 else v) for k, v in shape.items()}
+        for k in defaults.META_DATASET_KEYS:
+            if k not in a:
+                raise EpisodeError(f"{path}: a Meta-Dataset episode file needs attribute {k!r}")
+            rules[k] = bool(integer(k)) if k == "bilevel" else num(k) if k.endswith("log_weight") else integer(k)
     spec = EpisodeSpec(
         split=_text(a["split"]),
-        way=integer("way"),
-        shot=integer("shot"),
-        query=integer("query"),
         imbalance=None if kappa == 0 or not math.isfinite(kappa) else kappa,
         seed=integer("seed"),
         query_classes=None if n_qc == 0 else n_qc,
+        protocol=protocol,
+        **shape,
+        **rules,
     )
     try:
         spec.validate()
@@ -561,7 +810,8 @@ def _read_spec(path: Path, a: Any) -> EpisodeSpec:
 def _read_index_arrays(path: Path, f: h5py.File) -> dict[str, Tensor]:
     """The integer datasets of an episode file, as int64 tensors by name."""
     arrays = {}
-    for name in ("support", "query", "support_labels", "query_labels", "negatives", "index", "class_ids"):
+    names = ("support", "query", "support_labels", "query_labels", "negatives", "index", "class_ids")
+    for name in names + ("ways", "shots", "queries"):
         if name in f:
             arr = np.asarray(f[name][()])
             if arr.dtype.kind not in "iu":
@@ -575,13 +825,14 @@ def _check_shapes(path: Path, spec: EpisodeSpec, arrays: dict[str, Tensor]) -> N
     E = arrays["support"].shape[0]
     if E == 0:
         raise EpisodeError(f"{path}: holds no episodes (/support has shape {tuple(arrays['support'].shape)})")
+    way = spec.fixed("way")
     shapes = {
         "support": (E, spec.n_support),
         "support_labels": (E, spec.n_support),
         "query": (E, spec.n_query),
         "query_labels": (E, spec.n_query),
         "index": (E,),
-        "class_ids": (E, spec.way),
+        "class_ids": (E, way),
     }
     for name, shape in shapes.items():
         if name in arrays and tuple(arrays[name].shape) != shape:
@@ -589,12 +840,70 @@ def _check_shapes(path: Path, spec: EpisodeSpec, arrays: dict[str, Tensor]) -> N
                 f"{path}: /{name} has shape {tuple(arrays[name].shape)}, expected {shape} "
                 f"for {spec.way}-way {spec.shot}-shot {spec.query}-query episodes"
             )
-    if "negatives" in arrays and (arrays["negatives"].ndim != 2 or arrays["negatives"].shape[0] != E):
-        raise EpisodeError(f"{path}: /negatives has shape {tuple(arrays['negatives'].shape)}, expected ({E}, M)")
+    _check_negatives(path, arrays, E)
     for name in ("support_labels", "query_labels"):
         t = arrays[name]
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= spec.way):
-            raise EpisodeError(f"{path}: /{name} must lie in 0..{spec.way - 1}")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= way):
+            raise EpisodeError(f"{path}: /{name} must lie in 0..{way - 1}")
+
+
+def _check_negatives(path: Path, arrays: dict[str, Tensor], E: int) -> None:
+    if "negatives" in arrays and (arrays["negatives"].ndim != 2 or arrays["negatives"].shape[0] != E):
+        raise EpisodeError(f"{path}: /negatives has shape {tuple(arrays['negatives'].shape)}, expected ({E}, M)")
+
+
+def _check_ragged(path: Path, spec: EpisodeSpec, arrays: dict[str, Tensor]) -> None:
+    """A ragged file's arrays: ``/ways``, rows and labels padded together with -1, labels of
+    episode ``e`` in ``0..ways[e]-1`` with every label in its support, ``/class_ids`` as wide as
+    the most ways, and ``/shots`` and ``/queries`` (when present) the labels' counts."""
+    if "ways" not in arrays:
+        raise EpisodeError(f"{path}: a Meta-Dataset episode file needs /ways (each episode's number of classes)")
+    ways = arrays["ways"]
+    E = ways.shape[0]
+    if ways.ndim != 1 or E == 0:
+        raise EpisodeError(f"{path}: /ways has shape {tuple(ways.shape)}, expected (E,) with E > 0")
+    if int(ways.min()) < 2:
+        e = int((ways < 2).nonzero()[0, 0])
+        raise EpisodeError(f"{path}: /ways[{e}] is {int(ways[e])}; an episode has at least 2 classes")
+    if spec.way is not None and bool((ways != spec.way).any()):
+        raise EpisodeError(f"{path}: /ways differs from the file's way = {spec.way}")
+    W = int(ways.max())
+    for rows, labels in (("support", "support_labels"), ("query", "query_labels")):
+        r, lab = arrays[rows], arrays[labels]
+        if r.ndim != 2 or r.shape[0] != E or lab.shape != r.shape:
+            raise EpisodeError(
+                f"{path}: /{rows} {tuple(r.shape)} and /{labels} {tuple(lab.shape)} must both be ({E}, N)"
+            )
+        bad = (lab < -1) | (lab >= ways.unsqueeze(1)) | ((lab == -1) != (r == -1))
+        if bool(bad.any()):
+            e, j = (int(x) for x in bad.nonzero()[0])
+            raise EpisodeError(
+                f"{path}: /{labels}[{e}, {j}] = {int(lab[e, j])} with /{rows}[{e}, {j}] = {int(r[e, j])}: labels "
+                f"lie in 0..ways-1 = {int(ways[e]) - 1}, and -1 (padding) exactly where the row is -1"
+            )
+    for name, shape in (("index", (E,)), ("class_ids", (E, W))):
+        if name in arrays and tuple(arrays[name].shape) != shape:
+            raise EpisodeError(f"{path}: /{name} has shape {tuple(arrays[name].shape)}, expected {shape}")
+    _check_negatives(path, arrays, E)
+    for name, labels in (("shots", "support_labels"), ("queries", "query_labels")):
+        counts = _label_counts(arrays[labels], W)
+        if name in arrays and not torch.equal(arrays[name], counts):
+            raise EpisodeError(f"{path}: /{name} disagrees with /{labels} (each label's count of rows)")
+    missing = (_label_counts(arrays["support_labels"], W) == 0) & (torch.arange(W) < ways.unsqueeze(1))
+    if bool(missing.any()):
+        e, k = (int(x) for x in missing.nonzero()[0])
+        raise EpisodeError(f"{path}: episode {e}: label {k} has no support row")
+
+
+def describe_episodes(eps: EpisodeSet) -> dict[str, tuple[float, float, float]]:
+    """``{"ways", "shots per class", "queries per class"}``: each as ``(min, mean, max)`` over the
+    episodes (the counts over every class of every episode)."""
+    ways = eps.ways if eps.ways is not None else torch.full((len(eps),), eps.way, dtype=torch.int64)
+    real = torch.arange(eps.way).unsqueeze(0) < ways.unsqueeze(1)
+    out = {"ways": ways.double()}
+    out["shots per class"] = eps.support_counts()[real].double()
+    out["queries per class"] = eps.query_counts()[real].double()
+    return {k: (float(v.min()), float(v.mean()), float(v.max())) for k, v in out.items()}
 
 
 __all__ = [
@@ -606,5 +915,6 @@ __all__ = [
     "load_episodes",
     "check_spec",
     "imbalanced_counts",
-    "query_counts",
+    "superclass_names",
+    "describe_episodes",
 ]

@@ -584,7 +584,7 @@ class Gatherer:
             self.features[dev(e.query)],
             dev(e.query_labels),
             neg,
-            self.spec.way,
+            self.spec.fixed("way"),
         )
 
     def _rows(self, idx: Tensor, mask: Tensor | None) -> Tensor:
@@ -973,7 +973,7 @@ def evaluate(
         if plan.order is not None:
             gatherer.reorder(plan.order)
     else:
-        plan = plan_chunks(len(episodes), spec.n_support + spec.n_query + neg.count, D, spec.way, dev, **plan_kw)
+        plan = plan_chunks(len(episodes), spec.n_support + spec.n_query + neg.count, D, spec.fixed("way"), dev, **plan_kw)
     if planned is not None:
         planned(plan)
     if ready is not None:

@@ -223,7 +223,9 @@ class Inputs:
                 eps.check_against(features.labels, where=str(cell.episodes_from))
             else:
                 eps = EpisodeStream(features.labels, cell.spec, cell.n_episodes, classes=features.classes)
-                if self._shared[key] > 1:
+                # ragged episodes are chunked by their shapes (buckets of similar size), known only
+                # once drawn: they are drawn up front (600 per domain is Meta-Dataset's count)
+                if self._shared[key] > 1 or eps.ragged:
                     eps = eps.materialize()
             self._episodes[key] = eps
             self.sample_seconds += time.perf_counter() - t0

@@ -97,7 +97,7 @@ def _from_file(episodes_from: str | os.PathLike, settings: Mapping[str, Any]) ->
             params=(*clash, "episodes_from"),
         )
     eps = load_episodes(Path(episodes_from))
-    return eps, {**dataclasses.asdict(eps.spec), "episodes": len(eps)}
+    return eps, {**eps.spec.settings(), "episodes": len(eps)}
 
 
 def make_cells(

@@ -1,6 +1,7 @@
-"""The bulk sampler draws exactly what torch's per-episode generators draw: episodes (balanced,
-Dirichlet, query classes, classes of unequal size, capped classes), negative indices and generated
-negatives; the pieces of torch's CPU generator it reproduces; the device path; the fallback."""
+"""The one sampler draws exactly what torch's per-episode generators draw (tests/_episode_reference.py):
+fixed episodes (balanced, Dirichlet, query classes, classes of unequal size, capped classes), negative
+indices and generated negatives; the pieces of torch's CPU generator it reproduces; the device path;
+the negatives' fallback."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _episode_reference import imbalanced_counts, reference_episodes
 
-from poodle import _episodes_bulk, _mt19937
+from poodle import _mt19937, sampler
 from poodle._mt19937 import MT19937, packed_words, randperm_prefix, standard_gamma, word_at
-from poodle.episodes import EpisodeSpec, EpisodeStream, _Draw, imbalanced_counts, sample_episodes
+from poodle.episodes import EpisodeSpec, EpisodeStream, _Draw, sample_episodes
+from poodle.errors import EpisodeError
 from poodle.negatives import NEG_STREAM, generate, generate_on_device, indices_on_device, sample_indices
 from poodle.utils import derive_seed, derive_seeds, generator
 
@@ -20,8 +23,10 @@ FIELDS = ("support", "query", "support_labels", "query_labels", "class_ids", "in
 
 
 def _same(a, b) -> None:
+    """``a``: an EpisodeSet; ``b``: the reference's tensors by name."""
+    assert a.ways is None
     for f in FIELDS:
-        assert torch.equal(getattr(a, f), getattr(b, f)), f
+        assert torch.equal(getattr(a, f), b[f]), f
 
 
 def _unequal_labels(seed=0, n_classes=30, low=8, high=60, gaps=(3, 11)):
@@ -54,49 +59,54 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_bulk_episodes_equal_the_per_episode_path(name):
+def test_the_sampler_draws_the_per_episode_episodes(name):
     labels, spec = SETTINGS[name]
-    bulk, one = _Draw(labels, spec), _Draw(labels, spec, bulk=False)
-    assert bulk._bulk is not None and one._bulk is None
-    _same(bulk(37, 160), one(37, 160))
+    _same(_Draw(labels, spec)(37, 160), reference_episodes(labels, spec, 37, 160))
 
 
-def test_bulk_episodes_do_not_depend_on_the_block_size(monkeypatch):
+def test_episodes_do_not_depend_on_the_block_size(monkeypatch):
     labels, spec = SETTINGS["unequal classes dirichlet"]
-    ref = _Draw(labels, spec, bulk=False)(5, 60)
+    ref = reference_episodes(labels, spec, 5, 60)
     for words in (1, 700, 5000):  # blocks of 1, 2 and 13 episodes
-        monkeypatch.setattr(_episodes_bulk, "_BLOCK_WORDS", words)
+        monkeypatch.setattr(sampler, "_BLOCK_WORDS", words)
         d = _Draw(labels, spec)
-        assert d._bulk is not None and d._bulk.block == max(1, words // d._bulk.guess)
+        assert sampler._Fixed(spec, d.tables).block == max(1, words // sampler._Fixed(spec, d.tables).guess)
         _same(d(5, 60), ref)
     stream = EpisodeStream(labels, spec, 60, start=5)
     parts = [stream[a:b] for a, b in ((0, 7), (7, 8), (8, 60))]
-    assert torch.equal(torch.cat([p.query for p in parts]), ref.query)
+    assert torch.equal(torch.cat([p.query for p in parts]), ref["query"])
 
 
-def test_an_episode_whose_gamma_draws_outrun_their_words_is_drawn_one_by_one(monkeypatch):
-    labels, spec = SETTINGS["dirichlet 0.3"]
-    ref = _Draw(labels, spec, bulk=False)(0, 80)
-    monkeypatch.setattr(_episodes_bulk, "_GAMMA_WORDS", 2)  # 34 words: 32 without a rejection
-    monkeypatch.setattr(_episodes_bulk, "_GAMMA_SLACK", 24)
-    slow = []
-    d = _Draw(labels, spec)
-    assert d._bulk is not None
-    d._bulk.slow = lambda i: slow.append(i) or d._one(i)
-    _same(d(0, 80), ref)
-    assert 0 < len(slow) < 80  # some episodes fitted, some did not
+def test_gamma_draws_that_outrun_their_words_are_drawn_again_from_more(monkeypatch):
+    # a block holds 7 + 4 x 8 words for the classes and images: four Gamma(0.3) draws (8 words or
+    # more each) fit in some episodes and not in others, which are drawn again from more words
+    labels, spec = torch.arange(8).repeat_interleave(9), EpisodeSpec(way=4, shot=1, query=2, imbalance=0.3)
+    ref = reference_episodes(labels, spec, 0, 80)
+    monkeypatch.setattr(sampler, "_GAMMA_WORDS", 0)
+    monkeypatch.setattr(sampler, "_GAMMA_SLACK", 0)
+    calls = []
+    real = sampler.standard_gamma
+    monkeypatch.setattr(sampler, "standard_gamma", lambda *a: calls.append(len(a[1])) or real(*a))
+    _same(_Draw(labels, spec)(0, 80), ref)
+    assert calls[0] == 80 and 0 < calls[1] < 80, calls  # some fitted, some were drawn again
 
 
-def test_the_sampler_falls_back_with_one_warning_when_torch_draws_otherwise(monkeypatch):
+def test_torch_words_are_mt19937s_or_no_episode_is_drawn(monkeypatch):
+    sampler.check_words()  # this torch: the reference sequence
+    monkeypatch.setattr(sampler, "_WORDS_OK", [False])
+    labels, spec = SETTINGS["balanced 1-shot"]
+    with pytest.raises(EpisodeError, match="mt19937"):
+        sample_episodes(labels, spec, 3)
+
+
+def test_negatives_fall_back_with_one_warning_when_torch_draws_otherwise(monkeypatch):
     monkeypatch.setattr(_mt19937, "_VERIFIED", {})
     monkeypatch.setattr(_mt19937, "_check", lambda: "randperm(7)")
     labels, spec = SETTINGS["dirichlet 2"]
-    with pytest.warns(RuntimeWarning, match="randperm"):
-        d = _Draw(labels, spec)
-    assert d._bulk is None
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # said once
-        _same(d(0, 20), _Draw(labels, spec, bulk=False)(0, 20))
+        warnings.simplefilter("error")  # episodes are made of words alone: no warning for them
+        _same(_Draw(labels, spec)(0, 20), reference_episodes(labels, spec, 0, 20))
+    with pytest.warns(RuntimeWarning, match="randperm"):
         ref = torch.stack([torch.randint(50, (9,), generator=generator(4, i, NEG_STREAM)) for i in (2, 3)])
         assert torch.equal(sample_indices(50, torch.tensor([2, 3]), 9, 4), ref)
 
@@ -115,10 +125,9 @@ def test_a_device_generator_that_draws_otherwise_keeps_the_host_path(monkeypatch
     assert _mt19937.verified() and not _mt19937.verified(torch.device("meta"))
 
 
-def test_the_pinned_episodes_are_drawn_by_the_bulk_path():
-    # the numbers of test_episodes' pinned stream, through the bulk path explicitly
+def test_the_pinned_episodes_are_drawn():
+    # the numbers of test_episodes' pinned stream
     d = _Draw(torch.arange(10).repeat_interleave(30), EpisodeSpec(way=5, shot=1, query=4, seed=3))
-    assert d._bulk is not None
     assert d(0, 2).query[:, :6].tolist() == [[81, 70, 76, 61, 144, 127], [54, 58, 40, 53, 182, 194]]
 
 
@@ -195,7 +204,7 @@ def test_batched_imbalanced_counts_equal_the_row_by_row_ones():
     p[:20] = torch.tensor([0.25, 0.25, 0.125, 0.125, 0.125, 0.125], dtype=torch.float64)  # ties
     capacity = torch.from_numpy(rng.integers(0, 12, (E, way)))
     capacity[capacity.sum(1) < 30, 0] = 30  # every row can hold its total
-    got = _episodes_bulk.imbalanced_counts_batch(p, 30, capacity)
+    got = sampler.imbalanced_counts(p, 30, capacity)
     for e in range(E):
         assert got[e].tolist() == imbalanced_counts(p[e], 30, capacity[e]).tolist()
 
@@ -258,9 +267,9 @@ def test_derive_seeds_is_derive_seed():
     assert derive_seeds(2**62, index, NEG_STREAM) == [derive_seed(2**62, i, NEG_STREAM) for i in index]
 
 
-def test_sample_episodes_uses_the_bulk_path_and_stays_chunk_independent():
+def test_sample_episodes_stays_chunk_independent():
     labels, spec = SETTINGS["query classes dirichlet"]
     whole = sample_episodes(labels, spec, 30)
     halves = [sample_episodes(labels, spec, 15, start=a) for a in (0, 15)]
     assert torch.equal(torch.cat([h.query for h in halves]), whole.query)
-    _same(whole, _Draw(labels, spec, bulk=False)(0, 30))
+    _same(whole, reference_episodes(labels, spec, 0, 30))
