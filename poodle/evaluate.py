@@ -973,7 +973,9 @@ def evaluate(
         if plan.order is not None:
             gatherer.reorder(plan.order)
     else:
-        plan = plan_chunks(len(episodes), spec.n_support + spec.n_query + neg.count, D, spec.fixed("way"), dev, **plan_kw)
+        plan = plan_chunks(
+            len(episodes), spec.n_support + spec.n_query + neg.count, D, spec.fixed("way"), dev, **plan_kw
+        )
     if planned is not None:
         planned(plan)
     if ready is not None:
