@@ -45,7 +45,10 @@ from poodle import defaults
 from poodle._episodes_bulk import BulkDraw, SplitTables
 from poodle._mt19937 import verified
 from poodle.errors import ConfigError, EpisodeError
-from poodle.utils import atomic_write, check_output, check_seed, generator, resolve_path
+from poodle.options import check_group, check_value, option
+from poodle.options import setting as schema_setting
+from poodle.options import settings as schema
+from poodle.utils import SEED_MAX, atomic_write, check_output, generator, resolve_path
 
 FORMAT = "poodle-episodes"
 VERSION = 1
@@ -53,48 +56,55 @@ VERSION = 1
 
 @dataclass(frozen=True)
 class EpisodeSpec:
-    """What an episode set is drawn from. Paper defaults: 5-way, 15 queries per class (section 5.1)."""
+    """What an episode set is drawn from. Paper defaults: 5-way, 15 queries per class (section 5.1).
 
-    split: str = defaults.SPLIT
-    way: int = defaults.WAY
-    shot: int = defaults.SHOT
-    query: int = defaults.QUERY  # queries per class; the total is way * query
-    imbalance: float | None = None  # Dirichlet concentration kappa (paper appendix); None: balanced
-    seed: int = defaults.SEED
-    query_classes: int | None = None  # only this many of the way classes have queries; None: all
+    Each field is a setting (:func:`poodle.options.option`): declaring one here makes it a
+    ``poodle solve`` option, a project-file key, a grid axis and a key of the results' identity
+    (``when_set``: only when it differs from its default, so that older records keep their key)."""
+
+    split: str = option(defaults.SPLIT, help="Split the episodes come from.")
+    way: int = option(defaults.WAY, min=2, why="a 1-way episode is always right", help="Classes per episode.")
+    shot: int = option(defaults.SHOT, min=1, help="Labelled images per class.")
+    query: int = option(defaults.QUERY, min=1, help="Queries per class; an episode has way * query of them.")
+    imbalance: float | None = option(
+        None,
+        min=0,
+        min_open=True,
+        why="a Dirichlet concentration",
+        metavar="KAPPA",
+        none_words=("balanced",),
+        help="Dirichlet(KAPPA) query counts per class (alpha-TIM's protocol: 2) [default: balanced].",
+    )
+    seed: int = option(
+        defaults.SEED, min=0, max=SEED_MAX, why="what torch, numpy and HDF5 hold: 63 bits", help="Seed of the episodes."
+    )
+    query_classes: int | None = option(
+        None,
+        min=1,
+        when_set=True,
+        metavar="N",
+        none_words=("all",),
+        help="Queries from only N of the way classes, chosen per episode (PADDLE's K_eff); N * query "
+        "queries, balanced or Dirichlet (imbalance) over the N.",
+    )
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> EpisodeSpec:
         """The spec of an episode-settings mapping (a results record's ``episode``, the solve
-        parameters): its spec fields, with ``query_classes`` optional; other keys (``episodes``) ignored."""
-        optional = set(defaults.OPTIONAL_EPISODE_KEYS)
-        values: dict[str, Any] = {
-            f.name: settings.get(f.name) if f.name in optional else settings[f.name] for f in dataclasses.fields(cls)
-        }
-        return cls(**values)
+        parameters): its spec fields (a ``when_set`` one may be absent); other keys (``episodes``) ignored."""
+        return cls(
+            **{s.name: settings.get(s.key, s.default) if s.meta("when_set") else settings[s.key] for s in schema(cls)}
+        )
 
     def validate(self) -> None:
-        """EpisodeError for counts below their minimum (a 1-way episode is 100% correct by
-        construction, so ``way`` starts at 2), a non-positive concentration or a seed outside 63 bits.
-        This is the one place these settings are checked, for the command line, grids and the library."""
-        for name, least in (("way", 2), ("shot", 1), ("query", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
-                what = "an integer >= 2 (a 1-way episode is always right)" if name == "way" else "a positive integer"
-                raise EpisodeError.bad_value(name, v, f"must be {what}")
-        if self.imbalance is not None and (
-            isinstance(self.imbalance, bool)
-            or not isinstance(self.imbalance, (int, float, np.floating, np.integer))
-            or not (math.isfinite(self.imbalance) and self.imbalance > 0)
-        ):
-            raise EpisodeError.bad_value("imbalance", self.imbalance, "(a Dirichlet concentration) must be positive")
-        try:
-            check_seed(self.seed)
-        except ConfigError as e:
-            raise EpisodeError(str(e), params=("seed",)) from None
+        """EpisodeError naming the first setting outside its declared bounds, or ``query_classes``
+        above ``way``. This is the one place these settings are checked, for the command line, grids
+        and the library."""
+        check_group(self, EpisodeError)
         n = self.query_classes
-        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.way):
-            raise EpisodeError.bad_value("query_classes", n, f"must be an integer in 1..way={self.way}")
+        if n is not None and n > self.way:
+            least = getattr(schema_setting(EpisodeSpec, "query_classes").bounds, "lo", 1)
+            raise EpisodeError.bad_value("query_classes", n, f"must be an integer in {least:g}..way={self.way}")
 
     @property
     def n_support(self) -> int:
@@ -373,8 +383,10 @@ class _Draw:
 
 
 def check_count(n_episodes: object) -> None:
-    if isinstance(n_episodes, bool) or not isinstance(n_episodes, (int, np.integer)) or n_episodes < 1:
-        raise EpisodeError.bad_value("episodes", n_episodes, "(the number of episodes) must be a positive integer")
+    """EpisodeError unless ``n_episodes`` is a number of episodes (:class:`poodle.settings.CellSpec`)."""
+    from poodle.settings import CellSpec
+
+    check_value(schema_setting(CellSpec, "episodes"), n_episodes, EpisodeError)
 
 
 def sample_episodes(

@@ -36,6 +36,7 @@ from poodle.errors import ConfigError
 from poodle.evaluate import ChunkPlan, evaluate
 from poodle.events import CellFinished, CellsStarted, EpisodesSolved, Notice, OnEvent, Ready, ignore
 from poodle.negatives import pool_file
+from poodle.options import check_group, option
 from poodle.prefetch import pool_location
 from poodle.preprocess import Preprocessor
 from poodle.results import ResultsFile, cache_identity, identity_key, make_record
@@ -61,15 +62,35 @@ class RunOptions:
             rounding).
     """
 
-    device: str | torch.device = defaults.DEVICE
-    max_memory: str | int | None = None
-    workers: int | None = None
-    cells_per_call: int = defaults.CELLS_PER_CALL
-    chunk_size: int | None = None
-    cuda_step: str = defaults.CUDA_STEP
+    device: str | torch.device = option(
+        defaults.DEVICE,
+        help="auto, cpu, cuda or cuda:N (under torchrun: auto, cuda or cpu; each process its local GPU).",
+    )
+    max_memory: str | int | None = option(
+        None,
+        cli_type="size",
+        help=f"Bound on the memory a call holds (features, negative pool, chunks in flight; on CPU also the "
+        f"episodes drawn in advance); sets the chunk size [{defaults.MAX_MEMORY} for the chunks on CPU; 80% of "
+        f"the free memory on CUDA].",
+    )
+    workers: int | None = option(
+        None, min=1, help="CPU: chunks solved at once, each single-threaded [default: torch's thread count]."
+    )
+    cells_per_call: int = option(
+        defaults.CELLS_PER_CALL,
+        min=1,
+        help="Cells on the same episodes and negatives solved together (one gather per chunk).",
+    )
+    chunk_size: int | None = option(None, min=1, cli=False, help="Episodes per chunk (tests, benchmarks).")
+    cuda_step: str = option(
+        defaults.CUDA_STEP,
+        choices=defaults.CUDA_STEPS,
+        help="The fine-tuning fits' step on CUDA: torch, or triton (one pass over the rows a step; "
+        "opt-in until timed on a GPU, docs/gpu.md).",
+    )
 
     def __post_init__(self) -> None:
-        _optim.check_cuda_step(self.cuda_step)  # refused when made, before any file is read
+        check_group(self, ConfigError)  # refused when made, before any file is read
 
 
 def versions() -> dict[str, str]:

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from poodle import __version__
-from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
+from poodle.settings import EPISODE_KEYS, episode_record
 from poodle.stats import mean_ci
 from poodle.utils import atomic_write, check_size_limit, content_hash, file_sha256, resolve_path, write_error
 
@@ -60,7 +60,6 @@ IDENTITY_FIELDS: tuple[str, ...] = (
 )
 # Identity fields left out of the key (and of the identity) when they hold their default value.
 _OPTIONAL_IDENTITY: dict[str, Any] = {"preprocess": "l2n"}
-EPISODE_FIELDS: tuple[str, ...] = EPISODE_KEYS[1:]
 
 _FINGERPRINTS: dict[tuple[str, int, int], str] = {}
 
@@ -103,11 +102,10 @@ def make_identity(
     preprocess: str | None = None,
 ) -> dict[str, Any]:
     """A cell's identity (see the module docstring); ``episode`` must hold every episode field."""
-    missing = [k for k in EPISODE_FIELDS if k not in episode]
+    missing = [k for k in EPISODE_KEYS if k not in episode]
     if missing:
         raise ConfigError(f"episode settings lack {', '.join(missing)}")
-    ep = {k: jsonable(episode[k]) for k in EPISODE_FIELDS}
-    ep.update({k: jsonable(episode[k]) for k in OPTIONAL_EPISODE_KEYS if episode.get(k) is not None})
+    ep = {k: jsonable(v) for k, v in episode_record(dict(episode)).items()}
     identity = {
         "cache_id": cache_id,
         "episode": ep,

@@ -17,6 +17,7 @@ from poodle.evaluate import evaluate, plan_chunks
 from poodle.events import CellFinished, CellsStarted, EpisodesSolved, Ready
 from poodle.negatives import NegativeSpec
 from poodle.pipeline import RunOptions, calls, run_cells, schedule
+from poodle.settings import check_setting
 from poodle.solve import solve
 
 CPU = RunOptions(device="cpu")
@@ -43,10 +44,16 @@ def test_a_cell_is_checked_once_by_the_rule_that_owns_each_value(cache):
         make_cell({"cache": str(cache), "method": "poodle", "negatives": "none"})
     with pytest.raises(EpisodeError, match=r"query_classes must be an integer in 1..way=5, got 6"):
         make_cell({"cache": str(cache), "query_classes": 6})
-    with pytest.raises(ConfigError) as e:
-        check_general("shot", "five")
-    assert (e.value.param, e.value.value, e.value.reason) == ("shot", "five", "expects an integer")
-    assert check_general("imbalance", "balanced") is None and check_general("preprocess", "power") == "power:0.5"
+    with pytest.raises(EpisodeError) as e:
+        check_setting("shot", "five")
+    assert (e.value.param, e.value.value, e.value.reason) == ("shot", "five", "must be a positive integer")
+    assert check_setting("imbalance", "balanced") is None and check_setting("preprocess", "power") == "power:0.5"
+    assert check_setting("episodes", 3.0) == 3 and check_setting("query_classes", "all") is None
+    with pytest.raises(ConfigError, match="n_neg must be a positive integer, got 0") as e:
+        check_setting("n_neg", 0)
+    assert e.value.params == ("n_neg",)
+    with pytest.warns(DeprecationWarning, match="check_setting"):
+        assert check_general("way", 3) == 3
 
 
 def test_methods_without_negatives_join_the_call_of_those_with_them(cache):

@@ -138,7 +138,7 @@ def test_solve_imbalanced_random_negatives(tmp_path, cache):
         (["--way", 7], "has 6 classes"),
         (["--split", "small", "--query", 5], "fewer than shot + query = 6 images: s0 (3)"),
         (["--shot", 0], "shot must be a positive integer"),
-        (["--episodes", 0], "--episodes (the number of episodes) must be a positive integer, got 0"),
+        (["--episodes", 0], "--episodes must be a positive integer (the number of episodes), got 0"),
         (["--method", "nope"], "unknown method 'nope'"),
         (["--method", "proto", "--alpha", 2], "option --alpha is not an option of the chosen method(s) proto"),
         (["--method", "proto", "--transductive"], "option --transductive"),
