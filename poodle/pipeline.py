@@ -438,7 +438,8 @@ def run_cells(
     with d.guard():
         keys = cell_keys(cells, fingerprints(cells))
         if d.main and out is not None:
-            results = ResultsFile(out, **(meta or {}))
+            # created with its first record: a run that fails before (a bad row of the cache) leaves none
+            results = ResultsFile(out, lazy=True, **(meta or {}))
             done = _finished(cells, keys, results, group) if resume else {}
     if d.enabled:
         done_idx = {int(i) for i in d.broadcast_json(sorted(done))}

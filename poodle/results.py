@@ -331,17 +331,24 @@ class ResultsFile:
     """A results file opened for lookups and appends.
 
     Opening creates the file (header only) when it does not exist, or when ``fresh`` (then its old
-    content is discarded). Several processes may append to one file at once (two ``poodle grid``
-    runs of one grid): every append holds an exclusive lock, first cuts off a torn last line (a
-    writer killed mid-append) and, if the write fails (disk full), cuts its own bytes off again, so
-    that the file holds whole records only and every record of another writer is kept.
+    content is discarded); with ``lazy``, a missing (or empty) file is created by the first append
+    instead, so that a run that fails before it has a record leaves no file behind. Several processes
+    may append to one file at once (two ``poodle grid`` runs of one grid): every append holds an
+    exclusive lock, first cuts off a torn last line (a writer killed mid-append) and, if the write
+    fails (disk full), cuts its own bytes off again, so that the file holds whole records only and
+    every record of another writer is kept.
     """
 
-    def __init__(self, path: str | os.PathLike, *, fresh: bool = False, **meta: Any) -> None:
+    def __init__(self, path: str | os.PathLike, *, fresh: bool = False, lazy: bool = False, **meta: Any) -> None:
         self.path = resolve_path(path, what="results file")
         header = _line(new_header(**meta))
+        self._pending: bytes | None = None
         if fresh:
             atomic_write(self.path, header)
+        elif lazy and not (self.path.exists() and self.path.stat().st_size > 0):
+            self._pending = header  # written with the first record
+            self.results = _parse(self.path, header)
+            return
         else:
             _create_exclusive(self.path, header)
         self.results = _parse(self.path, _read_locked(self.path))
@@ -364,6 +371,9 @@ class ResultsFile:
         if record.get("kind") != "cell" or "key" not in record:
             raise ValueError("a results record needs kind='cell' and a key (see make_record)")
         data = _line(record)
+        if self._pending is not None:
+            _create_exclusive(self.path, self._pending)
+            self._pending = None
         fd = os.open(self.path, os.O_RDWR)
         try:
             with _locked(fd, exclusive=True):

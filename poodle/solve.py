@@ -25,7 +25,7 @@ from poodle import defaults
 from poodle.cells import Cell, make_cell
 from poodle.distributed import is_main_process
 from poodle.episodes import EpisodeSet, EpisodeSpec, load_episodes, save_episodes
-from poodle.errors import ConfigError
+from poodle.errors import ConfigError, EpisodeError
 from poodle.evaluate import prepare_negatives
 from poodle.events import OnEvent, ignore
 from poodle.negatives import NegativeSpec
@@ -197,6 +197,11 @@ def solve(
     inputs = Inputs(on_event)
     if episodes is not None:
         inputs.put(cells[0], episodes)
+        # an error about the file's indices names the file, before anything is written
+        try:
+            episodes.check_against(inputs.features(cells[0]).labels, where=str(episodes_from))
+        except EpisodeError as e:
+            raise EpisodeError(f"episodes_from {e}", params=("episodes_from",)) from None
     if save_episodes_to is not None and is_main_process():
         _save(inputs, cells, save_episodes_to, path)
     res = run_cells(
