@@ -28,26 +28,32 @@ def _click_type(s: Setting) -> Any:
     return {int: click.INT, float: click.FLOAT, bool: click.BOOL}.get(s.kind, click.STRING)
 
 
-def click_option(s: Setting) -> Callable[[Any], Any]:
-    """The click option of setting ``s``: ``--key`` (dashes for underscores), named ``key``."""
-    default = s.default
+def click_option(s: Setting, **given: Any) -> Callable[[Any], Any]:
+    """The click option of setting ``s``: ``--key`` (dashes for underscores), named ``key``; ``given``
+    (``default``, ``help``, ``metavar``) replaces the declaration's where a command differs (``poodle predict``
+    decodes its few images in-process: ``workers`` 0)."""
+    default = given.get("default", s.default)
+    text = given.get("help", s.meta("help"))
     shown = default is not None and not s.meta("cli_type")
     if s.kind is bool and not s.optional:
-        return click.option(s.flag, s.key, is_flag=True, default=bool(default), help=s.meta("help"))
+        return click.option(s.flag, s.key, is_flag=True, default=bool(default), help=text)
     return click.option(
         s.flag,
         s.key,
         type=_click_type(s),
         default=default,
         show_default=shown,
-        metavar=s.meta("metavar"),
-        help=s.meta("help"),
+        metavar=given.get("metavar", s.meta("metavar")),
+        help=text,
     )
 
 
-def schema_options(*groups: type, only: Iterable[str] | None = None) -> Callable[[Any], Any]:
+def schema_options(
+    *groups: type, only: Iterable[str] | None = None, changed: dict[str, dict[str, Any]] | None = None
+) -> Callable[[Any], Any]:
     """A decorator adding the options of ``groups``' settings (those with a command-line option, and
-    of them only the keys in ``only`` when given), in declaration order."""
+    of them only the keys in ``only`` when given), in declaration order; ``changed`` gives a
+    command's own ``default`` or ``help`` of a key."""
     keep = None if only is None else set(only)
     chosen = [s for g in groups for s in settings(g) if s.meta("cli") and (keep is None or s.key in keep)]
     if keep is not None:
@@ -56,7 +62,7 @@ def schema_options(*groups: type, only: Iterable[str] | None = None) -> Callable
 
     def decorate(fn: Any) -> Any:
         for s in reversed(chosen):
-            fn = click_option(s)(fn)
+            fn = click_option(s, **(changed or {}).get(s.key, {}))(fn)
         return fn
 
     return decorate

@@ -18,6 +18,9 @@ from poodle.cli._common import (
     say_glyphs_generation,
     styled,
 )
+from poodle.cli._schema import schema_options
+from poodle.extract import ExtractOptions
+from poodle.pipeline import RunOptions
 
 DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100"]
 
@@ -120,36 +123,8 @@ def say_event(event: Any) -> None:
 @click.option(
     "--splits", default=",".join(defaults.SPLITS), show_default=True, help="Comma-separated splits to extract."
 )
-@click.option(
-    "--image-size",
-    default=None,
-    type=click.IntRange(min=1),
-    help="Centre-crop side fed to the backbone [default: 84 for the release's backbones, resized "
-    "first to size*256/224; cifar-fs and fc100: 32, their images as they are; a torchvision/timm "
-    "model's own input size].",
-)
-@click.option(
-    "--crop-pct",
-    default=None,
-    type=click.FloatRange(0, 1, min_open=True),
-    help="torchvision/timm: crop side / resize side [default: the model's].",
-)
-@click.option(
-    "--interpolation",
-    default=None,
-    type=click.Choice(["bilinear", "bicubic", "nearest"]),
-    help="torchvision/timm: resize interpolation [default: the model's].",
-)
-@click.option("--batch-size", default=defaults.EXTRACT_BATCH_SIZE, show_default=True, type=click.IntRange(min=1))
-@click.option(
-    "--workers",
-    default=None,
-    type=click.IntRange(min=0),
-    help="DataLoader worker processes decoding images [default: one per core, at most 8].",
-)
-@click.option(
-    "--device", default=defaults.DEVICE, show_default=True, help="auto (CUDA when present), cpu, cuda or cuda:N."
-)
+@schema_options(ExtractOptions, only=("image_size", "crop_pct", "interpolation", "batch_size", "workers"))
+@schema_options(RunOptions, only=("device",))
 @click.option(
     "--cache-root",
     default=defaults.CACHE_ROOT,
@@ -158,13 +133,7 @@ def say_event(event: Any) -> None:
     help="Cache files go to <cache-root>/<dataset>/<backbone>[-<tag>].h5.",
 )
 @click.option("--tag", default=None, help="Suffix of the cache file name, to keep several checkpoints apart.")
-@click.option(
-    "--dtype",
-    default=defaults.FEATURE_DTYPE,
-    show_default=True,
-    type=click.Choice(["float32", "float16"]),
-    help="Storage type of the features.",
-)
+@schema_options(ExtractOptions, only=("dtype",))
 @click.option(
     "--force",
     is_flag=True,

@@ -8,6 +8,11 @@ import click
 
 from poodle import defaults
 from poodle.cli._common import console, friendly_errors, note, out, parse_set, pretrained_option, progress_bar
+from poodle.cli._schema import schema_options
+from poodle.extract import ExtractOptions
+from poodle.negatives import NegativeSpec
+from poodle.pipeline import RunOptions
+from poodle.preprocess import PreprocessSpec
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -48,11 +53,17 @@ from poodle.cli._common import console, friendly_errors, note, out, parse_set, p
 @click.option("--method", default=defaults.METHOD, show_default=True, help="Any method of `poodle solve`.")
 @click.option("--transductive", is_flag=True, help="Use the query images too (methods that can).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="A config field of the method (repeatable).")
-@click.option(
-    "--negatives",
-    default=None,
-    type=click.Choice(["base", "random", "sphere", "none"]),
-    help="Negatives for methods that use them [default: base with --negatives-from, else random].",
+@schema_options(
+    NegativeSpec,
+    only=("negatives",),
+    changed={
+        "negatives": {
+            "default": None,
+            "metavar": "base|random|sphere|none",
+            "help": "Negatives for methods that use them: base (the train split of --negatives-from), random, "
+            "sphere or none [default: base with --negatives-from, else random].",
+        }
+    },
 )
 @click.option(
     "--negatives-from",
@@ -61,8 +72,7 @@ from poodle.cli._common import console, friendly_errors, note, out, parse_set, p
     help="A feature cache of the same backbone and checkpoint: its train split is the base pool "
     "(and the centre of --preprocess cl2n).",
 )
-@click.option("--n-neg", default=defaults.N_NEG, show_default=True, type=click.IntRange(min=1))
-@click.option("--preprocess", default=defaults.PREPROCESS, show_default=True, metavar="l2n|cl2n|power[:BETA]")
+@schema_options(NegativeSpec, PreprocessSpec, only=("n_neg", "preprocess"))
 @click.option(
     "--out",
     "out_path",
@@ -76,12 +86,12 @@ from poodle.cli._common import console, friendly_errors, note, out, parse_set, p
     default=None,
     help="Keep the extracted features here for the next call [default: a temporary folder].",
 )
-@click.option("--image-size", default=None, type=click.IntRange(min=1), help="As for `poodle extract`.")
-@click.option("--crop-pct", default=None, type=click.FloatRange(0, 1, min_open=True))
-@click.option("--interpolation", default=None, type=click.Choice(["bilinear", "bicubic", "nearest"]))
-@click.option("--batch-size", default=defaults.EXTRACT_BATCH_SIZE, show_default=True, type=click.IntRange(min=1))
-@click.option("--workers", default=defaults.PREDICT_WORKERS, show_default=True, type=click.IntRange(min=0))
-@click.option("--device", default=defaults.DEVICE, show_default=True)
+@schema_options(
+    ExtractOptions,
+    only=("image_size", "crop_pct", "interpolation", "batch_size", "workers"),
+    changed={"workers": {"default": defaults.PREDICT_WORKERS, "help": "Worker processes decoding the images."}},
+)
+@schema_options(RunOptions, only=("device",))
 @friendly_errors
 def predict(
     support_dir,
@@ -110,7 +120,6 @@ def predict(
     """Label a few images per class (--support), classify the rest (--query), write a CSV."""
     from poodle import predict as P
     from poodle.errors import ConfigError
-    from poodle.extract import ExtractOptions
 
     if (support_dir is None) == (support_csv is None):
         raise ConfigError("give exactly one of --support DIR and --support-csv FILE")

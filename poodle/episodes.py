@@ -384,7 +384,7 @@ class _Draw:
 
 def check_count(n_episodes: object) -> None:
     """EpisodeError unless ``n_episodes`` is a number of episodes (:class:`poodle.settings.CellSpec`)."""
-    from poodle.settings import CellSpec
+    from poodle.settings import CellSpec  # imported here: poodle.settings imports this module
 
     check_value(schema_setting(CellSpec, "episodes"), n_episodes, EpisodeError)
 

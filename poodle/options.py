@@ -26,6 +26,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
+
+from poodle.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Bounds:
@@ -182,6 +186,8 @@ class Setting:
         """What the values are, as the docs' tables and a refused value say it (``an integer >= 2``)."""
         if self.meta("choices"):
             return "one of " + ", ".join(self.meta("choices"))
+        if self.meta("cli_type") == "size":
+            return "a size (2GiB, 512MiB) or a number of bytes"
         b = self.bounds
         if self.kind is int:
             if b is None or (b.lo == -math.inf and b.hi == math.inf):
@@ -226,8 +232,6 @@ def check_value(s: Setting, value: Any, error: type[Exception] | None = None, *,
     value, reason)`` (a :class:`poodle.errors.ConfigError` by default). ``files``: the value comes from
     a file (TOML has no null and writes 3 for 3.0): ``"none"`` and the field's ``none_words`` mean
     None, an integral float is an integer."""
-    from poodle.errors import ConfigError
-
     err: Any = error or ConfigError
     kind = s.kind
     if (
@@ -244,7 +248,7 @@ def check_value(s: Setting, value: Any, error: type[Exception] | None = None, *,
     if s.mixed:  # its own type checks it where it is used (a size: poodle.utils.parse_size)
         return value
     if kind is bool:
-        if not isinstance(value, (bool, np_bool())):
+        if not isinstance(value, (bool, np.bool_)):
             raise err.bad_value(s.key, value, "must be true or false")
         return bool(value)
     if kind is str:
@@ -276,21 +280,11 @@ def check_value(s: Setting, value: Any, error: type[Exception] | None = None, *,
     return convert(value) if convert else value
 
 
-def np_bool() -> type:
-    import numpy as np
-
-    return np.bool_
-
-
 def _is_number(v: Any) -> bool:
-    import numpy as np
-
     return isinstance(v, (int, float, np.integer, np.floating))
 
 
 def _is_integer(v: Any) -> bool:
-    import numpy as np
-
     return isinstance(v, (int, np.integer))
 
 
@@ -330,11 +324,11 @@ def table(*groups: type) -> str:
     rows = ["| setting | flag | default | values | meaning |", "|---|---|---|---|---|"]
     for cls in groups:
         for s in settings(cls):
-            if not s.meta("cli"):
-                continue
             d = "none" if s.default is None else str(s.default).lower() if isinstance(s.default, bool) else s.default
             values = s.describe() + (" or none" if s.optional else "")
-            rows.append(f"| `{s.key}` | `{s.flag}` | `{d}` | {values} | {s.meta('help').replace('|', '/')} |")
+            why = f" ({s.meta('why')})" if s.meta("why") else ""
+            flag = f"`{s.flag}`" if s.meta("cli") else "(none generated)"
+            rows.append(f"| `{s.key}` | {flag} | `{d}` | {values}{why} | {s.meta('help').replace('|', '/')} |")
     return "\n".join(rows) + "\n"
 
 

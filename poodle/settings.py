@@ -22,9 +22,9 @@ from typing import Any
 
 from poodle import defaults
 from poodle.episodes import EpisodeSpec
-from poodle.errors import ConfigError
+from poodle.errors import ConfigError, EpisodeError
 from poodle.negatives import NegativeSpec
-from poodle.options import Setting, check_value, option, settings
+from poodle.options import Setting, check_value, option, settings, table
 from poodle.preprocess import PreprocessSpec
 
 
@@ -62,8 +62,6 @@ def general_defaults() -> dict[str, Any]:
 
 def error_of(key: str) -> type[Exception]:
     """The error class of a setting's group: EpisodeError for the episode setting, else ConfigError."""
-    from poodle.errors import EpisodeError
-
     return EpisodeError if SETTINGS[key].owner in (EpisodeSpec, CellSpec) else ConfigError
 
 
@@ -87,6 +85,28 @@ def episode_record(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def markdown_tables() -> str:
+    """The option tables of docs/settings.md, generated from the declarations (a test checks that the
+    page holds them; ``python -m poodle.settings`` prints them)."""
+    # imported here: the pipeline imports the cells, which import this module
+    from poodle.extract import ExtractOptions
+    from poodle.pipeline import RunOptions
+
+    parts = [
+        ("A cell's settings (`poodle solve` options, grid and project-file keys, results identity)", GROUPS),
+        (
+            "How cells are solved (`poodle solve`, `poodle grid`: `RunOptions`; nothing here changes a result)",
+            (RunOptions,),
+        ),
+        ("How features are extracted (`poodle extract`, `poodle predict`: `ExtractOptions`)", (ExtractOptions,)),
+    ]
+    return "\n".join(f"### {title}\n\n{table(*groups)}" for title, groups in parts)
+
+
+if __name__ == "__main__":
+    print(markdown_tables(), end="")
+
+
 __all__ = [
     "EPISODE_KEYS",
     "GENERAL_KEYS",
@@ -99,4 +119,5 @@ __all__ = [
     "episode_record",
     "error_of",
     "general_defaults",
+    "markdown_tables",
 ]
