@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from poodle.cli._common import (
 )
 from poodle.cli._schema import schema_options
 from poodle.extract import ExtractOptions
-from poodle.pipeline import RunOptions
+from poodle.run import RunOptions
 
 DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100"]
 
@@ -158,24 +159,11 @@ def say_event(event: Any) -> None:
 def extract(
     ctx: click.Context,
     dataset: str,
-    cub_split: str,
-    data_root: str | None,
     backbone: str,
     checkpoint: str | None,
     pretrained: str | None,
     random_weights: bool,
-    splits: str,
-    image_size: int | None,
-    crop_pct: float | None,
-    interpolation: str | None,
-    batch_size: int,
-    workers: int | None,
-    device: str,
-    cache_root: str,
-    tag: str | None,
-    dtype: str,
-    force: bool,
-    skip_bad: bool,
+    **options: Any,
 ) -> None:
     """Write L2-normalised features of every split to one HDF5 cache.
 
@@ -186,39 +174,24 @@ def extract(
     """
     from poodle.extract import extract as run_extract
 
+    # the other options are ExtractOptions' fields, by name (image_size, workers, dtype, ...)
+    opts = ExtractOptions(**options)
     weights = choose_weights(ctx, backbone, dataset, checkpoint, pretrained, random_weights)
     if weights.run is not None:
         checkpoint = str(weights.run.checkpoint)
-        image_size = weights.run.image_size if image_size is None else image_size
-        tag = _default_tag(backbone, dataset, cache_root, checkpoint, image_size) if tag is None else tag
-
-    say_glyphs_generation(dataset, data_root, cache_root)
+        image_size = weights.run.image_size if opts.image_size is None else opts.image_size
+        tag = opts.tag
+        if tag is None:
+            tag = _default_tag(backbone, dataset, str(opts.cache_root), checkpoint, image_size)
+        opts = dataclasses.replace(opts, image_size=image_size, tag=tag)
+    opts = dataclasses.replace(opts, checkpoint=checkpoint, pretrained=weights.pretrained)
+    cache_root = str(opts.cache_root)
+    say_glyphs_generation(dataset, opts.data_root and str(opts.data_root), cache_root)
 
     def bar(desc: str, total: int):
         return progress_bar(desc, total, unit="img")
 
-    path = run_extract(
-        dataset,
-        backbone,
-        data_root=data_root,
-        checkpoint=checkpoint,
-        pretrained=weights.pretrained,
-        splits=splits,
-        image_size=image_size,
-        crop_pct=crop_pct,
-        interpolation=interpolation,
-        batch_size=batch_size,
-        device=device,
-        cache_root=cache_root,
-        tag=tag,
-        dtype=dtype,
-        workers=workers,
-        force=force,
-        skip_bad=skip_bad,
-        cub_split=cub_split,
-        progress_factory=bar,
-        on_event=say_event,
-    )
+    path = run_extract(dataset, backbone, opts, progress_factory=bar, on_event=say_event)
     from poodle.distributed import is_main_process
 
     if is_main_process():  # under torchrun, rank 0 speaks for the run

@@ -11,7 +11,7 @@ import click
 from poodle import defaults
 from poodle.cli._common import console, friendly_errors, note, parse_set, styled
 from poodle.cli._schema import schema_options
-from poodle.pipeline import RunOptions
+from poodle.run import RunOptions
 
 
 def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import click
 
@@ -11,8 +11,8 @@ from poodle.cli._common import console, friendly_errors, note, out, parse_set, p
 from poodle.cli._schema import schema_options
 from poodle.extract import ExtractOptions
 from poodle.negatives import NegativeSpec
-from poodle.pipeline import RunOptions
 from poodle.preprocess import PreprocessSpec
+from poodle.run import RunOptions
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -94,28 +94,18 @@ from poodle.preprocess import PreprocessSpec
 @schema_options(RunOptions, only=("device",))
 @friendly_errors
 def predict(
-    support_dir,
-    support_csv,
-    query_dir,
-    query_csv,
-    backbone,
-    checkpoint,
-    pretrained,
-    method,
-    transductive,
-    sets,
-    negatives,
-    negatives_from,
-    n_neg,
-    preprocess,
-    out_path,
-    cache_dir,
-    image_size,
-    crop_pct,
-    interpolation,
-    batch_size,
-    workers,
-    device,
+    support_dir: str | None,
+    support_csv: str | None,
+    query_dir: str | None,
+    query_csv: str | None,
+    backbone: str,
+    method: str,
+    transductive: bool,
+    sets: tuple[str, ...],
+    negatives_from: str | None,
+    out_path: str,
+    cache_dir: str | None,
+    **options: Any,
 ) -> None:
     """Label a few images per class (--support), classify the rest (--query), write a CSV."""
     from poodle import predict as P
@@ -125,22 +115,16 @@ def predict(
         raise ConfigError("give exactly one of --support DIR and --support-csv FILE")
     if (query_dir is None) == (query_csv is None):
         raise ConfigError("give exactly one of --query DIR and --query-csv FILE")
-    options = dict(parse_set(item, "KEY=VALUE") for item in sets)
+    given = dict(options)
+    config: dict[str, Any] = dict(parse_set(item, "KEY=VALUE") for item in sets)
     if transductive:
-        options["transductive"] = True
-    support = P.support_from_folder(support_dir) if support_dir else P.support_from_csv(support_csv)
-    query = P.query_from_folder(query_dir) if query_dir else P.query_from_csv(query_csv)
-    extraction = ExtractOptions(
-        checkpoint=checkpoint,
-        pretrained=pretrained,
-        image_size=image_size,
-        crop_pct=crop_pct,
-        interpolation=interpolation,
-        batch_size=batch_size,
-        device=device,
-        workers=workers,
-    )
-    settings = P.PredictOptions(method, options, negatives, negatives_from, n_neg, preprocess, cache_dir, extraction)
+        config["transductive"] = True
+    support = P.support_from_folder(support_dir) if support_dir else P.support_from_csv(cast(str, support_csv))
+    query = P.query_from_folder(query_dir) if query_dir else P.query_from_csv(cast(str, query_csv))
+    # the rest: the negatives' and the preprocessing's settings, and ExtractOptions' fields by name
+    negatives, n_neg, preprocess = (given.pop(k) for k in ("negatives", "n_neg", "preprocess"))
+    extraction = ExtractOptions(**given)
+    settings = P.PredictOptions(method, config, negatives, negatives_from, n_neg, preprocess, cache_dir, extraction)
     res = P.predict(
         support,
         query,

@@ -14,8 +14,8 @@ from poodle.cli._common import console, friendly_errors, note, out, parse_set, p
 from poodle.cli._schema import run_options, schema_options
 from poodle.episodes import EpisodeSpec
 from poodle.negatives import NegativeSpec
-from poodle.pipeline import RunOptions
 from poodle.preprocess import PreprocessSpec
+from poodle.run import RunOptions
 from poodle.settings import CellSpec
 
 # CLI option -> (library config field, the one method it is for; None: every chosen method with that field).

@@ -18,6 +18,7 @@ Progress and notices reach the caller as typed events (:mod:`poodle.events`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import time
@@ -28,69 +29,21 @@ from typing import Any, Sequence
 
 import torch
 
-from poodle import __version__, defaults, distributed
+from poodle import __version__, distributed
 from poodle.cache import SplitFeatures, read_split
 from poodle.cells import Cell
 from poodle.episodes import EpisodeSet, EpisodeStream, load_episodes
 from poodle.errors import ConfigError
-from poodle.evaluate import ChunkPlan, evaluate
+from poodle.evaluate import ChunkPlan, Hooks, evaluate
 from poodle.events import CellFinished, CellsStarted, EpisodesSolved, Notice, OnEvent, Ready, ignore
 from poodle.negatives import pool_file
-from poodle.options import check_group, option
 from poodle.prefetch import pool_location
 from poodle.preprocess import Preprocessor
 from poodle.results import ResultsFile, cache_identity, identity_key, make_record
+from poodle.run import RunOptions
 from poodle.solvers import _optim
 from poodle.solvers import get as solver_info
 from poodle.utils import resolve_path
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How cells are solved; nothing here changes a result.
-
-    Attributes:
-        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (under torchrun: ``auto``, ``cuda`` or ``cpu``).
-        max_memory: bound on what a call holds (bytes or ``"2GiB"``; ``None``: the device's default,
-            :func:`poodle.evaluate.default_budget`).
-        workers: CPU chunks solved at once (``None``: torch's thread count).
-        cells_per_call: cells on the same episodes and negatives solved by one call (each chunk's
-            episodes are then gathered, and their negatives drawn, once for all of them).
-        chunk_size: episodes per chunk, overriding the automatic choice (tests, benchmarks).
-        cuda_step: the fine-tuning fits' step on CUDA, ``"torch"`` or ``"triton"``
-            (:func:`poodle.solvers._optim.cuda_step`: the same accuracies, probabilities to float
-            rounding).
-    """
-
-    device: str | torch.device = option(
-        defaults.DEVICE,
-        help="auto, cpu, cuda or cuda:N (under torchrun: auto, cuda or cpu; each process its local GPU).",
-    )
-    max_memory: str | int | None = option(
-        None,
-        cli_type="size",
-        help=f"Bound on the memory a call holds (features, negative pool, chunks in flight; on CPU also the "
-        f"episodes drawn in advance); sets the chunk size [{defaults.MAX_MEMORY} for the chunks on CPU; 80% of "
-        f"the free memory on CUDA].",
-    )
-    workers: int | None = option(
-        None, min=1, help="CPU: chunks solved at once, each single-threaded [default: torch's thread count]."
-    )
-    cells_per_call: int = option(
-        defaults.CELLS_PER_CALL,
-        min=1,
-        help="Cells on the same episodes and negatives solved together (one gather per chunk).",
-    )
-    chunk_size: int | None = option(None, min=1, cli=False, help="Episodes per chunk (tests, benchmarks).")
-    cuda_step: str = option(
-        defaults.CUDA_STEP,
-        choices=defaults.CUDA_STEPS,
-        help="The fine-tuning fits' step on CUDA: torch, or triton (one pass over the rows a step; "
-        "opt-in until timed on a GPU, docs/gpu.md).",
-    )
-
-    def __post_init__(self) -> None:
-        check_group(self, ConfigError)  # refused when made, before any file is read
 
 
 def versions() -> dict[str, str]:
@@ -314,16 +267,15 @@ def solve_call(
             methods,
             negatives=users[0].negative_spec() if users else None,
             cache_path=c0.cache_file,
-            device=device,
-            max_memory=options.max_memory,
-            workers=options.workers,
-            chunk_size=options.chunk_size,
-            progress=lambda n: on_event(EpisodesSolved(n, len(batch))),
-            stats=stats,
+            run=dataclasses.replace(options, device=device),
+            hooks=Hooks(
+                progress=lambda n: on_event(EpisodesSolved(n, len(batch))),
+                ready=(lambda: on_event(Ready())) if ready else None,
+                planned=planned,
+                stats=stats,
+            ),
             preprocess=pre,
-            ready=(lambda: on_event(Ready())) if ready else None,
             also_held=also,
-            planned=planned,
         )
     call_seconds = time.perf_counter() - t0
     info = {

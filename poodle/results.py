@@ -39,6 +39,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from poodle import __version__
 from poodle.errors import ConfigError
+from poodle.options import setting
+from poodle.preprocess import PreprocessSpec
 from poodle.settings import EPISODE_KEYS, episode_record
 from poodle.stats import mean_ci
 from poodle.utils import atomic_write, check_size_limit, content_hash, file_sha256, resolve_path, write_error
@@ -59,7 +61,7 @@ IDENTITY_FIELDS: tuple[str, ...] = (
     "preprocess",
 )
 # Identity fields left out of the key (and of the identity) when they hold their default value.
-_OPTIONAL_IDENTITY: dict[str, Any] = {"preprocess": "l2n"}
+_OPTIONAL_IDENTITY: dict[str, Any] = {"preprocess": setting(PreprocessSpec, "preprocess").default}
 
 _FINGERPRINTS: dict[tuple[str, int, int], str] = {}
 

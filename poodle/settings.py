@@ -26,6 +26,7 @@ from poodle.errors import ConfigError, EpisodeError
 from poodle.negatives import NegativeSpec
 from poodle.options import Setting, check_value, option, settings, table
 from poodle.preprocess import PreprocessSpec
+from poodle.run import RunOptions
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,7 @@ def episode_record(values: dict[str, Any]) -> dict[str, Any]:
 def markdown_tables() -> str:
     """The option tables of docs/settings.md, generated from the declarations (a test checks that the
     page holds them; ``python -m poodle.settings`` prints them)."""
-    # imported here: the pipeline imports the cells, which import this module
-    from poodle.extract import ExtractOptions
-    from poodle.pipeline import RunOptions
+    from poodle.extract import ExtractOptions  # imported here: it loads the backbones, which results readers need not
 
     parts = [
         ("A cell's settings (`poodle solve` options, grid and project-file keys, results identity)", GROUPS),

@@ -210,7 +210,7 @@ class _Settings:
         try:
             check_group(self, ConfigError)
         except ConfigError as e:
-            raise ConfigError(f"glyphs: {e}") from None
+            raise ConfigError(f"glyphs: {e}", params=e.params, param=e.param, value=e.value, reason=e.reason) from None
 
     def config(self) -> dict:
         return {
