@@ -241,7 +241,10 @@ def make_cell(
     cfg = solvers.make_config(method.name, opts, strict=True)
     general = {k: check_setting(k, values[k]) for k in GENERAL_KEYS if values.get(k) is not None}
     episode = {k: general.get(k, defaults_.get(k)) for k in EPISODE_FIELDS}
-    episode.update({k: general[k] for k in WHEN_SET_EPISODE_KEYS if general.get(k) is not None})
+    # a when_set setting is held only when it differs from its default, as results record it
+    episode.update(
+        {k: general[k] for k in WHEN_SET_EPISODE_KEYS if general.get(k, defaults_.get(k)) != defaults_.get(k)}
+    )
     EpisodeSpec.from_settings(episode).validate()
     negatives, n_neg = "none", None
     if method.needs_negatives(cfg):

@@ -230,14 +230,17 @@ def setting(cls: type, key: str) -> Setting:
 def check_value(s: Setting, value: Any, error: type[Exception] | None = None, *, files: bool = False) -> Any:
     """``value`` of setting ``s``, checked and in its canonical form, or ``error.bad_value(key,
     value, reason)`` (a :class:`poodle.errors.ConfigError` by default). ``files``: the value comes from
-    a file (TOML has no null and writes 3 for 3.0): ``"none"`` and the field's ``none_words`` mean
-    None, an integral float is an integer."""
+    a file (TOML has no null and writes 3 for 3.0): ``"none"``, the field's ``none_words`` and (for
+    an optional number) ``false`` mean None, an integral float is an integer."""
     err: Any = error or ConfigError
     kind = s.kind
     if (
         files
         and s.optional
-        and (value is False or (isinstance(value, str) and value.lower() in ("none", *s.meta("none_words"))))
+        and (
+            (value is False and kind is not bool)
+            or (isinstance(value, str) and value.lower() in ("none", *s.meta("none_words")))
+        )
     ):
         value = None
     if value is None:
