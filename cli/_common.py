@@ -86,8 +86,21 @@ def say_error(error: PoodleError) -> None:
             name = next((o.name for o in options.values() if flag in o.opts), None)
             if name is not None and name in keys and from_project(ctx, name):
                 flags[param] = f"{flag} ({keys[name]})"
-    text = as_flags(str(error), flags)
+    text = _flag_text(error, flags)
     console.print(styled("error:", "bold red", " " + text), soft_wrap=True)
+
+
+def _flag_text(error: PoodleError, flags: dict[str, str]) -> str:
+    """The error's text with parameters as flags: an error about one value (``bad_value``: its
+    parameter, value and reason are fields) is said from those fields; only an error whose text is
+    free falls back to writing its named parameters as flags in the text (:func:`as_flags`)."""
+    from poodle.cli._schema import flag_message
+
+    if error.param in flags and error.message == f"{error.param} {error.reason}, got {error.value!r}":
+        said = flag_message(flags[error.param], error)
+        if said is not None:
+            return f"{said} ({error.hint})" if error.hint else said
+    return as_flags(str(error), flags)
 
 
 def check_paths(ctx: click.Context | None) -> None:
@@ -364,17 +377,6 @@ def progress_bar(description: str, total: int | None, unit: str = "items", lazy:
     finally:
         if bar.task is not None:
             bar.progress.stop()
-
-
-# solve and grid: the step CUDA fits take (poodle.pipeline.RunOptions.cuda_step)
-cuda_step_option = click.option(
-    "--cuda-step",
-    type=click.Choice(defaults.CUDA_STEPS),
-    default=defaults.CUDA_STEP,
-    show_default=True,
-    help="The fine-tuning fits' step on CUDA: torch, or triton (one pass over the rows a step; "
-    "opt-in until timed on a GPU, docs/gpu.md).",
-)
 
 
 def pretrained_option(help: str) -> Callable[[Any], Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,9 @@ from poodle.cli._common import (
     say_glyphs_generation,
     styled,
 )
+from poodle.cli._schema import schema_options
+from poodle.extract import ExtractOptions
+from poodle.run import RunOptions
 
 DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100"]
 
@@ -129,36 +133,8 @@ def say_event(event: Any) -> None:
 @click.option(
     "--splits", default=",".join(defaults.SPLITS), show_default=True, help="Comma-separated splits to extract."
 )
-@click.option(
-    "--image-size",
-    default=None,
-    type=click.IntRange(min=1),
-    help="Centre-crop side fed to the backbone [default: 84 for the release's backbones, resized "
-    "first to size*256/224; cifar-fs and fc100: 32, their images as they are; a torchvision/timm "
-    "model's own input size].",
-)
-@click.option(
-    "--crop-pct",
-    default=None,
-    type=click.FloatRange(0, 1, min_open=True),
-    help="torchvision/timm: crop side / resize side [default: the model's].",
-)
-@click.option(
-    "--interpolation",
-    default=None,
-    type=click.Choice(["bilinear", "bicubic", "nearest"]),
-    help="torchvision/timm: resize interpolation [default: the model's].",
-)
-@click.option("--batch-size", default=defaults.EXTRACT_BATCH_SIZE, show_default=True, type=click.IntRange(min=1))
-@click.option(
-    "--workers",
-    default=None,
-    type=click.IntRange(min=0),
-    help="DataLoader worker processes decoding images [default: one per core, at most 8].",
-)
-@click.option(
-    "--device", default=defaults.DEVICE, show_default=True, help="auto (CUDA when present), cpu, cuda or cuda:N."
-)
+@schema_options(ExtractOptions, only=("image_size", "crop_pct", "interpolation", "batch_size", "workers"))
+@schema_options(RunOptions, only=("device",))
 @click.option(
     "--cache-root",
     default=defaults.CACHE_ROOT,
@@ -167,13 +143,7 @@ def say_event(event: Any) -> None:
     help="Cache files go to <cache-root>/<dataset>/<backbone>[-<tag>].h5.",
 )
 @click.option("--tag", default=None, help="Suffix of the cache file name, to keep several checkpoints apart.")
-@click.option(
-    "--dtype",
-    default=defaults.FEATURE_DTYPE,
-    show_default=True,
-    type=click.Choice(["float32", "float16"]),
-    help="Storage type of the features.",
-)
+@schema_options(ExtractOptions, only=("dtype",))
 @click.option(
     "--force",
     is_flag=True,
@@ -198,25 +168,11 @@ def say_event(event: Any) -> None:
 def extract(
     ctx: click.Context,
     dataset: str,
-    cub_split: str,
-    class_split: str | None,
-    data_root: str | None,
     backbone: str,
     checkpoint: str | None,
     pretrained: str | None,
     random_weights: bool,
-    splits: str,
-    image_size: int | None,
-    crop_pct: float | None,
-    interpolation: str | None,
-    batch_size: int,
-    workers: int | None,
-    device: str,
-    cache_root: str,
-    tag: str | None,
-    dtype: str,
-    force: bool,
-    skip_bad: bool,
+    **options: Any,
 ) -> None:
     """Write L2-normalised features of every split to one HDF5 cache.
 
@@ -227,40 +183,24 @@ def extract(
     """
     from poodle.extract import extract as run_extract
 
+    # the other options are ExtractOptions' fields, by name (image_size, workers, dtype, ...)
+    opts = ExtractOptions(**options)
     weights = choose_weights(ctx, backbone, dataset, checkpoint, pretrained, random_weights)
     if weights.run is not None:
         checkpoint = str(weights.run.checkpoint)
-        image_size = weights.run.image_size if image_size is None else image_size
-        tag = _default_tag(backbone, dataset, cache_root, checkpoint, image_size) if tag is None else tag
-
-    say_glyphs_generation(dataset, data_root, cache_root)
+        image_size = weights.run.image_size if opts.image_size is None else opts.image_size
+        tag = opts.tag
+        if tag is None:
+            tag = _default_tag(backbone, dataset, str(opts.cache_root), checkpoint, image_size)
+        opts = dataclasses.replace(opts, image_size=image_size, tag=tag)
+    opts = dataclasses.replace(opts, checkpoint=checkpoint, pretrained=weights.pretrained)
+    cache_root = str(opts.cache_root)
+    say_glyphs_generation(dataset, opts.data_root and str(opts.data_root), cache_root)
 
     def bar(desc: str, total: int):
         return progress_bar(desc, total, unit="img")
 
-    path = run_extract(
-        dataset,
-        backbone,
-        data_root=data_root,
-        checkpoint=checkpoint,
-        pretrained=weights.pretrained,
-        splits=splits,
-        image_size=image_size,
-        crop_pct=crop_pct,
-        interpolation=interpolation,
-        batch_size=batch_size,
-        device=device,
-        cache_root=cache_root,
-        tag=tag,
-        dtype=dtype,
-        workers=workers,
-        force=force,
-        skip_bad=skip_bad,
-        cub_split=cub_split,
-        class_split=class_split,
-        progress_factory=bar,
-        on_event=say_event,
-    )
+    path = run_extract(dataset, backbone, opts, progress_factory=bar, on_event=say_event)
     from poodle.distributed import is_main_process
 
     if is_main_process():  # under torchrun, rank 0 speaks for the run

@@ -9,7 +9,9 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import SizeType, console, cuda_step_option, friendly_errors, note, parse_set, styled
+from poodle.cli._common import console, friendly_errors, note, parse_set, styled
+from poodle.cli._schema import schema_options
+from poodle.run import RunOptions
 
 
 def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
@@ -62,28 +64,8 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
     help="Recompute every cell of the grid; the new records supersede the old "
     "ones (records of other cells stay in the file).",
 )
-@click.option(
-    "--cells-per-call",
-    type=click.IntRange(1),
-    default=defaults.CELLS_PER_CALL,
-    show_default=True,
-    help="Cells on the same episodes and negatives solved together (one gather per chunk).",
-)
 @click.option("--dry-run", is_flag=True, help="List the cells and what is already done; solve nothing.")
-@click.option(
-    "--device",
-    default=defaults.DEVICE,
-    show_default=True,
-    help="auto, cpu, cuda or cuda:N (under torchrun: auto, cuda or cpu; each process takes its local GPU).",
-)
-@click.option(
-    "--max-memory",
-    type=SizeType(),
-    default=None,
-    help=f"Bound on the memory a call holds (features, negative pool, chunks in flight) "
-    f"[{defaults.MAX_MEMORY} for the chunks on CPU; 80% of the free memory on CUDA].",
-)
-@cuda_step_option
+@schema_options(RunOptions, only=("cells_per_call", "device", "max_memory", "cuda_step"))
 @friendly_errors
 def grid(
     grid_file: Path,
@@ -105,7 +87,6 @@ def grid(
     """
     from poodle import distributed
     from poodle import grid as G
-    from poodle.pipeline import RunOptions
     from poodle.system import formulations
 
     # under torchrun: every rank reads the grid (an error is printed once), rank 0 alone displays

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import click
 
 from poodle import defaults
 from poodle.cli._common import console, friendly_errors, note, out, parse_set, pretrained_option, progress_bar
+from poodle.cli._schema import schema_options
+from poodle.extract import ExtractOptions
+from poodle.negatives import NegativeSpec
+from poodle.preprocess import PreprocessSpec
+from poodle.run import RunOptions
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -48,11 +53,17 @@ from poodle.cli._common import console, friendly_errors, note, out, parse_set, p
 @click.option("--method", default=defaults.METHOD, show_default=True, help="Any method of `poodle solve`.")
 @click.option("--transductive", is_flag=True, help="Use the query images too (methods that can).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="A config field of the method (repeatable).")
-@click.option(
-    "--negatives",
-    default=None,
-    type=click.Choice(["base", "random", "sphere", "none"]),
-    help="Negatives for methods that use them [default: base with --negatives-from, else random].",
+@schema_options(
+    NegativeSpec,
+    only=("negatives",),
+    changed={
+        "negatives": {
+            "default": None,
+            "metavar": "base|random|sphere|none",
+            "help": "Negatives for methods that use them: base (the train split of --negatives-from), random, "
+            "sphere or none [default: base with --negatives-from, else random].",
+        }
+    },
 )
 @click.option(
     "--negatives-from",
@@ -61,8 +72,7 @@ from poodle.cli._common import console, friendly_errors, note, out, parse_set, p
     help="A feature cache of the same backbone and checkpoint: its train split is the base pool "
     "(and the centre of --preprocess cl2n).",
 )
-@click.option("--n-neg", default=defaults.N_NEG, show_default=True, type=click.IntRange(min=1))
-@click.option("--preprocess", default=defaults.PREPROCESS, show_default=True, metavar="l2n|cl2n|power[:BETA]")
+@schema_options(NegativeSpec, PreprocessSpec, only=("n_neg", "preprocess"))
 @click.option(
     "--out",
     "out_path",
@@ -76,62 +86,45 @@ from poodle.cli._common import console, friendly_errors, note, out, parse_set, p
     default=None,
     help="Keep the extracted features here for the next call [default: a temporary folder].",
 )
-@click.option("--image-size", default=None, type=click.IntRange(min=1), help="As for `poodle extract`.")
-@click.option("--crop-pct", default=None, type=click.FloatRange(0, 1, min_open=True))
-@click.option("--interpolation", default=None, type=click.Choice(["bilinear", "bicubic", "nearest"]))
-@click.option("--batch-size", default=defaults.EXTRACT_BATCH_SIZE, show_default=True, type=click.IntRange(min=1))
-@click.option("--workers", default=defaults.PREDICT_WORKERS, show_default=True, type=click.IntRange(min=0))
-@click.option("--device", default=defaults.DEVICE, show_default=True)
+@schema_options(
+    ExtractOptions,
+    only=("image_size", "crop_pct", "interpolation", "batch_size", "workers"),
+    changed={"workers": {"default": defaults.PREDICT_WORKERS, "help": "Worker processes decoding the images."}},
+)
+@schema_options(RunOptions, only=("device",))
 @friendly_errors
 def predict(
-    support_dir,
-    support_csv,
-    query_dir,
-    query_csv,
-    backbone,
-    checkpoint,
-    pretrained,
-    method,
-    transductive,
-    sets,
-    negatives,
-    negatives_from,
-    n_neg,
-    preprocess,
-    out_path,
-    cache_dir,
-    image_size,
-    crop_pct,
-    interpolation,
-    batch_size,
-    workers,
-    device,
+    support_dir: str | None,
+    support_csv: str | None,
+    query_dir: str | None,
+    query_csv: str | None,
+    backbone: str,
+    method: str,
+    transductive: bool,
+    sets: tuple[str, ...],
+    negatives_from: str | None,
+    out_path: str,
+    cache_dir: str | None,
+    **options: Any,
 ) -> None:
     """Label a few images per class (--support), classify the rest (--query), write a CSV."""
     from poodle import predict as P
     from poodle.errors import ConfigError
-    from poodle.extract import ExtractOptions
 
     if (support_dir is None) == (support_csv is None):
         raise ConfigError("give exactly one of --support DIR and --support-csv FILE")
     if (query_dir is None) == (query_csv is None):
         raise ConfigError("give exactly one of --query DIR and --query-csv FILE")
-    options = dict(parse_set(item, "KEY=VALUE") for item in sets)
+    given = dict(options)
+    config: dict[str, Any] = dict(parse_set(item, "KEY=VALUE") for item in sets)
     if transductive:
-        options["transductive"] = True
-    support = P.support_from_folder(support_dir) if support_dir else P.support_from_csv(support_csv)
-    query = P.query_from_folder(query_dir) if query_dir else P.query_from_csv(query_csv)
-    extraction = ExtractOptions(
-        checkpoint=checkpoint,
-        pretrained=pretrained,
-        image_size=image_size,
-        crop_pct=crop_pct,
-        interpolation=interpolation,
-        batch_size=batch_size,
-        device=device,
-        workers=workers,
-    )
-    settings = P.PredictOptions(method, options, negatives, negatives_from, n_neg, preprocess, cache_dir, extraction)
+        config["transductive"] = True
+    support = P.support_from_folder(support_dir) if support_dir else P.support_from_csv(cast(str, support_csv))
+    query = P.query_from_folder(query_dir) if query_dir else P.query_from_csv(cast(str, query_csv))
+    # the rest: the negatives' and the preprocessing's settings, and ExtractOptions' fields by name
+    negatives, n_neg, preprocess = (given.pop(k) for k in ("negatives", "n_neg", "preprocess"))
+    extraction = ExtractOptions(**given)
+    settings = P.PredictOptions(method, config, negatives, negatives_from, n_neg, preprocess, cache_dir, extraction)
     res = P.predict(
         support,
         query,

@@ -10,17 +10,13 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import (
-    SizeType,
-    console,
-    cuda_step_option,
-    friendly_errors,
-    note,
-    out,
-    parse_set,
-    progress_bar,
-    user_set,
-)
+from poodle.cli._common import console, friendly_errors, note, out, parse_set, progress_bar, user_set
+from poodle.cli._schema import run_options, schema_options
+from poodle.episodes import EpisodeSpec
+from poodle.negatives import NegativeSpec
+from poodle.preprocess import PreprocessSpec
+from poodle.run import RunOptions
+from poodle.settings import CellSpec
 
 # CLI option -> (library config field, the one method it is for; None: every chosen method with that field).
 # A field name that methods use with different meanings (solvers.homonyms: ``alpha`` is POODLE's pull
@@ -194,12 +190,6 @@ class _ListsMethods(click.Command):
 @click.option("--backbone", help="Backbone name (with --dataset).")
 @click.option("--cache-root", default=defaults.CACHE_ROOT, show_default=True, type=click.Path(file_okay=False))
 @click.option("--tag", help="Cache tag (with --dataset/--backbone).")
-@click.option("--split", default=defaults.SPLIT, show_default=True, help="Split the episodes come from.")
-@click.option("--way", default=defaults.WAY, show_default=True, type=int)
-@click.option("--shot", default=defaults.SHOT, show_default=True, type=int)
-@click.option("--query", default=defaults.QUERY, show_default=True, type=int, help="Queries per class.")
-@click.option("--episodes", default=defaults.EPISODES, show_default=True, type=int)
-@click.option("--seed", default=defaults.SEED, show_default=True, type=int)
 @click.option(
     "--method",
     "methods",
@@ -234,57 +224,10 @@ class _ListsMethods(click.Command):
 @click.option("--no-stopgrad-push", is_flag=True, help="Drop the stop-gradient in the push term (Table 9).")
 @click.option("--preset", help="A method's named preset (e.g. tim-gd: poodle-paper).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Any config field of the methods (repeatable).")
-@click.option(
-    "--negatives", default=defaults.NEGATIVES, show_default=True, metavar="base|random|sphere|none|FILE[:SPLIT]"
-)
-@click.option("--n-neg", default=defaults.N_NEG, show_default=True, type=int, help="Negatives per episode.")
-@click.option(
-    "--imbalance",
-    type=float,
-    metavar="KAPPA",
-    help="Dirichlet(KAPPA) query counts per class (alpha-TIM's protocol: --imbalance 2).",
-)
-@click.option(
-    "--query-classes",
-    type=int,
-    metavar="N",
-    help="Queries from only N of the way classes, chosen per episode (PADDLE's K_eff); "
-    "N * query queries, balanced or Dirichlet (--imbalance) over the N.",
-)
-@click.option(
-    "--protocol",
-    type=click.Choice(defaults.PROTOCOLS),
-    default=defaults.PROTOCOL,
-    show_default=True,
-    help="fixed: --way/--shot/--query episodes; meta-dataset: ways, shots and queries drawn per episode by "
-    "Meta-Dataset's rules (--way/--shot/--query given fix that part).",
-)
 @click.option("--save-episodes", type=click.Path(dir_okay=False), help="Write the episodes (HDF5).")
 @click.option("--episodes-from", type=click.Path(dir_okay=False), help="Solve the episodes of this file.")
-@click.option("--device", default=defaults.DEVICE, show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option(
-    "--max-memory",
-    default=None,
-    type=SizeType(),
-    help=f"Bound on the memory a call holds (features, negative pool, chunks in flight; on CPU also the "
-    f"episodes drawn in advance); sets the chunk size [{defaults.MAX_MEMORY} for the chunks on CPU; 80% of "
-    f"the free memory on CUDA].",
-)
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="CPU: chunks solved at once, each single-threaded [default: torch's thread count].",
-)
-@cuda_step_option
-@click.option(
-    "--preprocess",
-    default=defaults.PREPROCESS,
-    show_default=True,
-    metavar="l2n|cl2n|power[:BETA]",
-    help="Feature preprocessing: the cached rows, SimpleShot centring on the train split's mean, or "
-    "PT-MAP's power transform (default BETA 0.5); applied to the split and the negative pool.",
-)
+@schema_options(EpisodeSpec, CellSpec, NegativeSpec, PreprocessSpec)
+@schema_options(RunOptions, only=("device", "max_memory", "workers", "cuda_step"))
 @click.option(
     "--out",
     "--json",
@@ -294,66 +237,28 @@ class _ListsMethods(click.Command):
 )
 @click.pass_context
 @friendly_errors
-def solve(
-    ctx: click.Context,
-    cache,
-    dataset,
-    backbone,
-    cache_root,
-    tag,
-    split,
-    way,
-    shot,
-    query,
-    episodes,
-    seed,
-    methods,
-    transductive,
-    pull_weight,
-    push_weight,
-    entropy_alpha,
-    alpha,
-    beta,
-    steps,
-    lr,
-    label_smoothing,
-    no_stopgrad_pull,
-    no_stopgrad_push,
-    preset,
-    sets,
-    negatives,
-    n_neg,
-    imbalance,
-    query_classes,
-    protocol,
-    save_episodes,
-    episodes_from,
-    device,
-    max_memory,
-    workers,
-    cuda_step,
-    preprocess,
-    results_path,
-) -> None:
+def solve(ctx: click.Context, **params: Any) -> None:
     """Sample episodes from a feature cache and solve them all at once."""
     from poodle import prefetch
 
-    path = _cache_path(ctx, cache, dataset, backbone)
+    p = params
+    path = _cache_path(ctx, p["cache"], p["dataset"], p["backbone"])
+    episodes_from, save_episodes, results_path = p["episodes_from"], p["save_episodes"], p["results_path"]
     if not episodes_from:  # (an episodes file names its own split)
         # the cache read overlaps the import of torch below (see poodle.prefetch)
-        prefetch.start_for_solve(path, split, negatives)
+        prefetch.start_for_solve(path, p["split"], p["negatives"])
 
     from poodle.distributed import env_world, share
-    from poodle.pipeline import RunOptions
     from poodle.solve import SETTINGS
     from poodle.solve import solve as run_solve
 
-    methods = list(methods)
-    per = solver_options(ctx, methods, sets)
+    methods = list(p["methods"])
+    per = solver_options(ctx, methods, p["sets"])
     # only what the user gave: the library fills the defaults (and takes them from --episodes-from)
     given = {k: ctx.params[k] for k in SETTINGS if _explicit(ctx, k)}
     # under torchrun (poodle.distributed) rank 0 alone shows a bar (of its share) and prints
     world, rank, _ = env_world()
+    episodes = p["episodes"]
     total = None if episodes_from or episodes < 1 else len(share(episodes, world, rank))  # < 1: the library says
     # drawn once the library's checks up front have passed (Ready): an error there comes alone
     bar = (
@@ -367,7 +272,7 @@ def solve(
             episodes_from=episodes_from,
             save_episodes_to=save_episodes,
             out=results_path,
-            run=RunOptions(device=device, max_memory=max_memory, workers=workers, cuda_step=cuda_step),
+            run=run_options(p, RunOptions),
             on_event=solve_events(advance),
             **given,
         )

@@ -8,6 +8,6 @@ methods in :mod:`poodle.solvers`.
 
 from poodle.errors import PoodleError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["PoodleError", "__version__"]

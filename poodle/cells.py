@@ -15,23 +15,22 @@ the files it reads; :func:`poodle.results.make_identity` is the one function tha
 from __future__ import annotations
 
 import dataclasses
-import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from poodle import defaults, solvers
-from poodle.defaults import EPISODE_KEYS, GENERAL_DEFAULTS, GENERAL_KEYS, NEGATIVE_KEYWORDS, OPTIONAL_EPISODE_KEYS
-from poodle.episodes import EpisodeSpec, check_count
+from poodle.defaults import NEGATIVE_KEYWORDS
+from poodle.episodes import EpisodeSpec
 from poodle.errors import ConfigError, PoodleError
 from poodle.negatives import NegativeSpec
-from poodle.options import violation
-from poodle.preprocess import parse
 from poodle.results import jsonable, make_identity, record_flat
+from poodle.settings import EPISODE_KEYS, GENERAL_KEYS, WHEN_SET_EPISODE_KEYS, check_setting, general_defaults
 from poodle.utils import content_hash
 
-# The episode settings of a cell: EpisodeSpec's fields and the number of episodes.
-EPISODE_FIELDS: tuple[str, ...] = EPISODE_KEYS[1:]
+# The episode settings of a cell: EpisodeSpec's fields and the number of episodes (poodle.settings).
+EPISODE_FIELDS: tuple[str, ...] = EPISODE_KEYS
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,7 @@ class Cell:
         return (
             (self.cache, self.episodes_from)
             + tuple(self.episode.get(k) for k in EPISODE_FIELDS)
-            + tuple(self.episode.get(k) for k in OPTIONAL_EPISODE_KEYS)
+            + tuple(self.episode.get(k) for k in WHEN_SET_EPISODE_KEYS)
         )
 
     def negative_key(self) -> tuple:
@@ -193,114 +192,44 @@ def format_option(v: Any) -> str:
 # Values
 
 
-def _value_type(annotation: Any) -> Any:
-    """``int`` for ``int`` and ``int | None``, ``float`` for ``float | None``, else the annotation."""
-    members = [m for m in typing.get_args(annotation) if m is not type(None)] or [annotation]
-    return members[0] if len(members) == 1 else annotation
-
-
-# The type of every episode setting, from EpisodeSpec's fields: a new field is a new setting here.
-_SPEC_TYPES: dict[str, Any] = {k: _value_type(t) for k, t in typing.get_type_hints(EpisodeSpec).items()}
-
-
-def _integer(key: str, v: Any) -> int:
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError.bad_value(key, v, "expects an integer")
-    return v
-
-
 def check_general(key: str, v: Any) -> Any:
-    """The value of a general (non-method) setting, type-checked and normalised by the rule that owns
-    it; a :class:`ConfigError` naming ``key`` otherwise. TOML has no null: ``"none"``, ``"balanced"``
-    and ``false`` mean balanced queries, ``"none"``/``"all"`` all query classes."""
-    if key in ("cache", "split", "method", "negatives"):
-        if not isinstance(v, str) or not v:
-            raise ConfigError.bad_value(key, v, "expects a non-empty string")
-        if key == "negatives":
-            NegativeSpec(v).validate()
-        return v
-    if key == "preprocess":
-        if not isinstance(v, str):
-            raise ConfigError.bad_value(key, v, "expects l2n, cl2n or power[:BETA]")
-        return parse(v).key
-    if key == "imbalance" and (v is False or (isinstance(v, str) and v.lower() in ("none", "balanced"))):
-        v = None
-    if key == "query_classes" and isinstance(v, str) and v.lower() in ("none", "all"):
-        v = None
-    if v is None and key in ("imbalance", "query_classes"):
-        return None
-    if key == "protocol":
-        if v not in defaults.PROTOCOLS:
-            raise ConfigError.bad_value(key, v, f"expects one of {', '.join(defaults.PROTOCOLS)}")
-        return None if v == defaults.PROTOCOL else v  # fixed: recorded by its absence (older identities)
-    if key in defaults.META_DATASET_KEYS:
-        return _meta_dataset_value(key, v)
-    if key == "episodes":
-        check_count(_integer(key, v))
-        return _integer(key, v)
-    if key == "n_neg":
-        NegativeSpec("base", _integer(key, v)).validate()
-        return _integer(key, v)
-    kind = _SPEC_TYPES.get(key)
-    if kind is int:
-        v = _integer(key, v)
-    elif kind is float and not isinstance(v, bool) and isinstance(v, (int, float)):
-        v = float(v)
-    if key in _SPEC_TYPES:
-        # the episode setting's own rule, one value at a time (query_classes <= way is checked when
-        # the cell's whole setting is, in make_cell)
-        alone = {key: v, "way": max(2, v)} if key == "query_classes" else {key: v}
-        EpisodeSpec(**alone).validate()
-        return v
-    raise ConfigError(f"unknown setting {key!r}", params=(key,))
+    """Deprecated (0.2.0): :func:`poodle.settings.check_setting`, which this calls."""
+    warnings.warn(
+        "poodle.cells.check_general is deprecated; use poodle.settings.check_setting", DeprecationWarning, stacklevel=2
+    )
+    return check_setting(key, v)
 
 
-def _meta_dataset_value(key: str, v: Any) -> Any:
-    """A Meta-Dataset rule parameter alone: its type and its field's bounds (the relations between
-    them, ``min_ways <= max_ways_upper_bound``, are checked with the whole setting)."""
-    f = next(f for f in dataclasses.fields(EpisodeSpec) if f.name == key)
-    kind = _SPEC_TYPES[key]
-    if kind is bool:
-        if not isinstance(v, bool):
-            raise ConfigError.bad_value(key, v, "expects true or false")
-        return v
-    if kind is int:
-        v = _integer(key, v)
-    elif isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ConfigError.bad_value(key, v, "expects a number")
-    else:
-        v = float(v)
-    why = violation(f, v)
-    if why is not None:
-        raise ConfigError.bad_value(key, v, why)
-    return v
-
-
-def _episode_setting(general: Mapping[str, Any]) -> dict[str, Any]:
-    """A cell's ``episode``: the fixed protocol's keys (defaults filled; under Meta-Dataset a
-    ``way``, ``shot`` or ``query`` not given is None, drawn per episode), then the optional keys
-    that are set; under Meta-Dataset every rule parameter, with sampling.py's defaults
-    (``bilevel`` only when on), so that a default changed later cannot alias two settings."""
-    md = general.get("protocol") == "meta-dataset"
+def episode_setting(general: Mapping[str, Any], defaults_: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A cell's ``episode`` from its checked general settings: the keys that are always recorded
+    (defaults filled; under Meta-Dataset a ``way``, ``shot`` or ``query`` not given is None, drawn
+    per episode), then each ``when_set`` key that differs from its default; under Meta-Dataset every
+    rule parameter, with sampling.py's defaults (``bilevel`` only when on), so that a default
+    changed later cannot alias two settings. A rule parameter without the protocol is an error."""
+    defaults_ = general_defaults() if defaults_ is None else defaults_
+    md = general.get("protocol", defaults.PROTOCOL) == "meta-dataset"
     drawn = ("way", "shot", "query") if md else ()
-    episode = {k: general.get(k, None if k in drawn else GENERAL_DEFAULTS.get(k)) for k in EPISODE_FIELDS}
-    given = [k for k in defaults.META_DATASET_KEYS if general.get(k) is not None]
+    episode = {k: general.get(k, None if k in drawn else defaults_.get(k)) for k in EPISODE_FIELDS}
+    given = [
+        k for k in defaults.META_DATASET_KEYS if general.get(k) is not None and not (k == "bilevel" and not general[k])
+    ]
     if given and not md:
         raise ConfigError(
             f"{', '.join(given)} belong{'s' if len(given) == 1 else ''} to the Meta-Dataset protocol: "
             "add protocol = meta-dataset",
             params=(*given, "protocol"),
         )
-    episode.update({k: general[k] for k in OPTIONAL_EPISODE_KEYS if general.get(k) is not None})
+    # a when_set setting is held only when it differs from its default, as results record it
+    episode.update(
+        {k: general[k] for k in WHEN_SET_EPISODE_KEYS if general.get(k, defaults_.get(k)) != defaults_.get(k)}
+    )
     if md:
         rules = EpisodeSpec.meta_dataset()
         for k in defaults.META_DATASET_KEYS:
             if k not in episode and k != "bilevel":
                 episode[k] = getattr(rules, k)
-        if episode.get("bilevel") is False:
-            del episode["bilevel"]
+        if not episode.get("bilevel", False):
+            episode.pop("bilevel", None)
     return episode
 
 
@@ -316,8 +245,8 @@ def make_cell(
     locations: Locations | None = None,
     episodes_from: str | None = None,
 ) -> Cell:
-    """The cell of one combination of values: general settings (:data:`poodle.defaults.GENERAL_KEYS`,
-    defaults from :data:`poodle.defaults.GENERAL_DEFAULTS`), ``transductive`` and the method's options.
+    """The cell of one combination of values: general settings (:data:`poodle.settings.GENERAL_KEYS`,
+    each checked by its declaration, defaults from it), ``transductive`` and the method's options.
 
     Options the method does not have are dropped and ``transductive`` is ignored for a method that
     cannot switch it (the rule of a grid's product: ``alpha`` with ``proto`` is the proto cell),
@@ -325,7 +254,8 @@ def make_cell(
     that reads no negatives (proto, POODLE with beta = 0) gets ``negatives = "none"`` whatever was
     given, so the negative settings do not multiply its cells.
     """
-    method = solvers.get(values.get("method", GENERAL_DEFAULTS["method"]))
+    defaults_ = general_defaults()
+    method = solvers.get(values.get("method", defaults_["method"]))
     fields = set(method.options())
     opts: dict[str, Any] = {}
     for k, v in values.items():
@@ -343,13 +273,13 @@ def make_cell(
                 params=(k,),
             )
     cfg = solvers.make_config(method.name, opts, strict=True)
-    general = {k: check_general(k, values[k]) for k in GENERAL_KEYS if values.get(k) is not None}
-    episode = _episode_setting(general)
+    general = {k: check_setting(k, values[k]) for k in GENERAL_KEYS if values.get(k) is not None}
+    episode = episode_setting(general, defaults_)
     EpisodeSpec.from_settings(episode).validate()
     negatives, n_neg = "none", None
     if method.needs_negatives(cfg):
-        negatives = general.get("negatives", GENERAL_DEFAULTS["negatives"])
-        n_neg = general.get("n_neg", GENERAL_DEFAULTS["n_neg"])
+        negatives = general.get("negatives", defaults_["negatives"])
+        n_neg = general.get("n_neg", defaults_["n_neg"])
         method.check_negatives(cfg, negatives)
     if "cache" not in general:
         raise ConfigError("no feature cache given", params=("cache",))

@@ -1,14 +1,14 @@
-"""The evaluation protocol's defaults and the names of the option keys, in one place.
+"""The evaluation protocol's defaults, in one place.
 
 The defaults are the paper's main protocol (Le et al., NeurIPS 2021, section 5.1): 5-way episodes
 with 15 queries per class, 2,000 test episodes, K = 400 negatives per episode drawn from the base
-classes. :class:`poodle.episodes.EpisodeSpec`, :class:`poodle.negatives.NegativeSpec`, the grid, the
-demo and the command line all read them from here.
+classes. The settings' declarations (:class:`poodle.episodes.EpisodeSpec`,
+:class:`poodle.negatives.NegativeSpec`, :mod:`poodle.settings` ...) take their defaults from here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 SPLIT = "test"
 WAY = 5
@@ -49,9 +49,6 @@ CELLS_PER_CALL = 4
 # Negative sources that are keywords, not files (see poodle.negatives).
 NEGATIVE_KEYWORDS: tuple[str, ...] = ("base", "random", "sphere", "none")
 
-# Options that choose the episodes: results that agree on all of them were solved on identical
-# episodes (so they are paired). ``cache`` comes first; the rest are EpisodeSpec fields + count.
-EPISODE_KEYS: tuple[str, ...] = ("cache", "split", "way", "shot", "query", "imbalance", "seed", "episodes")
 # How episodes are drawn: "fixed" (way, shot and query per episode, the paper's) or "meta-dataset"
 # (Triantafillou et al., ICLR 2020: ways, shots and queries drawn per episode by the rules of
 # google-research/meta-dataset's meta_dataset/data/sampling.py; their parameters and defaults are
@@ -68,28 +65,33 @@ META_DATASET_KEYS: tuple[str, ...] = (
     "max_log_weight",
     "bilevel",
 )
-# Episode options recorded only when set, so that results written before they existed keep their
-# identity: ``query_classes`` (queries from only N of the way classes; None = all), ``protocol``
-# (absent: fixed) and, under the Meta-Dataset protocol, its rules' parameters (``bilevel`` only when on).
-OPTIONAL_EPISODE_KEYS: tuple[str, ...] = ("query_classes", "protocol") + META_DATASET_KEYS
-NEGATIVE_KEYS: tuple[str, ...] = ("negatives", "n_neg")
-# ``preprocess`` transforms the features (and the negative pool) the cells of one episode set see.
-GENERAL_KEYS: tuple[str, ...] = EPISODE_KEYS + OPTIONAL_EPISODE_KEYS + NEGATIVE_KEYS + ("preprocess", "method")
 
-# Defaults of the general keys (``cache`` has none).
-GENERAL_DEFAULTS: dict[str, Any] = {
-    "split": SPLIT,
-    "way": WAY,
-    "shot": SHOT,
-    "query": QUERY,
-    "imbalance": None,
-    "seed": SEED,
-    "episodes": EPISODES,
-    "negatives": NEGATIVES,
-    "n_neg": N_NEG,
-    "preprocess": PREPROCESS,
-    "method": METHOD,
+# The key tables of the settings (which keys choose the episodes, which are recorded only when set,
+# the general keys and their defaults) are derived from the settings' declarations: poodle.settings.
+_MOVED: dict[str, Callable[[Any], Any]] = {
+    "EPISODE_KEYS": lambda s: ("cache", *s.EPISODE_KEYS),
+    "OPTIONAL_EPISODE_KEYS": lambda s: s.WHEN_SET_EPISODE_KEYS,
+    "NEGATIVE_KEYS": lambda s: tuple(x.key for x in s.settings(s.NegativeSpec)),
+    "GENERAL_KEYS": lambda s: s.GENERAL_KEYS,
+    "GENERAL_DEFAULTS": lambda s: s.general_defaults(),
 }
+
+
+def __getattr__(name: str) -> Any:
+    """The key tables that lived here before 0.2.0, derived from poodle.settings, with a warning."""
+    if name not in _MOVED:
+        raise AttributeError(f"module 'poodle.defaults' has no attribute {name!r}")
+    import warnings
+
+    from poodle import settings
+
+    warnings.warn(
+        f"poodle.defaults.{name} is deprecated: the settings are declared in their groups (poodle.settings)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return _MOVED[name](settings)
+
 
 # Input normalisation of ImageNet-pretrained backbones (torchvision's constants).
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)

@@ -36,6 +36,7 @@ from poodle.errors import CacheError, ConfigError
 from poodle.events import CellFinished, EpisodesSolved, Event
 from poodle.extract import extract
 from poodle.grid import GridSpec, expand, parse_grid, run_grid
+from poodle.options import check_group, option
 from poodle.pipeline import RunOptions
 from poodle.report import Result, Table, build_table, to_markdown
 from poodle.results import record_flat
@@ -63,13 +64,13 @@ class DemoConfig:
     backbone: str = "conv4_64"
     image_size: int = 28
     recipe: str = "simple"
-    epochs: int = 3
+    epochs: int = option(3, min=1, help="Training epochs of the demo's backbone.")
     batch_size: int = 128
     lr: float = 0.1
     augment: str = "none"
     channels_last: bool = True
     val_every: int = 3
-    episodes: int = defaults.EPISODES
+    episodes: int = option(defaults.EPISODES, min=1, help="Episodes of each evaluated setting.")
     way: int = defaults.WAY
     shots: tuple[int, ...] = (1, 5)
     query: int = defaults.QUERY
@@ -83,8 +84,7 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         self.shots = tuple(int(s) for s in self.shots)
-        if self.episodes < 1 or self.epochs < 1:
-            raise ConfigError("episodes and epochs must be positive", params=("episodes", "epochs"))
+        check_group(self, ConfigError)
 
     def milestones(self) -> tuple[int, ...]:
         """The lr decays (x0.1 at the start of these epochs): one, before the last epoch, from 4

@@ -52,8 +52,10 @@ from torch import Tensor
 
 from poodle import defaults, sampler
 from poodle.errors import ConfigError, EpisodeError
-from poodle.options import option, violation
-from poodle.utils import atomic_write, check_output, check_seed, resolve_path
+from poodle.options import check_group, check_value, option
+from poodle.options import setting as schema_setting
+from poodle.options import settings as schema
+from poodle.utils import SEED_MAX, atomic_write, check_output, resolve_path
 
 FORMAT = "poodle-episodes"
 VERSION = 1  # fixed episodes
@@ -67,37 +69,76 @@ _MD_HELP = "Meta-Dataset protocol (meta_dataset/data/sampling.py's parameter of 
 class EpisodeSpec:
     """What an episode set is drawn from. Paper defaults: 5-way, 15 queries per class (section 5.1).
 
+    Each field is a setting (:func:`poodle.options.option`): declaring one here makes it a
+    ``poodle solve`` option, a project-file key, a grid axis and a key of the results' identity
+    (``when_set``: only when it differs from its default, so that older records keep their key).
+
     ``way``, ``shot`` and ``query`` are None only under the Meta-Dataset protocol, where None means
     drawn per episode (:meth:`meta_dataset` makes such a spec). The Meta-Dataset fields keep
-    sampling.py's names and defaults and are read only under that protocol."""
+    sampling.py's names and defaults and are read only under that protocol (recorded in an identity
+    only under it, every one of them: :func:`poodle.cells.episode_setting`)."""
 
-    split: str = defaults.SPLIT
-    way: int | None = defaults.WAY
-    shot: int | None = defaults.SHOT
-    query: int | None = defaults.QUERY  # queries per class; the total is way * query
-    imbalance: float | None = None  # Dirichlet concentration kappa (paper appendix); None: balanced
-    seed: int = defaults.SEED
-    query_classes: int | None = None  # only this many of the way classes have queries; None: all
+    split: str = option(defaults.SPLIT, help="Split the episodes come from.")
+    way: int | None = option(
+        defaults.WAY,
+        min=2,
+        why="a 1-way episode is always right",
+        help="Classes per episode (Meta-Dataset protocol: drawn per episode unless given).",
+    )
+    shot: int | None = option(
+        defaults.SHOT, min=1, help="Labelled images per class (Meta-Dataset protocol: drawn unless given)."
+    )
+    query: int | None = option(
+        defaults.QUERY,
+        min=1,
+        help="Queries per class; an episode has way * query of them (Meta-Dataset protocol: drawn unless given).",
+    )
+    imbalance: float | None = option(
+        None,
+        min=0,
+        min_open=True,
+        why="a Dirichlet concentration",
+        metavar="KAPPA",
+        none_words=("balanced",),
+        help="Dirichlet(KAPPA) query counts per class (alpha-TIM's protocol: 2) [default: balanced].",
+    )
+    seed: int = option(
+        defaults.SEED, min=0, max=SEED_MAX, why="what torch, numpy and HDF5 hold: 63 bits", help="Seed of the episodes."
+    )
+    query_classes: int | None = option(
+        None,
+        min=1,
+        when_set=True,
+        metavar="N",
+        none_words=("all",),
+        help="Queries from only N of the way classes, chosen per episode (PADDLE's K_eff); N * query "
+        "queries, balanced or Dirichlet (imbalance) over the N.",
+    )
     protocol: str = option(
         defaults.PROTOCOL,
+        choices=defaults.PROTOCOLS,
+        when_set=True,
         help="How episodes are drawn: fixed (way, shot, query) or meta-dataset (ways, shots and "
         "queries drawn per episode by Meta-Dataset's rules; way/shot/query given fix that part).",
     )
-    min_ways: int = option(5, min=2, help=_MD_HELP + "the fewest classes an episode has.")
-    max_ways_upper_bound: int = option(50, min=2, help=_MD_HELP + "the most classes an episode has.")
-    max_num_query: int = option(10, min=1, help=_MD_HELP + "the most queries per class.")
-    max_support_set_size: int = option(500, min=1, help=_MD_HELP + "the most support images an episode has.")
+    min_ways: int = option(5, min=2, when_set=True, help=_MD_HELP + "the fewest classes an episode has.")
+    max_ways_upper_bound: int = option(50, min=2, when_set=True, help=_MD_HELP + "the most classes an episode has.")
+    max_num_query: int = option(10, min=1, when_set=True, help=_MD_HELP + "the most queries per class.")
+    max_support_set_size: int = option(
+        500, min=1, when_set=True, help=_MD_HELP + "the most support images an episode has."
+    )
     max_support_size_contrib_per_class: int = option(
-        100, min=1, help=_MD_HELP + "the most one class adds to the support set's size."
+        100, min=1, when_set=True, help=_MD_HELP + "the most one class adds to the support set's size."
     )
     min_log_weight: float = option(
-        math.log(0.5), help=_MD_HELP + "the low end of a class's log-weight in the shot proportions."
+        math.log(0.5), when_set=True, help=_MD_HELP + "the low end of a class's log-weight in the shot proportions."
     )
     max_log_weight: float = option(
-        math.log(2.0), help=_MD_HELP + "the high end of a class's log-weight in the shot proportions."
+        math.log(2.0), when_set=True, help=_MD_HELP + "the high end of a class's log-weight in the shot proportions."
     )
     bilevel: bool = option(
         False,
+        when_set=True,
         help="Meta-Dataset protocol: draw a superclass, then its classes (Omniglot's alphabets; the "
         "superclass of a class is named by its class name, see superclass_names).",
     )
@@ -110,16 +151,10 @@ class EpisodeSpec:
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> EpisodeSpec:
         """The spec of an episode-settings mapping (a results record's ``episode``, the solve
-        parameters): its spec fields, the optional ones (``query_classes``, the protocol and its
-        parameters) taking their defaults when absent; other keys (``episodes``) ignored."""
-        optional = set(defaults.OPTIONAL_EPISODE_KEYS)
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in optional:
-                values[f.name] = settings[f.name]
-            elif settings.get(f.name) is not None:
-                values[f.name] = settings[f.name]
-        return cls(**values)
+        parameters): its spec fields (a ``when_set`` one may be absent); other keys (``episodes``) ignored."""
+        return cls(
+            **{s.name: settings.get(s.key, s.default) if s.meta("when_set") else settings[s.key] for s in schema(cls)}
+        )
 
     @property
     def ragged(self) -> bool:
@@ -139,51 +174,20 @@ class EpisodeSpec:
         return out
 
     def validate(self) -> None:
-        """EpisodeError for counts below their minimum (a 1-way episode is 100% correct by
-        construction, so ``way`` starts at 2), a non-positive concentration or a seed outside 63 bits,
-        an unknown protocol or a Meta-Dataset parameter out of its bounds. This is the one place
-        these settings are checked, for the command line, grids and the library."""
-        if self.protocol not in defaults.PROTOCOLS:
-            raise EpisodeError.bad_value("protocol", self.protocol, f"must be one of {', '.join(defaults.PROTOCOLS)}")
-        for name, least in (("way", 2), ("shot", 1), ("query", 1)):
-            v = getattr(self, name)
-            if v is None and self.ragged:
-                continue  # drawn per episode
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
-                what = "an integer >= 2 (a 1-way episode is always right)" if name == "way" else "a positive integer"
-                raise EpisodeError.bad_value(name, v, f"must be {what}")
-        if self.imbalance is not None and (
-            isinstance(self.imbalance, bool)
-            or not isinstance(self.imbalance, (int, float, np.floating, np.integer))
-            or not (math.isfinite(self.imbalance) and self.imbalance > 0)
-        ):
-            raise EpisodeError.bad_value("imbalance", self.imbalance, "(a Dirichlet concentration) must be positive")
-        try:
-            check_seed(self.seed)
-        except ConfigError as e:
-            raise EpisodeError(str(e), params=("seed",)) from None
+        """EpisodeError naming the first setting outside its declared bounds, ``query_classes`` above
+        ``way``, or a combination the protocol does not take (``way``, ``shot`` or ``query`` drawn
+        under the fixed protocol; ``imbalance`` or ``query_classes`` under Meta-Dataset's, which
+        draws its own counts). This is the one place these settings are checked, for the command
+        line, grids and the library."""
+        check_group(self, EpisodeError)
+        if not self.ragged:
+            for name in ("way", "shot", "query"):
+                if getattr(self, name) is None:
+                    raise EpisodeError.bad_value(name, None, "is drawn per episode only under protocol meta-dataset")
         n = self.query_classes
-        if n is not None and (
-            isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= (self.way or 0)
-        ):
-            raise EpisodeError.bad_value("query_classes", n, f"must be an integer in 1..way={self.way}")
-        self._validate_meta_dataset()
-
-    def _validate_meta_dataset(self) -> None:
-        for f in dataclasses.fields(self):
-            if f.name not in defaults.META_DATASET_KEYS:
-                continue
-            v = getattr(self, f.name)
-            if f.name == "bilevel":
-                if not isinstance(v, (bool, np.bool_)):
-                    raise EpisodeError.bad_value("bilevel", v, "must be true or false")
-                continue
-            integral = f.type in (int, "int")
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer) if integral else (int, float, np.number)):
-                raise EpisodeError.bad_value(f.name, v, "must be an integer" if integral else "must be a number")
-            why = violation(f, v)
-            if why is not None:
-                raise EpisodeError.bad_value(f.name, v, why)
+        if n is not None and self.way is not None and n > self.way:
+            least = getattr(schema_setting(EpisodeSpec, "query_classes").bounds, "lo", 1)
+            raise EpisodeError.bad_value("query_classes", n, f"must be an integer in {least:g}..way={self.way}")
         if self.min_ways > self.max_ways_upper_bound:
             raise EpisodeError.bad_value(
                 "min_ways", self.min_ways, f"must be at most max_ways_upper_bound={self.max_ways_upper_bound}"
@@ -577,8 +581,10 @@ class _Draw:
 
 
 def check_count(n_episodes: object) -> None:
-    if isinstance(n_episodes, bool) or not isinstance(n_episodes, (int, np.integer)) or n_episodes < 1:
-        raise EpisodeError.bad_value("episodes", n_episodes, "(the number of episodes) must be a positive integer")
+    """EpisodeError unless ``n_episodes`` is a number of episodes (:class:`poodle.settings.CellSpec`)."""
+    from poodle.settings import CellSpec  # imported here: poodle.settings imports this module
+
+    check_value(schema_setting(CellSpec, "episodes"), n_episodes, EpisodeError)
 
 
 def sample_episodes(

@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import math
 import time
+import warnings
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence, overload
@@ -47,6 +48,7 @@ from poodle import defaults, solvers
 from poodle.episodes import EpisodeSet, EpisodeStream
 from poodle.errors import ConfigError, EpisodeError
 from poodle.negatives import NegativeSpec, generate, load_pool, sample_indices
+from poodle.run import RunOptions
 from poodle.solvers.base import EpisodeBatch
 from poodle.utils import parse_size, resolve_device
 
@@ -897,6 +899,47 @@ def check_ragged(episodes: EpisodeSet, labels: Tensor, where: str = "episodes") 
         fail(int(same.nonzero()[0, 0]), "gives two labels the same class of the split")
 
 
+@dataclass(frozen=True)
+class Hooks:
+    """What a call of :func:`evaluate` tells its caller; every field optional.
+
+    Attributes:
+        progress: called with the number of episodes just solved (all methods).
+        ready: called once every check has passed, just before solving starts.
+        planned: called with the :class:`ChunkPlan` (bound, bytes held) once the call is planned.
+        stats: if given, filled with ``chunk_size``, ``n_chunks``, ``device``, ``seconds`` per label,
+            ``n_neg``, ``workers``, ``first_chunk_s``, ``max_memory`` and ``held_bytes``; for ragged
+            episodes also ``rows``, ``padded_rows`` (support and query rows without and with the
+            chunks' padding) and ``bucketed``.
+    """
+
+    progress: Callable[[int], None] | None = None
+    ready: Callable[[], None] | None = None
+    planned: Callable[[ChunkPlan], None] | None = None
+    stats: dict | None = None
+
+
+# evaluate's keywords before 0.2.0, now fields of ``run`` (RunOptions) or ``hooks`` (Hooks)
+_RUN_KEYWORDS = ("device", "max_memory", "workers", "chunk_size", "overlap")
+_HOOK_KEYWORDS = ("progress", "ready", "planned", "stats")
+
+
+def _old_keywords(run: RunOptions, hooks: Hooks, old: Mapping[str, Any]) -> tuple[RunOptions, Hooks]:
+    """``run`` and ``hooks`` with the keywords of the old signature folded in (a DeprecationWarning)."""
+    unknown = sorted(set(old) - set(_RUN_KEYWORDS) - set(_HOOK_KEYWORDS))
+    if unknown:
+        raise TypeError(f"evaluate() got unexpected keyword argument(s) {', '.join(unknown)}")
+    warnings.warn(
+        f"evaluate({', '.join(f'{k}=' for k in old)}) is deprecated: give run=RunOptions(...) and "
+        f"hooks=Hooks(...) (removed in 0.3.0)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    run = dataclasses.replace(run, **{k: v for k, v in old.items() if k in _RUN_KEYWORDS})
+    hooks = dataclasses.replace(hooks, **{k: v for k, v in old.items() if k in _HOOK_KEYWORDS})
+    return run, hooks
+
+
 def evaluate(
     features: Any,
     episodes: EpisodeSet | EpisodeStream,
@@ -904,18 +947,12 @@ def evaluate(
     *,
     negatives: NegativeSpec | None = None,
     cache_path: Any = None,
-    device: str | torch.device = "auto",
-    max_memory: str | int | None = None,
-    progress: Callable[[int], None] | None = None,
-    chunk_size: int | None = None,
+    run: RunOptions = RunOptions(),
+    hooks: Hooks = Hooks(),
     dtype: torch.dtype = torch.float32,
-    workers: int | None = None,
-    stats: dict | None = None,
     preprocess: Any = None,
-    ready: Callable[[], None] | None = None,
-    overlap: bool | None = None,
     also_held: Mapping[str, int] | None = None,
-    planned: Callable[[ChunkPlan], None] | None = None,
+    **deprecated: Any,
 ) -> dict[str, Tensor]:
     """Per-episode accuracies of every method on ``episodes``.
 
@@ -928,24 +965,31 @@ def evaluate(
         methods: ``(label, method_name, config)`` triples; config a dataclass, a dict of options or None.
         negatives: the negative source and count; ``None`` means no negatives.
         cache_path: the cache file (its ``train`` split is the ``base`` pool).
-        device, max_memory, workers, chunk_size, overlap: where and how (module docstring,
-            :func:`plan_chunks`, :func:`run_chunks`); no result depends on them.
-        progress: called with the number of episodes just solved (all methods).
+        run: where and how (:class:`poodle.run.RunOptions`: device, max_memory, workers, chunk_size,
+            overlap; module docstring, :func:`plan_chunks`, :func:`run_chunks`); no result depends on
+            it. Checked when it was made.
+        hooks: the callbacks and the stats dict (:class:`Hooks`).
         dtype: the solvers' float type (float64 for references).
-        stats: if given, filled with ``chunk_size``, ``n_chunks``, ``device``, ``seconds`` per label,
-            ``n_neg``, ``workers``, ``first_chunk_s``, ``max_memory`` and ``held_bytes``; for ragged
-            episodes also ``rows``, ``padded_rows`` (support and query rows without and with the
-            chunks' padding) and ``bucketed``.
         preprocess: a :class:`poodle.preprocess.Preprocessor` whose transform the negative pool gets
             (the caller transforms ``features`` itself).
-        ready: called once every check has passed, just before solving starts.
         also_held: bytes the caller holds for the whole call, by what holds them (``{"the split as
             read, before preprocessing": n}``): an explicit ``max_memory`` on the CPU counts them.
-        planned: called with the :class:`ChunkPlan` (bound, bytes held) once the call is planned.
+        deprecated: the keywords of 0.1 (``device=``, ``progress=`` ...), folded into ``run`` and
+            ``hooks`` with a DeprecationWarning.
 
     Returns:
         ``{label: float64 [E] accuracies in [0, 1]}`` on the CPU.
     """
+    if deprecated:
+        run, hooks = _old_keywords(run, hooks, deprecated)
+    device, max_memory, workers, chunk_size, overlap = (
+        run.device,
+        run.max_memory,
+        run.workers,
+        run.chunk_size,
+        run.overlap,
+    )
+    progress, ready, planned, stats = hooks.progress, hooks.ready, hooks.planned, hooks.stats
     t_call = time.perf_counter()
     dev = resolve_device(device)
     methods = _resolve_methods(methods)
@@ -997,6 +1041,7 @@ __all__ = [
     "ChunkPlan",
     "Gatherer",
     "Padding",
+    "Hooks",
     "check_memory_bound",
     "check_ragged",
     "choose_chunk",

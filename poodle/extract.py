@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Subset
 from poodle import backbones, defaults, distributed, project
 from poodle import cache_shares as cs
 from poodle.backbones.checkpoint import checkpoint_digest
+from poodle.backbones.external import INTERPOLATIONS
 from poodle.backbones.pretrained import resolve_pretrained
 from poodle.cache import (
     FEATURE_DTYPES,
@@ -40,6 +41,7 @@ from poodle.data import ImageDataset, PixelCache, resolve_dataset
 from poodle.data.transforms import eval_transform, native_eval_transform
 from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
 from poodle.events import Notice, OnEvent, SplitResumed, SplitReused, SplitWritten, ignore
+from poodle.options import check_group, option
 from poodle.utils import check_writable_dir
 
 ProgressFactory = Callable[[str, int], ContextManager[Callable[[int], None]]]
@@ -140,33 +142,38 @@ class ExtractOptions:
     checkpoint: str | os.PathLike | None = None
     pretrained: bool | str | None = None
     splits: Sequence[str] | str = defaults.SPLITS
-    image_size: int | None = None
-    batch_size: int = defaults.EXTRACT_BATCH_SIZE
+    image_size: int | None = option(
+        None,
+        min=1,
+        help="Centre-crop side fed to the backbone [default: 84 for the release's backbones, resized "
+        "first to size*256/224; cifar-fs and fc100: 32, their images as they are; a torchvision/timm "
+        "model's own input size].",
+    )
+    batch_size: int = option(defaults.EXTRACT_BATCH_SIZE, min=1, help="Images per forward pass.")
     device: str | torch.device = defaults.DEVICE
     cache_root: str | os.PathLike = defaults.CACHE_ROOT
     tag: str | None = None
-    dtype: str = defaults.FEATURE_DTYPE
-    workers: int | None = None
+    dtype: str = option(defaults.FEATURE_DTYPE, choices=tuple(FEATURE_DTYPES), help="Storage type of the features.")
+    workers: int | None = option(
+        None, min=0, help="DataLoader worker processes decoding images [default: one per core, at most 8]."
+    )
     force: bool = False
     skip_bad: bool = False
     cub_split: str = defaults.CUB_SPLIT
     class_split: str | None = None
-    crop_pct: float | None = None
-    interpolation: str | None = None
+    crop_pct: float | None = option(
+        None, min=0, max=1, min_open=True, help="torchvision/timm: crop side / resize side [default: the model's]."
+    )
+    interpolation: str | None = option(
+        None, choices=INTERPOLATIONS, help="torchvision/timm: resize interpolation [default: the model's]."
+    )
     record: bool = True
 
     def check(self, dataset: str) -> None:
         """ConfigError for a value no dataset or backbone could take."""
         if self.pretrained and self.checkpoint is not None:
             raise ConfigError("give checkpoint or pretrained, not both", params=("checkpoint", "pretrained"))
-        if self.dtype not in FEATURE_DTYPES:
-            raise ConfigError.bad_value("dtype", self.dtype, f"must be one of {', '.join(FEATURE_DTYPES)}")
-        if self.image_size is not None and self.image_size < 1:
-            raise ConfigError.bad_value("image_size", self.image_size, "must be positive")
-        if self.batch_size < 1:
-            raise ConfigError.bad_value("batch_size", self.batch_size, "must be positive")
-        if self.workers is not None and self.workers < 0:
-            raise ConfigError.bad_value("workers", self.workers, "must be >= 0")
+        check_group(self, ConfigError)
         if self.cub_split != defaults.CUB_SPLIT and dataset != "cub":
             raise ConfigError(
                 f"cub_split {self.cub_split} is an option of dataset cub, not {dataset}",

@@ -30,6 +30,7 @@ from poodle import defaults
 from poodle._mt19937 import M32, MT19937, RANGE64, normal_fill_, packed_words, random64_at, verified, word_at
 from poodle.cache import read_split
 from poodle.errors import CacheError, ConfigError
+from poodle.options import check_group, option
 from poodle.prefetch import pool_location
 from poodle.utils import derive_seeds, generator, resolve_path
 
@@ -43,14 +44,17 @@ KEYWORDS = defaults.NEGATIVE_KEYWORDS
 class NegativeSpec:
     """Where the negatives come from and how many per episode (paper 5.1: K = 400)."""
 
-    source: str = defaults.NEGATIVES
-    n_neg: int = defaults.N_NEG
+    source: str = option(
+        defaults.NEGATIVES,
+        key="negatives",
+        metavar="base|random|sphere|none|FILE[:SPLIT]",
+        help="Negatives of the methods that read some: the base classes, generated ones, none, or a cache's split.",
+    )
+    n_neg: int = option(defaults.N_NEG, min=1, help="Negatives per episode.")
 
     def validate(self) -> None:
-        if isinstance(self.n_neg, bool) or not isinstance(self.n_neg, int) or self.n_neg < 1:
-            raise ConfigError.bad_value("n_neg", self.n_neg, "must be a positive integer")
-        if not self.source:
-            raise ConfigError("empty negative source: use base, random, sphere, none or FILE[:SPLIT]")
+        """ConfigError naming the setting (``negatives``, ``n_neg``) that is not as declared."""
+        check_group(self, ConfigError)
 
     @property
     def generated(self) -> bool:

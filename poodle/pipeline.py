@@ -18,6 +18,7 @@ Progress and notices reach the caller as typed events (:mod:`poodle.events`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import time
@@ -28,48 +29,21 @@ from typing import Any, Sequence
 
 import torch
 
-from poodle import __version__, defaults, distributed
+from poodle import __version__, distributed
 from poodle.cache import SplitFeatures, read_split
 from poodle.cells import Cell
 from poodle.episodes import EpisodeSet, EpisodeStream, load_episodes
 from poodle.errors import ConfigError
-from poodle.evaluate import ChunkPlan, evaluate
+from poodle.evaluate import ChunkPlan, Hooks, evaluate
 from poodle.events import CellFinished, CellsStarted, EpisodesSolved, Notice, OnEvent, Ready, ignore
 from poodle.negatives import pool_file
 from poodle.prefetch import pool_location
 from poodle.preprocess import Preprocessor
 from poodle.results import ResultsFile, cache_identity, identity_key, make_record
+from poodle.run import RunOptions
 from poodle.solvers import _optim
 from poodle.solvers import get as solver_info
 from poodle.utils import resolve_path
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How cells are solved; nothing here changes a result.
-
-    Attributes:
-        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (under torchrun: ``auto``, ``cuda`` or ``cpu``).
-        max_memory: bound on what a call holds (bytes or ``"2GiB"``; ``None``: the device's default,
-            :func:`poodle.evaluate.default_budget`).
-        workers: CPU chunks solved at once (``None``: torch's thread count).
-        cells_per_call: cells on the same episodes and negatives solved by one call (each chunk's
-            episodes are then gathered, and their negatives drawn, once for all of them).
-        chunk_size: episodes per chunk, overriding the automatic choice (tests, benchmarks).
-        cuda_step: the fine-tuning fits' step on CUDA, ``"torch"`` or ``"triton"``
-            (:func:`poodle.solvers._optim.cuda_step`: the same accuracies, probabilities to float
-            rounding).
-    """
-
-    device: str | torch.device = defaults.DEVICE
-    max_memory: str | int | None = None
-    workers: int | None = None
-    cells_per_call: int = defaults.CELLS_PER_CALL
-    chunk_size: int | None = None
-    cuda_step: str = defaults.CUDA_STEP
-
-    def __post_init__(self) -> None:
-        _optim.check_cuda_step(self.cuda_step)  # refused when made, before any file is read
 
 
 def versions() -> dict[str, str]:
@@ -295,16 +269,15 @@ def solve_call(
             methods,
             negatives=users[0].negative_spec() if users else None,
             cache_path=c0.cache_file,
-            device=device,
-            max_memory=options.max_memory,
-            workers=options.workers,
-            chunk_size=options.chunk_size,
-            progress=lambda n: on_event(EpisodesSolved(n, len(batch))),
-            stats=stats,
+            run=dataclasses.replace(options, device=device),
+            hooks=Hooks(
+                progress=lambda n: on_event(EpisodesSolved(n, len(batch))),
+                ready=(lambda: on_event(Ready())) if ready else None,
+                planned=planned,
+                stats=stats,
+            ),
             preprocess=pre,
-            ready=(lambda: on_event(Ready())) if ready else None,
             also_held=also,
-            planned=planned,
         )
     call_seconds = time.perf_counter() - t0
     info = {
@@ -419,7 +392,8 @@ def run_cells(
     with d.guard():
         keys = cell_keys(cells, fingerprints(cells))
         if d.main and out is not None:
-            results = ResultsFile(out, **(meta or {}))
+            # created with its first record: a run that fails before (a bad row of the cache) leaves none
+            results = ResultsFile(out, lazy=True, **(meta or {}))
             done = _finished(cells, keys, results, group) if resume else {}
     if d.enabled:
         done_idx = {int(i) for i in d.broadcast_json(sorted(done))}

@@ -34,9 +34,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from poodle import defaults
 from poodle.cache import list_splits, read_split
 from poodle.errors import CacheError, ConfigError, DataError
 from poodle.negatives import GENERATED, load_pool, pool_file, pool_location
+from poodle.options import option
 
 KINDS = ("l2n", "cl2n", "power")
 DEFAULT_BETA = 0.5  # PT-MAP's default
@@ -61,6 +63,19 @@ class Preprocess:
 
     def __str__(self) -> str:
         return self.key
+
+
+@dataclass(frozen=True)
+class PreprocessSpec:
+    """The preprocessing setting as a user gives it (its canonical text is what results record)."""
+
+    preprocess: str = option(
+        defaults.PREPROCESS,
+        convert=lambda text: parse(text).key,
+        metavar="l2n|cl2n|power[:BETA]",
+        help="Feature preprocessing: the cached rows, SimpleShot centring on the train split's mean, or "
+        "PT-MAP's power transform (default BETA 0.5); applied to the split and the negative pool.",
+    )
 
 
 def parse(text: str | Preprocess | None) -> Preprocess:

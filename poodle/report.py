@@ -30,9 +30,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
 from poodle.results import read_results, record_flat
+from poodle.settings import PAIRING_KEYS
 from poodle.stats import (
     RANK_BOOTSTRAP,
     RANK_SEED,
@@ -43,8 +43,7 @@ from poodle.stats import (
     paired_ttest,
 )
 
-# Keys that identify the episodes a result was solved on: equal keys -> identical episodes.
-PAIRING_KEYS = EPISODE_KEYS + OPTIONAL_EPISODE_KEYS
+# PAIRING_KEYS (poodle.settings) identify the episodes a result was solved on: equal keys -> identical episodes.
 
 _PRETTY = {
     "alpha": ("α", r"$\alpha$"),

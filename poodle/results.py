@@ -38,8 +38,10 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from poodle import __version__
-from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.errors import ConfigError
+from poodle.options import setting
+from poodle.preprocess import PreprocessSpec
+from poodle.settings import EPISODE_KEYS, episode_record
 from poodle.stats import mean_ci
 from poodle.utils import atomic_write, check_size_limit, content_hash, file_sha256, resolve_path, write_error
 
@@ -59,8 +61,7 @@ IDENTITY_FIELDS: tuple[str, ...] = (
     "preprocess",
 )
 # Identity fields left out of the key (and of the identity) when they hold their default value.
-_OPTIONAL_IDENTITY: dict[str, Any] = {"preprocess": "l2n"}
-EPISODE_FIELDS: tuple[str, ...] = EPISODE_KEYS[1:]
+_OPTIONAL_IDENTITY: dict[str, Any] = {"preprocess": setting(PreprocessSpec, "preprocess").default}
 
 _FINGERPRINTS: dict[tuple[str, int, int], str] = {}
 
@@ -103,11 +104,10 @@ def make_identity(
     preprocess: str | None = None,
 ) -> dict[str, Any]:
     """A cell's identity (see the module docstring); ``episode`` must hold every episode field."""
-    missing = [k for k in EPISODE_FIELDS if k not in episode]
+    missing = [k for k in EPISODE_KEYS if k not in episode]
     if missing:
         raise ConfigError(f"episode settings lack {', '.join(missing)}")
-    ep = {k: jsonable(episode[k]) for k in EPISODE_FIELDS}
-    ep.update({k: jsonable(episode[k]) for k in OPTIONAL_EPISODE_KEYS if episode.get(k) is not None})
+    ep = {k: jsonable(v) for k, v in episode_record(dict(episode)).items()}
     identity = {
         "cache_id": cache_id,
         "episode": ep,
@@ -333,17 +333,24 @@ class ResultsFile:
     """A results file opened for lookups and appends.
 
     Opening creates the file (header only) when it does not exist, or when ``fresh`` (then its old
-    content is discarded). Several processes may append to one file at once (two ``poodle grid``
-    runs of one grid): every append holds an exclusive lock, first cuts off a torn last line (a
-    writer killed mid-append) and, if the write fails (disk full), cuts its own bytes off again, so
-    that the file holds whole records only and every record of another writer is kept.
+    content is discarded); with ``lazy``, a missing (or empty) file is created by the first append
+    instead, so that a run that fails before it has a record leaves no file behind. Several processes
+    may append to one file at once (two ``poodle grid`` runs of one grid): every append holds an
+    exclusive lock, first cuts off a torn last line (a writer killed mid-append) and, if the write
+    fails (disk full), cuts its own bytes off again, so that the file holds whole records only and
+    every record of another writer is kept.
     """
 
-    def __init__(self, path: str | os.PathLike, *, fresh: bool = False, **meta: Any) -> None:
+    def __init__(self, path: str | os.PathLike, *, fresh: bool = False, lazy: bool = False, **meta: Any) -> None:
         self.path = resolve_path(path, what="results file")
         header = _line(new_header(**meta))
+        self._pending: bytes | None = None
         if fresh:
             atomic_write(self.path, header)
+        elif lazy and not (self.path.exists() and self.path.stat().st_size > 0):
+            self._pending = header  # written with the first record
+            self.results = _parse(self.path, header)
+            return
         else:
             _create_exclusive(self.path, header)
         self.results = _parse(self.path, _read_locked(self.path))
@@ -366,6 +373,9 @@ class ResultsFile:
         if record.get("kind") != "cell" or "key" not in record:
             raise ValueError("a results record needs kind='cell' and a key (see make_record)")
         data = _line(record)
+        if self._pending is not None:
+            _create_exclusive(self.path, self._pending)
+            self._pending = None
         fd = os.open(self.path, os.O_RDWR)
         try:
             with _locked(fd, exclusive=True):

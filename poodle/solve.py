@@ -23,20 +23,20 @@ import torch
 
 from poodle import defaults
 from poodle.cells import Cell, make_cell
-from poodle.defaults import EPISODE_KEYS, OPTIONAL_EPISODE_KEYS
 from poodle.distributed import is_main_process
 from poodle.episodes import EpisodeSet, EpisodeSpec, load_episodes, save_episodes
-from poodle.errors import ConfigError
+from poodle.errors import ConfigError, EpisodeError
 from poodle.evaluate import prepare_negatives
 from poodle.events import OnEvent, ignore
 from poodle.negatives import NegativeSpec
 from poodle.pipeline import Inputs, RunOptions, run_cells
+from poodle.settings import EPISODE_KEYS, GENERAL_KEYS, WHEN_SET_EPISODE_KEYS
 from poodle.utils import check_output
 
 # Settings that choose the episodes; they cannot be combined with ``episodes_from``.
-EPISODE_PARAMS: tuple[str, ...] = EPISODE_KEYS[1:] + OPTIONAL_EPISODE_KEYS
+EPISODE_PARAMS: tuple[str, ...] = EPISODE_KEYS + WHEN_SET_EPISODE_KEYS
 # Every setting ``solve`` takes besides the methods: those of a grid cell but its cache and method.
-SETTINGS: tuple[str, ...] = EPISODE_PARAMS + ("negatives", "n_neg", "preprocess")
+SETTINGS: tuple[str, ...] = tuple(k for k in GENERAL_KEYS if k not in ("cache", "method"))
 
 
 @dataclass
@@ -197,6 +197,11 @@ def solve(
     inputs = Inputs(on_event)
     if episodes is not None:
         inputs.put(cells[0], episodes)
+        # an error about the file's indices names the file, before anything is written
+        try:
+            episodes.check_against(inputs.features(cells[0]).labels, where=str(episodes_from))
+        except EpisodeError as e:
+            raise EpisodeError(f"episodes_from {e}", params=("episodes_from",)) from None
     if save_episodes_to is not None and is_main_process():
         _save(inputs, cells, save_episodes_to, path)
     res = run_cells(

@@ -130,10 +130,10 @@ def test_a_value_of_the_right_type_that_the_library_refuses_names_the_file_table
     (tmp_path / "poodle.toml").write_text('[solve]\ncache = "f.h5"\nepisodes = -3\n')
     line = fails(tmp_path, "solve", "--device", "cpu")  # was a ValueError traceback (share(-3, 1, 0))
     assert line == (
-        "error: --episodes (poodle.toml [solve] episodes) (the number of episodes) must be a positive integer, got -3"
+        "error: --episodes (poodle.toml [solve] episodes) must be a positive integer (the number of episodes), got -3"
     )
     assert fails(tmp_path, "solve", "--device", "cpu", "--episodes", -3) == (
-        "error: --episodes (the number of episodes) must be a positive integer, got -3"
+        "error: --episodes must be a positive integer (the number of episodes), got -3"
     )
 
 

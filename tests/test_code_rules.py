@@ -114,3 +114,143 @@ def test_bounds_live_next_to_their_fields_only():
         solvers.make_config("alpha-tim", {"alpha": 1})
     assert e.value.params == ("alpha",)
     assert solvers.make_config("alpha-tim", {"alpha": 0.5}).alpha == 0.5
+
+
+# ------------------------------------------------------------------------------------------------
+# The settings schema: every bound and every setting declared once (poodle.options.option)
+
+# The settings groups the command line's options are generated from (cli/_schema.py).
+CHECKS = ("validate", "check", "__post_init__")
+
+
+def _schema_groups():
+    from poodle import settings
+    from poodle.extract import ExtractOptions
+    from poodle.pipeline import RunOptions
+
+    return (*settings.GROUPS, RunOptions, ExtractOptions)
+
+
+def _literal_bounds(tree: ast.AST) -> list[int]:
+    """Lines where a check method (validate, check, __post_init__) compares one of its object's
+    settings with a number written there (``self.n_neg < 1``): a bound that belongs in the field's
+    declaration."""
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name not in CHECKS:
+            continue
+        for n in ast.walk(fn):
+            if not isinstance(n, ast.Compare):
+                continue
+            sides = [n.left, *n.comparators]
+            own = any(
+                isinstance(s, ast.Attribute) and isinstance(s.value, ast.Name) and s.value.id == "self" for s in sides
+            )
+            number = any(
+                isinstance(s, ast.Constant) and isinstance(s.value, (int, float)) and not isinstance(s.value, bool)
+                for s in sides
+            )
+            if own and number:
+                found.append(n.lineno)
+    return found
+
+
+def _click_ranges(tree: ast.AST) -> list[int]:
+    """Lines of click ranges with limits (``click.IntRange(min=1)``): the bound of a setting is its
+    declaration's, checked and said by the library the same way on every command."""
+    return [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) in ("IntRange", "FloatRange")
+    ]
+
+
+def _hand_flags(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, flag)`` of each option written by hand (``click.option("--n-neg", ...)``)."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "option":
+            out += [
+                (n.lineno, a.value) for a in n.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")
+            ]
+    return out
+
+
+def test_no_bound_is_written_outside_the_schema():
+    found = [f"{p.relative_to(ROOT)}:{line}" for p in LIBRARY for line in _literal_bounds(ast.parse(p.read_text()))]
+    found += [f"{p.relative_to(ROOT)}:{line}" for p in COMMANDS for line in _click_ranges(ast.parse(p.read_text()))]
+    assert not found, "bounds outside their fields' declarations:\n" + "\n".join(found)
+
+
+def test_no_setting_is_declared_twice():
+    """A setting of the schema groups is declared once: in one group only among those a command
+    combines (a cell's groups and the run options), and never again as a command's hand-written
+    option (the command line generates it from the declaration)."""
+    from poodle import settings as S
+    from poodle.extract import ExtractOptions
+    from poodle.options import settings
+    from poodle.pipeline import RunOptions
+
+    twice = []
+    for groups in ((*S.GROUPS, RunOptions), (*S.GROUPS, ExtractOptions)):
+        owner: dict[str, str] = {}
+        for group in groups:
+            for s in settings(group):
+                if s.key in owner:
+                    twice.append(f"{s.key}: {owner[s.key]} and {group.__name__}")
+                owner[s.key] = group.__name__
+    flags = {s.flag: f"{s.owner.__name__}.{s.name}" for g in _schema_groups() for s in settings(g) if s.meta("cli")}
+    for path in COMMANDS:
+        for line, flag in _hand_flags(ast.parse(path.read_text())):
+            if flag in flags and path.stem not in UNCONVERTED_COMMANDS and (path.stem, flag) not in HOMONYMS:
+                twice.append(f"{path.relative_to(ROOT)}:{line}: {flag} is {flags[flag]}'s")
+    assert not twice, "\n".join(twice)
+
+
+# Commands whose options are not generated from a settings group yet: train's recipe options are
+# TrainConfig's fields (their defaults read from it), demo's are DemoConfig's, split's its own.
+UNCONVERTED_COMMANDS = ("train", "demo", "split")
+# A command's own option that shares a setting's name but not its meaning.
+HOMONYMS = {("predict", "--query"): "the folder of the query images"}
+
+
+def test_the_schema_rules_find_what_they_forbid():
+    # the rules above must be able to fail
+    validate = "class S:\n    def validate(self):\n        if self.n_neg < 1 or 2 > self.way:\n            pass\n"
+    assert _literal_bounds(ast.parse(validate)) == [3, 3]
+    fine = "class S:\n    def validate(self):\n        if self.query_classes > self.way:\n            pass\n"
+    assert _literal_bounds(ast.parse(fine)) == []
+    ranges = 'click.option("--n-neg", type=click.IntRange(min=1))\nclick.option("--x", type=FloatRange(0, 1))\n'
+    assert _click_ranges(ast.parse(ranges)) == [1, 2]
+    assert _hand_flags(ast.parse(ranges)) == [(1, "--n-neg"), (2, "--x")]
+
+
+def test_a_new_episode_field_is_a_flag_a_project_key_a_grid_axis_and_an_identity_key_only_when_set():
+    """What it takes to add a setting: one field of its group. Made here on a copy of EpisodeSpec
+    with one more field, through the same functions the command line, the grid and the results use."""
+    import dataclasses
+
+    import click
+
+    from poodle.cli._schema import schema_options
+    from poodle.episodes import EpisodeSpec
+    from poodle.errors import EpisodeError
+    from poodle.options import check_value, option, recorded, setting
+
+    Spec = dataclasses.make_dataclass(
+        "Spec",
+        [("max_ways", "int | None", option(None, min=5, when_set=True, help="At most this many ways."))],
+        bases=(EpisodeSpec,),
+        frozen=True,
+        namespace={"__annotations__": {**EpisodeSpec.__annotations__, "max_ways": "int | None"}},
+    )
+    cmd = schema_options(Spec)(click.command()(lambda **kw: None))
+    flag = next(p for p in cmd.params if p.name == "max_ways")
+    assert flag.opts == ["--max-ways"] and flag.default is None and flag.help == "At most this many ways."
+    s = setting(Spec, "max_ways")
+    assert check_value(s, "none", files=True) is None and check_value(s, 7.0, files=True) == 7
+    with pytest.raises(EpisodeError, match=r"max_ways must be an integer >= 5, got 4") as e:
+        check_value(s, 4, EpisodeError)
+    assert (e.value.param, e.value.value) == ("max_ways", 4)
+    assert "max_ways" not in recorded(Spec()) and recorded(Spec(max_ways=8))["max_ways"] == 8
+    assert recorded(Spec()) == recorded(EpisodeSpec())  # the identity of every older record is kept

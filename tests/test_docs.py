@@ -58,3 +58,15 @@ def test_the_first_hours_commands_parse_as_typed(tmp_path, monkeypatch):
             command.make_context(name, rest, parent=ctx)  # options and values checked, nothing run
         except click.ClickException as e:
             raise AssertionError(f"{' '.join(argv)}: {e.format_message()}") from None
+
+
+def test_the_settings_tables_are_the_declarations():
+    """docs/settings.md holds the option tables made from the settings' declarations (regenerate
+    with ``python -m poodle.settings``): a setting added, renamed or re-bounded shows there."""
+    from poodle.settings import markdown_tables
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "settings.md").read_text()
+    block = text.split("<!-- generated tables: begin -->\n")[1].split("<!-- generated tables: end -->")[0]
+    assert block == markdown_tables()
+    assert "| `way` | `--way` | `5` | an integer >= 2 or none (a 1-way episode is always right) |" in block
+    assert "| `n_neg` | `--n-neg` | `400` | a positive integer |" in block

@@ -290,7 +290,7 @@ def test_evaluate_identical_for_any_number_of_workers(cache):
     before = torch.get_num_threads()
     evaluate(test, eps[:4], methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=1, workers=2)
     assert torch.get_num_threads() == before  # the thread setting is restored
-    with pytest.raises(ConfigError, match="workers must be at least 1"):
+    with pytest.raises(ConfigError, match="workers must be a positive integer, got 0"):
         evaluate(test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, workers=0)
 
 

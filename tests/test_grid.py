@@ -121,9 +121,15 @@ def test_grid_hash_ignores_formatting_but_not_cells(tmp_path, cache):
         ),
         ("[solver]\nalpha = ['abc']\n", r"option 'alpha' of method 'poodle' expects a float, got 'abc'"),
         ("[solver]\nsteps = 2.5\n", r"option 'steps' of method 'poodle' expects an int, got 2.5"),
-        ("[episodes]\nshot = [1, 'five']\n", r"option 'shot' expects an integer, got 'five'"),
-        ("[episodes]\nimbalance = -1\n", r"option 'imbalance' \(a Dirichlet concentration\) must be positive, got -1"),
-        ("[episodes]\nway = true\n", r"option 'way' expects an integer, got True"),
+        ("[episodes]\nshot = [1, 'five']\n", r"option 'shot' must be a positive integer, got 'five'"),
+        (
+            "[episodes]\nimbalance = -1\n",
+            r"g.toml: option 'imbalance' must be a number in \(0, inf\) \(a Dirichlet concentration\), got -1.0",
+        ),
+        (
+            "[episodes]\nway = true\n",
+            r"option 'way' must be an integer >= 2 \(a 1-way episode is always right\), got True",
+        ),
         ("[solver]\nmethod = 'nope'\n", r"unknown method 'nope'; known methods: .*poodle"),
         ("[solvers]\nalpha = 1\n", r"unknown section \[solvers\]"),
         ("[[cell]]\nmethod = 'proto'\ntransductive = true\n", r"'proto' is inductive only"),

@@ -371,7 +371,7 @@ def test_cells_record_the_protocol_only_when_it_is_meta_dataset():
     assert on.spec.bilevel and on.key != make_cell({"cache": "c.h5", "method": "proto", "protocol": "meta-dataset"}).key
     with pytest.raises(ConfigError, match="add protocol = meta-dataset"):
         make_cell({"cache": "c.h5", "method": "proto", "min_ways": 3})
-    with pytest.raises(ConfigError, match="min_ways"):
+    with pytest.raises(EpisodeError, match="min_ways"):
         make_cell({"cache": "c.h5", "method": "proto", "protocol": "meta-dataset", "min_ways": 1})
     with pytest.raises(EpisodeError, match="max_ways_upper_bound=50"):
         make_cell({"cache": "c.h5", "method": "proto", "protocol": "meta-dataset", "min_ways": 60})

@@ -4,6 +4,8 @@ counts what a call holds, and the command line's one table of parameter names to
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 import pytest
 import torch
@@ -13,10 +15,11 @@ from poodle.cache import read_split, write_arrays
 from poodle.cells import check_general, make_cell
 from poodle.episodes import EpisodeSpec, EpisodeStream
 from poodle.errors import ConfigError, EpisodeError
-from poodle.evaluate import evaluate, plan_chunks
+from poodle.evaluate import Hooks, evaluate, plan_chunks
 from poodle.events import CellFinished, CellsStarted, EpisodesSolved, Ready
 from poodle.negatives import NegativeSpec
 from poodle.pipeline import RunOptions, calls, run_cells, schedule
+from poodle.settings import check_setting
 from poodle.solve import solve
 
 CPU = RunOptions(device="cpu")
@@ -43,10 +46,16 @@ def test_a_cell_is_checked_once_by_the_rule_that_owns_each_value(cache):
         make_cell({"cache": str(cache), "method": "poodle", "negatives": "none"})
     with pytest.raises(EpisodeError, match=r"query_classes must be an integer in 1..way=5, got 6"):
         make_cell({"cache": str(cache), "query_classes": 6})
-    with pytest.raises(ConfigError) as e:
-        check_general("shot", "five")
-    assert (e.value.param, e.value.value, e.value.reason) == ("shot", "five", "expects an integer")
-    assert check_general("imbalance", "balanced") is None and check_general("preprocess", "power") == "power:0.5"
+    with pytest.raises(EpisodeError) as e:
+        check_setting("shot", "five")
+    assert (e.value.param, e.value.value, e.value.reason) == ("shot", "five", "must be a positive integer")
+    assert check_setting("imbalance", "balanced") is None and check_setting("preprocess", "power") == "power:0.5"
+    assert check_setting("episodes", 3.0) == 3 and check_setting("query_classes", "all") is None
+    with pytest.raises(ConfigError, match="n_neg must be a positive integer, got 0") as e:
+        check_setting("n_neg", 0)
+    assert e.value.params == ("n_neg",)
+    with pytest.warns(DeprecationWarning, match="check_setting"):
+        assert check_general("way", 3) == 3
 
 
 def test_methods_without_negatives_join_the_call_of_those_with_them(cache):
@@ -101,10 +110,21 @@ def test_the_pipelined_chunk_stream_gives_the_same_results_in_order(cache):
     stream = EpisodeStream(test.labels, EpisodeSpec(way=5, shot=1, query=3, seed=5), 23)
     methods = [("p", "proto", None), ("po", "poodle", {"steps": 4, "transductive": True})]
     neg = NegativeSpec("random", 9)
-    plain = evaluate(test, stream, methods, negatives=neg, device="cpu", chunk_size=4, workers=1, overlap=False)
-    piped = evaluate(test, stream, methods, negatives=neg, device="cpu", chunk_size=4, workers=1, overlap=True)
+    run = RunOptions(device="cpu", chunk_size=4, workers=1, overlap=False)
+    solved: list[int] = []
+    plain = evaluate(test, stream, methods, negatives=neg, run=run, hooks=Hooks(progress=solved.append))
+    piped = evaluate(test, stream, methods, negatives=neg, run=dataclasses.replace(run, overlap=True))
     for k in ("p", "po"):
         assert torch.equal(plain[k], piped[k])
+    assert sum(solved) == 23 and len(solved) == 6  # chunks of 4
+    # the keywords of 0.1 still work for one release, with a warning, and give the same numbers
+    with pytest.warns(DeprecationWarning, match=r"evaluate\(device=, chunk_size=, workers=, overlap=\) is deprecated"):
+        old = evaluate(test, stream, methods, negatives=neg, device="cpu", chunk_size=4, workers=1, overlap=False)
+    assert all(torch.equal(plain[k], old[k]) for k in ("p", "po"))
+    with pytest.raises(TypeError, match="unexpected keyword argument.s. devcie"):
+        evaluate(test, stream, methods, negatives=neg, devcie="cpu")
+    with pytest.raises(ConfigError, match="workers must be a positive integer, got 0"):
+        RunOptions(workers=0)  # checked once, when made: evaluate trusts it
 
 
 def test_an_explicit_memory_bound_counts_what_the_call_holds(cache):

@@ -3,6 +3,8 @@ and the rules a config follows (presets resolved, one coercion, bounds)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from poodle import results as RS
@@ -89,3 +91,29 @@ def test_configs_hold_the_values_used_and_values_are_checked_in_one_place():
     assert not info.is_transductive(solvers.make_config("poodle", {}))
     assert solvers.get("tim-gd").is_transductive(a) and not solvers.get("proto").is_transductive(None)
     assert info.settings() == ("inductive", "transductive") and solvers.get("ce").settings() == ("inductive",)
+
+
+def test_results_written_by_poodle_0_1_are_found_finished(tmp_path):
+    """tests/data/results_v0.1 holds a grid, its cache and the results file poodle 0.1 (main at
+    c104825, before the settings schema) wrote for it: 32 cells across shot, imbalance, query_classes,
+    negatives, n_neg, preprocess and seed. Today's code must compute the same identity for every cell,
+    so the grid finds every cell finished and solves nothing."""
+    import shutil
+
+    from poodle import grid as G
+    from poodle.pipeline import RunOptions
+
+    data = Path(__file__).parent / "data" / "results_v0.1"
+    for name in ("grid.toml", "features.h5", "results.jsonl"):
+        shutil.copy(data / name, tmp_path / name)
+    before = (tmp_path / "results.jsonl").read_bytes()
+    written = RS.read_results(tmp_path / "results.jsonl").records
+    assert len(written) == 32 and {r["versions"]["poodle"] for r in written} == {"0.1.0"}
+    assert sum("query_classes" in r["episode"] for r in written) == 16
+    assert {r.get("preprocess") for r in written} == {None, "cl2n", "power:0.4"}
+    spec = G.load_grid(tmp_path / "grid.toml")
+    cells = G.expand(spec)
+    run = G.run_grid(spec, tmp_path / "results.jsonl", options=RunOptions(device="cpu"), cells=cells)
+    assert (run.computed, run.skipped) == (0, 32)
+    assert [r["key"] for r in run.records] == [r["key"] for r in written]
+    assert (tmp_path / "results.jsonl").read_bytes() == before

@@ -138,7 +138,7 @@ def test_solve_imbalanced_random_negatives(tmp_path, cache):
         (["--way", 7], "has 6 classes"),
         (["--split", "small", "--query", 5], "fewer than shot + query = 6 images: s0 (3)"),
         (["--shot", 0], "shot must be a positive integer"),
-        (["--episodes", 0], "--episodes (the number of episodes) must be a positive integer, got 0"),
+        (["--episodes", 0], "--episodes must be a positive integer (the number of episodes), got 0"),
         (["--method", "nope"], "unknown method 'nope'"),
         (["--method", "proto", "--alpha", 2], "option --alpha is not an option of the chosen method(s) proto"),
         (["--method", "proto", "--transductive"], "option --transductive"),
@@ -269,3 +269,63 @@ def test_solve_help_lists_the_methods():
     assert r.exit_code == 0
     for name in ("alpha-tim", "paddle", "bms", "proto-lp", "laplacianshot", "poodle"):
         assert f"  {name} " in r.output
+
+
+def _copy_cache(src, dst, split, row, how):
+    """A copy of cache ``src`` whose ``split`` has row ``row`` NaN, infinite or of norm 1.5."""
+    import shutil
+
+    import h5py
+    import numpy as np
+
+    shutil.copy(src, dst)
+    with h5py.File(dst, "a") as f:
+        x = f[f"{split}/features"]
+        if how == "unnormalised":
+            x[row] = x[row] * 1.5
+        else:
+            x[row, 0] = np.nan if how == "nan" else np.inf
+    return dst
+
+
+@pytest.mark.parametrize(
+    "split, how, message",
+    [
+        ("test", "nan", "split 'test': features row 2 is not finite"),
+        ("test", "inf", "split 'test': features row 2 is not finite"),
+        ("test", "unnormalised", "split 'test': features row 2 has L2 norm 1.5"),
+        ("train", "nan", "negative pool 'base': "),
+        ("train", "unnormalised", "split 'train': features row 2 has L2 norm 1.5"),
+    ],
+)
+def test_a_bad_row_is_said_and_no_results_file_is_written(tmp_path, cache, split, how, message):
+    """Nothing is written before the inputs are checked: a bad row of the split or of the base pool
+    is one line naming the file, and the results file never appears (it was left holding a header)."""
+    bad = _copy_cache(cache, tmp_path / "bad.h5", split, 2, how)
+    out = tmp_path / "r.json"
+    r = _run(["--cache", bad, "--episodes", 3, "--steps", 2, "--json", out])
+    assert r.exit_code == 1 and message in r.output and str(bad) in r.output, r.output
+    assert not out.exists()
+    good = _run(["--cache", cache, "--episodes", 3, "--steps", 2, "--json", out])
+    assert good.exit_code == 0 and len(read_results(out).records) == 1  # created with its first record
+
+
+def test_an_episodes_file_of_another_cache_or_with_negative_indices_is_named(tmp_path, cache, make_features):
+    import h5py
+
+    from poodle.cache import write_arrays
+
+    eps_file, out = tmp_path / "e.h5", tmp_path / "r.json"
+    assert _run(["--cache", cache, "--episodes", 3, "--save-episodes", eps_file]).exit_code == 0
+    xs, ys = make_features(6, 4, 16, seed=7)  # 24 rows: the file's indices reach past them
+    other = write_arrays(tmp_path / "other.h5", {"test": (xs, ys, [f"t{i}" for i in range(6)])})
+    r = _run(["--cache", other, "--episodes-from", eps_file, "--json", out])
+    assert r.exit_code == 1 and f"error: --episodes-from {eps_file}: " in r.output, r.output
+    assert "the episodes were drawn from another cache or split" in r.output and not out.exists()
+    with h5py.File(eps_file, "a") as f:
+        s = f["support"][()]
+        s[1, 0] = -4
+        f["support"][...] = s
+    r = _run(["--cache", cache, "--episodes-from", eps_file, "--json", out])
+    assert r.exit_code == 1 and not out.exists(), r.output
+    assert f"error: --episodes-from {eps_file}: support index -4 (episode 1) is negative" in r.output.replace("\n", "")

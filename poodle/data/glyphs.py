@@ -51,6 +51,7 @@ from poodle.data._glyph_render import (
     to_image,
 )
 from poodle.errors import ConfigError, DataError
+from poodle.options import check_group, option
 
 __all__ = [
     "ALPHABETS",
@@ -198,18 +199,18 @@ class _Settings:
     """What defines a generated set (the manifest's settings, and its folder's name)."""
 
     seed: int = 0
-    image_size: int = 28
-    instances: int = DEFAULT_INSTANCES
+    image_size: int = option(28, min=8, why="the strokes need 8 pixels")
+    instances: int = option(DEFAULT_INSTANCES, min=1)
     alphabets: Sequence[str] | None = None
     max_per_alphabet: int | None = None
     distortion: Distortion = field(default_factory=Distortion)
 
     def check(self) -> None:
         _check_seed(self.seed)
-        if self.image_size < 8:
-            raise ConfigError(f"glyphs: image_size must be at least 8, got {self.image_size}")
-        if self.instances < 1:
-            raise ConfigError(f"glyphs: instances must be at least 1, got {self.instances}")
+        try:
+            check_group(self, ConfigError)
+        except ConfigError as e:
+            raise ConfigError(f"glyphs: {e}", params=e.params, param=e.param, value=e.value, reason=e.reason) from None
 
     def config(self) -> dict:
         return {

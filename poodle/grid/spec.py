@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from poodle import solvers
-from poodle.cells import Cell, Locations, check_general, located, make_cell, numbered
-from poodle.defaults import GENERAL_DEFAULTS, GENERAL_KEYS, NEGATIVE_KEYWORDS
+from poodle.cells import Cell, Locations, located, make_cell, numbered
+from poodle.defaults import NEGATIVE_KEYWORDS
 from poodle.errors import ConfigError, PoodleError
+from poodle.settings import GENERAL_KEYS, check_setting, general_defaults
 from poodle.utils import content_hash, resolve_path
 
 if sys.version_info >= (3, 11):
@@ -33,8 +34,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-# Defaults are those of `poodle solve`: the paper's main protocol (poodle.defaults).
-DEFAULTS: dict[str, Any] = GENERAL_DEFAULTS
+# Defaults are those of `poodle solve`: the settings' declared defaults (poodle.settings).
+DEFAULTS: dict[str, Any] = general_defaults()
 SECTIONS = ("episodes", "negatives", "solver")
 TOP_LEVEL_ONLY = ("name", "description", "product", "caches", "cell")
 
@@ -69,11 +70,11 @@ def raw_line(path: Path, offset: int) -> int:
 
 
 def _check_general(where: str, key: str, v: Any) -> Any:
-    """A general option's value, checked by the rule that owns it (:func:`poodle.cells.check_general`)."""
+    """A general option's value, checked by its declaration (:func:`poodle.settings.check_setting`)."""
     try:
-        return check_general(key, v)
+        return check_setting(key, v)
     except PoodleError as e:
-        raise located(f"{where}: option {key!r}", e) from None
+        raise located(where, e) from None
 
 
 def _as_list(v: Any) -> list[Any]:

@@ -130,14 +130,12 @@ class TrainConfig:
             check_seed(self.seed)
         except ConfigError as e:
             raise ConfigError(str(e), params=("seed",)) from None
-        if self.recipe == "rot-kd" and self.generations < 1:
+        if self.recipe == "rot-kd" and not self.generations:  # a rule between two settings
             raise ConfigError(
                 f"recipe rot-kd needs generations >= 1, got {self.generations}", params=("recipe", "generations")
             )
-        if self.val_every < 0 or self.workers < 0:
-            raise ConfigError("val_every and workers must be >= 0", params=("val_every", "workers"))
         for m in self.milestones or ():
-            if not 0 < m < self.epochs:
+            if m < 1 or m >= self.epochs:  # each milestone an epoch after the first: a rule between two settings
                 raise ConfigError(
                     f"milestones contain {m}, outside 1..{self.epochs - 1} (epochs {self.epochs})",
                     params=("milestones", "epochs"),

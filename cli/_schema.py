@@ -1,0 +1,84 @@
+"""The command line's options of the settings schema: made from the declarations, never written here.
+
+A settings group (:class:`poodle.episodes.EpisodeSpec`, :class:`poodle.negatives.NegativeSpec`,
+:class:`poodle.pipeline.RunOptions` ...) declares each setting once with
+:func:`poodle.options.option`; :func:`schema_options` turns its fields into click options (flag,
+type, default, help, metavar), so that a new field is a new option of every command that takes its
+group, and a key of the project file (whose keys are the options' names). Bounds are not click's:
+the library checks every value by its declaration and says it with the parameter and the value,
+which :func:`flag_message` writes with the flag (one rule, one message, on every command).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import click
+
+from poodle.options import Setting, settings
+
+
+def _click_type(s: Setting) -> Any:
+    from poodle.cli._common import SizeType
+
+    if s.meta("cli_type") == "size":
+        return SizeType()
+    if s.meta("choices"):
+        return click.Choice(s.meta("choices"))
+    return {int: click.INT, float: click.FLOAT, bool: click.BOOL}.get(s.kind, click.STRING)
+
+
+def click_option(s: Setting, **given: Any) -> Callable[[Any], Any]:
+    """The click option of setting ``s``: ``--key`` (dashes for underscores), named ``key``; ``given``
+    (``default``, ``help``, ``metavar``) replaces the declaration's where a command differs (``poodle predict``
+    decodes its few images in-process: ``workers`` 0)."""
+    default = given.get("default", s.default)
+    text = given.get("help", s.meta("help"))
+    shown = default is not None and not s.meta("cli_type")
+    if s.kind is bool and not s.optional:
+        return click.option(s.flag, s.key, is_flag=True, default=bool(default), help=text)
+    return click.option(
+        s.flag,
+        s.key,
+        type=_click_type(s),
+        default=default,
+        show_default=shown,
+        metavar=given.get("metavar", s.meta("metavar")),
+        help=text,
+    )
+
+
+def schema_options(
+    *groups: type, only: Iterable[str] | None = None, changed: dict[str, dict[str, Any]] | None = None
+) -> Callable[[Any], Any]:
+    """A decorator adding the options of ``groups``' settings (those with a command-line option, and
+    of them only the keys in ``only`` when given), in declaration order; ``changed`` gives a
+    command's own ``default`` or ``help`` of a key."""
+    keep = None if only is None else set(only)
+    chosen = [s for g in groups for s in settings(g) if s.meta("cli") and (keep is None or s.key in keep)]
+    if keep is not None:
+        missing = keep - {s.key for s in chosen}
+        assert not missing, f"no such settings: {missing}"
+
+    def decorate(fn: Any) -> Any:
+        for s in reversed(chosen):
+            fn = click_option(s, **(changed or {}).get(s.key, {}))(fn)
+        return fn
+
+    return decorate
+
+
+def run_options(params: dict[str, Any], cls: type) -> Any:
+    """An instance of group ``cls`` from a command's parameters (those it has an option for)."""
+    return cls(**{s.name: params[s.key] for s in settings(cls) if s.key in params})
+
+
+def flag_message(flag: str, error: Any) -> str | None:
+    """An error about one value (``param``, ``value``, ``reason``: :meth:`PoodleError.bad_value`) said
+    with its flag: ``--way must be an integer >= 2, got 1``; None for an error that is not one."""
+    if getattr(error, "param", None) is None or getattr(error, "reason", None) is None:
+        return None
+    return f"{flag} {error.reason}, got {error.value!r}"
+
+
+__all__ = ["click_option", "flag_message", "run_options", "schema_options"]
