@@ -3,6 +3,10 @@
 Both consoles print text literally (``markup=False``): messages carry paths, class names and option
 values that the user wrote, and rich markup would rewrite ``run[bold]1.h5`` or fail on ``[/]``.
 Styling is applied with :func:`styled` (a ``rich.text.Text``), never by markup in a string.
+
+Output that goes to a file or a pipe (a batch job's log, CI) is not laid out for a terminal that is
+not there: tables take their natural width (or ``COLUMNS`` when it is set), and colours are left
+out (rich's rule; ``NO_COLOR`` turns them off on a terminal too).
 """
 
 from __future__ import annotations
@@ -33,8 +37,30 @@ from poodle import defaults
 from poodle.errors import PoodleError
 from poodle.events import NoticeWarning
 
-console = Console(stderr=True, markup=False, highlight=False)
-out = Console(markup=False, highlight=False)
+# the width of a console that is not a terminal, COLUMNS unset: wide enough for any table
+NATURAL_WIDTH = 100_000
+
+
+class _Console(Console):
+    """A rich console that is as wide as its text when it writes to a file or a pipe: rich would lay
+    everything out for 80 columns there (or for the terminal its stdin happens to be)."""
+
+    @property
+    def size(self) -> Any:
+        from rich.console import ConsoleDimensions
+
+        if self._width is None and not self.is_terminal and not self.is_jupyter:
+            columns = self._environ.get("COLUMNS", "")
+            return ConsoleDimensions(int(columns) if columns.isdigit() else NATURAL_WIDTH, 25)
+        return Console.size.fget(self)  # type: ignore[attr-defined]
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
+console = _Console(stderr=True, markup=False, highlight=False)
+out = _Console(markup=False, highlight=False)
 
 
 def styled(label: str, style: str, rest: str = "") -> Text:
@@ -405,7 +431,8 @@ def render_table(table: Any, title: str | None = None, width: int | None = None)
     """A :class:`poodle.report.Table` as a rich table: the one renderer of result tables (``report``,
     ``demo``, ``grid``, ``solve``); bold entries in bold green.
 
-    The table is laid out to fit ``width`` columns (default: the terminal's) without cutting any text:
+    The table is laid out to fit ``width`` columns (default: the terminal's; when the output is no
+    terminal, ``COLUMNS`` or else no limit, the table's natural width) without cutting any text:
     the first of these layouts whose natural width fits is used (the last one otherwise):
 
     - ``full``: boxed, one column per row key;

@@ -145,7 +145,7 @@ def say_event(event: Any) -> None:
     "--workers",
     default=None,
     type=click.IntRange(min=0),
-    help="DataLoader worker processes decoding images [default: one per core, at most 8].",
+    help="DataLoader worker processes decoding images [default: one per usable core, at most 8].",
 )
 @click.option(
     "--device", default=defaults.DEVICE, show_default=True, help="auto (CUDA when present), cpu, cuda or cuda:N."

@@ -275,7 +275,7 @@ class _GridProgress:
                 self.cells,
                 completed=event.done,
                 info=f"last: {event.cell.describe(self.keys)} {100 * rec['mean']:.2f} ± "
-                f"{100 * rec['ci95']:.2f} ({rec['seconds']:.1f} s)",
+                f"{100 * rec['ci95']:.2f} ({rec.get('wall_seconds_share', rec['seconds']):.1f} s wall share)",
             )
         elif isinstance(event, EpisodesSolved):
             self.advance(event.episodes * event.cells)

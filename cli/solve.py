@@ -266,7 +266,8 @@ class _ListsMethods(click.Command):
     "--workers",
     type=click.IntRange(min=1),
     default=None,
-    help="CPU: chunks solved at once, each single-threaded [default: torch's thread count].",
+    help="CPU: chunks solved at once, each single-threaded [default: torch's thread count within the "
+    "usable cores; poodle info --system].",
 )
 @cuda_step_option
 @click.option(
@@ -384,7 +385,7 @@ def solve_events(advance: Any) -> Any:
 def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str | None) -> None:
     """The setting, the table (paired differences to the first method) and the throughput."""
     from poodle.cli._common import render_table
-    from poodle.report import solve_table
+    from poodle.report import solve_table, timing_note
     from poodle.system import formulations
 
     if save_episodes:
@@ -403,8 +404,12 @@ def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str 
     out.print(
         render_table(solve_table(res.records), title=f"{spec.way}-way {spec.shot}-shot, {res.n_episodes:,} episodes")
     )
+    why = timing_note(res.records)
+    if why:
+        console.print(why, highlight=False, soft_wrap=True)
     console.print(
-        f"{res.n_episodes / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s, chunks of {res.chunk_size})"
+        f"{res.n_episodes / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s wall, chunks of "
+        f"{res.chunk_size})"
     )
     console.print(f"arithmetic: {formulations(res.records)}", highlight=False, soft_wrap=True)
     if results_path:

@@ -191,7 +191,10 @@ def _default(name: str) -> Any:
     help="Convolutions on NHWC tensors: 1.2-1.6x faster steps on a CPU; the weights differ by rounding.",
 )
 @click.option(
-    "--workers", type=int, default=_default("workers"), show_default=True, help="DataLoader worker processes."
+    "--workers",
+    type=int,
+    default=None,
+    help="DataLoader worker processes [default: one per usable core, at most 4; poodle info --system].",
 )
 @click.option("--device", default=_default("device"), show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--amp/--no-amp", default=None, help="Mixed precision [default: on for CUDA, off on CPU].")

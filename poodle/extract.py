@@ -55,10 +55,12 @@ def cache_path(cache_root: str | os.PathLike, dataset: str, backbone: str, tag: 
 
 
 def default_workers() -> int:
-    """DataLoader workers when none are asked for: one per core (shared among torchrun's processes on
-    the node), at most 8."""
-    per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(0, min(8, (os.cpu_count() or 1) // per_node))
+    """DataLoader workers when none are asked for: one per usable core (shared among torchrun's
+    processes on the node; :func:`poodle.system.default_workers`), at most 8."""
+    from poodle.system import EXTRACT_WORKERS
+    from poodle.system import default_workers as per_core
+
+    return per_core(EXTRACT_WORKERS)
 
 
 def _parse_splits(splits: Sequence[str] | str) -> list[str]:

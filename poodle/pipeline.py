@@ -41,6 +41,7 @@ from poodle.preprocess import Preprocessor
 from poodle.results import ResultsFile, cache_identity, identity_key, make_record
 from poodle.solvers import _optim
 from poodle.solvers import get as solver_info
+from poodle.system import solve_workers
 from poodle.utils import resolve_path
 
 
@@ -52,7 +53,8 @@ class RunOptions:
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (under torchrun: ``auto``, ``cuda`` or ``cpu``).
         max_memory: bound on what a call holds (bytes or ``"2GiB"``; ``None``: the device's default,
             :func:`poodle.evaluate.default_budget`).
-        workers: CPU chunks solved at once (``None``: torch's thread count).
+        workers: CPU chunks solved at once (``None``: :func:`poodle.system.solve_workers`, torch's
+            thread count within the usable cores).
         cells_per_call: cells on the same episodes and negatives solved by one call (each chunk's
             episodes are then gathered, and their negatives drawn, once for all of them).
         chunk_size: episodes per chunk, overriding the automatic choice (tests, benchmarks).
@@ -295,7 +297,7 @@ def solve_call(
             cache_path=c0.cache_file,
             device=device,
             max_memory=options.max_memory,
-            workers=options.workers,
+            workers=solve_workers() if options.workers is None and device.type == "cpu" else options.workers,
             chunk_size=options.chunk_size,
             progress=lambda n: on_event(EpisodesSolved(n, len(batch))),
             stats=stats,
@@ -312,12 +314,21 @@ def solve_call(
         "chunk_size": stats.get("chunk_size"),
         "workers": stats.get("workers"),
     }
+    # A chunk is solved by every method of the call, one after another, and on CPU several chunk
+    # workers run at once: a method's summed solve time is thread time, not a share of the wall
+    # time. Its share of the call's wall time is apportioned by that summed time.
+    worker = {c.index: float(stats["seconds"].get(labels[c.index], call_seconds / len(batch))) for c in batch}
+    total = sum(worker.values())
     return {
         labels[c.index]: (
             accs[labels[c.index]].double().cpu(),
             {
                 **info,
-                "seconds": float(stats["seconds"].get(labels[c.index], call_seconds / len(batch))),
+                "seconds": worker[c.index],
+                "worker_seconds": round(worker[c.index], 4),
+                "wall_seconds_share": round(
+                    call_seconds * worker[c.index] / total if total > 0 else call_seconds / len(batch), 4
+                ),
                 # provenance, not identity: which arithmetic the method's fits ran here
                 "formulation": _optim.formulation(solver_info(c.method).name, device),
             },
