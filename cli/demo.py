@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import console, friendly_errors, out, progress_bar, render_table
+from poodle.cli._common import console, friendly_errors, out, progress_bar, progress_option, render_table
 
 
 @click.command()
@@ -48,6 +48,7 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar, rend
     help="Transductive methods to add: paper (those the paper compares with), all, none, or a comma list.",
 )
 @click.option("--quick", is_flag=True, help="A tiny run (a few glyph classes, 1 epoch, 40 episodes) for tests.")
+@progress_option
 @friendly_errors
 def demo(
     cache_root: str,

@@ -11,10 +11,12 @@ from poodle import defaults
 from poodle.cli._common import (
     console,
     friendly_errors,
+    keep,
     note,
     out,
     pretrained_option,
     progress_bar,
+    progress_option,
     say_glyphs_generation,
     styled,
 )
@@ -64,11 +66,18 @@ def describe(event: Any) -> str | None:
     return None
 
 
+_done: list[str] = []  # the splits complete in the cache, for the line a stop prints
+
+
 def say_event(event: Any) -> None:
     """Print a library event: a Notice as a note (its parameters written as flags), the others as
     :func:`describe` says them."""
-    from poodle.events import Notice
+    from poodle.events import Notice, SplitReused, SplitWritten
 
+    if isinstance(event, (SplitWritten, SplitReused)):
+        _done.append(event.split)
+        keep("splits", f"split{'s' if len(_done) > 1 else ''} {', '.join(_done)} in {event.path}")
+        keep("staged", None)
     if isinstance(event, Notice):
         note(event)
     elif (line := describe(event)) is not None:
@@ -185,6 +194,7 @@ def say_event(event: Any) -> None:
     help="List the backbones available (release, torchvision, timm) and exit.",
 )
 @click.pass_context
+@progress_option
 @friendly_errors
 def extract(
     ctx: click.Context,
@@ -225,7 +235,10 @@ def extract(
 
     say_glyphs_generation(dataset, data_root, cache_root)
 
+    _done.clear()
+
     def bar(desc: str, total: int):
+        keep("staged", f"the batches of split {desc.split()[0]} extracted so far, staged to resume from")
         return progress_bar(desc, total, unit="img")
 
     path = run_extract(

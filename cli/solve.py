@@ -15,10 +15,12 @@ from poodle.cli._common import (
     console,
     cuda_step_option,
     friendly_errors,
+    keep,
     note,
     out,
     parse_set,
     progress_bar,
+    progress_option,
     user_set,
 )
 
@@ -286,6 +288,7 @@ class _ListsMethods(click.Command):
     help="Append one results record per method (JSON Lines, read by `poodle report`) to this file.",
 )
 @click.pass_context
+@progress_option
 @friendly_errors
 def solve(
     ctx: click.Context,
@@ -360,16 +363,20 @@ def solve(
             save_episodes_to=save_episodes,
             out=results_path,
             run=RunOptions(device=device, max_memory=max_memory, workers=workers, cuda_step=cuda_step),
-            on_event=solve_events(advance),
+            on_event=solve_events(advance, results_path),
             **given,
         )
     if rank == 0:
         _summary(res, path, save_episodes, results_path)
 
 
-def solve_events(advance: Any) -> Any:
-    """The command line's listener of a solve: the progress bar and the notices."""
-    from poodle.events import EpisodesSolved, Notice, Ready
+def solve_events(advance: Any, results_path: str | None = None) -> Any:
+    """The command line's listener of a solve: the progress bar, the notices, the cells kept in
+    ``results_path`` and, after each event, a safe point to stop at (:mod:`poodle.interrupt`)."""
+    from poodle import interrupt
+    from poodle.events import CellFinished, EpisodesSolved, Notice, Ready
+
+    written = [0]
 
     def on_event(event: Any) -> None:
         if isinstance(event, Ready) and advance is not None:
@@ -378,7 +385,13 @@ def solve_events(advance: Any) -> Any:
             advance(event.episodes)
         elif isinstance(event, Notice):
             note(event)
+        elif isinstance(event, CellFinished) and results_path:
+            written[0] += 1
+            keep("cells", f"{written[0]} of {event.total} cells in {results_path}")
+        interrupt.check()
 
+    if not results_path:
+        keep("cells", "no cell (without --out nothing is written)")
     return on_event
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from poodle import backbones, defaults, distributed, project
+from poodle import backbones, defaults, distributed, interrupt, project
 from poodle import cache_shares as cs
 from poodle.backbones.checkpoint import checkpoint_digest
 from poodle.backbones.pretrained import resolve_pretrained
@@ -602,6 +602,7 @@ def _run_split(
         shuffle=False,
         num_workers=workers,
         pin_memory=dev.type == "cuda",
+        worker_init_fn=interrupt.quiet_worker if workers > 0 else None,
     )
     pos = start
     desc = ds.split if start == offset else f"{ds.split} (resumed)"
@@ -638,3 +639,4 @@ def _run_split(
             )
             pos += b
             advance(b)
+            interrupt.check()  # a safe point: the batch is staged (see poodle.interrupt)
