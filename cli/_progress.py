@@ -70,7 +70,7 @@ class Task:
     total: float | None
     fields: dict[str, Any]
     completed: float = 0.0
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=lambda: time.monotonic())
     start_count: float = 0.0  # done when the rate started being measured (a reset)
     printed_final: bool = False
 
