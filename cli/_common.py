@@ -210,6 +210,8 @@ def say_stopped(e: BaseException) -> None:
     that continues it."""
     import signal as _signal
 
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return  # under torchrun rank 0 speaks for the run
     signum = int(getattr(e, "signum", _signal.SIGINT))
     kept = "; ".join(_KEPT.values()) or "nothing finished yet"
     console.print(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -193,7 +194,12 @@ class LineProgress:
         if self.form == "none":
             return
         unit = str(t.fields.get("unit", ""))
-        extra = {k: v for k, v in t.fields.items() if k not in ("unit", "rate") and v not in ("", "-", None)}
+        # a rate a display wrote for its bar ("52 episodes/s"): the line says its own
+        extra = {
+            k: v
+            for k, v in t.fields.items()
+            if k not in ("unit", "rate") and v not in ("", "-", None) and not re.fullmatch(r"[\d,.]+ \S+/s", str(v))
+        }
         speed, left = t.speed, t.remaining
         if self.form == "json":
             obj: dict[str, Any] = {
@@ -215,7 +221,7 @@ class LineProgress:
         pct = f" ({100 * t.completed / t.total:.0f}%)" if t.total else ""
         rate = f", {speed:,.1f} {unit or 'it'}/s" if speed else ""
         when = f", {clock(t.elapsed)} elapsed" + ("" if final or left is None else f", {clock(left)} left")
-        info = "".join(f", {k} {v}" for k, v in extra.items())
+        info = "".join(f", {v}" if k == "info" else f", {k} {v}" for k, v in extra.items())
         from poodle.cli._common import console
 
         console.print(

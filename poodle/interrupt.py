@@ -111,6 +111,7 @@ def stop_on_signals(grace: float | None = GRACE) -> Iterator[None]:
         signal.setitimer(signal.ITIMER_REAL, 0)
         for s, h in before.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
+        _requested.clear()  # a request is about this run: a later call outside starts afresh
 
 
 def quiet_worker(worker_id: int) -> None:

@@ -156,4 +156,4 @@ def test_demo_stopped_at_three_points_continues_to_the_same_features_and_cells(f
 
     before = cells(cache / "glyphs" / "demo" / "results.jsonl")
     after = cells(tmp_path / "c" / "glyphs" / "demo" / "results.jsonl")
-    assert len(after) == 8 and all(before[k] == v for k, v in after.items())
+    assert len(after) == 12 and all(before[k] == v for k, v in after.items())  # 12 cells: competitors none
