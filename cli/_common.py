@@ -3,6 +3,10 @@
 Both consoles print text literally (``markup=False``): messages carry paths, class names and option
 values that the user wrote, and rich markup would rewrite ``run[bold]1.h5`` or fail on ``[/]``.
 Styling is applied with :func:`styled` (a ``rich.text.Text``), never by markup in a string.
+
+Output that goes to a file or a pipe (a batch job's log, CI) is not laid out for a terminal that is
+not there: tables take their natural width (or ``COLUMNS`` when it is set), and colours are left
+out (rich's rule; ``NO_COLOR`` turns them off on a terminal too).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
-    Progress,
     TaskProgressColumn,
     TextColumn,
     TimeElapsedColumn,
@@ -33,8 +36,30 @@ from poodle import defaults
 from poodle.errors import PoodleError
 from poodle.events import NoticeWarning
 
-console = Console(stderr=True, markup=False, highlight=False)
-out = Console(markup=False, highlight=False)
+# the width of a console that is not a terminal, COLUMNS unset: wide enough for any table
+NATURAL_WIDTH = 100_000
+
+
+class _Console(Console):
+    """A rich console that is as wide as its text when it writes to a file or a pipe: rich would lay
+    everything out for 80 columns there (or for the terminal its stdin happens to be)."""
+
+    @property
+    def size(self) -> Any:
+        from rich.console import ConsoleDimensions
+
+        if self._width is None and not self.is_terminal and not self.is_jupyter:
+            columns = self._environ.get("COLUMNS", "")
+            return ConsoleDimensions(int(columns) if columns.isdigit() else NATURAL_WIDTH, 25)
+        return Console.size.fget(self)  # type: ignore[attr-defined]
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
+console = _Console(stderr=True, markup=False, highlight=False)
+out = _Console(markup=False, highlight=False)
 
 
 def styled(label: str, style: str, rest: str = "") -> Text:
@@ -163,14 +188,50 @@ def friendly_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             )
             console.print(styled("error:", "bold red", f"{where} {e.strerror or e}".rstrip()), soft_wrap=True)
             sys.exit(1)
-        except KeyboardInterrupt:
-            console.print(
-                styled("interrupted", "yellow", ": completed work is kept; re-run the same command to resume"),
-                soft_wrap=True,
-            )
-            sys.exit(130)
+        except KeyboardInterrupt as e:
+            say_stopped(e)
+            sys.exit(int(getattr(e, "exit_code", 130)))
 
     return wrapper
+
+
+# What the running command has committed so far, for the line a stop prints: {what: text}, each
+# entry replaced by the newer one of its kind ("cells": "3 of 10 cells in g.results.jsonl").
+_KEPT: dict[str, str] = {}
+
+
+def keep(what: str, text: str | None) -> None:
+    """Record that ``text`` (e.g. ``epochs 1-3 in run/last.pt``) is committed: the line printed if
+    the command is stopped says it (None: forget ``what``)."""
+    if text is None:
+        _KEPT.pop(what, None)
+    else:
+        _KEPT[what] = text
+
+
+def continue_command() -> str:
+    """The command line that continues this run: the same one (every long command resumes)."""
+    import shlex
+
+    args = shlex.join(sys.argv[1:])
+    torchrun = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    return f"the same torchrun command (... poodle {args})" if torchrun else f"poodle {args}"
+
+
+def say_stopped(e: BaseException) -> None:
+    """The one line of a run stopped by SIGINT or SIGTERM (``e``): what is kept, and the command
+    that continues it."""
+    import signal as _signal
+
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return  # under torchrun rank 0 speaks for the run
+    signum = int(getattr(e, "signum", _signal.SIGINT))
+    kept = "; ".join(_KEPT.values()) or "nothing finished yet"
+    console.print(
+        styled(f"stopped by {_signal.Signals(signum).name}", "yellow", f": kept {kept}; continue with: ")
+        + Text(continue_command()),
+        soft_wrap=True,
+    )
 
 
 def note(event: Any, prefix: bool = True) -> None:
@@ -332,23 +393,67 @@ def say_glyphs_generation(dataset: str, data_root: str | None, cache_root: str) 
         )
 
 
+def progress_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """What makes a command a long one: ``--progress`` and ``--progress-interval`` (the one
+    declaration of both; see :mod:`poodle.cli._progress`), and a stop at a safe point on SIGTERM or
+    SIGINT (:mod:`poodle.interrupt`; :func:`friendly_errors` then says what is kept and exits with
+    128 + the signal's number). The command itself receives neither option; every display it makes
+    (:func:`progress_bar`, :func:`poodle.cli._progress.new_progress`) takes the form chosen."""
+    from poodle.cli import _progress
+
+    @click.option(
+        "--progress",
+        type=click.Choice(_progress.MODES),
+        default="auto",
+        show_default=True,
+        help="Progress display: bar (live bars), plain (a line every --progress-interval seconds and at "
+        "each stage's end, for logs), json (one object a line on stderr), none; auto: bar on a terminal, "
+        "plain otherwise.",
+    )
+    @click.option(
+        "--progress-interval",
+        type=click.FloatRange(min=0, min_open=True),
+        default=_progress.DEFAULT_INTERVAL,
+        show_default=True,
+        envvar=_progress.INTERVAL_ENV,
+        metavar="SECONDS",
+        help=f"Seconds between plain or json progress lines (also {_progress.INTERVAL_ENV}).",
+    )
+    @functools.wraps(fn)
+    def wrapper(*args: Any, progress: str, progress_interval: float, **kwargs: Any) -> Any:
+        from poodle import interrupt
+
+        _progress.configure(progress, progress_interval)
+        _KEPT.clear()
+        # SIGTERM and SIGINT stop the run at its next safe point (poodle.interrupt); torchrun's
+        # ranks stop only at points they agree on, never in the middle of a collective
+        torchrun = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+        with interrupt.stop_on_signals(grace=None if torchrun else interrupt.GRACE):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 class Bar:
     """``advance(n)``, the callback the library functions accept, of one progress bar. The bar is
     drawn from :meth:`start` or the first advance on, so that an error found before (the checks up
     front) is printed alone, not under an empty bar."""
 
-    def __init__(self, progress: Progress, description: str, total: int | None, unit: str) -> None:
+    def __init__(self, progress: Any, description: str, total: int | None, unit: str) -> None:
         self.progress, self.description, self.total, self.unit = progress, description, total, unit
         self.task: Any = None
 
     def start(self) -> None:
         if self.task is None:
             self.progress.start()
-            self.task = self.progress.add_task(self.description, total=self.total, rate="")
+            self.task = self.progress.add_task(self.description, total=self.total, rate="", unit=self.unit)
 
     def __call__(self, n: int) -> None:
+        from poodle import interrupt
+
         self.start()
         self.progress.advance(self.task, n)
+        interrupt.check()  # a safe point: the library calls this between chunks and batches
         t = self.progress.tasks[self.task]
         speed = t.finished_speed or t.speed
         if speed:
@@ -357,9 +462,10 @@ class Bar:
 
 @contextlib.contextmanager
 def progress_bar(description: str, total: int | None, unit: str = "items", lazy: bool = False) -> Iterator[Bar]:
-    """A rich progress bar; yields ``advance(n)`` (a :class:`Bar`), the callback the library functions
-    accept. ``lazy``: drawn only from ``advance.start()`` or the first advance on (give ``start`` to the
-    library as its ``ready`` callback: the checks up front then print their error alone)."""
+    """A progress bar (or lines, as ``--progress`` says); yields ``advance(n)`` (a :class:`Bar`), the
+    callback the library functions accept. ``lazy``: drawn only from ``advance.start()`` or the first
+    advance on (give ``start`` to the library as its ``ready`` callback: the checks up front then print
+    their error alone)."""
     columns = [
         TextColumn("{task.description}", style="bold", markup=False),
         BarColumn(),
@@ -369,7 +475,9 @@ def progress_bar(description: str, total: int | None, unit: str = "items", lazy:
         TimeElapsedColumn(),
         TimeRemainingColumn(),
     ]
-    bar = Bar(Progress(*columns, console=console, transient=False), description, total, unit)
+    from poodle.cli._progress import new_progress
+
+    bar = Bar(new_progress(*columns), description, total, unit)
     if not lazy:
         bar.start()
     try:
@@ -407,7 +515,8 @@ def render_table(table: Any, title: str | None = None, width: int | None = None)
     """A :class:`poodle.report.Table` as a rich table: the one renderer of result tables (``report``,
     ``demo``, ``grid``, ``solve``); bold entries in bold green.
 
-    The table is laid out to fit ``width`` columns (default: the terminal's) without cutting any text:
+    The table is laid out to fit ``width`` columns (default: the terminal's; when the output is no
+    terminal, ``COLUMNS`` or else no limit, the table's natural width) without cutting any text:
     the first of these layouts whose natural width fits is used (the last one otherwise):
 
     - ``full``: boxed, one column per row key;

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import console, friendly_errors, out, progress_bar, render_table
+from poodle.cli._common import console, friendly_errors, keep, out, progress_bar, progress_option, render_table
 
 
 @click.command()
@@ -48,6 +48,7 @@ from poodle.cli._common import console, friendly_errors, out, progress_bar, rend
     help="Transductive methods to add: paper (those the paper compares with), all, none, or a comma list.",
 )
 @click.option("--quick", is_flag=True, help="A tiny run (a few glyph classes, 1 epoch, 40 episodes) for tests.")
+@progress_option
 @friendly_errors
 def demo(
     cache_root: str,
@@ -96,12 +97,17 @@ def demo(
     if threads > 0:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
+    # each stage is committed when it ends (the checkpoint every epoch, the features every batch,
+    # each table cell when solved), and a re-run takes up from there
+    keep("demo", f"every finished epoch, staged batch of features and table cell under {cache_root}")
     with TrainDisplay() as display:
         result = run_demo(
             cfg,
             log=lambda s: console.print(s, highlight=False),
             train_callback=display,
-            progress_factory=lambda desc, total: progress_bar(desc, total, "items"),
+            progress_factory=lambda desc, total: progress_bar(
+                desc, total, "episodes" if desc.startswith("solving") else "img"
+            ),
         )
     total = time.perf_counter() - t0
 

@@ -12,10 +12,12 @@ from poodle import defaults
 from poodle.cli._common import (
     console,
     friendly_errors,
+    keep,
     note,
     out,
     pretrained_option,
     progress_bar,
+    progress_option,
     say_glyphs_generation,
     styled,
 )
@@ -68,11 +70,18 @@ def describe(event: Any) -> str | None:
     return None
 
 
+_done: list[str] = []  # the splits complete in the cache, for the line a stop prints
+
+
 def say_event(event: Any) -> None:
     """Print a library event: a Notice as a note (its parameters written as flags), the others as
     :func:`describe` says them."""
-    from poodle.events import Notice
+    from poodle.events import Notice, SplitReused, SplitWritten
 
+    if isinstance(event, (SplitWritten, SplitReused)):
+        _done.append(event.split)
+        keep("splits", f"split{'s' if len(_done) > 1 else ''} {', '.join(_done)} in {event.path}")
+        keep("staged", None)
     if isinstance(event, Notice):
         note(event)
     elif (line := describe(event)) is not None:
@@ -164,6 +173,7 @@ def say_event(event: Any) -> None:
     help="List the backbones available (release, torchvision, timm) and exit.",
 )
 @click.pass_context
+@progress_option
 @friendly_errors
 def extract(
     ctx: click.Context,
@@ -197,7 +207,10 @@ def extract(
     cache_root = str(opts.cache_root)
     say_glyphs_generation(dataset, opts.data_root and str(opts.data_root), cache_root)
 
+    _done.clear()
+
     def bar(desc: str, total: int):
+        keep("staged", f"the batches of split {desc.split()[0]} extracted so far, staged to resume from")
         return progress_bar(desc, total, unit="img")
 
     path = run_extract(dataset, backbone, opts, progress_factory=bar, on_event=say_event)

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import console, friendly_errors, note, parse_set, styled
+from poodle.cli._common import console, friendly_errors, keep, note, parse_set, progress_option, styled
 from poodle.cli._schema import schema_options
 from poodle.run import RunOptions
 
@@ -66,6 +66,7 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
 )
 @click.option("--dry-run", is_flag=True, help="List the cells and what is already done; solve nothing.")
 @schema_options(RunOptions, only=("cells_per_call", "device", "max_memory", "cuda_step"))
+@progress_option
 @friendly_errors
 def grid(
     grid_file: Path,
@@ -109,10 +110,11 @@ def grid(
         G.fingerprints(cells)  # a missing cache or pool is an error before any bar is drawn
     options = RunOptions(device=device, max_memory=max_memory, cells_per_call=cells_per_call, cuda_step=cuda_step)
     if not d.main:
-        G.run_grid(spec, out, force=force, options=options, cells=cells)
+        G.run_grid(spec, out, force=force, options=options, on_event=_safe_points(None, out), cells=cells)
         return
     with _GridProgress(len(cells), n_episodes, _varying(cells)) as display:
-        result = G.run_grid(spec, out, force=force, options=options, on_event=display.on_event, cells=cells)
+        on_event = _safe_points(display.on_event, out)
+        result = G.run_grid(spec, out, force=force, options=options, on_event=on_event, cells=cells)
     wall = time.perf_counter() - t0
     console.print(
         styled(
@@ -130,6 +132,22 @@ def grid(
         )
     console.print(f"arithmetic: {formulations(result.records)}", highlight=False, soft_wrap=True)
     console.print(f"next: poodle report {out} --rows ... --cols ...", highlight=False)
+
+
+def _safe_points(display: Any, out: Path) -> Any:
+    """The run's listener: ``display`` (None: nothing shown), the cells kept in ``out``, and after
+    each event a safe point to stop at (:mod:`poodle.interrupt`)."""
+    from poodle import interrupt
+    from poodle.events import CellFinished
+
+    def on_event(event: Any) -> None:
+        if display is not None:
+            display(event)
+        if isinstance(event, CellFinished):
+            keep("cells", f"{event.done} of {event.total} cells in {out}")
+        interrupt.check()
+
+    return on_event
 
 
 def _latest_cache(cache_root: str) -> str | None:
@@ -195,25 +213,24 @@ class _GridProgress:
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
-            Progress,
             TextColumn,
             TimeElapsedColumn,
             TimeRemainingColumn,
         )
         from rich.table import Column
 
-        self.progress = Progress(
+        from poodle.cli._progress import new_progress
+
+        self.progress = new_progress(
             TextColumn("{task.description}", style="bold", markup=False, table_column=Column(min_width=8)),
             BarColumn(bar_width=30),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             TextColumn("{task.fields[info]}", markup=False, table_column=Column(no_wrap=True, overflow="ellipsis")),
-            console=console,
-            transient=False,
         )
-        self.cells = self.progress.add_task("cells", total=n_cells, info="")
-        self.episodes = self.progress.add_task("episodes", total=n_episodes, info="")
+        self.cells = self.progress.add_task("cells", total=n_cells, info="", unit="cells")
+        self.episodes = self.progress.add_task("episodes", total=n_episodes, info="", unit="episodes")
         self._started = 0.0
         self._cell_done = 0
         self._cell_total = 1
@@ -256,7 +273,7 @@ class _GridProgress:
                 self.cells,
                 completed=event.done,
                 info=f"last: {event.cell.describe(self.keys)} {100 * rec['mean']:.2f} ± "
-                f"{100 * rec['ci95']:.2f} ({rec['seconds']:.1f} s)",
+                f"{100 * rec['ci95']:.2f} ({rec.get('wall_seconds_share', rec['seconds']):.1f} s wall share)",
             )
         elif isinstance(event, EpisodesSolved):
             self.advance(event.episodes * event.cells)

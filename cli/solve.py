@@ -10,7 +10,17 @@ from typing import Any
 import click
 
 from poodle import defaults
-from poodle.cli._common import console, friendly_errors, note, out, parse_set, progress_bar, user_set
+from poodle.cli._common import (
+    console,
+    friendly_errors,
+    keep,
+    note,
+    out,
+    parse_set,
+    progress_bar,
+    progress_option,
+    user_set,
+)
 from poodle.cli._schema import run_options, schema_options
 from poodle.episodes import EpisodeSpec
 from poodle.negatives import NegativeSpec
@@ -236,6 +246,7 @@ class _ListsMethods(click.Command):
     help="Append one results record per method (JSON Lines, read by `poodle report`) to this file.",
 )
 @click.pass_context
+@progress_option
 @friendly_errors
 def solve(ctx: click.Context, **params: Any) -> None:
     """Sample episodes from a feature cache and solve them all at once."""
@@ -273,16 +284,20 @@ def solve(ctx: click.Context, **params: Any) -> None:
             save_episodes_to=save_episodes,
             out=results_path,
             run=run_options(p, RunOptions),
-            on_event=solve_events(advance),
+            on_event=solve_events(advance, results_path),
             **given,
         )
     if rank == 0:
         _summary(res, path, save_episodes, results_path)
 
 
-def solve_events(advance: Any) -> Any:
-    """The command line's listener of a solve: the progress bar and the notices."""
-    from poodle.events import EpisodesSolved, Notice, Ready
+def solve_events(advance: Any, results_path: str | None = None) -> Any:
+    """The command line's listener of a solve: the progress bar, the notices, the cells kept in
+    ``results_path`` and, after each event, a safe point to stop at (:mod:`poodle.interrupt`)."""
+    from poodle import interrupt
+    from poodle.events import CellFinished, EpisodesSolved, Notice, Ready
+
+    written = [0]
 
     def on_event(event: Any) -> None:
         if isinstance(event, Ready) and advance is not None:
@@ -291,14 +306,20 @@ def solve_events(advance: Any) -> Any:
             advance(event.episodes)
         elif isinstance(event, Notice):
             note(event)
+        elif isinstance(event, CellFinished) and results_path:
+            written[0] += 1
+            keep("cells", f"{written[0]} of {event.total} cells in {results_path}")
+        interrupt.check()
 
+    if not results_path:
+        keep("cells", "no cell (without --out nothing is written)")
     return on_event
 
 
 def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str | None) -> None:
     """The setting, the table (paired differences to the first method) and the throughput."""
     from poodle.cli._common import render_table
-    from poodle.report import solve_table
+    from poodle.report import solve_table, timing_note
     from poodle.system import formulations
 
     if save_episodes:
@@ -320,8 +341,12 @@ def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str 
         highlight=False,
     )
     out.print(render_table(solve_table(res.records), title=f"{title}, {res.n_episodes:,} episodes"))
+    why = timing_note(res.records)
+    if why:
+        console.print(why, highlight=False, soft_wrap=True)
     console.print(
-        f"{res.n_episodes / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s, chunks of {res.chunk_size})"
+        f"{res.n_episodes / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s wall, chunks of "
+        f"{res.chunk_size})"
     )
     console.print(f"arithmetic: {formulations(res.records)}", highlight=False, soft_wrap=True)
     if results_path:

@@ -7,10 +7,10 @@ import time
 from typing import Any
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from poodle import defaults
-from poodle.cli._common import console, friendly_errors, say_glyphs_generation
+from poodle.cli._common import console, friendly_errors, keep, progress_option, say_glyphs_generation
 
 
 def _milestones(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
@@ -26,15 +26,18 @@ class TrainDisplay:
     """Renders :class:`poodle.train.TrainEvent` s: a bar per epoch with loss, accuracy and images/s,
     and one summary line per epoch."""
 
-    def __init__(self) -> None:
-        self.progress = Progress(
+    def __init__(self, where: str = "its last.pt") -> None:
+        from poodle.cli._progress import new_progress
+
+        self.where = where
+
+        self.progress = new_progress(
             TextColumn("{task.description}", style="bold", markup=False),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}  acc {task.fields[acc]}  {task.fields[rate]}", markup=False),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
-            console=console,
             transient=True,
         )
         self.task: Any = None
@@ -62,10 +65,11 @@ class TrainDisplay:
                 console.print(f"{what}: already complete, reusing it")
             elif e.epoch > 0:
                 console.print(f"{what}: resuming at epoch {e.epoch + 1}/{e.epochs}")
+                keep("train", f"{what}: epoch {e.epoch}/{e.epochs} (finished) in {self.where}")
         elif e.kind == "epoch":
             if self.task is not None:
                 p.remove_task(self.task)
-            self.task = p.add_task(self._prefix(e), total=e.total, loss="-", acc="-", rate="")
+            self.task = p.add_task(self._prefix(e), total=e.total, loss="-", acc="-", rate="", unit="steps")
             self.t0, self.t_end, self.images = time.perf_counter(), None, 0
         elif e.kind == "step" and self.task is not None:
             self.images += e.images
@@ -82,6 +86,7 @@ class TrainDisplay:
                 f"{val}  {e.seconds:.1f} s  {rate:,.0f} img/s",
                 highlight=False,
             )
+            keep("train", f"{self._prefix(e)} (finished) in {self.where}")
         elif e.kind == "done" and self.task is not None:
             p.remove_task(self.task)
             self.task = None
@@ -191,7 +196,10 @@ def _default(name: str) -> Any:
     help="Convolutions on NHWC tensors: 1.2-1.6x faster steps on a CPU; the weights differ by rounding.",
 )
 @click.option(
-    "--workers", type=int, default=_default("workers"), show_default=True, help="DataLoader worker processes."
+    "--workers",
+    type=int,
+    default=None,
+    help="DataLoader worker processes [default: one per usable core, at most 4; poodle info --system].",
 )
 @click.option("--device", default=_default("device"), show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--amp/--no-amp", default=None, help="Mixed precision [default: on for CUDA, off on CPU].")
@@ -208,6 +216,7 @@ def _default(name: str) -> Any:
     help="Require an interrupted run to continue (one with the same settings is continued anyway).",
 )
 @click.option("--force", is_flag=True, help="Discard checkpoints in the output folder and start over.")
+@progress_option
 @friendly_errors
 def train(**opts: Any) -> None:
     """Pre-train a backbone on the base classes (paper appendix A) and keep the best checkpoint.
@@ -232,7 +241,7 @@ def train(**opts: Any) -> None:
         highlight=False,
     )
     say_glyphs_generation(cfg.dataset, cfg.data_root, cfg.cache_root)
-    with TrainDisplay() as display:
+    with TrainDisplay(str(cfg.out_dir() / "last.pt")) as display:
         result = run_train(cfg, callback=display, resume=True if resume else None, force=force)
     best = [g["best_acc"] for g in result.generations]
     best_txt = ", ".join("-" if b is None else f"{100 * b:.2f}%" for b in best)

@@ -30,7 +30,8 @@ Writing is safe against interruption: :func:`write_arrays` writes under a tempor
 with ``os.replace``. The cache file itself is therefore never open for writing, and only ever holds
 complete splits. Commits of several processes into one cache are serialised by an exclusive lock
 on ``<cache>.lock`` (``fcntl.flock``) held across re-reading the cache, copying it under a name
-unique to the process and renaming it, so each commit starts from the cache the previous one left.
+unique to the process and renaming it, so each commit starts from the cache the previous one left;
+the lock file is removed on release (:func:`cache_lock`), so none is left after a run.
 """
 
 from __future__ import annotations
@@ -604,21 +605,41 @@ def partial_path(cache_path: str | os.PathLike, split: str) -> Path:
 
 @contextlib.contextmanager
 def cache_lock(cache_path: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive lock on ``<cache>.lock`` (``fcntl.flock``; blocks until free). The lock file
-    stays: removing it would let a third process lock a new file while the second holds the old one."""
+    """Hold an exclusive lock on ``<cache>.lock`` (``fcntl.flock``; blocks until free), removed on
+    release so that nothing is left beside the user's files.
+
+    Removing a lock file invites a race: a process that opened the file before it was removed locks
+    the removed file while a third creates and locks a new one at the path. So a lock counts only
+    when, after ``flock`` returns, the path still names the very file locked (same device and
+    inode); otherwise it is dropped and taken again on the file now there."""
     p = Path(cache_path)
     lock = p.with_name(p.name + ".lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        import fcntl  # POSIX only: imported here so that the module loads elsewhere
+    except ImportError:  # not POSIX: no inter-process lock available
+        yield
+        return
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            import fcntl  # POSIX only: imported here so that the module loads elsewhere
-        except ImportError:  # not POSIX: no inter-process lock available
-            pass
-        else:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            try:
+                now = os.stat(lock)
+            except FileNotFoundError:
+                now = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)  # the holder before removed it: lock the file at the path now
+    try:
         yield
     finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)  # while still held: whoever waits on this file finds it gone and retries
         os.close(fd)  # closing releases the flock
 
 

@@ -139,6 +139,20 @@ class Dist:
             raise err
         raise RankFailed(f"rank {first} of {self.world} failed")
 
+    def stop_point(self) -> None:
+        """A safe point every rank reaches at the same step: raise
+        :class:`poodle.interrupt.Interrupted` on every rank if any was asked to stop (one all-reduce
+        of the signal's number), so the ranks stop together and none waits in a collective for a
+        rank that is gone."""
+        from poodle import interrupt
+
+        if self.enabled:
+            t = torch.tensor([interrupt.requested() or 0], dtype=torch.int64, device=self.comm_device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            if int(t.item()):
+                interrupt.request(int(t.item()))
+        interrupt.check()
+
     def _first_failed(self, failed: bool) -> int:
         """Lowest rank that failed, or -1: one all-reduce (MIN over ``world`` for ranks that did not)."""
         t = torch.tensor([self.rank if failed else self.world], dtype=torch.int64, device=self.comm_device)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from poodle import backbones, defaults, distributed, project
+from poodle import backbones, defaults, distributed, interrupt, project
 from poodle import cache_shares as cs
 from poodle.backbones.checkpoint import checkpoint_digest
 from poodle.backbones.external import INTERPOLATIONS
@@ -57,10 +57,12 @@ def cache_path(cache_root: str | os.PathLike, dataset: str, backbone: str, tag: 
 
 
 def default_workers() -> int:
-    """DataLoader workers when none are asked for: one per core (shared among torchrun's processes on
-    the node), at most 8."""
-    per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(0, min(8, (os.cpu_count() or 1) // per_node))
+    """DataLoader workers when none are asked for: one per usable core (shared among torchrun's
+    processes on the node; :func:`poodle.system.default_workers`), at most 8."""
+    from poodle.system import EXTRACT_WORKERS
+    from poodle.system import default_workers as per_core
+
+    return per_core(EXTRACT_WORKERS)
 
 
 def _parse_splits(splits: Sequence[str] | str) -> list[str]:
@@ -155,7 +157,7 @@ class ExtractOptions:
     tag: str | None = None
     dtype: str = option(defaults.FEATURE_DTYPE, choices=tuple(FEATURE_DTYPES), help="Storage type of the features.")
     workers: int | None = option(
-        None, min=0, help="DataLoader worker processes decoding images [default: one per core, at most 8]."
+        None, min=0, help="DataLoader worker processes decoding images [default: one per usable core, at most 8]."
     )
     force: bool = False
     skip_bad: bool = False
@@ -620,6 +622,7 @@ def _run_split(
         shuffle=False,
         num_workers=workers,
         pin_memory=dev.type == "cuda",
+        worker_init_fn=interrupt.quiet_worker if workers > 0 else None,
     )
     pos = start
     desc = ds.split if start == offset else f"{ds.split} (resumed)"
@@ -656,3 +659,4 @@ def _run_split(
             )
             pos += b
             advance(b)
+            interrupt.check()  # a safe point: the batch is staged (see poodle.interrupt)

@@ -43,6 +43,7 @@ from poodle.results import ResultsFile, cache_identity, identity_key, make_recor
 from poodle.run import RunOptions
 from poodle.solvers import _optim
 from poodle.solvers import get as solver_info
+from poodle.system import solve_workers
 from poodle.utils import resolve_path
 
 
@@ -269,7 +270,11 @@ def solve_call(
             methods,
             negatives=users[0].negative_spec() if users else None,
             cache_path=c0.cache_file,
-            run=dataclasses.replace(options, device=device),
+            run=dataclasses.replace(
+                options,
+                device=device,
+                workers=solve_workers() if options.workers is None and device.type == "cpu" else options.workers,
+            ),
             hooks=Hooks(
                 progress=lambda n: on_event(EpisodesSolved(n, len(batch))),
                 ready=(lambda: on_event(Ready())) if ready else None,
@@ -287,12 +292,21 @@ def solve_call(
         "chunk_size": stats.get("chunk_size"),
         "workers": stats.get("workers"),
     }
+    # A chunk is solved by every method of the call, one after another, and on CPU several chunk
+    # workers run at once: a method's summed solve time is thread time, not a share of the wall
+    # time. Its share of the call's wall time is apportioned by that summed time.
+    worker = {c.index: float(stats["seconds"].get(labels[c.index], call_seconds / len(batch))) for c in batch}
+    total = sum(worker.values())
     return {
         labels[c.index]: (
             accs[labels[c.index]].double().cpu(),
             {
                 **info,
-                "seconds": float(stats["seconds"].get(labels[c.index], call_seconds / len(batch))),
+                "seconds": worker[c.index],
+                "worker_seconds": round(worker[c.index], 4),
+                "wall_seconds_share": round(
+                    call_seconds * worker[c.index] / total if total > 0 else call_seconds / len(batch), 4
+                ),
                 # provenance, not identity: which arithmetic the method's fits ran here
                 "formulation": _optim.formulation(solver_info(c.method).name, device),
             },

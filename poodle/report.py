@@ -489,7 +489,8 @@ def build_table(
 def solve_table(records: Sequence[Mapping[str, Any]], seconds: bool = True) -> Table:
     """The summary of one ``poodle solve`` run: a row per method (its label), the accuracy, and the
     paired difference of every other method from the first (mean and 95% CI over the same
-    episodes) and, with ``seconds``, each method's solve time. ``records``: results-layer cell
+    episodes) and, with ``seconds``, each method's share of the wall time (``wall s``, see
+    :func:`timing_note`). ``records``: results-layer cell
     records of one episode set (:func:`poodle.results.make_record`)."""
     results = [
         Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), "solve", i) for i, r in enumerate(records)
@@ -508,8 +509,9 @@ def solve_table(records: Sequence[Mapping[str, Any]], seconds: bool = True) -> T
         cis.append(f"± {100 * c:.2f}")
     table.extra = [(f"diff vs {first.flat['label']}", diffs), ("95% CI", cis)]
     if seconds:
-        secs = {r["label"]: r.get("seconds", float("nan")) for r in records}
-        table.extra.append(("s", [f"{secs[label]:.1f}" for (label,) in table.rows]))
+        # the share of the wall time (records from before it existed: the summed solve time, as then)
+        secs = {r["label"]: r.get("wall_seconds_share", r.get("seconds", float("nan"))) for r in records}
+        table.extra.append(("wall s", [f"{secs[label]:.1f}" for (label,) in table.rows]))
     return table
 
 
@@ -698,6 +700,23 @@ def _mark_domains(table: DomainTable, p_threshold: float, incomplete: bool) -> N
     )
     if unpaired:
         table.notes.append(f"Not tested (entries not on identical episodes): {'; '.join(unpaired)}.")
+
+
+def timing_note(records: Sequence[Mapping[str, Any]]) -> str | None:
+    """What the ``wall s`` column of :func:`solve_table` is, in one line, when the methods shared
+    one call (None for one method, or records without the fields): their shares of the call's wall
+    time, split by each method's solve time summed over the chunk workers (thread time)."""
+    calls = {(r.get("call_seconds"), r.get("call_cells")) for r in records}
+    if len(records) < 2 or any(r.get("wall_seconds_share") is None for r in records) or len(calls) != 1:
+        return None
+    wall, cells = next(iter(calls))
+    workers = records[0].get("workers") or 1
+    summed = sum(float(r.get("worker_seconds", 0.0)) for r in records)
+    threads = f", {summed:.1f} s summed over {workers} worker threads" if workers > 1 else ""
+    return (
+        f"wall s: each method's share of the {wall:.1f} s wall time of the one call that solved all "
+        f"{cells} methods on the same chunks (split by each one's solve time{threads})"
+    )
 
 
 def check_p(p_threshold: float) -> float:

@@ -23,7 +23,8 @@ class RunOptions:
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (under torchrun: ``auto``, ``cuda`` or ``cpu``).
         max_memory: bound on what a call holds (bytes or ``"2GiB"``; ``None``: the device's default,
             :func:`poodle.evaluate.default_budget`).
-        workers: CPU chunks solved at once (``None``: torch's thread count).
+        workers: CPU chunks solved at once (``None``: :func:`poodle.system.solve_workers`, torch's
+            thread count within the usable cores).
         cells_per_call: cells on the same episodes and negatives solved by one call (each chunk's
             episodes are then gathered, and their negatives drawn, once for all of them).
         chunk_size: episodes per chunk, overriding the automatic choice (tests, benchmarks).
@@ -46,7 +47,10 @@ class RunOptions:
         f"the free memory on CUDA].",
     )
     workers: int | None = option(
-        None, min=1, help="CPU: chunks solved at once, each single-threaded [default: torch's thread count]."
+        None,
+        min=1,
+        help="CPU: chunks solved at once, each single-threaded [default: torch's thread count within the "
+        "usable cores; poodle info --system].",
     )
     cells_per_call: int = option(
         defaults.CELLS_PER_CALL,

@@ -10,6 +10,7 @@ records (which arithmetic each cell ran: the kernel, or the torch formulation an
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 from typing import Any, Mapping, Sequence
@@ -35,19 +36,73 @@ def blas() -> dict[str, str]:
     return {"torch": "; ".join(lines), "numpy": np_blas}
 
 
+def _cgroup_cpus(root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPU limit of this process's cgroup in cores (``cpu.max``, cgroup v2; ``cpu.cfs_quota_us``
+    over ``cpu.cfs_period_us``, v1), or None when there is none or it cannot be read."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = (f.read().split() + ["100000"])[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+            quota = f.read().strip()
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+            period = f.read().strip()
+        return None if int(quota) <= 0 else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cpus() -> int:
+    """The cores this process may use: those it may run on (``os.sched_getaffinity``: taskset, a
+    SLURM allocation) within its cgroup's CPU limit (a container's ``--cpus``, Kubernetes' limit),
+    rounded up; at least 1."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = _cgroup_cpus()
+    if limit is not None:
+        cpus = min(cpus, math.ceil(limit))
+    return max(1, cpus)
+
+
+def default_workers(at_most: int) -> int:
+    """Worker processes (DataLoader) or threads (solve) when none are asked for: one per usable core
+    (:func:`usable_cpus`), shared among torchrun's processes on the node (``LOCAL_WORLD_SIZE``), at
+    most ``at_most``. More would only contend for the same cores (torch warns about it)."""
+    per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(at_most, usable_cpus() // per_node))
+
+
+# at most this many DataLoader workers by default: decoding small images saturates well before
+TRAIN_WORKERS = 4
+EXTRACT_WORKERS = 8
+
+
 def _threads() -> dict[str, Any]:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    limit = _cgroup_cpus()
     out: dict[str, Any] = {
         "CPUs (machine / visible)": f"{os.cpu_count()} / {cpus}",
+        "cgroup CPU limit": "none" if limit is None else f"{limit:g}",
+        "usable CPUs": usable_cpus(),
         "torch intra-op threads": torch.get_num_threads(),
         "torch inter-op threads": torch.get_num_interop_threads(),
-        # poodle.evaluate.plan_chunks: CPU chunks solved at once, one thread each
-        "solve workers (CPU, default)": torch.get_num_threads(),
+        # poodle.pipeline: CPU chunks solved at once, one thread each
+        "solve workers (CPU, default)": solve_workers(),
+        "train DataLoader workers (default)": default_workers(TRAIN_WORKERS),
+        "extract DataLoader workers (default)": default_workers(EXTRACT_WORKERS),
     }
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LOCAL_WORLD_SIZE"):
         if os.environ.get(var):
             out[var] = os.environ[var]
     return out
+
+
+def solve_workers() -> int:
+    """CPU chunks solved at once when none are asked for: torch's thread count, within the usable
+    cores (torch counts the cores it may run on, not a cgroup's limit)."""
+    return max(1, min(torch.get_num_threads(), usable_cpus()))
 
 
 def _devices() -> dict[str, Any]:
@@ -111,4 +166,13 @@ def formulations(records: Sequence[Mapping[str, Any]], names: int = 6) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["blas", "formulations", "system_info"]
+__all__ = [
+    "EXTRACT_WORKERS",
+    "TRAIN_WORKERS",
+    "blas",
+    "default_workers",
+    "formulations",
+    "solve_workers",
+    "system_info",
+    "usable_cpus",
+]

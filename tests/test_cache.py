@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import h5py
 import numpy as np
 import pytest
@@ -266,8 +268,8 @@ def test_commit_keeps_other_splits_and_leaves_no_tmp(tmp_path):
     w.append(_raw(2, 4, seed=3), [0, 1], ["a", "b"])
     w.commit()
     assert cache.list_splits(target) == ["train", "val"]
-    # the lock file stays (see cache.cache_lock); no temporary is left
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5", "c.h5.lock"]
+    # neither the lock file (removed on release, see cache.cache_lock) nor a temporary is left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5"]
 
 
 def _unit(n: int, d: int, seed: int = 0) -> torch.Tensor:
@@ -302,3 +304,31 @@ def test_check_unit_rows_passes_unit_and_zero_rows_and_looks_past_a_near_miss():
         cache.check_unit_rows(x, "f.h5")
     with pytest.raises(CacheError, match="same vector"):
         cache.check_unit_rows(x[:1].repeat(5, 1), "f.h5")
+
+
+def _count_under_lock(path: str, times: int) -> None:
+    import time
+
+    for _ in range(times):
+        with cache.cache_lock(path):
+            counter = Path(path + ".count")
+            n = int(counter.read_text()) if counter.exists() else 0
+            time.sleep(0.001)  # widen the window a second holder would need to lose an update
+            counter.write_text(str(n + 1))
+
+
+def test_cache_lock_excludes_other_processes_and_leaves_no_lock_file(tmp_path):
+    """The lock file is removed on release, and still no two processes hold the lock at once: one
+    that locked the removed file notices and locks the new one (else increments would be lost)."""
+    import multiprocessing
+
+    target = str(tmp_path / "c.h5")
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_count_under_lock, args=(target, 25)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 4
+    assert (tmp_path / "c.h5.count").read_text() == "100"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5.count"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,40 @@ def test_competitor_selection():
     assert {"tim-gd", "alpha-tim", "paddle", "bms", "proto-lp"} <= set(competitor_names("all"))
     with pytest.raises(ConfigError, match="'poodle' is not a registered transductive method"):
         competitor_names("tim-gd,poodle")
+
+
+def test_demo_stopped_at_three_points_continues_to_the_same_features_and_cells(first_run, tmp_path):
+    """SIGTERM or SIGINT to the demo's process group while it extracts the train split, the val
+    split (train committed), and solves the table (features committed); then the same command
+    finishes with the features and per-episode accuracies of the uninterrupted first run."""
+    import shutil
+
+    import torch
+    from _signals import interrupted, run, stopped_cleanly
+
+    from poodle.cache import read_split
+
+    cache, _, _ = first_run
+    shutil.copytree(cache, tmp_path / "c")
+    (features,) = (tmp_path / "c").rglob("quick/**/*.h5")
+    features.unlink()
+    (tmp_path / "c" / "glyphs" / "demo" / "results.jsonl").unlink()
+    args = ["demo", "--quick", "--cache-root", "c", "--episodes", str(EPISODES), "--device", "cpu"]
+    args += ["--competitors", "none"]
+    for stage, sig in (("train", signal.SIGTERM), ("val", signal.SIGINT), ("solving", signal.SIGTERM)):
+        p = interrupted(args, tmp_path, 2, sig, stage=stage)
+        line = stopped_cleanly(p, sig, args, tmp_path)
+        assert "every finished epoch, staged batch of features and table cell under c" in line
+    run(args, tmp_path)
+    original = next(cache.rglob("quick/**/*.h5"))
+    for split in ("train", "val", "test"):
+        a, b = read_split(original, split), read_split(features, split)
+        assert torch.equal(a.features, b.features) and torch.equal(a.labels, b.labels)
+
+    def cells(path: Path) -> dict[tuple, list[float]]:  # by setting (the key holds the cache's identity)
+        records = read_results(path).records
+        return {(r["label"], json.dumps(r["episode"], sort_keys=True), r["transductive"]): r["acc"] for r in records}
+
+    before = cells(cache / "glyphs" / "demo" / "results.jsonl")
+    after = cells(tmp_path / "c" / "glyphs" / "demo" / "results.jsonl")
+    assert len(after) == 12 and all(before[k] == v for k, v in after.items())  # 12 cells: competitors none

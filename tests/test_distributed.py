@@ -283,6 +283,8 @@ TIMINGS = {
     "episodes_per_s",
     "call_seconds",
     "call_cells",
+    "worker_seconds",
+    "wall_seconds_share",
     "finished",
     "processes",
     "device",

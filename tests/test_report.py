@@ -339,9 +339,9 @@ def test_solve_table_rows_differences_and_markdown():
     d, c = paired_difference(torch.from_numpy(b), torch.from_numpy(a))
     assert t.extra[0] == ("diff vs proto", ["", f"{100 * d:+.2f}"])
     assert t.extra[1] == ("95% CI", ["", f"± {100 * c:.2f}"])
-    assert t.extra[2] == ("s", ["0.5", "2.0"])
+    assert t.extra[2] == ("wall s", ["0.5", "2.0"])  # records without the share: their seconds
     md = to_markdown(t)
-    assert "| label | accuracy | diff vs proto | 95% CI | s |" in md
+    assert "| label | accuracy | diff vs proto | 95% CI | wall s |" in md
     assert f"| poodle | {100 * b.mean():.2f} ± " in md and f"{100 * d:+.2f} | ± {100 * c:.2f} | 2.0 |" in md
 
 
@@ -445,3 +445,24 @@ def test_labels_that_name_the_negatives_make_the_key_unneeded(tmp_path):
     r = {**_cell("POODLE-R", _acc(rng, 0.6)), "negatives": "random"}
     table = R.build_table(R.load_results([_write(tmp_path / "a.jsonl", [b, r])]))
     assert "negatives" not in table.row_keys and table.shape[0] == 2
+
+
+def test_tables_not_on_a_terminal_take_their_natural_width_or_columns(tmp_path, monkeypatch):
+    """Output to a file or a pipe (here, pytest's capture): the boxed table at its natural width,
+    wider than 80 columns, nothing wrapped, no colour codes; ``COLUMNS`` set, the table fits it."""
+    from poodle.cli._common import out, render_table
+
+    table = R.build_table(R.load_results([_many_keys_results(tmp_path)]), rows="label,steps,lr,scale")
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert not out.is_terminal
+    with out.capture() as cap:
+        out.print(render_table(table))
+    lines = cap.get().splitlines()
+    assert "\x1b[" not in cap.get()
+    assert lines[0].startswith("┏") and max(len(ln) for ln in lines) > 80
+    assert all(ln.startswith(("┏", "┃", "┡", "│", "└")) for ln in lines)  # one table line per row
+    monkeypatch.setenv("COLUMNS", "80")
+    with out.capture() as cap:
+        out.print(render_table(table))
+    lines = cap.get().splitlines()
+    assert max(len(ln.rstrip()) for ln in lines) <= 80 and not lines[0].startswith("┏")

@@ -105,3 +105,88 @@ def test_info_system_prints_what_a_bug_report_needs():
         assert text in r.output, text
     r = CliRunner().invoke(info, [])
     assert r.exit_code == 2 and "give a feature cache FILE, or --system" in r.output
+
+
+def test_default_workers_follow_the_cores_the_process_may_use(tmp_path, monkeypatch):
+    """Affinity and a cgroup CPU limit (v2 ``cpu.max``, v1 quota/period) bound the default worker
+    counts; torchrun's processes on a node share them; ``info --system`` prints them."""
+    import os
+
+    from poodle import system
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert system._cgroup_cpus(str(v2)) == 1.5
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert system._cgroup_cpus(str(v2)) is None
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("300000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert system._cgroup_cpus(str(tmp_path / "v1")) == 3.0
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert system._cgroup_cpus(str(tmp_path / "v1")) is None
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    monkeypatch.setattr(system, "_cgroup_cpus", lambda: 2.5)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert system.usable_cpus() == 3
+    assert system.default_workers(8) == 3 and system.default_workers(2) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert system.default_workers(8) == 1
+    monkeypatch.setattr(system, "_cgroup_cpus", lambda: None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert system.usable_cpus() == 6 and system.default_workers(4) == 4
+    from poodle.extract import default_workers
+    from poodle.train import TrainConfig
+
+    assert default_workers() == 6
+    assert TrainConfig(dataset="glyphs", backbone="conv4_64").workers == 4
+    assert TrainConfig(dataset="glyphs", backbone="conv4_64", workers=0).workers == 0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert TrainConfig(dataset="glyphs", backbone="conv4_64").workers == 2
+
+    from poodle.cli.info import info
+
+    r = CliRunner().invoke(info, ["--system"])
+    assert r.exit_code == 0, r.output
+    for text in ("usable CPUs: 2", "train DataLoader workers (default): 2", "extract DataLoader workers (default): 2"):
+        assert text in r.output, text
+
+
+def test_timings_say_what_they_are(cache, tmp_path):
+    """Methods solved by one call on two chunk workers: each record's ``worker_seconds`` is its solve
+    time summed over the workers (``seconds`` keeps that meaning), ``wall_seconds_share`` its share
+    of the call's wall time; the summary's ``wall s`` column shows the share and a line says so."""
+    from poodle.cli.solve import solve as solve_cmd
+    from poodle.report import solve_table, timing_note
+
+    methods = ["proto", "poodle"]
+    res = solve(
+        cache,
+        methods,
+        options={"poodle": {"steps": 5}},
+        episodes=12,
+        n_neg=5,
+        run=RunOptions("cpu", workers=2, chunk_size=4),
+    )
+    recs = res.records
+    assert [(r["workers"], r["call_cells"]) for r in recs] == [(2, 2)] * 2
+    assert all(r["worker_seconds"] == round(r["seconds"], 4) for r in recs)
+    wall = recs[0]["call_seconds"]
+    assert sum(r["wall_seconds_share"] for r in recs) == pytest.approx(wall, abs=1e-3)
+    summed = sum(r["worker_seconds"] for r in recs)
+    for r in recs:
+        assert r["wall_seconds_share"] == pytest.approx(wall * r["worker_seconds"] / summed, abs=1e-3)
+    table = solve_table(recs)
+    assert table.extra[2] == ("wall s", [f"{r['wall_seconds_share']:.1f}" for r in recs])
+    note = timing_note(recs)
+    assert note is not None and f"{wall:.1f} s wall time of the one call that solved all 2 methods" in note
+    assert "summed over 2 worker threads" in note
+    assert timing_note(recs[:1]) is None
+    args = ["--cache", cache, "--episodes", 6, "--method", "proto", "--method", "ce", "--steps", 3, "--n-neg", 5]
+    r = CliRunner().invoke(solve_cmd, [str(a) for a in args])
+    assert r.exit_code == 0, r.output
+    assert "wall s" in r.output and "wall s: each method's share of the" in r.output
+    assert " s wall, chunks of " in r.output

@@ -96,7 +96,7 @@ class TrainConfig:
     val_split: str = "val"
     seed: int = 0
     channels_last: bool = False
-    workers: int = option(4, min=0)
+    workers: int = option(None, min=0)  # type: ignore[assignment]  # None: one per usable core, at most 4
     device: str = defaults.DEVICE
     amp: bool | None = None
     cache_root: str = defaults.CACHE_ROOT
@@ -105,6 +105,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.image_size is None:
             self.image_size = defaults.DATASET_IMAGE_SIZES.get(self.dataset, defaults.IMAGE_SIZE)
+        if self.workers is None:
+            from poodle.system import TRAIN_WORKERS, default_workers
+
+            self.workers = default_workers(TRAIN_WORKERS)
         if self.milestones is not None:
             self.milestones = tuple(int(m) for m in self.milestones)
         self.check()

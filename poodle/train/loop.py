@@ -30,6 +30,7 @@ from poodle.backbones import build, load_checkpoint, save_checkpoint
 from poodle.data import ImageDataset, PixelCache, resolve_dataset
 from poodle.data.transforms import eval_transform
 from poodle.errors import CheckpointError, ConfigError, DataError
+from poodle.interrupt import critical, quiet_worker
 from poodle.train.augment import train_transform
 from poodle.train.config import TrainConfig, config_differences
 from poodle.train.losses import distill_kl, rotate_all, smooth_cross_entropy
@@ -509,6 +510,7 @@ def _setup_generation(run: _Run, g: int, gdir: Path, model: nn.Module, saved: _S
         num_workers=cfg.workers,
         pin_memory=device.type == "cuda",
         drop_last=False,
+        worker_init_fn=quiet_worker if cfg.workers > 0 else None,
     )
     return _Generation(g, gdir, model, net, teacher, optimizer, scaler, sampler, loader, saved.best_acc, saved.history)
 
@@ -541,7 +543,8 @@ def _train_epoch(run: _Run, gen: _Generation, epoch: int) -> None:
     gen.history.append(record)
     run.result.history.append(record)
     if run.dist.main:
-        _save(run, gen, epoch, improved)
+        with critical():  # last.pt and best.pt of one epoch: a stop waits for both
+            _save(run, gen, epoch, improved)
     run.dist.barrier()
     run.emit(
         TrainEvent(
@@ -612,6 +615,8 @@ def _run_epoch(run: _Run, gen: _Generation, epoch: int) -> _Running:
     # uint8 batches from an ImageDataset: its ToTensor scaling and normalisation, once per batch
     finish = getattr(loader.dataset, "finish", None)
     for images, labels in loader:
+        # a safe point to stop at (SIGTERM, Ctrl-C): the epoch is dropped, last.pt holds the one before
+        run.dist.stop_point()
         if loader.num_workers > 0 and hasattr(loader.dataset, "check"):
             loader.dataset.check(labels)  # a bad image in a worker arrives as a sentinel label
         if images.shape[0] < 2:  # BatchNorm cannot train on one image; the data order stays fixed

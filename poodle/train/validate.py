@@ -40,7 +40,15 @@ def embed(
     """
     was_training = model.training
     model.eval()
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers)
+    from poodle.interrupt import quiet_worker
+
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=workers,
+        worker_init_fn=quiet_worker if workers else None,
+    )
     chunks = []
     # uint8 batches from an ImageDataset: its ToTensor scaling and normalisation, once per batch
     finish = getattr(dataset, "finish", None)
