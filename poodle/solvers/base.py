@@ -211,6 +211,13 @@ class Floor:
             episode (on a GPU it runs, masked, to the chunk's slowest episode); an iteration is a
             call of ``should_stop`` in that module.
         eigh_dtype: the precision the matrix is decomposed in.
+        matmul: the rate the registered FLOPs (less the decomposition's) can run at: ``"batched"``,
+            that of a batched product of ``product``'s shape (the better of its two layouts);
+            ``"large"``, that of a large square matmul (the fused kernel's steps, which stream the
+            rows against weights held in registers, reach it).
+        gram: ``(n, d)`` of the Gram matrix ``x x^T`` (``x [n, d]``) the method forms once per episode
+            before its decomposition (``2 n^2 d`` FLOPs of its count, timed at a batched product of
+            that shape, not at ``product``'s).
     """
 
     eigh: Callable[..., int] | None = None
@@ -220,10 +227,16 @@ class Floor:
     sweeps: Callable[[Any], int] | None = None
     loops: tuple[str, ...] = ()
     eigh_dtype: Literal["float32", "float64"] = "float32"
+    matmul: Literal["batched", "large"] = "batched"
+    gram: Callable[..., tuple[int, int]] | None = None
 
     def product_shape(self, Ns: int, Nq: int, M: int, D: int, way: int, cfg: Any) -> tuple[int, int, int]:
         """``(rows, depth, columns)`` of the method's typical product on this shape."""
         return self.product(Ns, Nq, M, D, way, cfg) if self.product else (Ns + Nq + M, D, way)
+
+    def gram_shape(self, Ns: int, Nq: int, M: int, D: int, way: int, cfg: Any) -> tuple[int, int] | None:
+        """``(n, d)`` of the Gram matrix formed per episode, or None."""
+        return self.gram(Ns, Nq, M, D, way, cfg) if self.gram else None
 
     def eigh_order(self, Ns: int, Nq: int, M: int, D: int, way: int, cfg: Any) -> int:
         """The order of the matrix decomposed per episode (0: none)."""

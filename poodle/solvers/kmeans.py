@@ -165,6 +165,7 @@ def _flops_bkm(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BayesKMeansConfi
     flops=_flops_bkm,
     summary="Bayesian k-means in a task-adaptive PCA sub-space (TAFSSL, Lichtenstein et al. 2020)",
     floor=dict(
+        gram=lambda Ns, Nq, M, D, way, cfg: (Ns + Nq, D) if cfg.reduced_dim > 0 else None,
         eigh=lambda Ns, Nq, M, D, way, cfg: Ns + Nq if cfg.reduced_dim > 0 else 0,
         product=lambda Ns, Nq, M, D, way, cfg: (Ns + Nq, min(cfg.reduced_dim, Ns + Nq, D) or D, way),
         loops=("poodle.solvers.kmeans:kmeans_loop",),

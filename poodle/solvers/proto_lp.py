@@ -161,6 +161,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: ProtoLPConfig) -> fl
     flops=_flops,
     summary="protoLP (Zhu & Koniusz 2023): label propagation over a prototype graph, refined iteratively",
     floor=dict(
+        gram=lambda Ns, Nq, M, D, way, cfg: (Ns + Nq, D) if cfg.reduced_dim > 0 else None,
         eigh=lambda Ns, Nq, M, D, way, cfg: min(Ns + Nq, D) if cfg.reduced_dim > 0 else 0,
         eigh_dtype="float64",
         product=lambda Ns, Nq, M, D, way, cfg: (Ns + Nq, min(cfg.reduced_dim, Ns + Nq, D) or D, way),
