@@ -345,7 +345,7 @@ def _watch_loops(
                 return bool(_stop(active, *a, **k))
 
             undo.append((mod, "should_stop", stop))
-            setattr(mod, "should_stop", look)
+            setattr(mod, "should_stop", look)  # noqa: B010 (a module attribute mypy cannot see)
     try:
         yield records
     finally:
@@ -469,10 +469,8 @@ def predict(
     for c in chunks(episodes, chunk):
         extra = (loops(c) - 1.0) if loops is not None and tr.loop_ops else 0.0
 
-        def op(b: float) -> float:
-            return max(c * b / gpu.bandwidth, KERNEL_FLOOR_S)
-
-        device = sum(op(b) for b in tr.op_bytes) + extra * sum(op(b) for b in loop_bytes)
+        all_ops = sum(max(c * b / gpu.bandwidth, KERNEL_FLOOR_S) for b in tr.op_bytes)
+        device = all_ops + extra * sum(max(c * b / gpu.bandwidth, KERNEL_FLOOR_S) for b in loop_bytes)
         device = max(device, c * flops / gpu.fp32)
         launches = tr.launches + extra * len(loop_bytes)
         total += max(device, launches * HOST_OP_S) + (tr.syncs + extra * tr.loop_syncs) * SYNC_S + c * host_s
@@ -517,11 +515,11 @@ def iteration_counts(
     if not info.needs_negatives(cfg):
         batch = type(batch)(batch.support, batch.support_labels, batch.query, None, batch.way)
     modules = {importlib.import_module(spec.split(":")[0]) for spec in loops}
-    undo = [(m, m.syncs_freely) for m in modules if hasattr(m, "syncs_freely")]
+    undo = [(m, getattr(m, "syncs_freely")) for m in modules if hasattr(m, "syncs_freely")]  # noqa: B009
     counts = []
     try:
         for m, _ in undo:  # the masked (GPU) path of each loop; should_stop still looks every time
-            setattr(m, "syncs_freely", lambda t: False)
+            setattr(m, "syncs_freely", lambda t: False)  # noqa: B010
         with _watch_loops(loops, keep_active=True) as records:
             solvers.run(method, batch, cfg)
         per_call = []
@@ -533,7 +531,7 @@ def iteration_counts(
         counts = [[int(call[e]) for call in per_call] for e in range(episodes)]
     finally:
         for m, fn in undo:
-            setattr(m, "syncs_freely", fn)
+            setattr(m, "syncs_freely", fn)  # noqa: B010
     return counts
 
 
