@@ -14,7 +14,13 @@ The model (per chunk of ``C`` episodes; 10,000 episodes are chunks of 4,096, 4,0
   floor)``, and the whole chunk is also bounded below by ``FLOPs / FP32 rate``;
 - the host issues each operation in :data:`HOST_OP_S` and runs ahead of the device, so the chunk
   takes the larger of the two; every host sync (``.item()``, ``bool(tensor)``) drains the device and
-  adds :data:`SYNC_S`.
+  adds :data:`SYNC_S`;
+- a loop that stops per episode (a method's declared ``Floor.loops``) runs, masked, to the chunk's
+  slowest episode: its traced operations and syncs are repeated by :func:`loop_scale`, the ratio of
+  the expected maximum of the measured per-episode iterations (:func:`iteration_counts`) over the
+  chunk to that over the traced episodes;
+- a decomposition the GPU path sends to the host (``batched_eigh`` of a matrix above 32 x 32) adds
+  its LAPACK time on this machine, spread over :data:`HOST_CORES` (:func:`host_seconds`).
 
 FLOPs are the method's registered count (``poodle.solvers.get(name).flops``); a method without one
 uses :data:`FLOPS_FALLBACK`, and the traced matmul FLOPs are reported beside it so the two can be
