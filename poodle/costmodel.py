@@ -339,9 +339,10 @@ def _watch_loops(
 
         undo.append((mod, fn_name, fn))
         setattr(mod, fn_name, loop)
-        if mod_name not in patched and hasattr(mod, "should_stop"):
-            patched.add(mod_name)
-            stop = mod.should_stop
+        home = importlib.import_module(fn.__module__)  # where the loop looks up its should_stop
+        if home.__name__ not in patched and hasattr(home, "should_stop"):
+            patched.add(home.__name__)
+            stop = getattr(home, "should_stop")  # noqa: B009
 
             def look(active: Tensor, *a: Any, _stop: Any = stop, **k: Any) -> bool:
                 if running:
@@ -350,8 +351,8 @@ def _watch_loops(
                         running[-1].setdefault("active", []).append(active.detach().to("cpu", copy=True))
                 return bool(_stop(active, *a, **k))
 
-            undo.append((mod, "should_stop", stop))
-            setattr(mod, "should_stop", look)  # noqa: B010 (a module attribute mypy cannot see)
+            undo.append((home, "should_stop", stop))
+            setattr(home, "should_stop", look)  # noqa: B010 (a module attribute mypy cannot see)
     try:
         yield records
     finally:
@@ -520,7 +521,11 @@ def iteration_counts(
     batch = standard_batch(workload, episodes, seed)
     if not info.needs_negatives(cfg):
         batch = type(batch)(batch.support, batch.support_labels, batch.query, None, batch.way)
-    modules = {importlib.import_module(spec.split(":")[0]) for spec in loops}
+    # the modules the loops are defined in, whose syncs_freely picks their path
+    modules = {
+        importlib.import_module(getattr(importlib.import_module(spec.split(":")[0]), spec.split(":")[1]).__module__)
+        for spec in loops
+    }
     undo = [(m, getattr(m, "syncs_freely")) for m in modules if hasattr(m, "syncs_freely")]  # noqa: B009
     counts = []
     try:
