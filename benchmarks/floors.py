@@ -96,11 +96,14 @@ def sweep_library() -> Any | None:
         folder = Path(tempfile.mkdtemp(prefix="poodle-floors-"))
         src, out = folder / "sweeps.c", folder / "sweeps.so"
         src.write_text(_SOURCE)
-        for flags in (["-O3", "-march=native"], ["-O3"]):
-            done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(out), str(src)], capture_output=True)
-            if done.returncode == 0:
-                lib = ctypes.CDLL(str(out))
-                break
+        try:
+            for flags in (["-O3", "-march=native"], ["-O3"]):
+                done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(out), str(src)], capture_output=True)
+                if done.returncode == 0:
+                    lib = ctypes.CDLL(str(out))
+                    break
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # a loaded library stays mapped
     _LIB.append(lib)
     return lib
 

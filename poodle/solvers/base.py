@@ -209,7 +209,7 @@ class Floor:
             until it converges (measured).
         loops: the functions, ``"module:function"``, each call of which is one loop that stops per
             episode (on a GPU it runs, masked, to the chunk's slowest episode); an iteration is a
-            call of ``should_stop`` in that module.
+            call of ``should_stop`` in the module that defines the function.
         eigh_dtype: the precision the matrix is decomposed in.
         matmul: the rate the registered FLOPs (less the decomposition's) can run at: ``"batched"``,
             that of a batched product of ``product``'s shape (the better of its two layouts);
