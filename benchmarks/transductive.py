@@ -64,6 +64,9 @@ from poodle.results import record_flat
 from poodle.solvers import EpisodeBatch
 from poodle.utils import atomic_path, parse_size, resolve_device
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import floors  # noqa: E402
+
 # noise norm of the synthetic features relative to the class centres: the prototype classifier
 # then scores about 67% (1-shot) and 93% (5-shot), near the paper's mini-ImageNet regime
 SPREAD = 2.5
@@ -546,6 +549,8 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
         for label, dim, make in roofline_cases(args):
             chunk = args.roofline_chunk or choose_chunk(80, dim, 5, torch.device("cpu"), parse_size("2GiB"))
             bandwidth = pass_seconds((chunk, 80, dim))[1]  # an in-place pass over a chunk's features
+            large = mm_cpu if CLOCK[0] is time.thread_time else mm
+            cal = floors.Calibration(lambda fn: _best_seconds(fn, *CALIBRATE), chunk, bandwidth, large)
             for shot in args.shots:
                 batch = make(chunk, shot)
                 for name in [m.strip() for m in args.methods.split(",") if m.strip()]:
@@ -556,6 +561,7 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
                         "memory": 1e6 * r["bytes_per_episode"] / bandwidth,
                         "ops": 1e6 * r["ops_per_call"] * t_op / chunk,
                     }
+                    r["floor"] = method_floor(r, name, cal, args)
                     print(_roofline_line(rows[-1], mm, mm_cpu), file=sys.stderr)
         mm_after, mm_cpu_after = matmul_rate()
     finally:
@@ -569,6 +575,17 @@ def run_roofline(args: argparse.Namespace) -> dict[str, Any]:
         "sweep_clock": args.roofline_clock,
         "op_seconds": t_op,
     }
+
+
+def method_floor(r: dict[str, Any], name: str, cal: floors.Calibration, args: argparse.Namespace) -> dict[str, Any]:
+    """The method's own floor per episode (:func:`floors.method_floor`) for roofline row ``r``: at
+    its FLOPs as counted, and at the Sinkhorn sweeps it made (where their number is not fixed)."""
+    cfg = solvers.make_config(name, getattr(args, "roofline_options", {}).get(name, {}), strict=True)
+    shape = (5 * r["shot"], 5 * QUERY, 0, r["dim"], 5)
+    fl = floors.method_floor(name, cfg, shape, r["flops_per_episode"], cal, r.get("sweeps_per_episode"))
+    us = 1e6 / (r["eps_per_s_cpu"] if CLOCK[0] is time.thread_time else r["eps_per_s"])
+    fl["share"] = fl["floor_us"] / us
+    return fl
 
 
 # the configuration field that counts a method's iterations, for methods that stop per episode and
@@ -629,6 +646,9 @@ def _roofline_line(r: dict[str, Any], mm: float, mm_cpu: float) -> str:
         f"{100 * r['flop_per_s'] / mm:5.1f}% of matmul (CPU clock: {r['eps_per_s_cpu']:.1f} eps/s, "
         f"{100 * r['flop_per_s_cpu'] / mm_cpu:.1f}%)"
     )
+    if "floor" in r:
+        fl = r["floor"]
+        text += f"; own floor {fl['floor_us']:.0f} us/ep = {100 * fl['share']:.0f}% ({floors.describe(fl)})"
     if "sweep_share" in r:
         text += (
             f"; Sinkhorn {100 * r['sweep_share']:.0f}% of the time, {r['sweeps_per_episode']:.0f} sweeps/ep, "
@@ -648,12 +668,15 @@ def roofline_table(rf: dict[str, Any]) -> str:
         f"One in-place operation on 40 numbers: {1e6 * rf['op_seconds']:.1f} us of CPU time. Floors per episode "
         "(CPU time): compute = FLOPs / the matmul rate; memory = the bytes the operations move (traced) / "
         "the bandwidth of an in-place pass over the chunk's features; ops = operations per call x one "
-        "operation's cost / chunk.",
+        "operation's cost / chunk. Own floor: each method's parts timed by micro-benchmarks of their own "
+        "(a batched matmul of its product shape, LAPACK eigh of its matrix, a plain C Sinkhorn sweep on an "
+        "L1-resident plan, a pass over its rows), on the roofline's clock.",
         "",
         "| method | features | shot | chunk | eps/s (1 thread) | MFLOP/episode | GFLOP/s | % of matmul "
         "| CPU-time eps/s | CPU-time % | us/episode (CPU) | compute floor | memory floor | ops/call | op floor "
-        "| Sinkhorn share | sweeps/episode | us per episode-sweep | us at pass bandwidth |",
-        "|" + "---|" * 19,
+        "| Sinkhorn share | sweeps/episode | us per episode-sweep | us at pass bandwidth "
+        "| own floor us/episode | binds | % of own floor |",
+        "|" + "---|" * 22,
     ]
     for r in rf["rows"]:
         sweep = ["-"] * 4
@@ -667,8 +690,18 @@ def roofline_table(rf: dict[str, Any]) -> str:
         fl = r["floors_us"]
         cells += [f"{1e6 / r['eps_per_s_cpu']:.0f}", f"{fl['compute']:.0f}", f"{fl['memory']:.0f}"]
         cells += [f"{r['ops_per_call']:,}", f"{fl['ops']:.0f}"]
-        lines.append("| " + " | ".join(cells + sweep) + " |")
-    return "\n".join(lines)
+        own = ["-"] * 3
+        if "floor" in r:
+            own = [f"{r['floor']['floor_us']:.0f}", r["floor"]["binds"], f"{100 * r['floor']['share']:.0f}"]
+        lines.append("| " + " | ".join(cells + sweep + own) + " |")
+    floors_text = [
+        f"- {r['method']} ({r['features']}, {r['shot']}-shot): {floors.describe(r['floor'])}"
+        for r in rf["rows"]
+        if "floor" in r
+    ]
+    if floors_text:
+        lines += ["", "Own floors per episode (benchmarks/floors.py: max(memory, matmul + eigh + sweeps)):", ""]
+    return "\n".join(lines + floors_text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,13 @@ The model (per chunk of ``C`` episodes; 10,000 episodes are chunks of 4,096, 4,0
   floor)``, and the whole chunk is also bounded below by ``FLOPs / FP32 rate``;
 - the host issues each operation in :data:`HOST_OP_S` and runs ahead of the device, so the chunk
   takes the larger of the two; every host sync (``.item()``, ``bool(tensor)``) drains the device and
-  adds :data:`SYNC_S`.
+  adds :data:`SYNC_S`;
+- a loop that stops per episode (a method's declared ``Floor.loops``) runs, masked, to the chunk's
+  slowest episode: its traced operations and syncs are repeated by :func:`loop_scale`, the ratio of
+  the expected maximum of the measured per-episode iterations (:func:`iteration_counts`) over the
+  chunk to that over the traced episodes;
+- a decomposition the GPU path sends to the host (``batched_eigh`` of a matrix above 32 x 32) adds
+  its LAPACK time on this machine, spread over :data:`HOST_CORES` (:func:`host_seconds`).
 
 FLOPs are the method's registered count (``poodle.solvers.get(name).flops``); a method without one
 uses :data:`FLOPS_FALLBACK`, and the traced matmul FLOPs are reported beside it so the two can be
@@ -37,10 +43,13 @@ all after the first step, at the cost of fewer programs than SMs (:func:`triton_
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -185,12 +194,18 @@ class Trace:
         syncs: host syncs per call (``.item()``, ``bool(tensor)``, ``.tolist()`` ...).
         matmul_flops: FLOPs of the matrix products per episode (torch.utils.flop_counter's count).
         names: ATen operation names, in order.
+        loop_ops: the indices (into ``op_bytes``) of the operations made inside the method's loops
+            that stop per episode (its :class:`~poodle.solvers.base.Floor` ``loops``): on a GPU
+            they repeat until the chunk's slowest episode stops (:func:`loop_scale`).
+        loop_syncs: the host syncs made inside those loops.
     """
 
     op_bytes: list[float] = field(default_factory=list)
     syncs: int = 0
     matmul_flops: float = 0.0
     names: list[str] = field(default_factory=list)
+    loop_ops: list[int] = field(default_factory=list)
+    loop_syncs: int = 0
 
     @property
     def bytes(self) -> float:
@@ -291,19 +306,78 @@ def standard_batch(workload: Workload = STANDARD, episodes: int = 4, seed: int =
     return EpisodeBatch(s, ys, q, neg[:, : workload.n_neg].contiguous(), K)
 
 
+@contextlib.contextmanager
+def _watch_loops(
+    loops: tuple[str, ...], snapshot: Callable[[], tuple[int, int]] | None = None, keep_active: bool = False
+) -> Iterator[list[dict]]:
+    """While inside, every call of a loop function of ``loops`` (``"module:function"``) appends a
+    record to the yielded list: ``looks``, the calls of ``should_stop`` in that module during it
+    (one per iteration), ``start``/``end``, ``snapshot()`` before and after (the tracer's
+    operation and sync counts), and with ``keep_active`` ``active``, the ``[E]`` mask of the
+    episodes still iterating at each look. Loops nested in a watched loop count in the outer one."""
+    records: list[dict] = []
+    running: list[dict] = []
+    undo: list[tuple[Any, str, Any]] = []
+    patched: set[str] = set()
+    snap = snapshot or (lambda: (0, 0))
+    for spec in loops:
+        mod_name, fn_name = spec.split(":")
+        mod = importlib.import_module(mod_name)
+        fn = getattr(mod, fn_name)
+
+        def loop(*a: Any, _fn: Any = fn, **k: Any) -> Any:
+            if running:  # already inside a watched loop
+                return _fn(*a, **k)
+            rec = {"looks": 0, "start": snap()}
+            running.append(rec)
+            try:
+                return _fn(*a, **k)
+            finally:
+                running.pop()
+                rec["end"] = snap()
+                records.append(rec)
+
+        undo.append((mod, fn_name, fn))
+        setattr(mod, fn_name, loop)
+        home = importlib.import_module(fn.__module__)  # where the loop looks up its should_stop
+        if home.__name__ not in patched and hasattr(home, "should_stop"):
+            patched.add(home.__name__)
+            stop = getattr(home, "should_stop")  # noqa: B009
+
+            def look(active: Tensor, *a: Any, _stop: Any = stop, **k: Any) -> bool:
+                if running:
+                    running[-1]["looks"] += 1
+                    if keep_active:
+                        running[-1].setdefault("active", []).append(active.detach().to("cpu", copy=True))
+                return bool(_stop(active, *a, **k))
+
+            undo.append((home, "should_stop", stop))
+            setattr(home, "should_stop", look)  # noqa: B010 (a module attribute mypy cannot see)
+    try:
+        yield records
+    finally:
+        for mod, name, fn in reversed(undo):
+            setattr(mod, name, fn)
+
+
 def _run_traced(method: str, cfg: Any, batch: Any) -> Trace:
     from poodle import solvers
     from poodle.solvers import _optim, _transductive
 
     before = _optim.USE_NATIVE
     _optim.USE_NATIVE = False
+    loops = solvers.get(method).floor.loops
     try:
         # convergence checks as a GPU makes them (once per CHECK_EVERY iterations), not per iteration
         with _transductive.device_schedule(), _tracer(batch.n_episodes) as mode:
-            solvers.run(method, batch, cfg)
+            with _watch_loops(loops, lambda: (len(mode.trace.op_bytes), mode.trace.syncs)) as records:
+                solvers.run(method, batch, cfg)
     finally:
         _optim.USE_NATIVE = before
     result: Trace = mode.trace
+    for rec in records:
+        result.loop_ops += range(rec["start"][0], rec["end"][0])
+        result.loop_syncs += rec["end"][1] - rec["start"][1]
     return result
 
 
@@ -382,14 +456,151 @@ def method_steps(method: str, cfg: Any, workload: Workload = STANDARD) -> int:
     return max(1, int(v or 1))
 
 
-def predict(tr: Trace, flops: float, gpu: GPU, episodes: int = 10_000, chunk: int = GPU_CHUNK) -> float:
-    """Seconds ``episodes`` episodes should take on ``gpu`` (module docstring's model)."""
+def predict(
+    tr: Trace,
+    flops: float,
+    gpu: GPU,
+    episodes: int = 10_000,
+    chunk: int = GPU_CHUNK,
+    loops: Callable[[int], float] | None = None,
+    host_s: float = 0.0,
+) -> float:
+    """Seconds ``episodes`` episodes should take on ``gpu`` (module docstring's model).
+
+    ``loops(c)``: how many times the trace's loop operations (``tr.loop_ops``, ``tr.loop_syncs``)
+    repeat in a chunk of ``c`` episodes for the once they were traced (:func:`loop_scale`; None:
+    as traced). ``host_s``: host seconds per episode of work the device waits for (the host-side
+    ``eigh``, :func:`host_seconds`)."""
     total = 0.0
+    loop_bytes = [tr.op_bytes[i] for i in tr.loop_ops]
     for c in chunks(episodes, chunk):
-        device = sum(max(c * b / gpu.bandwidth, KERNEL_FLOOR_S) for b in tr.op_bytes)
+        extra = (loops(c) - 1.0) if loops is not None and tr.loop_ops else 0.0
+
+        all_ops = sum(max(c * b / gpu.bandwidth, KERNEL_FLOOR_S) for b in tr.op_bytes)
+        device = all_ops + extra * sum(max(c * b / gpu.bandwidth, KERNEL_FLOOR_S) for b in loop_bytes)
         device = max(device, c * flops / gpu.fp32)
-        total += max(device, tr.launches * HOST_OP_S) + tr.syncs * SYNC_S
+        launches = tr.launches + extra * len(loop_bytes)
+        total += max(device, launches * HOST_OP_S) + (tr.syncs + extra * tr.loop_syncs) * SYNC_S + c * host_s
     return total
+
+
+# ------------------------------------------------------------------ loops to the slowest episode
+
+
+def expected_max(counts: Sequence[float], k: int) -> float:
+    """The expected maximum of ``k`` draws (with replacement) from ``counts``, exactly: with the
+    counts sorted, ``sum_i x_(i) ((i/n)^k - ((i-1)/n)^k)``. What a masked loop over a chunk of ``k``
+    episodes runs to, when ``counts`` is the distribution of the iterations one episode needs."""
+    x = sorted(float(v) for v in counts)
+    n = len(x)
+    if n == 0:
+        raise ValueError("expected_max of no counts")
+    return sum(v * (((i + 1) / n) ** k - (i / n) ** k) for i, v in enumerate(x))
+
+
+def iteration_counts(
+    method: str,
+    options: Mapping[str, Any] | None = None,
+    workload: Workload = STANDARD,
+    episodes: int = 32,
+    seed: int = 1,
+) -> list[list[int]]:
+    """The iterations each of ``episodes`` standard episodes needs in each of the method's loops
+    that stop per episode (:class:`~poodle.solvers.base.Floor` ``loops``), measured on the CPU in
+    one batched call with the loops masked as on a GPU and looking at every iteration: an episode's
+    count is the looks that found it still iterating, plus the one that found it done (at most the
+    call's looks). ``counts[e][j]``: episode ``e``'s iterations in the ``j``-th loop call ([]
+    without loops). A masked episode's values are those it gets alone, so its count is too."""
+    from poodle import solvers
+
+    info = solvers.get(method)
+    loops = info.floor.loops
+    if not loops:
+        return []
+    cfg = solvers.make_config(method, dict(options or {}), strict=True)
+    batch = standard_batch(workload, episodes, seed)
+    if not info.needs_negatives(cfg):
+        batch = type(batch)(batch.support, batch.support_labels, batch.query, None, batch.way)
+    # the modules the loops are defined in, whose syncs_freely picks their path
+    modules = {
+        importlib.import_module(getattr(importlib.import_module(spec.split(":")[0]), spec.split(":")[1]).__module__)
+        for spec in loops
+    }
+    undo = [(m, getattr(m, "syncs_freely")) for m in modules if hasattr(m, "syncs_freely")]  # noqa: B009
+    counts = []
+    try:
+        for m, _ in undo:  # the masked (GPU) path of each loop; should_stop still looks every time
+            setattr(m, "syncs_freely", lambda t: False)  # noqa: B010
+        with _watch_loops(loops, keep_active=True) as records:
+            solvers.run(method, batch, cfg)
+        per_call = []
+        for r in records:
+            seen = (
+                torch.stack(r["active"]).long().sum(0) if r.get("active") else torch.zeros(episodes, dtype=torch.long)
+            )
+            per_call.append((seen + 1).clamp_max(max(int(r["looks"]), 1)).tolist())
+        counts = [[int(call[e]) for call in per_call] for e in range(episodes)]
+    finally:
+        for m, fn in undo:
+            setattr(m, "syncs_freely", fn)  # noqa: B010
+    return counts
+
+
+def loop_scale(counts: list[list[int]], traced: int) -> Callable[[int], float]:
+    """``c -> `` how many times more loop iterations a chunk of ``c`` episodes runs than the trace
+    of ``traced`` episodes did: each loop call runs to its slowest episode, so the ratio of the
+    expected maxima (:func:`expected_max`) of each call's measured iterations, summed over the calls.
+    ``counts`` from :func:`iteration_counts` (a call an episode did not make counts 0)."""
+    if not counts:
+        return lambda c: 1.0
+    width = max(len(row) for row in counts)
+    columns = [[row[j] if j < len(row) else 0 for row in counts] for j in range(width)]
+    base = sum(expected_max(col, traced) for col in columns)
+
+    def scale(c: int) -> float:
+        return sum(expected_max(col, c) for col in columns) / base if base else 1.0
+
+    return scale
+
+
+# ------------------------------------------------------------------ host-side decompositions
+
+HOST_CORES = 16  # host cores a GPU process spreads its batched eigh over (assumed; a 16-core host)
+
+
+def eigh_seconds(order: int, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+    """Seconds of LAPACK's ``eigh`` (with eigenvectors) of one ``order x order`` symmetric matrix
+    on one thread of this machine (the thread's CPU time, best of ``repeats``): the rate the
+    host-side decompositions run at."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(order, 2 * order, dtype=dtype, generator=torch.Generator().manual_seed(0))
+        m = x @ x.T
+        torch.linalg.eigh(m)
+        best = float("inf")
+        for _ in range(repeats):  # the thread's CPU time: the decomposition's, not a busy machine's waits
+            t0 = time.thread_time()
+            torch.linalg.eigh(m)
+            best = min(best, time.thread_time() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return best
+
+
+def host_seconds(method: str, cfg: Any, workload: Workload = STANDARD, cores: int = HOST_CORES) -> tuple[int, float]:
+    """``(order, seconds per episode)`` of the host-side decomposition ``method`` makes per episode
+    on a GPU (``batched_eigh`` sends matrices larger than 32 x 32 to the host, spread over its
+    ``cores``), from its :class:`~poodle.solvers.base.Floor` facts and this machine's LAPACK rate;
+    ``(0, 0.0)`` without one."""
+    from poodle import solvers
+
+    f = solvers.get(method).floor
+    shape = (workload.n_support, workload.n_query, 0, workload.dim, workload.way)
+    order = f.eigh_order(*shape, cfg)
+    if order <= 32:  # on the device (batched_eigh), or none
+        return order, 0.0
+    return order, eigh_seconds(order, getattr(torch, f.eigh_dtype)) / cores
 
 
 @dataclass
@@ -405,6 +616,10 @@ class Row:
     syncs: int
     seconds: dict[str, float]
     flops_source: str
+    loop_share: float = 0.0
+    loop_scale: float = 1.0
+    eigh_order: int = 0
+    host_s: float = 0.0
 
     @property
     def bytes_per_step(self) -> float:
@@ -442,8 +657,12 @@ def table(
     workload: Workload = STANDARD,
     gpus: tuple[GPU, ...] = GPUS,
     traced_episodes: int = 4,
+    loop_episodes: int = 64,
 ) -> list[Row]:
-    """The cost model's line for every method of ``methods`` (default :data:`ITERATIVE`)."""
+    """The cost model's line for every method of ``methods`` (default :data:`ITERATIVE`). A method's
+    loops that stop per episode are counted to the chunk's slowest episode from the iterations of
+    ``loop_episodes`` episodes measured on the CPU (:func:`iteration_counts`, :func:`loop_scale`);
+    its host-side ``eigh`` at this machine's LAPACK rate (:func:`host_seconds`)."""
     from poodle import solvers
 
     batch = standard_batch(workload, traced_episodes)
@@ -456,9 +675,14 @@ def table(
         fl = method_flops(method, cfg, workload, uses_neg)
         source = "registered" if registered else ("fallback" if fl is not None else "traced")
         flops = tr.matmul_flops if fl is None else fl
-        secs = {g.name: predict(tr, flops, g, workload.episodes) for g in gpus}
+        scale = loop_scale(iteration_counts(method, options, workload, loop_episodes), traced_episodes)
+        order, host = host_seconds(method, cfg, workload)
+        secs = {g.name: predict(tr, flops, g, workload.episodes, loops=scale, host_s=host) for g in gpus}
         steps = method_steps(method, cfg, workload)
-        rows.append(Row(method, steps, tr.bytes, flops, tr.matmul_flops, tr.launches, tr.syncs, secs, source))
+        row = Row(method, steps, tr.bytes, flops, tr.matmul_flops, tr.launches, tr.syncs, secs, source)
+        row.loop_share = len(tr.loop_ops) / max(tr.launches, 1)
+        row.loop_scale, row.eigh_order, row.host_s = scale(GPU_CHUNK), order, host * workload.episodes
+        rows.append(row)
     return rows
 
 
@@ -468,13 +692,17 @@ def markdown(rows: list[Row], measured: Mapping[str, float] | None = None, label
     measured episodes/s (``measured``, by method, on ``label``) and its 10,000-episode time."""
     gpus = list(rows[0].seconds) if rows else []
     head = ["method", "steps", "MB/step", "MB/episode", "GFLOP/episode", "FLOPs", "launches", "syncs"]
+    head += [f"masked loops x at {GPU_CHUNK:,}", "host eigh s"]
     head += [f"{g} s" for g in gpus] + [f"{label} episodes/s", f"{label} s per 10k"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         rate = (measured or {}).get(r.method)
         cells = [r.method, str(r.steps), f"{r.bytes_per_step / 1e6:.3f}", f"{r.bytes / 1e6:.1f}"]
         cells += [f"{r.flops / 1e9:.3f}", f"{r.flops_source} (traced matmuls {r.traced_flops / 1e9:.3f})"]
-        cells += [f"{r.launches:,}", f"{r.syncs:,}"] + [f"{r.seconds[g]:.2f}" for g in gpus]
+        cells += [f"{r.launches:,}", f"{r.syncs:,}"]
+        cells.append(f"{r.loop_scale:.2f} ({100 * r.loop_share:.0f}% of launches)" if r.loop_share else "-")
+        cells.append(f"{r.host_s:.2f} ({r.eigh_order}^2)" if r.host_s else "-")
+        cells += [f"{r.seconds[g]:.2f}" for g in gpus]
         cells += [f"{rate:,.1f}" if rate else "-", f"{1e4 / rate:,.1f}" if rate else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -539,6 +767,12 @@ __all__ = [
     "method_flops",
     "method_steps",
     "predict",
+    "expected_max",
+    "iteration_counts",
+    "loop_scale",
+    "eigh_seconds",
+    "host_seconds",
+    "HOST_CORES",
     "table",
     "ITERATIVE",
     "FLOPS_FALLBACK",

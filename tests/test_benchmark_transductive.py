@@ -98,3 +98,12 @@ def test_roofline_part_counts_what_it_reports(bench, tmp_path, monkeypatch):
     for r in rows.values():
         assert r["eps_per_s"] > 0 and r["ops_per_call"] > 0 and r["flops_per_episode"] > 0
     assert "| bms | random 640-d | 1 | 4 |" in (tmp_path / "o" / "transductive.md").read_text()
+    # each method's own floor, from its declared parts: PEMnE-BMS's fixed sweeps on its [5, 75] plan
+    for r in rows.values():
+        fl = r["floor"]
+        assert set(fl["parts"]) == {"matmul", "eigh", "sweeps", "memory"} and fl["binds"] in fl["parts"]
+        compute = fl["parts"]["matmul"] + fl["parts"]["eigh"] + fl["parts"]["sweeps"]
+        assert fl["floor_us"] == max(fl["parts"]["memory"], compute) > 0 and fl["share"] > 0
+    assert rows[("bms", 640)]["floor"]["sweeps"] == 1000 and rows[("bms", 640)]["floor"]["plan"] == [5, 75]
+    assert rows[("bms", 640)]["floor"]["parts"]["sweeps"] > 0 and rows[("paddle", 64)]["floor"]["plan"] is None
+    assert "Own floors per episode" in (tmp_path / "o" / "transductive.md").read_text()

@@ -124,3 +124,85 @@ def test_steps_and_flops_of_the_registered_methods():
         assert r.seconds["H100 PCIe"] >= r.seconds["H100 SXM"] >= r.seconds["H200"]
     text = cm.markdown(rows, {"entropy-min": 100.0})
     assert "| entropy-min | 25 |" in text and "100.0" in text
+
+
+def test_expected_maximum_of_k_iteration_counts():
+    # counts 1..m equally likely: E[max of k] = m - sum_{i<m} (i/m)^k, exactly
+    m = 10
+    for k in (1, 2, 4, 40, 4096):
+        assert cm.expected_max(range(1, m + 1), k) == pytest.approx(m - sum((i / m) ** k for i in range(1, m)))
+    assert cm.expected_max([3, 5], 1) == pytest.approx(4.0)  # one episode: the mean
+    # 99 episodes converge in 100 sweeps, one in 400: a chunk of 40 meets it a third of the time
+    counts = [100] * 99 + [400]
+    assert cm.expected_max(counts, 40) == pytest.approx(100 + 300 * (1 - 0.99**40))
+    # a Monte-Carlo check of the same
+    g = torch.Generator().manual_seed(0)
+    draws = torch.tensor(counts, dtype=torch.float64)[torch.randint(0, 100, (20_000, 40), generator=g)]
+    assert draws.amax(1).mean().item() == pytest.approx(cm.expected_max(counts, 40), rel=0.03)
+    with pytest.raises(ValueError):
+        cm.expected_max([], 3)
+
+
+def test_masked_loops_scale_to_the_slowest_episode_of_the_chunk():
+    # two loop calls per episode; the trace of 2 episodes ran each to the slower of its 2
+    counts = [[10, 1], [20, 1], [30, 1], [40, 1]]
+    scale = cm.loop_scale(counts, traced=2)
+    base = cm.expected_max([10, 20, 30, 40], 2) + 1
+    assert scale(2) == pytest.approx(1.0)
+    assert scale(40) == pytest.approx((cm.expected_max([10, 20, 30, 40], 40) + 1) / base)
+    assert scale(40) > scale(8) > 1.0 and scale(4096) == pytest.approx(41 / base, rel=1e-9)
+    assert cm.loop_scale([], 4)(4096) == 1.0
+    # the prediction repeats the loop's operations and syncs: here op 1 and one sync, 3 times over
+    tr = cm.Trace(op_bytes=[1e6, 10.0], syncs=2, loop_ops=[1], loop_syncs=1)
+    got = cm.predict(tr, flops=0.0, gpu=cm.H100_SXM, episodes=4096, loops=lambda c: 3.0)
+    device = 4096 * 1e6 / 3.35e12 + 3 * max(4096 * 10.0 / 3.35e12, cm.KERNEL_FLOOR_S)
+    assert got == pytest.approx(max(device, 4 * cm.HOST_OP_S) + 4 * cm.SYNC_S, rel=1e-12)
+    # host-side work the device waits for adds per episode
+    assert cm.predict(tr, 0.0, cm.H100_SXM, 10_000, host_s=1e-4) == pytest.approx(
+        cm.predict(tr, 0.0, cm.H100_SXM, 10_000) + 1.0, rel=1e-12
+    )
+
+
+def test_loop_iterations_measured_batched_are_each_episodes_own(monkeypatch):
+    # PT-MAP (2 steps: 3 Sinkhorn loops an episode) on 3 episodes: the batched, masked count of each
+    # episode is the number of looks it makes solved alone
+    from poodle import solvers
+    from poodle.solvers import pt_map
+
+    wl = cm.Workload(dim=32)
+    opts = {"steps": 2}
+    counts = cm.iteration_counts("pt-map", opts, wl, episodes=3, seed=2)
+    assert len(counts) == 3 and all(len(row) == 3 for row in counts)
+    batch = cm.standard_batch(wl, 3, seed=2)
+    batch = type(batch)(batch.support, batch.support_labels, batch.query, None, batch.way)
+    cfg = solvers.make_config("pt-map", opts)
+    monkeypatch.setattr(pt_map, "syncs_freely", lambda t: False)  # the masked loop, looking every sweep
+    alone = []
+    for e in range(3):
+        with cm._watch_loops(solvers.get("pt-map").floor.loops) as records:
+            solvers.run("pt-map", batch.episode(e), cfg)  # alone
+        alone.append([r["looks"] for r in records])
+    # the same, or one sweep apart where a batch's float rounding (against one episode's) moves a
+    # convergence test across the tolerance
+    diffs = [abs(a - b) for row_a, row_b in zip(counts, alone) for a, b in zip(row_a, row_b)]
+    assert max(diffs) <= 1 and diffs.count(0) >= 6
+    assert len({c for row in counts for c in row}) > 1  # the episodes differ: the test can tell
+    # the trace marks the loops' operations and syncs, and a chunk of 3 runs each loop to its slowest
+    monkeypatch.undo()
+    tr = cm.trace("pt-map", opts, batch, wl)
+    assert 0 < len(tr.loop_ops) < tr.launches and 0 < tr.loop_syncs <= tr.syncs
+    assert cm.loop_scale(counts, traced=1)(3) > 1.0
+
+
+def test_host_side_eigh_in_the_prediction():
+    from poodle import solvers
+
+    cfg = solvers.make_config("bayes-kmeans", {})
+    order, host = cm.host_seconds("bayes-kmeans", cfg)
+    assert order == 80 and 0 < host < 0.1  # 80 x 80 (5 + 75 rows), spread over the host's cores
+    assert cm.host_seconds("pt-map", solvers.make_config("pt-map", {})) == (0, 0.0)
+    # 30 rows: a 30 x 30 matrix, decomposed on the device (batched_eigh), not on the host
+    assert cm.host_seconds("bayes-kmeans", cfg, cm.Workload(query=5)) == (30, 0.0)
+    rows = cm.table([("mean-shift", {})], cm.Workload(dim=32), traced_episodes=2, loop_episodes=2)
+    assert rows[0].eigh_order == 80 and rows[0].host_s > 0
+    assert "(80^2)" in cm.markdown(rows)

@@ -179,6 +179,76 @@ class SolverOutput:
     state: dict[str, Tensor] = field(default_factory=dict)
 
 
+# LAPACK's usual count for a symmetric eigen-decomposition with its vectors, ``9 n^3`` FLOPs, as the
+# registered FLOP counts of the methods that decompose count it
+def eigh_flops(n: int) -> float:
+    """FLOPs counted for ``eigh`` of one ``n x n`` matrix with its eigenvectors."""
+    return 9.0 * n**3
+
+
+@dataclass(frozen=True)
+class Floor:
+    """What one episode of a method computes, by kind, declared at its ``@register``: the parts of
+    its floor (``benchmarks/methods.py`` times each part by a micro-benchmark that is not the
+    method's code) and the loops whose length the cost model counts to a chunk's slowest episode.
+    Every function takes the registered FLOP count's arguments ``(Ns, Nq, M, D, way, cfg)``.
+
+    Attributes:
+        eigh: the order ``n`` of the symmetric matrix the method decomposes once per episode (on
+            the host: LAPACK), or ``0``; ``None``: no decomposition. Its ``9 n^3`` FLOPs
+            (:func:`eigh_flops`) are part of the registered count and timed at LAPACK's rate, not
+            at the matmul rate.
+        product: the shape ``(rows, depth, columns)`` of the method's typical batched product (the
+            matmul class its registered FLOPs run at); ``None``: ``(Ns + Nq + M, D, way)``, the rows
+            against the class centres.
+        sweep: the Sinkhorn sweep the method runs on a ``[way, columns]`` plan: ``"balance"``
+            (samples to 1, then classes to a fixed mass: PT-MAP, protoLP) or ``"min-size"``
+            (samples to 1, then the classes under a minimum mass scaled up to it: PEMnE-BMS).
+        sweep_columns: the plan's columns (samples): ``"query"`` (``Nq``) or ``"all"`` (``Ns + Nq``).
+        sweeps: ``cfg -> sweeps per episode`` where the count is fixed; ``None``: each episode sweeps
+            until it converges (measured).
+        loops: the functions, ``"module:function"``, each call of which is one loop that stops per
+            episode (on a GPU it runs, masked, to the chunk's slowest episode); an iteration is a
+            call of ``should_stop`` in the module that defines the function.
+        eigh_dtype: the precision the matrix is decomposed in.
+        matmul: the rate the registered FLOPs (less the decomposition's) can run at: ``"batched"``,
+            that of a batched product of ``product``'s shape (the better of its two layouts);
+            ``"large"``, that of a large square matmul (the fused kernel's steps, which stream the
+            rows against weights held in registers, reach it).
+        gram: ``(n, d)`` of the Gram matrix ``x x^T`` (``x [n, d]``) the method forms once per episode
+            before its decomposition (``2 n^2 d`` FLOPs of its count, timed at a batched product of
+            that shape, not at ``product``'s).
+    """
+
+    eigh: Callable[..., int] | None = None
+    product: Callable[..., tuple[int, int, int]] | None = None
+    sweep: Literal["balance", "min-size"] | None = None
+    sweep_columns: Literal["query", "all"] = "query"
+    sweeps: Callable[[Any], int] | None = None
+    loops: tuple[str, ...] = ()
+    eigh_dtype: Literal["float32", "float64"] = "float32"
+    matmul: Literal["batched", "large"] = "batched"
+    gram: Callable[..., tuple[int, int]] | None = None
+
+    def product_shape(self, Ns: int, Nq: int, M: int, D: int, way: int, cfg: Any) -> tuple[int, int, int]:
+        """``(rows, depth, columns)`` of the method's typical product on this shape."""
+        return self.product(Ns, Nq, M, D, way, cfg) if self.product else (Ns + Nq + M, D, way)
+
+    def gram_shape(self, Ns: int, Nq: int, M: int, D: int, way: int, cfg: Any) -> tuple[int, int] | None:
+        """``(n, d)`` of the Gram matrix formed per episode, or None."""
+        return self.gram(Ns, Nq, M, D, way, cfg) if self.gram else None
+
+    def eigh_order(self, Ns: int, Nq: int, M: int, D: int, way: int, cfg: Any) -> int:
+        """The order of the matrix decomposed per episode (0: none)."""
+        return int(self.eigh(Ns, Nq, M, D, way, cfg)) if self.eigh else 0
+
+    def plan(self, Ns: int, Nq: int, way: int) -> tuple[int, int] | None:
+        """``(way, columns)`` of the Sinkhorn plan, or None without one."""
+        if self.sweep is None:
+            return None
+        return way, (Nq if self.sweep_columns == "query" else Ns + Nq)
+
+
 @dataclass(frozen=True)
 class SolverInfo:
     """A registered method.
@@ -193,6 +263,8 @@ class SolverInfo:
             of the config (POODLE with ``beta = 0`` needs none); ask :meth:`needs_negatives`.
         flops: optional ``(Ns, Nq, M, D, way, cfg) -> FLOPs per episode``, for roofline reports.
         summary: one line for ``--help`` and listings.
+        floor: the cost facts of what the method computes per episode (:class:`Floor`), for the
+            per-method floors of ``benchmarks/methods.py`` and the loops of :mod:`poodle.costmodel`.
     """
 
     name: str
@@ -202,6 +274,7 @@ class SolverInfo:
     uses_negatives: bool | Callable[[Any], bool]
     flops: Callable[..., float] | None
     summary: str
+    floor: Floor = field(default_factory=lambda: Floor())
 
     def needs_negatives(self, cfg: Any) -> bool:
         """Whether this method, configured by ``cfg``, reads ``EpisodeBatch.negatives``."""
@@ -257,18 +330,23 @@ def register(
     flops: Callable[..., float] | None = None,
     summary: str = "",
     aliases: tuple[str, ...] = (),
+    floor: Floor | Mapping[str, Any] | None = None,
 ) -> Callable[[Callable], Callable]:
-    """Decorator: register a batched solver under ``name`` (and ``aliases``) with its config dataclass."""
+    """Decorator: register a batched solver under ``name`` (and ``aliases``) with its config dataclass
+    and, optionally, the cost facts of its floor (a :class:`Floor`, or its fields as a dict, so that
+    a solver's file declares them without importing the class)."""
     if not dataclasses.is_dataclass(config):
         raise TypeError(f"config of solver {name!r} must be a dataclass")
     if transductive == "optional" and "transductive" not in {f.name for f in dataclasses.fields(config)}:
         raise TypeError(f"solver {name!r} is optionally transductive but its config has no 'transductive' field")
 
+    facts = floor if isinstance(floor, Floor) else Floor(**(floor or {}))
+
     def deco(fn: Callable) -> Callable:
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
             raise ValueError(f"solver {name!r} registered twice")
         doc = summary or ((fn.__doc__ or "").strip().splitlines() or [""])[0]
-        _REGISTRY[name] = SolverInfo(name, fn, config, transductive, uses_negatives, flops, doc)
+        _REGISTRY[name] = SolverInfo(name, fn, config, transductive, uses_negatives, flops, doc, facts)
         _ALIASES.update({alias: name for alias in aliases})
         return fn
 

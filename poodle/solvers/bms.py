@@ -169,6 +169,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BMSConfig) -> float:
     transductive="always",
     flops=_flops,
     summary="PEMnE-BMS (Hu et al. 2022): feature transform + boosted min-size Sinkhorn",
+    floor=dict(sweep="min-size", sweeps=lambda cfg: cfg.steps * cfg.sinkhorn_iter),
 )
 def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]`` (transformed space) and

@@ -129,6 +129,7 @@ def _flops_km(Ns: int, Nq: int, M: int, D: int, way: int, cfg: KMeansConfig) -> 
     transductive="always",
     flops=_flops_km,
     summary="Seeded hard k-means over support + query (TAFSSL baseline / POODLE authors)",
+    floor=dict(loops=("poodle.solvers.kmeans:kmeans_loop",)),
 )
 def kmeans(batch: EpisodeBatch, cfg: KMeansConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes`` (final centres) and ``iterations [E]``."""
@@ -163,6 +164,12 @@ def _flops_bkm(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BayesKMeansConfi
     transductive="always",
     flops=_flops_bkm,
     summary="Bayesian k-means in a task-adaptive PCA sub-space (TAFSSL, Lichtenstein et al. 2020)",
+    floor=dict(
+        gram=lambda Ns, Nq, M, D, way, cfg: (Ns + Nq, D) if cfg.reduced_dim > 0 else None,
+        eigh=lambda Ns, Nq, M, D, way, cfg: Ns + Nq if cfg.reduced_dim > 0 else 0,
+        product=lambda Ns, Nq, M, D, way, cfg: (Ns + Nq, min(cfg.reduced_dim, Ns + Nq, D) or D, way),
+        loops=("poodle.solvers.kmeans:kmeans_loop",),
+    ),
 )
 def bayes_kmeans(batch: EpisodeBatch, cfg: BayesKMeansConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``centres [E, way, r]`` (in the projected space),

@@ -238,6 +238,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: LaplacianShotConfig)
     transductive="always",
     flops=_flops,
     summary="LaplacianShot (Ziko et al. 2020): kNN Laplacian regularisation, bound updates",
+    floor=dict(loops=("poodle.solvers.laplacianshot:bound_updates",)),
 )
 def laplacianshot(batch: EpisodeBatch, cfg: LaplacianShotConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final assignments ``Y``); state

@@ -83,6 +83,11 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: MeanShiftConfig) -> 
     transductive="always",
     flops=_flops,
     summary="TAFSSL mean-shift propagation in a task-adaptive PCA sub-space (Lichtenstein et al. 2020)",
+    floor=dict(
+        gram=lambda Ns, Nq, M, D, way, cfg: (Ns + Nq, D) if cfg.reduced_dim > 0 else None,
+        eigh=lambda Ns, Nq, M, D, way, cfg: Ns + Nq if cfg.reduced_dim > 0 else 0,
+        product=lambda Ns, Nq, M, D, way, cfg: (Nq, min(cfg.reduced_dim, Ns + Nq, D) or D, way),
+    ),
 )
 def mean_shift(batch: EpisodeBatch, cfg: MeanShiftConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, r]`` (projected space) and

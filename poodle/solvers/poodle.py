@@ -86,6 +86,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PoodleConfig) -> flo
     uses_negatives=lambda cfg: cfg.beta != 0,
     flops=_flops,
     summary="POODLE: CE + alpha*pull (in-distribution) - beta*push (negatives), Le et al. 2021",
+    floor=dict(matmul="large"),
 )
 def poodle(batch: EpisodeBatch, cfg: PoodleConfig) -> SolverOutput:
     """Query log-probs ``[E, Nq, way]``; state: prototypes ``[E, way, D]``, scale ``[E, 1, 1]``."""

@@ -183,6 +183,15 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: ProtoLPConfig) -> fl
     transductive="always",
     flops=_flops,
     summary="protoLP (Zhu & Koniusz 2023): label propagation over a prototype graph, refined iteratively",
+    floor=dict(
+        gram=lambda Ns, Nq, M, D, way, cfg: (Ns + Nq, D) if cfg.reduced_dim > 0 else None,
+        eigh=lambda Ns, Nq, M, D, way, cfg: min(Ns + Nq, D) if cfg.reduced_dim > 0 else 0,
+        eigh_dtype="float64",
+        product=lambda Ns, Nq, M, D, way, cfg: (Ns + Nq, min(cfg.reduced_dim, Ns + Nq, D) or D, way),
+        sweep="balance",
+        sweep_columns="all",
+        loops=("poodle.solvers.pt_map:balance", "poodle.solvers.proto_lp:balance"),
+    ),
 )
 def proto_lp(batch: EpisodeBatch, cfg: ProtoLPConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final plan's rows, normalised); state

@@ -277,6 +277,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PTMapConfig) -> floa
     transductive="always",
     flops=_flops,
     summary="PT-MAP (Hu et al. 2021): power transform + Sinkhorn MAP centre estimation",
+    floor=dict(sweep="balance", loops=("poodle.solvers.pt_map:balance",)),
 )
 def pt_map(batch: EpisodeBatch, cfg: PTMapConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]`` (log of the final plan's rows, normalised); state

@@ -112,6 +112,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: TimGDConfig) -> floa
     flops=_flops,
     aliases=("tim",),
     summary="TIM-GD (Boudiaf et al. 2020): CE + query mutual information, Adam on the prototypes",
+    floor=dict(matmul="large"),
 )
 def tim_gd(batch: EpisodeBatch, cfg: TimGDConfig) -> SolverOutput:
     """Solve ``batch`` with TIM-GD. Returns ``log_probs [E, Nq, way]`` and state ``prototypes
