@@ -400,29 +400,18 @@ def progress_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     128 + the signal's number). The command itself receives neither option; every display it makes
     (:func:`progress_bar`, :func:`poodle.cli._progress.new_progress`) takes the form chosen."""
     from poodle.cli import _progress
+    from poodle.cli._schema import click_option, flag_message
+    from poodle.errors import ConfigError
+    from poodle.options import check_group, settings
 
-    @click.option(
-        "--progress",
-        type=click.Choice(_progress.MODES),
-        default="auto",
-        show_default=True,
-        help="Progress display: bar (live bars), plain (a line every --progress-interval seconds and at "
-        "each stage's end, for logs), json (one object a line on stderr), none; auto: bar on a terminal, "
-        "plain otherwise.",
-    )
-    @click.option(
-        "--progress-interval",
-        type=click.FloatRange(min=0, min_open=True),
-        default=_progress.DEFAULT_INTERVAL,
-        show_default=True,
-        envvar=_progress.INTERVAL_ENV,
-        metavar="SECONDS",
-        help=f"Seconds between plain or json progress lines (also {_progress.INTERVAL_ENV}).",
-    )
     @functools.wraps(fn)
     def wrapper(*args: Any, progress: str, progress_interval: float, **kwargs: Any) -> Any:
         from poodle import interrupt
 
+        try:
+            check_group(_progress.ProgressOptions(progress, progress_interval), ConfigError)
+        except ConfigError as e:
+            raise click.UsageError(flag_message("--" + str(e.param).replace("_", "-"), e) or str(e)) from None
         _progress.configure(progress, progress_interval)
         _KEPT.clear()
         # SIGTERM and SIGINT stop the run at its next safe point (poodle.interrupt); torchrun's
@@ -431,6 +420,9 @@ def progress_option(fn: Callable[..., Any]) -> Callable[..., Any]:
         with interrupt.stop_on_signals(grace=None if torchrun else interrupt.GRACE):
             return fn(*args, **kwargs)
 
+    envvar = {"progress_interval": _progress.INTERVAL_ENV}
+    for s in reversed(settings(_progress.ProgressOptions)):
+        wrapper = click_option(s, envvar=envvar.get(s.key))(wrapper)
     return wrapper
 
 

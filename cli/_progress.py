@@ -24,9 +24,33 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from poodle.options import option
+
 MODES = ("auto", "bar", "plain", "json", "none")
 DEFAULT_INTERVAL = 30.0
 INTERVAL_ENV = "POODLE_PROGRESS_INTERVAL"
+
+
+@dataclass(frozen=True)
+class ProgressOptions:
+    """How a long command shows its progress: the settings behind every long command's
+    ``--progress`` and ``--progress-interval`` (and the project file's keys of those names)."""
+
+    progress: str = option(
+        "auto",
+        choices=MODES,
+        help="Progress display: bar (live bars), plain (a line every --progress-interval seconds and at "
+        "each stage's end, for logs), json (one object a line on stderr), none; auto: bar on a terminal, "
+        "plain otherwise.",
+    )
+    progress_interval: float = option(
+        DEFAULT_INTERVAL,
+        min=0,
+        min_open=True,
+        metavar="SECONDS",
+        help=f"Seconds between plain or json progress lines (also {INTERVAL_ENV}).",
+    )
+
 
 _state: dict[str, Any] = {"mode": "auto", "interval": DEFAULT_INTERVAL}
 

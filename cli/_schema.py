@@ -30,8 +30,8 @@ def _click_type(s: Setting) -> Any:
 
 def click_option(s: Setting, **given: Any) -> Callable[[Any], Any]:
     """The click option of setting ``s``: ``--key`` (dashes for underscores), named ``key``; ``given``
-    (``default``, ``help``, ``metavar``) replaces the declaration's where a command differs (``poodle predict``
-    decodes its few images in-process: ``workers`` 0)."""
+    (``default``, ``help``, ``metavar``, ``envvar``) replaces the declaration's where a command
+    differs (``poodle predict`` decodes its few images in-process: ``workers`` 0)."""
     default = given.get("default", s.default)
     text = given.get("help", s.meta("help"))
     shown = default is not None and not s.meta("cli_type")
@@ -44,6 +44,8 @@ def click_option(s: Setting, **given: Any) -> Callable[[Any], Any]:
         default=default,
         show_default=shown,
         metavar=given.get("metavar", s.meta("metavar")),
+        envvar=given.get("envvar"),
+        show_envvar=given.get("envvar") is not None,
         help=text,
     )
 
