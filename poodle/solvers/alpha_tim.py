@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._optim import NativeLoss, fit_logit_loss
+from poodle.solvers._optim import NativeLoss, fit_logit_loss, logit_loss_flops
 from poodle.solvers._transductive import dist_flops, pow_anywhere, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
@@ -79,7 +79,8 @@ def alpha_tim_loss(
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: AlphaTimConfig) -> float:
-    return 3.0 * cfg.steps * dist_flops(Ns + Nq, way, D)
+    # what the fit computes (two products a step, no autograd graph), then the queries' logits
+    return logit_loss_flops(Ns + Nq, D, way, cfg.steps) + dist_flops(Nq, way, D)
 
 
 @register(
@@ -117,7 +118,7 @@ def alpha_tim(batch: EpisodeBatch, cfg: AlphaTimConfig) -> SolverOutput:
         steps=cfg.steps,
         lr=cfg.lr,
         learn_scale=False,
-        # the Triton step's description of the loss (the CPU kernel does not know it)
+        # the loss for the fused CPU kernel and the Triton step
         native=NativeLoss("alpha", Ns, y_t, (w_ce, w_marg, w_cond), alpha=a),
     )
     log_probs = torch.log_softmax(softmax_logits(z_q, w, cfg.temperature), -1)

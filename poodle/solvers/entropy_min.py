@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._optim import NativeLoss, fit_logit_loss
+from poodle.solvers._optim import NativeLoss, fit_logit_loss, logit_loss_flops
 from poodle.solvers._transductive import dist_flops, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
 
@@ -41,7 +41,8 @@ class EntropyMinConfig:
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: EntropyMinConfig) -> float:
-    return 3.0 * cfg.steps * dist_flops(Ns + Nq, way, D)
+    # what the fit computes (two products a step, no autograd graph), then the queries' logits
+    return logit_loss_flops(Ns + Nq, D, way, cfg.steps) + dist_flops(Nq, way, D)
 
 
 @register(

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._optim import NativeLoss, fit_logit_loss
+from poodle.solvers._optim import NativeLoss, fit_logit_loss, logit_loss_flops
 from poodle.solvers._transductive import TINY, dist_flops, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register, validate_config
 
@@ -101,8 +101,8 @@ def tim_loss(logits_s: Tensor, y_s: Tensor, logits_q: Tensor, w_ce: float, w_mar
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: TimGDConfig) -> float:
-    # forward + backward (about 3x the forward) of two distance matrices per step
-    return 3.0 * int(cfg.steps or 0) * dist_flops(Ns + Nq, way, D)
+    # what the fit computes (two products a step, no autograd graph), then the queries' logits
+    return logit_loss_flops(Ns + Nq, D, way, int(cfg.steps or 0)) + dist_flops(Nq, way, D)
 
 
 @register(
