@@ -61,6 +61,18 @@ def test_solvers_on_the_triton_step_match_per_episode(results, case):
     assert r["w_diff"] < (1e-6 if f32 else 1e-10)
 
 
+@needs_triton
+@pytest.mark.parametrize("case", ["ragged_alpha_tim", "ragged_poodle"])
+def test_ragged_chunk_on_the_triton_step_is_each_episode_alone(results, case):
+    """Episodes of 5, 7 and 12 ways, 1 to 8 shots and 1 to 10 queries a class in one padded chunk:
+    the Triton step (each episode's own sizes) gives each what the torch formulation gives it alone."""
+    r = results[case]
+    assert r["formulation"] == "triton" and r["ways"] == [5, 7, 12]
+    assert r["same_predictions"] is True
+    assert r["prob_diff"] < 1e-12
+    assert r["padded_prob"] == 0.0
+
+
 def test_cuda_step_is_checked_and_leaves_cpu_fits_alone():
     with pytest.raises(ConfigError, match="cuda_step must be one of torch, triton") as e:
         with _optim.cuda_step("cutlass"):

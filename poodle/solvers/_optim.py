@@ -120,6 +120,19 @@ class Padding:
     def any(self) -> bool:
         return self.classes is not None or self.rows is not None
 
+    @staticmethod
+    def of(classes: Tensor | None, *parts: tuple[Tensor | None, int]) -> Padding | None:
+        """The padding of rows made of ``parts`` (each ``(mask [E, n_i] or None, n_i)``, in the
+        rows' order; ``None``: all ``n_i`` real) and of ``classes``; ``None`` when nothing is padded."""
+        masks = [m for m, _ in parts if m is not None]
+        if classes is None and not masks:
+            return None
+        rows = None
+        if masks:
+            E, dev = masks[0].shape[0], masks[0].device
+            rows = torch.cat([torch.ones(E, n, dtype=torch.bool, device=dev) if m is None else m for m, n in parts], 1)
+        return Padding(classes, rows)
+
 
 class Loss(Protocol):
     """A loss of the distance logits (see the module docstring: how a loss plugs in)."""
@@ -394,8 +407,9 @@ def _pack_kernel(x: Tensor, terms: KernelTerms, padding: Padding) -> tuple[Tenso
         r = None if terms.r is None else _gather_rows(terms.r, idx)
         free = None if terms.free is None else _gather_rows(terms.free, idx)
         return xp, dataclasses.replace(terms, targets=_gather_rows(terms.targets, idx), r=r, free=free), sizes
-    # the support rows come first among the real rows already: their targets take the same order
-    targets = _gather_rows(terms.targets, idx[:, : terms.n_support])
+    # the real support rows come first among the real rows: their targets in the same order
+    assert padding.rows is not None
+    targets = _gather_rows(terms.targets, _front(padding.rows[:, : terms.n_support]))
     return xp, dataclasses.replace(terms, targets=targets), sizes
 
 
@@ -460,7 +474,9 @@ def _triton_fit(
                 g = _gather_rows
                 what = RowTerms(g(what.targets, idx), g(what.ce, idx), g(what.coef, idx), free)
             else:
-                what = dataclasses.replace(what, targets=_gather_rows(what.targets, idx[:, : what.n_support]))
+                assert padding.rows is not None
+                support = _front(padding.rows[:, : what.n_support])
+                what = dataclasses.replace(what, targets=_gather_rows(what.targets, support))
     if wd:
         return _triton_step.fit_weighted_distance(x, what, w0, learn_scale=opts.learn_scale, **kw)
     return _triton_step.fit_logit_loss(x, w0, what, learn_scale=opts.learn_scale, **kw)
