@@ -42,7 +42,10 @@ def support_targets(
             y = y * (1 - eps) + (1 - y) * (eps / max(way - 1, 1))
         else:
             real = (torch.arange(way, device=labels.device) < ways.unsqueeze(1)).to(dtype).unsqueeze(-1)
-            other = (eps / (ways - 1).clamp_min(1).to(dtype)).view(-1, 1, 1)
+            # eps / (ways - 1) as a division (a scalar over a tensor is eps * (1 / t) in torch: not
+            # the bits of the fixed path's eps / (way - 1))
+            other = torch.full((len(ways), 1, 1), eps, dtype=dtype, device=labels.device)
+            other /= (ways - 1).clamp_min(1).to(dtype).view(-1, 1, 1)
             y = y * (1 - eps) + (real - y) * other
     return y
 
