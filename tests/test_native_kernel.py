@@ -350,6 +350,7 @@ def _solve(native, monkeypatch, name, batch, **over):
         ("entropy-min", dict(steps=60, lr=1e-2)),
         ("alpha-tim", dict(steps=60, lr=1e-2, alpha=7.0)),  # an integer power (by products)
         ("alpha-tim", dict(steps=60, lr=1e-2, alpha=2.5)),  # any other order
+        ("tim-adm", dict(steps=30)),  # closed-form updates, not Adam
     ],
 )
 # rows not a multiple of the kernel's vector width, classes not a multiple of its class block, odd D
@@ -371,11 +372,11 @@ def test_logit_kernel_matches_torch_formulation_float64(monkeypatch, name, over,
 
 @needs_kernel
 @pytest.mark.parametrize(
-    "name,alpha", [("tim-gd", None), ("entropy-min", None), ("alpha-tim", 2.0), ("alpha-tim", 3.5)]
+    "name,alpha", [("tim-gd", None), ("entropy-min", None), ("alpha-tim", 2.0), ("alpha-tim", 3.5), ("tim-adm", None)]
 )
 def test_logit_kernel_float32_close_and_chunk_independent(monkeypatch, name, alpha):
     batch = _episodes(E=5, Ns=5, Nq=75, D=64, K=5)
-    over = dict(steps=100, lr=1e-3) | ({} if alpha is None else dict(alpha=alpha))
+    over = dict(steps=100) | ({} if name == "tim-adm" else dict(lr=1e-3)) | ({} if alpha is None else dict(alpha=alpha))
     ref = _solve(False, monkeypatch, name, batch, **over)
     b32 = batch.to("cpu", torch.float32)
     whole = _solve(True, monkeypatch, name, b32, **over)

@@ -37,7 +37,7 @@
 #define POODLE_KERNEL_SOURCE "unknown"
 #endif
 
-enum { LOSS_WD = 0, LOSS_TIM = 1, LOSS_ENTROPY = 2, LOSS_ALPHA = 3, N_LOSSES = 4 };
+enum { LOSS_WD = 0, LOSS_TIM = 1, LOSS_ENTROPY = 2, LOSS_ALPHA = 3, LOSS_ADM = 4, N_LOSSES = 5 };
 
 /* One call: E episodes of n rows of D values, K classes. Strides are in elements; the last axis of
  * every array is contiguous; a stride of 0 between episodes shares one array among them.
@@ -74,6 +74,10 @@ struct poodle_fit_args {
     double weights[3];
     double alpha; /* LOSS_ALPHA: the alpha-entropy order (not 1) */
     const int32_t *ways, *rows, *support_rows; /* [E] each episode's own sizes, or NULL (above) */
+    /* LOSS_ADM (TIM-ADM's closed-form updates, not Adam; weights: c_s, the power 1 + l_cond, the
+     * marginal's exponent l_marg / (l_marg + 1); alpha: the damping; gamma: the fixed temperature):
+     * out, the last assignments Q [E, K, n - n_support] (an episode's real queries first) */
+    void *Q;
 };
 
 int poodle_kernel_interface(void) { return POODLE_FIT_INTERFACE; }
@@ -134,6 +138,7 @@ static int sizes_ok(const struct poodle_fit_args *a) {
 int poodle_fit(const struct poodle_fit_args *a) {
     if (!a || a->version != POODLE_FIT_INTERFACE || a->size != (int32_t)sizeof *a) return -2;
     if (a->loss < 0 || a->loss >= N_LOSSES || (a->loss == LOSS_ALPHA && a->alpha == 1.0)) return -3;
+    if (a->loss == LOSS_ADM && (!a->Q || a->steps < 1)) return -3;
     if (a->E > 0 && !sizes_ok(a)) return -4;
     return a->dtype == 0 ? fit_f32(a) : a->dtype == 1 ? fit_f64(a) : -3;
 }
@@ -421,6 +426,8 @@ typedef struct {
     /* logit losses, every row: x.w - |w|^2/2, logits (then, entropy, log p), dL/dlogits (zero for
      * padded classes and rows); per class: the marginal's weight */
     REAL *ZA, *LA, *GA, *u;
+    /* TIM-ADM: c_s Y_s^T x_s, per class: the support and query sums of p and of Q, the support counts */
+    REAL *base, *ps, *pq, *qs, *ysum;
     int e; /* the episode */
     void *owned[MAX_BUFFERS];
     int n_owned, failed;
@@ -471,6 +478,13 @@ static void CAT(work_init, SUF)(Work *w, const struct poodle_fit_args *a) {
         w->LA = CAT(alloc, SUF)(w, Kp * np, R);
         w->GA = CAT(alloc, SUF)(w, Kp * np, R);
         w->u = CAT(alloc, SUF)(w, Kp, R);
+        if (a->loss == LOSS_ADM) {
+            w->base = CAT(alloc, SUF)(w, Kp * D, R);
+            w->ps = CAT(alloc, SUF)(w, Kp, R);
+            w->pq = CAT(alloc, SUF)(w, Kp, R);
+            w->qs = CAT(alloc, SUF)(w, Kp, R);
+            w->ysum = CAT(alloc, SUF)(w, Kp, R);
+        }
     }
 }
 
@@ -726,6 +740,108 @@ static REAL CAT(lf_rows, SUF)(Work *w, REAL gamma) {
     return gg;
 }
 
+/* TIM-ADM's start (tim_adm.py): GA <- the one-hot support targets, base = c_s Y_s^T x_s, ysum. */
+static void CAT(adm_start, SUF)(Work *w) {
+    const struct poodle_fit_args *a = w->a;
+    const int K = w->Ke, Kpe = w->Kpe, Ns = w->nse, D = a->D;
+    const long np = w->np, npe = w->npe;
+    const REAL *ye = (const REAL *)a->targets + w->e * a->t_es, cs = (REAL)a->weights[0];
+    for (int k = 0; k < Kpe; k++) {
+        REAL *g = w->GA + (long)k * np, c = 0;
+        for (long i = 0; i < npe; i++) g[i] = k < K && i < Ns ? ye[(long)k * a->t_ks + i] : 0;
+        for (int i = 0; i < Ns; i++) c += g[i];
+        w->ysum[k] = c;
+    }
+    memset(w->base, 0, sizeof(REAL) * Kpe * D);
+    for (int kg = 0; kg < Kpe; kg += KB)
+        CAT(accum, SUF)(w->xr, Ns, w->GA + (long)kg * np, (int)np, w->base + (long)kg * D, D, D);
+    for (long j = 0; j < (long)K * D; j++) w->base[j] *= cs;
+}
+
+/* One TIM-ADM step of episode w->e (tim_adm.py), x.w of every row in SA: p = softmax over classes,
+ * Q = p_q^power / (sum_q p_q^power)^beta normalised over classes (into LA), G = [-c_s p_s,
+ * c_q (Q - p_q)] (into GA), G X, then W <- W + alpha (num / den - W) with num = c_s Y_s^T x_s + G X
+ * + W (c_s sum p_s + c_q sum p_q) and den = c_s |Y_s| + c_q sum Q (both floored at 1e-30). */
+static void CAT(adm_step, SUF)(Work *w, REAL gamma) {
+    const struct poodle_fit_args *a = w->a;
+    const int n = w->ne, D = a->D, K = w->Ke, Kpe = w->Kpe, Ns = w->nse;
+    const long np = w->np, npe = w->npe;
+    REAL *SA = w->SA, *LA = w->LA, *GA = w->GA, *GX = w->GX, *Wp = w->Wp;
+    const REAL *w2 = w->w2, tiny = (REAL)1e-30;
+    const REAL cs = (REAL)a->weights[0], cq = (REAL)((double)Ns / (double)(n - Ns));
+    const double power = a->weights[1], beta = a->weights[2];
+    for (long l = 0; l < npe; l += VL) {
+#define AT(buf, k) CAT(ld, SUF)((buf) + (long)(k) * np + l)
+#define PUT(buf, k, val) CAT(st, SUF)((buf) + (long)(k) * np + l, (val))
+        V mx, sum = (V){0};
+        for (int k = 0; k < K; k++) {
+            V lg = (AT(SA, k) - (REAL)0.5 * w2[k]) * gamma;
+            PUT(LA, k, lg);
+            mx = k == 0 ? lg : CAT(vmax, SUF)(lg, mx);
+        }
+        for (int k = 0; k < K; k++) {
+            V q = CAT(vexp, SUF)(AT(LA, k) - mx);
+            sum += q;
+            PUT(SA, k, q);
+        }
+        for (int k = 0; k < K; k++) PUT(SA, k, AT(SA, k) / sum);
+        /* the queries' p^power (the support's and padding's lanes are overwritten below) */
+        for (int k = 0; k < K; k++) {
+            V p = AT(SA, k), pw;
+#if IS_FLOAT
+            pw = CAT(vexp, SUF)(CAT(vlog, SUF)(p) * (REAL)power); /* p >= 1.2e-38: a normal float */
+#else
+            for (int j = 0; j < VL; j++) pw[j] = pow(p[j], power);
+#endif
+            PUT(LA, k, pw);
+        }
+#undef AT
+#undef PUT
+    }
+    for (int k = 0; k < K; k++) {
+        REAL *pw = LA + (long)k * np, s = 0, a_s = 0, a_q = 0;
+        const REAL *p = SA + (long)k * np;
+        for (int i = Ns; i < n; i++) s += pw[i];
+        REAL den = (REAL)pow((double)(s > tiny ? s : tiny), beta);
+        for (int i = Ns; i < n; i++) pw[i] = pw[i] / den;
+        for (int i = 0; i < Ns; i++) a_s += p[i];
+        for (int i = Ns; i < n; i++) a_q += p[i];
+        w->ps[k] = a_s;
+        w->pq[k] = a_q;
+    }
+    for (int i = Ns; i < n; i++) {
+        REAL rs = 0;
+        for (int k = 0; k < K; k++) rs += LA[(long)k * np + i];
+        rs = rs > tiny ? rs : tiny;
+        for (int k = 0; k < K; k++) LA[(long)k * np + i] /= rs;
+    }
+    for (int k = 0; k < K; k++) {
+        REAL *g = GA + (long)k * np, qsum = 0;
+        const REAL *p = SA + (long)k * np, *q = LA + (long)k * np;
+        for (int i = 0; i < Ns; i++) g[i] = p[i] * -cs;
+        for (int i = Ns; i < n; i++) {
+            g[i] = (q[i] - p[i]) * cq;
+            qsum += q[i];
+        }
+        for (long i = n; i < npe; i++) g[i] = 0;
+        w->qs[k] = qsum;
+    }
+    memset(GX, 0, sizeof(REAL) * Kpe * D);
+    for (int kg = 0; kg < Kpe; kg += KB)
+        CAT(accum, SUF)(w->xr, n, GA + (long)kg * np, (int)np, GX + (long)kg * D, D, D);
+    const REAL damp = (REAL)a->alpha;
+    for (int k = 0; k < K; k++) {
+        REAL fs = w->ps[k] * cs, fq = w->pq[k] * cq, den = w->ysum[k] * cs + w->qs[k] * cq;
+        den = den > tiny ? den : tiny;
+        for (int d = 0; d < D; d++) {
+            long j = (long)k * D + d;
+            REAL num = (w->base[j] + GX[j]) + Wp[j] * fs;
+            num += Wp[j] * fq;
+            Wp[j] = Wp[j] + damp * (num / den - Wp[j]);
+        }
+    }
+}
+
 /* The one step loop of every loss: per episode, its rows and start values, then per step
  * ||w_k||^2, x.w of all rows (when transposed), the loss's pass (G X, column sums, sum G Z), the
  * gradient dL/dw_k = gamma (G X - colsum_k w_k), dL/dgamma = sum G Z - c0, and Adam. */
@@ -768,6 +884,21 @@ static int CAT(fit, SUF)(const struct poodle_fit_args *a) {
         }
         memset(m, 0, sizeof(REAL) * (F + 1));
         memset(v, 0, sizeof(REAL) * (F + 1));
+        if (a->loss == LOSS_ADM) {
+            CAT(adm_start, SUF)(&w);
+            for (int step = 1; step <= a->steps; step++) {
+                for (int k = 0; k < K; k++) w2[k] = CAT(sqnorm, SUF)(Wp + (long)k * D, D);
+                for (int kg = 0; kg < Kpe; kg += KB)
+                    CAT(dots_t, SUF)(w.XT, np, Wp + (long)kg * D, D, D, w.SA + (long)kg * np, np, npe);
+                CAT(adm_step, SUF)(&w, gamma);
+            }
+            /* the last assignments, each class's real queries first */
+            const long nql = a->n - a->n_support;
+            REAL *Qe = (REAL *)a->Q + (long)e * a->K * nql;
+            for (int k = 0; k < K; k++) memcpy(Qe + k * nql, w.LA + (long)k * np + w.nse, sizeof(REAL) * (n - w.nse));
+            memcpy(We, Wp, sizeof(REAL) * F);
+            continue;
+        }
         for (int step = 1; step <= a->steps; step++) {
             for (int k = 0; k < K; k++) w2[k] = CAT(sqnorm, SUF)(Wp + (long)k * D, D);
             if (w.transposed)

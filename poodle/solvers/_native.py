@@ -59,7 +59,7 @@ _SOURCE = Path(__file__).with_name("_fit_kernel.c")
 # POODLE_FIT_INTERFACE of the C file: bump both with any change of FitArgs or of a field's meaning
 FIT_INTERFACE = 3
 # the losses the kernel computes (the C file's LOSS_ constants)
-LOSSES = {"weighted-distance": 0, "tim": 1, "entropy": 2, "alpha": 3}
+LOSSES = {"weighted-distance": 0, "tim": 1, "entropy": 2, "alpha": 3, "adm": 4}
 _FLAG_SETS = (
     ["-O3", "-fno-math-errno", "-march=native"],
     ["-O3", "-fno-math-errno", "-mcpu=native"],
@@ -107,6 +107,7 @@ class FitArgs(ctypes.Structure):
         ("ways", ctypes.c_void_p),
         ("rows", ctypes.c_void_p),
         ("support_rows", ctypes.c_void_p),
+        ("Q", ctypes.c_void_p),
     ]
 
 
@@ -418,8 +419,25 @@ def _sizes(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.to(device="cpu", dtype=torch.int32).contiguous()
 
 
-def fit(
+def fit_adm(
     x: Tensor, w0: Tensor, terms: KernelTerms, opts: FitOptions, sizes: EpisodeSizes | None = None
+) -> tuple[Tensor, Tensor]:
+    """TIM-ADM's closed-form iterations (``terms.loss == "adm"``, ``opts.steps >= 1``; see
+    ``tim_adm.py``) -> ``(W [E, K, D], Q [E, K, n - n_support])``, ``Q`` the last assignments, each
+    episode's real queries first."""
+    E, n, _ = x.shape
+    Q = torch.zeros(E, w0.shape[1], n - terms.n_support, dtype=x.dtype)
+    W, _ = fit(x, w0, terms, opts, sizes, Q)
+    return W, Q
+
+
+def fit(
+    x: Tensor,
+    w0: Tensor,
+    terms: KernelTerms,
+    opts: FitOptions,
+    sizes: EpisodeSizes | None = None,
+    Q: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fit ``E`` episodes with the kernel: rows ``x [E, n, D]``, initial prototypes ``w0 [E, K, D]``
     and scale ``opts.scale0``, the loss ``terms``, each episode's own ``sizes`` in a ragged chunk
@@ -473,6 +491,7 @@ def fit(
         ways=_ptr(ways),
         rows=_ptr(rows),
         support_rows=_ptr(support_rows),
+        Q=_ptr(Q),
     )
     rc = lib.poodle_fit(ctypes.byref(args))
     if rc == -1:
@@ -494,6 +513,7 @@ __all__ = [
     "KernelTerms",
     "LOSSES",
     "fit",
+    "fit_adm",
     "formulation",
     "load",
     "state",

@@ -482,6 +482,12 @@ def _triton_fit(
     return _triton_step.fit_logit_loss(x, w0, what, learn_scale=opts.learn_scale, **kw)
 
 
+def ran(what: str, device: torch.device | str) -> None:
+    """Record that this thread's current method ran the arithmetic ``what`` on ``device`` (for a
+    solver that calls a kernel of its own, as TIM-ADM does)."""
+    _ran[(getattr(_running, "method", None), torch.device(device).type)] = what
+
+
 def formulation(method: str, device: torch.device | str) -> str:
     """The arithmetic ``method``'s fits ran in this process on ``device``'s kind: ``kernel <source
     hash>`` (the fused CPU kernel), ``torch (<why not the kernel>)`` on CPU, ``torch`` on a GPU and
@@ -592,6 +598,7 @@ __all__ = [
     "fit_weighted_distance",
     "formulation",
     "logit_loss_flops",
+    "ran",
     "running",
     "weighted_distance_flops",
 ]

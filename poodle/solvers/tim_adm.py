@@ -23,6 +23,9 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
+from poodle.solvers import _native, _optim
+from poodle.solvers._native import KernelTerms
+from poodle.solvers._optim import Padding
 from poodle.solvers._transductive import TINY, dist_flops, pow_anywhere, row_sqnorm, softmax_logits
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_classes, one_hot, register
 
@@ -107,6 +110,24 @@ def tim_adm(batch: EpisodeBatch, cfg: TimADMConfig) -> SolverOutput:
         q = pw / pow_anywhere(pw.sum(2, keepdim=True).clamp_min(TINY), beta)
         return q / q.sum(1, keepdim=True).clamp_min(TINY)
 
+    terms = KernelTerms("adm", y_t, n_support=n_s, weights=(c_s, power, beta), alpha=cfg.alpha)
+    if _optim.USE_NATIVE and cfg.steps >= 1 and _native.usable(x):
+        # the fused kernel: the same iterations, one pass over an episode's rows a step
+        _optim.ran(_native.formulation(), x.device)
+        padding = Padding.of(batch.class_mask, (batch.support_mask, n_s), (batch.query_mask, n_q))
+        opts = _optim.FitOptions(scale0=T, steps=cfg.steps, learn_scale=False)
+        if padding is None:
+            w, q = _native.fit_adm(x, w.contiguous(), terms, opts)
+        else:
+            xp, packed, sizes = _optim._pack_kernel(x, terms, padding)
+            w, q = _native.fit_adm(xp, w.contiguous(), packed, opts, sizes)
+            if batch.query_mask is not None:  # back to the queries' places (padding: zeros)
+                order = _optim._front(batch.query_mask).unsqueeze(1).expand_as(q)
+                q = torch.zeros_like(q).scatter_(2, order, q)
+        log_probs = torch.log_softmax(mask_classes(softmax_logits(z_q, w, T), batch), -1)
+        return SolverOutput(log_probs, {"prototypes": w, "assignments": q.transpose(1, 2)})
+    if x.device.type == "cpu":
+        _optim.ran("torch" if not _optim.USE_NATIVE or cfg.steps < 1 else _native.formulation(), x.device)
     q = None
     for _ in range(cfg.steps):
         p = probs(w)
