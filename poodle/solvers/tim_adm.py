@@ -117,18 +117,21 @@ def tim_adm(batch: EpisodeBatch, cfg: TimADMConfig) -> SolverOutput:
         padding = Padding.of(batch.class_mask, (batch.support_mask, n_s), (batch.query_mask, n_q))
         opts = _optim.FitOptions(scale0=T, steps=cfg.steps, learn_scale=False)
         if padding is None:
-            w, q = _native.fit_adm(x, w.contiguous(), terms, opts)
+            w_k, q_k = _native.fit_adm(x, w.contiguous(), terms, opts)
         else:
             xp, packed, sizes = _optim._pack_kernel(x, terms, padding)
-            w, q = _native.fit_adm(xp, w.contiguous(), packed, opts, sizes)
+            w_k, q_k = _native.fit_adm(xp, w.contiguous(), packed, opts, sizes)
             if batch.query_mask is not None:  # back to the queries' places (padding: zeros)
-                order = _optim._front(batch.query_mask).unsqueeze(1).expand_as(q)
-                q = torch.zeros_like(q).scatter_(2, order, q)
-        log_probs = torch.log_softmax(mask_classes(softmax_logits(z_q, w, T), batch), -1)
-        return SolverOutput(log_probs, {"prototypes": w, "assignments": q.transpose(1, 2)})
+                order = _optim._front(batch.query_mask).unsqueeze(1).expand_as(q_k)
+                q_k = torch.zeros_like(q_k).scatter_(2, order, q_k)
+        log_probs = torch.log_softmax(mask_classes(softmax_logits(z_q, w_k, T), batch), -1)
+        return SolverOutput(log_probs, {"prototypes": w_k, "assignments": q_k.transpose(1, 2)})
     if x.device.type == "cpu":
-        _optim.ran("torch" if not _optim.USE_NATIVE or cfg.steps < 1 else _native.formulation(), x.device)
-    q = None
+        why = "torch (the fused kernel switched off)" if not _optim.USE_NATIVE else _native.formulation()
+        if _optim.USE_NATIVE and _native.state().loaded:
+            why = "torch" if cfg.steps < 1 else f"torch (the fused kernel takes float32 and float64, not {x.dtype})"
+        _optim.ran(why, x.device)
+    q: Tensor | None = None
     for _ in range(cfg.steps):
         p = probs(w)
         p_s, p_q = p[..., :n_s] * sm, p[..., n_s:] * qm
