@@ -1,5 +1,6 @@
 /* The fused CPU fits of poodle.solvers._optim (poodle, ce, naive-ood: the weighted-distance loss;
- * tim-gd, entropy-min, alpha-tim: logit losses of the queries): Adam on the prototypes and the scale of each
+ * tim-gd, entropy-min, alpha-tim: logit losses of the queries) and TIM-ADM's closed-form
+ * iterations (tim_adm.py: LOSS_ADM, adm_step): Adam on the prototypes and the scale of each
  * episode, every step reading an episode's rows once (logits, softmax, dL/dlogits and the gradient
  * accumulation G^T x of a block of rows while it sits in L1), instead of two batched matmuls that
  * each stream all rows and that BLAS runs at a third of its large-GEMM rate for 5-row operands.

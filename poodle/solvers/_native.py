@@ -1,7 +1,7 @@
 """The fused CPU kernel of :func:`poodle.solvers._optim.fit` (``_fit_kernel.c``): the fits of the
 weighted-distance loss (POODLE, CE, naive-OOD) and of the logit losses (TIM-GD, entropy
-minimisation, alpha-TIM), on fixed or ragged chunks (each episode its own classes and rows),
-compiled at first use and loaded only from a directory no other account can write.
+minimisation, alpha-TIM) and TIM-ADM's closed-form iterations, on fixed or ragged chunks (each
+episode its own classes and rows), compiled at first use and loaded only from a directory no other account can write.
 
 Why: on CPU the torch formulation of one Adam step is two batched matmuls with 5-row operands,
 which BLAS runs at about a third of its large-GEMM rate, plus elementwise passes; the kernel reads

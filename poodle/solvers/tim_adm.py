@@ -71,8 +71,9 @@ def tim_adm(batch: EpisodeBatch, cfg: TimADMConfig) -> SolverOutput:
     since the closed form's numerator is ``c_s (Y_s^T z_s + w sum P_s - P_s^T z_s) + c_q (Q^T z_q +
     w sum P_q - P_q^T z_q)`` and ``Y_s^T z_s`` never changes. Classes run along the middle axis and
     rows along the last (``[E, K, n]``), so every softmax and sum over the classes runs across rows in
-    vector lanes. In a ragged chunk a padded class has no probability and a padded row no weight:
-    each episode's sums run over its own rows, ``c_q = Ns / Nq`` is its own."""
+    vector lanes. On CPU the fused kernel (:mod:`poodle.solvers._native`) runs the same iterations,
+    one pass over an episode's rows at a time. In a ragged chunk a padded class has no probability and
+    a padded row no weight: each episode's sums run over its own rows, ``c_q = Ns / Nq`` is its own."""
     z_s, z_q = batch.support, batch.query
     E, n_s, D = z_s.shape
     n_q = z_q.shape[1]
