@@ -107,6 +107,29 @@ def solver_case(name: str, over: dict, shot: int, Nq_per: int, D: int, K: int, M
     }
 
 
+def ragged_case(name: str, over: dict, n_neg: int = 0) -> dict:
+    """A ragged chunk (tests/_ragged.py's shapes, three of them: 5, 7 and 12 ways, 1 to 8 shots, 1 to
+    10 queries a class) on the Triton step against each episode solved alone by the torch
+    formulation."""
+    from _ragged import SHAPES, ragged_episodes
+
+    episodes, _ = ragged_episodes(shapes=[SHAPES[0], SHAPES[4], SHAPES[1]], n_neg=n_neg)
+    batch = EpisodeBatch.stack(episodes)
+    cfg = solvers.make_config(name, over, strict=True)
+    with _optim.cuda_step("triton", devices=("cpu",)):
+        out = solvers.run(name, batch, cfg)
+    what = _optim.formulation(name, "cpu")  # before the episodes alone run the torch formulation
+    same, diff, padded = True, 0.0, 0.0
+    for e, ep in enumerate(episodes):
+        want = solvers.run(name, ep, cfg).log_probs[0]
+        got = out.log_probs[e, batch.query_mask[e]]
+        padded = max(padded, float(got[:, ep.way :].exp().max()) if ep.way < batch.way else 0.0)
+        same = same and bool(torch.equal(got[:, : ep.way].argmax(-1), want.argmax(-1)))
+        diff = max(diff, float((got[:, : ep.way].exp() - want.exp()).abs().max()))
+    return {"formulation": what, "same_predictions": same, "prob_diff": diff,
+            "padded_prob": padded, "ways": [ep.way for ep in episodes]}  # fmt: skip
+
+
 def main() -> None:
     _optim.USE_NATIVE = False  # the torch formulation is the reference
     res: dict[str, dict] = {}
@@ -122,6 +145,9 @@ def main() -> None:
     res["alpha2_K5_D64"] = solver_case("alpha-tim", dict(steps=3, lr=2e-2), 1, 7, 64, 5, 0, f64)
     res["alpha2.5_K20_D100"] = solver_case("alpha-tim", dict(steps=3, lr=2e-2, alpha=2.5), 1, 2, 100, 20, 0, f64)
     res["f32_poodle_K5_D100"] = solver_case("poodle", dict(transductive=True, steps=6), 1, 9, 100, 5, 21, f32)
+    # ragged chunks: each episode's own classes and rows (the tuned alpha-TIM orders 2, 5 and 7)
+    res["ragged_alpha_tim"] = ragged_case("alpha-tim", dict(steps=3, lr=2e-2))
+    res["ragged_poodle"] = ragged_case("poodle", dict(transductive=True, steps=3, lr=2e-2), n_neg=5)
     print(json.dumps(res))
 
 

@@ -233,7 +233,9 @@ def test_a_library_of_another_source_is_rebuilt_never_called(fresh_loader, monke
     monkeypatch.setattr(_native, "_compile", wrong_source)
     with pytest.warns(NoticeWarning) as record:
         assert _native.load() is None  # just built, and still not what this module expects: not called
-    assert "was just built but it says interface 2 and source 000000000000" in _notices(record)[0]
+    assert (
+        f"was just built but it says interface {_native.FIT_INTERFACE} and source 000000000000" in _notices(record)[0]
+    )
     assert len(list(fresh_loader.glob("fit_kernel-*.so"))) == 1
     # a later process finds that library: it is rebuilt, then loaded
     rebuilt = []
@@ -306,7 +308,12 @@ def test_formulation_says_which_arithmetic_ran(monkeypatch):
     assert _optim.formulation("poodle", "cpu") == (
         kernel if _native.state().loaded else f"torch ({_native.state().reason})"
     )
-    assert _optim.formulation("alpha-tim", "cpu") == "torch (no fused kernel for this loss)"
+    assert _optim.formulation("alpha-tim", "cpu") == _optim.formulation("poodle", "cpu")  # its loss is in the kernel
+    with _optim.running("a-loss-of-its-own"):  # a logit loss without a NativeLoss runs torch
+        x = torch.cat([batch.support, batch.query], 1)
+        w0 = batch.support[:, :5]
+        _optim.fit_logit_loss(x, w0, lambda P, L, G: G.zero_(), scale0=1.0, steps=1, lr=1e-3, learn_scale=False)
+    assert _optim.formulation("a-loss-of-its-own", "cpu") == "torch (no fused kernel for this loss)"
     assert _optim.formulation("proto", "cpu") == "torch"  # no fit of this engine
     assert _optim.formulation("poodle", "cuda") == "torch"
     monkeypatch.setattr(_optim, "USE_NATIVE", False)
@@ -341,6 +348,9 @@ def _solve(native, monkeypatch, name, batch, **over):
         ("tim-gd", dict(preset="poodle-paper", steps=60, lr=1e-2)),  # the learnt scale
         ("tim-gd", dict(steps=30, lr=1e-2, temperature=60.0)),  # sharp: marginal and p near 0
         ("entropy-min", dict(steps=60, lr=1e-2)),
+        ("alpha-tim", dict(steps=60, lr=1e-2, alpha=7.0)),  # an integer power (by products)
+        ("alpha-tim", dict(steps=60, lr=1e-2, alpha=2.5)),  # any other order
+        ("tim-adm", dict(steps=30)),  # closed-form updates, not Adam
     ],
 )
 # rows not a multiple of the kernel's vector width, classes not a multiple of its class block, odd D
@@ -361,10 +371,12 @@ def test_logit_kernel_matches_torch_formulation_float64(monkeypatch, name, over,
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["tim-gd", "entropy-min"])
-def test_logit_kernel_float32_close_and_chunk_independent(monkeypatch, name):
+@pytest.mark.parametrize(
+    "name,alpha", [("tim-gd", None), ("entropy-min", None), ("alpha-tim", 2.0), ("alpha-tim", 3.5), ("tim-adm", None)]
+)
+def test_logit_kernel_float32_close_and_chunk_independent(monkeypatch, name, alpha):
     batch = _episodes(E=5, Ns=5, Nq=75, D=64, K=5)
-    over = dict(steps=100, lr=1e-3)
+    over = dict(steps=100) | ({} if name == "tim-adm" else dict(lr=1e-3)) | ({} if alpha is None else dict(alpha=alpha))
     ref = _solve(False, monkeypatch, name, batch, **over)
     b32 = batch.to("cpu", torch.float32)
     whole = _solve(True, monkeypatch, name, b32, **over)

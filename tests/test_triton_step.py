@@ -61,6 +61,18 @@ def test_solvers_on_the_triton_step_match_per_episode(results, case):
     assert r["w_diff"] < (1e-6 if f32 else 1e-10)
 
 
+@needs_triton
+@pytest.mark.parametrize("case", ["ragged_alpha_tim", "ragged_poodle"])
+def test_ragged_chunk_on_the_triton_step_is_each_episode_alone(results, case):
+    """Episodes of 5, 7 and 12 ways, 1 to 8 shots and 1 to 10 queries a class in one padded chunk:
+    the Triton step (each episode's own sizes) gives each what the torch formulation gives it alone."""
+    r = results[case]
+    assert r["formulation"] == "triton" and r["ways"] == [5, 7, 12]
+    assert r["same_predictions"] is True
+    assert r["prob_diff"] < 1e-12
+    assert r["padded_prob"] == 0.0
+
+
 def test_cuda_step_is_checked_and_leaves_cpu_fits_alone():
     with pytest.raises(ConfigError, match="cuda_step must be one of torch, triton") as e:
         with _optim.cuda_step("cutlass"):
@@ -121,17 +133,20 @@ def test_refuses_what_it_cannot_run():
 
 
 @needs_triton
-@pytest.mark.parametrize("kind,learn_scale,free", [(0, True, False), (1, False, False)])
-def test_compiles_for_hopper_without_a_gpu(kind, learn_scale, free, monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "kind,learn_scale,free,ragged", [(0, True, False, False), (1, False, False, False), (3, False, False, True)]
+)
+def test_compiles_for_hopper_without_a_gpu(kind, learn_scale, free, ragged, monkeypatch, tmp_path):
     """The kernel goes through Triton's whole CUDA pipeline (TTIR, TTGIR, LLVM, PTX, ptxas) for sm_90:
     what the interpreter cannot check (types, layouts, constexpr use) holds for a real GPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    names = ["X", "W", "M", "V", "GAM", "MG", "VG", "GX", "PZ", "TGT", "R", "FREE", "C0", "HP", "SC"]
-    sig = {name: "*fp32" for name in names} | {k: "i32" for k in ("n", "D", "K", "steps", "ns")}
-    const = dict(KIND=kind, LEARN_SCALE=learn_scale, HAS_FREE=free, POW_INT=0, LERP_LOW=True)
+    names = ["X", "W", "M", "V", "GAM", "MG", "VG", "GX", "KE", "NE", "NSE", "PZ", "TGT", "R", "FREE", "C0", "HP", "SC"]
+    sig = {name: "*i32" if name in ("KE", "NE", "NSE") else "*fp32" for name in names}
+    sig |= {k: "i32" for k in ("n", "D", "K", "steps", "ns")}
+    const = dict(KIND=kind, LEARN_SCALE=learn_scale, HAS_FREE=free, POW_INT=0, LERP_LOW=True, RAGGED=ragged)
     const |= dict(BN=_triton_step.BLOCK_ROWS, BD=_triton_step.BLOCK_D, BK=16)
     sig |= {k: "constexpr" for k in const}
     src = ASTSource(fn=_triton_step._fit_kernel, signature=sig, constexprs=const)

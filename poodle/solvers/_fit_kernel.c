@@ -1,5 +1,6 @@
 /* The fused CPU fits of poodle.solvers._optim (poodle, ce, naive-ood: the weighted-distance loss;
- * tim-gd, entropy-min: logit losses of the queries): Adam on the prototypes and the scale of each
+ * tim-gd, entropy-min, alpha-tim: logit losses of the queries) and TIM-ADM's closed-form
+ * iterations (tim_adm.py: LOSS_ADM, adm_step): Adam on the prototypes and the scale of each
  * episode, every step reading an episode's rows once (logits, softmax, dL/dlogits and the gradient
  * accumulation G^T x of a block of rows while it sits in L1), instead of two batched matmuls that
  * each stream all rows and that BLAS runs at a third of its large-GEMM rate for 5-row operands.
@@ -32,15 +33,23 @@
 
 /* Bump with any change of struct poodle_fit_args or of a field's meaning (and FIT_INTERFACE in
  * _native.py with it). */
-#define POODLE_FIT_INTERFACE 2
+#define POODLE_FIT_INTERFACE 3
 #ifndef POODLE_KERNEL_SOURCE
 #define POODLE_KERNEL_SOURCE "unknown"
 #endif
 
-enum { LOSS_WD = 0, LOSS_TIM = 1, LOSS_ENTROPY = 2, N_LOSSES = 3 };
+enum { LOSS_WD = 0, LOSS_TIM = 1, LOSS_ENTROPY = 2, LOSS_ALPHA = 3, LOSS_ADM = 4, N_LOSSES = 5 };
 
 /* One call: E episodes of n rows of D values, K classes. Strides are in elements; the last axis of
- * every array is contiguous; a stride of 0 between episodes shares one array among them. */
+ * every array is contiguous; a stride of 0 between episodes shares one array among them.
+ *
+ * Ragged chunks (episodes of different shapes padded to the largest): ways, rows and support_rows
+ * give each episode's own number of classes (its first ways[e] of the K), real rows (its first
+ * rows[e] of the n, every array of rows laid out the same) and, for the logit losses, real support
+ * rows (the first support_rows[e] of its real rows, its queries the rest). Every loop of an
+ * episode runs over its own sizes, so an episode computes in a padded chunk exactly what it
+ * computes alone, and a padded class or row is never read. NULL: every episode has K, n and
+ * n_support (fixed chunks: the same loops, the same bits). */
 struct poodle_fit_args {
     int32_t version; /* POODLE_FIT_INTERFACE of the caller */
     int32_t size;    /* sizeof(struct poodle_fit_args) of the caller */
@@ -64,6 +73,12 @@ struct poodle_fit_args {
     /* logit losses: the support CE weight and the query loss's weights (LOSS_TIM: marginal and
      * conditional entropy, LOSS_ENTROPY: the entropy, unused) */
     double weights[3];
+    double alpha; /* LOSS_ALPHA: the alpha-entropy order (not 1) */
+    const int32_t *ways, *rows, *support_rows; /* [E] each episode's own sizes, or NULL (above) */
+    /* LOSS_ADM (TIM-ADM's closed-form updates, not Adam; weights: c_s, the power 1 + l_cond, the
+     * marginal's exponent l_marg / (l_marg + 1); alpha: the damping; gamma: the fixed temperature):
+     * out, the last assignments Q [E, K, n - n_support] (an episode's real queries first) */
+    void *Q;
 };
 
 int poodle_kernel_interface(void) { return POODLE_FIT_INTERFACE; }
@@ -105,12 +120,27 @@ const char *poodle_kernel_source(void) { return POODLE_KERNEL_SOURCE; }
 #undef SQRTR
 #undef FMA
 
+/* Whether every episode's own sizes are within the chunk's (and a logit loss has support and
+ * query rows). */
+static int sizes_ok(const struct poodle_fit_args *a) {
+    int wd = a->loss == LOSS_WD;
+    if (a->K < 1 || a->n < 1 || (!wd && (a->n_support < 1 || a->n_support >= a->n))) return 0;
+    for (int e = 0; e < a->E; e++) {
+        int K = a->ways ? a->ways[e] : a->K, n = a->rows ? a->rows[e] : a->n;
+        int ns = a->support_rows ? a->support_rows[e] : a->n_support;
+        if (K < 1 || K > a->K || n < 1 || n > a->n || (!wd && (ns < 1 || ns >= n))) return 0;
+    }
+    return 1;
+}
+
 /* Fit a->E episodes in place (a->W, a->gamma). Returns 0; -1 when a buffer cannot be allocated;
  * -2 when the caller's interface (version or struct size) is not this library's; -3 for an
- * unknown dtype or loss. */
+ * unknown dtype or loss (or alpha-entropy order 1); -4 for an episode's sizes outside the chunk's. */
 int poodle_fit(const struct poodle_fit_args *a) {
     if (!a || a->version != POODLE_FIT_INTERFACE || a->size != (int32_t)sizeof *a) return -2;
-    if (a->loss < 0 || a->loss >= N_LOSSES) return -3;
+    if (a->loss < 0 || a->loss >= N_LOSSES || (a->loss == LOSS_ALPHA && a->alpha == 1.0)) return -3;
+    if (a->loss == LOSS_ADM && (!a->Q || a->steps < 1)) return -3;
+    if (a->E > 0 && !sizes_ok(a)) return -4;
     return a->dtype == 0 ? fit_f32(a) : a->dtype == 1 ? fit_f64(a) : -3;
 }
 
@@ -378,7 +408,11 @@ static inline V CAT(vlog, SUF)(V x) {
 typedef struct {
     const struct poodle_fit_args *a;
     int Kp, transposed; /* classes padded to KB; whether rows are also stored transposed (XT, SA) */
-    long F, np;         /* K*D parameters; rows padded to whole blocks */
+    long F, np;         /* K*D parameters; rows padded to whole blocks (the buffers' layout) */
+    /* the episode's own sizes (a ragged chunk's; else the chunk's): classes, classes padded to KB,
+     * real rows, support rows (logit losses), rows padded to whole blocks, parameters K*D */
+    int Ke, Kpe, ne, nse;
+    long npe, Fe;
     /* common: padded prototypes, G X, Adam moments and gradient (K*D + 1: the scale last), ||w||^2,
      * column sums of dL/dlogits, the episode's rows (n + 1 pointers) */
     REAL *Wp, *GX, *m, *v, *grad, *w2, *colsum;
@@ -393,6 +427,8 @@ typedef struct {
     /* logit losses, every row: x.w - |w|^2/2, logits (then, entropy, log p), dL/dlogits (zero for
      * padded classes and rows); per class: the marginal's weight */
     REAL *ZA, *LA, *GA, *u;
+    /* TIM-ADM: c_s Y_s^T x_s, per class: the support and query sums of p and of Q, the support counts */
+    REAL *base, *ps, *pq, *qs, *ysum;
     int e; /* the episode */
     void *owned[MAX_BUFFERS];
     int n_owned, failed;
@@ -443,6 +479,13 @@ static void CAT(work_init, SUF)(Work *w, const struct poodle_fit_args *a) {
         w->LA = CAT(alloc, SUF)(w, Kp * np, R);
         w->GA = CAT(alloc, SUF)(w, Kp * np, R);
         w->u = CAT(alloc, SUF)(w, Kp, R);
+        if (a->loss == LOSS_ADM) {
+            w->base = CAT(alloc, SUF)(w, Kp * D, R);
+            w->ps = CAT(alloc, SUF)(w, Kp, R);
+            w->pq = CAT(alloc, SUF)(w, Kp, R);
+            w->qs = CAT(alloc, SUF)(w, Kp, R);
+            w->ysum = CAT(alloc, SUF)(w, Kp, R);
+        }
     }
 }
 
@@ -455,7 +498,7 @@ static void CAT(work_free, SUF)(Work *w) {
  * logits, softmax over classes and dL/dlogits = p r - t [+ p (l - lbar) free] into ST; the column
  * sums of dL/dlogits and sum G Z accumulate per lane in acc. */
 static inline void CAT(wd_block, SUF)(Work *w, REAL gamma, const REAL *rr, const REAL *ff, int fe) {
-    const int K = w->a->K, Kp = w->Kp;
+    const int K = w->Ke, Kp = w->Kp;
     REAL *ST = w->ST, *ZT = w->ZT, *LT = w->LT, *acc = w->acc;
     const REAL *TT = w->TT, *w2 = w->w2;
     for (int l = 0; l < RB; l += VL) {
@@ -498,14 +541,14 @@ static inline void CAT(wd_block, SUF)(Work *w, REAL gamma, const REAL *rr, const
  * constant c0). */
 static REAL CAT(wd_rows, SUF)(Work *w, REAL gamma) {
     const struct poodle_fit_args *a = w->a;
-    const int n = a->n, D = a->D, K = a->K, Kp = w->Kp, small = w->transposed;
+    const int n = w->ne, D = a->D, K = w->Ke, Kp = w->Kp, Kpe = w->Kpe, small = w->transposed;
     const long np = w->np, e = w->e;
     const REAL *te = (const REAL *)a->targets + e * a->t_es, *re = (const REAL *)a->r + e * a->r_es;
     const REAL *fe = a->free_ ? (const REAL *)a->free_ + e * a->f_es : NULL;
     const long tks = a->t_ks;
     REAL *ST = w->ST, *TT = w->TT, *acc = w->acc, *G2 = w->G2, *GX = w->GX;
     REAL rr[RB], ff[RB];
-    memset(GX, 0, sizeof(REAL) * Kp * D);
+    memset(GX, 0, sizeof(REAL) * Kpe * D);
     memset(acc, 0, sizeof(REAL) * (Kp + 1) * RB);
     int nb2 = 0; /* rows gathered for the next G X pass */
     const REAL *xr2[GB * RB];
@@ -514,10 +557,10 @@ static REAL CAT(wd_rows, SUF)(Work *w, REAL gamma) {
         const REAL *xr[RB];
         for (int b = 0; b < RB; b++) xr[b] = w->xr[i0 + (b < nb ? b : nb - 1)];
         if (small)
-            for (int k = 0; k < Kp; k++) memcpy(ST + k * RB, w->SA + (long)k * np + i0, sizeof(REAL) * RB);
+            for (int k = 0; k < Kpe; k++) memcpy(ST + k * RB, w->SA + (long)k * np + i0, sizeof(REAL) * RB);
         else
             for (int b = 0; b < nb; b += 2)
-                for (int kg = 0; kg < Kp; kg += KB) {
+                for (int kg = 0; kg < Kpe; kg += KB) {
                     REAL o[2][KB];
                     CAT(dots, SUF)(xr[b], xr[b + 1 < nb ? b + 1 : b], w->Wp + (long)kg * D, D, D, o);
                     for (int k = 0; k < KB; k++) {
@@ -540,11 +583,11 @@ static REAL CAT(wd_rows, SUF)(Work *w, REAL gamma) {
         /* G X every GB blocks: the same products added in the same row order as block by block,
          * so the result is bit for bit the same */
         int slot = (i0 / RB) % GB;
-        for (int k = 0; k < Kp; k++) memcpy(G2 + k * GB * RB + slot * RB, ST + k * RB, sizeof(REAL) * RB);
+        for (int k = 0; k < Kpe; k++) memcpy(G2 + k * GB * RB + slot * RB, ST + k * RB, sizeof(REAL) * RB);
         for (int b = 0; b < RB; b++) xr2[slot * RB + b] = xr[b];
         nb2 += nb;
         if (slot == GB - 1 || i0 + RB >= n) {
-            for (int kg = 0; kg < Kp; kg += KB)
+            for (int kg = 0; kg < Kpe; kg += KB)
                 CAT(accum, SUF)(xr2, nb2, G2 + kg * GB * RB, GB * RB, GX + (long)kg * D, D, D);
             nb2 = 0;
         }
@@ -564,8 +607,8 @@ static REAL CAT(wd_rows, SUF)(Work *w, REAL gamma) {
  * logits in LA (LOSS_ENTROPY: log p). A new logit loss is one more case here. */
 static void CAT(query_grad, SUF)(Work *w) {
     const struct poodle_fit_args *a = w->a;
-    const int K = a->K, Ns = a->n_support, n = a->n;
-    const long np = w->np;
+    const int K = w->Ke, Ns = w->nse, n = w->ne;
+    const long np = w->np, npe = w->npe;
     const REAL *SA = w->SA, *LA = w->LA;
     REAL *GA = w->GA, *u = w->u;
     const REAL rw2 = (REAL)a->weights[1], rw3 = (REAL)a->weights[2], rNq = (REAL)(n - Ns);
@@ -582,7 +625,7 @@ static void CAT(query_grad, SUF)(Work *w) {
             REAL mg = s / rNq;
             u[k] = ((mg > tiny ? (REAL)log(mg) : (REAL)log(tiny)) + (mg >= tiny ? 1 : 0)) * rw2;
         }
-        for (long l = 0; l < np; l += VL) {
+        for (long l = 0; l < npe; l += VL) {
             V s = (V){0};
             for (int k = 0; k < K; k++) {
                 V q = AT(SA, k), qe = q + ceps;
@@ -593,9 +636,40 @@ static void CAT(query_grad, SUF)(Work *w) {
             }
             for (int k = 0; k < K; k++) PUT(GA, k, AT(SA, k) * (AT(GA, k) - s));
         }
+    } else if (a->loss == LOSS_ALPHA) {
+        /* -(w_2 H_a(mean_q p) - w_3 mean_q H_a(p + 1e-12)), H_a(q) = (1 - sum_k q_k^a) / (a - 1)
+         * (alpha_tim.grad_logits): dL/dp = (w_2 marg^(a-1) - w_3 (p + 1e-12)^(a-1)) a / ((a-1) Nq) */
+        const double am1 = a->alpha - 1.0;
+        const int pint = am1 == (int)am1 && am1 >= 1 && am1 <= 8 ? (int)am1 : 0;
+        const REAL c = (REAL)(a->alpha / (am1 * (double)(n - Ns)));
+        for (int k = 0; k < K; k++) {
+            REAL s = 0;
+            for (int i = Ns; i < n; i++) s += SA[(long)k * np + i];
+            u[k] = (REAL)pow((double)(s / rNq), am1) * rw2;
+        }
+        for (long l = 0; l < npe; l += VL) {
+            V s = (V){0};
+            for (int k = 0; k < K; k++) {
+                V q = AT(SA, k), qe = q + ceps, pw;
+                if (pint) { /* an integer power by products, as the tuned orders 2, 5 and 7 give */
+                    pw = qe;
+                    for (int j = 1; j < pint; j++) pw *= qe;
+                } else {
+#if IS_FLOAT
+                    pw = CAT(vexp, SUF)(CAT(vlog, SUF)(qe) * (REAL)am1); /* qe >= 1e-12: a normal float */
+#else
+                    for (int j = 0; j < VL; j++) pw[j] = pow(qe[j], am1);
+#endif
+                }
+                V du = (u[k] - pw * rw3) * c;
+                PUT(GA, k, du);
+                s += q * du;
+            }
+            for (int k = 0; k < K; k++) PUT(GA, k, AT(SA, k) * (AT(GA, k) - s));
+        }
     } else { /* LOSS_ENTROPY: w_2 mean_q H(p), log p from log-softmax (entropy_min) */
         const REAL c = -rw2 / rNq; /* dL/dl_j = -(w_2 / Nq) p_j (log p_j - sum_k p_k log p_k) */
-        for (long l = 0; l < np; l += VL) {
+        for (long l = 0; l < npe; l += VL) {
             V s = (V){0};
             for (int k = 0; k < K; k++) s += AT(SA, k) * AT(LA, k);
             for (int k = 0; k < K; k++) PUT(GA, k, (AT(SA, k) * (AT(LA, k) - s)) * c);
@@ -612,14 +686,14 @@ static void CAT(query_grad, SUF)(Work *w) {
  * mean cross-entropy), then G X. Fills GX and colsum; returns sum_ik G_ik Z_ik. */
 static REAL CAT(lf_rows, SUF)(Work *w, REAL gamma) {
     const struct poodle_fit_args *a = w->a;
-    const int n = a->n, D = a->D, K = a->K, Kp = w->Kp, Ns = a->n_support;
-    const long np = w->np;
+    const int n = w->ne, D = a->D, K = w->Ke, Kpe = w->Kpe, Ns = w->nse;
+    const long np = w->np, npe = w->npe;
     const REAL *ye = (const REAL *)a->targets + w->e * a->t_es;
     REAL *SA = w->SA, *ZA = w->ZA, *LA = w->LA, *GA = w->GA, *GX = w->GX;
     const REAL *w2 = w->w2;
     const REAL ce_s = (REAL)(a->weights[0] / Ns);
     /* logits and softmax over classes, VL rows at a time */
-    for (long l = 0; l < np; l += VL) {
+    for (long l = 0; l < npe; l += VL) {
 #define AT(buf, k) CAT(ld, SUF)((buf) + (long)(k) * np + l)
 #define PUT(buf, k, val) CAT(st, SUF)((buf) + (long)(k) * np + l, (val))
         V mx, sum = (V){0};
@@ -648,7 +722,7 @@ static REAL CAT(lf_rows, SUF)(Work *w, REAL gamma) {
         REAL *g = GA + (long)k * np;
         const REAL *q = SA + (long)k * np;
         for (int i = 0; i < Ns; i++) g[i] = (q[i] - ye[(long)k * a->t_ks + i]) * ce_s;
-        for (long i = n; i < np; i++) g[i] = 0;
+        for (long i = n; i < npe; i++) g[i] = 0;
     }
     /* column sums, dL/dgamma = sum G Z, G X */
     REAL gg = 0;
@@ -661,10 +735,112 @@ static REAL CAT(lf_rows, SUF)(Work *w, REAL gamma) {
         }
         w->colsum[k] = colsum;
     }
-    memset(GX, 0, sizeof(REAL) * Kp * D);
-    for (int kg = 0; kg < Kp; kg += KB)
+    memset(GX, 0, sizeof(REAL) * Kpe * D);
+    for (int kg = 0; kg < Kpe; kg += KB)
         CAT(accum, SUF)(w->xr, n, GA + (long)kg * np, (int)np, GX + (long)kg * D, D, D);
     return gg;
+}
+
+/* TIM-ADM's start (tim_adm.py): GA <- the one-hot support targets, base = c_s Y_s^T x_s, ysum. */
+static void CAT(adm_start, SUF)(Work *w) {
+    const struct poodle_fit_args *a = w->a;
+    const int K = w->Ke, Kpe = w->Kpe, Ns = w->nse, D = a->D;
+    const long np = w->np, npe = w->npe;
+    const REAL *ye = (const REAL *)a->targets + w->e * a->t_es, cs = (REAL)a->weights[0];
+    for (int k = 0; k < Kpe; k++) {
+        REAL *g = w->GA + (long)k * np, c = 0;
+        for (long i = 0; i < npe; i++) g[i] = k < K && i < Ns ? ye[(long)k * a->t_ks + i] : 0;
+        for (int i = 0; i < Ns; i++) c += g[i];
+        w->ysum[k] = c;
+    }
+    memset(w->base, 0, sizeof(REAL) * Kpe * D);
+    for (int kg = 0; kg < Kpe; kg += KB)
+        CAT(accum, SUF)(w->xr, Ns, w->GA + (long)kg * np, (int)np, w->base + (long)kg * D, D, D);
+    for (long j = 0; j < (long)K * D; j++) w->base[j] *= cs;
+}
+
+/* One TIM-ADM step of episode w->e (tim_adm.py), x.w of every row in SA: p = softmax over classes,
+ * Q = p_q^power / (sum_q p_q^power)^beta normalised over classes (into LA), G = [-c_s p_s,
+ * c_q (Q - p_q)] (into GA), G X, then W <- W + alpha (num / den - W) with num = c_s Y_s^T x_s + G X
+ * + W (c_s sum p_s + c_q sum p_q) and den = c_s |Y_s| + c_q sum Q (both floored at 1e-30). */
+static void CAT(adm_step, SUF)(Work *w, REAL gamma) {
+    const struct poodle_fit_args *a = w->a;
+    const int n = w->ne, D = a->D, K = w->Ke, Kpe = w->Kpe, Ns = w->nse;
+    const long np = w->np, npe = w->npe;
+    REAL *SA = w->SA, *LA = w->LA, *GA = w->GA, *GX = w->GX, *Wp = w->Wp;
+    const REAL *w2 = w->w2, tiny = (REAL)1e-30;
+    const REAL cs = (REAL)a->weights[0], cq = (REAL)((double)Ns / (double)(n - Ns));
+    const double power = a->weights[1], beta = a->weights[2];
+    for (long l = 0; l < npe; l += VL) {
+#define AT(buf, k) CAT(ld, SUF)((buf) + (long)(k) * np + l)
+#define PUT(buf, k, val) CAT(st, SUF)((buf) + (long)(k) * np + l, (val))
+        V mx, sum = (V){0};
+        for (int k = 0; k < K; k++) {
+            V lg = (AT(SA, k) - (REAL)0.5 * w2[k]) * gamma;
+            PUT(LA, k, lg);
+            mx = k == 0 ? lg : CAT(vmax, SUF)(lg, mx);
+        }
+        for (int k = 0; k < K; k++) {
+            V q = CAT(vexp, SUF)(AT(LA, k) - mx);
+            sum += q;
+            PUT(SA, k, q);
+        }
+        for (int k = 0; k < K; k++) PUT(SA, k, AT(SA, k) / sum);
+        /* the queries' p^power (the support's and padding's lanes are overwritten below) */
+        for (int k = 0; k < K; k++) {
+            V p = AT(SA, k), pw;
+#if IS_FLOAT
+            pw = CAT(vexp, SUF)(CAT(vlog, SUF)(p) * (REAL)power); /* p >= 1.2e-38: a normal float */
+#else
+            for (int j = 0; j < VL; j++) pw[j] = pow(p[j], power);
+#endif
+            PUT(LA, k, pw);
+        }
+#undef AT
+#undef PUT
+    }
+    for (int k = 0; k < K; k++) {
+        REAL *pw = LA + (long)k * np, s = 0, a_s = 0, a_q = 0;
+        const REAL *p = SA + (long)k * np;
+        for (int i = Ns; i < n; i++) s += pw[i];
+        REAL den = (REAL)pow((double)(s > tiny ? s : tiny), beta);
+        for (int i = Ns; i < n; i++) pw[i] = pw[i] / den;
+        for (int i = 0; i < Ns; i++) a_s += p[i];
+        for (int i = Ns; i < n; i++) a_q += p[i];
+        w->ps[k] = a_s;
+        w->pq[k] = a_q;
+    }
+    for (int i = Ns; i < n; i++) {
+        REAL rs = 0;
+        for (int k = 0; k < K; k++) rs += LA[(long)k * np + i];
+        rs = rs > tiny ? rs : tiny;
+        for (int k = 0; k < K; k++) LA[(long)k * np + i] /= rs;
+    }
+    for (int k = 0; k < K; k++) {
+        REAL *g = GA + (long)k * np, qsum = 0;
+        const REAL *p = SA + (long)k * np, *q = LA + (long)k * np;
+        for (int i = 0; i < Ns; i++) g[i] = p[i] * -cs;
+        for (int i = Ns; i < n; i++) {
+            g[i] = (q[i] - p[i]) * cq;
+            qsum += q[i];
+        }
+        for (long i = n; i < npe; i++) g[i] = 0;
+        w->qs[k] = qsum;
+    }
+    memset(GX, 0, sizeof(REAL) * Kpe * D);
+    for (int kg = 0; kg < Kpe; kg += KB)
+        CAT(accum, SUF)(w->xr, n, GA + (long)kg * np, (int)np, GX + (long)kg * D, D, D);
+    const REAL damp = (REAL)a->alpha;
+    for (int k = 0; k < K; k++) {
+        REAL fs = w->ps[k] * cs, fq = w->pq[k] * cq, den = w->ysum[k] * cs + w->qs[k] * cq;
+        den = den > tiny ? den : tiny;
+        for (int d = 0; d < D; d++) {
+            long j = (long)k * D + d;
+            REAL num = (w->base[j] + GX[j]) + Wp[j] * fs;
+            num += Wp[j] * fq;
+            Wp[j] = Wp[j] + damp * (num / den - Wp[j]);
+        }
+    }
 }
 
 /* The one step loop of every loss: per episode, its rows and start values, then per step
@@ -673,14 +849,24 @@ static REAL CAT(lf_rows, SUF)(Work *w, REAL gamma) {
 static int CAT(fit, SUF)(const struct poodle_fit_args *a) {
     Work w;
     CAT(work_init, SUF)(&w, a);
-    const int n = a->n, D = a->D, K = a->K, Kp = w.Kp, wd = a->loss == LOSS_WD;
-    const long F = w.F, np = w.np;
+    const int D = a->D, wd = a->loss == LOSS_WD, ragged = a->ways || a->rows || a->support_rows;
+    const long np = w.np;
     const REAL *x = a->x, *c0 = a->c0;
     REAL *Wout = a->W, *gamma_out = a->gamma;
     REAL *Wp = w.Wp, *m = w.m, *v = w.v, *grad = w.grad, *w2 = w.w2;
     for (int e = 0; !w.failed && e < a->E; e++) {
+        /* the episode's own sizes */
+        const int K = a->ways ? a->ways[e] : a->K, n = a->rows ? a->rows[e] : a->n;
+        w.Ke = K;
+        w.Kpe = (K + KB - 1) / KB * KB;
+        w.ne = n;
+        w.nse = a->support_rows ? a->support_rows[e] : a->n_support;
+        w.npe = (long)(n + RB - 1) / RB * RB;
+        w.Fe = (long)K * D;
+        const int Kpe = w.Kpe;
+        const long F = w.Fe, npe = w.npe;
         const REAL *xe = x + e * a->x_es;
-        REAL *We = Wout + (long)e * F;
+        REAL *We = Wout + (long)e * w.F;
         REAL gamma = gamma_out[e], c0e = wd ? c0[e] : 0;
         w.e = e;
         for (int i = 0; i < n; i++) {
@@ -689,13 +875,36 @@ static int CAT(fit, SUF)(const struct poodle_fit_args *a) {
                 for (int d = 0; d < D; d++) w.XT[(long)d * np + i] = w.xr[i][d];
         }
         for (int k = 0; k < K; k++) memcpy(Wp + (long)k * D, We + (long)k * D, sizeof(REAL) * D);
+        if (ragged) {
+            /* what a larger episode before this one left past this one's rows and classes: the
+             * block's padded classes must be zero prototypes with zero dL/dlogits, padded rows zero */
+            memset(Wp + (long)K * D, 0, sizeof(REAL) * (size_t)(Kpe - K) * D);
+            if (w.transposed)
+                for (int d = 0; d < D; d++) memset(w.XT + (long)d * np + n, 0, sizeof(REAL) * (size_t)(npe - n));
+            if (w.GA) memset(w.GA + (long)K * np, 0, sizeof(REAL) * (size_t)(Kpe - K) * np);
+        }
         memset(m, 0, sizeof(REAL) * (F + 1));
         memset(v, 0, sizeof(REAL) * (F + 1));
+        if (a->loss == LOSS_ADM) {
+            CAT(adm_start, SUF)(&w);
+            for (int step = 1; step <= a->steps; step++) {
+                for (int k = 0; k < K; k++) w2[k] = CAT(sqnorm, SUF)(Wp + (long)k * D, D);
+                for (int kg = 0; kg < Kpe; kg += KB)
+                    CAT(dots_t, SUF)(w.XT, np, Wp + (long)kg * D, D, D, w.SA + (long)kg * np, np, npe);
+                CAT(adm_step, SUF)(&w, gamma);
+            }
+            /* the last assignments, each class's real queries first */
+            const long nql = a->n - a->n_support;
+            REAL *Qe = (REAL *)a->Q + (long)e * a->K * nql;
+            for (int k = 0; k < K; k++) memcpy(Qe + k * nql, w.LA + (long)k * np + w.nse, sizeof(REAL) * (n - w.nse));
+            memcpy(We, Wp, sizeof(REAL) * F);
+            continue;
+        }
         for (int step = 1; step <= a->steps; step++) {
             for (int k = 0; k < K; k++) w2[k] = CAT(sqnorm, SUF)(Wp + (long)k * D, D);
             if (w.transposed)
-                for (int kg = 0; kg < Kp; kg += KB)
-                    CAT(dots_t, SUF)(w.XT, np, Wp + (long)kg * D, D, D, w.SA + (long)kg * np, np, np);
+                for (int kg = 0; kg < Kpe; kg += KB)
+                    CAT(dots_t, SUF)(w.XT, np, Wp + (long)kg * D, D, D, w.SA + (long)kg * np, np, npe);
             REAL gg = wd ? CAT(wd_rows, SUF)(&w, gamma) : CAT(lf_rows, SUF)(&w, gamma);
             for (int k = 0; k < K; k++)
                 for (int d = 0; d < D; d++) {

@@ -1,6 +1,7 @@
 """The fused CPU kernel of :func:`poodle.solvers._optim.fit` (``_fit_kernel.c``): the fits of the
 weighted-distance loss (POODLE, CE, naive-OOD) and of the logit losses (TIM-GD, entropy
-minimisation), compiled at first use and loaded only from a directory no other account can write.
+minimisation, alpha-TIM) and TIM-ADM's closed-form iterations, on fixed or ragged chunks (each
+episode its own classes and rows), compiled at first use and loaded only from a directory no other account can write.
 
 Why: on CPU the torch formulation of one Adam step is two batched matmuls with 5-row operands,
 which BLAS runs at about a third of its large-GEMM rate, plus elementwise passes; the kernel reads
@@ -56,9 +57,9 @@ if TYPE_CHECKING:
 
 _SOURCE = Path(__file__).with_name("_fit_kernel.c")
 # POODLE_FIT_INTERFACE of the C file: bump both with any change of FitArgs or of a field's meaning
-FIT_INTERFACE = 2
+FIT_INTERFACE = 3
 # the losses the kernel computes (the C file's LOSS_ constants)
-LOSSES = {"weighted-distance": 0, "tim": 1, "entropy": 2}
+LOSSES = {"weighted-distance": 0, "tim": 1, "entropy": 2, "alpha": 3, "adm": 4}
 _FLAG_SETS = (
     ["-O3", "-fno-math-errno", "-march=native"],
     ["-O3", "-fno-math-errno", "-mcpu=native"],
@@ -102,6 +103,11 @@ class FitArgs(ctypes.Structure):
         ("beta2", ctypes.c_double),
         ("eps", ctypes.c_double),
         ("weights", ctypes.c_double * 3),
+        ("alpha", ctypes.c_double),
+        ("ways", ctypes.c_void_p),
+        ("rows", ctypes.c_void_p),
+        ("support_rows", ctypes.c_void_p),
+        ("Q", ctypes.c_void_p),
     ]
 
 
@@ -118,6 +124,7 @@ class KernelTerms:
         c0: weighted distance: ``[E]``, the constant part of ``dL/dgamma``.
         n_support: logit losses: the support rows ``Ns``, first among the rows.
         weights: logit losses: the support CE weight and the query loss's one or two weights.
+        alpha: ``"alpha"``: the alpha-entropy order.
     """
 
     loss: str
@@ -127,6 +134,19 @@ class KernelTerms:
     c0: Tensor | None = None
     n_support: int = 0
     weights: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    alpha: float = 0.0
+
+
+@dataclass
+class EpisodeSizes:
+    """Each episode's own sizes in a ragged chunk, its real rows first among the rows of every
+    array (``_optim`` packs them so): ``ways``, ``rows`` and, for a logit loss, ``support_rows``
+    (its real support rows, first among its real rows), each ``[E]`` int or ``None`` where every
+    episode has the chunk's ``K``, ``n`` or ``n_support``."""
+
+    ways: Tensor | None = None
+    rows: Tensor | None = None
+    support_rows: Tensor | None = None
 
 
 @dataclass
@@ -395,9 +415,34 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def fit(x: Tensor, w0: Tensor, terms: KernelTerms, opts: FitOptions) -> tuple[Tensor, Tensor]:
+def _sizes(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.to(device="cpu", dtype=torch.int32).contiguous()
+
+
+def fit_adm(
+    x: Tensor, w0: Tensor, terms: KernelTerms, opts: FitOptions, sizes: EpisodeSizes | None = None
+) -> tuple[Tensor, Tensor]:
+    """TIM-ADM's closed-form iterations (``terms.loss == "adm"``, ``opts.steps >= 1``; see
+    ``tim_adm.py``) -> ``(W [E, K, D], Q [E, K, n - n_support])``, ``Q`` the last assignments, each
+    episode's real queries first."""
+    E, n, _ = x.shape
+    Q = torch.zeros(E, w0.shape[1], n - terms.n_support, dtype=x.dtype)
+    W, _ = fit(x, w0, terms, opts, sizes, Q)
+    return W, Q
+
+
+def fit(
+    x: Tensor,
+    w0: Tensor,
+    terms: KernelTerms,
+    opts: FitOptions,
+    sizes: EpisodeSizes | None = None,
+    Q: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Fit ``E`` episodes with the kernel: rows ``x [E, n, D]``, initial prototypes ``w0 [E, K, D]``
-    and scale ``opts.scale0``, the loss ``terms`` -> ``(W [E, K, D], gamma [E, 1, 1])``."""
+    and scale ``opts.scale0``, the loss ``terms``, each episode's own ``sizes`` in a ragged chunk
+    (its real rows first) -> ``(W [E, K, D], gamma [E, 1, 1])``; a padded class's prototype is
+    ``w0``'s."""
     lib = load()
     assert lib is not None
     E, n, D = x.shape
@@ -410,6 +455,8 @@ def fit(x: Tensor, w0: Tensor, terms: KernelTerms, opts: FitOptions) -> tuple[Te
     r = _rows(terms.r.to(dt), E, 1, n) if wd and terms.r is not None else None
     f = _rows(terms.free.to(dt), E, 1, n) if wd and terms.free is not None else None
     c0 = terms.c0.to(dt).contiguous() if wd and terms.c0 is not None else None
+    sz = sizes or EpisodeSizes()
+    ways, rows, support_rows = _sizes(sz.ways), _sizes(sz.rows), _sizes(sz.support_rows)
     args = FitArgs(
         version=FIT_INTERFACE,
         size=ctypes.sizeof(FitArgs),
@@ -440,10 +487,19 @@ def fit(x: Tensor, w0: Tensor, terms: KernelTerms, opts: FitOptions) -> tuple[Te
         beta2=opts.betas[1],
         eps=opts.eps,
         weights=(ctypes.c_double * 3)(*terms.weights),
+        alpha=terms.alpha,
+        ways=_ptr(ways),
+        rows=_ptr(rows),
+        support_rows=_ptr(support_rows),
+        Q=_ptr(Q),
     )
     rc = lib.poodle_fit(ctypes.byref(args))
     if rc == -1:
         raise MemoryError(f"the fused solver kernel could not allocate its buffers for {E} episodes of {n} x {D}")
+    if rc == -4:
+        raise ValueError(
+            f"an episode's sizes are outside its chunk's ({K} classes, {n} rows, {terms.n_support} support)"
+        )
     if rc != 0:
         raise RuntimeError(f"the fused solver kernel refused its arguments (code {rc})")
     return W, gamma.view(E, 1, 1)
@@ -451,11 +507,13 @@ def fit(x: Tensor, w0: Tensor, terms: KernelTerms, opts: FitOptions) -> tuple[Te
 
 __all__ = [
     "FIT_INTERFACE",
+    "EpisodeSizes",
     "FitArgs",
     "KernelState",
     "KernelTerms",
     "LOSSES",
     "fit",
+    "fit_adm",
     "formulation",
     "load",
     "state",

@@ -29,7 +29,7 @@ the torch formulation; on CUDA under :func:`cuda_step` ``("triton")``, the Trito
 (:mod:`poodle.solvers._triton_step`) for the losses it knows. The two losses here are
 :class:`WeightedDistance` (POODLE, CE, naive-OOD: per-row coefficients, :class:`RowTerms`) and
 :class:`LogitLoss` (a ``grad_logits`` callback, with a :class:`NativeLoss` where a kernel computes
-it: TIM-GD, entropy minimisation, and alpha-TIM for the Triton step alone). A new fused
+it: TIM-GD, entropy minimisation, alpha-TIM). A new fused
 loss in the kernel is a ``LOSS_`` case in ``_fit_kernel.c`` (its dL/dlogits of the query rows), a
 key of ``_native.LOSSES`` and the ``kernel()`` of its loss object here.
 
@@ -49,11 +49,20 @@ entropy) have rows of ``G`` summing to zero and no ``c0``.
 
 The loss of a chunk is the sum of its episodes' losses, so with Adam (element-wise) every episode
 is optimised exactly as it would be alone.
+
+**Ragged chunks** (episodes of different shapes padded to the largest, :class:`Padding`): a padded
+class gets the logit ``-inf`` (no probability; its ``P``, ``L`` and ``G`` are zero, so its prototype
+never moves) and a padded row must carry no weight in the loss (zero coefficients, or the loss's
+own masks in ``grad_logits``). The kernels take each episode's own sizes: :func:`fit` moves each
+episode's real rows to the front of every array of rows (support before queries) and passes its
+numbers of classes, rows and support rows, so that every loop runs over the episode's own rows and
+classes and computes what the episode computes alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
@@ -92,6 +101,37 @@ class FitOptions:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     learn_scale: bool = True
+
+
+@dataclass
+class Padding:
+    """Where a ragged chunk is padding, for :func:`fit`.
+
+    Attributes:
+        classes: ``[E, K]`` bool, True for an episode's real classes, or ``None`` (all real).
+        rows: ``[E, n]`` bool, True for the real rows of ``x``, or ``None`` (all real). A logit
+            loss's support rows are the first ``n_support`` of the ``n`` either way.
+    """
+
+    classes: Tensor | None = None
+    rows: Tensor | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.classes is not None or self.rows is not None
+
+    @staticmethod
+    def of(classes: Tensor | None, *parts: tuple[Tensor | None, int]) -> Padding | None:
+        """The padding of rows made of ``parts`` (each ``(mask [E, n_i] or None, n_i)``, in the
+        rows' order; ``None``: all ``n_i`` real) and of ``classes``; ``None`` when nothing is padded."""
+        masks = [m for m, _ in parts if m is not None]
+        if classes is None and not masks:
+            return None
+        rows = None
+        if masks:
+            E, dev = masks[0].shape[0], masks[0].device
+            rows = torch.cat([torch.ones(E, n, dtype=torch.bool, device=dev) if m is None else m for m, n in parts], 1)
+        return Padding(classes, rows)
 
 
 class Loss(Protocol):
@@ -176,7 +216,7 @@ class NativeLoss:
     Attributes:
         kind: ``"tim"`` (TIM's mutual information, weights ``(ce, marginal, conditional)``),
             ``"entropy"`` (mean query entropy, weights ``(ce, entropy, unused)``) or ``"alpha"``
-            (alpha-TIM, weights as ``"tim"``; the Triton step computes it, the CPU kernel does not).
+            (alpha-TIM, weights as ``"tim"``).
         n_support: the number ``Ns`` of support rows, first among the rows.
         targets: ``[E, K, Ns]`` one-hot support labels.
         weights: the loss's three weights (see ``kind``).
@@ -204,7 +244,7 @@ class LogitLoss:
         n = self.native
         if n is None or n.kind not in _native.LOSSES:
             return None
-        return KernelTerms(n.kind, n.targets, n_support=n.n_support, weights=n.weights)
+        return KernelTerms(n.kind, n.targets, n_support=n.n_support, weights=n.weights, alpha=n.alpha)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,9 +263,12 @@ def adam_step(theta: Tensor, grad: Tensor, m: Tensor, v: Tensor, den: Tensor, st
     theta.addcdiv_(m, den, value=-step_size)
 
 
-def fit_torch(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions) -> tuple[Tensor, Tensor]:
+def fit_torch(
+    x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions, classes: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """The torch formulation: ``opts.steps`` Adam steps on the prototypes and scales of ``E``
-    episodes, rows ``x [E, n, D]``, from ``w0 [E, K, D]`` -> ``(W [E, K, D], gamma [E, 1, 1])``."""
+    episodes, rows ``x [E, n, D]``, from ``w0 [E, K, D]`` -> ``(W [E, K, D], gamma [E, 1, 1])``;
+    ``classes [E, K]`` (a ragged chunk's real classes) gives the others no probability."""
     E, n, D = x.shape
     K = w0.shape[1]
     F = K * D
@@ -245,13 +288,20 @@ def fit_torch(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions) -> tuple[Tens
     w2 = torch.empty(E, K, device=dev, dtype=dt)
     colsum = torch.empty(E, K, device=dev, dtype=dt)
     softmax_out = torch.ops.aten._softmax.out
+    pad = None if classes is None else ~classes.unsqueeze(-1)  # [E, K, 1]
     for step in range(1, opts.steps + 1):
         torch.bmm(W, xt, out=S)  # x.w
         torch.linalg.vecdot(W, W, out=w2)
         torch.sub(S, w2.unsqueeze(-1), alpha=0.5, out=Z)  # x.w - |w|^2/2
         torch.mul(Z, gamma, out=L)  # logits
+        if pad is not None:
+            L.masked_fill_(pad, float("-inf"))
         softmax_out(L, 1, False, out=P)
+        if pad is not None:
+            L.masked_fill_(pad, 0.0)  # P and L zero on a padded class: no loss term sees it
         loss.grad_logits(P, L, G)  # dL/dlogits
+        if pad is not None:
+            G.masked_fill_(pad, 0.0)
         if opts.learn_scale:
             torch.mul(G, Z, out=GZ)
             torch.sum(GZ.view(E, -1), 1, out=gg)
@@ -281,26 +331,33 @@ def running(method: str) -> Iterator[None]:
         _running.method = before
 
 
-def fit(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions) -> tuple[Tensor, Tensor]:
+def fit(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions, padding: Padding | None = None) -> tuple[Tensor, Tensor]:
     """Fit the prototypes and scales of ``E`` episodes under ``loss``: the fused kernel where it
     can run (CPU, float32/64, the loss known to it, :data:`USE_NATIVE`), else :func:`fit_torch`.
 
     Args:
         x: ``[E, n, D]`` every row the loss sees.
-        w0: ``[E, K, D]`` initial prototypes.
+        w0: ``[E, K, D]`` initial prototypes (zero for a padded class).
         loss: see :class:`Loss`.
         opts: the start scale and Adam.
+        padding: a ragged chunk's padded classes and rows (``None``: none).
 
     Returns:
         ``(W [E, K, D], gamma [E, 1, 1])`` after ``opts.steps`` Adam steps.
     """
+    if padding is not None and not padding.any:
+        padding = None
     triton = _triton_loss(x, loss)
     terms = loss.kernel() if USE_NATIVE and x.device.type == "cpu" and triton is None else None
     if triton is not None:
-        what, result = "triton", _triton_fit(x, w0, triton, opts)
+        what, result = "triton", _triton_fit(x, w0, triton, opts, padding)
     elif terms is not None and _native.usable(x):
         what = _native.formulation()
-        result = _native.fit(x, w0, terms, opts)
+        if padding is None:
+            result = _native.fit(x, w0, terms, opts)
+        else:
+            xp, terms, sizes = _pack_kernel(x, terms, padding)
+            result = _native.fit(xp, w0, terms, opts, sizes)
     else:
         if x.device.type != "cpu":
             what = "torch" if _cuda_step["name"] == "torch" else "torch (no Triton step for this fit here)"
@@ -312,9 +369,48 @@ def fit(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions) -> tuple[Tensor, Te
             what = f"torch (the fused kernel takes float32 and float64, not {x.dtype})"
         else:
             what = _native.formulation()
-        result = fit_torch(x, w0, loss, opts)
+        result = fit_torch(x, w0, loss, opts, None if padding is None else padding.classes)
     _ran[(getattr(_running, "method", None), x.device.type)] = what
     return result
+
+
+def _front(rows: Tensor) -> Tensor:
+    """``[E, n]`` the order that puts each episode's real rows (``rows [E, n]`` True) first, in
+    their order, its padded rows after them."""
+    return torch.sort((~rows).to(torch.uint8), dim=1, stable=True).indices
+
+
+def _gather_rows(t: Tensor, idx: Tensor) -> Tensor:
+    """``t [E or 1, c, n]`` with its rows (last axis) in the order ``idx [E, n]``."""
+    t = t.expand(idx.shape[0], t.shape[1], idx.shape[1])
+    return t.gather(2, idx.unsqueeze(1).expand_as(t))
+
+
+def _sizes(padding: Padding, n_support: int | None) -> tuple[Tensor | None, _native.EpisodeSizes]:
+    """The order putting real rows first (``None`` when no row is padded) and each episode's sizes."""
+    ways = None if padding.classes is None else padding.classes.sum(1)
+    if padding.rows is None:
+        return None, _native.EpisodeSizes(ways=ways)
+    support = None if n_support is None else padding.rows[:, :n_support].sum(1)
+    return _front(padding.rows), _native.EpisodeSizes(ways, padding.rows.sum(1), support)
+
+
+def _pack_kernel(x: Tensor, terms: KernelTerms, padding: Padding) -> tuple[Tensor, KernelTerms, _native.EpisodeSizes]:
+    """``x`` and ``terms`` with each episode's real rows first, and its sizes, for the kernel."""
+    wd = terms.loss == "weighted-distance"
+    idx, sizes = _sizes(padding, None if wd else terms.n_support)
+    if idx is None:
+        return x, terms, sizes
+    E, n, D = x.shape
+    xp = x.gather(1, idx.unsqueeze(-1).expand(E, n, D))
+    if wd:
+        r = None if terms.r is None else _gather_rows(terms.r, idx)
+        free = None if terms.free is None else _gather_rows(terms.free, idx)
+        return xp, dataclasses.replace(terms, targets=_gather_rows(terms.targets, idx), r=r, free=free), sizes
+    # the real support rows come first among the real rows: their targets in the same order
+    assert padding.rows is not None
+    targets = _gather_rows(terms.targets, _front(padding.rows[:, : terms.n_support]))
+    return xp, dataclasses.replace(terms, targets=targets), sizes
 
 
 def check_cuda_step(name: str) -> None:
@@ -359,13 +455,37 @@ def _triton_loss(x: Tensor, loss: Loss) -> RowTerms | NativeLoss | None:
     return described if described is not None and _triton_step.available()[0] else None
 
 
-def _triton_fit(x: Tensor, w0: Tensor, what: RowTerms | NativeLoss, opts: FitOptions) -> tuple[Tensor, Tensor]:
+def _triton_fit(
+    x: Tensor, w0: Tensor, what: RowTerms | NativeLoss, opts: FitOptions, padding: Padding | None = None
+) -> tuple[Tensor, Tensor]:
     from poodle.solvers import _triton_step
 
-    kw = dict(scale0=opts.scale0, steps=opts.steps, lr=opts.lr, betas=opts.betas, eps=opts.eps)
-    if isinstance(what, RowTerms):
-        return _triton_step.fit_weighted_distance(x, what, w0, learn_scale=opts.learn_scale, **kw)  # type: ignore[arg-type]
-    return _triton_step.fit_logit_loss(x, w0, what, learn_scale=opts.learn_scale, **kw)  # type: ignore[arg-type]
+    kw: dict = dict(scale0=opts.scale0, steps=opts.steps, lr=opts.lr, betas=opts.betas, eps=opts.eps)
+    wd = isinstance(what, RowTerms)
+    if padding is not None:
+        # as for the C kernel: each episode's real rows first, and its own sizes
+        idx, sizes = _sizes(padding, None if isinstance(what, RowTerms) else what.n_support)
+        kw["sizes"] = sizes
+        if idx is not None:
+            E, n, D = x.shape
+            x = x.gather(1, idx.unsqueeze(-1).expand(E, n, D))
+            if isinstance(what, RowTerms):
+                free = None if what.free is None else _gather_rows(what.free, idx)
+                g = _gather_rows
+                what = RowTerms(g(what.targets, idx), g(what.ce, idx), g(what.coef, idx), free)
+            else:
+                assert padding.rows is not None
+                support = _front(padding.rows[:, : what.n_support])
+                what = dataclasses.replace(what, targets=_gather_rows(what.targets, support))
+    if wd:
+        return _triton_step.fit_weighted_distance(x, what, w0, learn_scale=opts.learn_scale, **kw)
+    return _triton_step.fit_logit_loss(x, w0, what, learn_scale=opts.learn_scale, **kw)
+
+
+def ran(what: str, device: torch.device | str) -> None:
+    """Record that this thread's current method ran the arithmetic ``what`` on ``device`` (for a
+    solver that calls a kernel of its own, as TIM-ADM does)."""
+    _ran[(getattr(_running, "method", None), torch.device(device).type)] = what
 
 
 def formulation(method: str, device: torch.device | str) -> str:
@@ -390,19 +510,22 @@ def fit_weighted_distance(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     learn_scale: bool = True,
+    padding: Padding | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fine-tune the prototypes and scales of ``E`` episodes under the weighted-distance loss.
 
     Args:
         x: ``[E, n, D]`` every row that enters the loss (support, [query], negatives).
-        terms: per-row coefficients (see :class:`RowTerms`).
+        terms: per-row coefficients (see :class:`RowTerms`; zero on a padded row).
         w0: ``[E, K, D]`` initial prototypes.
         scale0, steps, lr, betas, eps, learn_scale: see :class:`FitOptions`.
+        padding: a ragged chunk's padded classes and rows (see :class:`Padding`).
 
     Returns:
         ``(W [E, K, D], gamma [E, 1, 1])`` after ``steps`` Adam steps.
     """
-    return fit(x, w0, WeightedDistance(x, terms), FitOptions(scale0, steps, lr, betas, eps, learn_scale))
+    opts = FitOptions(scale0, steps, lr, betas, eps, learn_scale)
+    return fit(x, w0, WeightedDistance(x, terms), opts, padding)
 
 
 def fit_logit_loss(
@@ -417,6 +540,7 @@ def fit_logit_loss(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     native: NativeLoss | None = None,
+    padding: Padding | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Adam on the prototypes and scale of ``E`` episodes for any loss of the distance logits
     whose gradient rows sum to zero over classes (every loss of the softmax probabilities does: the
@@ -433,11 +557,14 @@ def fit_logit_loss(
         native: the same loss as ``grad_logits``, for the fused CPU kernel: one pass over an
             episode's rows per step instead of about 25 torch operations, each a pass over
             ``[E, K, n]``.
+        padding: a ragged chunk's padded classes and rows (see :class:`Padding`); ``grad_logits``
+            must then give a padded row no weight (the kernels take each episode's own sizes).
 
     Returns:
         ``(W [E, K, D], gamma [E, 1, 1])``.
     """
-    return fit(x, w0, LogitLoss(grad_logits, native), FitOptions(scale0, steps, lr, betas, eps, learn_scale))
+    opts = FitOptions(scale0, steps, lr, betas, eps, learn_scale)
+    return fit(x, w0, LogitLoss(grad_logits, native), opts, padding)
 
 
 def weighted_distance_flops(n: int, D: int, K: int, steps: int, free: bool = False) -> float:
@@ -447,11 +574,21 @@ def weighted_distance_flops(n: int, D: int, K: int, steps: int, free: bool = Fal
     return steps * per_step
 
 
+def logit_loss_flops(n: int, D: int, K: int, steps: int) -> float:
+    """FLOPs of :func:`fit_logit_loss` per episode (TIM-GD, alpha-TIM, entropy minimisation): per
+    step the two ``n x D x K`` products (``x.w`` and ``G^T x``), about 18 operations on each of the
+    ``n x K`` logits (the logits, the softmax, the loss's dL/dlogits, the column sums and
+    ``sum G Z``; an exp, log or power counted as one), the gradient of ``W`` and the Adam update."""
+    per_step = 4.0 * n * D * K + 18 * n * K + 4 * K * D + 12 * (K * D + 1)
+    return steps * per_step
+
+
 __all__ = [
     "FitOptions",
     "Loss",
     "LogitLoss",
     "NativeLoss",
+    "Padding",
     "RowTerms",
     "WeightedDistance",
     "adam_step",
@@ -460,6 +597,8 @@ __all__ = [
     "fit_torch",
     "fit_weighted_distance",
     "formulation",
+    "logit_loss_flops",
+    "ran",
     "running",
     "weighted_distance_flops",
 ]

@@ -244,22 +244,32 @@ if triton is not None:
 
     @triton.jit
     def _fit_kernel(
-        X, W, M, V, GAM, MG, VG, GX, PZ, TGT, R, FREE, C0, HP, SC,
+        X, W, M, V, GAM, MG, VG, GX, KE, NE, NSE, PZ, TGT, R, FREE, C0, HP, SC,
         n, D, K, steps, ns,
         KIND: tl.constexpr, LEARN_SCALE: tl.constexpr, HAS_FREE: tl.constexpr, POW_INT: tl.constexpr,
-        LERP_LOW: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
+        LERP_LOW: tl.constexpr, RAGGED: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
         """All ``steps`` Adam steps of one episode (program ``e``): rows ``X [E, n, D]``,
         prototypes ``W`` and moments ``M, V [E, K, D]``, scale ``GAM`` and moments ``MG, VG [E]``,
         scratch ``GX [E, K, D]`` and ``PZ [E, 2, n, BK]``. Weighted distance: targets ``TGT [E, K,
         n]``, row weights ``R``, ``FREE [E, n]``, constant ``C0 [E]``; logit losses: ``TGT [E, K,
         Ns]``. ``HP``: (1-b1, b2, 1-b2, eps, w_ce, w_a, w_c, alpha, tiny); ``SC [steps, 2]``:
-        (lr / (1-b1^t), sqrt(1-b2^t))."""
+        (lr / (1-b1^t), sqrt(1-b2^t)). ``RAGGED``: the episode's own classes, real rows and real
+        support rows are ``KE, NE, NSE [E]`` (its real rows first, support before queries); every
+        mask and loop runs over them, the layout stays the chunk's ``K``, ``n``, ``ns``."""
         e = tl.program_id(0).to(tl.int64)
         xoff = e * n * D
         woff = e * K * D
+        if RAGGED:
+            ke = tl.load(KE + e)
+            ne = tl.load(NE + e)
+            nse = tl.load(NSE + e)
+        else:
+            ke = K
+            ne = n
+            nse = ns
         ks = tl.arange(0, BK)
-        kmask = ks < K
+        kmask = ks < ke
         cols = tl.arange(0, BD)
         for t in range(steps):
             gamma = tl.load(GAM + e)
@@ -271,8 +281,8 @@ if triton is not None:
             colsum = tl.zeros((BK,), dtype=X.dtype.element_ty)
             ggk = tl.zeros((BK,), dtype=X.dtype.element_ty)
             if KIND == 0:
-                for r0 in range(0, n, BN):
-                    z, lg, p, rmask = _block_logits(X, W, w2, gamma, xoff, woff, r0, n, D, K, BN, BD, BK)
+                for r0 in range(0, ne, BN):
+                    z, lg, p, rmask = _block_logits(X, W, w2, gamma, xoff, woff, r0, ne, D, ke, BN, BD, BK)
                     rows = r0 + tl.arange(0, BN)
                     r = tl.load(R + e * n + rows, mask=rmask, other=0.0)
                     y = tl.load(
@@ -288,39 +298,39 @@ if triton is not None:
                     g = tl.where(rmask[:, None] & kmask[None, :], g, 0.0)
                     ggk += tl.sum(g * z, axis=0)
                     colsum += tl.sum(g, axis=0)
-                    _add_gx(X, GX, g, xoff, woff, r0, n, D, K, BN, BD, BK)
+                    _add_gx(X, GX, g, xoff, woff, r0, ne, D, ke, BN, BD, BK)
                     tl.debug_barrier()
             else:
                 # pass 1: logits and probabilities of every row, the query marginal
                 msum = tl.zeros((BK,), dtype=X.dtype.element_ty)
-                for r0 in range(0, n, BN):
-                    z, lg, p, rmask = _block_logits(X, W, w2, gamma, xoff, woff, r0, n, D, K, BN, BD, BK)
+                for r0 in range(0, ne, BN):
+                    z, lg, p, rmask = _block_logits(X, W, w2, gamma, xoff, woff, r0, ne, D, ke, BN, BD, BK)
                     rows = r0 + tl.arange(0, BN)
-                    msum += tl.sum(tl.where((rows >= ns)[:, None], p, 0.0), axis=0)
+                    msum += tl.sum(tl.where((rows >= nse)[:, None], p, 0.0), axis=0)
                     pz = PZ + e * 2 * n * BK + rows[:, None] * BK + ks[None, :]
                     tl.store(pz, p, mask=rmask[:, None])
                     tl.store(pz + n * BK, z, mask=rmask[:, None])
-                marg = msum / (n - ns)
+                marg = msum / (ne - nse)
                 tl.debug_barrier()
                 # pass 2: each row's dL/dl, and G^T x
-                for r0 in range(0, n, BN):
+                for r0 in range(0, ne, BN):
                     rows = r0 + tl.arange(0, BN)
-                    rmask = rows < n
+                    rmask = rows < ne
                     pz = PZ + e * 2 * n * BK + rows[:, None] * BK + ks[None, :]
                     p = tl.load(pz, mask=rmask[:, None], other=0.0)
                     z = tl.load(pz + n * BK, mask=rmask[:, None], other=0.0)
                     y = tl.load(
                         TGT + e * K * ns + ks[None, :] * ns + rows[:, None],
-                        mask=(rows < ns)[:, None] & kmask[None, :],
+                        mask=(rows < nse)[:, None] & kmask[None, :],
                         other=0.0,
                     )
-                    g = _row_weights(p, z * gamma, y, rows, ns, n - ns, marg, HP, KIND, POW_INT, kmask)
+                    g = _row_weights(p, z * gamma, y, rows, nse, ne - nse, marg, HP, KIND, POW_INT, kmask)
                     g = tl.where(rmask[:, None], g, 0.0)
                     ggk += tl.sum(g * z, axis=0)
                     colsum += tl.sum(g, axis=0)
-                    _add_gx(X, GX, g, xoff, woff, r0, n, D, K, BN, BD, BK)
+                    _add_gx(X, GX, g, xoff, woff, r0, ne, D, ke, BN, BD, BK)
                     tl.debug_barrier()
-            _adam_prototypes(W, M, V, GX, colsum, gamma, woff, D, K, HP, SC, t, LERP_LOW, BD, BK)
+            _adam_prototypes(W, M, V, GX, colsum, gamma, woff, D, ke, HP, SC, t, LERP_LOW, BD, BK)
             if LEARN_SCALE:
                 gg = tl.sum(ggk, axis=0)
                 if KIND == 0:
@@ -390,8 +400,10 @@ def _run(
     loss_params: tuple[float, ...],
     pow_int: int,
     group: int | None,
+    sizes: Any = None,
 ) -> tuple[Tensor, Tensor]:
-    """Launch the kernel over the ``E`` episodes, ``group`` at a time (all at once when ``None``)."""
+    """Launch the kernel over the ``E`` episodes, ``group`` at a time (all at once when ``None``);
+    ``sizes``: each episode's own (``ways``, ``rows``, ``support_rows``, each ``[E]`` or ``None``)."""
     E, n, D = x.shape
     K = w0.shape[1]
     dev, dt = x.device, x.dtype
@@ -414,18 +426,28 @@ def _run(
     )
     dummy = torch.zeros(1, device=dev, dtype=dt)
     tgt, r, free, c0 = (tensors.get(k, dummy) for k in ("targets", "r", "free", "c0"))
+    ragged = sizes is not None and any(t is not None for t in (sizes.ways, sizes.rows, sizes.support_rows))
+
+    def own(t: Tensor | None, full: int) -> Tensor:
+        return torch.full((E,), full, dtype=torch.int32, device=dev) if t is None else t.to(dev, torch.int32)
+
+    ke, ne, nse = (
+        (own(sizes.ways, K), own(sizes.rows, n), own(sizes.support_rows, ns))
+        if ragged
+        else (torch.zeros(E, dtype=torch.int32, device=dev),) * 3
+    )
     kernel = _kernel_for(dev)
     if group is None and dev.type == "cuda":
         group = resident_plan(E, n, D, K, steps, ns if kind != WEIGHTED else None, _device_gpu(dev), x.element_size())
     step = E if group is None else max(1, int(group))
     for a in range(0, E, step):
         sl = slice(a, min(E, a + step))
-        per_episode = [t[sl] for t in (x, W, M, V, gam, mg, vg, GX)]
+        per_episode = [t[sl] for t in (x, W, M, V, gam, mg, vg, GX, ke, ne, nse)]
         terms = [t[sl] if t.shape[0] == E else t for t in (pz, tgt, r, free, c0)]
         kernel[(sl.stop - a,)](
             *per_episode, *terms, hp, sc, n, D, K, steps, ns,
             KIND=kind, LEARN_SCALE=bool(learn_scale), HAS_FREE="free" in tensors, POW_INT=pow_int,
-            LERP_LOW=1 - b1 < 0.5, BN=BN, BD=BD, BK=BK, num_warps=NUM_WARPS,
+            LERP_LOW=1 - b1 < 0.5, RAGGED=ragged, BN=BN, BD=BD, BK=BK, num_warps=NUM_WARPS,
         )  # fmt: skip
     return W, gam.view(E, 1, 1)
 
@@ -442,6 +464,7 @@ def fit_weighted_distance(
     eps: float = 1e-8,
     learn_scale: bool = True,
     group: int | None = None,
+    sizes: Any = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`poodle.solvers._optim.fit_weighted_distance` in one kernel launch (per ``group``).
 
@@ -453,6 +476,8 @@ def fit_weighted_distance(
         scale0, steps, lr, betas, eps, learn_scale: as the torch formulation.
         group: episodes per launch; ``None``: on CUDA, groups whose rows stay in L2 where the cost
             model says that pays (:func:`resident_plan`), else all in one launch.
+        sizes: a ragged chunk's episode sizes (``ways``, ``rows``, ``support_rows``, each ``[E]`` or
+            ``None``; :class:`poodle.solvers._native.EpisodeSizes`), each episode's real rows first.
 
     Returns:
         ``(W [E, K, D], gamma [E, 1, 1])`` after ``steps`` Adam steps.
@@ -468,9 +493,8 @@ def fit_weighted_distance(
     }
     if terms.free is not None:
         tensors["free"] = terms.free.expand(E, 1, n).reshape(E, n).contiguous()
-    return _run(
-        x, w0, scale0, steps, lr, betas, eps, WEIGHTED, learn_scale, tensors, 0, (0.0, 0.0, 0.0, 0.0, TINY), 0, group
-    )
+    params = (0.0, 0.0, 0.0, 0.0, TINY)
+    return _run(x, w0, scale0, steps, lr, betas, eps, WEIGHTED, learn_scale, tensors, 0, params, 0, group, sizes)
 
 
 def fit_logit_loss(
@@ -485,6 +509,7 @@ def fit_logit_loss(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     group: int | None = None,
+    sizes: Any = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`poodle.solvers._optim.fit_logit_loss` for the losses the kernel knows, given as a
     :class:`LogitLoss` (or the torch formulation's ``NativeLoss``, with ``alpha`` for kind
@@ -494,7 +519,7 @@ def fit_logit_loss(
         x: ``[E, n, D]`` support rows then query rows.
         w0: ``[E, K, D]`` initial prototypes.
         loss: the loss (kind, ``n_support``, ``targets [E, K, Ns]``, weights, alpha).
-        scale0, steps, lr, learn_scale, betas, eps, group: as :func:`fit_weighted_distance`.
+        scale0, steps, lr, learn_scale, betas, eps, group, sizes: as :func:`fit_weighted_distance`.
 
     Returns:
         ``(W [E, K, D], gamma [E, 1, 1])``.
@@ -515,7 +540,7 @@ def fit_logit_loss(
     w_ce, w_a, w_c = (float(v) for v in loss.weights)
     tensors = {"targets": loss.targets.to(x.dtype).expand(E, K, ns).contiguous()}
     params = (w_ce, w_a, w_c, a, TINY)
-    return _run(x, w0, scale0, steps, lr, betas, eps, kind, learn_scale, tensors, ns, params, pow_int, group)
+    return _run(x, w0, scale0, steps, lr, betas, eps, kind, learn_scale, tensors, ns, params, pow_int, group, sizes)
 
 
 __all__ = ["LogitLoss", "available", "fit_weighted_distance", "fit_logit_loss", "resident_plan", "INTERPRETED"]

@@ -37,9 +37,10 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._optim import NativeLoss, fit_logit_loss
+from poodle.solvers._optim import NativeLoss, Padding, fit_logit_loss, logit_loss_flops
 from poodle.solvers._transductive import dist_flops, pow_anywhere, softmax_logits
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_classes, one_hot, register
+from poodle.solvers.tim_gd import ragged_rows
 
 
 @dataclass
@@ -79,7 +80,8 @@ def alpha_tim_loss(
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: AlphaTimConfig) -> float:
-    return 3.0 * cfg.steps * dist_flops(Ns + Nq, way, D)
+    # what the fit computes (two products a step, no autograd graph), then the queries' logits
+    return logit_loss_flops(Ns + Nq, D, way, cfg.steps) + dist_flops(Nq, way, D)
 
 
 @register(
@@ -92,11 +94,48 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: AlphaTimConfig) -> f
 )
 def alpha_tim(batch: EpisodeBatch, cfg: AlphaTimConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]``."""
-    a = cfg.alpha if cfg.alpha > 0 else tuned_alpha(batch.shot)  # tuned values are never 1
+    if not batch.ragged:
+        w = _fit(batch, cfg.alpha if cfg.alpha > 0 else tuned_alpha(batch.shot), cfg)  # tuned values are never 1
+    else:
+        # each episode its own tuned order (from its own shots): one fit per order
+        E = batch.n_episodes
+        n_support = batch.support_labels.ge(0).sum(1)
+        shots = n_support // (batch.ways if batch.ways is not None else batch.way)
+        orders = [cfg.alpha if cfg.alpha > 0 else tuned_alpha(int(s)) for s in shots.tolist()]
+        w = torch.empty(E, batch.way, batch.support.shape[2], dtype=batch.support.dtype, device=batch.support.device)
+        for a in sorted(set(orders)):
+            idx = torch.tensor([e for e in range(E) if orders[e] == a], device=w.device)
+            w[idx] = _fit(batch if len(idx) == E else _select(batch, idx), a, cfg)
+    log_probs = torch.log_softmax(mask_classes(softmax_logits(batch.query, w, cfg.temperature), batch), -1)
+    return SolverOutput(log_probs, {"prototypes": w})
+
+
+def _select(batch: EpisodeBatch, idx: Tensor) -> EpisodeBatch:
+    """The episodes ``idx`` of a ragged chunk, padded as in the chunk."""
+
+    def pick(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[idx]
+
+    s, y, q = batch.support[idx], batch.support_labels[idx], batch.query[idx]
+    return EpisodeBatch(
+        s, y, q, pick(batch.negatives), batch.way, pick(batch.ways), pick(batch.support_mask), pick(batch.query_mask)
+    )
+
+
+def _fit(batch: EpisodeBatch, a: float, cfg: AlphaTimConfig) -> Tensor:
+    """The prototypes ``[E, way, D]`` of the episodes of ``batch``, all of alpha-entropy order ``a``."""
     z_s, z_q = batch.support, batch.query
     Ns, Nq = z_s.shape[1], z_q.shape[1]
     y_t = one_hot(batch.support_labels, batch.way, z_s.dtype).transpose(1, 2)  # [E, K, Ns]
     w_ce, w_marg, w_cond = cfg.ce_weight, cfg.marginal_weight, cfg.conditional_weight
+    padding = Padding.of(batch.class_mask, (batch.support_mask, Ns), (batch.query_mask, Nq))
+    # the weights of the rows and the means' counts: plain numbers for a fixed chunk, [E, 1, *] else
+    sm: Tensor | float = 1.0
+    qm: Tensor | float = 1.0
+    ns: Tensor | float = Ns
+    nq: Tensor | float = Nq
+    if padding is not None:
+        sm, qm, ns, nq = ragged_rows(batch, z_s.dtype)
 
     def grad_logits(P: Tensor, L: Tensor, G: Tensor) -> None:
         # dL/dlogits of alpha_tim_loss, row by row (rows along the last axis: support, then queries)
@@ -110,16 +149,26 @@ def alpha_tim(batch: EpisodeBatch, cfg: AlphaTimConfig) -> SolverOutput:
         # through the softmax: dL/dl_j = p_j (u_j - sum_k p_k u_k)
         torch.mul(pq, u - (pq * u).sum(1, keepdim=True), out=G[..., Ns:])
 
+    def ragged_grad_logits(P: Tensor, L: Tensor, G: Tensor) -> None:
+        # the same over each episode's real rows: means over its own support rows and queries
+        torch.sub(P[..., :Ns], y_t, out=G[..., :Ns]).mul_(sm * (w_ce / ns))
+        pq = P[..., Ns:]
+        marg = (pq * qm).sum(2, keepdim=True) / nq
+        u = (pow_anywhere(marg, a - 1.0).mul_(w_marg) - pow_anywhere(pq + 1e-12, a - 1.0).mul_(w_cond)).mul_(
+            a / ((a - 1.0) * nq)
+        )
+        torch.mul(pq, u - (pq * u).sum(1, keepdim=True), out=G[..., Ns:]).mul_(qm)
+
     w, _ = fit_logit_loss(
         torch.cat([z_s, z_q], 1),
         class_means(z_s, batch.support_labels, batch.way),
-        grad_logits,
+        grad_logits if padding is None else ragged_grad_logits,
         scale0=cfg.temperature,
         steps=cfg.steps,
         lr=cfg.lr,
         learn_scale=False,
-        # the Triton step's description of the loss (the CPU kernel does not know it)
+        # the loss for the fused CPU kernel and the Triton step
         native=NativeLoss("alpha", Ns, y_t, (w_ce, w_marg, w_cond), alpha=a),
+        padding=padding,
     )
-    log_probs = torch.log_softmax(softmax_logits(z_q, w, cfg.temperature), -1)
-    return SolverOutput(log_probs, {"prototypes": w})
+    return w

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from poodle.options import option
-from poodle.solvers._optim import RowTerms, fit_weighted_distance, weighted_distance_flops
+from poodle.solvers._optim import Padding, RowTerms, fit_weighted_distance, weighted_distance_flops
 from poodle.solvers._transductive import softmax_logits
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_classes, one_hot, register
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,23 @@ class CEConfig:
     label_smoothing: float = option(0.0, min=0, max=1, max_open=True)  # Table 6 row 4 uses 0.1
 
 
-def support_targets(labels: torch.Tensor, way: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """``[E, way, Ns]`` target distributions of the support rows (label-smoothed when ``eps > 0``)."""
+def support_targets(
+    labels: torch.Tensor, way: int, eps: float, dtype: torch.dtype, ways: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[E, way, Ns]`` target distributions of the support rows (label-smoothed when ``eps > 0``,
+    over each episode's own ``ways [E]`` classes where given: a padded class gets no mass; a padded
+    row's column is not a distribution, and its loss weight is zero)."""
     y = one_hot(labels, way, dtype).transpose(1, 2)
     if eps > 0:
-        y = y * (1 - eps) + (1 - y) * (eps / max(way - 1, 1))
+        if ways is None:
+            y = y * (1 - eps) + (1 - y) * (eps / max(way - 1, 1))
+        else:
+            real = (torch.arange(way, device=labels.device) < ways.unsqueeze(1)).to(dtype).unsqueeze(-1)
+            # eps / (ways - 1) as a division (a scalar over a tensor is eps * (1 / t) in torch: not
+            # the bits of the fixed path's eps / (way - 1))
+            other = torch.full((len(ways), 1, 1), eps, dtype=dtype, device=labels.device)
+            other /= (ways - 1).clamp_min(1).to(dtype).view(-1, 1, 1)
+            y = y * (1 - eps) + (real - y) * other
     return y
 
 
@@ -57,10 +69,15 @@ def ce(batch: EpisodeBatch, cfg: CEConfig) -> SolverOutput:
     E, Ns, _ = x.shape
     w0 = class_means(x, batch.support_labels, way)
     wt = torch.full((1, 1, Ns), 1.0 / Ns, dtype=x.dtype, device=x.device)
+    if batch.support_mask is not None:  # a mean over each episode's real support rows
+        sm = batch.support_mask.to(x.dtype).unsqueeze(1)
+        wt = sm / sm.sum(2, keepdim=True)
     terms = RowTerms(
-        targets=support_targets(batch.support_labels, way, cfg.label_smoothing, x.dtype) * wt,
+        targets=support_targets(batch.support_labels, way, cfg.label_smoothing, x.dtype, batch.ways) * wt,
         ce=wt,
         coef=torch.zeros_like(wt),
     )
-    w, scale = fit_weighted_distance(x, terms, w0, scale0=cfg.scale, steps=cfg.steps, lr=cfg.lr)
-    return SolverOutput(torch.log_softmax(softmax_logits(batch.query, w, scale), -1), {"prototypes": w, "scale": scale})
+    padding = Padding.of(batch.class_mask, (batch.support_mask, Ns))
+    w, scale = fit_weighted_distance(x, terms, w0, scale0=cfg.scale, steps=cfg.steps, lr=cfg.lr, padding=padding)
+    log_probs = torch.log_softmax(mask_classes(softmax_logits(batch.query, w, scale), batch), -1)
+    return SolverOutput(log_probs, {"prototypes": w, "scale": scale})

@@ -27,9 +27,10 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._optim import NativeLoss, fit_logit_loss
+from poodle.solvers._optim import NativeLoss, Padding, fit_logit_loss, logit_loss_flops
 from poodle.solvers._transductive import dist_flops, softmax_logits
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_classes, one_hot, register
+from poodle.solvers.tim_gd import ragged_rows
 
 
 @dataclass
@@ -41,7 +42,8 @@ class EntropyMinConfig:
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: EntropyMinConfig) -> float:
-    return 3.0 * cfg.steps * dist_flops(Ns + Nq, way, D)
+    # what the fit computes (two products a step, no autograd graph), then the queries' logits
+    return logit_loss_flops(Ns + Nq, D, way, cfg.steps) + dist_flops(Nq, way, D)
 
 
 @register(
@@ -71,6 +73,24 @@ def entropy_min(batch: EpisodeBatch, cfg: EntropyMinConfig) -> SolverOutput:
         # dH/dl_j = -p_j (log p_j - sum_k p_k log p_k)
         torch.mul(pq, logp - (pq * logp).sum(1, keepdim=True), out=G[..., Ns:]).mul_(-c)
 
+    padding = Padding.of(batch.class_mask, (batch.support_mask, Ns), (batch.query_mask, Nq))
+    if padding is not None:
+        sm, qm, ns, nq = ragged_rows(batch, z_s.dtype)
+        cm = batch.class_mask
+        pad = None if cm is None else ~cm.unsqueeze(-1)  # [E, K, 1]
+
+        def ragged_grad_logits(P: Tensor, L: Tensor, G: Tensor) -> None:
+            # the same means over each episode's own support rows and queries; log p over its classes
+            torch.sub(P[..., :Ns], y_t, out=G[..., :Ns]).mul_(sm / ns)
+            pq, lq = P[..., Ns:], L[..., Ns:]
+            logp = torch.log_softmax(lq if pad is None else lq.masked_fill(pad, float("-inf")), 1)
+            if pad is not None:
+                logp = logp.masked_fill(pad, 0.0)
+            g = torch.mul(pq, logp - (pq * logp).sum(1, keepdim=True), out=G[..., Ns:])
+            g.mul_(qm * (-cfg.entropy_weight / nq))
+
+        grad_logits = ragged_grad_logits
+
     w, _ = fit_logit_loss(
         torch.cat([z_s, z_q], 1),
         w0,
@@ -80,6 +100,7 @@ def entropy_min(batch: EpisodeBatch, cfg: EntropyMinConfig) -> SolverOutput:
         lr=cfg.lr,
         learn_scale=False,
         native=NativeLoss("entropy", Ns, y_t, (1.0, cfg.entropy_weight, 0.0)),
+        padding=padding,
     )
-    log_probs = torch.log_softmax(softmax_logits(z_q, w, cfg.scale), -1)
+    log_probs = torch.log_softmax(mask_classes(softmax_logits(z_q, w, cfg.scale), batch), -1)
     return SolverOutput(log_probs, {"prototypes": w})

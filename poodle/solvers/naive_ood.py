@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from poodle.options import option
-from poodle.solvers._optim import RowTerms, fit_weighted_distance, weighted_distance_flops
+from poodle.solvers._optim import Padding, RowTerms, fit_weighted_distance, weighted_distance_flops
 from poodle.solvers._transductive import softmax_logits
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_classes, register
 from poodle.solvers.ce import support_targets
 
 
@@ -56,6 +56,8 @@ def naive_ood(batch: EpisodeBatch, cfg: NaiveOODConfig) -> SolverOutput:
     the OOD prototype ``[E, 1, D]`` and the scale."""
     s, neg, way = batch.support, batch.negatives, batch.way
     assert neg is not None  # solvers.run checks the negatives rule (SolverInfo.check_negatives)
+    if batch.ragged:
+        return _ragged(batch, cfg)
     E, Ns, _ = s.shape
     M = neg.shape[1]
     x = torch.cat([s, neg], 1)
@@ -76,4 +78,41 @@ def naive_ood(batch: EpisodeBatch, cfg: NaiveOODConfig) -> SolverOutput:
     return SolverOutput(
         torch.log_softmax(softmax_logits(batch.query, real, scale), -1),
         {"prototypes": real, "ood_prototype": w[:, way:], "scale": scale},
+    )
+
+
+def _ragged(batch: EpisodeBatch, cfg: NaiveOODConfig) -> SolverOutput:
+    """A ragged chunk: each episode's OOD class right after its own classes (class ``ways[e]``, as
+    alone), then the padding; the support CE a mean over its real support rows."""
+    s, neg, way = batch.support, batch.negatives, batch.way
+    assert neg is not None
+    E, Ns, D = s.shape
+    M = neg.shape[1]
+    kw: dict[str, Any] = dict(dtype=s.dtype, device=s.device)
+    ways = batch.ways if batch.ways is not None else torch.full((E,), way, device=s.device)
+    ood = ways.view(E, 1, 1)
+    x = torch.cat([s, neg], 1)
+    sm = torch.ones(E, Ns, **kw) if batch.support_mask is None else batch.support_mask.to(s.dtype)
+    ce = torch.cat([sm / sm.sum(1, keepdim=True), torch.full((E, M), cfg.ood_weight / M, **kw)], 1).unsqueeze(1)
+    targets = torch.zeros(E, way + 1, Ns + M, **kw)
+    targets[:, :way, :Ns] = support_targets(batch.support_labels, way, 0.0, s.dtype)
+    targets[:, :, Ns:] = (torch.arange(way + 1, device=s.device).view(1, -1, 1) == ood).to(s.dtype)
+    targets *= ce
+    w0 = torch.cat([class_means(s, batch.support_labels, way), torch.zeros(E, 1, D, **kw)], 1)
+    w0.scatter_(1, ood.expand(E, 1, D), neg.mean(1, keepdim=True))
+    classes = torch.arange(way + 1, device=s.device) <= ways.unsqueeze(1)
+    padding = Padding.of(classes, (batch.support_mask, Ns), (None, M))
+    w, scale = fit_weighted_distance(
+        x,
+        RowTerms(targets, ce, torch.zeros_like(ce)),
+        w0,
+        scale0=cfg.scale,
+        steps=cfg.steps,
+        lr=cfg.lr,
+        padding=padding,
+    )
+    real = w[:, :way] * (torch.arange(way, device=s.device) < ways.unsqueeze(1)).unsqueeze(-1).to(s.dtype)
+    return SolverOutput(
+        torch.log_softmax(mask_classes(softmax_logits(batch.query, real, scale), batch), -1),
+        {"prototypes": real, "ood_prototype": w.gather(1, ood.expand(E, 1, D)), "scale": scale},
     )

@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 import torch
 
 from poodle.options import option
-from poodle.solvers._optim import RowTerms, fit_weighted_distance, weighted_distance_flops
+from poodle.solvers._optim import Padding, RowTerms, fit_weighted_distance, weighted_distance_flops
 from poodle.solvers._transductive import softmax_logits
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, register
+from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_classes, register
 from poodle.solvers.ce import support_targets
 
 
@@ -46,7 +46,11 @@ class PoodleConfig:
 
 
 def build_rows(batch: EpisodeBatch, cfg: PoodleConfig) -> tuple[torch.Tensor, RowTerms, int]:
-    """``X [E, n, D]`` = support, [queries], negatives, and the per-row coefficients of the loss."""
+    """``X [E, n, D]`` = support, [queries], negatives, and the per-row coefficients of the loss.
+
+    In a ragged chunk the means are each episode's own (the paper's loss of one episode): the CE
+    over its real support rows, the pull over its real positives, the push over its negatives; a
+    padded row gets zero coefficients."""
     s, q, neg = batch.support, batch.query, batch.negatives
     E, Ns, _ = s.shape
     parts = [s] + ([q] if cfg.transductive else []) + ([neg] if neg is not None and cfg.beta != 0 else [])
@@ -55,14 +59,27 @@ def build_rows(batch: EpisodeBatch, cfg: PoodleConfig) -> tuple[torch.Tensor, Ro
     n_pos = Ns + (q.shape[1] if cfg.transductive else 0)
     M = n - n_pos
     kw: dict[str, Any] = dict(dtype=s.dtype, device=s.device)
-    ce = torch.zeros(1, 1, n, **kw)
-    ce[..., :Ns] = 1.0 / Ns
-    coef = torch.zeros(1, 1, n, **kw)
-    coef[..., :n_pos] = -cfg.alpha / n_pos
+    if batch.support_mask is None and (batch.query_mask is None or not cfg.transductive):
+        ce = torch.zeros(1, 1, n, **kw)
+        ce[..., :Ns] = 1.0 / Ns
+        coef = torch.zeros(1, 1, n, **kw)
+        coef[..., :n_pos] = -cfg.alpha / n_pos
+        n_support: torch.Tensor | float = Ns
+    else:
+        sm = torch.ones(E, Ns, **kw) if batch.support_mask is None else batch.support_mask.to(s.dtype)
+        qm = torch.ones(E, q.shape[1], **kw) if batch.query_mask is None else batch.query_mask.to(s.dtype)
+        pos = torch.cat([sm, qm], 1) if cfg.transductive else sm
+        n_support = sm.sum(1).view(E, 1, 1)
+        ce = torch.zeros(E, 1, n, **kw)
+        ce[:, 0, :Ns] = sm
+        ce /= n_support
+        coef = torch.zeros(E, 1, n, **kw)
+        coef[:, 0, :n_pos] = pos * (-cfg.alpha)
+        coef[..., :n_pos] /= pos.sum(1).view(E, 1, 1)
     if M:
         coef[..., n_pos:] = cfg.beta / M
     targets = torch.zeros(E, batch.way, n, **kw)
-    targets[..., :Ns] = support_targets(batch.support_labels, batch.way, 0.0, s.dtype) / Ns
+    targets[..., :Ns] = support_targets(batch.support_labels, batch.way, 0.0, s.dtype) / n_support
     free = None
     if not (cfg.stopgrad_pull and cfg.stopgrad_push):
         free = torch.zeros_like(coef)
@@ -90,7 +107,11 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PoodleConfig) -> flo
 )
 def poodle(batch: EpisodeBatch, cfg: PoodleConfig) -> SolverOutput:
     """Query log-probs ``[E, Nq, way]``; state: prototypes ``[E, way, D]``, scale ``[E, 1, 1]``."""
-    x, terms, _ = build_rows(batch, cfg)
+    x, terms, n_pos = build_rows(batch, cfg)
     w0 = class_means(batch.support, batch.support_labels, batch.way)
-    w, scale = fit_weighted_distance(x, terms, w0, scale0=cfg.scale, steps=cfg.steps, lr=cfg.lr)
-    return SolverOutput(torch.log_softmax(softmax_logits(batch.query, w, scale), -1), {"prototypes": w, "scale": scale})
+    Ns = batch.support.shape[1]
+    query = (batch.query_mask, n_pos - Ns) if cfg.transductive else (None, 0)
+    padding = Padding.of(batch.class_mask, (batch.support_mask, Ns), query, (None, x.shape[1] - n_pos))
+    w, scale = fit_weighted_distance(x, terms, w0, scale0=cfg.scale, steps=cfg.steps, lr=cfg.lr, padding=padding)
+    log_probs = torch.log_softmax(mask_classes(softmax_logits(batch.query, w, scale), batch), -1)
+    return SolverOutput(log_probs, {"prototypes": w, "scale": scale})

@@ -26,15 +26,23 @@ Differences from both authors' code: the marginal entropy takes its log of ``max
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers._optim import NativeLoss, fit_logit_loss
+from poodle.solvers._optim import NativeLoss, Padding, fit_logit_loss, logit_loss_flops
 from poodle.solvers._transductive import TINY, dist_flops, softmax_logits
-from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, one_hot, register, validate_config
+from poodle.solvers.base import (
+    EpisodeBatch,
+    SolverOutput,
+    class_means,
+    mask_classes,
+    one_hot,
+    register,
+    validate_config,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # mboudiaf/TIM: src/tim.py config (temp 15, loss_weights [0.1, 1.0, 0.1]) and
@@ -101,8 +109,8 @@ def tim_loss(logits_s: Tensor, y_s: Tensor, logits_q: Tensor, w_ce: float, w_mar
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: TimGDConfig) -> float:
-    # forward + backward (about 3x the forward) of two distance matrices per step
-    return 3.0 * int(cfg.steps or 0) * dist_flops(Ns + Nq, way, D)
+    # what the fit computes (two products a step, no autograd graph), then the queries' logits
+    return logit_loss_flops(Ns + Nq, D, way, int(cfg.steps or 0)) + dist_flops(Nq, way, D)
 
 
 @register(
@@ -123,6 +131,7 @@ def tim_gd(batch: EpisodeBatch, cfg: TimGDConfig) -> SolverOutput:
     w0 = class_means(z_s, batch.support_labels, batch.way)
     y_t = one_hot(batch.support_labels, batch.way, z_s.dtype).transpose(1, 2)  # [E, K, Ns]
     w_ce, w_marg, w_cond = s["ce_weight"], s["marginal_weight"], s["conditional_weight"]
+    padding = Padding.of(batch.class_mask, (batch.support_mask, Ns), (batch.query_mask, Nq))
 
     def grad_logits(P: Tensor, L: Tensor, G: Tensor) -> None:
         # dL/dlogits of tim_loss, row by row (rows along the last axis: support, then queries)
@@ -140,12 +149,45 @@ def tim_gd(batch: EpisodeBatch, cfg: TimGDConfig) -> SolverOutput:
     w, scale = fit_logit_loss(
         torch.cat([z_s, z_q], 1),
         w0,
-        grad_logits,
+        grad_logits if padding is None else ragged_tim_grad(batch, y_t, w_ce, w_marg, w_cond),
         scale0=s["temperature"],
         steps=s["steps"],
         lr=s["lr"],
         learn_scale=s["learn_temperature"],
         native=NativeLoss("tim", Ns, y_t, (w_ce, w_marg, w_cond)),
+        padding=padding,
     )
-    log_probs = torch.log_softmax(softmax_logits(z_q, w, scale), -1)
+    log_probs = torch.log_softmax(mask_classes(softmax_logits(z_q, w, scale), batch), -1)
     return SolverOutput(log_probs, {"prototypes": w, "scale": scale})
+
+
+def ragged_rows(batch: EpisodeBatch, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A ragged chunk's row weights for the logit losses: ``[E, 1, Ns]`` and ``[E, 1, Nq]`` (1 on a
+    real row, 0 on padding) and each episode's real support and query counts ``[E, 1, 1]``."""
+    E, Ns, Nq = batch.n_episodes, batch.support.shape[1], batch.query.shape[1]
+    dev = batch.support.device
+    sm = torch.ones(E, 1, Ns, dtype=dtype, device=dev) if batch.support_mask is None else batch.support_mask
+    qm = torch.ones(E, 1, Nq, dtype=dtype, device=dev) if batch.query_mask is None else batch.query_mask
+    sm, qm = sm.to(dtype).view(E, 1, Ns), qm.to(dtype).view(E, 1, Nq)
+    return sm, qm, sm.sum(2, keepdim=True), qm.sum(2, keepdim=True)
+
+
+def ragged_tim_grad(
+    batch: EpisodeBatch, y_t: Tensor, w_ce: float, w_marg: float, w_cond: float
+) -> Callable[[Tensor, Tensor, Tensor], None]:
+    """TIM's ``grad_logits`` on a ragged chunk: the support CE a mean over each episode's real
+    support rows, the marginal and the conditional entropy over its real queries (a padded row
+    takes no weight; a padded class has ``P = 0``, so no probability and no marginal mass)."""
+    Ns = batch.support.shape[1]
+    sm, qm, ns, nq = ragged_rows(batch, y_t.dtype)
+
+    def grad_logits(P: Tensor, L: Tensor, G: Tensor) -> None:
+        torch.sub(P[..., :Ns], y_t, out=G[..., :Ns]).mul_(sm * (w_ce / ns))
+        pq = P[..., Ns:]
+        marg = (pq * qm).sum(2, keepdim=True) / nq  # [E, K, 1]: over the real queries
+        u = (torch.log(marg.clamp_min(TINY)) + (marg >= TINY).to(P.dtype)).mul_(w_marg)
+        a = torch.log(pq + 1e-12).add_(pq / (pq + 1e-12))
+        u = (u - w_cond * a).div_(nq)
+        torch.mul(pq, u - (pq * u).sum(1, keepdim=True), out=G[..., Ns:]).mul_(qm)
+
+    return grad_logits
