@@ -40,6 +40,20 @@ METHODS = [
     ("ms", "mean-shift", {}),
     ("paddle", "paddle", {"steps": 20, "lmd": 5.0}),
     ("lshot", "laplacianshot", {}),
+    ("poodle", "poodle", {"steps": 30, "beta": 0.0, "transductive": True}),
+    ("ce", "ce", {"steps": 30}),
+    ("timgd", "tim-gd", {"steps": 30}),
+    ("atim", "alpha-tim", {"steps": 30}),
+    ("entmin", "entropy-min", {"steps": 15}),
+    ("timadm", "tim-adm", {"steps": 20}),
+    ("ptmap", "pt-map", {"steps": 8}),
+    ("bms", "bms", {}),
+    ("protolp", "proto-lp", {"steps": 10}),
+]
+# the methods that read negatives, on random ones (each episode's own, whatever its chunk)
+WITH_NEGATIVES = [
+    ("poodle-neg", "poodle", {"steps": 30}),
+    ("nood", "naive-ood", {"steps": 30}),
 ]
 
 
@@ -130,6 +144,25 @@ def test_a_ragged_set_gets_the_same_accuracies_in_any_chunking():
             bad = torch.nonzero(got != want).flatten().tolist()
             assert not bad, f"{label} ({how}): episodes {bad} differ from solved alone: {got[bad]} != {want[bad]}"
         assert 0.2 < float(want.mean()) < 1.0, f"{label}: {float(want.mean()):.2f} mean accuracy"
+
+
+def test_every_registered_method_solves_ragged_sets():
+    covered = {m for _, m, _ in METHODS + WITH_NEGATIVES}
+    assert covered == set(solvers.available()), sorted(set(solvers.available()) - covered)
+
+
+def test_methods_with_negatives_get_the_same_accuracies_in_any_chunking():
+    features = _features(1)
+    eps = ragged_set(features.labels, 7, seed=1)
+    neg = NegativeSpec("random", 16)
+    runs = {
+        size: evaluate(features, eps, WITH_NEGATIVES, negatives=neg, device="cpu", chunk_size=size, workers=1)
+        for size in (1, 2, 3, 7)
+    }
+    for label, _, _ in WITH_NEGATIVES:
+        for size, res in runs.items():
+            assert torch.equal(res[label], runs[1][label]), f"{label}: chunks of {size} differ from one at a time"
+        assert 0.2 < float(runs[1][label].mean()) < 1.0
 
 
 def test_planning_counts_each_chunks_padded_shape():
