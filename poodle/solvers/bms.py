@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers import _sinkhorn_native
+from poodle.solvers import _sinkhorn_native, _triton_sinkhorn
 from poodle.solvers._span import RowSpan, span_flops, use_gram
 from poodle.solvers._transductive import TINY, dist_flops, grad_ready, syncs_freely
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
@@ -86,6 +86,9 @@ def min_size_sinkhorn(
     The authors guard the rescaling against an empty class by summing ``p + 1e-20``; when every
     entry is above ``4e-20 / eps`` that sum is the plain sum, bit for bit (adding 1e-20 rounds back
     to each entry), so on the CPU, where looking costs nothing, the guard's pass is skipped then."""
+    if _triton_sinkhorn.usable(p):
+        p = p if p.is_contiguous() else p.contiguous()
+        return _triton_sinkhorn.run("min-size", p, min_size, n_iter, ways=ways, cols=cols)
     if _sinkhorn_native.usable(p):
         p = p if p.is_contiguous() else p.contiguous()
         return _sinkhorn_native.run("min-size", p, min_size, n_iter, ways=ways, cols=cols)

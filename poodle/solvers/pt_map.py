@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers import _sinkhorn_native
+from poodle.solvers import _sinkhorn_native, _triton_sinkhorn
 from poodle.solvers._span import RowSpan, span_flops, use_gram
 from poodle.solvers._transductive import (
     CHECK_EVERY_SWEEPS,
@@ -185,6 +185,12 @@ def balance(
     finished; elsewhere it masks them and looks every ``CHECK_EVERY_SWEEPS`` sweeps. A zero entry
     stays zero in both."""
     mass: float | Tensor = col_mass if shape is None else shape.mass
+    if _triton_sinkhorn.usable(p):
+        p = p if p.is_contiguous() else p.contiguous()
+        ways, cols = (None, None) if shape is None else (shape.ways, shape.cols)
+        return _triton_sinkhorn.run(
+            "balanced", p, mass, max_iter, tol=tol, reset=reset, normalise=normalise, ways=ways, cols=cols
+        )
     if _sinkhorn_native.usable(p):
         p = p if p.is_contiguous() else p.contiguous()
         ways, cols = (None, None) if shape is None else (shape.ways, shape.cols)
