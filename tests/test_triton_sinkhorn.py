@@ -84,3 +84,32 @@ def test_cuda_loop_is_checked_and_leaves_cpu_plans_alone():
         out = solvers.run("pt-map", batch, cfg)
     assert torch.equal(out.log_probs, ref.log_probs)
     assert _optim.formulation("pt-map", "cpu") != "triton sinkhorn"
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "mode,dtype,ragged,blocks",
+    [
+        (0, "fp32", True, (8, 128)),
+        (0, "fp64", False, (8, 128)),
+        (1, "fp32", True, (64, 1024)),
+        (1, "fp64", False, (8, 128)),
+    ],
+)
+def test_compiles_for_hopper_without_a_gpu(mode, dtype, ragged, blocks, monkeypatch, tmp_path):
+    """The loop goes through Triton's whole CUDA pipeline (TTIR, TTGIR, LLVM, PTX, ptxas) for sm_90:
+    what the interpreter cannot check (the while loop's carried types, constexpr branches, scalar
+    loads) holds for a real GPU, at PT-MAP's standard block and at the largest one."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    sig = {"P": f"*{dtype}", "R": f"*{dtype}", "WAYS": "*i64", "COLS": "*i64", "TARGET": "*fp64", "ITERS": "*i32"}
+    sig |= {k: "i64" for k in ("p_es", "r_es", "r_ks", "t_es")} | {k: "i32" for k in ("K", "N", "n_reset", "max_iter")}
+    const = dict(MODE=mode, NORMALISE=mode == 0, HAS_RESET=mode == 0 and ragged, HAS_WAYS=ragged, HAS_COLS=ragged)
+    const |= dict(HAS_ITERS=False, TARGET_PER_EPISODE=ragged, TARGET_VALUE=15.0, TOL=1e-6, BK=blocks[0], BN=blocks[1])
+    sig |= {k: "constexpr" for k in const}
+    src = ASTSource(fn=_triton_sinkhorn._sinkhorn, signature=sig, constexprs=const)
+    warps = _triton_sinkhorn.warps(*blocks)
+    kernel = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert b"_sinkhorn" in kernel.asm["cubin"] and ".target sm_90" in kernel.asm["ptx"]

@@ -100,6 +100,14 @@ def blocks(K: int, N: int) -> tuple[int, int]:
     return triton.next_power_of_2(max(K, 1)), triton.next_power_of_2(max(N, 1))
 
 
+def warps(BK: int, BN: int) -> int:
+    """Warps of a program holding a ``[BK, BN]`` block: 16 entries of the plan a thread up to 8,192
+    entries, then 16 warps with more entries a thread. ptxas for sm_90 (float32, with a reset):
+    PT-MAP's 8 x 128 in 80 registers, no spill; at most 24 bytes spilled up to 8,192 entries,
+    452 at 16,384 and 6 KB at 65,536 (local memory, which L1 caches)."""
+    return 4 if BK * BN <= 2048 else 8 if BK * BN <= 4096 else 16
+
+
 def usable(p: Tensor) -> bool:
     """Whether the Triton loop runs on plan ``p [E, K, N]`` (see the module's docstring). Records
     the method's formulation on ``p``'s device kind when ``p`` is on a device the loop serves."""
@@ -125,6 +133,17 @@ def usable(p: Tensor) -> bool:
 
 
 if triton is not None:
+    _TINY = tl.constexpr(TINY_MASS)
+    _GUARD = tl.constexpr(GUARD)
+
+    @triton.jit
+    def _div(a, b):
+        """``a / b`` correctly rounded, as C divides: Triton's float32 ``/`` is the approximate
+        ``div.full`` (within 2 units in the last place), its float64 one IEEE."""
+        if b.dtype == tl.float32:
+            return tl.math.div_rn(a, b)
+        else:
+            return a / b
 
     @triton.jit
     def _sinkhorn(
@@ -173,7 +192,7 @@ if triton is not None:
             mass = tl.load(TARGET + e * t_es).to(dt)
         else:
             mass = tl.full((), TARGET_VALUE, dt)
-        tiny = tl.full((), TINY_MASS, dt)
+        tiny = tl.full((), _TINY, dt)
         kmask = ks < k
         jmask = js < n
         inside = kmask[:, None] & jmask[None, :]
@@ -182,7 +201,7 @@ if triton is not None:
         it = 0
         if MODE == 0:
             if NORMALISE:
-                p = p / tl.maximum(tl.sum(tl.sum(p, axis=1), axis=0), tiny)
+                p = _div(p, tl.maximum(tl.sum(tl.sum(p, axis=1), axis=0), tiny))
             tol = tl.full((), TOL, dt)
             rows = tl.sum(p, axis=0)  # [BN] each sample's mass
             # u = 0 before the first sweep: the C loop's first look
@@ -192,8 +211,8 @@ if triton is not None:
                 rptrs = R + e * r_es + ks[:, None] * r_ks + js[None, :]
             while go:
                 u = rows
-                p = p * (1.0 / tl.maximum(rows, tiny))[None, :]
-                cm = (1.0 / tl.maximum(tl.sum(p, axis=1), tiny)) * mass
+                p = p * _div(1.0, tl.maximum(rows, tiny))[None, :]
+                cm = _div(1.0, tl.maximum(tl.sum(p, axis=1), tiny)) * mass
                 p = p * tl.where(kmask, cm, 1.0)[:, None]
                 if HAS_RESET:
                     # reloaded each sweep (from L1/L2) rather than held: registers go to the plan
@@ -203,14 +222,14 @@ if triton is not None:
                 d = u - rows
                 go = (tl.max(((d > tol) | (-d > tol)).to(tl.int32), axis=0) > 0) & (it < max_iter)
         else:
-            guard = tl.full((), GUARD, dt)
+            guard = tl.full((), _GUARD, dt)
             rows = tl.sum(p, axis=0)
             while it < max_iter:
-                p = p * (1.0 / tl.maximum(rows, tiny))[None, :]
+                p = p * _div(1.0, tl.maximum(rows, tiny))[None, :]
                 s = tl.sum(p, axis=1)
                 # the authors' guarded mass, over the episode's own samples only
                 guarded = tl.sum(tl.where(jmask[None, :], p + guard, 0.0), axis=1)
-                cm = tl.where(kmask & (s < mass), 1.0 / (guarded / mass), 1.0)
+                cm = tl.where(kmask & (s < mass), _div(1.0, _div(guarded, mass)), 1.0)
                 p = p * cm[:, None]
                 rows = tl.sum(p, axis=0)
                 it += 1
@@ -271,7 +290,7 @@ def run(
         return p
     w = None if ways is None else ways.to(dev)
     c = None if cols is None else cols.to(dev)
-    n_warps = 4 if BK * BN <= 4096 else 8 if BK * BN <= 16384 else 16
+    n_warps = warps(BK, BN)
     _sinkhorn[(E,)](
         p, p if r is None else r, p if w is None else w, p if c is None else c, p if t is None else t,
         p if iters is None else iters,
@@ -284,4 +303,4 @@ def run(
     return p
 
 
-__all__ = ["LOOPS", "MAX_BLOCK", "MODES", "available", "blocks", "check_loop", "cuda_loop", "run", "usable"]
+__all__ = ["LOOPS", "MAX_BLOCK", "MODES", "available", "blocks", "check_loop", "cuda_loop", "run", "usable", "warps"]
