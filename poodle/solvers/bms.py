@@ -32,7 +32,9 @@ gives NaN); episodes need not be balanced nor laid out class by class (theirs re
 episodes (docs/transductive.md).
 
 On the CPU each episode's min-size sweeps run in one C loop (:mod:`poodle.solvers._sinkhorn_native`)
-with the same arithmetic; elsewhere, or without a C compiler, the torch formulation below. In a ragged
+with the same arithmetic, on CUDA in one Triton program per episode
+(:mod:`poodle.solvers._triton_sinkhorn`); elsewhere, or without a C compiler or Triton, the torch
+formulation below. In a ragged
 chunk each episode's mean, softmax, class sizes (``min_size`` starts at its own ``n_s // ways``) and
 sweeps run over its real rows and classes: a padded row is zero after the transform, a padded class
 gets no probability.
@@ -80,7 +82,8 @@ def min_size_sinkhorn(
     ``cols [E]`` (a ragged chunk; ``p`` zero outside each episode's first ``ways`` classes and
     ``cols`` samples), each episode over its own sizes.
 
-    On the CPU the fused C loop (:mod:`poodle.solvers._sinkhorn_native`) runs each episode's sweeps.
+    On the CPU the fused C loop (:mod:`poodle.solvers._sinkhorn_native`) runs each episode's sweeps,
+    on CUDA the Triton loop (:mod:`poodle.solvers._triton_sinkhorn`).
     The torch formulation keeps classes on the middle axis so that both reductions run along vectors
     (see :func:`poodle.solvers.pt_map.balance`); a class above ``min_size`` is divided by exactly 1.
     The authors guard the rescaling against an empty class by summing ``p + 1e-20``; when every
