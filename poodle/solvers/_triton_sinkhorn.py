@@ -291,15 +291,18 @@ def run(
     w = None if ways is None else ways.to(dev)
     c = None if cols is None else cols.to(dev)
     n_warps = warps(BK, BN)
-    _sinkhorn[(E,)](
-        p, p if r is None else r, p if w is None else w, p if c is None else c, p if t is None else t,
-        p if iters is None else iters,
-        p.stride(0), 0 if r is None else r.stride(0), 0 if r is None else r.stride(1),
-        0 if t is None else t.stride(0), K, N, 0 if r is None else r.shape[2], max_iter,
-        MODE=MODES[mode], NORMALISE=bool(normalise), HAS_RESET=r is not None, HAS_WAYS=w is not None,
-        HAS_COLS=c is not None, HAS_ITERS=iters is not None, TARGET_PER_EPISODE=t is not None,
-        TARGET_VALUE=0.0 if t is not None else float(target), TOL=float(tol), BK=BK, BN=BN, num_warps=n_warps,
-    )  # fmt: skip
+    dummy = p  # for the pointers a variant does not read
+    # Triton launches on the current device: make it the plan's (a worker may hold another GPU's)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        _sinkhorn[(E,)](
+            p, dummy if r is None else r, dummy if w is None else w, dummy if c is None else c,
+            dummy if t is None else t, dummy if iters is None else iters,
+            p.stride(0), 0 if r is None else r.stride(0), 0 if r is None else r.stride(1),
+            0 if t is None else t.stride(0), K, N, 0 if r is None else r.shape[2], max_iter,
+            MODE=MODES[mode], NORMALISE=bool(normalise), HAS_RESET=r is not None, HAS_WAYS=w is not None,
+            HAS_COLS=c is not None, HAS_ITERS=iters is not None, TARGET_PER_EPISODE=t is not None,
+            TARGET_VALUE=0.0 if t is not None else float(target), TOL=float(tol), BK=BK, BN=BN, num_warps=n_warps,
+        )  # fmt: skip
     return p
 
 
