@@ -59,13 +59,18 @@ def test_methods_on_the_triton_loop_predict_what_torch_predicts(results, name):
     assert r["padded_class_zero"]
 
 
-def test_cuda_loop_is_checked_and_leaves_cpu_plans_alone():
+def test_cuda_loop_is_checked_and_leaves_cpu_plans_alone(monkeypatch):
     with pytest.raises(ConfigError, match="must be one of torch, triton") as e:
         with _triton_sinkhorn.cuda_loop("cutlass"):
             pass
     assert (e.value.param, e.value.value) == ("cuda_sinkhorn", "cutlass")
     p = torch.rand(2, 5, 15, dtype=torch.float64)
     assert not _triton_sinkhorn.usable(p)  # CPU plans: the C loop or torch, as before
+    with monkeypatch.context() as m:  # a misspelt POODLE_CUDA_SINKHORN is refused, not ignored
+        m.setitem(_triton_sinkhorn._loop, "name", "trition")
+        m.setitem(_triton_sinkhorn._loop, "devices", ("cpu",))
+        with pytest.raises(ConfigError, match="POODLE_CUDA_SINKHORN must be one of torch, triton, not 'trition'"):
+            _triton_sinkhorn.usable(p)
     with _triton_sinkhorn.cuda_loop("triton", devices=("cpu",)):
         with device_schedule():  # what the cost model traces: the torch formulation
             assert not _triton_sinkhorn.usable(p)

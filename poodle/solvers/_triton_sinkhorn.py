@@ -115,6 +115,13 @@ def usable(p: Tensor) -> bool:
 
     if p.device.type not in _loop["devices"]:
         return False
+    if _loop["name"] not in LOOPS:  # only POODLE_CUDA_SINKHORN can set another name
+        raise ConfigError(
+            f"POODLE_CUDA_SINKHORN must be one of {', '.join(LOOPS)}, not {_loop['name']!r}",
+            param="POODLE_CUDA_SINKHORN",
+            value=_loop["name"],
+            reason=f"must be one of {', '.join(LOOPS)}",
+        )
     ok = False
     if _loop["name"] != "triton":
         what = "torch"
