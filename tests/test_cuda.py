@@ -4,10 +4,11 @@ and on the CPU, and every episode's accuracy is identical; the solvers' probabil
 rounding; the Triton step, compiled for CUDA, agrees with the torch formulation per episode.
 
 The device is ``POODLE_TEST_DEVICE`` (default ``cuda``). The CPU reference runs the CPU's own path
-(the fused C kernel where it applies); the device runs the torch formulation, which is what CUDA
-runs, so ``POODLE_TEST_DEVICE=cpu`` (benchmarks/gpu.py --device cpu, in CI) compares the fused kernel
-with the torch formulation on the CPU. Marked ``cuda``: deselected where neither CUDA nor
-``POODLE_TEST_DEVICE`` is present (tests/conftest.py)."""
+(the fused C kernel where it applies); the device runs what CUDA runs, the torch formulation (and on
+CUDA the Triton Sinkhorn loop of PT-MAP, PEMnE-BMS and protoLP), so ``POODLE_TEST_DEVICE=cpu``
+(benchmarks/gpu.py --device cpu, in CI) compares the fused kernel with the torch formulation on the
+CPU. Marked ``cuda``: deselected where neither CUDA nor ``POODLE_TEST_DEVICE`` is present
+(tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -101,5 +102,21 @@ def test_triton_step_on_cuda_matches_the_torch_formulation(method):
     ref = solvers.run(method, batch, cfg)
     with _optim.cuda_step("triton"):
         out = solvers.run(method, batch, cfg)
+    assert torch.equal(out.log_probs.argmax(-1), ref.log_probs.argmax(-1))
+    assert float((out.log_probs.exp() - ref.log_probs.exp()).abs().max()) < 1e-4
+
+
+@pytest.mark.cuda(only=True)
+@pytest.mark.parametrize("method", ["pt-map", "bms", "proto-lp"])
+def test_triton_sinkhorn_on_cuda_matches_the_torch_formulation(method):
+    from poodle.solvers import _triton_sinkhorn
+
+    batch = _batch(E=64).to(DEVICE)
+    cfg = solvers.make_config(method, _options(method))
+    with _triton_sinkhorn.cuda_loop("torch"):
+        ref = solvers.run(method, batch, cfg)
+    with _triton_sinkhorn.cuda_loop("triton"):
+        out = solvers.run(method, batch, cfg)
+    assert _optim.formulation(method, DEVICE) == "triton sinkhorn"
     assert torch.equal(out.log_probs.argmax(-1), ref.log_probs.argmax(-1))
     assert float((out.log_probs.exp() - ref.log_probs.exp()).abs().max()) < 1e-4

@@ -6,7 +6,8 @@ Why: the torch formulation of a sweep (:func:`poodle.solvers.pt_map.balance`,
 plan, each costing microseconds of dispatch for a few hundred numbers; PT-MAP spent about 60% of its
 time in about 400 such sweeps an episode. The C loop does the same arithmetic with the sums written
 out and one reciprocal per sample (6.5x faster sweeps on the standard workload, plans within float
-rounding of torch's). CUDA runs the torch formulation (a Triton program per episode is a later step).
+rounding of torch's). On CUDA the same loop runs as one Triton program per episode
+(:mod:`poodle.solvers._triton_sinkhorn`).
 
 The library is built and loaded by the machinery of :mod:`poodle.solvers._native` (the same private
 directory, ownership and mode checks, compiler, flags and CPU key, the same interface and

@@ -32,7 +32,9 @@ gives NaN); episodes need not be balanced nor laid out class by class (theirs re
 episodes (docs/transductive.md).
 
 On the CPU each episode's min-size sweeps run in one C loop (:mod:`poodle.solvers._sinkhorn_native`)
-with the same arithmetic; elsewhere, or without a C compiler, the torch formulation below. In a ragged
+with the same arithmetic, on CUDA in one Triton program per episode
+(:mod:`poodle.solvers._triton_sinkhorn`); elsewhere, or without a C compiler or Triton, the torch
+formulation below. In a ragged
 chunk each episode's mean, softmax, class sizes (``min_size`` starts at its own ``n_s // ways``) and
 sweeps run over its real rows and classes: a padded row is zero after the transform, a padded class
 gets no probability.
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers import _sinkhorn_native
+from poodle.solvers import _sinkhorn_native, _triton_sinkhorn
 from poodle.solvers._span import RowSpan, span_flops, use_gram
 from poodle.solvers._transductive import TINY, dist_flops, grad_ready, syncs_freely
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
@@ -80,12 +82,16 @@ def min_size_sinkhorn(
     ``cols [E]`` (a ragged chunk; ``p`` zero outside each episode's first ``ways`` classes and
     ``cols`` samples), each episode over its own sizes.
 
-    On the CPU the fused C loop (:mod:`poodle.solvers._sinkhorn_native`) runs each episode's sweeps.
+    On the CPU the fused C loop (:mod:`poodle.solvers._sinkhorn_native`) runs each episode's sweeps,
+    on CUDA the Triton loop (:mod:`poodle.solvers._triton_sinkhorn`).
     The torch formulation keeps classes on the middle axis so that both reductions run along vectors
     (see :func:`poodle.solvers.pt_map.balance`); a class above ``min_size`` is divided by exactly 1.
     The authors guard the rescaling against an empty class by summing ``p + 1e-20``; when every
     entry is above ``4e-20 / eps`` that sum is the plain sum, bit for bit (adding 1e-20 rounds back
     to each entry), so on the CPU, where looking costs nothing, the guard's pass is skipped then."""
+    if _triton_sinkhorn.usable(p):
+        p = p if p.is_contiguous() else p.contiguous()
+        return _triton_sinkhorn.run("min-size", p, min_size, n_iter, ways=ways, cols=cols)
     if _sinkhorn_native.usable(p):
         p = p if p.is_contiguous() else p.contiguous()
         return _sinkhorn_native.run("min-size", p, min_size, n_iter, ways=ways, cols=cols)

@@ -40,7 +40,8 @@ Their released code has no command line; benchmarks/compare_official.py drives t
 the same episodes (docs/transductive.md).
 
 On the CPU both Sinkhorn loops run each episode's sweeps in one C loop
-(:mod:`poodle.solvers._sinkhorn_native`); elsewhere, or without a C compiler, the torch
+(:mod:`poodle.solvers._sinkhorn_native`), on CUDA in one Triton program per episode
+(:mod:`poodle.solvers._triton_sinkhorn`); elsewhere, or without a C compiler or Triton, the torch
 formulation. In a ragged chunk a padded row is zero from the power transform on (it enters neither
 the projection's Gram matrix nor a mean nor the graph) and a padded class takes no mass: each
 episode's marginals are its own (``n_q / ways``, ``(n_s + n_q) / ways``) over its real rows.

@@ -19,7 +19,9 @@ theirs would give NaN); Sinkhorn stops per episode (a mask) instead of when the 
 converged; a zero vector after centring stays zero instead of becoming NaN.
 
 On the CPU each episode's Sinkhorn sweeps run in one C loop (:mod:`poodle.solvers._sinkhorn_native`)
-with the same arithmetic; elsewhere, or without a C compiler, the torch formulation below. In a ragged
+with the same arithmetic, on CUDA in one Triton program per episode
+(:mod:`poodle.solvers._triton_sinkhorn`); elsewhere, or without a C compiler or Triton, the torch
+formulation below. In a ragged
 chunk every episode's means, marginals (``n_q / ways`` of its own) and plan run over its real queries
 and classes only: a padded row is zero after the transform and a padded class gets no mass.
 """
@@ -33,7 +35,7 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
-from poodle.solvers import _sinkhorn_native
+from poodle.solvers import _sinkhorn_native, _triton_sinkhorn
 from poodle.solvers._span import RowSpan, span_flops, use_gram
 from poodle.solvers._transductive import (
     CHECK_EVERY_SWEEPS,
@@ -178,13 +180,20 @@ def balance(
     classes and samples), classes receive ``shape.mass`` and each episode runs over its own sizes.
 
     On the CPU the fused C loop (:mod:`poodle.solvers._sinkhorn_native`) runs every episode's sweeps
-    to its own convergence. The torch formulation keeps classes on the middle axis so that both
+    to its own convergence, on CUDA the Triton loop (:mod:`poodle.solvers._triton_sinkhorn`, one
+    launch, no host sync). The torch formulation keeps classes on the middle axis so that both
     reductions run along vectors (a sum over an innermost axis of 5 is several times slower). Where
     a look at the masks costs nothing (the CPU, :func:`~poodle.solvers._transductive.syncs_freely`)
     it looks every sweep and drops finished episodes from the batch once a quarter of it has
     finished; elsewhere it masks them and looks every ``CHECK_EVERY_SWEEPS`` sweeps. A zero entry
     stays zero in both."""
     mass: float | Tensor = col_mass if shape is None else shape.mass
+    if _triton_sinkhorn.usable(p):
+        p = p if p.is_contiguous() else p.contiguous()
+        ways, cols = (None, None) if shape is None else (shape.ways, shape.cols)
+        return _triton_sinkhorn.run(
+            "balanced", p, mass, max_iter, tol=tol, reset=reset, normalise=normalise, ways=ways, cols=cols
+        )
     if _sinkhorn_native.usable(p):
         p = p if p.is_contiguous() else p.contiguous()
         ways, cols = (None, None) if shape is None else (shape.ways, shape.cols)
