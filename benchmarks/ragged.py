@@ -314,6 +314,48 @@ def run_method(
     }
 
 
+def profile(split: SplitFeatures, eps: EpisodeSet, method: str, negatives: NegativeSpec, **kw: Any) -> dict[str, Any]:
+    """Where one :func:`evaluate` call of ``method`` spends its CPU time (``torch.profiler``): the
+    operations per episode, their mean self time, and the three largest shares by operation."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        solve(split, eps, method, negatives, **kw)
+    ops = [o for o in prof.key_averages() if o.key.startswith("aten::")]
+    total = sum(o.self_cpu_time_total for o in ops) or 1.0
+    count = sum(o.count for o in ops)
+    top = sorted(ops, key=lambda o: -o.self_cpu_time_total)[:3]
+    return {
+        "ops_per_episode": count / len(eps),
+        "us_per_op": total / max(count, 1),
+        "top": [(o.key, o.self_cpu_time_total / total) for o in top],
+    }
+
+
+def op_cost_us(n: int = 20000) -> float:
+    """The CPU time of one tiny torch operation (a one-element add): what batching saves per
+    operation it does once for a chunk instead of once per episode."""
+    x = torch.zeros(1)
+    t = time.process_time()
+    for _ in range(n):
+        torch.add(x, x)
+    return (time.process_time() - t) / n * 1e6
+
+
+def batching_bound(r: dict[str, Any], op_us: float) -> tuple[float, float]:
+    """``(share, bound)``: the share of a one-at-a-time episode's CPU time that its operations'
+    fixed cost explains (operations per episode x :func:`op_cost_us`), and the speedup batching
+    would reach if it removed all of that fixed cost and nothing else (``1 / (1 - share)``)."""
+    share = min(1.0, r["profile_alone"]["ops_per_episode"] * op_us / (1e6 / r["eps_alone"]))
+    return share, (math.inf if share >= 1.0 else 1.0 / (1.0 - share))
+
+
+def profile_line(label: str, p: dict[str, Any]) -> str:
+    top = ", ".join(f"{k} {100 * share:.0f}%" for k, share in p["top"])
+    return f"{label}: {p['ops_per_episode']:,.0f} ops/episode at {p['us_per_op']:.1f} us self time each; {top}"
+
+
 # ---------------------------------------------------------------------------------------------
 # The report
 
@@ -349,6 +391,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory", default="40GiB", help="the memory bound of the GPU padding plan")
     p.add_argument("--local-draw", action="store_true", help="draw by the local rules even when the sampler has them")
     p.add_argument("--chunk-size", type=int, help="episodes per batched chunk (default: evaluate's plan)")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="profile each method on this many of the sample's episodes, batched and one at a time",
+    )
     p.add_argument("--plan-only", action="store_true", help="the workload and its padding plans only, nothing solved")
     p.add_argument("--json", help="also write the results here (JSON)")
     p.add_argument("--quick", action="store_true", help="a tiny workload (40 episodes, D=64, 20 classes) for tests")
@@ -408,6 +456,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"largest chunk {r['chunk_buckets']}; agree {r['agree']}/{r['alone_episodes']}",
             flush=True,
         )
+    if a.profile:
+        few = take(eps, sample[: a.profile])
+        op_us = op_cost_us()
+        print(f"  one tiny torch operation costs {op_us:.1f} us of CPU time here")
+        for r in rows:
+            m = r["method"]
+            r["profile_batched"] = profile(split, few, m, negatives, chunk_size=a.chunk_size)
+            r["profile_alone"] = profile(split, few, m, negatives, chunk_size=1)
+            print(profile_line(f"  profile {m}, batched", r["profile_batched"]))
+            print(profile_line(f"  profile {m}, one at a time", r["profile_alone"]), flush=True)
+            r["op_share"], r["batching_bound"] = batching_bound(r, op_us)
+            print(
+                f"  {m}: the fixed cost of its operations is {100 * r['op_share']:.1f}% of an episode solved alone: "
+                f"batching that removed all of it would be {r['batching_bound']:.2f}x faster",
+                flush=True,
+            )
     print()
     print(table(rows))
     for m, why in not_ragged.items():

@@ -71,7 +71,7 @@ def test_a_method_that_leaks_into_padding_is_not_ragged(mod, monkeypatch):
 
 def test_quick_run_prints_the_table_and_agrees_episode_by_episode(mod, tmp_path, capsys):
     out = tmp_path / "ragged.json"
-    res = mod.main(["--quick", "--methods", "proto,soft-kmeans,kmeans", "--json", str(out)])
+    res = mod.main(["--quick", "--methods", "proto,soft-kmeans,kmeans", "--profile", "2", "--json", str(out)])
     text = capsys.readouterr().out
     assert json.loads(out.read_text())["episodes"] == res["episodes"] == 40
     assert res["alone"] == 10 and res["dim"] == 64
@@ -83,6 +83,8 @@ def test_quick_run_prints_the_table_and_agrees_episode_by_episode(mod, tmp_path,
         assert r["speedup"] == pytest.approx(r["eps_buckets"] / r["eps_alone"])
         assert 1.0 <= r["padding_buckets"] <= r["padding_episode_order"]
         assert f"| {r['method']} | " in text
+        assert r["profile_alone"]["ops_per_episode"] > 0 and r["profile_batched"]["ops_per_episode"] > 0
+        assert 0.0 <= r["op_share"] <= 1.0 and r["batching_bound"] >= 1.0
     for where in ("cpu", "gpu"):
         p = res["padding_plans"][where]
         assert 1.0 <= p["buckets"] <= p["episode_order"]
