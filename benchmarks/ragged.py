@@ -289,6 +289,9 @@ def run_method(
     E, K = len(eps), len(sample)
     agree = int((alone["acc"] == buckets["acc"][sample]).sum())
     agree_plain = int((plain["acc"] == buckets["acc"]).sum())
+    # the episodes whose accuracy is not the same in all three runs (one at a time: the sample only)
+    differ = (plain["acc"] != buckets["acc"]).clone()
+    differ[sample] |= (alone["acc"] != buckets["acc"][sample]) | (alone["acc"] != plain["acc"][sample])
     eps_b, eps_p, eps_a = E / buckets["seconds"], E / plain["seconds"], K / alone["seconds"]
     return {
         "method": method,
@@ -306,6 +309,7 @@ def run_method(
         "speedup_episode_order": eps_p / eps_a,
         "agree": agree,
         "agree_episode_order": agree_plain,
+        "differ": torch.nonzero(differ).flatten().tolist(),
         "padding_buckets": buckets["padded"] / buckets["real"],
         "padding_episode_order": plain["padded"] / plain["real"],
         "chunks_buckets": buckets["chunks"],
@@ -453,7 +457,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"  {m}: {r['eps_buckets']:.1f} ep/s batched, {r['eps_alone']:.1f} one at a time "
             f"({r['speedup']:.1f}x; wall {r['wall_eps_buckets']:.1f} and {r['wall_eps_alone']:.1f}); "
-            f"largest chunk {r['chunk_buckets']}; agree {r['agree']}/{r['alone_episodes']}",
+            f"largest chunk {r['chunk_buckets']}; agree {r['agree']}/{r['alone_episodes']}"
+            + (f"; episodes whose accuracy differs between the runs: {r['differ'][:10]}" if r["differ"] else ""),
             flush=True,
         )
     if a.profile:

@@ -79,6 +79,7 @@ def test_quick_run_prints_the_table_and_agrees_episode_by_episode(mod, tmp_path,
     assert {r["method"] for r in res["rows"]} >= {"proto", "soft-kmeans", "kmeans"}  # all three are ragged on main
     for r in res["rows"]:
         assert r["agree"] == r["alone_episodes"] == 10 and r["agree_episode_order"] == r["episodes"] == 40
+        assert r["differ"] == []
         assert r["eps_buckets"] > 0 and r["eps_alone"] > 0
         assert r["speedup"] == pytest.approx(r["eps_buckets"] / r["eps_alone"])
         assert 1.0 <= r["padding_buckets"] <= r["padding_episode_order"]
