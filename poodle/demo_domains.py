@@ -102,7 +102,7 @@ def domain_methods(which: str | tuple[str, ...] = "ragged") -> list[DomainMethod
     if which == "all":
         return list(DOMAIN_METHODS)
     names = [w.strip() for w in which.split(",") if w.strip()] if isinstance(which, str) else list(which)
-    out = []
+    out: list[DomainMethod] = []
     for n in names:
         found = [m for m in DOMAIN_METHODS if n in (m.label, m.method)]
         if not found:
@@ -146,10 +146,13 @@ def write_domain_caches(features: Path, out_dir: Path, domains: tuple[Domain, ..
         new_label[keep] = np.arange(len(keep))
         labels = new_label[split.labels.numpy()]
         rows = np.nonzero(labels >= 0)[0]
-        paths_ = [split.paths[i] for i in rows] if split.paths is not None else None
+        item: tuple[Any, ...] = (split.features.numpy()[rows], labels[rows], [split.classes[c] for c in keep])
+        if split.paths is not None:
+            item += ([split.paths[i] for i in rows],)
+        splits: dict[str, Any] = {"test": item}
         write_arrays(
             path,
-            {"test": (split.features.numpy()[rows], labels[rows], [split.classes[c] for c in keep], paths_)},
+            splits,
             dataset=f"{attrs['dataset']}-{d.name}",
             backbone=str(attrs["backbone"]),
             normalise=False,
