@@ -273,9 +273,10 @@ def caption(cfg: DemoConfig, rows: list[DomainMethod], domains: tuple[Domain, ..
     """What the table shows, in one paragraph."""
     doms = "; ".join(f"{d.name}: {' + '.join(d.alphabets)}" for d in domains)
     return (
-        f"glyphs, {cfg.backbone} ({cfg.recipe}, {cfg.epochs} epochs); {len(domains)} domains of test alphabets "
-        f"({doms}); {cfg.episodes} Meta-Dataset episodes per domain (5-50 ways, imbalanced shots, "
-        f"bilevel on alphabets), transductive; accuracy % with 95% CI. {len(rows)} methods."
+        f"glyphs, {cfg.backbone} ({cfg.recipe}, {cfg.epochs} epoch{'s' if cfg.epochs > 1 else ''}); "
+        f"{len(domains)} domains of test alphabets ({doms}); {cfg.episodes} Meta-Dataset episodes per domain "
+        f"(5-50 ways, imbalanced shots, bilevel on alphabets), the same for every method; Proto inductive, "
+        f"the others transductive; accuracy % with 95% CI. {len(rows)} methods."
     )
 
 

@@ -163,7 +163,7 @@ def test_meta_dataset_demo_prints_the_per_domain_table_of_its_records(md_run):
     methods = domain_methods()
     domains = [d.name for d in DOMAINS]
     assert len(records) == len(methods) * len(domains)
-    assert "1 solved now" not in output and f"{len(records)} solved now" in output
+    assert f"{len(records)} solved now" in output
     for r in records:
         assert r["cache"] in domains and len(r["acc"]) == MD_EPISODES
         assert r["episode"]["protocol"] == "meta-dataset" and r["episode"]["bilevel"] is True
