@@ -293,6 +293,20 @@ class _Stages:
         self.log(f"features: {features} ({self.seconds['extract']:.1f} s)")
         return features
 
+    @staticmethod
+    def progress_events(advance: Callable[[int], None] | None) -> Callable[[Event], None]:
+        """A grid run's event handler that advances a progress bar by the episodes solved or found."""
+
+        def on_event(event: Event) -> None:
+            if advance is None:
+                return
+            if isinstance(event, CellFinished) and event.skipped:
+                advance(event.cell.n_episodes)
+            elif isinstance(event, EpisodesSolved):
+                advance(event.episodes * event.cells)
+
+        return on_event
+
     def table(self, rows: list[Row], features: Path, demo_dir: Path) -> Any:
         """The table's cells solved (or found in the demo's results file), as a grid run."""
         cfg, t = self.cfg, time.perf_counter()
@@ -304,16 +318,8 @@ class _Stages:
             else None
         )
         with ctx if ctx is not None else contextlib.nullcontext() as advance:
-
-            def on_event(event: Event) -> None:
-                if advance is None:
-                    return
-                if isinstance(event, CellFinished) and event.skipped:
-                    advance(event.cell.n_episodes)
-                elif isinstance(event, EpisodesSolved):
-                    advance(event.episodes * event.cells)
-
             options = RunOptions(device=cfg.device, max_memory=cfg.max_memory, cells_per_call=len(cells))
+            on_event = self.progress_events(advance)
             run = run_grid(spec, demo_dir / RESULTS_FILE, options=options, cells=cells, on_event=on_event)
         self.reused["evaluate"] = run.computed == 0
         self.seconds["evaluate"] = time.perf_counter() - t

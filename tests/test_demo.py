@@ -10,9 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from poodle.cache import read_split
 from poodle.cli.main import cli
 from poodle.demo import (
     PAPER_COMPETITORS,
@@ -21,6 +23,7 @@ from poodle.demo import (
     quick_config,
     run_demo,
 )
+from poodle.demo_domains import DOMAIN_METHODS, DOMAINS, MORE_METHODS, alphabet_of, domain_methods
 from poodle.errors import ConfigError
 from poodle.results import read_results
 
@@ -157,3 +160,97 @@ def test_demo_stopped_at_three_points_continues_to_the_same_features_and_cells(f
     before = cells(cache / "glyphs" / "demo" / "results.jsonl")
     after = cells(tmp_path / "c" / "glyphs" / "demo" / "results.jsonl")
     assert len(after) == 12 and all(before[k] == v for k, v in after.items())  # 12 cells: competitors none
+
+
+# ------------------------------------------------------------------ --protocol meta-dataset
+
+
+MD_EPISODES = 12
+
+
+@pytest.fixture(scope="module")
+def md_run(first_run):
+    """The per-domain demo on the same reduced glyphs, backbone and features as ``first_run``."""
+    cache, _, _ = first_run
+    args = ["demo", "--quick", "--protocol", "meta-dataset", "--cache-root", str(cache)]
+    args += ["--episodes", str(MD_EPISODES), "--device", "cpu"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    return cache, args, res.output
+
+
+def _domain_rows(output: str) -> dict[str, list[str]]:
+    """Label -> its printed cells (domains, mean over domains, average rank), from the rich table."""
+    rows = {}
+    labels = {m.label for m in DOMAIN_METHODS}
+    for line in output.splitlines():
+        parts = line.split()
+        if parts and parts[0] in labels:
+            rows[parts[0]] = re.findall(r"\d+\.\d+ ± \d+\.\d+|\d+\.\d+ \[\d+\.\d+, \d+\.\d+\]", line)
+    return rows
+
+
+def test_meta_dataset_demo_prints_the_per_domain_table_of_its_records(md_run):
+    cache, _, output = md_run
+    out_dir = cache / "glyphs" / "quick" / "demo-meta-dataset"
+    records = read_results(out_dir / "results.jsonl").records
+    methods = domain_methods()
+    domains = [d.name for d in DOMAINS]
+    assert len(records) == len(methods) * len(domains)
+    assert f"{len(records)} solved now" in output
+    for r in records:
+        assert r["cache"] in domains and len(r["acc"]) == MD_EPISODES
+        assert r["episode"]["protocol"] == "meta-dataset" and r["episode"]["bilevel"] is True
+        assert r["episode"]["way"] is None and r["episode"]["shot"] is None
+
+    rows = _domain_rows(output)
+    assert list(rows) == [m.label for m in methods]
+    by = {(r["label"], r["cache"]): np.asarray(r["acc"]) for r in records}
+    for label, cells in rows.items():
+        assert len(cells) == len(domains) + 2
+        means = []
+        for j, d in enumerate(domains):
+            acc = by[label, d]
+            mean, ci = (float(v) for v in cells[j].split("±"))
+            assert mean == pytest.approx(100 * acc.mean(), abs=0.006)  # the printed mean of the episodes
+            assert ci == pytest.approx(100 * 1.96 * acc.std() / np.sqrt(len(acc)), abs=0.006)  # population std
+            means.append(100 * acc.mean())
+        assert float(cells[-2].split("±")[0]) == pytest.approx(np.mean(means), abs=0.006)
+        rank = float(cells[-1].split()[0])
+        assert 1.0 <= rank <= len(methods)
+    # the average ranks are those of the per-domain means (1 = best; tied means share their positions)
+    for lab, cells in rows.items():
+        rank = 0.0
+        for d in domains:
+            m = by[lab, d].mean()
+            above = sum(by[o, d].mean() > m + 1e-9 for o in rows)
+            tied = sum(abs(by[o, d].mean() - m) <= 1e-9 for o in rows)
+            rank += (above + (tied + 1) / 2) / len(domains)
+        assert float(cells[-1].split()[0]) == pytest.approx(rank, abs=0.006)
+
+    # the JSON copy holds the same numbers; the domain caches hold their alphabets' classes only
+    (js,) = out_dir.glob("table-*.json")
+    payload = json.loads(js.read_text())
+    assert payload["per_domain"]["Proto"]["scripts"][0] == pytest.approx(100 * by["Proto", "scripts"].mean())
+    for d in DOMAINS:
+        split = read_split(payload["domains"][d.name]["cache"], "test")
+        assert {alphabet_of(c) for c in split.classes} == set(d.alphabets)
+
+
+def test_meta_dataset_demo_second_run_solves_nothing(md_run):
+    cache, args, output = md_run
+    out_dir = cache / "glyphs" / "quick" / "demo-meta-dataset" / "domains"
+    stamps = {p: p.stat().st_mtime_ns for p in out_dir.glob("*.h5")}
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    assert "0 solved now" in res.output
+    assert _domain_rows(res.output) == _domain_rows(output)
+    assert {p: p.stat().st_mtime_ns for p in out_dir.glob("*.h5")} == stamps
+
+
+def test_domain_method_selection():
+    assert domain_methods() == list(DOMAIN_METHODS)
+    assert domain_methods("all") == list(DOMAIN_METHODS + MORE_METHODS)
+    assert [m.method for m in domain_methods("Proto,pt-map")] == ["proto", "pt-map"]
+    with pytest.raises(ConfigError, match="'ce' is not a method of the per-domain demo"):
+        domain_methods("proto,ce")
