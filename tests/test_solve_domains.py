@@ -134,3 +134,17 @@ def test_cli_errors_name_the_domain_and_file(tmp_path, caches):
     assert r.exit_code != 0 and "NAME=PATH" in r.output
     r = _run([*both, "--way", 30, "--episodes", 2])  # 12 classes: the domain is named
     assert r.exit_code != 0 and "domain 'birds'" in r.output
+
+
+def test_project_file_lists_domains_read_from_its_folder(tmp_path, caches, monkeypatch):
+    from poodle.cli.main import cli
+
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "p.toml").write_text(
+        '[solve]\ncache = ["b=../birds.h5", "../fungi.h5"]\nepisodes = 3\nway = 3\nmethod = "proto"\n'
+    )
+    js = tmp_path / "r.jsonl"
+    monkeypatch.chdir(tmp_path / "proj")
+    r = CliRunner().invoke(cli, ["--config", "p.toml", "solve", "--out", str(js)])
+    assert r.exit_code == 0, r.output
+    assert [x["cache"] for x in read_results(js).records] == ["b", "fungi"]
