@@ -148,3 +148,14 @@ def test_project_file_lists_domains_read_from_its_folder(tmp_path, caches, monke
     r = CliRunner().invoke(cli, ["--config", "p.toml", "solve", "--out", str(js)])
     assert r.exit_code == 0, r.output
     assert [x["cache"] for x in read_results(js).records] == ["b", "fungi"]
+
+
+def test_one_named_cache_keeps_todays_episodes(tmp_path, caches):
+    args = ["--episodes", 4, "--way", 3, "--method", "proto", "--out"]
+    assert _run(["--cache", caches["birds"], *args, tmp_path / "a.jsonl"]).exit_code == 0
+    r = _run(["--cache", f"b={caches['birds']}", *args, tmp_path / "b.jsonl"])
+    assert r.exit_code == 0, r.output
+    ((plain,), (named,)) = (read_results(tmp_path / f"{x}.jsonl").records for x in "ab")
+    assert plain["cache"] == str(caches["birds"]) and named["cache"] == "b"
+    # the same identity: a name alone does not change what is solved
+    assert named["key"] == plain["key"] and named["episode"]["seed"] == 0 and named["acc"] == plain["acc"]
