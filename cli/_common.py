@@ -295,8 +295,13 @@ def project_default_map(ctx: click.Context, config_file: str | None) -> dict[str
             wrong = _toml_type_error(param, value)
             if wrong:
                 raise ConfigError(f"{path}: [{table}] {key} = {_toml_text(value)}: {wrong}")
-            if isinstance(param.type, click.Path) and isinstance(value, str) and base != Path():
-                value = value if os.path.isabs(os.path.expanduser(value)) else str(base / value)
+            if isinstance(param.type, click.Path) and base != Path():
+                if isinstance(value, str):
+                    value = _from_folder(base, value)
+                elif isinstance(value, list) and param.name == "caches":  # solve's [NAME=]PATH items
+                    value = [_from_folder(base, v, named=True) if isinstance(v, str) else v for v in value]
+                elif isinstance(value, list):
+                    value = [_from_folder(base, v) if isinstance(v, str) else v for v in value]
             try:
                 param.type_cast_value(ctx, value)
             except click.BadParameter as e:
@@ -307,6 +312,15 @@ def project_default_map(ctx: click.Context, config_file: str | None) -> dict[str
             # where a value came from, for an error the library raises about it later (say_error)
             ctx.meta.setdefault(_PROJECT_KEYS, {}).setdefault(cmd_name, {})[param.name] = f"{path} [{table}] {key}"
     return default_map
+
+
+def _from_folder(base: Path, value: str, named: bool = False) -> str:
+    """A project file's relative path as read from its folder ``base``; ``named``: ``NAME=PATH``
+    keeps its name (``poodle solve``'s domains)."""
+    name, sep, rest = value.partition("=")
+    if named and sep and not any(c in name for c in "/\\"):
+        return f"{name}={_from_folder(base, rest)}"
+    return value if os.path.isabs(os.path.expanduser(value)) else str(base / value)
 
 
 _PROJECT_KEYS = "poodle.project_keys"  # ctx.meta: {command: {option name: "poodle.toml [table] key"}}

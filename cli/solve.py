@@ -13,6 +13,7 @@ from poodle import defaults
 from poodle.cli._common import (
     console,
     friendly_errors,
+    from_project,
     keep,
     note,
     out,
@@ -142,13 +143,12 @@ def _cache_path(ctx: click.Context, cache: str | None, dataset: str | None, back
     """The cache to solve on: ``--cache``, else ``CACHE_ROOT/DATASET/BACKBONE[-TAG].h5``, else the cache
     that ``poodle extract`` wrote last under the cache root (of ``--dataset`` / ``--backbone`` when one
     is given), said on the first line. Typed options win over the project file's."""
-    from poodle.cli._common import from_project
     from poodle.errors import ConfigError
     from poodle.project import index_trouble, latest_cache
 
     cache_root, tag = ctx.params["cache_root"], ctx.params["tag"]
     if cache and (dataset or backbone):
-        if from_project(ctx, "cache"):
+        if from_project(ctx, "caches"):
             cache = None
         elif all(from_project(ctx, k) for k, v in (("dataset", dataset), ("backbone", backbone)) if v):
             dataset = backbone = None
@@ -178,6 +178,25 @@ def _cache_path(ctx: click.Context, cache: str | None, dataset: str | None, back
     return path
 
 
+def _domains(ctx: click.Context, caches: tuple[str, ...], dataset: str | None, backbone: str | None) -> dict[str, Path]:
+    """``--cache`` as ``{domain name: file}`` (empty: no ``--cache``, the cache is found by
+    :func:`_cache_path`). One ``--cache`` is one cache as today (a path holding ``=`` that names a
+    file stays a path); several are domains (:func:`poodle.solve.domain_caches`)."""
+    from poodle.solve import domain_caches
+
+    if not caches:
+        return {}
+    if len(caches) == 1 and ("=" not in caches[0] or Path(caches[0]).is_file()):
+        path = _cache_path(ctx, caches[0], dataset, backbone)
+        return {path.stem: path}
+    if (dataset or backbone) and not all(from_project(ctx, k) for k in ("dataset", "backbone") if ctx.params[k]):
+        if not from_project(ctx, "caches"):
+            from poodle.errors import ConfigError
+
+            raise ConfigError("give either --cache FILE or --dataset NAME --backbone NAME, not both")
+    return domain_caches(caches)
+
+
 class _ListsMethods(click.Command):
     """``--help`` ends with every registered method and its one-line summary (imported lazily, so
     ``poodle --help`` does not load the solvers)."""
@@ -193,8 +212,13 @@ class _ListsMethods(click.Command):
 @click.command(cls=_ListsMethods, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--cache",
+    "caches",
+    multiple=True,
+    metavar="[NAME=]PATH",
     type=click.Path(dir_okay=False),
-    help="Feature cache file (HDF5) [default: the one `poodle extract` wrote last under --cache-root].",
+    help="Feature cache file (HDF5) [default: the one `poodle extract` wrote last under --cache-root]. "
+    "Repeated: several domains, each NAME=PATH (a bare path is named by its file), each with its own "
+    "episodes, and the per-domain table.",
 )
 @click.option("--dataset", help="Dataset name: the cache is CACHE_ROOT/DATASET/BACKBONE[-TAG].h5.")
 @click.option("--backbone", help="Backbone name (with --dataset).")
@@ -253,14 +277,15 @@ def solve(ctx: click.Context, **params: Any) -> None:
     from poodle import prefetch
 
     p = params
-    path = _cache_path(ctx, p["cache"], p["dataset"], p["backbone"])
+    domains = _domains(ctx, p["caches"], p["dataset"], p["backbone"])
+    path = next(iter(domains.values())) if domains else _cache_path(ctx, None, p["dataset"], p["backbone"])
     episodes_from, save_episodes, results_path = p["episodes_from"], p["save_episodes"], p["results_path"]
     if not episodes_from:  # (an episodes file names its own split)
         # the cache read overlaps the import of torch below (see poodle.prefetch)
         prefetch.start_for_solve(path, p["split"], p["negatives"])
 
     from poodle.distributed import env_world, share
-    from poodle.solve import SETTINGS
+    from poodle.solve import SETTINGS, solve_domains
     from poodle.solve import solve as run_solve
 
     methods = list(p["methods"])
@@ -270,25 +295,35 @@ def solve(ctx: click.Context, **params: Any) -> None:
     # under torchrun (poodle.distributed) rank 0 alone shows a bar (of its share) and prints
     world, rank, _ = env_world()
     episodes = p["episodes"]
-    total = None if episodes_from or episodes < 1 else len(share(episodes, world, rank))  # < 1: the library says
+    if not _explicit(ctx, "episodes") and p["protocol"] == "meta-dataset":
+        episodes = defaults.META_DATASET_EPISODES
+    n_domains = max(1, len(domains))
+    total = (
+        None if episodes_from or episodes < 1 else n_domains * len(share(episodes, world, rank))
+    )  # < 1: the library says
     # drawn once the library's checks up front have passed (Ready): an error there comes alone
     bar = (
         progress_bar("solving", total=total, unit="episodes", lazy=True) if rank == 0 else contextlib.nullcontext(None)
     )
     with bar as advance:
-        res = run_solve(
-            path,
-            methods,
+        common = dict(
             options=per,
             episodes_from=episodes_from,
             save_episodes_to=save_episodes,
             out=results_path,
             run=run_options(p, RunOptions),
             on_event=solve_events(advance, results_path),
-            **given,
         )
+        if len(domains) > 1:
+            several = solve_domains(domains, methods, **common, **given)
+        else:
+            name = next(iter(domains), None) if domains and "=" in p["caches"][0] else None
+            res = run_solve(path, methods, name=name, **common, **given)
     if rank == 0:
-        _summary(res, path, save_episodes, results_path)
+        if len(domains) > 1:
+            _domains_summary(several, domains, save_episodes, results_path)
+        else:
+            _summary(res, path, save_episodes, results_path)
 
 
 def solve_events(advance: Any, results_path: str | None = None) -> Any:
@@ -348,6 +383,45 @@ def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str 
         f"{res.n_episodes / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s wall, chunks of "
         f"{res.chunk_size})"
     )
+    console.print(f"arithmetic: {formulations(res.records)}", highlight=False, soft_wrap=True)
+    if results_path:
+        console.print(f"results appended to {results_path}")
+
+
+def _domains_summary(res: Any, domains: dict[str, Path], save_episodes: str | None, results_path: str | None) -> None:
+    """Several domains: the setting, the per-domain table (:func:`poodle.report.domain_table`) and
+    the throughput."""
+    from poodle.cli._common import render_table
+    from poodle.report import domain_table
+    from poodle.solve import domain_file
+    from poodle.system import formulations
+
+    first = next(iter(res.domains.values()))
+    if save_episodes:
+        console.print(
+            "episodes written to " + ", ".join(str(domain_file(save_episodes, d, "save_episodes")) for d in domains),
+            soft_wrap=True,
+        )
+    spec = first.spec
+    shape = f"{spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
+    if spec.ragged:
+        fixed = [f"{v} {k}" for k, v in (("way", spec.way), ("shot", spec.shot), ("query", spec.query)) if v]
+        shape = "Meta-Dataset protocol" + (f" ({', '.join(fixed)})" if fixed else "")
+    console.print(
+        f"{len(domains)} domains, {first.n_episodes:,} episodes each: {shape}, split {spec.split}; "
+        + ", ".join(f"{d} = {p}" for d, p in domains.items())
+        + "; negatives: "
+        + (f"{first.negatives.source} x {first.negatives.n_neg}" if first.negatives else "none")
+        + f"; device {first.device}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    table = domain_table(res.records)
+    out.print(render_table(table, title=f"{shape}, {first.n_episodes:,} episodes per domain"))
+    for line in table.notes:
+        console.print(line, highlight=False, soft_wrap=True)
+    n = sum(r.n_episodes for r in res.domains.values())
+    console.print(f"{n / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s wall solving)")
     console.print(f"arithmetic: {formulations(res.records)}", highlight=False, soft_wrap=True)
     if results_path:
         console.print(f"results appended to {results_path}")

@@ -203,7 +203,8 @@ def check_general(key: str, v: Any) -> Any:
 def episode_setting(general: Mapping[str, Any], defaults_: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A cell's ``episode`` from its checked general settings: the keys that are always recorded
     (defaults filled; under Meta-Dataset a ``way``, ``shot`` or ``query`` not given is None, drawn
-    per episode), then each ``when_set`` key that differs from its default; under Meta-Dataset every
+    per episode, and ``episodes`` defaults to Meta-Dataset's 600 per domain), then each
+    ``when_set`` key that differs from its default; under Meta-Dataset every
     rule parameter, with sampling.py's defaults (``bilevel`` only when on), so that a default
     changed later cannot alias two settings. A rule parameter without the protocol is an error."""
     defaults_ = general_defaults() if defaults_ is None else defaults_
@@ -224,6 +225,8 @@ def episode_setting(general: Mapping[str, Any], defaults_: Mapping[str, Any] | N
         {k: general[k] for k in WHEN_SET_EPISODE_KEYS if general.get(k, defaults_.get(k)) != defaults_.get(k)}
     )
     if md:
+        if general.get("episodes") is None:  # Meta-Dataset reports 600 episodes per domain
+            episode["episodes"] = defaults.META_DATASET_EPISODES
         rules = EpisodeSpec.meta_dataset()
         for k in defaults.META_DATASET_KEYS:
             if k not in episode and k != "bilevel":

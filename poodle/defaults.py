@@ -55,6 +55,8 @@ NEGATIVE_KEYWORDS: tuple[str, ...] = ("base", "random", "sphere", "none")
 # EpisodeSpec's fields of those names).
 PROTOCOL = "fixed"
 PROTOCOLS: tuple[str, ...] = ("fixed", "meta-dataset")
+# Episodes per domain under the Meta-Dataset protocol when not given (its papers report 600).
+META_DATASET_EPISODES = 600
 META_DATASET_KEYS: tuple[str, ...] = (
     "min_ways",
     "max_ways_upper_bound",

@@ -13,7 +13,9 @@ to its flags.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +24,10 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from poodle import defaults
-from poodle.cells import Cell, make_cell
+from poodle.cells import Cell, Locations, make_cell
 from poodle.distributed import is_main_process
 from poodle.episodes import EpisodeSet, EpisodeSpec, load_episodes, save_episodes
-from poodle.errors import ConfigError, EpisodeError
+from poodle.errors import ConfigError, EpisodeError, PoodleError, WriteError
 from poodle.evaluate import prepare_negatives
 from poodle.events import OnEvent, ignore
 from poodle.negatives import NegativeSpec
@@ -33,6 +35,8 @@ from poodle.pipeline import Inputs, RunOptions, run_cells
 from poodle.settings import EPISODE_KEYS, GENERAL_KEYS, WHEN_SET_EPISODE_KEYS
 from poodle.utils import check_output
 
+DOMAIN_FIELD = "{domain}"  # in an episode file's name: one file per domain
+_DOMAIN_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")  # a domain's name (a cache given as NAME=PATH)
 # Settings that choose the episodes; they cannot be combined with ``episodes_from``.
 EPISODE_PARAMS: tuple[str, ...] = EPISODE_KEYS + WHEN_SET_EPISODE_KEYS
 # Every setting ``solve`` takes besides the methods: those of a grid cell but its cache and method.
@@ -107,9 +111,12 @@ def make_cells(
     settings: Mapping[str, Any],
     episodes: EpisodeSet | None = None,
     episodes_from: str | None = None,
+    domains: Mapping[str, str | os.PathLike] | None = None,
 ) -> list[Cell]:
     """One cell per method on the setting ``settings`` (with ``episodes`` from ``episodes_from``: its
-    setting, and its negatives for the methods that read some unless ``settings`` names others)."""
+    setting, and its negatives for the methods that read some unless ``settings`` names others).
+    With ``domains`` (``{name: cache file}``), ``cache`` is one of its names: the cells record the
+    name as their ``cache`` (a grid's ``[caches]`` name), and read its file."""
     methods = list(methods)
     if not methods:
         raise ConfigError("no method given", params=("methods",))
@@ -120,11 +127,15 @@ def make_cells(
     if episodes is not None and episodes.negatives is not None:
         values.setdefault("negatives", episodes.negative_source)
         values.setdefault("n_neg", int(episodes.negatives.shape[1]))
+    locations = Locations(caches={k: str(v) for k, v in domains.items()}) if domains else None
     cells = []
     for i, m in enumerate(methods):
         own = dict(options.get(m, {}))
         cell = make_cell(
-            {**values, **own, "cache": str(cache), "method": m}, strict=set(own), episodes_from=episodes_from
+            {**values, **own, "cache": str(cache), "method": m},
+            strict=set(own),
+            episodes_from=episodes_from,
+            locations=locations,
         )
         cells.append(dataclasses.replace(cell, index=i))
     given = settings.get("negatives")
@@ -148,40 +159,31 @@ def _save(inputs: Inputs, cells: Sequence[Cell], path: str | os.PathLike, cache:
     save_episodes(path, eps, cache=str(cache))
 
 
-def solve(
+@dataclass
+class _Prepared:
+    """A setting checked and made into cells, its episode file read: ready to solve."""
+
+    path: Path
+    cells: list[Cell]
+    inputs: Inputs
+    episodes: EpisodeSet | None
+    episodes_from: str | os.PathLike | None
+    save_episodes_to: str | os.PathLike | None
+
+
+def _prepare(
     cache: str | os.PathLike,
-    methods: Sequence[str] = (defaults.METHOD,),
-    *,
-    options: Mapping[str, Mapping[str, Any]] | None = None,
-    episodes_from: str | os.PathLike | None = None,
-    save_episodes_to: str | os.PathLike | None = None,
-    out: str | os.PathLike | None = None,
-    run: RunOptions = RunOptions(),
-    on_event: OnEvent = ignore,
-    **settings: Any,
-) -> SolveResult:
-    """Solve one episode setting with ``methods`` on identical episodes and negatives.
-
-    Args:
-        cache: the feature cache (HDF5).
-        methods: registered method names (each at most once).
-        options: ``{method: {option: value}}``; a method keeps its defaults for what is not given.
-        episodes_from: an episodes file (:func:`poodle.episodes.save_episodes`) to solve; its
-            negatives are the default of the methods that read negatives.
-        save_episodes_to: write the episodes (with their negatives) here.
-        out: a results file to append the records to (created when missing).
-        run: device, memory bound and workers (:class:`poodle.pipeline.RunOptions`).
-        on_event: receives the run's events (:mod:`poodle.events`); ``Ready`` comes once every check
-            up front has passed, before solving starts.
-        settings: ``split``, ``way``, ``shot``, ``query``, ``episodes``, ``seed``, ``imbalance``,
-            ``query_classes`` (not with ``episodes_from``), ``negatives``, ``n_neg``, ``preprocess``;
-            ``None`` or absent: the protocol's default (:mod:`poodle.defaults`). Giving negatives
-            other than ``none`` when no method reads negatives is an error.
-
-    Returns:
-        a :class:`SolveResult`.
-    """
-    t_start = time.perf_counter()
+    methods: Sequence[str],
+    options: Mapping[str, Mapping[str, Any]] | None,
+    episodes_from: str | os.PathLike | None,
+    save_episodes_to: str | os.PathLike | None,
+    out: str | os.PathLike | None,
+    on_event: OnEvent,
+    settings: dict[str, Any],
+    name: str | None = None,
+    domains: Mapping[str, str | os.PathLike] | None = None,
+) -> _Prepared:
+    """Every check of :func:`solve` that comes before solving, and its cells."""
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; settings are {', '.join(SETTINGS)}")
@@ -192,18 +194,31 @@ def solve(
         episodes, implied = _from_file(episodes_from, settings)
         settings = {**settings, **implied}
     cells = make_cells(
-        path, methods, options or {}, settings, episodes, None if episodes_from is None else str(episodes_from)
+        name if name is not None else path,
+        methods,
+        options or {},
+        settings,
+        episodes,
+        None if episodes_from is None else str(episodes_from),
+        domains=domains if name is not None else None,
     )
-    inputs = Inputs(on_event)
+    return _Prepared(path, cells, Inputs(on_event), episodes, episodes_from, save_episodes_to)
+
+
+def _run(
+    prep: _Prepared, out: str | os.PathLike | None, run: RunOptions, on_event: OnEvent, t_start: float
+) -> SolveResult:
+    """Solve prepared cells (checking an episode file against its cache first) as one call."""
+    cells, inputs, episodes, path = prep.cells, prep.inputs, prep.episodes, prep.path
     if episodes is not None:
         inputs.put(cells[0], episodes)
         # an error about the file's indices names the file, before anything is written
         try:
-            episodes.check_against(inputs.features(cells[0]).labels, where=str(episodes_from))
+            episodes.check_against(inputs.features(cells[0]).labels, where=str(prep.episodes_from))
         except EpisodeError as e:
             raise EpisodeError(f"episodes_from {e}", params=("episodes_from",)) from None
-    if save_episodes_to is not None and is_main_process():
-        _save(inputs, cells, save_episodes_to, path)
+    if prep.save_episodes_to is not None and is_main_process():
+        _save(inputs, cells, prep.save_episodes_to, path)
     res = run_cells(
         cells,
         out=out,
@@ -231,4 +246,207 @@ def solve(
     )
 
 
-__all__ = ["EPISODE_PARAMS", "SETTINGS", "SolveResult", "check_outputs", "make_cells", "solve"]
+def solve(
+    cache: str | os.PathLike,
+    methods: Sequence[str] = (defaults.METHOD,),
+    *,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    episodes_from: str | os.PathLike | None = None,
+    save_episodes_to: str | os.PathLike | None = None,
+    out: str | os.PathLike | None = None,
+    run: RunOptions = RunOptions(),
+    on_event: OnEvent = ignore,
+    name: str | None = None,
+    **settings: Any,
+) -> SolveResult:
+    """Solve one episode setting with ``methods`` on identical episodes and negatives.
+
+    Args:
+        cache: the feature cache (HDF5).
+        methods: registered method names (each at most once).
+        options: ``{method: {option: value}}``; a method keeps its defaults for what is not given.
+        episodes_from: an episodes file (:func:`poodle.episodes.save_episodes`) to solve; its
+            negatives are the default of the methods that read negatives.
+        save_episodes_to: write the episodes (with their negatives) here.
+        out: a results file to append the records to (created when missing).
+        run: device, memory bound and workers (:class:`poodle.pipeline.RunOptions`).
+        on_event: receives the run's events (:mod:`poodle.events`); ``Ready`` comes once every check
+            up front has passed, before solving starts.
+        settings: ``split``, ``way``, ``shot``, ``query``, ``episodes``, ``seed``, ``imbalance``,
+            ``query_classes`` (not with ``episodes_from``), ``negatives``, ``n_neg``, ``preprocess``;
+            ``None`` or absent: the protocol's default (:mod:`poodle.defaults`). Giving negatives
+            other than ``none`` when no method reads negatives is an error.
+        name: the cache's name, recorded as the records' ``cache`` (a domain's name, as
+            :func:`solve_domains` gives it); default: the path as given.
+
+    Returns:
+        a :class:`SolveResult`.
+    """
+    t_start = time.perf_counter()
+    if name is not None and not _DOMAIN_NAME.match(name):
+        raise ConfigError(f"domain name {name!r} may hold letters, digits and _ . + - only", params=("cache",))
+    domains = None if name is None else {name: cache}
+    prep = _prepare(cache, methods, options, episodes_from, save_episodes_to, out, on_event, settings, name, domains)
+    return _run(prep, out, run, on_event, t_start)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several domains
+
+
+def domain_caches(items: Sequence[str]) -> dict[str, Path]:
+    """``{domain name: cache file}`` of ``NAME=PATH`` items (``poodle solve --cache``, repeated); a
+    bare path is named by its file (``data/cub.h5``: ``cub``). A name is letters, digits and
+    ``_ . + -``; two domains cannot share one (the error says to name them)."""
+    out: dict[str, Path] = {}
+    for item in items:
+        name, sep, rest = item.partition("=")
+        if sep and not any(c in name for c in "/\\") and not Path(item).is_file():
+            path = rest.strip()
+            name = name.strip()
+            if not name or not path:
+                raise ConfigError(f"cache {item!r}: expected NAME=PATH or a path", params=("cache",))
+        else:
+            path = item
+            name = Path(item).stem
+        if not _DOMAIN_NAME.match(name):
+            raise ConfigError(
+                f"cache {item!r}: domain name {name!r} may hold letters, digits and _ . + - only (give NAME=PATH)",
+                params=("cache",),
+            )
+        if name in out:
+            raise ConfigError(
+                f"cache {item!r}: domain {name!r} given twice (also {out[name]}); name each with NAME=PATH",
+                params=("cache",),
+            )
+        out[name] = Path(path)
+    if not out:
+        raise ConfigError("no feature cache given", params=("cache",))
+    return out
+
+
+def _in_domain(name: str, error: PoodleError) -> PoodleError:
+    """``error`` said of domain ``name`` (a write error keeps its own form: it names its file)."""
+    if isinstance(error, WriteError):
+        return error
+    return type(error)(f"domain {name!r}: {error.message}", params=error.params, hint=error.hint)
+
+
+def domain_seed(seed: int, domain: str) -> int:
+    """The seed of domain ``domain``'s episodes in a run of several domains with seed ``seed``: 63
+    bits of SHA-256 of both, so that each domain has its own stream, unchanged when domains are
+    added or removed. Solving that cache alone with ``seed=domain_seed(seed, domain)`` gives the
+    same episodes (and results)."""
+    digest = hashlib.sha256(f"poodle-domain\0{int(seed)}\0{domain}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def domain_file(path: str | os.PathLike, domain: str, param: str) -> Path:
+    """Domain ``domain``'s episode file: ``path`` with ``{domain}`` replaced by its name."""
+    text = str(path)
+    if DOMAIN_FIELD not in Path(text).name:
+        raise ConfigError(
+            f"{param} {text}: with several caches give one file per domain, a name holding {DOMAIN_FIELD} "
+            f"(e.g. episodes-{DOMAIN_FIELD}.h5)",
+            params=(param,),
+        )
+    return Path(text.replace(DOMAIN_FIELD, domain))
+
+
+@dataclass
+class DomainsResult:
+    """What :func:`solve_domains` returns.
+
+    Attributes:
+        domains: ``{domain name: SolveResult}`` in the order given; each one's records have the
+            name as ``cache``.
+        records: every domain's records, domain by domain (what :func:`poodle.report.domain_table` reads).
+        solve_seconds, wall_seconds: time solving (all domains), and in the whole call.
+    """
+
+    domains: dict[str, SolveResult]
+    records: list[dict[str, Any]]
+    solve_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+
+def solve_domains(
+    caches: Mapping[str, str | os.PathLike],
+    methods: Sequence[str] = (defaults.METHOD,),
+    *,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    episodes_from: str | os.PathLike | None = None,
+    save_episodes_to: str | os.PathLike | None = None,
+    out: str | os.PathLike | None = None,
+    run: RunOptions = RunOptions(),
+    on_event: OnEvent = ignore,
+    **settings: Any,
+) -> DomainsResult:
+    """Solve the same setting on several domains (Meta-Dataset's evaluation): each cache is a domain,
+    solved as :func:`solve` solves it alone with its name as ``cache`` and its own episodes.
+
+    Each domain's episodes are drawn with the seed :func:`domain_seed` (``seed``, its name): its
+    records hold that seed, so identical settings on two domains have distinct identities, and
+    solving the cache alone with that seed gives the same results. ``episodes`` is per domain
+    (Meta-Dataset protocol: 600 by default). ``episodes_from`` and ``save_episodes_to`` name one
+    file per domain with ``{domain}`` in the file name (:func:`domain_file`); a negative pool file
+    in ``negatives`` serves every domain. Every domain's setting and files are checked before any
+    is solved.
+
+    Args:
+        caches: ``{domain name: cache file}`` (:func:`domain_caches`), at least one.
+        others: as :func:`solve`.
+    """
+    t_start = time.perf_counter()
+    if not caches:
+        raise ConfigError("no feature cache given", params=("cache",))
+    for name in caches:
+        if not _DOMAIN_NAME.match(name):
+            raise ConfigError(f"domain name {name!r} may hold letters, digits and _ . + - only", params=("cache",))
+    seed = settings.get("seed")
+    base_seed = int(seed) if seed is not None else defaults.SEED
+    preps: dict[str, _Prepared] = {}
+    for name, path in caches.items():
+        ep_from = None if episodes_from is None else domain_file(episodes_from, name, "episodes_from")
+        save_to = None if save_episodes_to is None else domain_file(save_episodes_to, name, "save_episodes_to")
+        if ep_from is not None and not ep_from.is_file():
+            raise ConfigError(
+                f"episodes_from: no episode file {ep_from} for domain {name!r}", params=("episodes_from",)
+            )
+        own = dict(settings)
+        if ep_from is None:
+            own["seed"] = domain_seed(base_seed, name)
+        try:
+            preps[name] = _prepare(path, methods, options, ep_from, save_to, out, on_event, own, name, caches)
+        except PoodleError as e:
+            raise _in_domain(name, e) from None
+    results: dict[str, SolveResult] = {}
+    for name, prep in preps.items():
+        # what the cache's contents decide (its classes, an episode file's indices) is found as
+        # the domain is solved; the domains before it are already in ``out``
+        try:
+            results[name] = _run(prep, out, run, on_event, t_start)
+        except PoodleError as e:
+            raise _in_domain(name, e) from None
+    return DomainsResult(
+        domains=results,
+        records=[r for res in results.values() for r in res.records],
+        solve_seconds=sum(r.solve_seconds for r in results.values()),
+        wall_seconds=time.perf_counter() - t_start,
+    )
+
+
+__all__ = [
+    "DOMAIN_FIELD",
+    "EPISODE_PARAMS",
+    "SETTINGS",
+    "DomainsResult",
+    "SolveResult",
+    "check_outputs",
+    "domain_caches",
+    "domain_file",
+    "domain_seed",
+    "make_cells",
+    "solve",
+    "solve_domains",
+]

@@ -1,0 +1,160 @@
+"""`poodle solve` on several caches (Meta-Dataset's per-domain evaluation): each domain's own episode
+stream, its results equal to solving the cache alone with its seed, the per-domain table (also from
+`poodle report --domains`), episode files one per domain, one negative pool for every domain, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from poodle.cache import read_split, write_arrays
+from poodle.cli.report import report
+from poodle.cli.solve import solve as solve_cmd
+from poodle.episodes import load_episodes, sample_episodes
+from poodle.errors import ConfigError
+from poodle.report import domain_table
+from poodle.results import read_results
+from poodle.solve import domain_caches, domain_file, domain_seed, solve, solve_domains
+
+
+@pytest.fixture
+def caches(tmp_path, make_features):
+    out = {}
+    for i, name in enumerate(("birds", "fungi", "signs")):
+        x, y = make_features(12, 24, 16, seed=10 + i, spread=0.5 + 0.1 * i)
+        xb, yb = make_features(8, 10, 16, seed=20 + i)
+        out[name] = write_arrays(
+            tmp_path / f"{name}.h5",
+            {"test": (x, y, [f"t{j}" for j in range(12)]), "train": (xb, yb, [f"b{j}" for j in range(8)])},
+        )
+    return out
+
+
+def _run(args):
+    return CliRunner().invoke(solve_cmd, [str(a) for a in args])
+
+
+def test_domain_names_and_seeds(tmp_path):
+    assert domain_caches(["a=x/one.h5", "y/two.h5"]) == {"a": Path("x/one.h5"), "two": Path("y/two.h5")}
+    with pytest.raises(ConfigError, match="domain 'two' given twice"):
+        domain_caches(["x/two.h5", "y/two.h5"])
+    with pytest.raises(ConfigError, match="expected NAME=PATH"):
+        domain_caches(["a="])
+    with pytest.raises(ConfigError, match="may hold letters"):
+        domain_caches(["my domain=x.h5"])
+    # 63 bits, a function of both, not of the other domains
+    s = {domain_seed(0, d) for d in ("a", "b")} | {domain_seed(1, "a")}
+    assert len(s) == 3 and all(0 <= v < 2**63 for v in s) and domain_seed(0, "a") == domain_seed(0, "a")
+    assert domain_file("ep-{domain}.h5", "a", "save_episodes_to").name == "ep-a.h5"
+    with pytest.raises(ConfigError, match=r"one file per domain, a name holding \{domain\}"):
+        domain_file("ep.h5", "a", "save_episodes_to")
+
+
+@pytest.mark.parametrize("protocol", ["fixed", "meta-dataset"])
+def test_each_domain_is_that_cache_solved_alone_with_its_seed(tmp_path, caches, protocol):
+    extra = {"protocol": protocol} if protocol == "meta-dataset" else {"way": 3, "shot": 2, "query": 4}
+    res = solve_domains(caches, ["proto", "tim-gd"], options={"tim-gd": {"steps": 5}}, episodes=6, seed=3, **extra)
+    assert list(res.domains) == list(caches) and len(res.records) == 6
+    seeds = set()
+    for name, path in caches.items():
+        dom = res.domains[name]
+        assert [r["cache"] for r in dom.records] == [name, name]
+        seed = domain_seed(3, name)
+        assert all(r["episode"]["seed"] == seed for r in dom.records)
+        seeds.add(seed)
+        alone = solve(path, ["proto", "tim-gd"], options={"tim-gd": {"steps": 5}}, episodes=6, seed=seed, **extra)
+        for m in ("proto", "tim-gd"):
+            assert torch.equal(dom.accs[m], alone.accs[m])
+        # the identities differ per domain (the seed decides the episodes)
+    assert len(seeds) == 3 and len({r["key"] for r in res.records}) == 6
+    assert all(r["episode"].get("protocol", "fixed") == protocol for r in res.records)
+
+
+def test_meta_dataset_defaults_to_600_episodes_per_domain(caches):
+    from poodle.solve import make_cells
+
+    (md,) = make_cells(caches["birds"], ["proto"], {}, {"protocol": "meta-dataset"})
+    (fixed,) = make_cells(caches["birds"], ["proto"], {}, {})
+    assert md.n_episodes == 600 and fixed.n_episodes == 2000
+
+
+def test_cli_table_report_episode_files_and_pool(tmp_path, caches):
+    js, ep = tmp_path / "r.jsonl", tmp_path / "ep-{domain}.h5"
+    pool = caches["signs"]
+    args = [
+        *("--cache", f"b={caches['birds']}", "--cache", caches["fungi"]),
+        *("--protocol", "meta-dataset", "--episodes", 5, "--method", "proto", "--method", "poodle"),
+        *("--steps", 5, "--n-neg", 6, "--negatives", f"{pool}:train", "--out", js, "--save-episodes", ep),
+    ]
+    r = _run(args)
+    assert r.exit_code == 0, r.output
+    assert "2 domains, 5 episodes each" in r.output and "average rank" in r.output and "mean over" in r.output
+    records = read_results(js).records
+    assert [x["cache"] for x in records] == ["b", "b", "fungi", "fungi"]
+    assert all(x["negatives"] == f"{pool}:train" for x in records if x["method"] == "poodle")
+    # one file per domain, with the domain's own episodes (its seed) and the pool's negatives
+    for name, path in (("b", caches["birds"]), ("fungi", caches["fungi"])):
+        eps = load_episodes(tmp_path / f"ep-{name}.h5")
+        assert eps.spec.seed == domain_seed(0, name) and eps.ragged
+        ref = sample_episodes(read_split(path, "test").labels, eps.spec, 5)
+        assert len(eps) == 5 and torch.equal(eps.query, ref.query) and eps.negatives.shape[1] == 6
+    # the table: a column per domain, a row per method; report --domains renders the same
+    table = domain_table(records)
+    assert table.domains == ["b", "fungi"] and [str(x[0]) for x in table.rows] == ["proto", "poodle"]
+    rep = CliRunner().invoke(report, [str(js), "--domains"])
+    assert rep.exit_code == 0, rep.output
+    rows = [line.strip() for line in rep.output.splitlines() if line.strip().startswith(("│ proto", "│ poodle"))]
+    assert len(rows) == 2 and all(row in r.output for row in rows)
+    # solving the saved episodes again gives the same accuracies, domain by domain
+    js2 = tmp_path / "r2.jsonl"
+    again = _run(
+        [
+            *("--cache", f"b={caches['birds']}", "--cache", caches["fungi"], "--episodes-from", ep),
+            *("--method", "proto", "--method", "poodle", "--steps", 5, "--out", js2),
+        ]
+    )
+    assert again.exit_code == 0, again.output
+    rec2 = read_results(js2).records
+    assert [x["acc"] for x in rec2] == [x["acc"] for x in records]
+
+
+def test_cli_errors_name_the_domain_and_file(tmp_path, caches):
+    both = ("--cache", caches["birds"], "--cache", caches["fungi"])
+    r = _run([*both, "--save-episodes", tmp_path / "e.h5", "--episodes", 2])
+    assert r.exit_code != 0 and "{domain}" in r.output and "--save-episodes" in r.output
+    r = _run([*both, "--episodes-from", tmp_path / "none-{domain}.h5"])
+    assert r.exit_code != 0 and "none-birds.h5" in r.output and "'birds'" in r.output
+    r = _run(["--cache", caches["birds"], "--cache", f"x/{caches['birds'].name}"])
+    assert r.exit_code != 0 and "given twice" in r.output
+    r = _run([*both, "--cache", "=x.h5"])
+    assert r.exit_code != 0 and "NAME=PATH" in r.output
+    r = _run([*both, "--way", 30, "--episodes", 2])  # 12 classes: the domain is named
+    assert r.exit_code != 0 and "domain 'birds'" in r.output
+
+
+def test_project_file_lists_domains_read_from_its_folder(tmp_path, caches, monkeypatch):
+    from poodle.cli.main import cli
+
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "p.toml").write_text(
+        '[solve]\ncache = ["b=../birds.h5", "../fungi.h5"]\nepisodes = 3\nway = 3\nmethod = "proto"\n'
+    )
+    js = tmp_path / "r.jsonl"
+    monkeypatch.chdir(tmp_path / "proj")
+    r = CliRunner().invoke(cli, ["--config", "p.toml", "solve", "--out", str(js)])
+    assert r.exit_code == 0, r.output
+    assert [x["cache"] for x in read_results(js).records] == ["b", "fungi"]
+
+
+def test_one_named_cache_keeps_todays_episodes(tmp_path, caches):
+    args = ["--episodes", 4, "--way", 3, "--method", "proto", "--out"]
+    assert _run(["--cache", caches["birds"], *args, tmp_path / "a.jsonl"]).exit_code == 0
+    r = _run(["--cache", f"b={caches['birds']}", *args, tmp_path / "b.jsonl"])
+    assert r.exit_code == 0, r.output
+    ((plain,), (named,)) = (read_results(tmp_path / f"{x}.jsonl").records for x in "ab")
+    assert plain["cache"] == str(caches["birds"]) and named["cache"] == "b"
+    # the same identity: a name alone does not change what is solved
+    assert named["key"] == plain["key"] and named["episode"]["seed"] == 0 and named["acc"] == plain["acc"]
