@@ -38,8 +38,8 @@ def test_records_say_which_arithmetic_ran_outside_their_identity(cache, tmp_path
     st = _native.state()
     assert got["proto"] == "torch"  # no fit of the engine
     assert got["poodle"] == (f"kernel {st.source_hash[:12]}" if st.loaded else f"torch ({st.reason})")
-    assert got["alpha-tim"] == "torch (no fused kernel for this loss)"
-    assert formulations(res.records) == f"proto: torch; poodle: {got['poodle']}; alpha-tim: {got['alpha-tim']}"
+    assert got["alpha-tim"] == got["poodle"]  # the alpha loss is in the fused kernel too
+    assert formulations(res.records) == f"proto: torch; poodle, alpha-tim: {got['poodle']}"
     for r in res.records:
         identity = {k: r[k] for k in IDENTITY_FIELDS if k in r}
         assert r["key"] == identity_key(identity) == identity_key({**identity, "formulation": "anything"})
