@@ -394,17 +394,22 @@ def user_set(ctx: click.Context, name: str) -> bool:
 
 
 def say_glyphs_generation(dataset: str, data_root: str | None, cache_root: str) -> None:
-    """One line before the embedded glyphs are generated (first use: minutes without any output)."""
+    """Generate the embedded glyphs now when the command will read them and they are not there yet
+    (first use: minutes), with a line saying so and its progress (``--progress``), rather than
+    silently inside the dataset's first listing."""
     if dataset != "glyphs" or data_root is not None:
         return
-    from poodle.data.glyphs import glyphs_generated
+    from poodle.data.glyphs import ensure_glyphs, glyphs_to_generate
 
-    if not glyphs_generated(cache_root):
+    n = glyphs_to_generate(cache_root)
+    if n:
         where = Path(cache_root) / "glyphs"
         console.print(
             styled("note", "yellow", f": generating the glyphs dataset under {where} (first use only, a few minutes)"),
             soft_wrap=True,
         )
+        with progress_bar("generating glyphs", n, unit="img") as advance:
+            ensure_glyphs(Path(cache_root), progress=advance)
 
 
 def progress_option(fn: Callable[..., Any]) -> Callable[..., Any]:

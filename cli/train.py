@@ -24,7 +24,7 @@ def _milestones(ctx: click.Context, param: click.Parameter, value: str | None) -
 
 class TrainDisplay:
     """Renders :class:`poodle.train.TrainEvent` s: a bar per epoch with loss, accuracy and images/s,
-    and one summary line per epoch."""
+    then one for its meta-validation (images embedded), and one summary line per epoch."""
 
     def __init__(self, where: str = "its last.pt") -> None:
         from poodle.cli._progress import new_progress
@@ -44,6 +44,7 @@ class TrainDisplay:
         self.t0 = 0.0
         self.t_end: float | None = None  # end of the epoch's training part (before validation)
         self.images = 0
+        self.val_t0, self.val_images = 0.0, 0
 
     def __enter__(self) -> TrainDisplay:
         self.progress.__enter__()
@@ -75,9 +76,20 @@ class TrainDisplay:
             self.images += e.images
             rate = self.images / max(time.perf_counter() - self.t0, 1e-9)
             p.update(self.task, advance=1, loss=f"{e.loss:.3f}", acc=f"{100 * e.acc:.1f}%", rate=f"{rate:,.0f} img/s")
-        elif e.kind == "validate" and self.task is not None:
+        elif e.kind == "validate":
+            # its own stage (images embedded for the meta-validation episodes): the epoch's line
+            # has said its end, and a log then shows validation's progress as it goes
             self.t_end = time.perf_counter()
-            p.update(self.task, description=self._prefix(e) + " (validating)")
+            if self.task is not None:
+                p.remove_task(self.task)
+            self.task = p.add_task(
+                self._prefix(e) + " validating", total=e.total, loss="-", acc="-", rate="", unit="img"
+            )
+            self.val_t0, self.val_images = time.perf_counter(), 0
+        elif e.kind == "validate_step" and self.task is not None:
+            self.val_images += e.images
+            rate = self.val_images / max(time.perf_counter() - self.val_t0, 1e-9)
+            p.update(self.task, advance=e.images, rate=f"{rate:,.0f} img/s")
         elif e.kind == "epoch_end":
             val = "" if e.val_acc is None else f"  val {100 * e.val_acc:.2f}% (best {100 * e.best_acc:.2f}%)"
             rate = self.images / max((self.t_end or time.perf_counter()) - self.t0, 1e-9)

@@ -31,7 +31,7 @@ import torch
 
 from poodle import defaults, solvers
 from poodle.data import PixelCache
-from poodle.data.glyphs import ensure_glyphs
+from poodle.data.glyphs import ensure_glyphs, glyphs_to_generate
 from poodle.errors import CacheError, ConfigError
 from poodle.events import CellFinished, EpisodesSolved, Event
 from poodle.extract import extract
@@ -221,18 +221,21 @@ def demo_rows(competitors: str | tuple[str, ...] = "paper") -> list[Row]:
 QUICK_GLYPHS: dict[str, Any] = {"max_per_alphabet": 6, "instances": 20}  # ~100 classes, 2,000 images
 
 
-def _data(cfg: DemoConfig, progress: Callable[[int], None] | None = None) -> tuple[str, str | None, Path]:
+def _data(cfg: DemoConfig, progress_factory: ProgressFactory | None = None) -> tuple[str, str | None, Path]:
     """``(dataset, data_root, cache_root)`` for training and extraction.
 
     The full demo uses the ``glyphs`` dataset itself. ``--quick`` generates a reduced glyph set (its
     own folder) and reads it as a ``folder`` dataset, with its feature cache under
-    ``<cache>/glyphs/quick/`` so it never mixes with the full demo's.
+    ``<cache>/glyphs/quick/`` so it never mixes with the full demo's. A generation (first use:
+    minutes) reports its images through ``progress_factory("generating glyphs", images)``.
     """
     cache_root = Path(cfg.cache_root)
+    subset: dict[str, Any] = QUICK_GLYPHS if cfg.quick else {}
+    n = glyphs_to_generate(cache_root, **subset) if progress_factory is not None else 0
+    with progress_factory("generating glyphs", n) if progress_factory and n else contextlib.nullcontext() as advance:
+        root = ensure_glyphs(cache_root, progress=advance, **subset)
     if not cfg.quick:
-        ensure_glyphs(cache_root, progress=progress)
         return DATASET, None, cache_root
-    root = ensure_glyphs(cache_root, progress=progress, **QUICK_GLYPHS)
     return "folder", str(root), cache_root / DATASET / "quick"
 
 
@@ -345,12 +348,13 @@ def run_demo(
         log: receives one line per stage.
         train_callback: receives :class:`poodle.train.TrainEvent` s.
         progress_factory: ``(description, total) -> context manager yielding advance(n)`` (as
-            :func:`poodle.extract.extract` takes it), used for extraction and evaluation progress.
+            :func:`poodle.extract.extract` takes it), used for the glyph generation, extraction and
+            evaluation progress.
     """
     stages = _Stages(cfg, log, progress_factory)
     demo_dir = stages.cache_root / DATASET / "demo"
     t = time.perf_counter()
-    dataset, data_root, data_cache = _data(cfg)
+    dataset, data_root, data_cache = _data(cfg, progress_factory)
     stages.seconds["glyphs"] = time.perf_counter() - t
     log(f"glyphs ready under {data_root or stages.cache_root / DATASET} ({stages.seconds['glyphs']:.1f} s)")
     # Training keeps the decoded train and val images here; extraction then reads them instead of

@@ -7,7 +7,9 @@ their safe points (a training step, a batch of images, a chunk of episodes, a ce
 :class:`Interrupted` there. Everything committed before stays (epochs, splits, cells: each is
 written atomically); what was under way is dropped or left resumable by the same cleanup that runs
 for any exception. Should no safe point come within ``grace`` seconds, :class:`Interrupted` is
-raised wherever the process is (as Ctrl-C always did); a second signal raises it at once.
+raised wherever the process is (as Ctrl-C always did); a second signal raises it at once (the same
+signal again within :data:`REPEAT` seconds is the same request, as a torchrun rank under SLURM gets
+it from both).
 
 :class:`Interrupted` is a ``KeyboardInterrupt``, so code that cleans up after Ctrl-C cleans up after
 a SIGTERM too, and a library caller that never enters :func:`stop_on_signals` sees no change.
@@ -20,10 +22,16 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from typing import Any, Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 GRACE = 3.0  # seconds from the signal to a hard stop when no safe point is reached
+# Seconds within which the same signal again is the same request, not a second one: a scheduler
+# signals every process of a job step, torchrun's ranks included, and torchrun passes the signal
+# it got on to each rank as well, so a rank gets two at once; a person's second Ctrl-C comes later.
+REPEAT = 1.0
+_asked_at = [0.0]
 
 _requested: list[int] = []  # the signal that asked to stop (at most one); empty: none
 
@@ -59,8 +67,11 @@ def request(signum: int) -> None:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    if _requested:  # a second signal: stop now
-        raise Interrupted(_requested[0])
+    if _requested:
+        if signum == _requested[0] and time.monotonic() - _asked_at[0] < REPEAT:
+            return  # the same request sent twice (SLURM signals a torchrun rank, and torchrun does too)
+        raise Interrupted(_requested[0])  # a second signal: stop now
+    _asked_at[0] = time.monotonic()
     request(signum)
     if _grace[0] is not None:
         signal.setitimer(signal.ITIMER_REAL, _grace[0])

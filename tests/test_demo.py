@@ -79,6 +79,13 @@ def test_demo_prints_the_table_of_every_method_and_setting(first_run):
     assert len(records) == 2 * (2 + 2 * 2 + len(competitor_names("paper")))
     assert all(len(r["acc"]) == EPISODES and r["group"] == "demo" for r in records)
 
+    # not a terminal: plain progress lines, the glyph generation's and meta-validation's included
+    (manifest,) = (cache / "glyphs").glob("images-*/manifest.json")
+    splits = json.loads(manifest.read_text())["splits"]
+    n = sum(s["images"] for s in splits.values())
+    assert f"generating glyphs: {n:,}/{n:,} img (100%)" in output
+    assert f"epoch 1/1 validating: {splits['val']['images']:,}/{splits['val']['images']:,} img (100%)" in output
+
 
 def test_second_run_reuses_checkpoint_features_and_results(first_run):
     cache, args, output = first_run

@@ -6,6 +6,7 @@ Each torchrun start costs seconds, so the launches are few and each checks sever
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -429,3 +430,77 @@ def test_shares_merge_into_the_split_a_single_writer_makes(tmp_path):
     with _h5.File(one) as fa, _h5.File(two) as fb:
         assert skipped(fa) == skipped(fb) == ["img5.png"]
         assert fa["test"].attrs["n_skipped"] == fb["test"].attrs["n_skipped"] == 1
+
+
+# --------------------------------------------------------------------------- a stop by a signal
+
+
+def test_torchrun_train_stopped_by_sigterm_continues_to_the_weights_of_a_whole_run(tmp_path):
+    """SIGTERM as a scheduler sends it, to torchrun and to its ranks (torchrun starts each rank in
+    a session of its own and passes the signal on too, so each rank gets it twice), in epoch 2 of 3:
+    both ranks stop at the same step with status 143 and rank 0's one line, epoch 1 is kept and
+    nothing else is written; torchrun itself ends with status 1 and its own traceback (its agent
+    re-raises the signal as an exception, whatever the ranks' codes). The same command then ends
+    with the weights of an uninterrupted run."""
+    import signal
+    import time
+
+    from _signals import _SLOW_FROM
+
+    _images.write_folder(tmp_path / "data", {"train": 3, "val": 2}, 4, size=16, splits=("train", "val"))
+    args = ["train", "--dataset", "folder", "--data-root", "data", "--backbone", "conv4_64", "--recipe", "simple"]
+    args += ["--epochs", "3", "--batch-size", "6", "--image-size", "16", "--augment", "crop", "--val-every", "0"]
+    args += ["--workers", "0", "--device", "cpu", "--progress", "plain", "--progress-interval", "0.01"]
+    # rank 0 slows down from its 3rd progress update (epoch 2, step 1) and says so; every rank
+    # writes down its exit status, which torchrun does not pass on
+    (tmp_path / "slow.py").write_text(
+        _SLOW_FROM.format(at=3, stage="")
+        + "import os\nfrom poodle.cli.main import cli\ntry:\n    cli(prog_name='poodle')\n"
+        + "except SystemExit as e:\n    pathlib.Path(f\"rank{os.environ['RANK']}.exit\").write_text(str(e.code))\n"
+        + "    raise\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "POODLE_DIST_TIMEOUT": "120", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "slow.py"]
+    p = subprocess.Popen(
+        [*cmd, *args, "--out", "cut"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + TIMEOUT
+    while not (tmp_path / "at").exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert p.poll() is None, p.communicate()[1][-3000:]
+    ranks = [int(c) for c in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()]
+    assert len(ranks) == 2 and all(os.getpgid(r) == r for r in ranks)  # each in a group of its own
+    for group in (p.pid, *ranks):
+        os.killpg(group, signal.SIGTERM)
+    _, err = p.communicate(timeout=TIMEOUT)
+
+    assert p.returncode == 1 and err.count("Traceback") == 1, err[-3000:]
+    assert "SignalException: Process" in err.split("Traceback")[1]  # torchrun's, none from a rank
+    assert [(tmp_path / f"rank{r}.exit").read_text() for r in (0, 1)] == ["143", "143"]
+    stopped = [ln for ln in err.splitlines() if ln.startswith("stopped by")]
+    assert stopped == [
+        "stopped by SIGTERM: kept epoch 1/3 (finished) in cut/last.pt; continue with: the same torchrun "
+        f"command (... poodle {' '.join(args)} --out cut)"
+    ], err[-3000:]
+    assert sorted(f.name for f in (tmp_path / "cut").iterdir()) == ["last.pt"]
+    assert torch.load(tmp_path / "cut" / "last.pt", weights_only=True)["epoch"] == 1
+    assert not [f for f in tmp_path.rglob("*") if f.name.endswith(".lock") or ".tmp" in f.name]
+
+    # the printed command, and an uninterrupted run, in one launch
+    r = torchrun(
+        json.dumps([[*args, "--out", "cut"], [*args, "--out", "whole"]]),
+        cwd=tmp_path,
+        script=str(Path(__file__).with_name("_dist_driver.py")),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming at epoch 2/3" in r.stderr
+    cut, whole = (torch.load(tmp_path / d / "last.pt", weights_only=True) for d in ("cut", "whole"))
+    assert cut["epoch"] == whole["epoch"] == 3
+    for k, v in whole["state_dict"].items():
+        assert torch.equal(cut["state_dict"][k], v), k

@@ -137,9 +137,10 @@ def test_grid_stopped_at_three_points_keeps_every_finished_cell(tmp_path, cache)
     assert cut == whole
 
 
-def test_a_second_signal_or_the_grace_period_stops_without_a_safe_point():
+def test_a_second_signal_or_the_grace_period_stops_without_a_safe_point(monkeypatch):
     """Inside stop_on_signals the first signal only asks; with no safe point, the grace period's
-    alarm raises Interrupted wherever the process is; a second signal raises it at once."""
+    alarm raises Interrupted wherever the process is; a second signal raises it at once, unless it
+    is the same signal within REPEAT seconds (a rank that SLURM and torchrun both signal)."""
     with interrupt.stop_on_signals(grace=0.2):
         os.kill(os.getpid(), signal.SIGTERM)
         assert interrupt.requested() == signal.SIGTERM
@@ -149,10 +150,20 @@ def test_a_second_signal_or_the_grace_period_stops_without_a_safe_point():
                 pass
         assert e.value.signum == signal.SIGTERM and e.value.exit_code == 143
         assert time.monotonic() - t0 < 2
+    monkeypatch.setattr(interrupt, "REPEAT", 0.3)
     with interrupt.stop_on_signals(grace=None):
         os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the same request again: still only asked
+        assert interrupt.requested() == signal.SIGINT
+        time.sleep(0.35)
         with pytest.raises(interrupt.Interrupted) as e:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
         assert e.value.exit_code == 130
+    with interrupt.stop_on_signals(grace=None):
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(interrupt.Interrupted) as e:  # another signal at once: stop now
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert e.value.exit_code == 143
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -89,3 +89,46 @@ def test_the_interval_comes_from_the_option_the_environment_or_the_project_file(
     assert seen["interval"] == 2.0
     res = CliRunner().invoke(cli, ["solve", "--cache", str(cache), "--progress-interval", "0"])
     assert res.exit_code == 2 and "--progress-interval" in res.output
+
+
+def test_a_command_that_reads_the_glyphs_generates_them_first_with_its_progress(monkeypatch, tmp_path, capsys):
+    """train and extract on the embedded glyphs: a first use (minutes) is said, and its images
+    counted like any stage; a set already there, another dataset or a given root: nothing."""
+    from poodle.cli._common import say_glyphs_generation
+    from poodle.data import glyphs
+
+    calls = []
+
+    def fake_ensure(cache_root, progress=None, **settings):
+        calls.append((str(cache_root), settings))
+        for _ in range(3):
+            progress(20)
+        return cache_root
+
+    left = {"n": 60}
+    monkeypatch.setattr(glyphs, "glyphs_to_generate", lambda cache_root: left["n"])
+    monkeypatch.setattr(glyphs, "ensure_glyphs", fake_ensure)
+    monkeypatch.setitem(_progress._state, "mode", "plain")
+    say_glyphs_generation("glyphs", None, str(tmp_path))
+    err = capsys.readouterr().err
+    assert "generating the glyphs dataset under" in err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("generating glyphs:")]
+    assert line.startswith("generating glyphs: 60/60 img (100%)")
+    assert calls == [(str(tmp_path), {})]
+    left["n"] = 0
+    say_glyphs_generation("glyphs", None, str(tmp_path))
+    say_glyphs_generation("mini", str(tmp_path), str(tmp_path))
+    say_glyphs_generation("glyphs", str(tmp_path), str(tmp_path))
+    assert len(calls) == 1 and capsys.readouterr().err == ""
+
+
+def test_glyphs_to_generate_counts_the_images_of_a_set_not_there_yet(tmp_path):
+    from poodle.data.glyphs import ensure_glyphs, glyph_classes, glyphs_to_generate
+
+    subset = {"alphabets": ["latin"], "max_per_alphabet": 3, "instances": 2}
+    n = glyphs_to_generate(tmp_path, **subset)
+    assert n == len(glyph_classes(["latin"], 3)) * 2 == 6
+    seen = []
+    ensure_glyphs(tmp_path, progress=seen.append, workers=1, **subset)
+    assert sum(seen) == n and glyphs_to_generate(tmp_path, **subset) == 0
+    assert glyphs_to_generate(tmp_path, **{**subset, "instances": 3}) == 9

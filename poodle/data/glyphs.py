@@ -314,8 +314,14 @@ def _render_classes(
         # while another finishes a big last chunk; the files do not depend on the chunking.
         chunk = max(1, len(tasks) // (32 * n_workers))
         with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
-            for r in pool.map(_render_class, tasks, chunksize=chunk):
-                collect(r)
+            try:
+                for r in pool.map(_render_class, tasks, chunksize=chunk):
+                    collect(r)
+            except BaseException:
+                # a stop (the progress callback is a safe point) or a failure: drop the chunks not
+                # started rather than render the whole set for a folder about to be deleted
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
     if faint:
         raise DataError(
             f"glyphs: class(es) {', '.join(faint[:5])} rendered an image without ink (a font that lacks the glyph?)"
@@ -426,6 +432,23 @@ def verify_glyphs(root: str | Path, *, checksum: bool = False) -> dict:
 def glyphs_generated(cache_root: str | Path) -> bool:
     """Whether the default glyph set is already under ``cache_root`` (so using it costs no generation)."""
     return (Path(cache_root) / "glyphs" / _Settings().folder_name() / MANIFEST).is_file()
+
+
+def glyphs_to_generate(
+    cache_root: str | Path,
+    *,
+    seed: int = 0,
+    image_size: int = 28,
+    instances: int = DEFAULT_INSTANCES,
+    alphabets: Sequence[str] | None = None,
+    max_per_alphabet: int | None = None,
+) -> int:
+    """How many images :func:`ensure_glyphs` with these settings would write: 0 when the set is
+    already under ``cache_root``, else the total its ``progress`` callback counts up to."""
+    settings = _Settings(seed, image_size, instances, alphabets, max_per_alphabet)
+    if (Path(cache_root) / "glyphs" / settings.folder_name() / MANIFEST).is_file():
+        return 0
+    return len(glyph_classes(alphabets, max_per_alphabet)) * int(instances)
 
 
 def ensure_glyphs(
