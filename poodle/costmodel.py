@@ -362,18 +362,14 @@ def _watch_loops(
 
 def _run_traced(method: str, cfg: Any, batch: Any) -> Trace:
     from poodle import solvers
-    from poodle.solvers import _optim, _transductive
 
-    before = _optim.USE_NATIVE
-    _optim.USE_NATIVE = False
     loops = solvers.get(method).floor.loops
-    try:
-        # convergence checks as a GPU makes them (once per CHECK_EVERY iterations), not per iteration
-        with _transductive.device_schedule(), _tracer(batch.n_episodes) as mode:
-            with _watch_loops(loops, lambda: (len(mode.trace.op_bytes), mode.trace.syncs)) as records:
-                solvers.run(method, batch, cfg)
-    finally:
-        _optim.USE_NATIVE = before
+    # the torch formulation (what a GPU runs), its convergence checks as a GPU makes them (once per
+    # CHECK_EVERY iterations), not per iteration
+    traced = solvers.Backend(native=False, device_schedule=True)
+    with _tracer(batch.n_episodes) as mode:
+        with _watch_loops(loops, lambda: (len(mode.trace.op_bytes), mode.trace.syncs)) as records:
+            solvers.run(method, batch, cfg, backend=traced)
     result: Trace = mode.trace
     for rec in records:
         result.loop_ops += range(rec["start"][0], rec["end"][0])
@@ -760,6 +756,9 @@ __all__ = [
     "torch_step_bytes",
     "triton_step_bytes",
     "resident_group",
+    "resident_plan",
+    "device_gpu",
+    "launch_plan",
     "triton_seconds",
     "chunks",
     "trace",
@@ -780,3 +779,30 @@ __all__ = [
     "triton_cases",
     "triton_markdown",
 ]
+
+
+def resident_plan(
+    E: int, n: int, D: int, K: int, steps: int, n_support: int | None, gpu: GPU, itemsize: int = 4
+) -> int | None:
+    """Episodes per Triton step launch when :func:`triton_seconds` predicts that keeping a group's
+    rows resident in L2 beats streaming them every step on ``gpu``, else ``None`` (one launch of
+    all ``E``)."""
+    t = triton_seconds(n, D, K, steps, E, gpu, n_support, itemsize)
+    return int(t["group"]) if t["resident"] < t["stream"] and t["group"] < E else None
+
+
+def device_gpu(device: torch.device) -> GPU:
+    """This model's view of a CUDA device: its L2 and SMs; bandwidth and FP32 rate of an H100 SXM
+    (only their ratio enters :func:`resident_plan`'s choice)."""
+    p = torch.cuda.get_device_properties(device)
+    ref = H100_SXM
+    l2 = int(getattr(p, "L2_cache_size", 0) or ref.l2_bytes)
+    return GPU(p.name, ref.bandwidth, ref.fp32, l2, int(p.multi_processor_count))
+
+
+def launch_plan(
+    E: int, n: int, D: int, K: int, steps: int, n_support: int | None, device: torch.device, itemsize: int
+) -> int | None:
+    """The Triton step's sizing a run's :class:`~poodle.solvers.backend.Backend` carries
+    (``launch_plan``): :func:`resident_plan` on ``device``'s own L2 and SMs."""
+    return resident_plan(E, n, D, K, steps, n_support, device_gpu(device), itemsize)

@@ -91,6 +91,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: AlphaTimConfig) -> f
     flops=_flops,
     summary="alpha-TIM (Veilleux et al. 2021): TIM with alpha-entropies, robust to imbalanced queries",
     floor=dict(matmul="large"),
+    triton_step=True,  # its loss is one the Triton step knows
 )
 def alpha_tim(batch: EpisodeBatch, cfg: AlphaTimConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]``."""

@@ -265,6 +265,8 @@ class SolverInfo:
         summary: one line for ``--help`` and listings.
         floor: the cost facts of what the method computes per episode (:class:`Floor`), for the
             per-method floors of ``benchmarks/methods.py`` and the loops of :mod:`poodle.costmodel`.
+        triton_step: whether its fits take the Triton step on CUDA under a backend with
+            ``cuda_step="triton"`` (:mod:`poodle.solvers._triton_step`; its loss is one the step knows).
     """
 
     name: str
@@ -275,6 +277,7 @@ class SolverInfo:
     flops: Callable[..., float] | None
     summary: str
     floor: Floor = field(default_factory=lambda: Floor())
+    triton_step: bool = False
 
     def needs_negatives(self, cfg: Any) -> bool:
         """Whether this method, configured by ``cfg``, reads ``EpisodeBatch.negatives``."""
@@ -331,6 +334,7 @@ def register(
     summary: str = "",
     aliases: tuple[str, ...] = (),
     floor: Floor | Mapping[str, Any] | None = None,
+    triton_step: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Decorator: register a batched solver under ``name`` (and ``aliases``) with its config dataclass
     and, optionally, the cost facts of its floor (a :class:`Floor`, or its fields as a dict, so that
@@ -346,7 +350,7 @@ def register(
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
             raise ValueError(f"solver {name!r} registered twice")
         doc = summary or ((fn.__doc__ or "").strip().splitlines() or [""])[0]
-        _REGISTRY[name] = SolverInfo(name, fn, config, transductive, uses_negatives, flops, doc, facts)
+        _REGISTRY[name] = SolverInfo(name, fn, config, transductive, uses_negatives, flops, doc, facts, triton_step)
         _ALIASES.update({alias: name for alias in aliases})
         return fn
 

@@ -53,6 +53,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: EntropyMinConfig) ->
     flops=_flops,
     summary="Transductive entropy minimisation on the classifier (Dhillon et al. 2020)",
     floor=dict(matmul="large"),
+    triton_step=True,  # its loss is one the Triton step knows
 )
 def entropy_min(batch: EpisodeBatch, cfg: EntropyMinConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]``."""

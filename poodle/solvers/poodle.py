@@ -104,6 +104,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PoodleConfig) -> flo
     flops=_flops,
     summary="POODLE: CE + alpha*pull (in-distribution) - beta*push (negatives), Le et al. 2021",
     floor=dict(matmul="large"),
+    triton_step=True,  # its loss is one the Triton step knows
 )
 def poodle(batch: EpisodeBatch, cfg: PoodleConfig) -> SolverOutput:
     """Query log-probs ``[E, Nq, way]``; state: prototypes ``[E, way, D]``, scale ``[E, 1, 1]``."""
