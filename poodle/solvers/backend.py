@@ -27,10 +27,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from poodle import defaults
 from poodle.errors import ConfigError
 
-CUDA_STEPS = defaults.CUDA_STEPS
+# the choices (``poodle.defaults`` holds the same for RunOptions: a test keeps them equal); this
+# module imports nothing of the library above it
+CUDA_STEPS = ("torch", "triton")
 SINKHORN_LOOPS = ("torch", "triton")
 
 # (E, n, D, K, steps, n_support or None, device, itemsize) -> episodes per Triton launch, or None
@@ -103,7 +104,7 @@ class Backend:
     """
 
     native: bool = True
-    cuda_step: str = defaults.CUDA_STEP
+    cuda_step: str = "torch"
     cuda_sinkhorn: str = field(default_factory=_env_sinkhorn)
     device_schedule: bool = False
     step_devices: tuple[str, ...] = ("cuda",)

@@ -61,7 +61,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: TimADMConfig) -> flo
     TimADMConfig,
     transductive="always",
     flops=_flops,
-    floor=dict(matmul="large"),
+    floor=dict(matmul="large", fixed_steps=True),
     summary="TIM-ADM (Boudiaf et al. 2020): alternating closed-form updates of TIM's objective",
 )
 def tim_adm(batch: EpisodeBatch, cfg: TimADMConfig) -> SolverOutput:
