@@ -111,5 +111,5 @@ def run(
     else:
         _base.check_config(info.name, config)
     info.check_negatives(config, None if batch.negatives is None else "given")
-    with _backend.active(backend or _backend.current(), info.name):  # its engines report under its name
+    with _backend.active(_backend.for_call(backend), info.name):  # its engines report under its name
         return info.fn(batch, config)

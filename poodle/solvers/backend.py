@@ -139,9 +139,28 @@ class _Call:
 _CURRENT: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("poodle_backend", default=None)
 
 
+_DEFAULTS: dict[str, Backend] = {}  # a memo of immutable values, by the environment's setting
+
+
 def default() -> Backend:
-    """The backend of a caller that names none: the defaults (and the environment's)."""
-    return Backend()
+    """The backend of a caller that names none: the defaults (and the environment's). One value
+    per setting of the environment, made once: engines called outside :func:`poodle.solvers.run`
+    read it at every loop iteration."""
+    key = os.environ.get("POODLE_CUDA_SINKHORN", "")
+    be = _DEFAULTS.get(key)
+    if be is None:
+        be = _DEFAULTS[key] = Backend()
+    return be
+
+
+def for_call(backend: Backend | None) -> Backend:
+    """The backend a call of :func:`poodle.solvers.run` runs under: ``backend``, else that of the
+    call it is inside, else the :func:`default` with a :class:`Report` of its own (what one call
+    ran is never read from another's)."""
+    if backend is not None:
+        return backend
+    call = _CURRENT.get()
+    return call.backend if call is not None else default().with_(report=Report())
 
 
 @contextlib.contextmanager
@@ -177,5 +196,6 @@ __all__ = [
     "check_cuda_step",
     "current",
     "default",
+    "for_call",
     "ran",
 ]
