@@ -69,9 +69,11 @@ import solver as solver_bench  # noqa: E402  (benchmarks/solver.py: features, de
 from poodle import costmodel, solvers  # noqa: E402
 from poodle.cache import read_split, write_arrays  # noqa: E402
 from poodle.episodes import EpisodeSpec, sample_episodes  # noqa: E402
-from poodle.evaluate import evaluate, prepare_negatives  # noqa: E402
+from poodle.evaluate import backend_for, evaluate, prepare_negatives  # noqa: E402
 from poodle.negatives import NegativeSpec  # noqa: E402
-from poodle.solvers import _optim, _triton_step  # noqa: E402
+from poodle.run import RunOptions  # noqa: E402
+from poodle.solvers import _triton_step  # noqa: E402
+from poodle.solvers.backend import Backend  # noqa: E402
 from poodle.utils import atomic_path, resolve_device  # noqa: E402
 
 IMPORT_S = time.monotonic() - T0  # a child process that imports torch and poodle pays about this again
@@ -471,11 +473,11 @@ def _method_share(seconds: float, methods: list[tuple[str, str, dict]], i: int) 
     return seconds * w[0] / sum(w)
 
 
-def _timed(ctx: Ctx, method: tuple, n: int) -> float:
+def _timed(ctx: Ctx, method: tuple, n: int, backend: Backend | None = None) -> float:
     eps = ctx.episodes(n)
     _sync(ctx.dev)
     t = time.perf_counter()
-    evaluate(ctx.test, eps, [method], device=ctx.dev, **ctx.kw())
+    evaluate(ctx.test, eps, [method], device=ctx.dev, backend=backend, **ctx.kw())
     _sync(ctx.dev)
     return time.perf_counter() - t
 
@@ -602,12 +604,8 @@ def _agree_one(ctx: Ctx, m: tuple, cap: int, share: float, row: dict[str, Any]) 
         eps = ctx.episodes(b)[done:b]
         t = time.perf_counter()
         ref = evaluate(ctx.test, eps, [m], device="cpu", **ctx.kw())[m[0]]
-        before = _optim.USE_NATIVE
-        _optim.USE_NATIVE = False
-        try:
-            got = evaluate(ctx.test, eps, [m], device=ctx.dev, **ctx.kw())[m[0]].cpu()
-        finally:
-            _optim.USE_NATIVE = before
+        torch_only = Backend(native=False)
+        got = evaluate(ctx.test, eps, [m], device=ctx.dev, backend=torch_only, **ctx.kw())[m[0]].cpu()
         took = time.perf_counter() - t
         spent += took
         with _quiet():
@@ -668,10 +666,9 @@ def _agreement_report(sec: Section, ctx: Ctx, methods: list, rows: dict[str, dic
 def triton(sec: Section, ctx: Ctx) -> None:
     """On CUDA: the Triton step against the torch formulation, per episode and in episodes/s, for
     each method it serves; everywhere: the cost model's prediction of both."""
-    from poodle.solvers._optim import TRITON_METHODS, cuda_step
-
     dev, kw = ctx.dev, ctx.kw()
-    methods = _ordered([m for m in _all_methods() if m[0] in TRITON_METHODS])
+    triton_step = backend_for(RunOptions(cuda_step="triton"))
+    methods = _ordered([m for m in _all_methods() if solvers.get(m[1]).triton_step])
     ok, why = _triton_step.available()
     per: dict[str, dict[str, Any]] = sec.data.setdefault("per_method", {})
     if dev.type == "cuda" and ok:
@@ -684,15 +681,13 @@ def triton(sec: Section, ctx: Ctx) -> None:
                 with _share(ctx, max(2 * share, 1.0)):
                     eps = ctx.episodes(ctx.args.agree_episodes)
                     torch_acc = evaluate(ctx.test, eps, [m], device=dev, **kw)[m[0]].cpu()
-                    with cuda_step("triton"):
-                        tri_acc = evaluate(ctx.test, eps, [m], device=dev, **kw)[m[0]].cpu()
+                    tri_acc = evaluate(ctx.test, eps, [m], device=dev, backend=triton_step, **kw)[m[0]].cpu()
                     row.update(episodes=len(eps), identical=int((tri_acc == torch_acc).sum()))
                     per[m[0]] = row
                     got = _rate(ctx, m, ctx.args.episodes, share * 0.4)
                     if got:  # the Triton step on as many episodes (compiled and warm by now)
                         row.update(torch_eps_s=got[1], timed_episodes=got[0])
-                        with cuda_step("triton"):
-                            row.update(triton_eps_s=got[0] / _timed(ctx, m, got[0]))
+                        row.update(triton_eps_s=got[0] / _timed(ctx, m, got[0], triton_step))
         finally:
             with _quiet():
                 _triton_report(sec, per)

@@ -46,7 +46,8 @@ from poodle.cache import read_split, write_arrays
 from poodle.episodes import EpisodeSpec, sample_episodes
 from poodle.evaluate import evaluate, prepare_negatives
 from poodle.negatives import NegativeSpec
-from poodle.solvers import _native, _optim
+from poodle.solvers import _native
+from poodle.solvers.backend import Backend
 from poodle.solvers.base import EpisodeBatch
 from poodle.stats import mean_ci
 from poodle.system import blas
@@ -618,23 +619,20 @@ def main() -> None:
 
             if dev.type == "cpu" and _native.usable(test.features) and args.torch_episodes:
                 kt = min(args.torch_episodes, n_ep)
-                _optim.USE_NATIVE = False
-                try:
-                    t = time.perf_counter()
-                    acc_t = evaluate(
-                        test,
-                        eps[:kt],
-                        [("p", "poodle", cfg)],
-                        negatives=NegativeSpec("base", N_NEG),
-                        cache_path=path,
-                        device=dev,
-                        max_memory=args.max_memory,
-                        chunk_size=args.chunk,
-                        workers=args.workers,
-                    )["p"]
-                    dt_t = time.perf_counter() - t
-                finally:
-                    _optim.USE_NATIVE = True
+                t = time.perf_counter()
+                acc_t = evaluate(
+                    test,
+                    eps[:kt],
+                    [("p", "poodle", cfg)],
+                    negatives=NegativeSpec("base", N_NEG),
+                    cache_path=path,
+                    device=dev,
+                    max_memory=args.max_memory,
+                    chunk_size=args.chunk,
+                    workers=args.workers,
+                    backend=Backend(native=False),
+                )["p"]
+                dt_t = time.perf_counter() - t
                 diff = acc_t != acc[:kt]
                 print(
                     f"  torch formulation (no fused kernel) on {kt} of the same episodes: {kt / dt_t:,.1f} episodes/s "

@@ -31,12 +31,10 @@ from poodle.settings import CellSpec
 
 # CLI option -> (library config field, the one method it is for; None: every chosen method with that field).
 # A field name that methods use with different meanings (solvers.homonyms: ``alpha`` is POODLE's pull
-# weight and alpha-TIM's alpha-entropy order) has a flag per method; the shared spelling (--alpha)
-# is kept for when the chosen methods give it one meaning, and is an error naming these flags otherwise.
-_SOLVER_OPTIONS: dict[str, tuple[str, str | None]] = {
-    "pull_weight": ("alpha", "poodle"),
-    "push_weight": ("beta", "poodle"),
-    "entropy_alpha": ("alpha", "alpha-tim"),
+# weight and alpha-TIM's alpha-entropy order) has a flag per method, declared at the method's
+# @register (``flags=``, read from the registry below); the shared spelling (--alpha) is kept for
+# when the chosen methods give it one meaning, and is an error naming these flags otherwise.
+_SHARED_OPTIONS: dict[str, tuple[str, str | None]] = {
     "alpha": ("alpha", None),
     "beta": ("beta", None),
     "steps": ("steps", None),
@@ -47,6 +45,14 @@ _SOLVER_OPTIONS: dict[str, tuple[str, str | None]] = {
     "no_stopgrad_push": ("stopgrad_push", None),
     "preset": ("preset", None),
 }
+
+
+def _solver_options() -> dict[str, tuple[str, str | None]]:
+    """The methods' own flags (from the registry), then the shared ones."""
+    from poodle import solvers
+
+    own = {flag: (field, m) for m in solvers.available() for flag, field in solvers.get(m).flags.items()}
+    return {**own, **_SHARED_OPTIONS}
 
 
 def _explicit(ctx: click.Context, name: str) -> bool:
@@ -60,7 +66,7 @@ def _flag(name: str) -> str:
 
 def method_flag(method: str, field: str) -> str:
     """How to set ``field`` of ``method`` alone: its own flag, else ``--set METHOD.FIELD=V``."""
-    for opt, (f, only) in _SOLVER_OPTIONS.items():
+    for opt, (f, only) in _solver_options().items():
         if only == method and f == field:
             return _flag(opt)
     return f"--set {method}.{field}=V"
@@ -75,7 +81,7 @@ def solver_options(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
     from poodle.errors import ConfigError
 
     given: list[tuple[str, str, Any, str | None]] = []  # (config field, how the user wrote it, value, method)
-    for opt, (field, only) in _SOLVER_OPTIONS.items():
+    for opt, (field, only) in _solver_options().items():
         if _explicit(ctx, opt):
             v = ctx.params[opt]
             if opt.startswith("no_stopgrad"):

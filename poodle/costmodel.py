@@ -22,9 +22,11 @@ The model (per chunk of ``C`` episodes; 10,000 episodes are chunks of 4,096, 4,0
 - a decomposition the GPU path sends to the host (``batched_eigh`` of a matrix above 32 x 32) adds
   its LAPACK time on this machine, spread over :data:`HOST_CORES` (:func:`host_seconds`).
 
-FLOPs are the method's registered count (``poodle.solvers.get(name).flops``); a method without one
-uses :data:`FLOPS_FALLBACK`, and the traced matmul FLOPs are reported beside it so the two can be
-reconciled. Views, allocations (``empty``) and metadata operations move nothing.
+FLOPs are the method's registered count (``poodle.solvers.get(name).flops``; a method without one
+gets no FLOP figure), and the traced matmul FLOPs are reported beside it so the two can be
+reconciled. Every per-method fact the model reads (FLOPs, ``Floor``: loops, fixed steps, the
+iteration-count field) is declared at the method's ``@register``; the model keeps no table of
+methods. Views, allocations (``empty``) and metadata operations move nothing.
 
 Published figures (FP32 = dense, non-tensor-core FP32, which torch uses for float32 matmuls unless
 TF32 is enabled; bandwidth = HBM):
@@ -362,28 +364,19 @@ def _watch_loops(
 
 def _run_traced(method: str, cfg: Any, batch: Any) -> Trace:
     from poodle import solvers
-    from poodle.solvers import _optim, _transductive
 
-    before = _optim.USE_NATIVE
-    _optim.USE_NATIVE = False
     loops = solvers.get(method).floor.loops
-    try:
-        # convergence checks as a GPU makes them (once per CHECK_EVERY iterations), not per iteration
-        with _transductive.device_schedule(), _tracer(batch.n_episodes) as mode:
-            with _watch_loops(loops, lambda: (len(mode.trace.op_bytes), mode.trace.syncs)) as records:
-                solvers.run(method, batch, cfg)
-    finally:
-        _optim.USE_NATIVE = before
+    # the torch formulation (what a GPU runs), its convergence checks as a GPU makes them (once per
+    # CHECK_EVERY iterations), not per iteration
+    traced = solvers.Backend(native=False, device_schedule=True)
+    with _tracer(batch.n_episodes) as mode:
+        with _watch_loops(loops, lambda: (len(mode.trace.op_bytes), mode.trace.syncs)) as records:
+            solvers.run(method, batch, cfg, backend=traced)
     result: Trace = mode.trace
     for rec in records:
         result.loop_ops += range(rec["start"][0], rec["end"][0])
         result.loop_syncs += rec["end"][1] - rec["start"][1]
     return result
-
-
-# methods whose every step runs the same operations whatever the data (no convergence test, no
-# inner loop of data-dependent length): traced at 1 and 2 steps and extrapolated
-FIXED_STEPS = {"poodle", "ce", "naive-ood", "tim-gd", "alpha-tim", "entropy-min", "tim-adm", "paddle"}
 
 
 def trace(
@@ -394,8 +387,8 @@ def trace(
     extrapolate: bool = True,
 ) -> Trace:
     """Run ``method`` on ``batch`` (default :func:`standard_batch`) with the torch formulation and
-    count what it did, per episode. Methods of :data:`FIXED_STEPS` are run at 1 and 2 steps and the
-    difference, one step's operations, repeated to the configured count (``extrapolate``; the test
+    count what it did, per episode. Methods registered with ``Floor.fixed_steps`` are run at 1 and
+    2 steps and the difference, one step's operations, repeated to the configured count (``extrapolate``; the test
     compares it with a full trace)."""
     from poodle import solvers
 
@@ -405,7 +398,7 @@ def trace(
     if batch.negatives is not None and not solvers.get(method).needs_negatives(cfg):
         batch = type(batch)(batch.support, batch.support_labels, batch.query, None, batch.way)
     steps = method_steps(method, cfg, workload)
-    if not (extrapolate and method in FIXED_STEPS and steps > 2):
+    if not (extrapolate and solvers.get(method).floor.fixed_steps and steps > 2):
         return _run_traced(method, cfg, batch)
     one, two = (
         _run_traced(method, solvers.make_config(method, {**options, "steps": k}, strict=True), batch) for k in (1, 2)
@@ -426,19 +419,12 @@ def trace(
 
 # ------------------------------------------------------------------ predictions
 
-# FLOPs per episode for methods whose solver registers no ``flops`` function, keyed by method name,
-# ``(Ns, Nq, M, D, way, cfg) -> FLOPs``. Empty while every solver registers one.
-FLOPS_FALLBACK: dict[str, Callable[..., float]] = {}
-
-# the configuration field that holds a method's iteration count (default ``steps``)
-_STEP_FIELDS = {"kmeans": "max_iter", "bayes-kmeans": "max_iter", "can-t": "iterations"}
-
 
 def method_flops(method: str, cfg: Any, workload: Workload = STANDARD, uses_negatives: bool = False) -> float | None:
-    """FLOPs per episode of ``method``: its registered count, else :data:`FLOPS_FALLBACK`, else None."""
+    """FLOPs per episode of ``method``: its registered count, else None."""
     from poodle import solvers
 
-    fn = solvers.get(method).flops or FLOPS_FALLBACK.get(method)
+    fn = solvers.get(method).flops
     if fn is None:
         return None
     M = workload.n_neg if uses_negatives else 0
@@ -446,13 +432,17 @@ def method_flops(method: str, cfg: Any, workload: Workload = STANDARD, uses_nega
 
 
 def method_steps(method: str, cfg: Any, workload: Workload = STANDARD) -> int:
-    """The iteration count of ``method`` as configured (``cfg.resolved()`` for presets)."""
+    """The iteration count of ``method`` as configured (``cfg.resolved()`` for presets), from the
+    field its registration names (``Floor.steps_field``)."""
+    from poodle import solvers
+
     values = cfg.resolved() if hasattr(cfg, "resolved") else {}
     values = values if isinstance(values, dict) else {}
-    name = _STEP_FIELDS.get(method, "steps")
+    name = solvers.get(method).floor.steps_field
     v = values.get(name, getattr(cfg, name, None))
-    if method == "can-t" and (v is None or v < 0):
-        v = workload.n_query // cfg.step
+    steps_of = solvers.get(method).floor.steps_of
+    if steps_of is not None:  # a count the method derives from the episode's shape
+        v = steps_of(cfg, workload.n_query)
     return max(1, int(v or 1))
 
 
@@ -764,6 +754,9 @@ __all__ = [
     "torch_step_bytes",
     "triton_step_bytes",
     "resident_group",
+    "resident_plan",
+    "device_gpu",
+    "launch_plan",
     "triton_seconds",
     "chunks",
     "trace",
@@ -779,8 +772,34 @@ __all__ = [
     "HOST_CORES",
     "table",
     "ITERATIVE",
-    "FLOPS_FALLBACK",
     "markdown",
     "triton_cases",
     "triton_markdown",
 ]
+
+
+def resident_plan(
+    E: int, n: int, D: int, K: int, steps: int, n_support: int | None, gpu: GPU, itemsize: int = 4
+) -> int | None:
+    """Episodes per Triton step launch when :func:`triton_seconds` predicts that keeping a group's
+    rows resident in L2 beats streaming them every step on ``gpu``, else ``None`` (one launch of
+    all ``E``)."""
+    t = triton_seconds(n, D, K, steps, E, gpu, n_support, itemsize)
+    return int(t["group"]) if t["resident"] < t["stream"] and t["group"] < E else None
+
+
+def device_gpu(device: torch.device) -> GPU:
+    """This model's view of a CUDA device: its L2 and SMs; bandwidth and FP32 rate of an H100 SXM
+    (only their ratio enters :func:`resident_plan`'s choice)."""
+    p = torch.cuda.get_device_properties(device)
+    ref = H100_SXM
+    l2 = int(getattr(p, "L2_cache_size", 0) or ref.l2_bytes)
+    return GPU(p.name, ref.bandwidth, ref.fp32, l2, int(p.multi_processor_count))
+
+
+def launch_plan(
+    E: int, n: int, D: int, K: int, steps: int, n_support: int | None, device: torch.device, itemsize: int
+) -> int | None:
+    """The Triton step's sizing a run's :class:`~poodle.solvers.backend.Backend` carries
+    (``launch_plan``): :func:`resident_plan` on ``device``'s own L2 and SMs."""
+    return resident_plan(E, n, D, K, steps, n_support, device_gpu(device), itemsize)

@@ -44,11 +44,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, overload
 import torch
 from torch import Tensor
 
-from poodle import defaults, solvers
+from poodle import costmodel, defaults, solvers
 from poodle.episodes import EpisodeSet, EpisodeStream
 from poodle.errors import ConfigError, EpisodeError
 from poodle.negatives import NegativeSpec, generate, load_pool, sample_indices
 from poodle.run import RunOptions
+from poodle.solvers.backend import Backend
 from poodle.solvers.base import EpisodeBatch
 from poodle.utils import parse_size, resolve_device
 
@@ -630,20 +631,27 @@ class _Clock:
 Solved = dict[str, tuple[Tensor, Callable[[], float]]]  # {label: (correct [n] on the device, seconds)}
 
 
-def solve_batch(batch: EpisodeBatch, method: str, cfg: Any) -> Tensor:
+def backend_for(run: RunOptions) -> Backend:
+    """The :class:`~poodle.solvers.backend.Backend` of a run: its ``cuda_step``, and the Triton
+    step's launches sized by the cost model (:func:`poodle.costmodel.launch_plan`)."""
+    return Backend(cuda_step=run.cuda_step, launch_plan=costmodel.launch_plan)
+
+
+def solve_batch(batch: EpisodeBatch, method: str, cfg: Any, backend: Backend | None = None) -> Tensor:
     """Query log-probabilities ``[E, Nq, way]`` of ``method`` configured by ``cfg`` (checked) on
     ``batch``, whose negatives are passed to the method only when it reads them: what every chunk
-    of :func:`evaluate` and ``poodle predict``'s one task go through."""
+    of :func:`evaluate` and ``poodle predict``'s one task go through. ``backend``: which arithmetic
+    runs (``None``: the library's default), which reports what did."""
     info = solvers.get(method)
     if not info.needs_negatives(cfg):
         batch = dataclasses.replace(batch, negatives=None)
     # nothing a solver returns needs a gradient (BMS, the one with autograd inside, leaves this mode
     # for its refinement): no version counters or autograd bookkeeping on any operation
     with torch.inference_mode():
-        return solvers.run(info.name, batch, cfg).log_probs
+        return solvers.run(info.name, batch, cfg, backend=backend).log_probs
 
 
-def solve_chunk(chunk: Chunk, methods: Sequence[Method], clock: _Clock) -> Solved:
+def solve_chunk(chunk: Chunk, methods: Sequence[Method], clock: _Clock, backend: Backend | None = None) -> Solved:
     """Every method on one chunk: per-episode accuracy (left on the device) and solve time."""
     out: Solved = {}
     batch = EpisodeBatch(
@@ -658,7 +666,7 @@ def solve_chunk(chunk: Chunk, methods: Sequence[Method], clock: _Clock) -> Solve
     )
     for label, name, cfg in methods:
         t0 = clock.start()
-        log_probs = solve_batch(batch, name, cfg)
+        log_probs = solve_batch(batch, name, cfg, backend)
         hits = log_probs.argmax(-1) == chunk.query_labels
         if chunk.query_mask is None:
             correct = hits.to(torch.float64).mean(1)
@@ -736,14 +744,20 @@ def _run_pipelined(
 
 
 def run_chunks(
-    plan: ChunkPlan, gatherer: Gatherer, methods: Sequence[Method], collect: Collect, overlap: bool | None = None
+    plan: ChunkPlan,
+    gatherer: Gatherer,
+    methods: Sequence[Method],
+    collect: Collect,
+    overlap: bool | None = None,
+    backend: Backend | None = None,
 ) -> None:
     """Solve every chunk of ``plan`` and give each chunk's results to ``collect(a, b, solved)``:
-    several CPU workers, or (``overlap``; by default on a GPU) one pipelined stream of chunks."""
+    several CPU workers, or (``overlap``; by default on a GPU) one pipelined stream of chunks;
+    ``backend``: which arithmetic the solvers run."""
     clock = _Clock(gatherer.device)
 
     def work(a: int, b: int) -> Solved:
-        return solve_chunk(gatherer.gather(gatherer.prepare(a, b)), methods, clock)
+        return solve_chunk(gatherer.gather(gatherer.prepare(a, b)), methods, clock, backend)
 
     overlap = gatherer.device.type != "cpu" if overlap is None else overlap
     with _single_threaded_ops(plan.workers > 1):
@@ -751,7 +765,10 @@ def run_chunks(
             _run_workers(plan.bounds, work, plan.workers, collect)
         elif overlap:
             _run_pipelined(
-                plan.bounds, gatherer.prepare, lambda h: solve_chunk(gatherer.gather(h), methods, clock), collect
+                plan.bounds,
+                gatherer.prepare,
+                lambda h: solve_chunk(gatherer.gather(h), methods, clock, backend),
+                collect,
             )
         else:
             for a, b in plan.bounds:
@@ -952,6 +969,7 @@ def evaluate(
     dtype: torch.dtype = torch.float32,
     preprocess: Any = None,
     also_held: Mapping[str, int] | None = None,
+    backend: Backend | None = None,
     **deprecated: Any,
 ) -> dict[str, Tensor]:
     """Per-episode accuracies of every method on ``episodes``.
@@ -974,6 +992,8 @@ def evaluate(
             (the caller transforms ``features`` itself).
         also_held: bytes the caller holds for the whole call, by what holds them (``{"the split as
             read, before preprocessing": n}``): an explicit ``max_memory`` on the CPU counts them.
+        backend: which arithmetic the solvers run, and the report of what did (``None``:
+            :func:`backend_for` ``(run)``; a caller that records what ran passes its own).
         deprecated: the keywords of 0.1 (``device=``, ``progress=`` ...), folded into ``run`` and
             ``hooks`` with a DeprecationWarning.
 
@@ -1031,7 +1051,7 @@ def evaluate(
         progress,
         t_call,
     )
-    run_chunks(plan, gatherer, methods, tally, overlap)
+    run_chunks(plan, gatherer, methods, tally, overlap, backend_for(run) if backend is None else backend)
     if stats is not None:
         stats.update(tally.stats(plan, gatherer, neg.count))
     return tally.in_episode_order(plan.order)

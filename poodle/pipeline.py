@@ -34,14 +34,13 @@ from poodle.cache import SplitFeatures, read_split
 from poodle.cells import Cell
 from poodle.episodes import EpisodeSet, EpisodeStream, load_episodes
 from poodle.errors import ConfigError
-from poodle.evaluate import ChunkPlan, Hooks, evaluate
+from poodle.evaluate import ChunkPlan, Hooks, backend_for, evaluate
 from poodle.events import CellFinished, CellsStarted, EpisodesSolved, Notice, OnEvent, Ready, ignore
 from poodle.negatives import pool_file
 from poodle.prefetch import pool_location
 from poodle.preprocess import Preprocessor
 from poodle.results import ResultsFile, cache_identity, identity_key, make_record
 from poodle.run import RunOptions
-from poodle.solvers import _optim
 from poodle.solvers import get as solver_info
 from poodle.system import solve_workers
 from poodle.utils import resolve_path
@@ -263,27 +262,28 @@ def solve_call(
             )
 
     t0 = time.perf_counter()
-    with _optim.cuda_step(options.cuda_step):
-        accs = evaluate(
-            features,
-            episodes,
-            methods,
-            negatives=users[0].negative_spec() if users else None,
-            cache_path=c0.cache_file,
-            run=dataclasses.replace(
-                options,
-                device=device,
-                workers=solve_workers() if options.workers is None and device.type == "cpu" else options.workers,
-            ),
-            hooks=Hooks(
-                progress=lambda n: on_event(EpisodesSolved(n, len(batch))),
-                ready=(lambda: on_event(Ready())) if ready else None,
-                planned=planned,
-                stats=stats,
-            ),
-            preprocess=pre,
-            also_held=also,
-        )
+    backend = backend_for(options)  # which arithmetic runs; afterwards, what ran
+    accs = evaluate(
+        features,
+        episodes,
+        methods,
+        negatives=users[0].negative_spec() if users else None,
+        cache_path=c0.cache_file,
+        run=dataclasses.replace(
+            options,
+            device=device,
+            workers=solve_workers() if options.workers is None and device.type == "cpu" else options.workers,
+        ),
+        hooks=Hooks(
+            progress=lambda n: on_event(EpisodesSolved(n, len(batch))),
+            ready=(lambda: on_event(Ready())) if ready else None,
+            planned=planned,
+            stats=stats,
+        ),
+        preprocess=pre,
+        also_held=also,
+        backend=backend,
+    )
     call_seconds = time.perf_counter() - t0
     info = {
         "call_seconds": round(call_seconds, 4),
@@ -308,7 +308,7 @@ def solve_call(
                     call_seconds * worker[c.index] / total if total > 0 else call_seconds / len(batch), 4
                 ),
                 # provenance, not identity: which arithmetic the method's fits ran here
-                "formulation": _optim.formulation(solver_info(c.method).name, device),
+                "formulation": backend.formulation(solver_info(c.method).name, device),
             },
         )
         for c in batch

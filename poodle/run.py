@@ -29,8 +29,8 @@ class RunOptions:
             episodes are then gathered, and their negatives drawn, once for all of them).
         chunk_size: episodes per chunk, overriding the automatic choice (tests, benchmarks).
         cuda_step: the fine-tuning fits' step on CUDA, ``"torch"`` or ``"triton"``
-            (:func:`poodle.solvers._optim.cuda_step`: the same accuracies, probabilities to float
-            rounding).
+            (the run's :class:`poodle.solvers.Backend`, :func:`poodle.evaluate.backend_for`: the same
+            accuracies, probabilities to float rounding).
         overlap: one pipelined stream of chunks, the next prepared while one is solved (``None``: on
             a GPU; :func:`poodle.evaluate.run_chunks`).
     """

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from poodle import solvers  # noqa: E402
 from poodle.solvers import EpisodeBatch, _optim, _triton_step  # noqa: E402
+from poodle.solvers import backend as _backend  # noqa: E402
 from poodle.solvers._optim import RowTerms  # noqa: E402
 
 E = 3
@@ -88,8 +89,8 @@ def solver_case(name: str, over: dict, shot: int, Nq_per: int, D: int, K: int, M
     cfg = solvers.make_config(name, over, strict=True)
     ref = solvers.run(name, batch, cfg)
     t = time.perf_counter()
-    with _optim.cuda_step("triton", devices=("cpu",)):
-        out = solvers.run(name, batch, cfg)
+    triton = _backend.Backend(native=False, cuda_step="triton", step_devices=("cpu",))
+    out = solvers.run(name, batch, cfg, backend=triton)
     secs = time.perf_counter() - t
     acc_r = (ref.log_probs.argmax(-1) == yq).double().mean(1)
     acc_t = (out.log_probs.argmax(-1) == yq).double().mean(1)
@@ -103,7 +104,7 @@ def solver_case(name: str, over: dict, shot: int, Nq_per: int, D: int, K: int, M
         "moved": float((ref.state["prototypes"] - w0).abs().max()),
         "seconds": secs,
         # which arithmetic the dispatch ran (the records' "formulation")
-        "formulation": _optim.formulation(name, "cpu"),
+        "formulation": triton.formulation(name, "cpu"),
     }
 
 
@@ -116,9 +117,9 @@ def ragged_case(name: str, over: dict, n_neg: int = 0) -> dict:
     episodes, _ = ragged_episodes(shapes=[SHAPES[0], SHAPES[4], SHAPES[1]], n_neg=n_neg)
     batch = EpisodeBatch.stack(episodes)
     cfg = solvers.make_config(name, over, strict=True)
-    with _optim.cuda_step("triton", devices=("cpu",)):
-        out = solvers.run(name, batch, cfg)
-    what = _optim.formulation(name, "cpu")  # before the episodes alone run the torch formulation
+    triton = _backend.Backend(native=False, cuda_step="triton", step_devices=("cpu",))
+    out = solvers.run(name, batch, cfg, backend=triton)
+    what = triton.formulation(name, "cpu")
     same, diff, padded = True, 0.0, 0.0
     for e, ep in enumerate(episodes):
         want = solvers.run(name, ep, cfg).log_probs[0]
@@ -131,24 +132,24 @@ def ragged_case(name: str, over: dict, n_neg: int = 0) -> dict:
 
 
 def main() -> None:
-    _optim.USE_NATIVE = False  # the torch formulation is the reference
-    res: dict[str, dict] = {}
-    # D = 100 is 2 chunks of 64 (the second of 36 columns), 37 rows 2 blocks of 32 (the second of 5)
-    assert (_triton_step.BLOCK_ROWS, _triton_step.BLOCK_D) == (32, 64)
-    res["wd_free_learn_K5_D100"] = fit_case(37, 100, 5, free=True, learn_scale=True, steps=3)
-    res["wd_fixed_K20_D64_groups"] = fit_case(45, 64, 20, free=False, learn_scale=False, steps=3, group=2)
-    f64, f32 = torch.float64, torch.float32
-    res["tim_paper_K5_D100"] = solver_case(
-        "tim-gd", dict(preset="poodle-paper", steps=3, lr=2e-2), 1, 6, 100, 5, 0, f64
-    )
-    res["entropy_K20_D64"] = solver_case("entropy-min", dict(steps=3, lr=2e-2), 1, 2, 64, 20, 0, f64)
-    res["alpha2_K5_D64"] = solver_case("alpha-tim", dict(steps=3, lr=2e-2), 1, 7, 64, 5, 0, f64)
-    res["alpha2.5_K20_D100"] = solver_case("alpha-tim", dict(steps=3, lr=2e-2, alpha=2.5), 1, 2, 100, 20, 0, f64)
-    res["f32_poodle_K5_D100"] = solver_case("poodle", dict(transductive=True, steps=6), 1, 9, 100, 5, 21, f32)
-    # ragged chunks: each episode's own classes and rows (the tuned alpha-TIM orders 2, 5 and 7)
-    res["ragged_alpha_tim"] = ragged_case("alpha-tim", dict(steps=3, lr=2e-2))
-    res["ragged_poodle"] = ragged_case("poodle", dict(transductive=True, steps=3, lr=2e-2), n_neg=5)
-    print(json.dumps(res))
+    with _backend.active(_backend.Backend(native=False)):  # the torch formulation is the reference
+        res: dict[str, dict] = {}
+        # D = 100 is 2 chunks of 64 (the second of 36 columns), 37 rows 2 blocks of 32 (the second of 5)
+        assert (_triton_step.BLOCK_ROWS, _triton_step.BLOCK_D) == (32, 64)
+        res["wd_free_learn_K5_D100"] = fit_case(37, 100, 5, free=True, learn_scale=True, steps=3)
+        res["wd_fixed_K20_D64_groups"] = fit_case(45, 64, 20, free=False, learn_scale=False, steps=3, group=2)
+        f64, f32 = torch.float64, torch.float32
+        res["tim_paper_K5_D100"] = solver_case(
+            "tim-gd", dict(preset="poodle-paper", steps=3, lr=2e-2), 1, 6, 100, 5, 0, f64
+        )
+        res["entropy_K20_D64"] = solver_case("entropy-min", dict(steps=3, lr=2e-2), 1, 2, 64, 20, 0, f64)
+        res["alpha2_K5_D64"] = solver_case("alpha-tim", dict(steps=3, lr=2e-2), 1, 7, 64, 5, 0, f64)
+        res["alpha2.5_K20_D100"] = solver_case("alpha-tim", dict(steps=3, lr=2e-2, alpha=2.5), 1, 2, 100, 20, 0, f64)
+        res["f32_poodle_K5_D100"] = solver_case("poodle", dict(transductive=True, steps=6), 1, 9, 100, 5, 21, f32)
+        # ragged chunks: each episode's own classes and rows (the tuned alpha-TIM orders 2, 5 and 7)
+        res["ragged_alpha_tim"] = ragged_case("alpha-tim", dict(steps=3, lr=2e-2))
+        res["ragged_poodle"] = ragged_case("poodle", dict(transductive=True, steps=3, lr=2e-2), n_neg=5)
+        print(json.dumps(res))
 
 
 if __name__ == "__main__":

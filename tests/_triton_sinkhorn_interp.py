@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ragged import ragged_batch  # noqa: E402
 
 from poodle import solvers  # noqa: E402
-from poodle.solvers import _optim, _sinkhorn_native, _triton_sinkhorn  # noqa: E402
+from poodle.solvers import _sinkhorn_native, _triton_sinkhorn  # noqa: E402
+from poodle.solvers import backend as _backend  # noqa: E402
 
 # four episodes of their own sizes in one [4, 7, 37] plan (blocks of 8 x 64: every axis partial)
 WAYS, COLS = [5, 3, 7, 1], [37, 9, 30, 17]
@@ -127,8 +128,8 @@ def method_case(name: str, options: dict) -> dict:
     cfg = solvers.make_config(name, options, strict=True)
     ref = solvers.run(name, batch, cfg)
     t = time.perf_counter()
-    with _triton_sinkhorn.cuda_loop("triton", devices=("cpu",)):
-        out = solvers.run(name, batch, cfg)
+    triton = _backend.Backend(native=False, cuda_sinkhorn="triton", sinkhorn_devices=("cpu",))
+    out = solvers.run(name, batch, cfg, backend=triton)
     secs = time.perf_counter() - t
     real = batch.query_mask
     padded_class = batch.class_mask is not None and bool(
@@ -138,7 +139,7 @@ def method_case(name: str, options: dict) -> dict:
         "same_predictions": bool(torch.equal(out.log_probs.argmax(-1)[real], ref.log_probs.argmax(-1)[real])),
         "prob_diff": float((out.log_probs.exp() - ref.log_probs.exp())[real].abs().max()),
         "padded_class_zero": padded_class,
-        "formulation": _optim.formulation(name, "cpu"),
+        "formulation": triton.formulation(name, "cpu"),
         "seconds": secs,
     }
 
@@ -149,11 +150,11 @@ def main() -> None:
     for mode in ("balanced", "reset", "min-size"):
         for dtype in (torch.float64, torch.float32):
             res[f"{mode}_{str(dtype)[6:]}"] = loop_case(mode, dtype)
-    _optim.USE_NATIVE = False  # the torch formulation is the reference of the methods
-    res["pt-map"] = method_case("pt-map", {"steps": 2, "sinkhorn_tol": 1e-4})
-    res["bms"] = method_case("bms", {"steps": 3, "sinkhorn_iter": 20})
-    res["proto-lp"] = method_case("proto-lp", {"steps": 2, "reduced_dim": 8})
-    print(json.dumps(res))
+    with _backend.active(_backend.Backend(native=False)):  # the torch formulation is the reference of the methods
+        res["pt-map"] = method_case("pt-map", {"steps": 2, "sinkhorn_tol": 1e-4})
+        res["bms"] = method_case("bms", {"steps": 3, "sinkhorn_iter": 20})
+        res["proto-lp"] = method_case("proto-lp", {"steps": 2, "reduced_dim": 8})
+        print(json.dumps(res))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 
 from poodle import costmodel as cm
 from poodle.solvers import _optim
+from poodle.solvers import backend as _backend
 from poodle.solvers._optim import RowTerms
 
 
@@ -35,15 +36,11 @@ def _traced_step(n, D, K, free, learn_scale):
     terms = RowTerms(torch.rand(E, K, n, generator=g), torch.rand(1, 1, n, generator=g), torch.rand(1, 1, n), fr)
     w0 = torch.randn(E, K, D, generator=g)
     moved = []
-    before = _optim.USE_NATIVE
-    _optim.USE_NATIVE = False
-    try:
+    with _backend.active(_backend.Backend(native=False)):
         for steps in (1, 2):
             with cm._tracer(E) as mode:
                 _optim.fit_weighted_distance(x, terms, w0, steps=steps, learn_scale=learn_scale)
             moved.append(mode.trace.bytes)
-    finally:
-        _optim.USE_NATIVE = before
     return moved[1] - moved[0]
 
 

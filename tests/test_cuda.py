@@ -23,7 +23,7 @@ from poodle.cache import read_split, write_arrays
 from poodle.episodes import EpisodeSpec, sample_episodes
 from poodle.evaluate import evaluate
 from poodle.negatives import NegativeSpec
-from poodle.solvers import _optim
+from poodle.solvers import backend as _backend
 
 pytestmark = pytest.mark.cuda
 DEVICE = torch.device(os.environ.get("POODLE_TEST_DEVICE", "cuda"))
@@ -51,12 +51,9 @@ def accuracies(cache):
     methods = [(m, m, _options(m)) for m in solvers.available()]
     neg = NegativeSpec("base", 30)
     ref = evaluate(test, eps, methods, negatives=neg, cache_path=cache, device="cpu", chunk_size=5)
-    before = _optim.USE_NATIVE
-    _optim.USE_NATIVE = False  # the device runs the torch formulation, as CUDA does
-    try:
-        dev = evaluate(test, eps, methods, negatives=neg, cache_path=cache, device=DEVICE, chunk_size=5)
-    finally:
-        _optim.USE_NATIVE = before
+    # the device runs the torch formulation, as CUDA does
+    torch_only = _backend.Backend(native=False)
+    dev = evaluate(test, eps, methods, negatives=neg, cache_path=cache, device=DEVICE, chunk_size=5, backend=torch_only)
     return ref, dev
 
 
@@ -87,7 +84,7 @@ def test_probabilities_agree_to_float_rounding(method, monkeypatch):
     batch = _batch()
     cfg = solvers.make_config(method, _options(method))
     ref = solvers.run(method, batch, cfg)
-    monkeypatch.setattr(_optim, "USE_NATIVE", False)
+    monkeypatch.setattr(_backend, "default", lambda: _backend.Backend(native=False))
     out = solvers.run(method, batch.to(DEVICE), cfg)
     diff = (out.log_probs.cpu().exp() - ref.log_probs.exp()).abs().max()
     assert float(diff) < 1e-3, f"{method}: probabilities differ by {float(diff):.2e} on {DEVICE}"
@@ -100,8 +97,7 @@ def test_triton_step_on_cuda_matches_the_torch_formulation(method):
     batch = _batch(E=64).to(DEVICE)
     cfg = solvers.make_config(method, _options(method))
     ref = solvers.run(method, batch, cfg)
-    with _optim.cuda_step("triton"):
-        out = solvers.run(method, batch, cfg)
+    out = solvers.run(method, batch, cfg, backend=_backend.Backend(cuda_step="triton"))
     assert torch.equal(out.log_probs.argmax(-1), ref.log_probs.argmax(-1))
     assert float((out.log_probs.exp() - ref.log_probs.exp()).abs().max()) < 1e-4
 
@@ -109,14 +105,12 @@ def test_triton_step_on_cuda_matches_the_torch_formulation(method):
 @pytest.mark.cuda(only=True)
 @pytest.mark.parametrize("method", ["pt-map", "bms", "proto-lp"])
 def test_triton_sinkhorn_on_cuda_matches_the_torch_formulation(method):
-    from poodle.solvers import _triton_sinkhorn
 
     batch = _batch(E=64).to(DEVICE)
     cfg = solvers.make_config(method, _options(method))
-    with _triton_sinkhorn.cuda_loop("torch"):
-        ref = solvers.run(method, batch, cfg)
-    with _triton_sinkhorn.cuda_loop("triton"):
-        out = solvers.run(method, batch, cfg)
-    assert _optim.formulation(method, DEVICE) == "triton sinkhorn"
+    ref = solvers.run(method, batch, cfg, backend=_backend.Backend(cuda_sinkhorn="torch"))
+    triton = _backend.Backend(cuda_sinkhorn="triton")
+    out = solvers.run(method, batch, cfg, backend=triton)
+    assert triton.formulation(method, DEVICE) == "triton sinkhorn"
     assert torch.equal(out.log_probs.argmax(-1), ref.log_probs.argmax(-1))
     assert float((out.log_probs.exp() - ref.log_probs.exp()).abs().max()) < 1e-4

@@ -21,8 +21,8 @@ import torch
 
 from poodle import costmodel as cm
 from poodle import solvers
-from poodle.solvers import _optim
 from poodle.solvers import _transductive as tr
+from poodle.solvers import backend as _backend
 
 OPS_PER_SYNC = 150
 
@@ -102,7 +102,7 @@ def test_should_stop_schedule():
     done = torch.tensor([False, False])
     # the CPU looks every iteration
     assert not tr.should_stop(cpu_active, 0) and tr.should_stop(done, 0)
-    with tr.device_schedule():
+    with _backend.active(_backend.Backend(device_schedule=True)):
         # a GPU's schedule: only after iterations 7, 15, ... (0-based)
         assert [tr.should_stop(done, it) for it in range(17)] == [it in (7, 15) for it in range(17)]
         assert not tr.should_stop(cpu_active, 7)
@@ -146,12 +146,11 @@ def _random_batch(E: int, dtype: torch.dtype, seed: int) -> solvers.EpisodeBatch
 def test_checking_seldom_changes_no_episode(name, options, dtype, monkeypatch):
     # the torch formulation on both schedules (on the CPU the Sinkhorn methods' own schedule is
     # otherwise the fused C loop, whose bits are its own: tests/test_sinkhorn_family.py)
-    monkeypatch.setattr(_optim, "USE_NATIVE", False)
+    monkeypatch.setattr(_backend, "default", lambda: _backend.Backend(native=False))
     batch = _random_batch(12, dtype, seed=len(options) + len(name))
     cfg = _config(name, **options)
     every = solvers.run(name, batch, cfg)  # the CPU's own schedule: a look every iteration
-    with tr.device_schedule():
-        seldom = solvers.run(name, batch, cfg)
+    seldom = solvers.run(name, batch, cfg, backend=_backend.Backend(native=False, device_schedule=True))
     assert torch.equal(every.log_probs, seldom.log_probs)
     assert every.state.keys() == seldom.state.keys()
     for key, value in every.state.items():

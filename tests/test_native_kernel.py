@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from poodle.events import NoticeWarning
 from poodle.solvers import _native, _optim
+from poodle.solvers import backend as _backend
 from poodle.solvers._optim import RowTerms, fit_weighted_distance
 
 needs_kernel = pytest.mark.skipif(
@@ -49,7 +50,7 @@ def _problem(E=3, n=37, D=27, K=7, dtype=torch.float64, free=False, seed=0):
 
 
 def _fit(native, monkeypatch, *args, **kw):
-    monkeypatch.setattr(_optim, "USE_NATIVE", native)
+    monkeypatch.setattr(_backend, "default", lambda: _backend.Backend(native=native))
     return fit_weighted_distance(*args, **kw)
 
 
@@ -171,7 +172,7 @@ def _refused_then_same_as_torch(monkeypatch, what: str) -> None:
     assert not _native.state().loaded
     x, terms, w0 = _problem(E=2, n=15, D=9, K=3)
     w, g = fit_weighted_distance(x, terms, w0, steps=20, lr=1e-2)
-    monkeypatch.setattr(_optim, "USE_NATIVE", False)
+    monkeypatch.setattr(_backend, "default", lambda: _backend.Backend(native=False))
     wt, gt = fit_weighted_distance(x, terms, w0, steps=20, lr=1e-2)
     assert torch.equal(w, wt) and torch.equal(g, gt)
 
@@ -302,23 +303,26 @@ def test_formulation_says_which_arithmetic_ran(monkeypatch):
     from poodle import solvers
 
     batch = _episodes(E=2, Ns=5, Nq=10, D=8, K=5)
+    be = _backend.Backend()  # one run's backend: what it ran is its report
     for name, over in (("poodle", dict(steps=3, beta=0.0)), ("alpha-tim", dict(steps=3)), ("proto", {})):
-        solvers.run(name, batch, solvers.make_config(name, over, strict=True))
+        solvers.run(name, batch, solvers.make_config(name, over, strict=True), backend=be)
     kernel = f"kernel {_native.state().source_hash[:12]}"
-    assert _optim.formulation("poodle", "cpu") == (
+    assert be.formulation("poodle", "cpu") == (
         kernel if _native.state().loaded else f"torch ({_native.state().reason})"
     )
-    assert _optim.formulation("alpha-tim", "cpu") == _optim.formulation("poodle", "cpu")  # its loss is in the kernel
-    with _optim.running("a-loss-of-its-own"):  # a logit loss without a NativeLoss runs torch
+    assert be.formulation("alpha-tim", "cpu") == be.formulation("poodle", "cpu")  # its loss is in the kernel
+    with _backend.active(be, "a-loss-of-its-own"):  # a logit loss without a NativeLoss runs torch
         x = torch.cat([batch.support, batch.query], 1)
         w0 = batch.support[:, :5]
         _optim.fit_logit_loss(x, w0, lambda P, L, G: G.zero_(), scale0=1.0, steps=1, lr=1e-3, learn_scale=False)
-    assert _optim.formulation("a-loss-of-its-own", "cpu") == "torch (no fused kernel for this loss)"
-    assert _optim.formulation("proto", "cpu") == "torch"  # no fit of this engine
-    assert _optim.formulation("poodle", "cuda") == "torch"
-    monkeypatch.setattr(_optim, "USE_NATIVE", False)
-    solvers.run("poodle", batch, solvers.make_config("poodle", dict(steps=3, beta=0.0), strict=True))
-    assert _optim.formulation("poodle", "cpu") == "torch (the fused kernel switched off)"
+    assert be.formulation("a-loss-of-its-own", "cpu") == "torch (no fused kernel for this loss)"
+    assert be.formulation("proto", "cpu") == "torch"  # no fit of this engine
+    assert be.formulation("poodle", "cuda") == "torch"
+    assert _backend.Backend().formulation("poodle", "cpu") == "torch"  # another run's report is its own
+    off = _backend.Backend(native=False)
+    solvers.run("poodle", batch, solvers.make_config("poodle", dict(steps=3, beta=0.0), strict=True), backend=off)
+    assert off.formulation("poodle", "cpu") == "torch (the fused kernel switched off)"
+    assert be.formulation("poodle", "cpu") != off.formulation("poodle", "cpu")
 
 
 def _episodes(E=3, Ns=7, Nq=29, D=27, K=5, dtype=torch.float64, seed=0):
@@ -336,7 +340,7 @@ def _episodes(E=3, Ns=7, Nq=29, D=27, K=5, dtype=torch.float64, seed=0):
 def _solve(native, monkeypatch, name, batch, **over):
     from poodle import solvers
 
-    monkeypatch.setattr(_optim, "USE_NATIVE", native)
+    monkeypatch.setattr(_backend, "default", lambda: _backend.Backend(native=native))
     return solvers.run(name, batch, solvers.make_config(name, over, strict=True))
 
 

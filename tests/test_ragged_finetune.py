@@ -15,7 +15,8 @@ from _references_transductive import REFERENCES
 from test_solvers_core import ref_ce, ref_naive_ood, ref_poodle
 
 from poodle import solvers
-from poodle.solvers import _native, _optim
+from poodle.solvers import _native
+from poodle.solvers import backend as _backend
 
 # reduced steps; learning rates raised so that the fits move the prototypes in so few steps
 FAST = {
@@ -43,7 +44,7 @@ def _one_thread():
 def formulation(request, monkeypatch):
     if request.param == "native" and not _native.usable(torch.zeros(1)):
         pytest.fail(f"the fused kernel is unavailable here: {_native.status()}")
-    monkeypatch.setattr(_optim, "USE_NATIVE", request.param == "native")
+    monkeypatch.setattr(_backend, "default", lambda: _backend.Backend(native=request.param == "native"))
     return request.param
 
 

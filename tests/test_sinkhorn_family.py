@@ -5,7 +5,6 @@ through the C loop and through the torch formulation."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -15,8 +14,8 @@ from _ragged import assert_same_as_alone, ragged_batch
 from _references_transductive import REFERENCES
 
 from poodle import solvers
-from poodle.solvers import _optim, _sinkhorn_native
-from poodle.solvers._transductive import device_schedule
+from poodle.solvers import _sinkhorn_native
+from poodle.solvers import backend as _backend
 
 needs_loop = pytest.mark.skipif(
     _sinkhorn_native.load() is None, reason=f"fused Sinkhorn loop unavailable: {_sinkhorn_native.state().reason}"
@@ -124,15 +123,11 @@ def test_loop_matches_the_torch_formulation():
     g = torch.Generator().manual_seed(1)
     cost = torch.rand(6, 5, 30, generator=g, dtype=torch.float64)
     want = pt_map.sinkhorn(cost.clone(), 10.0, 6.0, 1e-9, 1000)  # the C loop
-    before = _optim.USE_NATIVE
-    _optim.USE_NATIVE = False
-    try:
+    with _backend.active(_backend.Backend(native=False)):
         torch_plan = pt_map.sinkhorn(cost.clone(), 10.0, 6.0, 1e-9, 1000)
         q = torch.softmax(torch.randn(6, 5, 30, generator=g, dtype=torch.float64) * 4, 1)
         target = torch.full((6,), 6.0, dtype=torch.float64)
         torch_q = bms.min_size_sinkhorn(q.clone(), target, 40)
-    finally:
-        _optim.USE_NATIVE = before
     assert torch.allclose(want, torch_plan, atol=1e-13)
     assert torch.allclose(bms.min_size_sinkhorn(q.clone(), target, 40), torch_q, atol=1e-13)
 
@@ -156,13 +151,13 @@ CASES = {
 def test_ragged_chunk_is_each_episode_alone_and_its_reference(case, path, monkeypatch):
     if path == "c-loop" and _sinkhorn_native.load() is None:
         pytest.skip("fused Sinkhorn loop unavailable")
-    monkeypatch.setattr(_optim, "USE_NATIVE", path == "c-loop")
+    monkeypatch.setattr(_backend, "default", lambda: _backend.Backend(native=path == "c-loop"))
     name, options, shapes = CASES[case]
     cfg = solvers.make_config(name, options, strict=True)
     batch, episodes = ragged_batch(seed=2, shapes=shapes)
     # device-schedule: the padded chunk through what a GPU runs (masked episodes, seldom looks)
-    with device_schedule() if path == "device-schedule" else contextlib.nullcontext():
-        out = solvers.run(name, batch, cfg)
+    schedule = _backend.Backend(native=path == "c-loop", device_schedule=path == "device-schedule")
+    out = solvers.run(name, batch, cfg, backend=schedule)
     alone = [solvers.run(name, ep, cfg).log_probs for ep in episodes]
     assert_same_as_alone(name, out.log_probs, alone, batch)
     ref = REFERENCES[name]
@@ -193,5 +188,5 @@ def test_one_pass_power_transform_is_the_formula(dtype, monkeypatch):
     assert torch.allclose(got.double(), want, rtol=0.6 * torch.finfo(dtype).eps, atol=0)
     assert torch.all(got[0, 0, :2] == torch.tensor(1e-3, dtype=dtype))  # either zero: 1e-6^(1/2)
     assert torch.all(out[:, :2] == 5) and torch.all(out[:, 9:] == 5)
-    monkeypatch.setattr(_optim, "USE_NATIVE", False)
+    monkeypatch.setattr(_backend, "default", lambda: _backend.Backend(native=False))
     assert torch.allclose(power_transform(x, 0.5), got, rtol=1.2 * torch.finfo(dtype).eps, atol=0)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from poodle import solvers
 from poodle.episodes import EpisodeSpec, sample_episodes
 from poodle.errors import ConfigError
-from poodle.solvers import _native, _optim
+from poodle.solvers import _native
+from poodle.solvers import backend as _backend
 from poodle.solvers.base import EpisodeBatch
 
 WAY = 5
@@ -107,7 +108,7 @@ def formulation(request, monkeypatch):
     the torch one it falls back to."""
     if request.param == "native" and not _native.usable(torch.zeros(1)):
         pytest.skip(f"fused kernel unavailable here: {_native.status()}")
-    monkeypatch.setattr(_optim, "USE_NATIVE", request.param == "native")
+    monkeypatch.setattr(_backend, "default", lambda: _backend.Backend(native=request.param == "native"))
     return request.param
 
 

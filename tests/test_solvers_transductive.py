@@ -515,10 +515,10 @@ def test_sinkhorn_dropping_finished_episodes_matches_the_masked_schedule(reset, 
     # the torch formulation: the CPU drops converged episodes from the batch; other devices mask
     # them and look every 16 sweeps: the same plan, episode by episode (tolerances that stop them at
     # different sweeps)
-    from poodle.solvers import _optim, pt_map
+    from poodle.solvers import backend as _backend
+    from poodle.solvers import pt_map
 
-    monkeypatch.setattr(_optim, "USE_NATIVE", False)
-    from poodle.solvers._transductive import device_schedule
+    monkeypatch.setattr(_backend, "default", lambda: _backend.Backend(native=False))
 
     g = torch.Generator().manual_seed(0)
     cost = (
@@ -528,7 +528,7 @@ def test_sinkhorn_dropping_finished_episodes_matches_the_masked_schedule(reset, 
     y = torch.eye(5, dtype=torch.float64)[torch.arange(10) % 5].T.expand(9, 5, 10) if reset else None
     p0 = torch.exp(-10 * cost)
     dropped = pt_map.balance(p0.clone(), 6.0, 1e-9, 300, y)
-    with device_schedule():
+    with _backend.active(_backend.Backend(native=False, device_schedule=True)):
         masked = pt_map.balance(p0.clone(), 6.0, 1e-9, 300, y)
     assert torch.equal(dropped, masked)
     assert torch.allclose(dropped.sum(1), torch.ones(9, 30, dtype=torch.float64), atol=1e-6)
@@ -569,10 +569,10 @@ def test_proto_lp_projection_is_the_svd_projection(n, d):
 
 
 def test_bms_min_size_sinkhorn_skips_its_guard_only_where_it_changes_nothing(monkeypatch):
-    from poodle.solvers import _optim
+    from poodle.solvers import backend as _backend
     from poodle.solvers.bms import min_size_sinkhorn
 
-    monkeypatch.setattr(_optim, "USE_NATIVE", False)  # the torch formulation's shortcut
+    monkeypatch.setattr(_backend, "default", lambda: _backend.Backend(native=False))  # the torch formulation's shortcut
 
     g = torch.Generator().manual_seed(2)
     p = torch.softmax(torch.randn(6, 5, 40, generator=g) * 4, 1)  # float32, entries far above 1e-13

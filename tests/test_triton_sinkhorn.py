@@ -20,8 +20,8 @@ import torch
 
 from poodle import solvers
 from poodle.errors import ConfigError
-from poodle.solvers import _optim, _triton_sinkhorn
-from poodle.solvers._transductive import device_schedule
+from poodle.solvers import _triton_sinkhorn
+from poodle.solvers import backend as _backend
 
 SCRIPT = Path(__file__).with_name("_triton_sinkhorn_interp.py")
 needs_triton = pytest.mark.skipif(not _triton_sinkhorn.available()[0], reason="Triton not installed")
@@ -53,7 +53,7 @@ def test_loop_matches_plain_float64_sinkhorn_and_the_c_loop(results, mode, dtype
 @pytest.mark.parametrize("name", ["pt-map", "bms", "proto-lp"])
 def test_methods_on_the_triton_loop_predict_what_torch_predicts(results, name):
     r = results[name]
-    assert r["formulation"] == "triton sinkhorn"  # cuda_loop("triton") sent the sweeps to the kernel
+    assert r["formulation"] == "triton sinkhorn"  # a backend with cuda_sinkhorn="triton" sent the sweeps there
     assert r["same_predictions"]
     assert r["prob_diff"] < 1e-12
     assert r["padded_class_zero"]
@@ -61,21 +61,20 @@ def test_methods_on_the_triton_loop_predict_what_torch_predicts(results, name):
 
 def test_cuda_loop_is_checked_and_leaves_cpu_plans_alone(monkeypatch):
     with pytest.raises(ConfigError, match="must be one of torch, triton") as e:
-        with _triton_sinkhorn.cuda_loop("cutlass"):
-            pass
+        _backend.Backend(cuda_sinkhorn="cutlass")
     assert (e.value.param, e.value.value) == ("cuda_sinkhorn", "cutlass")
     p = torch.rand(2, 5, 15, dtype=torch.float64)
     assert not _triton_sinkhorn.usable(p)  # CPU plans: the C loop or torch, as before
     with monkeypatch.context() as m:  # a misspelt POODLE_CUDA_SINKHORN is refused, not ignored
-        m.setitem(_triton_sinkhorn._loop, "name", "trition")
-        m.setitem(_triton_sinkhorn._loop, "devices", ("cpu",))
+        m.setenv("POODLE_CUDA_SINKHORN", "trition")
         with pytest.raises(ConfigError, match="POODLE_CUDA_SINKHORN must be one of torch, triton, not 'trition'"):
-            _triton_sinkhorn.usable(p)
-    with _triton_sinkhorn.cuda_loop("triton", devices=("cpu",)):
-        with device_schedule():  # what the cost model traces: the torch formulation
-            assert not _triton_sinkhorn.usable(p)
-        with _triton_sinkhorn.cuda_loop("torch", devices=("cpu",)):
-            assert not _triton_sinkhorn.usable(p)
+            _backend.Backend()
+    on_cpu = _backend.Backend(cuda_sinkhorn="triton", sinkhorn_devices=("cpu",))
+    with _backend.active(on_cpu.with_(device_schedule=True)):  # what the cost model traces: torch
+        assert not _triton_sinkhorn.usable(p)
+    with _backend.active(on_cpu.with_(cuda_sinkhorn="torch")):
+        assert not _triton_sinkhorn.usable(p)
+    with _backend.active(on_cpu):
         assert not _triton_sinkhorn.usable(p.half())
         assert not _triton_sinkhorn.usable(torch.rand(1, 65, 600, dtype=torch.float64))  # 128 x 1024 > MAX_BLOCK
         assert _triton_sinkhorn.usable(p) == _triton_sinkhorn.available()[0]
@@ -85,10 +84,10 @@ def test_cuda_loop_is_checked_and_leaves_cpu_plans_alone(monkeypatch):
     )
     cfg = solvers.make_config("pt-map", {"steps": 2})
     ref = solvers.run("pt-map", batch, cfg)
-    with _triton_sinkhorn.cuda_loop("triton"):  # CPU tensors: the CPU's arithmetic, bit for bit
-        out = solvers.run("pt-map", batch, cfg)
+    triton = _backend.Backend(cuda_sinkhorn="triton")
+    out = solvers.run("pt-map", batch, cfg, backend=triton)  # CPU tensors: the CPU's arithmetic, bit for bit
     assert torch.equal(out.log_probs, ref.log_probs)
-    assert _optim.formulation("pt-map", "cpu") != "triton sinkhorn"
+    assert triton.formulation("pt-map", "cpu") != "triton sinkhorn"
 
 
 @needs_triton

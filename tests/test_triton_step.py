@@ -19,7 +19,8 @@ import torch
 from poodle import solvers
 from poodle.costmodel import torch_step_bytes, triton_step_bytes
 from poodle.errors import ConfigError
-from poodle.solvers import _optim, _triton_step
+from poodle.solvers import _triton_step
+from poodle.solvers import backend as _backend
 
 SCRIPT = Path(__file__).with_name("_triton_interp.py")
 needs_triton = pytest.mark.skipif(not _triton_step.available()[0], reason="Triton not installed")
@@ -53,7 +54,7 @@ def test_weighted_distance_fit_matches_torch_float64(results, case):
 )
 def test_solvers_on_the_triton_step_match_per_episode(results, case):
     r = results[case]
-    assert r["formulation"] == "triton"  # cuda_step("triton") sent the fit to the kernel
+    assert r["formulation"] == "triton"  # a backend with cuda_step="triton" sent the fit to the kernel
     assert r["moved"] > 5e-3
     assert r["acc_triton"] == r["acc_ref"]  # every episode's accuracy identical
     f32 = case.startswith("f32")
@@ -75,8 +76,7 @@ def test_ragged_chunk_on_the_triton_step_is_each_episode_alone(results, case):
 
 def test_cuda_step_is_checked_and_leaves_cpu_fits_alone():
     with pytest.raises(ConfigError, match="cuda_step must be one of torch, triton") as e:
-        with _optim.cuda_step("cutlass"):
-            pass
+        _backend.Backend(cuda_step="cutlass")
     assert (e.value.param, e.value.value) == ("cuda_step", "cutlass")
     from poodle.pipeline import RunOptions
 
@@ -90,10 +90,10 @@ def test_cuda_step_is_checked_and_leaves_cpu_fits_alone():
     )
     cfg = solvers.make_config("tim-gd", {"steps": 3})
     ref = solvers.run("tim-gd", batch, cfg)
-    with _optim.cuda_step("triton"):  # CPU tensors: the CPU's arithmetic, bit for bit
-        out = solvers.run("tim-gd", batch, cfg)
+    triton = _backend.Backend(cuda_step="triton")
+    out = solvers.run("tim-gd", batch, cfg, backend=triton)  # CPU tensors: the CPU's arithmetic, bit for bit
     assert torch.equal(out.log_probs, ref.log_probs)
-    assert _optim.formulation("tim-gd", "cpu") != "triton"
+    assert triton.formulation("tim-gd", "cpu") != "triton"
 
 
 def test_triton_step_reads_the_rows_once():
@@ -108,12 +108,18 @@ def test_triton_step_reads_the_rows_once():
 
 
 def test_resident_groups_where_the_cost_model_says_they_pay():
-    from poodle.costmodel import H100_SXM
+    from poodle.costmodel import H100_SXM, launch_plan, resident_plan
+    from poodle.evaluate import backend_for
+    from poodle.run import RunOptions
 
     # TIM-GD (80 rows, 1000 steps): groups of 102 episodes, rows in L2; POODLE (480 rows): streamed
-    assert _triton_step.resident_plan(10_000, 80, 640, 5, 1000, 5, H100_SXM) == 102
-    assert _triton_step.resident_plan(10_000, 480, 640, 5, 250, None, H100_SXM) is None
-    assert _triton_step.resident_plan(50, 80, 640, 5, 1000, 5, H100_SXM) is None  # one group anyway
+    assert resident_plan(10_000, 80, 640, 5, 1000, 5, H100_SXM) == 102
+    assert resident_plan(10_000, 480, 640, 5, 250, None, H100_SXM) is None
+    assert resident_plan(50, 80, 640, 5, 1000, 5, H100_SXM) is None  # one group anyway
+    # a run's backend carries the cost model's sizing down to the step (which imports no cost model)
+    be = backend_for(RunOptions(cuda_step="triton"))
+    assert be.cuda_step == "triton" and be.launch_plan is launch_plan
+    assert _backend.Backend().launch_plan is None  # a library default: one launch
 
 
 @needs_triton

@@ -11,8 +11,9 @@ import pkgutil
 from typing import Any, Iterable, Mapping
 
 from poodle.errors import ConfigError
-from poodle.solvers import _optim
+from poodle.solvers import backend as _backend
 from poodle.solvers import base as _base
+from poodle.solvers.backend import Backend
 from poodle.solvers.base import (
     EpisodeBatch,
     SolverInfo,
@@ -28,6 +29,7 @@ from poodle.solvers.base import (
 )
 
 __all__ = [
+    "Backend",
     "EpisodeBatch",
     "SolverInfo",
     "SolverOutput",
@@ -55,7 +57,7 @@ def _load_all() -> None:
     if _LOADED:
         return
     for mod in pkgutil.iter_modules(__path__):
-        if mod.name != "base" and not mod.name.startswith("_"):
+        if mod.name not in ("base", "backend") and not mod.name.startswith("_"):
             importlib.import_module(f"{__name__}.{mod.name}")
     _LOADED = True
 
@@ -94,8 +96,13 @@ def homonyms(methods: Iterable[str], name: str) -> dict[str, list[str]]:
     return by_meaning if len(by_meaning) > 1 else {}
 
 
-def run(name: str, batch: EpisodeBatch, config: Any = None, **options: Any) -> SolverOutput:
-    """Solve ``batch`` with method ``name``; ``config`` or keyword options (not both)."""
+def run(
+    name: str, batch: EpisodeBatch, config: Any = None, *, backend: Backend | None = None, **options: Any
+) -> SolverOutput:
+    """Solve ``batch`` with method ``name``; ``config`` or keyword options (not both). ``backend``
+    (:class:`~poodle.solvers.backend.Backend`) says which arithmetic runs, and its report says
+    afterwards what did (``backend.formulation``); ``None``: the backend of the call this one is
+    inside, else :func:`~poodle.solvers.backend.default`."""
     info = get(name)
     if config is None:
         config = build_config(info, options, strict=True)
@@ -104,5 +111,5 @@ def run(name: str, batch: EpisodeBatch, config: Any = None, **options: Any) -> S
     else:
         _base.check_config(info.name, config)
     info.check_negatives(config, None if batch.negatives is None else "given")
-    with _optim.running(info.name):  # what its fits run is recorded under its name
+    with _backend.active(_backend.for_call(backend), info.name):  # its engines report under its name
         return info.fn(batch, config)

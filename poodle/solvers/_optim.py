@@ -25,7 +25,7 @@ per-row constant, which the softmax ignores) and ``p_i = softmax_k(l_i)``. Given
   ``None`` where the kernel does not know the loss (the torch formulation then runs on CPU too).
 
 :func:`fit` runs it: the kernel where it can, otherwise :func:`fit_torch`, the one step loop of
-the torch formulation; on CUDA under :func:`cuda_step` ``("triton")``, the Triton step
+the torch formulation; on CUDA with the backend's ``cuda_step="triton"``, the Triton step
 (:mod:`poodle.solvers._triton_step`) for the losses it knows. The two losses here are
 :class:`WeightedDistance` (POODLE, CE, naive-OOD: per-row coefficients, :class:`RowTerms`) and
 :class:`LogitLoss` (a ``grad_logits`` callback, with a :class:`NativeLoss` where a kernel computes
@@ -61,28 +61,16 @@ classes and computes what the episode computes alone.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
 
-from poodle import defaults
-from poodle.errors import ConfigError
 from poodle.solvers import _native
+from poodle.solvers import backend as _backend
 from poodle.solvers._native import KernelTerms
-
-# Whether CPU fits may use the fused C kernel (see _native.py); the tests switch it off to check the
-# torch formulation against the same references.
-USE_NATIVE = True
-
-# The step CUDA fits take (see cuda_step); process-wide, as chunks may be solved in worker threads.
-CUDA_STEPS = defaults.CUDA_STEPS
-TRITON_METHODS = ("poodle", "ce", "naive-ood", "tim-gd", "alpha-tim", "entropy-min")  # whose fits it takes
-_cuda_step = {"name": defaults.CUDA_STEP, "devices": ("cuda",)}
 
 # Padding of each episode's parameter row: keeps the K*D prototype block and the scale in one
 # buffer (one Adam for both) while every episode's row starts on a 64-byte boundary.
@@ -315,25 +303,11 @@ def fit_torch(
     return W.clone(), gamma.clone()
 
 
-# which arithmetic each method's fits ran, for the records (:func:`formulation`)
-_ran: dict[tuple[str | None, str], str] = {}
-_running = threading.local()
-
-
-@contextlib.contextmanager
-def running(method: str) -> Iterator[None]:
-    """Inside: this thread's fits are ``method``'s (``solvers.run`` says so)."""
-    before = getattr(_running, "method", None)
-    _running.method = method
-    try:
-        yield
-    finally:
-        _running.method = before
-
-
 def fit(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions, padding: Padding | None = None) -> tuple[Tensor, Tensor]:
     """Fit the prototypes and scales of ``E`` episodes under ``loss``: the fused kernel where it
-    can run (CPU, float32/64, the loss known to it, :data:`USE_NATIVE`), else :func:`fit_torch`.
+    can run (CPU, float32/64, the loss known to it, the backend's ``native``), else
+    :func:`fit_torch`; on a device the backend's ``step_devices`` name with ``cuda_step="triton"``,
+    the Triton step. Reports what ran to the backend (:func:`poodle.solvers.backend.ran`).
 
     Args:
         x: ``[E, n, D]`` every row the loss sees.
@@ -347,10 +321,11 @@ def fit(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions, padding: Padding | 
     """
     if padding is not None and not padding.any:
         padding = None
-    triton = _triton_loss(x, loss)
-    terms = loss.kernel() if USE_NATIVE and x.device.type == "cpu" and triton is None else None
+    be = _backend.current()
+    triton = _triton_loss(x, loss, be)
+    terms = loss.kernel() if be.native and x.device.type == "cpu" and triton is None else None
     if triton is not None:
-        what, result = "triton", _triton_fit(x, w0, triton, opts, padding)
+        what, result = "triton", _triton_fit(x, w0, triton, opts, padding, be)
     elif terms is not None and _native.usable(x):
         what = _native.formulation()
         if padding is None:
@@ -360,8 +335,8 @@ def fit(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions, padding: Padding | 
             result = _native.fit(xp, w0, terms, opts, sizes)
     else:
         if x.device.type != "cpu":
-            what = "torch" if _cuda_step["name"] == "torch" else "torch (no Triton step for this fit here)"
-        elif not USE_NATIVE:
+            what = "torch" if be.cuda_step == "torch" else "torch (no Triton step for this fit here)"
+        elif not be.native:
             what = "torch (the fused kernel switched off)"
         elif terms is None:
             what = "torch (no fused kernel for this loss)"
@@ -370,7 +345,7 @@ def fit(x: Tensor, w0: Tensor, loss: Loss, opts: FitOptions, padding: Padding | 
         else:
             what = _native.formulation()
         result = fit_torch(x, w0, loss, opts, None if padding is None else padding.classes)
-    _ran[(getattr(_running, "method", None), x.device.type)] = what
+    _backend.ran(what, x.device)
     return result
 
 
@@ -413,36 +388,9 @@ def _pack_kernel(x: Tensor, terms: KernelTerms, padding: Padding) -> tuple[Tenso
     return xp, dataclasses.replace(terms, targets=targets), sizes
 
 
-def check_cuda_step(name: str) -> None:
-    """ConfigError unless ``name`` is one of :data:`CUDA_STEPS`."""
-    if name not in CUDA_STEPS:
-        raise ConfigError(
-            f"cuda_step must be one of {', '.join(CUDA_STEPS)}, not {name!r}",
-            param="cuda_step",
-            value=name,
-            reason=f"must be one of {', '.join(CUDA_STEPS)}",
-        )
-
-
-@contextlib.contextmanager
-def cuda_step(name: str, devices: tuple[str, ...] = ("cuda",)) -> Iterator[None]:
-    """Inside: fits on ``devices`` take the ``name`` step, ``"torch"`` (:func:`fit_torch`) or
-    ``"triton"`` (one kernel reading each row once a step, for POODLE, CE, naive-OOD, TIM-GD,
-    alpha-TIM and entropy minimisation; other fits and a machine without Triton run torch).
-    Accuracies agree with the torch formulation and probabilities to float rounding
-    (``tests/test_triton_step.py``). ``devices`` other than CUDA need Triton's interpreter (tests)."""
-    check_cuda_step(name)
-    before = dict(_cuda_step)
-    _cuda_step.update(name=name, devices=tuple(devices))
-    try:
-        yield
-    finally:
-        _cuda_step.update(before)
-
-
-def _triton_loss(x: Tensor, loss: Loss) -> RowTerms | NativeLoss | None:
+def _triton_loss(x: Tensor, loss: Loss, be: _backend.Backend) -> RowTerms | NativeLoss | None:
     """What the Triton step is given for ``loss``, when it is to take this fit; else ``None``."""
-    if _cuda_step["name"] != "triton" or x.device.type not in _cuda_step["devices"]:
+    if be.cuda_step != "triton" or x.device.type not in be.step_devices:
         return None
     if isinstance(loss, WeightedDistance):
         described: RowTerms | NativeLoss | None = loss.terms
@@ -456,11 +404,18 @@ def _triton_loss(x: Tensor, loss: Loss) -> RowTerms | NativeLoss | None:
 
 
 def _triton_fit(
-    x: Tensor, w0: Tensor, what: RowTerms | NativeLoss, opts: FitOptions, padding: Padding | None = None
+    x: Tensor,
+    w0: Tensor,
+    what: RowTerms | NativeLoss,
+    opts: FitOptions,
+    padding: Padding | None = None,
+    be: _backend.Backend | None = None,
 ) -> tuple[Tensor, Tensor]:
     from poodle.solvers import _triton_step
 
     kw: dict = dict(scale0=opts.scale0, steps=opts.steps, lr=opts.lr, betas=opts.betas, eps=opts.eps)
+    if be is not None and be.launch_plan is not None:
+        kw["launch_plan"] = be.launch_plan
     wd = isinstance(what, RowTerms)
     if padding is not None:
         # as for the C kernel: each episode's real rows first, and its own sizes
@@ -480,19 +435,6 @@ def _triton_fit(
     if wd:
         return _triton_step.fit_weighted_distance(x, what, w0, learn_scale=opts.learn_scale, **kw)
     return _triton_step.fit_logit_loss(x, w0, what, learn_scale=opts.learn_scale, **kw)
-
-
-def ran(what: str, device: torch.device | str) -> None:
-    """Record that this thread's current method ran the arithmetic ``what`` on ``device`` (for a
-    solver that calls a kernel of its own, as TIM-ADM does)."""
-    _ran[(getattr(_running, "method", None), torch.device(device).type)] = what
-
-
-def formulation(method: str, device: torch.device | str) -> str:
-    """The arithmetic ``method``'s fits ran in this process on ``device``'s kind: ``kernel <source
-    hash>`` (the fused CPU kernel), ``torch (<why not the kernel>)`` on CPU, ``torch`` on a GPU and
-    for methods without a fit of this engine."""
-    return _ran.get((method, torch.device(device).type), "torch")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,9 +538,6 @@ __all__ = [
     "fit_logit_loss",
     "fit_torch",
     "fit_weighted_distance",
-    "formulation",
     "logit_loss_flops",
-    "ran",
-    "running",
     "weighted_distance_flops",
 ]

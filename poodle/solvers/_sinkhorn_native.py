@@ -12,8 +12,9 @@ rounding of torch's). On CUDA the same loop runs as one Triton program per episo
 The library is built and loaded by the machinery of :mod:`poodle.solvers._native` (the same private
 directory, ownership and mode checks, compiler, flags and CPU key, the same interface and
 source-hash handshake), as its own file ``sinkhorn_kernel-<key>.so``; where it cannot be had, the
-solvers run the torch formulation (:func:`state` says why). ``_optim.USE_NATIVE`` switches both
-kernels off together (the cost model and the tests use it).
+solvers run the torch formulation (:func:`state` says why). The backend's ``native``
+(:class:`poodle.solvers.backend.Backend`) switches both kernels off together (the cost model and
+the tests use it).
 
 Each episode passes its own sizes (``ways [E]`` classes and ``cols [E]`` leading samples), so the
 padded episodes of a ragged chunk run exactly the loop they run alone.
@@ -197,23 +198,23 @@ def formulation() -> str:
 def usable(p: Tensor) -> bool:
     """Whether the loop runs on plan ``p``: a CPU float32/float64 tensor outside
     :func:`~poodle.solvers._transductive.device_schedule` (which runs what a GPU runs), the native
-    kernels not switched off (``_optim.USE_NATIVE``) and a loadable library. Records the method's
-    formulation."""
-    from poodle.solvers import _optim
+    kernels not switched off (the backend's ``native``) and a loadable library. Reports the
+    method's formulation to the backend."""
+    from poodle.solvers import backend as _backend
     from poodle.solvers._transductive import syncs_freely
 
     if p.device.type != "cpu":
         return False
     if not syncs_freely(p):
         what, ok = "torch (the device schedule)", False
-    elif not _optim.USE_NATIVE:
+    elif not _backend.current().native:
         what, ok = "torch (the fused kernel switched off)", False
     elif p.dtype not in _DTYPES:
         what, ok = f"torch (the fused Sinkhorn loop takes float32 and float64, not {p.dtype})", False
     else:
         ok = load() is not None
         what = formulation()
-    _optim._ran[(getattr(_optim._running, "method", None), "cpu")] = what
+    _backend.ran(what, "cpu")
     return ok
 
 

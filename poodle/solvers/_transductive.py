@@ -7,15 +7,15 @@ one-hot support labels.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from poodle.solvers import backend as _backend
 from poodle.solvers.base import EpisodeBatch, one_hot
 
 # Smallest probability any log below is allowed to see: keeps 0 * log(0) and 0 / 0 out of every
@@ -62,26 +62,13 @@ CHECK_EVERY = 8
 # A Sinkhorn sweep is about 15 operations, so its loops look once per 16 sweeps: at most one sync
 # per 150 device operations, the bound tests/test_meta_device.py holds every method to.
 CHECK_EVERY_SWEEPS = 16
-_DEVICE_SCHEDULE = [False]  # set by device_schedule(): the CPU checks as seldom as a GPU
-
-
-@contextlib.contextmanager
-def device_schedule() -> Iterator[None]:
-    """Inside the block, loops on the CPU check convergence (and take every other sync-free branch)
-    as they would on a GPU: what the cost model traces and what the tests compare with the CPU's
-    own schedule. Process-wide; not for concurrent solving threads."""
-    before = _DEVICE_SCHEDULE[0]
-    _DEVICE_SCHEDULE[0] = True
-    try:
-        yield
-    finally:
-        _DEVICE_SCHEDULE[0] = before
 
 
 def syncs_freely(t: Tensor) -> bool:
-    """Whether reading a value of ``t`` on the host costs nothing: on the CPU (outside
-    :func:`device_schedule`), where there is no device queue to drain."""
-    return t.device.type == "cpu" and not _DEVICE_SCHEDULE[0]
+    """Whether reading a value of ``t`` on the host costs nothing: on the CPU (unless the backend
+    runs the device schedule, :attr:`poodle.solvers.backend.Backend.device_schedule`), where there
+    is no device queue to drain."""
+    return t.device.type == "cpu" and not _backend.current().device_schedule
 
 
 def should_stop(active: Tensor, it: int, every: int = CHECK_EVERY) -> bool:

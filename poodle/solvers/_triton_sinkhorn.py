@@ -19,12 +19,12 @@ written, so a padded episode runs the loop it runs alone). Only the summation or
 over classes and samples is the block reductions', so plans agree with the C loop and the torch
 formulation to float rounding.
 
-Which loop runs: on CUDA (or, for the tests, the devices :func:`cuda_loop` names, under Triton's
-interpreter) when Triton is installed, the plan is float32 or float64 and fits :data:`MAX_BLOCK`,
-and neither ``POODLE_CUDA_SINKHORN=torch`` (read at import) nor :func:`cuda_loop` ``("torch")`` nor
-:func:`~poodle.solvers._transductive.device_schedule` (what the cost model traces) says otherwise;
-else the torch formulation. :func:`usable` records the choice as the method's formulation
-(``poodle.solvers._optim.formulation(method, "cuda")``).
+Which loop runs: on CUDA (or, for the tests, the devices the backend's ``sinkhorn_devices`` names,
+under Triton's interpreter) when Triton is installed, the plan is float32 or float64 and fits
+:data:`MAX_BLOCK`, and the backend (:class:`poodle.solvers.backend.Backend`: ``cuda_sinkhorn``,
+whose default ``POODLE_CUDA_SINKHORN`` sets, and ``device_schedule``, what the cost model traces)
+does not say otherwise; else the torch formulation. :func:`usable` reports the choice to the
+backend as the method's formulation (``Backend.formulation(method, "cuda")``).
 
 Known without a GPU: the kernel runs in Triton's interpreter on the CPU
 (``tests/test_triton_sinkhorn.py``); it has never run on a GPU yet.
@@ -33,13 +33,11 @@ Known without a GPU: the kernel runs in Triton's interpreter on the CPU
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-from poodle.errors import ConfigError
+from poodle.solvers import backend as _backend
 
 try:
     import triton
@@ -52,7 +50,7 @@ except ImportError as _e:  # CPU-only torch wheels come without Triton
     _IMPORT_ERROR = f"Triton is not installed ({_e})"
 
 MODES = {"balanced": 0, "min-size": 1}
-LOOPS = ("torch", "triton")
+LOOPS = _backend.SINKHORN_LOOPS
 # the smallest mass a division sees (pt_map's TINY) and the authors' min-size guard (bms)
 TINY_MASS = 1e-30
 GUARD = 1e-20
@@ -60,39 +58,10 @@ GUARD = 1e-20
 # 1,024 samples. Beyond it the torch formulation runs (a tiled loop over samples is not written).
 MAX_BLOCK = 65_536
 
-# the loop CUDA plans take, and on which devices (cuda_loop); process-wide, as chunks may be solved
-# in worker threads
-_loop = {"name": os.environ.get("POODLE_CUDA_SINKHORN", "triton").strip().lower() or "triton", "devices": ("cuda",)}
-
 
 def available() -> tuple[bool, str]:
     """``(True, "")`` when the kernel can run here, else ``(False, why)``."""
     return (triton is not None, _IMPORT_ERROR)
-
-
-def check_loop(name: str) -> None:
-    """ConfigError unless ``name`` is one of :data:`LOOPS`."""
-    if name not in LOOPS:
-        raise ConfigError(
-            f"the CUDA Sinkhorn loop must be one of {', '.join(LOOPS)}, not {name!r}",
-            param="cuda_sinkhorn",
-            value=name,
-            reason=f"must be one of {', '.join(LOOPS)}",
-        )
-
-
-@contextlib.contextmanager
-def cuda_loop(name: str, devices: tuple[str, ...] = ("cuda",)) -> Iterator[None]:
-    """Inside: the Sinkhorn loops of plans on ``devices`` take ``name``, ``"triton"`` (this module)
-    or ``"torch"`` (the batched formulation). ``devices`` other than CUDA need Triton's interpreter
-    (the tests). Process-wide, like :func:`poodle.solvers._optim.cuda_step`."""
-    check_loop(name)
-    before = dict(_loop)
-    _loop.update(name=name, devices=tuple(devices))
-    try:
-        yield
-    finally:
-        _loop.update(before)
 
 
 def blocks(K: int, N: int) -> tuple[int, int]:
@@ -111,21 +80,13 @@ def warps(BK: int, BN: int) -> int:
 def usable(p: Tensor) -> bool:
     """Whether the Triton loop runs on plan ``p [E, K, N]`` (see the module's docstring). Records
     the method's formulation on ``p``'s device kind when ``p`` is on a device the loop serves."""
-    from poodle.solvers import _optim, _transductive
-
-    if p.device.type not in _loop["devices"]:
+    be = _backend.current()
+    if p.device.type not in be.sinkhorn_devices:
         return False
-    if _loop["name"] not in LOOPS:  # only POODLE_CUDA_SINKHORN can set another name
-        raise ConfigError(
-            f"POODLE_CUDA_SINKHORN must be one of {', '.join(LOOPS)}, not {_loop['name']!r}",
-            param="POODLE_CUDA_SINKHORN",
-            value=_loop["name"],
-            reason=f"must be one of {', '.join(LOOPS)}",
-        )
     ok = False
-    if _loop["name"] != "triton":
+    if be.cuda_sinkhorn != "triton":
         what = "torch"
-    elif _transductive._DEVICE_SCHEDULE[0]:
+    elif be.device_schedule:
         what = "torch (the device schedule)"
     elif triton is None:
         what = f"torch ({_IMPORT_ERROR})"
@@ -135,7 +96,7 @@ def usable(p: Tensor) -> bool:
         what = f"torch (a plan of {tuple(p.shape[1:])} is beyond the Triton loop's {MAX_BLOCK:,} entries)"
     else:
         what, ok = "triton sinkhorn", True
-    _optim._ran[(getattr(_optim._running, "method", None), p.device.type)] = what
+    _backend.ran(what, p.device)
     return ok
 
 
@@ -313,4 +274,4 @@ def run(
     return p
 
 
-__all__ = ["LOOPS", "MAX_BLOCK", "MODES", "available", "blocks", "check_loop", "cuda_loop", "run", "usable", "warps"]
+__all__ = ["LOOPS", "MAX_BLOCK", "MODES", "available", "blocks", "run", "usable", "warps"]

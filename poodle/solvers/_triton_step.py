@@ -353,29 +353,6 @@ def _kernel_for(device: torch.device) -> Any:
     return _fit_kernel
 
 
-def resident_plan(
-    E: int, n: int, D: int, K: int, steps: int, n_support: int | None, gpu: Any, itemsize: int = 4
-) -> int | None:
-    """Episodes per launch when the cost model (:func:`poodle.costmodel.triton_seconds`) predicts
-    that keeping a group's rows resident in L2 beats streaming them every step on ``gpu`` (a
-    :class:`poodle.costmodel.GPU`), else ``None`` (one launch of all ``E``)."""
-    from poodle import costmodel
-
-    t = costmodel.triton_seconds(n, D, K, steps, E, gpu, n_support, itemsize)
-    return int(t["group"]) if t["resident"] < t["stream"] and t["group"] < E else None
-
-
-def _device_gpu(device: torch.device) -> Any:
-    """The cost model's view of a CUDA device: its L2 and SMs; bandwidth and FP32 rate of an H100 SXM
-    (only their ratio enters :func:`resident_plan`'s choice)."""
-    from poodle import costmodel
-
-    p = torch.cuda.get_device_properties(device)
-    ref = costmodel.H100_SXM
-    l2 = int(getattr(p, "L2_cache_size", 0) or ref.l2_bytes)
-    return costmodel.GPU(p.name, ref.bandwidth, ref.fp32, l2, int(p.multi_processor_count))
-
-
 def _check(x: Tensor, w0: Tensor) -> None:
     if x.dim() != 3 or w0.dim() != 3 or w0.shape[0] != x.shape[0] or w0.shape[2] != x.shape[2]:
         raise ConfigError(
@@ -401,8 +378,10 @@ def _run(
     pow_int: int,
     group: int | None,
     sizes: Any = None,
+    launch_plan: Any = None,
 ) -> tuple[Tensor, Tensor]:
-    """Launch the kernel over the ``E`` episodes, ``group`` at a time (all at once when ``None``);
+    """Launch the kernel over the ``E`` episodes, ``group`` at a time (all at once when ``None``,
+    unless ``launch_plan``, the backend's sizing, gives a group on CUDA);
     ``sizes``: each episode's own (``ways``, ``rows``, ``support_rows``, each ``[E]`` or ``None``)."""
     E, n, D = x.shape
     K = w0.shape[1]
@@ -437,8 +416,8 @@ def _run(
         else (torch.zeros(E, dtype=torch.int32, device=dev),) * 3
     )
     kernel = _kernel_for(dev)
-    if group is None and dev.type == "cuda":
-        group = resident_plan(E, n, D, K, steps, ns if kind != WEIGHTED else None, _device_gpu(dev), x.element_size())
+    if group is None and launch_plan is not None and dev.type == "cuda":
+        group = launch_plan(E, n, D, K, steps, ns if kind != WEIGHTED else None, dev, x.element_size())
     step = E if group is None else max(1, int(group))
     for a in range(0, E, step):
         sl = slice(a, min(E, a + step))
@@ -465,6 +444,7 @@ def fit_weighted_distance(
     learn_scale: bool = True,
     group: int | None = None,
     sizes: Any = None,
+    launch_plan: Any = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`poodle.solvers._optim.fit_weighted_distance` in one kernel launch (per ``group``).
 
@@ -474,8 +454,9 @@ def fit_weighted_distance(
             ``ce``, ``coef``, ``free`` ``[E or 1, 1, n]``).
         w0: ``[E, K, D]`` initial prototypes.
         scale0, steps, lr, betas, eps, learn_scale: as the torch formulation.
-        group: episodes per launch; ``None``: on CUDA, groups whose rows stay in L2 where the cost
-            model says that pays (:func:`resident_plan`), else all in one launch.
+        group: episodes per launch; ``None``: on CUDA, what ``launch_plan`` (the backend's sizing,
+            :func:`poodle.costmodel.resident_plan` in a run) says, else all in one launch.
+        launch_plan: ``(E, n, D, K, steps, n_support, device, itemsize) -> group or None``.
         sizes: a ragged chunk's episode sizes (``ways``, ``rows``, ``support_rows``, each ``[E]`` or
             ``None``; :class:`poodle.solvers._native.EpisodeSizes`), each episode's real rows first.
 
@@ -494,7 +475,9 @@ def fit_weighted_distance(
     if terms.free is not None:
         tensors["free"] = terms.free.expand(E, 1, n).reshape(E, n).contiguous()
     params = (0.0, 0.0, 0.0, 0.0, TINY)
-    return _run(x, w0, scale0, steps, lr, betas, eps, WEIGHTED, learn_scale, tensors, 0, params, 0, group, sizes)
+    return _run(
+        x, w0, scale0, steps, lr, betas, eps, WEIGHTED, learn_scale, tensors, 0, params, 0, group, sizes, launch_plan
+    )
 
 
 def fit_logit_loss(
@@ -510,6 +493,7 @@ def fit_logit_loss(
     eps: float = 1e-8,
     group: int | None = None,
     sizes: Any = None,
+    launch_plan: Any = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`poodle.solvers._optim.fit_logit_loss` for the losses the kernel knows, given as a
     :class:`LogitLoss` (or the torch formulation's ``NativeLoss``, with ``alpha`` for kind
@@ -519,7 +503,8 @@ def fit_logit_loss(
         x: ``[E, n, D]`` support rows then query rows.
         w0: ``[E, K, D]`` initial prototypes.
         loss: the loss (kind, ``n_support``, ``targets [E, K, Ns]``, weights, alpha).
-        scale0, steps, lr, learn_scale, betas, eps, group, sizes: as :func:`fit_weighted_distance`.
+        scale0, steps, lr, learn_scale, betas, eps, group, sizes, launch_plan: as
+            :func:`fit_weighted_distance`.
 
     Returns:
         ``(W [E, K, D], gamma [E, 1, 1])``.
@@ -540,7 +525,9 @@ def fit_logit_loss(
     w_ce, w_a, w_c = (float(v) for v in loss.weights)
     tensors = {"targets": loss.targets.to(x.dtype).expand(E, K, ns).contiguous()}
     params = (w_ce, w_a, w_c, a, TINY)
-    return _run(x, w0, scale0, steps, lr, betas, eps, kind, learn_scale, tensors, ns, params, pow_int, group, sizes)
+    return _run(
+        x, w0, scale0, steps, lr, betas, eps, kind, learn_scale, tensors, ns, params, pow_int, group, sizes, launch_plan
+    )
 
 
-__all__ = ["LogitLoss", "available", "fit_weighted_distance", "fit_logit_loss", "resident_plan", "INTERPRETED"]
+__all__ = ["LogitLoss", "available", "fit_weighted_distance", "fit_logit_loss", "INTERPRETED"]

@@ -90,7 +90,9 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: AlphaTimConfig) -> f
     transductive="always",
     flops=_flops,
     summary="alpha-TIM (Veilleux et al. 2021): TIM with alpha-entropies, robust to imbalanced queries",
-    floor=dict(matmul="large"),
+    floor=dict(matmul="large", fixed_steps=True),
+    triton_step=True,  # its loss is one the Triton step knows
+    flags={"entropy_alpha": "alpha"},
 )
 def alpha_tim(batch: EpisodeBatch, cfg: AlphaTimConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]``."""

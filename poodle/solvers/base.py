@@ -218,6 +218,13 @@ class Floor:
         gram: ``(n, d)`` of the Gram matrix ``x x^T`` (``x [n, d]``) the method forms once per episode
             before its decomposition (``2 n^2 d`` FLOPs of its count, timed at a batched product of
             that shape, not at ``product``'s).
+        fixed_steps: every step runs the same operations whatever the data (no convergence test,
+            no inner loop of data-dependent length): the cost model traces 1 and 2 steps and
+            extrapolates (:func:`poodle.costmodel.trace`).
+        steps_field: the config field holding the method's iteration count (the cost model's
+            :func:`~poodle.costmodel.method_steps`).
+        steps_of: ``(cfg, n_query) -> iterations`` where the count depends on the episode's shape
+            (CAN-T's ``-1``: ``Nq // step``), else ``None`` (``steps_field``'s value).
     """
 
     eigh: Callable[..., int] | None = None
@@ -229,6 +236,9 @@ class Floor:
     eigh_dtype: Literal["float32", "float64"] = "float32"
     matmul: Literal["batched", "large"] = "batched"
     gram: Callable[..., tuple[int, int]] | None = None
+    fixed_steps: bool = False
+    steps_field: str = "steps"
+    steps_of: Callable[[Any, int], int] | None = None
 
     def product_shape(self, Ns: int, Nq: int, M: int, D: int, way: int, cfg: Any) -> tuple[int, int, int]:
         """``(rows, depth, columns)`` of the method's typical product on this shape."""
@@ -265,6 +275,11 @@ class SolverInfo:
         summary: one line for ``--help`` and listings.
         floor: the cost facts of what the method computes per episode (:class:`Floor`), for the
             per-method floors of ``benchmarks/methods.py`` and the loops of :mod:`poodle.costmodel`.
+        triton_step: whether its fits take the Triton step on CUDA under a backend with
+            ``cuda_step="triton"`` (:mod:`poodle.solvers._triton_step`; its loss is one the step knows).
+        flags: ``{command-line option: config field}``, the method's own names for fields other
+            methods give another meaning (POODLE's ``pull_weight`` for ``alpha``); ``poodle solve``
+            maps them from here.
     """
 
     name: str
@@ -275,6 +290,8 @@ class SolverInfo:
     flops: Callable[..., float] | None
     summary: str
     floor: Floor = field(default_factory=lambda: Floor())
+    triton_step: bool = False
+    flags: Mapping[str, str] = field(default_factory=dict)
 
     def needs_negatives(self, cfg: Any) -> bool:
         """Whether this method, configured by ``cfg``, reads ``EpisodeBatch.negatives``."""
@@ -331,6 +348,8 @@ def register(
     summary: str = "",
     aliases: tuple[str, ...] = (),
     floor: Floor | Mapping[str, Any] | None = None,
+    triton_step: bool = False,
+    flags: Mapping[str, str] | None = None,
 ) -> Callable[[Callable], Callable]:
     """Decorator: register a batched solver under ``name`` (and ``aliases``) with its config dataclass
     and, optionally, the cost facts of its floor (a :class:`Floor`, or its fields as a dict, so that
@@ -346,7 +365,13 @@ def register(
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
             raise ValueError(f"solver {name!r} registered twice")
         doc = summary or ((fn.__doc__ or "").strip().splitlines() or [""])[0]
-        _REGISTRY[name] = SolverInfo(name, fn, config, transductive, uses_negatives, flops, doc, facts)
+        own = dict(flags or {})
+        unknown = sorted(set(own.values()) - {f.name for f in dataclasses.fields(config)})
+        if unknown:
+            raise TypeError(f"solver {name!r} names flags for fields its config lacks: {', '.join(unknown)}")
+        _REGISTRY[name] = SolverInfo(
+            name, fn, config, transductive, uses_negatives, flops, doc, facts, triton_step, own
+        )
         _ALIASES.update({alias: name for alias in aliases})
         return fn
 

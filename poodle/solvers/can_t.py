@@ -47,6 +47,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: CanTConfig) -> float
     CanTConfig,
     transductive="always",
     flops=_flops,
+    floor=dict(steps_field="iterations", steps_of=_n_iter),
     summary="CAN-T (Hou et al. 2019): iterative pseudo-labelling of the most confident queries",
 )
 def can_t(batch: EpisodeBatch, cfg: CanTConfig) -> SolverOutput:

@@ -61,7 +61,8 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: CEConfig) -> float:
     uses_negatives=False,
     flops=_flops,
     summary="prototypes and scale fine-tuned with the support cross-entropy (Table 6 row 1)",
-    floor=dict(matmul="large"),
+    floor=dict(matmul="large", fixed_steps=True),
+    triton_step=True,  # its loss is one the Triton step knows
 )
 def ce(batch: EpisodeBatch, cfg: CEConfig) -> SolverOutput:
     """Support rows only: ``X = support [E, Ns, D]``, CE weight ``1/Ns`` per row."""

@@ -52,7 +52,8 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: EntropyMinConfig) ->
     transductive="always",
     flops=_flops,
     summary="Transductive entropy minimisation on the classifier (Dhillon et al. 2020)",
-    floor=dict(matmul="large"),
+    floor=dict(matmul="large", fixed_steps=True),
+    triton_step=True,  # its loss is one the Triton step knows
 )
 def entropy_min(batch: EpisodeBatch, cfg: EntropyMinConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes [E, way, D]``."""

@@ -129,7 +129,7 @@ def _flops_km(Ns: int, Nq: int, M: int, D: int, way: int, cfg: KMeansConfig) -> 
     transductive="always",
     flops=_flops_km,
     summary="Seeded hard k-means over support + query (TAFSSL baseline / POODLE authors)",
-    floor=dict(loops=("poodle.solvers.kmeans:kmeans_loop",)),
+    floor=dict(loops=("poodle.solvers.kmeans:kmeans_loop",), steps_field="max_iter"),
 )
 def kmeans(batch: EpisodeBatch, cfg: KMeansConfig) -> SolverOutput:
     """Returns ``log_probs [E, Nq, way]``; state ``prototypes`` (final centres) and ``iterations [E]``."""
@@ -169,6 +169,7 @@ def _flops_bkm(Ns: int, Nq: int, M: int, D: int, way: int, cfg: BayesKMeansConfi
         eigh=lambda Ns, Nq, M, D, way, cfg: Ns + Nq if cfg.reduced_dim > 0 else 0,
         product=lambda Ns, Nq, M, D, way, cfg: (Ns + Nq, min(cfg.reduced_dim, Ns + Nq, D) or D, way),
         loops=("poodle.solvers.kmeans:kmeans_loop",),
+        steps_field="max_iter",
     ),
 )
 def bayes_kmeans(batch: EpisodeBatch, cfg: BayesKMeansConfig) -> SolverOutput:

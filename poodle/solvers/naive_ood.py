@@ -49,7 +49,8 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: NaiveOODConfig) -> f
     uses_negatives=True,
     flops=_flops,
     summary="(way+1)-way classifier whose extra class is fitted to the negatives (Table 6 row 2)",
-    floor=dict(matmul="large"),
+    floor=dict(matmul="large", fixed_steps=True),
+    triton_step=True,  # its loss is one the Triton step knows
 )
 def naive_ood(batch: EpisodeBatch, cfg: NaiveOODConfig) -> SolverOutput:
     """Query log-probs ``[E, Nq, way]`` over the real classes; state: the ``way`` real prototypes,

@@ -79,6 +79,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PaddleConfig) -> flo
     PaddleConfig,
     transductive="always",
     flops=_flops,
+    floor=dict(fixed_steps=True),
     summary="PADDLE (Martin et al. 2022): MDL-penalised clustering; query classes may be absent",
 )
 def paddle(batch: EpisodeBatch, cfg: PaddleConfig) -> SolverOutput:

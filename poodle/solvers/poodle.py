@@ -103,7 +103,9 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: PoodleConfig) -> flo
     uses_negatives=lambda cfg: cfg.beta != 0,
     flops=_flops,
     summary="POODLE: CE + alpha*pull (in-distribution) - beta*push (negatives), Le et al. 2021",
-    floor=dict(matmul="large"),
+    floor=dict(matmul="large", fixed_steps=True),
+    triton_step=True,  # its loss is one the Triton step knows
+    flags={"pull_weight": "alpha", "push_weight": "beta"},
 )
 def poodle(batch: EpisodeBatch, cfg: PoodleConfig) -> SolverOutput:
     """Query log-probs ``[E, Nq, way]``; state: prototypes ``[E, way, D]``, scale ``[E, 1, 1]``."""

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from poodle.options import option
 from poodle.solvers import _native, _optim
+from poodle.solvers import backend as _backend
 from poodle.solvers._native import KernelTerms
 from poodle.solvers._optim import Padding
 from poodle.solvers._transductive import TINY, dist_flops, pow_anywhere, row_sqnorm, softmax_logits
@@ -60,7 +61,7 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: TimADMConfig) -> flo
     TimADMConfig,
     transductive="always",
     flops=_flops,
-    floor=dict(matmul="large"),
+    floor=dict(matmul="large", fixed_steps=True),
     summary="TIM-ADM (Boudiaf et al. 2020): alternating closed-form updates of TIM's objective",
 )
 def tim_adm(batch: EpisodeBatch, cfg: TimADMConfig) -> SolverOutput:
@@ -113,9 +114,10 @@ def tim_adm(batch: EpisodeBatch, cfg: TimADMConfig) -> SolverOutput:
         return q / q.sum(1, keepdim=True).clamp_min(TINY)
 
     terms = KernelTerms("adm", y_t, n_support=n_s, weights=(c_s, power, beta), alpha=cfg.alpha)
-    if _optim.USE_NATIVE and cfg.steps >= 1 and _native.usable(x):
+    native = _backend.current().native
+    if native and cfg.steps >= 1 and _native.usable(x):
         # the fused kernel: the same iterations, one pass over an episode's rows a step
-        _optim.ran(_native.formulation(), x.device)
+        _backend.ran(_native.formulation(), x.device)
         padding = Padding.of(batch.class_mask, (batch.support_mask, n_s), (batch.query_mask, n_q))
         opts = _optim.FitOptions(scale0=T, steps=cfg.steps, learn_scale=False)
         if padding is None:
@@ -129,10 +131,10 @@ def tim_adm(batch: EpisodeBatch, cfg: TimADMConfig) -> SolverOutput:
         log_probs = torch.log_softmax(mask_classes(softmax_logits(z_q, w_k, T), batch), -1)
         return SolverOutput(log_probs, {"prototypes": w_k, "assignments": q_k.transpose(1, 2)})
     if x.device.type == "cpu":
-        why = "torch (the fused kernel switched off)" if not _optim.USE_NATIVE else _native.formulation()
-        if _optim.USE_NATIVE and _native.state().loaded:
+        why = "torch (the fused kernel switched off)" if not native else _native.formulation()
+        if native and _native.state().loaded:
             why = "torch" if cfg.steps < 1 else f"torch (the fused kernel takes float32 and float64, not {x.dtype})"
-        _optim.ran(why, x.device)
+        _backend.ran(why, x.device)
     q: Tensor | None = None
     for _ in range(cfg.steps):
         p = probs(w)

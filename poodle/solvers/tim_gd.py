@@ -120,7 +120,8 @@ def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: TimGDConfig) -> floa
     flops=_flops,
     aliases=("tim",),
     summary="TIM-GD (Boudiaf et al. 2020): CE + query mutual information, Adam on the prototypes",
-    floor=dict(matmul="large"),
+    floor=dict(matmul="large", fixed_steps=True),
+    triton_step=True,  # its loss is one the Triton step knows
 )
 def tim_gd(batch: EpisodeBatch, cfg: TimGDConfig) -> SolverOutput:
     """Solve ``batch`` with TIM-GD. Returns ``log_probs [E, Nq, way]`` and state ``prototypes
