@@ -436,8 +436,15 @@ def progress_option(fn: Callable[..., Any]) -> Callable[..., Any]:
         # SIGTERM and SIGINT stop the run at its next safe point (poodle.interrupt); torchrun's
         # ranks stop only at points they agree on, never in the middle of a collective
         torchrun = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-        with interrupt.stop_on_signals(grace=None if torchrun else interrupt.GRACE):
-            return fn(*args, **kwargs)
+        # json: stderr carries the progress objects alone, so the human lines (notes, summaries,
+        # errors) go to stdout with the results, and a log parser reads stderr line by line
+        human_on_stderr = console.stderr
+        console.stderr = progress != "json"
+        try:
+            with interrupt.stop_on_signals(grace=None if torchrun else interrupt.GRACE):
+                return fn(*args, **kwargs)
+        finally:
+            console.stderr = human_on_stderr
 
     envvar = {"progress_interval": _progress.INTERVAL_ENV}
     for s in reversed(settings(_progress.ProgressOptions)):

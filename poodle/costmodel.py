@@ -502,7 +502,6 @@ def iteration_counts(
     call's looks). ``counts[e][j]``: episode ``e``'s iterations in the ``j``-th loop call ([]
     without loops). A masked episode's values are those it gets alone, so its count is too."""
     from poodle import solvers
-    from poodle.solvers import _optim
 
     info = solvers.get(method)
     loops = info.floor.loops
@@ -519,13 +518,12 @@ def iteration_counts(
     }
     undo = [(m, getattr(m, "syncs_freely")) for m in modules if hasattr(m, "syncs_freely")]  # noqa: B009
     counts = []
-    native = _optim.USE_NATIVE
-    _optim.USE_NATIVE = False  # the torch loops, whose looks are counted (the native ones stop alike)
     try:
         for m, _ in undo:  # the masked (GPU) path of each loop; should_stop still looks every time
             setattr(m, "syncs_freely", lambda t: False)  # noqa: B010
         with _watch_loops(loops, keep_active=True) as records:
-            solvers.run(method, batch, cfg)
+            # the torch loops, whose looks are counted (the native ones stop alike)
+            solvers.run(method, batch, cfg, backend=solvers.Backend(native=False))
         per_call = []
         for r in records:
             seen = (
@@ -534,7 +532,6 @@ def iteration_counts(
             per_call.append((seen + 1).clamp_max(max(int(r["looks"]), 1)).tolist())
         counts = [[int(call[e]) for call in per_call] for e in range(episodes)]
     finally:
-        _optim.USE_NATIVE = native
         for m, fn in undo:
             setattr(m, "syncs_freely", fn)  # noqa: B010
     return counts

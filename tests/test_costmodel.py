@@ -173,14 +173,12 @@ def test_loop_iterations_measured_batched_are_each_episodes_own(monkeypatch):
     batch = cm.standard_batch(wl, 3, seed=2)
     batch = type(batch)(batch.support, batch.support_labels, batch.query, None, batch.way)
     cfg = solvers.make_config("pt-map", opts)
-    from poodle.solvers import _optim
-
     monkeypatch.setattr(pt_map, "syncs_freely", lambda t: False)  # the masked loop, looking every sweep
-    monkeypatch.setattr(_optim, "USE_NATIVE", False)  # the torch loop (the native one counts no looks)
+    torch_loops = solvers.Backend(native=False)  # the torch loop (the native one counts no looks)
     alone = []
     for e in range(3):
         with cm._watch_loops(solvers.get("pt-map").floor.loops) as records:
-            solvers.run("pt-map", batch.episode(e), cfg)  # alone
+            solvers.run("pt-map", batch.episode(e), cfg, backend=torch_loops)  # alone
         alone.append([r["looks"] for r in records])
     # the same, or one sweep apart where a batch's float rounding (against one episode's) moves a
     # convergence test across the tolerance
