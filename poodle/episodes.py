@@ -721,6 +721,20 @@ def save_episodes(path: str | os.PathLike, eps: EpisodeSet, **attrs: object) -> 
     return path
 
 
+def episodes_source(path: str | os.PathLike) -> tuple[str | None, str | None]:
+    """The cache an episodes file says its episodes were drawn from: ``(path, cache_id)`` as
+    :func:`poodle.solve.solve` records them (``cache`` and ``cache_id``, the content fingerprint of
+    :func:`poodle.results.cache_identity`); None for what a file does not record (files written
+    before 0.2.0 and by other tools hold no ``cache_id``)."""
+    path = resolve_path(path, what="episodes file")
+    try:
+        with h5py.File(path, "r") as f:
+            cache, cache_id = f.attrs.get("cache"), f.attrs.get("cache_id")
+    except OSError as e:
+        raise EpisodeError(f"{path}: not an HDF5 file ({e})") from None
+    return (None if cache is None else _text(cache)), (None if cache_id is None else _text(cache_id))
+
+
 def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: int | None = None) -> EpisodeSet:
     """Read an episode set written by :func:`save_episodes` (or any tool following the layout).
 
@@ -920,6 +934,7 @@ __all__ = [
     "save_episodes",
     "load_episodes",
     "check_spec",
+    "episodes_source",
     "imbalanced_counts",
     "superclass_names",
     "describe_episodes",

@@ -26,12 +26,13 @@ import torch
 from poodle import defaults
 from poodle.cells import Cell, Locations, make_cell
 from poodle.distributed import is_main_process
-from poodle.episodes import EpisodeSet, EpisodeSpec, load_episodes, save_episodes
+from poodle.episodes import EpisodeSet, EpisodeSpec, episodes_source, load_episodes, save_episodes
 from poodle.errors import ConfigError, EpisodeError, PoodleError, WriteError
 from poodle.evaluate import prepare_negatives
 from poodle.events import OnEvent, ignore
 from poodle.negatives import NegativeSpec
 from poodle.pipeline import Inputs, RunOptions, run_cells
+from poodle.results import cache_identity
 from poodle.settings import EPISODE_KEYS, GENERAL_KEYS, WHEN_SET_EPISODE_KEYS
 from poodle.utils import check_output
 
@@ -156,7 +157,7 @@ def _save(inputs: Inputs, cells: Sequence[Cell], path: str | os.PathLike, cache:
     if neg is not None:
         eps, _ = prepare_negatives(eps, neg, cache, inputs.features(c0).dim)
     inputs.put(c0, eps)
-    save_episodes(path, eps, cache=str(cache))
+    save_episodes(path, eps, cache=str(cache), cache_id=cache_identity(cache))
 
 
 @dataclass
@@ -217,6 +218,15 @@ def _run(
             episodes.check_against(inputs.features(cells[0]).labels, where=str(prep.episodes_from))
         except EpisodeError as e:
             raise EpisodeError(f"episodes_from {e}", params=("episodes_from",)) from None
+        assert prep.episodes_from is not None  # episodes come from a file here
+        drawn_from, drawn_id = episodes_source(prep.episodes_from)
+        if drawn_id is not None and drawn_id != cache_identity(path):
+            raise EpisodeError(
+                f"episodes_from {prep.episodes_from}: its episodes were drawn from the cache {drawn_from} "
+                f"(content {drawn_id[:12]}), not from {path} (content {cache_identity(path)[:12]}): solve them "
+                "on the cache they index",
+                params=("episodes_from",),
+            )
     if prep.save_episodes_to is not None and is_main_process():
         _save(inputs, cells, prep.save_episodes_to, path)
     res = run_cells(

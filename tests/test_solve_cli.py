@@ -329,3 +329,25 @@ def test_an_episodes_file_of_another_cache_or_with_negative_indices_is_named(tmp
     r = _run(["--cache", cache, "--episodes-from", eps_file, "--json", out])
     assert r.exit_code == 1 and not out.exists(), r.output
     assert f"error: --episodes-from {eps_file}: support index -4 (episode 1) is negative" in r.output.replace("\n", "")
+
+
+def test_an_episodes_file_is_solved_only_on_the_cache_it_was_drawn_from(tmp_path, cache, make_features):
+    """A cache of the same shape (same classes and rows, other features) takes the file's indices
+    without complaint, so the file's record of its cache's content decides: refused, naming both."""
+    from poodle.cache import read_split
+    from poodle.episodes import episodes_source
+    from poodle.results import cache_identity
+
+    eps_file, out = tmp_path / "e.h5", tmp_path / "r.json"
+    assert _run(["--cache", cache, "--episodes", 3, "--method", "proto", "--save-episodes", eps_file]).exit_code == 0
+    assert episodes_source(eps_file) == (str(cache), cache_identity(cache))
+    test = read_split(cache, "test")
+    twin = write_arrays(
+        tmp_path / "twin.h5", {"test": (-test.features.numpy(), test.labels.numpy(), list(test.classes))}
+    )
+    r = _run(["--cache", twin, "--episodes-from", eps_file, "--method", "proto", "--json", out])
+    assert r.exit_code == 1 and not out.exists(), r.output
+    text = r.output.replace("\n", "")
+    assert f"--episodes-from {eps_file}: its episodes were drawn from the cache {cache}" in text
+    assert f"not from {twin}" in text
+    assert _run(["--cache", cache, "--episodes-from", eps_file, "--method", "proto"]).exit_code == 0
