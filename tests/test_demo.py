@@ -191,7 +191,7 @@ def _domain_rows(output: str) -> dict[str, list[str]]:
     rows = {}
     labels = {m.label for m in DOMAIN_METHODS}
     for line in output.splitlines():
-        parts = line.split()
+        parts = line.replace("│", " ").replace("┃", " ").split()  # a boxed table's rows
         if parts and parts[0] in labels:
             rows[parts[0]] = re.findall(r"\d+\.\d+ ± \d+\.\d+|\d+\.\d+ \[\d+\.\d+, \d+\.\d+\]", line)
     return rows
