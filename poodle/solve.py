@@ -256,6 +256,12 @@ def _run(
     )
 
 
+def _check_domain_name(name: str) -> None:
+    """ConfigError unless ``name`` may name a domain (it enters file names and seeds)."""
+    if not _DOMAIN_NAME.match(name):
+        raise ConfigError(f"domain name {name!r} may hold letters, digits and _ . + - only", params=("cache",))
+
+
 def solve(
     cache: str | os.PathLike,
     methods: Sequence[str] = (defaults.METHOD,),
@@ -293,8 +299,8 @@ def solve(
         a :class:`SolveResult`.
     """
     t_start = time.perf_counter()
-    if name is not None and not _DOMAIN_NAME.match(name):
-        raise ConfigError(f"domain name {name!r} may hold letters, digits and _ . + - only", params=("cache",))
+    if name is not None:
+        _check_domain_name(name)
     domains = None if name is None else {name: cache}
     prep = _prepare(cache, methods, options, episodes_from, save_episodes_to, out, on_event, settings, name, domains)
     return _run(prep, out, run, on_event, t_start)
@@ -411,8 +417,7 @@ def solve_domains(
     if not caches:
         raise ConfigError("no feature cache given", params=("cache",))
     for name in caches:
-        if not _DOMAIN_NAME.match(name):
-            raise ConfigError(f"domain name {name!r} may hold letters, digits and _ . + - only", params=("cache",))
+        _check_domain_name(name)
     seed = settings.get("seed")
     base_seed = int(seed) if seed is not None else defaults.SEED
     preps: dict[str, _Prepared] = {}

@@ -302,10 +302,10 @@ def test_a_bad_row_is_said_and_no_results_file_is_written(tmp_path, cache, split
     """Nothing is written before the inputs are checked: a bad row of the split or of the base pool
     is one line naming the file, and the results file never appears (it was left holding a header)."""
     bad = _copy_cache(cache, tmp_path / "bad.h5", split, 2, how)
-    out = tmp_path / "r.json"
-    r = _run(["--cache", bad, "--episodes", 3, "--steps", 2, "--json", out])
+    out, eps = tmp_path / "r.json", tmp_path / "e.h5"
+    r = _run(["--cache", bad, "--episodes", 3, "--steps", 2, "--json", out, "--save-episodes", eps])
     assert r.exit_code == 1 and message in r.output and str(bad) in r.output, r.output
-    assert not out.exists()
+    assert not out.exists() and not eps.exists()
     good = _run(["--cache", cache, "--episodes", 3, "--steps", 2, "--json", out])
     assert good.exit_code == 0 and len(read_results(out).records) == 1  # created with its first record
 
