@@ -628,9 +628,23 @@ def _run_split(
     desc = ds.split if start == offset else f"{ds.split} (resumed)"
     # Fork the workers while the staging file is closed: they would inherit its lock otherwise.
     writer.close()
-    batches = iter(loader)
-    writer.reopen()
-    with progress_factory(desc, n - start) as advance, torch.inference_mode(), _exact_math(dev):
+    with interrupt.loader_batches(loader) as batches:
+        writer.reopen()
+        _stage_batches(model, ds, writer, dev, skip_bad, progress_factory(desc, n - start), batches, pos)
+
+
+def _stage_batches(
+    model: torch.nn.Module,
+    ds: Any,
+    writer: SplitWriter,
+    dev: torch.device,
+    skip_bad: bool,
+    progress: Any,
+    batches: Iterator[Any],
+    pos: int,
+) -> None:
+    """Features of every batch of ``batches`` appended to ``writer``; ``pos``: the first row's index."""
+    with progress as advance, torch.inference_mode(), _exact_math(dev):
         for x, y in batches:
             b = int(y.shape[0])
             bad = set(ds.bad_indices(y))

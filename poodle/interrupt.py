@@ -14,7 +14,8 @@ it from both).
 :class:`Interrupted` is a ``KeyboardInterrupt``, so code that cleans up after Ctrl-C cleans up after
 a SIGTERM too, and a library caller that never enters :func:`stop_on_signals` sees no change.
 DataLoader workers ignore both signals (:func:`quiet_worker`): the main process stops them, so they
-print no traceback, and a worker's death is never mistaken for a failure.
+print no traceback, and a worker's death is never mistaken for a failure; the main process
+iterates through :func:`loader_batches`, which stops them on every way out.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import contextlib
 import signal
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 GRACE = 3.0  # seconds from the signal to a hard stop when no safe point is reached
@@ -125,6 +126,21 @@ def stop_on_signals(grace: float | None = GRACE) -> Iterator[None]:
         _requested.clear()  # a request is about this run: a later call outside starts afresh
 
 
+@contextlib.contextmanager
+def loader_batches(loader: Iterable[Any]) -> Iterator[Iterator[Any]]:
+    """``iter(loader)`` whose worker processes are shut down when the block is left, however it is
+    left. Workers ignore SIGTERM (:func:`quiet_worker`), so one that outlives its iterator is never
+    stopped by the interpreter's exit, which sends SIGTERM and then waits for it forever; and an
+    exception raised in the loop keeps the iterator alive in its traceback, past the loop."""
+    batches = iter(loader)
+    try:
+        yield batches
+    finally:
+        shutdown = getattr(batches, "_shutdown_workers", None)  # a multi-process DataLoader iterator
+        if shutdown is not None:
+            shutdown()
+
+
 def quiet_worker(worker_id: int) -> None:
     """A DataLoader's ``worker_init_fn``: the worker ignores SIGINT and SIGTERM. The main process
     decides when to stop and shuts its workers down, so a signal sent to the whole process group
@@ -134,4 +150,14 @@ def quiet_worker(worker_id: int) -> None:
         signal.signal(s, signal.SIG_IGN)
 
 
-__all__ = ["GRACE", "Interrupted", "check", "critical", "quiet_worker", "request", "requested", "stop_on_signals"]
+__all__ = [
+    "GRACE",
+    "Interrupted",
+    "check",
+    "critical",
+    "loader_batches",
+    "quiet_worker",
+    "request",
+    "requested",
+    "stop_on_signals",
+]

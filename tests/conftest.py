@@ -34,6 +34,28 @@ def _few_threads():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _nothing_left_running():
+    """Fail a test that leaves a child process or a non-daemon thread behind: the interpreter's exit
+    waits for both (multiprocessing joins its children after sending SIGTERM, which DataLoader
+    workers ignore), so one left over hangs the whole run after its last test."""
+    import multiprocessing as mp
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    left = mp.active_children()  # also reaps the children that have ended
+    for p in left:
+        p.kill()
+        p.join(5)
+    threads = [t for t in threading.enumerate() if not t.daemon and t.ident not in before]
+    for t in threads:
+        t.join(10)  # a read ahead (poodle.prefetch) may still be finishing
+    threads = [t.name for t in threads if t.is_alive()]
+    if left or threads:
+        pytest.fail(f"left running after the test: processes {[p.name for p in left]}, threads {threads}")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",

@@ -30,7 +30,7 @@ from poodle.backbones import build, load_checkpoint, save_checkpoint
 from poodle.data import ImageDataset, PixelCache, resolve_dataset
 from poodle.data.transforms import eval_transform
 from poodle.errors import CheckpointError, ConfigError, DataError
-from poodle.interrupt import critical, quiet_worker
+from poodle.interrupt import critical, loader_batches, quiet_worker
 from poodle.train.augment import train_transform
 from poodle.train.config import TrainConfig, config_differences
 from poodle.train.losses import distill_kl, rotate_all, smooth_cross_entropy
@@ -609,51 +609,60 @@ def _save(run: _Run, gen: _Generation, epoch: int, improved: bool) -> None:
 
 def _run_epoch(run: _Run, gen: _Generation, epoch: int) -> _Running:
     """The training steps of one epoch over ``gen.loader``; the epoch's running loss and accuracy."""
-    cfg, device, loader = run.cfg, run.device, gen.loader
+    loader = gen.loader
     gen.net.train()
     stats = _Running()
     # uint8 batches from an ImageDataset: its ToTensor scaling and normalisation, once per batch
     finish = getattr(loader.dataset, "finish", None)
-    for images, labels in loader:
-        # a safe point to stop at (SIGTERM, Ctrl-C): the epoch is dropped, last.pt holds the one before
-        run.dist.stop_point()
-        if loader.num_workers > 0 and hasattr(loader.dataset, "check"):
-            loader.dataset.check(labels)  # a bad image in a worker arrives as a sentinel label
-        if images.shape[0] < 2:  # BatchNorm cannot train on one image; the data order stays fixed
-            continue
-        images = images.to(device, non_blocking=True)
-        if finish is not None:
-            images = finish(images)  # on the device: the uint8 batch is what is copied
-        labels = labels.to(device, non_blocking=True)
-        rot_labels = None
-        if cfg.rotation:
-            images, rot_labels = rotate_all(images)
-            labels = labels.repeat(4)
-        if cfg.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        logits, loss = _loss(run, gen, images, labels, rot_labels)
-        if not torch.isfinite(loss):
-            raise ConfigError(
-                f"the loss became {loss.item()} in generation {gen.index}, epoch {epoch}: lower lr or turn amp off",
-                params=("lr", "amp"),
-            )
-        gen.optimizer.zero_grad(set_to_none=True)
-        gen.scaler.scale(loss).backward()
-        gen.scaler.step(gen.optimizer)
-        gen.scaler.update()
-        correct = (logits.detach().argmax(1) == labels).sum().item()
-        stats.add(loss.item(), correct, labels.shape[0])
-        run.emit(
-            TrainEvent(
-                "step",
-                gen.index,
-                epoch=epoch,
-                images=images.shape[0] // (4 if cfg.rotation else 1) * run.dist.world,
-                loss=stats.mean_loss,
-                acc=stats.acc,
-            )
-        )
+    with loader_batches(loader) as batches:
+        for images, labels in batches:
+            _train_step(run, gen, epoch, stats, finish, images, labels)
     return stats
+
+
+def _train_step(
+    run: _Run, gen: _Generation, epoch: int, stats: _Running, finish: Any, images: torch.Tensor, labels: torch.Tensor
+) -> None:
+    """One optimiser step of generation ``gen`` on a batch; adds to ``stats``."""
+    cfg, device, loader = run.cfg, run.device, gen.loader
+    # a safe point to stop at (SIGTERM, Ctrl-C): the epoch is dropped, last.pt holds the one before
+    run.dist.stop_point()
+    if loader.num_workers > 0 and hasattr(loader.dataset, "check"):
+        loader.dataset.check(labels)  # a bad image in a worker arrives as a sentinel label
+    if images.shape[0] < 2:  # BatchNorm cannot train on one image; the data order stays fixed
+        return
+    images = images.to(device, non_blocking=True)
+    if finish is not None:
+        images = finish(images)  # on the device: the uint8 batch is what is copied
+    labels = labels.to(device, non_blocking=True)
+    rot_labels = None
+    if cfg.rotation:
+        images, rot_labels = rotate_all(images)
+        labels = labels.repeat(4)
+    if cfg.channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    logits, loss = _loss(run, gen, images, labels, rot_labels)
+    if not torch.isfinite(loss):
+        raise ConfigError(
+            f"the loss became {loss.item()} in generation {gen.index}, epoch {epoch}: lower lr or turn amp off",
+            params=("lr", "amp"),
+        )
+    gen.optimizer.zero_grad(set_to_none=True)
+    gen.scaler.scale(loss).backward()
+    gen.scaler.step(gen.optimizer)
+    gen.scaler.update()
+    correct = (logits.detach().argmax(1) == labels).sum().item()
+    stats.add(loss.item(), correct, labels.shape[0])
+    run.emit(
+        TrainEvent(
+            "step",
+            gen.index,
+            epoch=epoch,
+            images=images.shape[0] // (4 if cfg.rotation else 1) * run.dist.world,
+            loss=stats.mean_loss,
+            acc=stats.acc,
+        )
+    )
 
 
 def _loss(

@@ -40,7 +40,7 @@ def embed(
     """
     was_training = model.training
     model.eval()
-    from poodle.interrupt import quiet_worker
+    from poodle.interrupt import loader_batches, quiet_worker
 
     loader = DataLoader(
         dataset,
@@ -53,18 +53,19 @@ def embed(
     # uint8 batches from an ImageDataset: its ToTensor scaling and normalisation, once per batch
     finish = getattr(dataset, "finish", None)
     try:
-        for images, labels in loader:
-            if workers > 0 and hasattr(dataset, "check"):
-                dataset.check(labels)  # a bad image in a worker arrives as a sentinel label
-            images = images.to(device, non_blocking=True)
-            if finish is not None:
-                images = finish(images)  # on the device: the uint8 batch is what is copied
-            with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
-                forward_features = cast(Callable[[Tensor], Tensor], model.forward_features)
-                f = forward_features(images)
-            chunks.append(F.normalize(f.float(), dim=1).cpu())
-            if progress is not None:
-                progress(images.shape[0])
+        with loader_batches(loader) as batches:
+            for images, labels in batches:
+                if workers > 0 and hasattr(dataset, "check"):
+                    dataset.check(labels)  # a bad image in a worker arrives as a sentinel label
+                images = images.to(device, non_blocking=True)
+                if finish is not None:
+                    images = finish(images)  # on the device: the uint8 batch is what is copied
+                with torch.autocast(device.type, dtype=torch.float16, enabled=amp):
+                    forward_features = cast(Callable[[Tensor], Tensor], model.forward_features)
+                    f = forward_features(images)
+                chunks.append(F.normalize(f.float(), dim=1).cpu())
+                if progress is not None:
+                    progress(images.shape[0])
     finally:
         model.train(was_training)
     return torch.cat(chunks)
