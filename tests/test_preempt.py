@@ -167,3 +167,20 @@ def test_a_second_signal_or_the_grace_period_stops_without_a_safe_point(monkeypa
             time.sleep(1)
         assert e.value.exit_code == 143
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_workers_that_ignore_sigterm_are_shut_down_when_the_loop_raises():
+    """A loop that raises keeps its iterator alive in the traceback; its workers ignore SIGTERM
+    (quiet_worker), so without loader_batches they outlive the error, and the interpreter's exit,
+    which sends them SIGTERM and then waits, never ends."""
+    import multiprocessing as mp
+
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1, worker_init_fn=interrupt.quiet_worker)
+    with pytest.raises(ValueError) as held:  # the traceback (and the iterator in its frame) stays
+        with interrupt.loader_batches(loader) as batches:
+            for _ in batches:
+                assert mp.active_children()  # the worker is up
+                raise ValueError("a bad image")
+    assert held.traceback and not mp.active_children()
