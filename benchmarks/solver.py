@@ -346,6 +346,8 @@ def cost_model_section(test, path: Path, dev: torch.device, n_ep: int, traced: i
     episodes (400 base negatives where the method uses them), as Markdown."""
     wl = costmodel.STANDARD
     rows = costmodel.table(traced_episodes=traced)
+    # the Sinkhorn methods again, their loops as the CUDA Triton loop runs them (one launch a call)
+    rows += costmodel.table(traced_episodes=traced, fused_sinkhorn=True)
     measured: dict[str, float] = {}
     if n_ep:
         spec = EpisodeSpec(way=wl.way, shot=wl.shot, query=wl.query, seed=1)

@@ -60,6 +60,13 @@ KERNEL_FLOOR_S = 2.5e-6  # the shortest kernel on a Hopper GPU, launch to comple
 HOST_OP_S = 6e-6  # host time to issue one eager PyTorch operation on CUDA (assumed)
 SYNC_S = 20e-6  # a host sync: the device drains and the host waits for it (assumed)
 L2_SHARE = 0.5  # the share of L2 an episode group may fill and still stay resident
+# The Triton Sinkhorn loop (poodle/solvers/_triton_sinkhorn.py): one program per episode sweeps its
+# register-resident plan to its own convergence. A sweep is two block reductions (warp shuffles and
+# a barrier each) and a division per entry: FUSED_SWEEP_S each (assumed). A PT-MAP program (8 x 128
+# plan, 4 warps, 80 registers a thread) leaves room for 6 on an SM (65,536 registers):
+# FUSED_PROGRAMS_PER_SM run at once, the rest in later waves.
+FUSED_SWEEP_S = 2e-6
+FUSED_PROGRAMS_PER_SM = 6
 GPU_CHUNK = 4096  # poodle.evaluate.GPU_MAX_CHUNK: episodes per chunk on a GPU
 
 
@@ -200,6 +207,8 @@ class Trace:
             that stop per episode (its :class:`~poodle.solvers.base.Floor` ``loops``): on a GPU
             they repeat until the chunk's slowest episode stops (:func:`loop_scale`).
         loop_syncs: the host syncs made inside those loops.
+        fused_sweeps: per launch of a fused Sinkhorn loop (:func:`trace` with ``fused_sinkhorn``,
+            whose launches are also in ``op_bytes``), the sweeps each traced episode ran.
     """
 
     op_bytes: list[float] = field(default_factory=list)
@@ -208,6 +217,7 @@ class Trace:
     names: list[str] = field(default_factory=list)
     loop_ops: list[int] = field(default_factory=list)
     loop_syncs: int = 0
+    fused_sweeps: list[list[int]] = field(default_factory=list)
 
     @property
     def bytes(self) -> float:
@@ -362,15 +372,51 @@ def _watch_loops(
             setattr(mod, name, fn)
 
 
-def _run_traced(method: str, cfg: Any, batch: Any) -> Trace:
+@contextlib.contextmanager
+def _fused_sinkhorn(mode: Any, per: int) -> Iterator[None]:
+    """Inside, the solvers' Sinkhorn loops take the Triton path (:mod:`poodle.solvers._triton_sinkhorn`),
+    each call counted as the one launch it is there: its plan read and written once, its other
+    inputs read, and the sweeps of each episode (run by the fused C loop, which sweeps as the
+    Triton program does, outside the trace)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from poodle.solvers import _sinkhorn_native, _triton_sinkhorn
+
+    def run(kind: str, p: Tensor, target: Tensor | float, max_iter: int, **kw: Any) -> Tensor:
+        if _sinkhorn_native.load() is None or p.device.type != "cpu":
+            raise RuntimeError("the model of the fused Sinkhorn loop counts its sweeps with the C loop, not built here")
+        kw.pop("iters", None)
+        sweeps = torch.zeros(p.shape[0], dtype=torch.int32)
+        with _disable_current_modes():
+            out = _sinkhorn_native.run(kind, p, target, max_iter, iters=sweeps, **kw)
+        extra = (target, kw.get("reset"), kw.get("ways"), kw.get("cols"))
+        moved = 2 * _unique_bytes(p) + sum(_unique_bytes(t) for t in extra if isinstance(t, Tensor))
+        mode.trace.op_bytes.append(moved / per)
+        mode.trace.names.append(f"triton_sinkhorn.{kind}")
+        mode.trace.fused_sweeps.append(sweeps.tolist())
+        return out
+
+    undo = [(name, getattr(_triton_sinkhorn, name)) for name in ("usable", "run")]
+    _triton_sinkhorn.usable = lambda p: True  # type: ignore[assignment]
+    _triton_sinkhorn.run = run  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name, fn in undo:
+            setattr(_triton_sinkhorn, name, fn)
+
+
+def _run_traced(method: str, cfg: Any, batch: Any, fused_sinkhorn: bool = False) -> Trace:
     from poodle import solvers
 
-    loops = solvers.get(method).floor.loops
+    # with the fused loop, the method's loops that stop per episode are inside its one launch
+    loops = () if fused_sinkhorn else solvers.get(method).floor.loops
     # the torch formulation (what a GPU runs), its convergence checks as a GPU makes them (once per
     # CHECK_EVERY iterations), not per iteration
     traced = solvers.Backend(native=False, device_schedule=True)
     with _tracer(batch.n_episodes) as mode:
-        with _watch_loops(loops, lambda: (len(mode.trace.op_bytes), mode.trace.syncs)) as records:
+        fused = _fused_sinkhorn(mode, batch.n_episodes) if fused_sinkhorn else contextlib.nullcontext()
+        with fused, _watch_loops(loops, lambda: (len(mode.trace.op_bytes), mode.trace.syncs)) as records:
             solvers.run(method, batch, cfg, backend=traced)
     result: Trace = mode.trace
     for rec in records:
@@ -385,11 +431,13 @@ def trace(
     batch: Any = None,
     workload: Workload = STANDARD,
     extrapolate: bool = True,
+    fused_sinkhorn: bool = False,
 ) -> Trace:
     """Run ``method`` on ``batch`` (default :func:`standard_batch`) with the torch formulation and
     count what it did, per episode. Methods registered with ``Floor.fixed_steps`` are run at 1 and
     2 steps and the difference, one step's operations, repeated to the configured count (``extrapolate``; the test
-    compares it with a full trace)."""
+    compares it with a full trace). ``fused_sinkhorn``: the method's Sinkhorn loops as the CUDA
+    Triton loop runs them, one launch a call (traced whole, not extrapolated)."""
     from poodle import solvers
 
     batch = standard_batch(workload) if batch is None else batch
@@ -398,8 +446,8 @@ def trace(
     if batch.negatives is not None and not solvers.get(method).needs_negatives(cfg):
         batch = type(batch)(batch.support, batch.support_labels, batch.query, None, batch.way)
     steps = method_steps(method, cfg, workload)
-    if not (extrapolate and solvers.get(method).floor.fixed_steps and steps > 2):
-        return _run_traced(method, cfg, batch)
+    if fused_sinkhorn or not (extrapolate and solvers.get(method).floor.fixed_steps and steps > 2):
+        return _run_traced(method, cfg, batch, fused_sinkhorn)
     one, two = (
         _run_traced(method, solvers.make_config(method, {**options, "steps": k}, strict=True), batch) for k in (1, 2)
     )
@@ -463,11 +511,15 @@ def predict(
     ``eigh``, :func:`host_seconds`)."""
     total = 0.0
     loop_bytes = [tr.op_bytes[i] for i in tr.loop_ops]
+    resident = gpu.sms * FUSED_PROGRAMS_PER_SM
     for c in chunks(episodes, chunk):
         extra = (loops(c) - 1.0) if loops is not None and tr.loop_ops else 0.0
 
         all_ops = sum(max(c * b / gpu.bandwidth, KERNEL_FLOOR_S) for b in tr.op_bytes)
         device = all_ops + extra * sum(max(c * b / gpu.bandwidth, KERNEL_FLOOR_S) for b in loop_bytes)
+        # a fused loop's waves of programs, each wave as long as its slowest episode's sweeps
+        waves = math.ceil(c / resident)
+        device += sum(waves * expected_max(s, min(c, resident)) * FUSED_SWEEP_S for s in tr.fused_sweeps if s)
         device = max(device, c * flops / gpu.fp32)
         launches = tr.launches + extra * len(loop_bytes)
         total += max(device, launches * HOST_OP_S) + (tr.syncs + extra * tr.loop_syncs) * SYNC_S + c * host_s
@@ -611,6 +663,7 @@ class Row:
     loop_scale: float = 1.0
     eigh_order: int = 0
     host_s: float = 0.0
+    variant: str = ""  # "" (the torch formulation) or what else the row models ("Triton Sinkhorn loop")
 
     @property
     def bytes_per_step(self) -> float:
@@ -649,30 +702,37 @@ def table(
     gpus: tuple[GPU, ...] = GPUS,
     traced_episodes: int = 4,
     loop_episodes: int = 64,
+    fused_sinkhorn: bool = False,
 ) -> list[Row]:
     """The cost model's line for every method of ``methods`` (default :data:`ITERATIVE`). A method's
     loops that stop per episode are counted to the chunk's slowest episode from the iterations of
     ``loop_episodes`` episodes measured on the CPU (:func:`iteration_counts`, :func:`loop_scale`);
-    its host-side ``eigh`` at this machine's LAPACK rate (:func:`host_seconds`)."""
+    its host-side ``eigh`` at this machine's LAPACK rate (:func:`host_seconds`). ``fused_sinkhorn``:
+    the methods with a Sinkhorn sweep (``Floor.sweep``) only, their Sinkhorn loops as the CUDA Triton
+    loop runs them (one launch a call, no host sync; the other methods are left out)."""
     from poodle import solvers
 
     batch = standard_batch(workload, traced_episodes)
     rows = []
     for method, options in methods or ITERATIVE:
+        if fused_sinkhorn and solvers.get(method).floor.sweep is None:
+            continue
         cfg = solvers.make_config(method, options, strict=True)
         uses_neg = solvers.get(method).needs_negatives(cfg)
-        tr = trace(method, options, batch, workload)
+        tr = trace(method, options, batch, workload, fused_sinkhorn=fused_sinkhorn)
         registered = solvers.get(method).flops is not None
         fl = method_flops(method, cfg, workload, uses_neg)
         source = "registered" if registered else ("fallback" if fl is not None else "traced")
         flops = tr.matmul_flops if fl is None else fl
-        scale = loop_scale(iteration_counts(method, options, workload, loop_episodes), traced_episodes)
+        counts = [] if fused_sinkhorn else iteration_counts(method, options, workload, loop_episodes)
+        scale = loop_scale(counts, traced_episodes)
         order, host = host_seconds(method, cfg, workload)
         secs = {g.name: predict(tr, flops, g, workload.episodes, loops=scale, host_s=host) for g in gpus}
         steps = method_steps(method, cfg, workload)
         row = Row(method, steps, tr.bytes, flops, tr.matmul_flops, tr.launches, tr.syncs, secs, source)
         row.loop_share = len(tr.loop_ops) / max(tr.launches, 1)
         row.loop_scale, row.eigh_order, row.host_s = scale(GPU_CHUNK), order, host * workload.episodes
+        row.variant = "Triton Sinkhorn loop" if fused_sinkhorn else ""
         rows.append(row)
     return rows
 
@@ -687,8 +747,9 @@ def markdown(rows: list[Row], measured: Mapping[str, float] | None = None, label
     head += [f"{g} s" for g in gpus] + [f"{label} episodes/s", f"{label} s per 10k"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        rate = (measured or {}).get(r.method)
-        cells = [r.method, str(r.steps), f"{r.bytes_per_step / 1e6:.3f}", f"{r.bytes / 1e6:.1f}"]
+        rate = None if r.variant else (measured or {}).get(r.method)
+        name = f"{r.method} ({r.variant})" if r.variant else r.method
+        cells = [name, str(r.steps), f"{r.bytes_per_step / 1e6:.3f}", f"{r.bytes / 1e6:.1f}"]
         cells += [f"{r.flops / 1e9:.3f}", f"{r.flops_source} (traced matmuls {r.traced_flops / 1e9:.3f})"]
         cells += [f"{r.launches:,}", f"{r.syncs:,}"]
         cells.append(f"{r.loop_scale:.2f} ({100 * r.loop_share:.0f}% of launches)" if r.loop_share else "-")

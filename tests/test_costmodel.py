@@ -204,3 +204,31 @@ def test_host_side_eigh_in_the_prediction():
     rows = cm.table([("mean-shift", {})], cm.Workload(dim=32), traced_episodes=2, loop_episodes=2)
     assert rows[0].eigh_order == 80 and rows[0].host_s > 0
     assert "(80^2)" in cm.markdown(rows)
+
+
+def test_the_fused_sinkhorn_loop_is_one_launch_a_call_and_no_sync():
+    """PT-MAP traced as the CUDA Triton loop runs it: each Sinkhorn call one launch (its plan read and
+    written once), no host sync and no masked loop left; the sweeps per episode those of the C loop
+    alone; the prediction by hand: the other launches as before, plus waves of programs as long as
+    their slowest episode."""
+    from poodle.solvers import _sinkhorn_native
+
+    if _sinkhorn_native.load() is None:
+        pytest.skip("no C compiler: the fused loop's sweeps are counted by the C loop")
+    wl = cm.Workload(way=3, shot=1, query=4, dim=16)
+    batch = cm.standard_batch(wl, episodes=2)
+    fused = cm.trace("pt-map", {}, batch, wl, fused_sinkhorn=True)
+    calls = [n for n in fused.names if n.startswith("triton_sinkhorn.")]
+    assert calls and len(calls) == len(fused.fused_sweeps) and all(n == "triton_sinkhorn.balanced" for n in calls)
+    # the torch formulation of the same batch: 106,314 launches, 105,916 of them in its masked loops,
+    # 367 syncs; fused, what is outside the loops (398) and about two launches a call
+    assert fused.syncs == 0 and not fused.loop_ops and fused.launches <= 398 + 2 * len(calls)
+    plan = wl.way * wl.n_query * 4  # an episode's [3, 12] float32 plan, read and written once
+    assert fused.op_bytes[fused.names.index(calls[0])] == 2 * plan
+    assert all(len(s) == 2 and all(1 <= v <= 1000 for v in s) for s in fused.fused_sweeps)
+    tr = cm.Trace(op_bytes=[100.0, 50.0], fused_sweeps=[[10, 30]])
+    resident = cm.H100_SXM.sms * cm.FUSED_PROGRAMS_PER_SM
+    waves = math.ceil(4096 / resident)
+    device = 2 * cm.KERNEL_FLOOR_S + waves * cm.expected_max([10, 30], resident) * cm.FUSED_SWEEP_S
+    got = cm.predict(tr, 0.0, cm.H100_SXM, episodes=4096)
+    assert got == pytest.approx(max(device, 2 * cm.HOST_OP_S), rel=1e-12)

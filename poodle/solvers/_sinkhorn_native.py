@@ -233,6 +233,7 @@ def run(
     normalise: bool = False,
     ways: Tensor | None = None,
     cols: Tensor | None = None,
+    iters: Tensor | None = None,
 ) -> Tensor:
     """Sinkhorn sweeps on ``p [E, K, N]`` (classes first; overwritten and returned).
 
@@ -244,6 +245,7 @@ def run(
         target: ``[E]`` or a number: each class's mass (balanced) or the smallest one (min-size).
         reset: ``[E, K, Ns]``: balanced, the first ``Ns`` samples set back to it after every sweep.
         ways, cols: ``[E]`` each episode's classes and samples (the first ones), or None (all).
+        iters: ``[E]`` int32 (contiguous, on the CPU), out: the sweeps each episode ran, or None.
     """
     lib = load()
     assert lib is not None
@@ -254,6 +256,8 @@ def run(
     tgt = torch.as_tensor(target, dtype=torch.float64).expand(E).contiguous()
     r = None if reset is None else reset.to(dt).contiguous()
     w, c = _sizes(ways), _sizes(cols)
+    if iters is not None and (iters.dtype != torch.int32 or tuple(iters.shape) != (E,) or not iters.is_contiguous()):
+        raise ValueError(f"iters must be a contiguous int32 [{E}] tensor, got {iters.dtype} {tuple(iters.shape)}")
     args = SinkhornArgs(
         version=SINKHORN_INTERFACE,
         size=ctypes.sizeof(SinkhornArgs),
@@ -272,7 +276,7 @@ def run(
         ways=None if w is None else w.data_ptr(),
         cols=None if c is None else c.data_ptr(),
         target=tgt.data_ptr(),
-        iters=None,
+        iters=None if iters is None else iters.data_ptr(),
         tol=tol,
     )
     rc = lib.poodle_sinkhorn(ctypes.byref(args))
