@@ -38,7 +38,7 @@ PACKAGES = {"poodle": ROOT / "poodle", "poodle.cli": ROOT / "cli"}
 # first prefix that matches a module's name gives its layer (so "poodle.solvers" before "poodle").
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
-        "foundations",
+        "foundations",  # constants, errors, the schema's machinery, file helpers, events
         (
             "poodle",  # the package's __init__ only (it imports poodle.errors)
             "poodle.defaults",
@@ -49,16 +49,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "poodle.interrupt",
             "poodle._mt19937",
             "poodle.stats",
-            "poodle.system",
-            "poodle.project",
-            "poodle.prefetch",
         ),
     ),
     (
-        "data",
+        "data",  # images, backbones, caches, episodes, negatives, preprocessing, the run's options
         (
             "poodle.data",
             "poodle.backbones",
+            "poodle.prefetch",
+            "poodle.project",
             "poodle.cache",
             "poodle.cache_shares",
             "poodle.distributed",
@@ -68,23 +67,25 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "poodle.preprocess",
             "poodle.run",
             "poodle.split",
-            "poodle.results",
         ),
     ),
     ("solvers", ("poodle.solvers",)),
-    ("registry readers", ("poodle.costmodel", "poodle.settings", "poodle.train", "poodle.extract")),
+    (
+        "stages",  # what reads the groups and the registry: settings, results, cost model, extract, train
+        (
+            "poodle.settings",
+            "poodle.results",
+            "poodle.costmodel",
+            "poodle.system",
+            "poodle.extract",
+            "poodle.train",
+        ),
+    ),
     ("evaluation", ("poodle.evaluate", "poodle.cells", "poodle.predict")),
     ("pipeline", ("poodle.pipeline",)),
     (
         "jobs",
-        (
-            "poodle.solve",
-            "poodle.grid",
-            "poodle.report",
-            "poodle.report_figures",
-            "poodle.demo",
-            "poodle.demo_domains",
-        ),
+        ("poodle.solve", "poodle.grid", "poodle.report", "poodle.report_figures", "poodle.demo", "poodle.demo_domains"),
     ),
     ("command line", ("poodle.cli",)),
 )
@@ -238,21 +239,18 @@ def closing_deferred(imports: list[Import], graph: dict[str, set[str]]) -> list[
 def cycles(graph: dict[str, set[str]], max_length: int, max_count: int) -> list[list[str]]:
     """The elementary circles of at most ``max_length`` modules, each starting at its least module."""
     found: list[list[str]] = []
+
+    def walk(start: str, path: list[str]) -> None:
+        for w in sorted(graph[path[-1]]):
+            if len(found) >= max_count:
+                return
+            if w == start:
+                found.append(list(path))
+            elif w > start and w not in path and len(path) < max_length:
+                walk(start, [*path, w])
+
     for start in sorted(graph):
-        path = [start]
-
-        def walk(v: str) -> None:
-            for w in sorted(graph[v]):
-                if len(found) >= max_count:
-                    return
-                if w == start:
-                    found.append(list(path))
-                elif w > start and w not in path and len(path) < max_length:
-                    path.append(w)
-                    walk(w)
-                    path.pop()
-
-        walk(start)
+        walk(start, [start])
     return found
 
 
@@ -276,6 +274,8 @@ def climbs(imports: list[Import]) -> list[Import]:
 
 @dataclass
 class Report:
+    modules: list[str]
+    imports: list[Import]  # every import of one of poodle's modules by another
     module_components: list[list[str]]  # circles of module-level imports
     deferred_circles: list[Import]  # deferred imports that close a circle
     all_components: list[list[str]]  # circles of both kinds
@@ -288,7 +288,9 @@ def analyse() -> Report:
     imports = edges(known)
     top = _graph([i for i in imports if not i.deferred], list(known))
     both = _graph(imports, list(known))
-    return Report(components(top), closing_deferred(imports, top), components(both), climbs(imports))
+    return Report(
+        list(known), imports, components(top), closing_deferred(imports, top), components(both), climbs(imports)
+    )
 
 
 def main() -> None:
@@ -296,19 +298,17 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=8, help="longest circle listed (modules)")
     parser.add_argument("--max-cycles", type=int, default=200, help="circles listed at most")
     args = parser.parse_args()
-    known = modules()
-    imports = edges(known)
-    top = [i for i in imports if not i.deferred]
-    print(f"{len(known)} modules, {len(top)} module-level and {len(imports) - len(top)} deferred imports of poodle's own")
     report = analyse()
+    known, imports = report.modules, report.imports
+    deferred = sum(i.deferred for i in imports)
+    print(f"{len(known)} modules; imports of poodle's own: {len(imports) - deferred} module-level, {deferred} deferred")
     print(f"\ncircles of module-level imports (strongly connected components): {len(report.module_components)}")
     for part in report.module_components:
         print("  " + " <-> ".join(part))
-    closing = [i for i in report.deferred_circles if i.target in {j.target for j in report.deferred_circles}]
-    print(f"\ndeferred imports that close a circle: {len(closing)}")
-    for i in closing:
+    print(f"\ndeferred imports that close a circle: {len(report.deferred_circles)}")
+    for i in report.deferred_circles:
         print(f"  {i.source}:{i.line} -> {i.target}")
-    both = _graph(imports, list(known))
+    both = _graph(imports, known)
     listed = cycles(both, args.max_length, args.max_cycles)
     more = " (the first listed)" if len(listed) >= args.max_cycles else ""
     print(f"\nelementary circles of both kinds, at most {args.max_length} modules: {len(listed)}{more}")

@@ -15,12 +15,25 @@ from typing import Any, Callable, Iterable
 
 import click
 
+from poodle.errors import PoodleError
 from poodle.options import Setting, settings
 
 
-def _click_type(s: Setting) -> Any:
-    from poodle.cli._common import SizeType
+class SizeType(click.ParamType):
+    """A memory size like 4GiB or 512MiB, converted to bytes."""
 
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        from poodle.utils import parse_size
+
+        try:
+            return parse_size(value)
+        except PoodleError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _click_type(s: Setting) -> Any:
     if s.meta("cli_type") == "size":
         return SizeType()
     if s.meta("choices"):
