@@ -320,3 +320,29 @@ def test_the_import_rules_find_what_they_forbid():
     )
     found = [(n.lineno, deferred) for n, deferred in bench._imports(ast.parse(source))]
     assert found == [(1, False), (2, False), (6, True)]
+
+
+def test_a_command_takes_every_setting_of_its_groups_but_those_it_names():
+    """A setting added to a group is an option of each command that takes the group (``but``: the
+    few it leaves out), with no line of the command to change."""
+    from poodle.cli._schema import schema_options
+    from poodle.cli.extract import extract
+    from poodle.cli.grid import grid
+    from poodle.cli.predict import predict
+    from poodle.cli.solve import solve
+    from poodle.extract import ExtractOptions
+    from poodle.options import settings
+    from poodle.run import RunOptions
+
+    def flags(command) -> set[str]:
+        return {o for p in command.params for o in p.opts}
+
+    def group(cls, *but: str) -> set[str]:
+        return {s.flag for s in settings(cls) if s.meta("cli") and s.key not in but}
+
+    assert group(ExtractOptions) <= flags(extract)
+    assert group(ExtractOptions, "dtype") <= flags(predict) and "--dtype" not in flags(predict)
+    assert group(RunOptions, "cells_per_call") <= flags(solve) and "--cells-per-call" not in flags(solve)
+    assert group(RunOptions, "workers") <= flags(grid) and "--workers" not in flags(grid)
+    with pytest.raises(AssertionError, match="no such settings"):
+        schema_options(RunOptions, but=("no_such_setting",))
