@@ -33,33 +33,9 @@ from rich.progress import (
 from rich.text import Text
 
 from poodle import defaults
+from poodle.cli._console import console, out
 from poodle.errors import PoodleError
 from poodle.events import NoticeWarning
-
-# the width of a console that is not a terminal, COLUMNS unset: wide enough for any table
-NATURAL_WIDTH = 100_000
-
-
-class _Console(Console):
-    """A rich console that is as wide as its text when it writes to a file or a pipe: rich would lay
-    everything out for 80 columns there (or for the terminal its stdin happens to be)."""
-
-    @property
-    def size(self) -> Any:
-        from rich.console import ConsoleDimensions
-
-        if self._width is None and not self.is_terminal and not self.is_jupyter:
-            columns = self._environ.get("COLUMNS", "")
-            return ConsoleDimensions(int(columns) if columns.isdigit() else NATURAL_WIDTH, 25)
-        return Console.size.fget(self)  # type: ignore[attr-defined]
-
-    @size.setter
-    def size(self, new_size: tuple[int, int]) -> None:
-        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
-
-
-console = _Console(stderr=True, markup=False, highlight=False)
-out = _Console(markup=False, highlight=False)
 
 
 def styled(label: str, style: str, rest: str = "") -> Text:
@@ -510,20 +486,6 @@ def pretrained_option(help: str) -> Callable[[Any], Any]:
     return click.option(
         "--pretrained", is_flag=False, flag_value=defaults.PRETRAINED, default=None, metavar="[WEIGHTS]", help=help
     )
-
-
-class SizeType(click.ParamType):
-    """A memory size like 4GiB or 512MiB, converted to bytes."""
-
-    name = "size"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        from poodle.utils import parse_size
-
-        try:
-            return parse_size(value)
-        except PoodleError as e:
-            self.fail(str(e), param, ctx)
 
 
 _LAYOUTS = ("full", "compact", "merged", "long")

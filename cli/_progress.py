@@ -62,7 +62,7 @@ def configure(mode: str, interval: float) -> None:
 
 def mode() -> str:
     """The form in effect: ``auto`` resolved against whether stderr is a terminal."""
-    from poodle.cli._common import console
+    from poodle.cli._console import console
 
     m = str(_state["mode"])
     if m == "auto":
@@ -77,7 +77,7 @@ def interval() -> float:
 def new_progress(*columns: Any, transient: bool = False) -> Any:
     """A rich ``Progress`` of ``columns`` on the console when the form is ``bar``, else a
     :class:`LineProgress` of that form."""
-    from poodle.cli._common import console
+    from poodle.cli._console import console
 
     m = mode()
     if m == "bar":
@@ -246,7 +246,7 @@ class LineProgress:
         rate = f", {speed:,.1f} {unit or 'it'}/s" if speed else ""
         when = f", {clock(t.elapsed)} elapsed" + ("" if final or left is None else f", {clock(left)} left")
         info = "".join(f", {v}" if k == "info" else f", {k} {v}" for k, v in extra.items())
-        from poodle.cli._common import console
+        from poodle.cli._console import console
 
         console.print(
             f"{t.description}: {count}{' ' + unit if unit else ''}{pct}{rate}{when}{info}"

@@ -15,12 +15,25 @@ from typing import Any, Callable, Iterable
 
 import click
 
+from poodle.errors import PoodleError
 from poodle.options import Setting, settings
 
 
-def _click_type(s: Setting) -> Any:
-    from poodle.cli._common import SizeType
+class SizeType(click.ParamType):
+    """A memory size like 4GiB or 512MiB, converted to bytes."""
 
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        from poodle.utils import parse_size
+
+        try:
+            return parse_size(value)
+        except PoodleError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _click_type(s: Setting) -> Any:
     if s.meta("cli_type") == "size":
         return SizeType()
     if s.meta("choices"):
@@ -51,16 +64,21 @@ def click_option(s: Setting, **given: Any) -> Callable[[Any], Any]:
 
 
 def schema_options(
-    *groups: type, only: Iterable[str] | None = None, changed: dict[str, dict[str, Any]] | None = None
+    *groups: type,
+    only: Iterable[str] | None = None,
+    but: Iterable[str] = (),
+    changed: dict[str, dict[str, Any]] | None = None,
 ) -> Callable[[Any], Any]:
-    """A decorator adding the options of ``groups``' settings (those with a command-line option, and
-    of them only the keys in ``only`` when given), in declaration order; ``changed`` gives a
-    command's own ``default`` or ``help`` of a key."""
-    keep = None if only is None else set(only)
-    chosen = [s for g in groups for s in settings(g) if s.meta("cli") and (keep is None or s.key in keep)]
-    if keep is not None:
-        missing = keep - {s.key for s in chosen}
-        assert not missing, f"no such settings: {missing}"
+    """A decorator adding the options of ``groups``' settings (those with a command-line option; of
+    them only the keys in ``only`` when given, and never those in ``but``), in declaration order;
+    ``changed`` gives a command's own ``default`` or ``help`` of a key. A command that takes a
+    group's options but a few names those few in ``but``: a setting added to the group is then an
+    option of the command without another line here."""
+    keep, leave = None if only is None else set(only), set(but)
+    offered = [s for g in groups for s in settings(g) if s.meta("cli")]
+    missing = ((keep or set()) | leave) - {s.key for s in offered}
+    assert not missing, f"no such settings: {missing}"
+    chosen = [s for s in offered if (keep is None or s.key in keep) and s.key not in leave]
 
     def decorate(fn: Any) -> Any:
         for s in reversed(chosen):

@@ -142,7 +142,7 @@ def say_event(event: Any) -> None:
 @click.option(
     "--splits", default=",".join(defaults.SPLITS), show_default=True, help="Comma-separated splits to extract."
 )
-@schema_options(ExtractOptions, only=("image_size", "crop_pct", "interpolation", "batch_size", "workers"))
+@schema_options(ExtractOptions, but=("dtype",))  # dtype: below, with the cache's other options
 @schema_options(RunOptions, only=("device",))
 @click.option(
     "--cache-root",

@@ -65,7 +65,7 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
     "ones (records of other cells stay in the file).",
 )
 @click.option("--dry-run", is_flag=True, help="List the cells and what is already done; solve nothing.")
-@schema_options(RunOptions, only=("cells_per_call", "device", "max_memory", "cuda_step"))
+@schema_options(RunOptions, but=("workers",))
 @progress_option
 @friendly_errors
 def grid(

@@ -88,7 +88,7 @@ from poodle.run import RunOptions
 )
 @schema_options(
     ExtractOptions,
-    only=("image_size", "crop_pct", "interpolation", "batch_size", "workers"),
+    but=("dtype",),  # the features of a predict call stay float32
     changed={"workers": {"default": defaults.PREDICT_WORKERS, "help": "Worker processes decoding the images."}},
 )
 @schema_options(RunOptions, only=("device",))

@@ -8,6 +8,7 @@ import click
 
 from poodle.cli._common import console, friendly_errors, render_table
 from poodle.cli._common import out as stdout
+from poodle.report import FORMATS
 
 
 @click.command()
@@ -25,7 +26,7 @@ from poodle.cli._common import out as stdout
 @click.option(
     "--where", multiple=True, metavar="KEY=V[,V...]", help="Keep results whose KEY is one of the values. Repeatable."
 )
-@click.option("--format", "fmt", type=click.Choice(["rich", "markdown", "latex"]), default="rich", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["rich", *FORMATS]), default="rich", show_default=True)
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -126,13 +127,8 @@ def report(
         table = R.domain_table(res, rows, p_threshold=p_threshold, show_ci=not no_ci)
     else:
         table = R.build_table(res, rows, cols, bold=bold, test=test, p_threshold=p_threshold, show_ci=not no_ci)
-    if fmt == "markdown":
-        text = R.to_markdown(table)
-    elif fmt == "latex":
-        text = R.to_latex(table, caption=caption)
-    else:
-        text = None
-    if text is not None:
+    if fmt in FORMATS:
+        text = FORMATS[fmt](table, caption)
         if out is not None:
             from poodle.utils import atomic_write
 

@@ -267,7 +267,7 @@ class _ListsMethods(click.Command):
 @click.option("--save-episodes", type=click.Path(dir_okay=False), help="Write the episodes (HDF5).")
 @click.option("--episodes-from", type=click.Path(dir_okay=False), help="Solve the episodes of this file.")
 @schema_options(EpisodeSpec, CellSpec, NegativeSpec, PreprocessSpec)
-@schema_options(RunOptions, only=("device", "max_memory", "workers", "cuda_step"))
+@schema_options(RunOptions, but=("cells_per_call",))  # solve's methods are one call
 @click.option(
     "--out",
     "--json",

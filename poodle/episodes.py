@@ -229,6 +229,18 @@ class EpisodeSpec:
         return int(v)
 
 
+@dataclass(frozen=True)
+class CellSpec:
+    """What a cell solves besides its episode setting, negatives and preprocessing. ``episodes`` is
+    recorded with the episode setting (results that agree on it and on :class:`EpisodeSpec` are paired).
+    Declared here, beside EpisodeSpec, because the sampler checks a number of episodes by it
+    (:func:`check_count`); :mod:`poodle.settings` groups it with the others."""
+
+    cache: str | None = option(None, cli=False, help="Feature cache file (a path, or a grid's [caches] name).")
+    method: str = option(defaults.METHOD, cli=False, help="Registered method name.")
+    episodes: int = option(defaults.EPISODES, min=1, why="the number of episodes", help="Episodes drawn.")
+
+
 @dataclass
 class EpisodeSet:
     """``E`` episodes as row indices into one split of a cache.
@@ -581,9 +593,7 @@ class _Draw:
 
 
 def check_count(n_episodes: object) -> None:
-    """EpisodeError unless ``n_episodes`` is a number of episodes (:class:`poodle.settings.CellSpec`)."""
-    from poodle.settings import CellSpec  # imported here: poodle.settings imports this module
-
+    """EpisodeError unless ``n_episodes`` is a number of episodes (:class:`CellSpec`)."""
     check_value(schema_setting(CellSpec, "episodes"), n_episodes, EpisodeError)
 
 
@@ -927,6 +937,7 @@ def describe_episodes(eps: EpisodeSet) -> dict[str, tuple[float, float, float]]:
 
 
 __all__ = [
+    "CellSpec",
     "EpisodeSpec",
     "EpisodeSet",
     "EpisodeStream",

@@ -50,7 +50,7 @@ from poodle.errors import ConfigError, EpisodeError
 from poodle.negatives import NegativeSpec, generate, load_pool, sample_indices
 from poodle.run import RunOptions
 from poodle.solvers.backend import Backend
-from poodle.solvers.base import EpisodeBatch
+from poodle.solvers.base import EpisodeBatch, SolverInfo
 from poodle.utils import parse_size, resolve_device
 
 # On CPU a chunk's gathered rows should stay within the last-level cache share of the cores
@@ -361,19 +361,18 @@ class _Negatives:
 
 
 def _negatives(
-    methods: Sequence[Method],
+    users: Sequence[tuple[SolverInfo, Any]],
     negatives: NegativeSpec | None,
     episodes: EpisodeSet | EpisodeStream,
     cache_path: Any,
     dim: int,
     preprocess: Any,
 ) -> _Negatives:
-    """What the methods that read negatives get; every check (the source, its pool file and rows,
-    held indices) before any solving."""
+    """What the methods that read negatives (``users``: each one's registry entry and config) get;
+    every check (the source, its pool file and rows, held indices) before any solving."""
     source = None if negatives is None or negatives.is_none else negatives.source
-    users = [(name, cfg) for _, name, cfg in methods if solvers.get(name).needs_negatives(cfg)]
-    for name, cfg in users:
-        solvers.get(name).check_negatives(cfg, source)
+    for info, cfg in users:
+        info.check_negatives(cfg, source)
     if not users or negatives is None:
         return _Negatives()
     negatives.validate()
@@ -391,11 +390,13 @@ def _negatives(
     return _Negatives(negatives, pool, held, negatives.n_neg)
 
 
-def _resolve_methods(methods: Sequence[Method]) -> list[Method]:
-    """``(label, name, config)`` with the config built from a dict or ``None`` and checked."""
+def _resolve_methods(methods: Sequence[Method]) -> tuple[list[Method], list[tuple[SolverInfo, Any]]]:
+    """``(label, name, config)`` with the config built from a dict or ``None`` and checked, and the
+    registry entry and config of each method that reads negatives (looked up here, once)."""
     if not methods:
         raise ConfigError("no method to run", params=("methods",))
     out, seen = [], set()
+    users: list[tuple[SolverInfo, Any]] = []
     for item in methods:
         if len(item) != 3:
             raise ConfigError(f"methods are (label, method, config) triples, got {item!r}", params=("methods",))
@@ -411,7 +412,9 @@ def _resolve_methods(methods: Sequence[Method]) -> list[Method]:
             raise ConfigError(f"two methods share the label {label!r}; give each a distinct label")
         seen.add(label)
         out.append((label, name, cfg))
-    return out
+        if info.needs_negatives(cfg):
+            users.append((info, cfg))
+    return out, users
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1012,7 +1015,7 @@ def evaluate(
     progress, ready, planned, stats = hooks.progress, hooks.ready, hooks.planned, hooks.stats
     t_call = time.perf_counter()
     dev = resolve_device(device)
-    methods = _resolve_methods(methods)
+    methods, users = _resolve_methods(methods)
     if isinstance(episodes, EpisodeStream) and getattr(episodes, "ragged", False):
         # episodes of different shapes are planned by their shapes (each chunk's padded size, the
         # buckets), which only drawing them tells
@@ -1020,7 +1023,7 @@ def evaluate(
     _check_episodes(features, episodes)
     spec = episodes.spec
     D = features.features.shape[1]
-    neg = _negatives(methods, negatives, episodes, cache_path, D, preprocess)
+    neg = _negatives(users, negatives, episodes, cache_path, D, preprocess)
     gatherer = Gatherer(features.features, episodes, neg, dev, dtype)
     parts = _held_parts(gatherer, episodes, also_held) if max_memory is not None else {}
     plan_kw: dict[str, Any] = dict(

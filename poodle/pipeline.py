@@ -41,7 +41,6 @@ from poodle.prefetch import pool_location
 from poodle.preprocess import Preprocessor
 from poodle.results import ResultsFile, cache_identity, identity_key, make_record
 from poodle.run import RunOptions
-from poodle.solvers import get as solver_info
 from poodle.system import solve_workers
 from poodle.utils import resolve_path
 
@@ -243,7 +242,9 @@ def solve_call(
     if rows is not None:  # negatives are drawn per episode number: a share draws its own
         episodes = episodes[rows.start : rows.stop]
     labels = {c.index: keys[c.index][1] for c in batch}
-    methods = [(labels[c.index], c.method, c.config()) for c in batch]
+    # each method's options as the cell holds them (the values used, checked when the cell was made):
+    # evaluate builds the config from them once, where it resolves the method
+    methods = [(labels[c.index], c.method, c.options) for c in batch]
     stats: dict[str, Any] = {}
     raw = inputs.features(c0)
     # a preprocessing's copy is solved; the split as read stays in memory beside it (Inputs keeps it)
@@ -308,7 +309,7 @@ def solve_call(
                     call_seconds * worker[c.index] / total if total > 0 else call_seconds / len(batch), 4
                 ),
                 # provenance, not identity: which arithmetic the method's fits ran here
-                "formulation": backend.formulation(solver_info(c.method).name, device),
+                "formulation": backend.formulation(c.method, device),  # a cell holds the registered name
             },
         )
         for c in batch

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -851,3 +851,11 @@ def to_latex(table: Table, caption: str | None = None, label: str | None = None)
 def _latex_text(text: str) -> str:
     """A plain-text cell (an ``extra`` column's) in LaTeX: escaped, ``±`` as ``$\\pm$``, ``–`` as ``--``."""
     return _latex_escape(text).replace("±", r"$\pm$").replace("–", "--")
+
+
+# The text forms of a table by name, each ``(table, caption) -> text``: ``poodle report --format``
+# takes these (and ``rich``, the terminal's table, which the command line draws itself).
+FORMATS: dict[str, Callable[[Table, str | None], str]] = {
+    "markdown": lambda table, caption: to_markdown(table),
+    "latex": lambda table, caption: to_latex(table, caption=caption),
+}

@@ -4,7 +4,8 @@ A cell (:mod:`poodle.cells`) is one method on one episode setting. Its settings 
 four groups, each declared with :func:`poodle.options.option` in the module that uses them:
 
 - :class:`poodle.episodes.EpisodeSpec`: how the episodes are drawn (``way``, ``shot`` ...);
-- :class:`CellSpec` (here): the cache, the method and the number of episodes;
+- :class:`poodle.episodes.CellSpec`: the cache, the method and the number of episodes (beside
+  EpisodeSpec: the sampler checks the number of episodes by it);
 - :class:`poodle.negatives.NegativeSpec`: ``negatives`` and ``n_neg``;
 - :class:`poodle.preprocess.PreprocessSpec`: ``preprocess``.
 
@@ -17,27 +18,14 @@ is a new field of its group; nothing here names one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from poodle import defaults
-from poodle.episodes import EpisodeSpec
+from poodle.episodes import CellSpec, EpisodeSpec
 from poodle.errors import ConfigError, EpisodeError
 from poodle.negatives import NegativeSpec
-from poodle.options import Setting, check_value, option, settings, table
+from poodle.options import Setting, check_value, settings, table
 from poodle.preprocess import PreprocessSpec
 from poodle.run import RunOptions
-
-
-@dataclass(frozen=True)
-class CellSpec:
-    """What a cell solves besides its episode setting, negatives and preprocessing. ``episodes`` is
-    recorded with the episode setting (results that agree on it and on :class:`EpisodeSpec` are paired)."""
-
-    cache: str | None = option(None, cli=False, help="Feature cache file (a path, or a grid's [caches] name).")
-    method: str = option(defaults.METHOD, cli=False, help="Registered method name.")
-    episodes: int = option(defaults.EPISODES, min=1, why="the number of episodes", help="Episodes drawn.")
-
 
 # The groups of a cell's settings.
 GROUPS: tuple[type, ...] = (EpisodeSpec, NegativeSpec, PreprocessSpec, CellSpec)

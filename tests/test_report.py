@@ -263,6 +263,9 @@ def test_report_cli_latex_to_file_and_figure(tmp_path):
     assert "to --rows or --cols, or pick one with --where" in res.output  # the library's names, as flags
     res = runner.invoke(report, [str(path), "--format", "rich", "--rows", "method,beta"])
     assert res.exit_code == 0 and "1-shot" in res.output
+    # the text forms are the library's, by name: a new one is an entry of FORMATS, not a line here
+    (fmt,) = [p for p in report.params if p.name == "fmt"]
+    assert list(fmt.type.choices) == ["rich", *R.FORMATS] and {"markdown", "latex"} <= set(R.FORMATS)
 
 
 def test_solve_json_files_are_reported_with_grid_results(tmp_path, make_features):
