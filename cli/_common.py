@@ -101,31 +101,80 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
 
 
 def say_error(error: PoodleError) -> None:
-    """``error: <message>`` on stderr, the library's parameter names written as this command's flags."""
+    """``error: <message>`` on stderr, the library's parameter names written as this command's flags
+    (a value that was not typed named where it came from: :func:`given_as`)."""
     ctx = click.get_current_context(silent=True)
-    flags = flags_of(ctx.command if ctx else None, getattr(error, "params", ()))
-    if ctx is not None:  # a value the project file gave: the file, table and key it was set at
-        keys = ctx.meta.get(_PROJECT_KEYS, {}).get(ctx.info_name, {})
-        options = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
-        for param, flag in flags.items():
-            name = next((o.name for o in options.values() if flag in o.opts), None)
-            if name is not None and name in keys and from_project(ctx, name):
-                flags[param] = f"{flag} ({keys[name]})"
-    text = _flag_text(error, flags)
+    command = ctx.command if ctx else None
+    flags = flags_of(command, getattr(error, "params", ()))
+    # values all from the project file: what they need is said as the file's keys (add protocol = ...)
+    in_file = bool(flags) and all(_source(ctx, f)[1] == "project" for f in flags.values())
+    needs = {} if in_file else flags_of(command, tuple(error.needs))
+    text = _flag_text(error, flags, given_as(ctx, flags), needs)
     console.print(styled("error:", "bold red", " " + text), soft_wrap=True)
 
 
-def _flag_text(error: PoodleError, flags: dict[str, str]) -> str:
-    """The error's text with parameters as flags: an error about one value (``bad_value``: its
-    parameter, value and reason are fields) is said from those fields; only an error whose text is
-    free falls back to writing its named parameters as flags in the text (:func:`as_flags`)."""
+def given_as(ctx: click.Context | None, flags: dict[str, str]) -> dict[str, str]:
+    """``flags`` ({library parameter: flag}) each said as the user gave its value: typed (or not
+    given), the flag; from the project file, the flag and the file, table and key
+    (``--way (poodle.toml [solve] way)``); from its environment variable, that variable
+    (``POODLE_PROGRESS_INTERVAL (environment variable for --progress-interval)``)."""
+    out = {}
+    for param, flag in flags.items():
+        option, source = _source(ctx, flag)
+        if ctx is not None and option is not None and source == "project":
+            out[param] = f"{flag} ({ctx.meta[_PROJECT_KEYS][ctx.info_name][option.name]})"
+        elif option is not None and source == "environment":
+            envvars = [option.envvar] if isinstance(option.envvar, str) else list(option.envvar or ())
+            var = next((v for v in envvars if os.environ.get(v)), None)
+            out[param] = f"{var} (environment variable for {flag})" if var else flag
+        else:
+            out[param] = flag
+    return out
+
+
+def _source(ctx: click.Context | None, flag: str) -> tuple[click.Option | None, str | None]:
+    """The running command's option of ``flag`` and where its value came from: ``"project"`` (the
+    project file), ``"environment"`` (its environment variable) or None (typed, or its default)."""
+    from click.core import ParameterSource
+
+    if ctx is None:
+        return None, None
+    option = next((p for p in ctx.command.params if isinstance(p, click.Option) and p.name and flag in p.opts), None)
+    if option is None or option.name is None:
+        return None, None
+    source = ctx.get_parameter_source(option.name)
+    keys = ctx.meta.get(_PROJECT_KEYS, {}).get(ctx.info_name, {})
+    if source == ParameterSource.DEFAULT_MAP and option.name in keys:
+        return option, "project"
+    return option, "environment" if source == ParameterSource.ENVIRONMENT else None
+
+
+def _flag_text(error: PoodleError, flags: dict[str, str], said: dict[str, str], needs: dict[str, str]) -> str:
+    """The error's text with parameters as flags (``said``: as the user gave them, see
+    :func:`given_as`): an error about one value (``bad_value``: its parameter, value and reason are
+    fields) is said from those fields, the other parameters its reason names as plain flags; only an
+    error whose text is free falls back to writing its named parameters as flags in the text
+    (:func:`as_flags`). What the error needs (``error.needs``) is said as flags to type
+    (``add --protocol meta-dataset``) when this command has them all (``needs``: their flags)."""
     from poodle.cli._schema import flag_message
 
-    if error.param in flags and error.message == f"{error.param} {error.reason}, got {error.value!r}":
-        said = flag_message(flags[error.param], error)
-        if said is not None:
-            return f"{said} ({error.hint})" if error.hint else said
-    return as_flags(str(error), flags)
+    hint = f" ({as_flags(error.hint, flags)})" if error.hint else ""
+    if error.param in flags and error.text == f"{error.param} {error.reason}, got {error.value!r}":
+        others = {p: f for p, f in flags.items() if p != error.param}
+        said_value = flag_message(said[error.param], error, reason=as_flags(str(error.reason), others))
+        if said_value is not None:
+            return said_value + hint
+    text = as_flags(error.text, said)
+    if error.needs and set(needs) == set(error.needs):
+        text += ": add " + ", ".join(_typed(needs[k], v) for k, v in error.needs.items())
+    elif error.needs:
+        text = as_flags(error.message, said)
+    return text + hint
+
+
+def _typed(flag: str, value: object) -> str:
+    """How ``flag`` with ``value`` is typed: ``--protocol meta-dataset``; ``--bilevel`` for true."""
+    return flag if value is True else f"{flag} {value}"
 
 
 def check_paths(ctx: click.Context | None) -> None:
@@ -430,7 +479,9 @@ def progress_option(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             check_group(_progress.ProgressOptions(progress, progress_interval), ConfigError)
         except ConfigError as e:
-            raise click.UsageError(flag_message("--" + str(e.param).replace("_", "-"), e) or str(e)) from None
+            flag = "--" + str(e.param).replace("_", "-")
+            said = given_as(click.get_current_context(silent=True), {str(e.param): flag})[str(e.param)]
+            raise click.UsageError(flag_message(said, e) or str(e)) from None
         _progress.configure(progress, progress_interval)
         _KEPT.clear()
         # SIGTERM and SIGINT stop the run at its next safe point (poodle.interrupt); torchrun's

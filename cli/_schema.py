@@ -75,12 +75,13 @@ def run_options(params: dict[str, Any], cls: type) -> Any:
     return cls(**{s.name: params[s.key] for s in settings(cls) if s.key in params})
 
 
-def flag_message(flag: str, error: Any) -> str | None:
+def flag_message(flag: str, error: Any, reason: str | None = None) -> str | None:
     """An error about one value (``param``, ``value``, ``reason``: :meth:`PoodleError.bad_value`) said
-    with its flag: ``--way must be an integer >= 2, got 1``; None for an error that is not one."""
+    with its flag: ``--way must be an integer >= 2, got 1``; None for an error that is not one.
+    ``reason`` replaces the error's (the same with the other parameters it names as flags)."""
     if getattr(error, "param", None) is None or getattr(error, "reason", None) is None:
         return None
-    return f"{flag} {error.reason}, got {error.value!r}"
+    return f"{flag} {error.reason if reason is None else reason}, got {error.value!r}"
 
 
 __all__ = ["click_option", "flag_message", "run_options", "schema_options"]

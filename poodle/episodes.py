@@ -187,14 +187,22 @@ class EpisodeSpec:
         n = self.query_classes
         if n is not None and self.way is not None and n > self.way:
             least = getattr(schema_setting(EpisodeSpec, "query_classes").bounds, "lo", 1)
-            raise EpisodeError.bad_value("query_classes", n, f"must be an integer in {least:g}..way={self.way}")
+            raise EpisodeError.bad_value(
+                "query_classes", n, f"must be an integer from {least:g} to way={self.way}", others=("way",)
+            )
         if self.min_ways > self.max_ways_upper_bound:
             raise EpisodeError.bad_value(
-                "min_ways", self.min_ways, f"must be at most max_ways_upper_bound={self.max_ways_upper_bound}"
+                "min_ways",
+                self.min_ways,
+                f"must be at most max_ways_upper_bound={self.max_ways_upper_bound}",
+                others=("max_ways_upper_bound",),
             )
         if self.min_log_weight > self.max_log_weight:
             raise EpisodeError.bad_value(
-                "min_log_weight", self.min_log_weight, f"must be at most max_log_weight={self.max_log_weight:g}"
+                "min_log_weight",
+                self.min_log_weight,
+                f"must be at most max_log_weight={self.max_log_weight:g}",
+                others=("max_log_weight",),
             )
         if not self.ragged:
             return
@@ -202,7 +210,7 @@ class EpisodeSpec:
             if getattr(self, name) is not None:
                 raise EpisodeError(
                     f"{name} belongs to the fixed protocol; the Meta-Dataset protocol draws its own per-class counts",
-                    params=(name, "protocol"),
+                    params=(name,),
                 )
         if self.bilevel and self.way is not None:
             raise EpisodeError(

@@ -377,6 +377,44 @@ def test_cells_record_the_protocol_only_when_it_is_meta_dataset():
         make_cell({"cache": "c.h5", "method": "proto", "protocol": "meta-dataset", "min_ways": 60})
 
 
+def test_command_line_errors_name_the_flags_typed(tmp_path, monkeypatch):
+    """The command line says a rule's parameters as the flags the user typed (and how to type what
+    is missing); a project file's value names its key, an environment variable its name."""
+    from click.testing import CliRunner
+
+    from poodle.cli.main import cli
+
+    def err(*args, env=None):
+        r = CliRunner().invoke(cli, [str(a) for a in args], env=env)
+        assert r.exit_code != 0
+        return r.output.strip().splitlines()[-1]
+
+    cache = tmp_path / "missing.h5"  # the settings are checked before the cache is read
+    assert err("solve", "--cache", cache, "--protocol", "meta-dataset", "--max-ways-upper-bound", 3) == (
+        "error: --min-ways must be at most --max-ways-upper-bound=3, got 5"
+    )
+    assert err("solve", "--cache", cache, "--max-num-query", 3, "--bilevel") == (
+        "error: --max-num-query, --bilevel belong to the Meta-Dataset protocol: add --protocol meta-dataset"
+    )
+    assert err("solve", "--cache", cache, "--protocol", "meta-dataset", "--imbalance", 2) == (
+        "error: --imbalance belongs to the fixed protocol; the Meta-Dataset protocol draws its own per-class counts"
+    )
+    assert err("solve", "--cache", cache, "--way", 3, "--query-classes", 4) == (
+        "error: --query-classes must be an integer from 1 to --way=3, got 4"
+    )
+    # a project file's value: its file, table and key, and the fix as the file writes it
+    (tmp_path / "p.toml").write_text("[solve]\nmax_num_query = 3\n")
+    assert err("--config", tmp_path / "p.toml", "solve", "--cache", cache) == (
+        f"error: --max-num-query ({tmp_path / 'p.toml'} [solve] max_num_query) belongs to the Meta-Dataset "
+        "protocol: add protocol = meta-dataset"
+    )
+    said = err("solve", "--cache", cache, "--progress", "plain", env={"POODLE_PROGRESS_INTERVAL": "-1"})
+    assert said.startswith(
+        "error: POODLE_PROGRESS_INTERVAL (environment variable for --progress-interval) must be a number in "
+        "(0, inf), got -1.0"
+    )
+
+
 def test_info_summarises_an_episode_file(tmp_path):
     from click.testing import CliRunner
 

@@ -261,7 +261,7 @@ def test_solve_query_classes_recorded_in_json_and_episodes(tmp_path, cache):
     assert eps.spec.query_classes == 2 and eps.query.shape == (5, 8)
     assert all(len(eps.query_labels[e].unique()) == 2 for e in range(5))
     bad = _run(["--cache", cache, "--query-classes", 6])
-    assert bad.exit_code != 0 and "error: --query-classes must be an integer in 1..way=5, got 6" in bad.output
+    assert bad.exit_code != 0 and "error: --query-classes must be an integer from 1 to --way=5, got 6" in bad.output
 
 
 def test_solve_help_lists_the_methods():
