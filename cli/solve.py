@@ -357,6 +357,14 @@ def solve_events(advance: Any, results_path: str | None = None) -> Any:
     return on_event
 
 
+def _title(spec: Any) -> str:
+    """A table's title of ``spec``: ``5-way 1-shot``; ``Meta-Dataset protocol`` and what of it is fixed."""
+    if not spec.ragged:
+        return f"{spec.way}-way {spec.shot}-shot"
+    fixed = [f"{v} {k}" for k, v in (("way", spec.way), ("shot", spec.shot), ("query", spec.query)) if v]
+    return "Meta-Dataset protocol" + (f" ({', '.join(fixed)})" if fixed else "")
+
+
 def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str | None) -> None:
     """The setting, the table (paired differences to the first method) and the throughput."""
     from poodle.cli._common import render_table
@@ -366,13 +374,9 @@ def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str 
     if save_episodes:
         console.print(f"episodes written to {save_episodes}")
     spec = res.spec
-    title = f"{spec.way}-way {spec.shot}-shot"
-    shape = f"{title}, {spec.query} queries/class"
-    if spec.ragged:  # what is not given is drawn per episode
-        fixed = [f"{v} {k}" for k, v in (("way", spec.way), ("shot", spec.shot), ("query", spec.query)) if v]
-        shape = title = "Meta-Dataset protocol" + (f" ({', '.join(fixed)})" if fixed else "")
+    title = _title(spec)
     console.print(
-        f"{res.n_episodes:,} episodes: {shape}"
+        f"{res.n_episodes:,} episodes: {spec.describe()}"
         + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
         + (f", queries from {spec.query_classes} of the {spec.way} classes" if spec.query_classes else "")
         + f", split {spec.split} of {path}; negatives: "
@@ -409,12 +413,8 @@ def _domains_summary(res: Any, domains: dict[str, Path], save_episodes: str | No
             soft_wrap=True,
         )
     spec = first.spec
-    shape = f"{spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
-    if spec.ragged:
-        fixed = [f"{v} {k}" for k, v in (("way", spec.way), ("shot", spec.shot), ("query", spec.query)) if v]
-        shape = "Meta-Dataset protocol" + (f" ({', '.join(fixed)})" if fixed else "")
     console.print(
-        f"{len(domains)} domains, {first.n_episodes:,} episodes each: {shape}, split {spec.split}; "
+        f"{len(domains)} domains, {first.n_episodes:,} episodes each: {spec.describe()}, split {spec.split}; "
         + ", ".join(f"{d} = {p}" for d, p in domains.items())
         + "; negatives: "
         + (f"{first.negatives.source} x {first.negatives.n_neg}" if first.negatives else "none")
@@ -423,7 +423,7 @@ def _domains_summary(res: Any, domains: dict[str, Path], save_episodes: str | No
         soft_wrap=True,
     )
     table = domain_table(res.records)
-    out.print(render_table(table, title=f"{shape}, {first.n_episodes:,} episodes per domain"))
+    out.print(render_table(table, title=f"{_title(spec)}, {first.n_episodes:,} episodes per domain"))
     for line in table.notes:
         console.print(line, highlight=False, soft_wrap=True)
     n = sum(r.n_episodes for r in res.domains.values())

@@ -224,6 +224,21 @@ class EpisodeSpec:
                 params=("bilevel", "way"),
             )
 
+    def describe(self) -> str:
+        """The setting in words: ``5-way 1-shot, 15 queries/class``; under Meta-Dataset's protocol
+        what it draws, by its rules (``Meta-Dataset protocol (5-50 ways, shots drawn: at most 500
+        support images, at most 10 queries/class)``), and what the user fixed (``5-way``)."""
+        if not self.ragged:
+            return f"{self.way}-way {self.shot}-shot, {self.query} queries/class"
+        parts = [
+            f"{self.way}-way" if self.way is not None else f"{self.min_ways}-{self.max_ways_upper_bound} ways",
+            f"{self.shot}-shot"
+            if self.shot is not None
+            else f"shots drawn: at most {self.max_support_set_size} support images",
+            f"{self.query} queries/class" if self.query is not None else f"at most {self.max_num_query} queries/class",
+        ]
+        return f"Meta-Dataset protocol ({', '.join(parts)}{', bilevel' if self.bilevel else ''})"
+
     @property
     def n_support(self) -> int:
         """Support images per episode (fixed episodes only)."""

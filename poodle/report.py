@@ -249,7 +249,10 @@ def _value_order(results: Sequence[Result], key: str) -> dict[Any, tuple]:
 
 def format_value(key: str, v: Any, latex: bool = False) -> str:
     """How an option value reads in a table header: ``1-shot``, ``inductive``, ``κ=0.5``, ``N=3``
-    (query classes)."""
+    (query classes); a ``way``, ``shot`` or ``query`` that Meta-Dataset's protocol draws per episode
+    (None): ``ways drawn``."""
+    if key in ("way", "shot", "query") and v is None:
+        return {"way": "ways", "shot": "shots", "query": "queries"}[key] + " drawn"
     if key == "shot":
         return f"{v}-shot"
     if key == "way":

@@ -455,6 +455,35 @@ def test_solve_protocol_reaches_the_episodes(tmp_path, make_features):
     assert torch.equal(eps.query, ref.query) and torch.equal(eps.ways, ref.ways)
 
 
+def test_the_summary_and_headers_say_what_the_protocol_draws(tmp_path, make_features):
+    """Under Meta-Dataset's protocol no --way/--shot/--query default is shown as if it held: the
+    summary says the protocol's rules (and what the user fixed), a report's header ``shots drawn``."""
+    from click.testing import CliRunner
+
+    from poodle.cache import write_arrays
+    from poodle.cli.report import report
+    from poodle.cli.solve import solve
+
+    assert EpisodeSpec().describe() == "5-way 1-shot, 15 queries/class"
+    assert EpisodeSpec.meta_dataset(min_ways=3, max_num_query=4, bilevel=True).describe() == (
+        "Meta-Dataset protocol (3-50 ways, shots drawn: at most 500 support images, at most 4 queries/class, bilevel)"
+    )
+    x, y = make_features(12, 30, 16, seed=2)
+    cache = write_arrays(tmp_path / "c.h5", {"test": (x, y, [f"t{i}" for i in range(12)])})
+    base = ["--cache", cache, "--episodes", 4, "--method", "proto", "--protocol", "meta-dataset", "--progress", "none"]
+    drawn = CliRunner().invoke(solve, [str(a) for a in [*base, "--json", tmp_path / "a.json"]])
+    assert drawn.exit_code == 0, drawn.output
+    text = " ".join(drawn.output.split())
+    assert "4 episodes: Meta-Dataset protocol (5-50 ways, shots drawn: at most 500 support images, at most 10 " in text
+    assert "-way" not in text and "-shot" not in text
+    fixed = CliRunner().invoke(solve, [str(a) for a in [*base, "--shot", 2, "--json", tmp_path / "b.json"]])
+    assert "Meta-Dataset protocol (5-50 ways, 2-shot, at most 10 queries/class)" in " ".join(fixed.output.split())
+    r = CliRunner().invoke(report, [str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--no-ci"])
+    assert r.exit_code == 0, r.output
+    header = next(line for line in r.output.splitlines() if "label" in line)
+    assert "shots drawn" in header and "2-shot" in header and "None" not in r.output
+
+
 def test_an_episode_file_gives_its_cells_its_setting(tmp_path):
     from poodle.errors import ConfigError
     from poodle.solve import _from_file, make_cells
