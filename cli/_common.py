@@ -632,6 +632,28 @@ def _options_text(table: Any, i: int) -> str:
     return ", ".join(f"{key_name(k)}={v}" for k, v in zip(table.row_keys, table.row_labels(i)) if v not in ("–", ""))
 
 
+_FOLD_AT = 12  # a column label longer than this and than its entries is folded (:func:`_fold`)
+
+
+def _fold(label: str, room: int) -> str:
+    """``label`` with each line longer than ``room`` broken after a ``_``, ``-``, ``/`` or space into
+    lines of at most ``room`` characters where it can: a long name (a domain's,
+    ``birds_resnet12_features``) heads its column without widening it past its entries."""
+    lines = []
+    for line in label.split("\n"):
+        if len(line) <= room:
+            lines.append(line)
+            continue
+        current = ""
+        for part in (p for p in re.findall(r"[^_/ -]*[_/ -]?", line) if p):
+            if current and len(current + part.rstrip()) > room:
+                lines.append(current.rstrip())
+                current = ""
+            current += part
+        lines.append(current.rstrip())
+    return "\n".join(lines)
+
+
 def _layout_table(table: Any, title: str | None, layout: str, options_placeholder: bool = False) -> Any:
     from rich import box
     from rich.table import Table
@@ -653,7 +675,8 @@ def _layout_table(table: Any, title: str | None, layout: str, options_placeholde
         t.add_column("accuracy", justify="right", no_wrap=True)
     else:
         for j in range(len(table.cols)):
-            t.add_column(table.col_label(j, sep="\n"), justify="right", no_wrap=True)
+            room = max([_FOLD_AT, *(len(table.cell_text(i, j)) for i in range(len(table.rows)))])
+            t.add_column(_fold(table.col_label(j, sep="\n"), room), justify="right", no_wrap=True)
     for name, _ in table.extra:
         t.add_column(name, justify="right", no_wrap=True)
 
