@@ -581,8 +581,10 @@ _LAYOUTS = ("full", "compact", "merged", "long")
 
 
 def render_table(table: Any, title: str | None = None, width: int | None = None) -> Any:
-    """A :class:`poodle.report.Table` as a rich table: the one renderer of result tables (``report``,
-    ``demo``, ``grid``, ``solve``); bold entries in bold green.
+    """A :class:`poodle.report.Table` as a rich renderable: the one renderer of result tables
+    (``report``, ``demo``, ``grid``, ``solve``); bold entries in bold green, and where the console it
+    is printed on shows no styles (a file, a pipe, ``TERM=dumb``) with a trailing ``*`` instead,
+    said under the table, so that a log or a pasted table still marks them.
 
     The table is laid out to fit ``width`` columns (default: the terminal's; when the output is no
     terminal, ``COLUMNS`` or else no limit, the table's natural width) without cutting any text:
@@ -596,12 +598,27 @@ def render_table(table: Any, title: str | None = None, width: int | None = None)
 
     Entries (``76.62 ± 0.48``) are never wrapped; every other text folds rather than being cut.
     """
-    width = out.width if width is None else width
-    for layout in _LAYOUTS:
-        t = _layout_table(table, title, layout)
-        if layout == "long" or _fits(table, title, layout, t, width):
-            return t
-    raise AssertionError("unreachable")
+    return _TableView(table, title, width)
+
+
+class _TableView:
+    """:func:`render_table`'s renderable: laid out when printed, for the console it is printed on."""
+
+    def __init__(self, table: Any, title: str | None, width: int | None) -> None:
+        self.table, self.title, self.width = table, title, width
+
+    def __rich_console__(self, console: Console, options: Any) -> Iterator[Any]:
+        # no colour system: rich writes no style at all, bold included
+        plain = console.color_system is None and any(e.bold for e in self.table.entries.values())
+        width = out.width if self.width is None else self.width
+        for layout in _LAYOUTS:
+            t = _layout_table(self.table, self.title, layout, plain=plain)
+            if layout == "long" or _fits(self.table, self.title, layout, t, width, plain):
+                yield t
+                return
+
+
+PLAIN_BOLD = "*: the entries a colour terminal prints in bold"
 
 
 def _natural_width(renderable: Any) -> int:
@@ -617,11 +634,11 @@ def _natural_width(renderable: Any) -> int:
     return max((cell_len(line.rstrip()) for line in cap.get().splitlines()), default=0)
 
 
-def _fits(table: Any, title: str | None, layout: str, t: Any, width: int) -> bool:
+def _fits(table: Any, title: str | None, layout: str, t: Any, width: int, plain: bool = False) -> bool:
     if layout != "merged":
         return _natural_width(t) <= width
     # the options column wraps: the rest must fit with room left for it (its natural width, or 20)
-    rest = _natural_width(_layout_table(table, title, layout, options_placeholder=True)) - len("options")
+    rest = _natural_width(_layout_table(table, title, layout, options_placeholder=True, plain=plain)) - len("options")
     options_width = max((len(_options_text(table, i)) for i in range(len(table.rows))), default=0)
     return width - rest >= min(options_width, 20)
 
@@ -654,16 +671,21 @@ def _fold(label: str, room: int) -> str:
     return "\n".join(lines)
 
 
-def _layout_table(table: Any, title: str | None, layout: str, options_placeholder: bool = False) -> Any:
+def _layout_table(
+    table: Any, title: str | None, layout: str, options_placeholder: bool = False, plain: bool = False
+) -> Any:
+    """The rich table of ``table`` in ``layout``; ``plain``: bold entries marked by a trailing ``*``
+    (the others by a space, so the numbers stay aligned) and :data:`PLAIN_BOLD` under the table."""
     from rich import box
     from rich.table import Table
 
     from poodle.report import key_name
 
+    caption = {"caption": PLAIN_BOLD, "caption_justify": "left"} if plain else {}
     if layout == "full":
-        t = Table(show_lines=False, title=title)
+        t = Table(show_lines=False, title=title, **caption)
     else:
-        t = Table(show_lines=False, title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
+        t = Table(show_lines=False, title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False, **caption)
     merged = layout in ("merged", "long") and bool(table.row_keys)
     if merged:
         t.add_column("options", overflow="fold", ratio=1)
@@ -675,14 +697,16 @@ def _layout_table(table: Any, title: str | None, layout: str, options_placeholde
         t.add_column("accuracy", justify="right", no_wrap=True)
     else:
         for j in range(len(table.cols)):
-            room = max([_FOLD_AT, *(len(table.cell_text(i, j)) for i in range(len(table.rows)))])
+            room = max([_FOLD_AT, *(len(table.cell_text(i, j)) + plain for i in range(len(table.rows)))])
             t.add_column(_fold(table.col_label(j, sep="\n"), room), justify="right", no_wrap=True)
     for name, _ in table.extra:
         t.add_column(name, justify="right", no_wrap=True)
 
     def entry(i: int, j: int) -> Text:
         e = table.entries.get((i, j))
-        return Text(table.cell_text(i, j), style="bold green" if e is not None and e.bold else "")
+        bold = e is not None and e.bold
+        mark = ("*" if bold else " ") if plain else ""
+        return Text(table.cell_text(i, j) + mark, style="bold green" if bold else "")
 
     for i in range(len(table.rows)):
         if merged:
