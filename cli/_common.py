@@ -549,10 +549,14 @@ def progress_bar(description: str, total: int | None, unit: str = "items", lazy:
     bar = Bar(new_progress(*columns), description, total, unit)
     if not lazy:
         bar.start()
+    ended = False
     try:
         yield bar
+        ended = True
     finally:
         if bar.task is not None:
+            if ended and total is None:  # a stage of unknown size that ran to its end is complete
+                bar.progress.update(bar.task, total=bar.progress.tasks[bar.task].completed)
             bar.progress.stop()
 
 
