@@ -62,6 +62,26 @@ console = _Console(stderr=True, markup=False, highlight=False)
 out = _Console(markup=False, highlight=False)
 
 
+class Unpadded:
+    """``renderable`` printed without the spaces rich pads its lines with (a table's title and its
+    cells fill the table's width): the lines end where their text does, as a log, a diff or a
+    pasted copy wants (``poodle info``)."""
+
+    def __init__(self, renderable: Any) -> None:
+        self.renderable = renderable
+
+    def __rich_console__(self, console: Console, options: Any) -> Iterator[Any]:
+        from rich.segment import Segment
+
+        for line in console.render_lines(self.renderable, options, pad=False):
+            while line and not line[-1].control and not line[-1].text.strip():
+                line.pop()
+            if line and not line[-1].control:
+                line[-1] = Segment(line[-1].text.rstrip(), line[-1].style)
+            yield from line
+            yield Segment.line()
+
+
 def styled(label: str, style: str, rest: str = "") -> Text:
     """``label`` in ``style`` followed by ``rest``, both printed literally."""
     return Text.assemble((label, style), rest)
