@@ -543,10 +543,19 @@ class Bar:
         self.start()
         self.progress.advance(self.task, n)
         interrupt.check()  # a safe point: the library calls this between chunks and batches
-        t = self.progress.tasks[self.task]
-        speed = t.finished_speed or t.speed
+        speed = self.rate()
         if speed:
             self.progress.update(self.task, rate=f"{speed:,.1f} {self.unit}/s")
+
+    def rate(self) -> float | None:
+        """Items a second since the bar started (to its end, once it ended): the rate its bar and its
+        plain or json lines show, and that a command's summary repeats (None before any item)."""
+        if self.task is None:
+            return None
+        t = self.progress.tasks[self.task]
+        seconds = t.finished_time if t.finished_time is not None else t.elapsed
+        done = t.completed - getattr(t, "start_count", 0.0)
+        return done / seconds if seconds and done > 0 else None
 
 
 @contextlib.contextmanager

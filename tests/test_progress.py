@@ -114,6 +114,20 @@ def test_a_stage_of_unknown_size_that_ends_is_not_said_stopped(cache, tmp_path, 
     assert line.startswith("reading: 3 img,") and line.endswith("(stopped)")
 
 
+def test_the_summary_repeats_the_progress_lines_rate_and_names_the_whole_runs(cache):
+    """The progress line's rate (episodes since solving started) and the summary's are one figure,
+    said as "solving"; the rate over the whole run (loading and drawing included) is named so."""
+    import re
+
+    res = _solve(cache, "--progress", "plain")
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("solving:")]
+    rate = re.match(r"solving: 30/30 episodes \(100%\), ([\d,.]+) episodes/s,", line).group(1)
+    text = " ".join(res.output.split())
+    assert f"{rate} episodes/s solving (the progress line's rate), " in text
+    whole = re.search(r"([\d,.]+) episodes/s over the whole run \(loading, drawing and solving: ([\d.]+) s wall", text)
+    assert whole is not None and float(whole.group(1).replace(",", "")) <= float(rate.replace(",", "")) * 1.01
+
+
 def test_a_command_that_reads_the_glyphs_generates_them_first_with_its_progress(monkeypatch, tmp_path, capsys):
     """train and extract on the embedded glyphs: a first use (minutes) is said, and its images
     counted like any stage; a set already there, another dataset or a given root: nothing."""
