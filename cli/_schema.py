@@ -34,9 +34,10 @@ def click_option(s: Setting, **given: Any) -> Callable[[Any], Any]:
     differs (``poodle predict`` decodes its few images in-process: ``workers`` 0)."""
     default = given.get("default", s.default)
     text = given.get("help", s.meta("help"))
-    shown: bool | str = default is not None and not s.meta("cli_type")
+    shown = default is not None and not s.meta("cli_type")
     if shown and "default" not in given and s.meta("default_text"):
-        shown = s.meta("default_text")
+        # as click writes a default (click would put a text of ours in parentheses)
+        text, shown = f"{text}  [default: {s.meta('default_text')}]", False
     if s.kind is bool and not s.optional:
         return click.option(s.flag, s.key, is_flag=True, default=bool(default), help=text)
     return click.option(
