@@ -714,11 +714,12 @@ def _layout_table(
 
     from poodle.report import key_name
 
-    caption = {"caption": PLAIN_BOLD, "caption_justify": "left"} if plain else {}
     if layout == "full":
-        t = Table(show_lines=False, title=title, **caption)
+        t = Table(show_lines=False, title=title)
     else:
-        t = Table(show_lines=False, title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False, **caption)
+        t = Table(show_lines=False, title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
+    if plain:
+        t.caption, t.caption_justify = PLAIN_BOLD, "left"
     merged = layout in ("merged", "long") and bool(table.row_keys)
     if merged:
         t.add_column("options", overflow="fold", ratio=1)

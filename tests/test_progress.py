@@ -99,7 +99,9 @@ def test_a_stage_of_unknown_size_that_ends_is_not_said_stopped(cache, tmp_path, 
 
     ep = tmp_path / "e.h5"
     _solve(cache, "--save-episodes", str(ep))
-    res = _solve(cache, "--episodes-from", str(ep), "--progress", "plain")
+    args = ["solve", "--cache", str(cache), "--episodes-from", str(ep), "--method", "proto", "--progress", "plain"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
     (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("solving:")]
     assert line.startswith("solving: 30/30 episodes (100%)") and "(stopped)" not in line
     monkeypatch.setitem(_progress._state, "mode", "plain")
@@ -122,7 +124,7 @@ def test_the_summary_repeats_the_progress_lines_rate_and_names_the_whole_runs(ca
     res = _solve(cache, "--progress", "plain")
     (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("solving:")]
     rate = re.match(r"solving: 30/30 episodes \(100%\), ([\d,.]+) episodes/s,", line).group(1)
-    text = " ".join(res.output.split())
+    text = " ".join((res.stdout + res.stderr).split())
     assert f"{rate} episodes/s solving (the progress line's rate), " in text
     whole = re.search(r"([\d,.]+) episodes/s over the whole run \(loading, drawing and solving: ([\d.]+) s wall", text)
     assert whole is not None and float(whole.group(1).replace(",", "")) <= float(rate.replace(",", "")) * 1.01
