@@ -480,7 +480,7 @@ def test_the_summary_and_headers_say_what_the_protocol_draws(tmp_path, make_feat
     assert "Meta-Dataset protocol (5-50 ways, 2-shot, at most 10 queries/class)" in " ".join(fixed.output.split())
     r = CliRunner().invoke(report, [str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--no-ci"])
     assert r.exit_code == 0, r.output
-    header = next(line for line in r.output.splitlines() if "label" in line)
+    header = next(line for line in r.output.splitlines() if line.startswith("┃"))
     assert "shots drawn" in header and "2-shot" in header and "None" not in r.output
 
 
