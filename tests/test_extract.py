@@ -406,7 +406,7 @@ def test_options_are_checked_before_the_glyphs_are_generated(tmp_path, ckpt, mon
             ["--class-split", "md-cub", "--checkpoint", ckpt],
             "error: --class-split md-cub is an option of --dataset folder",
         ),
-        (["--checkpoint", tmp_path / "nope.pt"], f"error: checkpoint {tmp_path / 'nope.pt'} does not exist"),
+        (["--checkpoint", tmp_path / "nope.pt"], f"error: --checkpoint {tmp_path / 'nope.pt'} does not exist"),
         (["--checkpoint", ckpt, "--image-size", 2], "error: --image-size must be "),
     ):
         r = _cli(*base, *extra)
