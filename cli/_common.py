@@ -38,6 +38,26 @@ from poodle.errors import PoodleError
 from poodle.events import NoticeWarning
 
 
+class Unpadded:
+    """``renderable`` printed without the spaces rich pads its lines with (a table's title and its
+    cells fill the table's width): the lines end where their text does, as a log, a diff or a
+    pasted copy wants (``poodle info``)."""
+
+    def __init__(self, renderable: Any) -> None:
+        self.renderable = renderable
+
+    def __rich_console__(self, console: Console, options: Any) -> Iterator[Any]:
+        from rich.segment import Segment
+
+        for line in console.render_lines(self.renderable, options, pad=False):
+            while line and not line[-1].control and not line[-1].text.strip():
+                line.pop()
+            if line and not line[-1].control:
+                line[-1] = Segment(line[-1].text.rstrip(), line[-1].style)
+            yield from line
+            yield Segment.line()
+
+
 def styled(label: str, style: str, rest: str = "") -> Text:
     """``label`` in ``style`` followed by ``rest``, both printed literally."""
     return Text.assemble((label, style), rest)
@@ -77,31 +97,80 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
 
 
 def say_error(error: PoodleError) -> None:
-    """``error: <message>`` on stderr, the library's parameter names written as this command's flags."""
+    """``error: <message>`` on stderr, the library's parameter names written as this command's flags
+    (a value that was not typed named where it came from: :func:`given_as`)."""
     ctx = click.get_current_context(silent=True)
-    flags = flags_of(ctx.command if ctx else None, getattr(error, "params", ()))
-    if ctx is not None:  # a value the project file gave: the file, table and key it was set at
-        keys = ctx.meta.get(_PROJECT_KEYS, {}).get(ctx.info_name, {})
-        options = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
-        for param, flag in flags.items():
-            name = next((o.name for o in options.values() if flag in o.opts), None)
-            if name is not None and name in keys and from_project(ctx, name):
-                flags[param] = f"{flag} ({keys[name]})"
-    text = _flag_text(error, flags)
+    command = ctx.command if ctx else None
+    flags = flags_of(command, getattr(error, "params", ()))
+    # values all from the project file: what they need is said as the file's keys (add protocol = ...)
+    in_file = bool(flags) and all(_source(ctx, f)[1] == "project" for f in flags.values())
+    needs = {} if in_file else flags_of(command, tuple(error.needs))
+    text = _flag_text(error, flags, given_as(ctx, flags), needs)
     console.print(styled("error:", "bold red", " " + text), soft_wrap=True)
 
 
-def _flag_text(error: PoodleError, flags: dict[str, str]) -> str:
-    """The error's text with parameters as flags: an error about one value (``bad_value``: its
-    parameter, value and reason are fields) is said from those fields; only an error whose text is
-    free falls back to writing its named parameters as flags in the text (:func:`as_flags`)."""
+def given_as(ctx: click.Context | None, flags: dict[str, str]) -> dict[str, str]:
+    """``flags`` ({library parameter: flag}) each said as the user gave its value: typed (or not
+    given), the flag; from the project file, the flag and the file, table and key
+    (``--way (poodle.toml [solve] way)``); from its environment variable, that variable
+    (``POODLE_PROGRESS_INTERVAL (environment variable for --progress-interval)``)."""
+    out = {}
+    for param, flag in flags.items():
+        option, source = _source(ctx, flag)
+        if ctx is not None and option is not None and source == "project":
+            out[param] = f"{flag} ({ctx.meta[_PROJECT_KEYS][ctx.info_name][option.name]})"
+        elif option is not None and source == "environment":
+            envvars = [option.envvar] if isinstance(option.envvar, str) else list(option.envvar or ())
+            var = next((v for v in envvars if os.environ.get(v)), None)
+            out[param] = f"{var} (environment variable for {flag})" if var else flag
+        else:
+            out[param] = flag
+    return out
+
+
+def _source(ctx: click.Context | None, flag: str) -> tuple[click.Option | None, str | None]:
+    """The running command's option of ``flag`` and where its value came from: ``"project"`` (the
+    project file), ``"environment"`` (its environment variable) or None (typed, or its default)."""
+    from click.core import ParameterSource
+
+    if ctx is None:
+        return None, None
+    option = next((p for p in ctx.command.params if isinstance(p, click.Option) and p.name and flag in p.opts), None)
+    if option is None or option.name is None:
+        return None, None
+    source = ctx.get_parameter_source(option.name)
+    keys = ctx.meta.get(_PROJECT_KEYS, {}).get(ctx.info_name, {})
+    if source == ParameterSource.DEFAULT_MAP and option.name in keys:
+        return option, "project"
+    return option, "environment" if source == ParameterSource.ENVIRONMENT else None
+
+
+def _flag_text(error: PoodleError, flags: dict[str, str], said: dict[str, str], needs: dict[str, str]) -> str:
+    """The error's text with parameters as flags (``said``: as the user gave them, see
+    :func:`given_as`): an error about one value (``bad_value``: its parameter, value and reason are
+    fields) is said from those fields, the other parameters its reason names as plain flags; only an
+    error whose text is free falls back to writing its named parameters as flags in the text
+    (:func:`as_flags`). What the error needs (``error.needs``) is said as flags to type
+    (``add --protocol meta-dataset``) when this command has them all (``needs``: their flags)."""
     from poodle.cli._schema import flag_message
 
-    if error.param in flags and error.message == f"{error.param} {error.reason}, got {error.value!r}":
-        said = flag_message(flags[error.param], error)
-        if said is not None:
-            return f"{said} ({error.hint})" if error.hint else said
-    return as_flags(str(error), flags)
+    hint = f" ({as_flags(error.hint, flags)})" if error.hint else ""
+    if error.param in flags and error.text == f"{error.param} {error.reason}, got {error.value!r}":
+        others = {p: f for p, f in flags.items() if p != error.param}
+        said_value = flag_message(said[error.param], error, reason=as_flags(str(error.reason), others))
+        if said_value is not None:
+            return said_value + hint
+    text = as_flags(error.text, said)
+    if error.needs and set(needs) == set(error.needs):
+        text += ": add " + ", ".join(_typed(needs[k], v) for k, v in error.needs.items())
+    elif error.needs:
+        text = as_flags(error.message, said)
+    return text + hint
+
+
+def _typed(flag: str, value: object) -> str:
+    """How ``flag`` with ``value`` is typed: ``--protocol meta-dataset``; ``--bilevel`` for true."""
+    return flag if value is True else f"{flag} {value}"
 
 
 def check_paths(ctx: click.Context | None) -> None:
@@ -406,7 +475,9 @@ def progress_option(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             check_group(_progress.ProgressOptions(progress, progress_interval), ConfigError)
         except ConfigError as e:
-            raise click.UsageError(flag_message("--" + str(e.param).replace("_", "-"), e) or str(e)) from None
+            flag = "--" + str(e.param).replace("_", "-")
+            said = given_as(click.get_current_context(silent=True), {str(e.param): flag})[str(e.param)]
+            raise click.UsageError(flag_message(said, e) or str(e)) from None
         _progress.configure(progress, progress_interval)
         _KEPT.clear()
         # SIGTERM and SIGINT stop the run at its next safe point (poodle.interrupt); torchrun's
@@ -448,10 +519,19 @@ class Bar:
         self.start()
         self.progress.advance(self.task, n)
         interrupt.check()  # a safe point: the library calls this between chunks and batches
-        t = self.progress.tasks[self.task]
-        speed = t.finished_speed or t.speed
+        speed = self.rate()
         if speed:
             self.progress.update(self.task, rate=f"{speed:,.1f} {self.unit}/s")
+
+    def rate(self) -> float | None:
+        """Items a second since the bar started (to its end, once it ended): the rate its bar and its
+        plain or json lines show, and that a command's summary repeats (None before any item)."""
+        if self.task is None:
+            return None
+        t = self.progress.tasks[self.task]
+        seconds = t.finished_time if t.finished_time is not None else t.elapsed
+        done = t.completed - getattr(t, "start_count", 0.0)
+        return done / seconds if seconds and done > 0 else None
 
 
 @contextlib.contextmanager
@@ -474,10 +554,14 @@ def progress_bar(description: str, total: int | None, unit: str = "items", lazy:
     bar = Bar(new_progress(*columns), description, total, unit)
     if not lazy:
         bar.start()
+    ended = False
     try:
         yield bar
+        ended = True
     finally:
         if bar.task is not None:
+            if ended and total is None:  # a stage of unknown size that ran to its end is complete
+                bar.progress.update(bar.task, total=bar.progress.tasks[bar.task].completed)
             bar.progress.stop()
 
 
@@ -492,8 +576,10 @@ _LAYOUTS = ("full", "compact", "merged", "long")
 
 
 def render_table(table: Any, title: str | None = None, width: int | None = None) -> Any:
-    """A :class:`poodle.report.Table` as a rich table: the one renderer of result tables (``report``,
-    ``demo``, ``grid``, ``solve``); bold entries in bold green.
+    """A :class:`poodle.report.Table` as a rich renderable: the one renderer of result tables
+    (``report``, ``demo``, ``grid``, ``solve``); bold entries in bold green, and where the console it
+    is printed on shows no styles (a file, a pipe, ``TERM=dumb``) with a trailing ``*`` instead,
+    said under the table, so that a log or a pasted table still marks them.
 
     The table is laid out to fit ``width`` columns (default: the terminal's; when the output is no
     terminal, ``COLUMNS`` or else no limit, the table's natural width) without cutting any text:
@@ -507,12 +593,27 @@ def render_table(table: Any, title: str | None = None, width: int | None = None)
 
     Entries (``76.62 ± 0.48``) are never wrapped; every other text folds rather than being cut.
     """
-    width = out.width if width is None else width
-    for layout in _LAYOUTS:
-        t = _layout_table(table, title, layout)
-        if layout == "long" or _fits(table, title, layout, t, width):
-            return t
-    raise AssertionError("unreachable")
+    return _TableView(table, title, width)
+
+
+class _TableView:
+    """:func:`render_table`'s renderable: laid out when printed, for the console it is printed on."""
+
+    def __init__(self, table: Any, title: str | None, width: int | None) -> None:
+        self.table, self.title, self.width = table, title, width
+
+    def __rich_console__(self, console: Console, options: Any) -> Iterator[Any]:
+        # no colour system: rich writes no style at all, bold included
+        plain = console.color_system is None and any(e.bold for e in self.table.entries.values())
+        width = out.width if self.width is None else self.width
+        for layout in _LAYOUTS:
+            t = _layout_table(self.table, self.title, layout, plain=plain)
+            if layout == "long" or _fits(self.table, self.title, layout, t, width, plain):
+                yield t
+                return
+
+
+PLAIN_BOLD = "*: the entries a colour terminal prints in bold"
 
 
 def _natural_width(renderable: Any) -> int:
@@ -528,11 +629,11 @@ def _natural_width(renderable: Any) -> int:
     return max((cell_len(line.rstrip()) for line in cap.get().splitlines()), default=0)
 
 
-def _fits(table: Any, title: str | None, layout: str, t: Any, width: int) -> bool:
+def _fits(table: Any, title: str | None, layout: str, t: Any, width: int, plain: bool = False) -> bool:
     if layout != "merged":
         return _natural_width(t) <= width
     # the options column wraps: the rest must fit with room left for it (its natural width, or 20)
-    rest = _natural_width(_layout_table(table, title, layout, options_placeholder=True)) - len("options")
+    rest = _natural_width(_layout_table(table, title, layout, options_placeholder=True, plain=plain)) - len("options")
     options_width = max((len(_options_text(table, i)) for i in range(len(table.rows))), default=0)
     return width - rest >= min(options_width, 20)
 
@@ -543,7 +644,33 @@ def _options_text(table: Any, i: int) -> str:
     return ", ".join(f"{key_name(k)}={v}" for k, v in zip(table.row_keys, table.row_labels(i)) if v not in ("–", ""))
 
 
-def _layout_table(table: Any, title: str | None, layout: str, options_placeholder: bool = False) -> Any:
+_FOLD_AT = 12  # a column label longer than this and than its entries is folded (:func:`_fold`)
+
+
+def _fold(label: str, room: int) -> str:
+    """``label`` with each line longer than ``room`` broken after a ``_``, ``-``, ``/`` or space into
+    lines of at most ``room`` characters where it can: a long name (a domain's,
+    ``birds_resnet12_features``) heads its column without widening it past its entries."""
+    lines = []
+    for line in label.split("\n"):
+        if len(line) <= room:
+            lines.append(line)
+            continue
+        current = ""
+        for part in (p for p in re.findall(r"[^_/ -]*[_/ -]?", line) if p):
+            if current and len(current + part.rstrip()) > room:
+                lines.append(current.rstrip())
+                current = ""
+            current += part
+        lines.append(current.rstrip())
+    return "\n".join(lines)
+
+
+def _layout_table(
+    table: Any, title: str | None, layout: str, options_placeholder: bool = False, plain: bool = False
+) -> Any:
+    """The rich table of ``table`` in ``layout``; ``plain``: bold entries marked by a trailing ``*``
+    (the others by a space, so the numbers stay aligned) and :data:`PLAIN_BOLD` under the table."""
     from rich import box
     from rich.table import Table
 
@@ -553,6 +680,8 @@ def _layout_table(table: Any, title: str | None, layout: str, options_placeholde
         t = Table(show_lines=False, title=title)
     else:
         t = Table(show_lines=False, title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
+    if plain:
+        t.caption, t.caption_justify = PLAIN_BOLD, "left"
     merged = layout in ("merged", "long") and bool(table.row_keys)
     if merged:
         t.add_column("options", overflow="fold", ratio=1)
@@ -564,13 +693,16 @@ def _layout_table(table: Any, title: str | None, layout: str, options_placeholde
         t.add_column("accuracy", justify="right", no_wrap=True)
     else:
         for j in range(len(table.cols)):
-            t.add_column(table.col_label(j, sep="\n"), justify="right", no_wrap=True)
+            room = max([_FOLD_AT, *(len(table.cell_text(i, j)) + plain for i in range(len(table.rows)))])
+            t.add_column(_fold(table.col_label(j, sep="\n"), room), justify="right", no_wrap=True)
     for name, _ in table.extra:
         t.add_column(name, justify="right", no_wrap=True)
 
     def entry(i: int, j: int) -> Text:
         e = table.entries.get((i, j))
-        return Text(table.cell_text(i, j), style="bold green" if e is not None and e.bold else "")
+        bold = e is not None and e.bold
+        mark = ("*" if bold else " ") if plain else ""
+        return Text(table.cell_text(i, j) + mark, style="bold green" if bold else "")
 
     for i in range(len(table.rows)):
         if merged:

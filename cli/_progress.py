@@ -98,10 +98,16 @@ class Task:
     started: float = field(default_factory=lambda: time.monotonic())
     start_count: float = 0.0  # done when the rate started being measured (a reset)
     printed_final: bool = False
+    ended: float | None = None  # when the stage ended: its time and rate stay those of its last line
 
     @property
     def elapsed(self) -> float:
-        return time.monotonic() - self.started
+        return (time.monotonic() if self.ended is None else self.ended) - self.started
+
+    @property
+    def finished_time(self) -> float | None:
+        """Seconds from the start to the end of the stage (rich's name); None while it runs."""
+        return None if self.ended is None else self.ended - self.started
 
     @property
     def speed(self) -> float | None:
@@ -173,7 +179,7 @@ class LineProgress:
         if total is not None:
             t.total = total
         t.completed, t.start_count, t.started = completed, completed, time.monotonic()
-        t.printed_final = False
+        t.printed_final, t.ended = False, None
         t.fields.update(fields)
 
     def advance(self, task_id: int, advance: float = 1) -> None:
@@ -211,7 +217,7 @@ class LineProgress:
 
     def _end(self, t: Task) -> None:
         if not t.printed_final:
-            t.printed_final = True
+            t.printed_final, t.ended = True, time.monotonic()
             self._emit(t, final=True)
 
     def _emit(self, t: Task, final: bool) -> None:

@@ -48,6 +48,9 @@ def click_option(s: Setting, **given: Any) -> Callable[[Any], Any]:
     default = given.get("default", s.default)
     text = given.get("help", s.meta("help"))
     shown = default is not None and not s.meta("cli_type")
+    if shown and "default" not in given and s.meta("default_text"):
+        # as click writes a default (click would put a text of ours in parentheses)
+        text, shown = f"{text}  [default: {s.meta('default_text')}]", False
     if s.kind is bool and not s.optional:
         return click.option(s.flag, s.key, is_flag=True, default=bool(default), help=text)
     return click.option(
@@ -93,12 +96,13 @@ def run_options(params: dict[str, Any], cls: type) -> Any:
     return cls(**{s.name: params[s.key] for s in settings(cls) if s.key in params})
 
 
-def flag_message(flag: str, error: Any) -> str | None:
+def flag_message(flag: str, error: Any, reason: str | None = None) -> str | None:
     """An error about one value (``param``, ``value``, ``reason``: :meth:`PoodleError.bad_value`) said
-    with its flag: ``--way must be an integer >= 2, got 1``; None for an error that is not one."""
+    with its flag: ``--way must be an integer >= 2, got 1``; None for an error that is not one.
+    ``reason`` replaces the error's (the same with the other parameters it names as flags)."""
     if getattr(error, "param", None) is None or getattr(error, "reason", None) is None:
         return None
-    return f"{flag} {error.reason}, got {error.value!r}"
+    return f"{flag} {error.reason if reason is None else reason}, got {error.value!r}"
 
 
 __all__ = ["click_option", "flag_message", "run_options", "schema_options"]

@@ -191,6 +191,7 @@ def extract(
     processes share every split (one GPU each) and rank 0 writes the cache; an interrupted run
     resumes with any number of processes.
     """
+    from poodle.extract import check_options
     from poodle.extract import extract as run_extract
 
     # the other options are ExtractOptions' fields, by name (image_size, workers, dtype, ...)
@@ -205,6 +206,7 @@ def extract(
         opts = dataclasses.replace(opts, image_size=image_size, tag=tag)
     opts = dataclasses.replace(opts, checkpoint=checkpoint, pretrained=weights.pretrained)
     cache_root = str(opts.cache_root)
+    check_options(dataset, backbone, opts)  # before the glyphs are generated (minutes)
     say_glyphs_generation(dataset, opts.data_root and str(opts.data_root), cache_root)
 
     _done.clear()

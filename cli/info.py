@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from poodle.cli._common import console, friendly_errors, out, styled
+from poodle.cli._common import Unpadded, console, friendly_errors, out, styled
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -99,7 +99,7 @@ def _cache(file: str) -> None:
             "yes" if s.get("has_norms") else "no",
             str(s["n_skipped"]),
         )
-    out.print(table)
+    out.print(Unpadded(table))  # no trailing spaces: the lines are pasted and diffed
     if not all(s.get("has_norms") for s in summary["splits"].values()):
         out.print(
             styled(
@@ -113,7 +113,7 @@ def _cache(file: str) -> None:
     attrs.add_column(overflow="fold")
     for k, v in summary["attrs"].items():
         attrs.add_row(k, str(v))
-    out.print(attrs)
+    out.print(Unpadded(attrs))
     for name, s in summary["splits"].items():
         if s["zero_rows"]:
             console.print(

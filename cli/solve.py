@@ -326,10 +326,11 @@ def solve(ctx: click.Context, **params: Any) -> None:
             name = next(iter(domains), None) if domains and "=" in p["caches"][0] else None
             res = run_solve(path, methods, name=name, **common, **given)
     if rank == 0:
+        solving = advance.rate() if advance is not None else None
         if len(domains) > 1:
-            _domains_summary(several, domains, save_episodes, results_path)
+            _domains_summary(several, domains, save_episodes, results_path, solving)
         else:
-            _summary(res, path, save_episodes, results_path)
+            _summary(res, path, save_episodes, results_path, solving)
 
 
 def solve_events(advance: Any, results_path: str | None = None) -> Any:
@@ -357,8 +358,28 @@ def solve_events(advance: Any, results_path: str | None = None) -> Any:
     return on_event
 
 
-def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str | None) -> None:
-    """The setting, the table (paired differences to the first method) and the throughput."""
+def _title(spec: Any) -> str:
+    """A table's title of ``spec``: ``5-way 1-shot``; ``Meta-Dataset protocol`` and what of it is fixed."""
+    if not spec.ragged:
+        return f"{spec.way}-way {spec.shot}-shot"
+    fixed = [f"{v} {k}" for k, v in (("way", spec.way), ("shot", spec.shot), ("query", spec.query)) if v]
+    return "Meta-Dataset protocol" + (f" ({', '.join(fixed)})" if fixed else "")
+
+
+def _rates(solving: float | None, episodes: int, seconds: float, chunks: str = "") -> str:
+    """The throughput line: the progress line's rate (episodes solved a second from the moment
+    solving started, ``solving``), then the rate over the whole run, loading and drawing included
+    (``episodes`` in ``seconds``), which is lower by what those took."""
+    whole = f"{episodes / seconds:,.1f} episodes/s" if seconds > 0 else "? episodes/s"
+    run = f"over the whole run (loading, drawing and solving: {seconds:.1f} s wall{chunks})"
+    return (f"{solving:,.1f} episodes/s solving (the progress line's rate), " if solving else "") + f"{whole} {run}"
+
+
+def _summary(
+    res: Any, path: Path, save_episodes: str | None, results_path: str | None, solving: float | None = None
+) -> None:
+    """The setting, the table (paired differences to the first method) and the throughput
+    (``solving``: the progress bar's rate, :meth:`poodle.cli._common.Bar.rate`)."""
     from poodle.cli._common import render_table
     from poodle.report import solve_table, timing_note
     from poodle.system import formulations
@@ -366,13 +387,9 @@ def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str 
     if save_episodes:
         console.print(f"episodes written to {save_episodes}")
     spec = res.spec
-    title = f"{spec.way}-way {spec.shot}-shot"
-    shape = f"{title}, {spec.query} queries/class"
-    if spec.ragged:  # what is not given is drawn per episode
-        fixed = [f"{v} {k}" for k, v in (("way", spec.way), ("shot", spec.shot), ("query", spec.query)) if v]
-        shape = title = "Meta-Dataset protocol" + (f" ({', '.join(fixed)})" if fixed else "")
+    title = _title(spec)
     console.print(
-        f"{res.n_episodes:,} episodes: {shape}"
+        f"{res.n_episodes:,} episodes: {spec.describe()}"
         + (f", imbalance kappa={spec.imbalance:g}" if spec.imbalance else "")
         + (f", queries from {spec.query_classes} of the {spec.way} classes" if spec.query_classes else "")
         + f", split {spec.split} of {path}; negatives: "
@@ -386,17 +403,24 @@ def _summary(res: Any, path: Path, save_episodes: str | None, results_path: str 
     if why:
         console.print(why, highlight=False, soft_wrap=True)
     console.print(
-        f"{res.n_episodes / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s wall, chunks of "
-        f"{res.chunk_size})"
+        _rates(solving, res.n_episodes, res.solve_seconds, f", chunks of {res.chunk_size}"),
+        highlight=False,
+        soft_wrap=True,
     )
     console.print(f"arithmetic: {formulations(res.records)}", highlight=False, soft_wrap=True)
     if results_path:
         console.print(f"results appended to {results_path}")
 
 
-def _domains_summary(res: Any, domains: dict[str, Path], save_episodes: str | None, results_path: str | None) -> None:
+def _domains_summary(
+    res: Any,
+    domains: dict[str, Path],
+    save_episodes: str | None,
+    results_path: str | None,
+    solving: float | None = None,
+) -> None:
     """Several domains: the setting, the per-domain table (:func:`poodle.report.domain_table`) and
-    the throughput."""
+    the throughput (as :func:`_summary`)."""
     from poodle.cli._common import render_table
     from poodle.report import domain_table
     from poodle.solve import domain_file
@@ -409,12 +433,8 @@ def _domains_summary(res: Any, domains: dict[str, Path], save_episodes: str | No
             soft_wrap=True,
         )
     spec = first.spec
-    shape = f"{spec.way}-way {spec.shot}-shot, {spec.query} queries/class"
-    if spec.ragged:
-        fixed = [f"{v} {k}" for k, v in (("way", spec.way), ("shot", spec.shot), ("query", spec.query)) if v]
-        shape = "Meta-Dataset protocol" + (f" ({', '.join(fixed)})" if fixed else "")
     console.print(
-        f"{len(domains)} domains, {first.n_episodes:,} episodes each: {shape}, split {spec.split}; "
+        f"{len(domains)} domains, {first.n_episodes:,} episodes each: {spec.describe()}, split {spec.split}; "
         + ", ".join(f"{d} = {p}" for d, p in domains.items())
         + "; negatives: "
         + (f"{first.negatives.source} x {first.negatives.n_neg}" if first.negatives else "none")
@@ -423,11 +443,11 @@ def _domains_summary(res: Any, domains: dict[str, Path], save_episodes: str | No
         soft_wrap=True,
     )
     table = domain_table(res.records)
-    out.print(render_table(table, title=f"{shape}, {first.n_episodes:,} episodes per domain"))
+    out.print(render_table(table, title=f"{_title(spec)}, {first.n_episodes:,} episodes per domain"))
     for line in table.notes:
         console.print(line, highlight=False, soft_wrap=True)
     n = sum(r.n_episodes for r in res.domains.values())
-    console.print(f"{n / res.solve_seconds:,.1f} episodes/s ({res.solve_seconds:.1f} s wall solving)")
+    console.print(_rates(solving, n, res.solve_seconds), highlight=False, soft_wrap=True)
     console.print(f"arithmetic: {formulations(res.records)}", highlight=False, soft_wrap=True)
     if results_path:
         console.print(f"results appended to {results_path}")

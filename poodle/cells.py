@@ -216,9 +216,9 @@ def episode_setting(general: Mapping[str, Any], defaults_: Mapping[str, Any] | N
     ]
     if given and not md:
         raise ConfigError(
-            f"{', '.join(given)} belong{'s' if len(given) == 1 else ''} to the Meta-Dataset protocol: "
-            "add protocol = meta-dataset",
-            params=(*given, "protocol"),
+            f"{', '.join(given)} belong{'s' if len(given) == 1 else ''} to the Meta-Dataset protocol",
+            params=tuple(given),
+            needs={"protocol": "meta-dataset"},
         )
     # a when_set setting is held only when it differs from its default, as results record it
     episode.update(

@@ -62,9 +62,6 @@ VERSION = 1  # fixed episodes
 RAGGED_VERSION = 2  # ragged episodes: /ways, /shots, /queries, -1 padding, the protocol's attributes
 
 
-_MD_HELP = "Meta-Dataset protocol (meta_dataset/data/sampling.py's parameter of this name): "
-
-
 @dataclass(frozen=True)
 class EpisodeSpec:
     """What an episode set is drawn from. Paper defaults: 5-way, 15 queries per class (section 5.1).
@@ -119,28 +116,36 @@ class EpisodeSpec:
         choices=defaults.PROTOCOLS,
         when_set=True,
         help="How episodes are drawn: fixed (way, shot, query) or meta-dataset (ways, shots and "
-        "queries drawn per episode by Meta-Dataset's rules; way/shot/query given fix that part).",
+        "queries drawn per episode by Meta-Dataset's rules, set by the options below, named as in its "
+        "sampling.py; way/shot/query given fix that part).",
     )
-    min_ways: int = option(5, min=2, when_set=True, help=_MD_HELP + "the fewest classes an episode has.")
-    max_ways_upper_bound: int = option(50, min=2, when_set=True, help=_MD_HELP + "the most classes an episode has.")
-    max_num_query: int = option(10, min=1, when_set=True, help=_MD_HELP + "the most queries per class.")
+    min_ways: int = option(5, min=2, when_set=True, help="Meta-Dataset: the fewest classes an episode has.")
+    max_ways_upper_bound: int = option(50, min=2, when_set=True, help="Meta-Dataset: the most classes an episode has.")
+    max_num_query: int = option(10, min=1, when_set=True, help="Meta-Dataset: the most queries per class.")
     max_support_set_size: int = option(
-        500, min=1, when_set=True, help=_MD_HELP + "the most support images an episode has."
+        500, min=1, when_set=True, help="Meta-Dataset: the most support images an episode has."
     )
     max_support_size_contrib_per_class: int = option(
-        100, min=1, when_set=True, help=_MD_HELP + "the most one class adds to the support set's size."
+        100, min=1, when_set=True, help="Meta-Dataset: the most one class adds to the support set's size."
     )
     min_log_weight: float = option(
-        math.log(0.5), when_set=True, help=_MD_HELP + "the low end of a class's log-weight in the shot proportions."
+        math.log(0.5),
+        when_set=True,
+        default_text="log(1/2) = -0.693",
+        help="Meta-Dataset: the low end of the random log-weights that skew the shots per class.",
     )
     max_log_weight: float = option(
-        math.log(2.0), when_set=True, help=_MD_HELP + "the high end of a class's log-weight in the shot proportions."
+        math.log(2.0),
+        when_set=True,
+        default_text="log(2) = 0.693",
+        help="Meta-Dataset: the high end of the random log-weights that skew the shots per class.",
     )
     bilevel: bool = option(
         False,
         when_set=True,
-        help="Meta-Dataset protocol: draw a superclass, then its classes (Omniglot's alphabets; the "
-        "superclass of a class is named by its class name, see superclass_names).",
+        help="Meta-Dataset: draw a superclass, then its classes (Omniglot's alphabets); a class's "
+        "superclass is the part of its name before the first '/' (ALPHABET/CHARACTER) or else before "
+        "the last '_' (the glyphs' alphabet_XXXX).",
     )
 
     @classmethod
@@ -187,14 +192,22 @@ class EpisodeSpec:
         n = self.query_classes
         if n is not None and self.way is not None and n > self.way:
             least = getattr(schema_setting(EpisodeSpec, "query_classes").bounds, "lo", 1)
-            raise EpisodeError.bad_value("query_classes", n, f"must be an integer in {least:g}..way={self.way}")
+            raise EpisodeError.bad_value(
+                "query_classes", n, f"must be an integer from {least:g} to way={self.way}", others=("way",)
+            )
         if self.min_ways > self.max_ways_upper_bound:
             raise EpisodeError.bad_value(
-                "min_ways", self.min_ways, f"must be at most max_ways_upper_bound={self.max_ways_upper_bound}"
+                "min_ways",
+                self.min_ways,
+                f"must be at most max_ways_upper_bound={self.max_ways_upper_bound}",
+                others=("max_ways_upper_bound",),
             )
         if self.min_log_weight > self.max_log_weight:
             raise EpisodeError.bad_value(
-                "min_log_weight", self.min_log_weight, f"must be at most max_log_weight={self.max_log_weight:g}"
+                "min_log_weight",
+                self.min_log_weight,
+                f"must be at most max_log_weight={self.max_log_weight:g}",
+                others=("max_log_weight",),
             )
         if not self.ragged:
             return
@@ -202,7 +215,7 @@ class EpisodeSpec:
             if getattr(self, name) is not None:
                 raise EpisodeError(
                     f"{name} belongs to the fixed protocol; the Meta-Dataset protocol draws its own per-class counts",
-                    params=(name, "protocol"),
+                    params=(name,),
                 )
         if self.bilevel and self.way is not None:
             raise EpisodeError(
@@ -210,6 +223,21 @@ class EpisodeSpec:
                 "(as in meta_dataset's sampler)",
                 params=("bilevel", "way"),
             )
+
+    def describe(self) -> str:
+        """The setting in words: ``5-way 1-shot, 15 queries/class``; under Meta-Dataset's protocol
+        what it draws, by its rules (``Meta-Dataset protocol (5-50 ways, shots drawn: at most 500
+        support images, at most 10 queries/class)``), and what the user fixed (``5-way``)."""
+        if not self.ragged:
+            return f"{self.way}-way {self.shot}-shot, {self.query} queries/class"
+        parts = [
+            f"{self.way}-way" if self.way is not None else f"{self.min_ways}-{self.max_ways_upper_bound} ways",
+            f"{self.shot}-shot"
+            if self.shot is not None
+            else f"shots drawn: at most {self.max_support_set_size} support images",
+            f"{self.query} queries/class" if self.query is not None else f"at most {self.max_num_query} queries/class",
+        ]
+        return f"Meta-Dataset protocol ({', '.join(parts)}{', bilevel' if self.bilevel else ''})"
 
     @property
     def n_support(self) -> int:

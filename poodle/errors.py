@@ -14,7 +14,10 @@ class PoodleError(Exception):
     (:meth:`bad_value`) also carries the parameter, the value and the reason as fields, for a front
     end that places them itself (a grid file says ``option 'shot'`` at its line). ``hint`` is what
     another parameter would change (``skip_bad leaves unreadable images out``), printed after the
-    message in parentheses; a caller that has no such parameter drops it by raising ``message``."""
+    message in parentheses; a caller that has no such parameter drops it by raising ``message``.
+    ``needs`` are the settings that would make the input valid (``{"protocol": "meta-dataset"}``):
+    the text adds ``: add protocol = meta-dataset`` as a project file or grid writes it, and a front
+    end says them its own way (the command line: ``add --protocol meta-dataset``), from ``text``."""
 
     def __init__(
         self,
@@ -24,23 +27,33 @@ class PoodleError(Exception):
         value: object = None,
         reason: str | None = None,
         hint: str | None = None,
+        needs: dict[str, object] | None = None,
     ) -> None:
         super().__init__(*args)
         self.params = tuple(params)
         self.param, self.value, self.reason, self.hint = param, value, reason, hint
+        self.needs = dict(needs or {})
+
+    @property
+    def text(self) -> str:
+        """The message alone: without what it needs and without the hint."""
+        return super().__str__()
 
     @property
     def message(self) -> str:
-        """The message without the hint."""
-        return super().__str__()
+        """The message without the hint (with what it needs, as a project file says it)."""
+        if not self.needs:
+            return self.text
+        return f"{self.text}: add " + ", ".join(f"{k} = {v}" for k, v in self.needs.items())
 
     def __str__(self) -> str:
         return f"{self.message} ({self.hint})" if self.hint else self.message
 
     @classmethod
-    def bad_value(cls: type[E], param: str, value: object, reason: str) -> E:
-        """The error of one value: ``"<param> <reason>, got <value>"``, with the three as fields."""
-        return cls(f"{param} {reason}, got {value!r}", params=(param,), param=param, value=value, reason=reason)
+    def bad_value(cls: type[E], param: str, value: object, reason: str, others: tuple[str, ...] = ()) -> E:
+        """The error of one value: ``"<param> <reason>, got <value>"``, with the three as fields;
+        ``others`` are the parameters the reason names (``must be at most max_ways_upper_bound=3``)."""
+        return cls(f"{param} {reason}, got {value!r}", params=(param, *others), param=param, value=value, reason=reason)
 
 
 class DataError(PoodleError):

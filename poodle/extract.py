@@ -295,6 +295,21 @@ def extract(
     return plan.out
 
 
+def check_options(dataset: str, backbone: str, options: ExtractOptions) -> None:
+    """The checks of :func:`extract`'s options that need no data and no model (the options' bounds
+    and combinations, the backbone's image-size rules, a checkpoint file that is not there), for a
+    caller that works before calling it: ``poodle extract`` generates the glyphs (minutes) only
+    after these pass. Raises ConfigError or CheckpointError."""
+    from poodle.utils import resolve_path
+
+    options.check(dataset)
+    _model_spec(backbone, options)
+    if options.checkpoint is not None:
+        ck = resolve_path(Path(options.checkpoint).expanduser(), "checkpoint")
+        if not ck.is_file():
+            raise CheckpointError(f"checkpoint {ck} does not exist", params=("checkpoint",))
+
+
 def _weights(d: Any, backbone: str, opts: ExtractOptions) -> _Weights:
     """The checkpoint, or the file of the pretrained weights (found in, or downloaded into, the
     library's cache by rank 0 first, so that torchrun's processes do not all fetch it)."""

@@ -78,6 +78,7 @@ def option(
     none_words: Sequence[str] = (),
     convert: Callable[[Any], Any] | None = None,
     cli: bool = True,
+    default_text: str | None = None,
 ) -> Any:
     """A dataclass field whose value must lie between ``min`` and ``max`` (excluded where open) and
     differ from the keys of ``exclude`` (each mapped to the reason).
@@ -89,8 +90,9 @@ def option(
     only when it differs from its default), ``cli_type`` (a command-line type beyond the annotation's:
     ``"size"``, a memory size like 2GiB), ``metavar``, ``none_words`` (strings a file may write for
     None besides ``"none"``), ``convert`` (the canonical form of a valid value, e.g. ``power`` ->
-    ``power:0.5``; raises :class:`poodle.errors.PoodleError` for a bad one) and ``cli`` (False: no
-    command-line option is generated for it)."""
+    ``power:0.5``; raises :class:`poodle.errors.PoodleError` for a bad one), ``cli`` (False: no
+    command-line option is generated for it) and ``default_text`` (how the default reads where help
+    and the docs show it, when its value does not read well: ``log(1/2) = -0.693``)."""
     bounds = Bounds(
         -math.inf if min is None else min,
         math.inf if max is None else max,
@@ -110,6 +112,7 @@ def option(
         "none_words": tuple(none_words),
         "convert": convert,
         "cli": cli,
+        "default_text": default_text,
     }
     return field(default=default, metadata=metadata)
 
@@ -328,6 +331,7 @@ def table(*groups: type) -> str:
     for cls in groups:
         for s in settings(cls):
             d = "none" if s.default is None else str(s.default).lower() if isinstance(s.default, bool) else s.default
+            d = s.meta("default_text") or d
             values = s.describe() + (" or none" if s.optional else "")
             why = f" ({s.meta('why')})" if s.meta("why") else ""
             flag = f"`{s.flag}`" if s.meta("cli") else "(none generated)"

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -249,7 +249,10 @@ def _value_order(results: Sequence[Result], key: str) -> dict[Any, tuple]:
 
 def format_value(key: str, v: Any, latex: bool = False) -> str:
     """How an option value reads in a table header: ``1-shot``, ``inductive``, ``κ=0.5``, ``N=3``
-    (query classes)."""
+    (query classes); a ``way``, ``shot`` or ``query`` that Meta-Dataset's protocol draws per episode
+    (None): ``ways drawn``."""
+    if key in ("way", "shot", "query") and v is None:
+        return {"way": "ways", "shot": "shots", "query": "queries"}[key] + " drawn"
     if key == "shot":
         return f"{v}-shot"
     if key == "way":
@@ -536,13 +539,30 @@ class DomainTable(Table):
     rank: np.ndarray = field(default_factory=lambda: np.zeros(0))
     rank_low: np.ndarray = field(default_factory=lambda: np.zeros(0))
     rank_high: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    caches: list[str] = field(default_factory=list)
 
     @property
     def domains(self) -> list[str]:
-        return [str(c[0]) for c in self.cols]
+        """Each column's domain as its results name it (their ``cache``: a domain's name, or the path
+        of a cache solved alone); ``cols`` hold the names the columns show (:func:`domain_labels`)."""
+        return list(self.caches) if self.caches else [str(c[0]) for c in self.cols]
 
 
 DOMAIN_KEY = "cache"
+
+
+def domain_labels(domains: Sequence[str]) -> list[str]:
+    """The column names of ``domains`` (results' ``cache``): a path by its file's stem, as ``poodle
+    solve --cache`` names a bare path (``features/birds.h5`` -> ``birds``), with as many of its last
+    folders as tell paths of one stem apart (``mini/resnet12``, ``cub/resnet12``); a domain's name
+    (a grid's ``[caches]`` name, ``NAME=PATH``) as it is. The names as given if those would collide."""
+    paths = [any(c in d for c in "/\\") or d.endswith((".h5", ".hdf5")) for d in domains]
+    parts = [PurePath(d).with_suffix("").parts if p else (d,) for d, p in zip(domains, paths)]
+    for depth in range(1, max((len(p) for p in parts), default=1) + 1):
+        short = ["/".join(p[-depth:]) for p in parts]
+        if len(set(short)) == len(short):
+            return short
+    return list(domains)
 
 
 def domain_table(
@@ -601,7 +621,10 @@ def domain_table(
     if DOMAIN_KEY in keys:
         raise ConfigError(f"{DOMAIN_KEY!r} names the domains (the columns); it cannot tell methods apart")
     base = build_table(res, rows=keys, cols=[DOMAIN_KEY], bold="none", show_ci=show_ci)
-    table = DomainTable(base.row_keys, base.col_keys, base.rows, base.cols, base.entries, show_ci=show_ci)
+    caches = [str(c[0]) for c in base.cols]
+    labels = domain_labels(caches)
+    cols = [(n,) for n in labels]
+    table = DomainTable(base.row_keys, base.col_keys, base.rows, cols, base.entries, show_ci=show_ci, caches=caches)
     n_methods, n_domains = table.shape
     _mark_domains(table, p_threshold, incomplete=bool(unfinished))
 
@@ -645,6 +668,9 @@ def domain_table(
     missing = [", ".join(table.row_labels(i)) for i in range(n_methods) if i not in complete]
     if missing:
         table.notes.append(f"Not ranked (missing in some domain): {'; '.join(missing)}.")
+    named = [f"{n} = {c}" for n, c in zip(labels, caches) if n != c]
+    if named:
+        table.notes.append(f"Domains: {', '.join(named)}.")
     if unfinished:
         _note_unfinished(table, unfinished, "col")
     return table

@@ -345,7 +345,7 @@ def _in_domain(name: str, error: PoodleError) -> PoodleError:
     """``error`` said of domain ``name`` (a write error keeps its own form: it names its file)."""
     if isinstance(error, WriteError):
         return error
-    return type(error)(f"domain {name!r}: {error.message}", params=error.params, hint=error.hint)
+    return type(error)(f"domain {name!r}: {error.text}", params=error.params, hint=error.hint, needs=error.needs)
 
 
 def domain_seed(seed: int, domain: str) -> int:

@@ -113,6 +113,9 @@ def test_hand_written_file_passes_validate_and_info(tmp_path, fixed):
     result = CliRunner().invoke(info, [str(p)])
     assert result.exit_code == 0, result.output
     assert "train" in result.output and "other-tool" in result.output and "valid" in result.output
+    # no line padded with spaces to the tables' width (a pasted copy, a diff of two caches' info)
+    assert all(line == line.rstrip() for line in result.output.splitlines()), result.output
+    assert any(line.startswith(" train ") or line.startswith("train ") for line in result.output.splitlines())
 
 
 def _mutate(path, how):

@@ -42,10 +42,11 @@ def first_run(tmp_path_factory):
 
 
 def _table_rows(output: str) -> dict[str, list[str]]:
-    """Method -> its four cells, read from the printed rich table."""
+    """Method -> its four cells, read from the printed rich table (without the ``*`` that marks a
+    bold entry in plain text)."""
     rows = {}
     for line in output.splitlines():
-        cells = [c.strip() for c in re.split(r"[│┃]", line)[1:-1]]
+        cells = [c.strip().removesuffix("*") for c in re.split(r"[│┃]", line)[1:-1]]
         if len(cells) == 5 and (cells[1].count("±") or cells[1] == "–"):
             rows[cells[0]] = cells[1:]
     return rows

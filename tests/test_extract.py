@@ -392,6 +392,28 @@ def test_bad_input_gives_one_clean_line_and_writes_nothing(tmp_path, ckpt):
         assert _h5_files(tmp_path / "cache") == []
 
 
+def test_options_are_checked_before_the_glyphs_are_generated(tmp_path, ckpt, monkeypatch):
+    """The glyphs take minutes to generate on first use: an option extract refuses (--class-split of
+    another dataset, a checkpoint that is not there) is said alone, before the note and the work."""
+    from poodle.data import glyphs
+
+    generated = []
+    monkeypatch.setattr(glyphs, "glyphs_to_generate", lambda cache_root: 100)
+    monkeypatch.setattr(glyphs, "ensure_glyphs", lambda *a, **k: generated.append(a))
+    base = ["--dataset", "glyphs", "--backbone", "conv4_64", "--cache-root", tmp_path / "cache"]
+    for extra, message in (
+        (
+            ["--class-split", "md-cub", "--checkpoint", ckpt],
+            "error: --class-split md-cub is an option of --dataset folder",
+        ),
+        (["--checkpoint", tmp_path / "nope.pt"], f"error: --checkpoint {tmp_path / 'nope.pt'} does not exist"),
+        (["--checkpoint", ckpt, "--image-size", 2], "error: --image-size must be "),
+    ):
+        r = _cli(*base, *extra)
+        assert r.exit_code == 1 and r.output.startswith(message), r.output
+        assert "generating the glyphs" not in r.output and generated == []
+
+
 def test_a_changed_image_list_is_refused(data, tmp_path):
     mine = tmp_path / "data"
     shutil.copytree(data / "test", mine / "test")

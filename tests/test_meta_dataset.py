@@ -377,6 +377,44 @@ def test_cells_record_the_protocol_only_when_it_is_meta_dataset():
         make_cell({"cache": "c.h5", "method": "proto", "protocol": "meta-dataset", "min_ways": 60})
 
 
+def test_command_line_errors_name_the_flags_typed(tmp_path, monkeypatch):
+    """The command line says a rule's parameters as the flags the user typed (and how to type what
+    is missing); a project file's value names its key, an environment variable its name."""
+    from click.testing import CliRunner
+
+    from poodle.cli.main import cli
+
+    def err(*args, env=None):
+        r = CliRunner().invoke(cli, [str(a) for a in args], env=env)
+        assert r.exit_code != 0
+        return r.output.strip().splitlines()[-1]
+
+    cache = tmp_path / "missing.h5"  # the settings are checked before the cache is read
+    assert err("solve", "--cache", cache, "--protocol", "meta-dataset", "--max-ways-upper-bound", 3) == (
+        "error: --min-ways must be at most --max-ways-upper-bound=3, got 5"
+    )
+    assert err("solve", "--cache", cache, "--max-num-query", 3, "--bilevel") == (
+        "error: --max-num-query, --bilevel belong to the Meta-Dataset protocol: add --protocol meta-dataset"
+    )
+    assert err("solve", "--cache", cache, "--protocol", "meta-dataset", "--imbalance", 2) == (
+        "error: --imbalance belongs to the fixed protocol; the Meta-Dataset protocol draws its own per-class counts"
+    )
+    assert err("solve", "--cache", cache, "--way", 3, "--query-classes", 4) == (
+        "error: --query-classes must be an integer from 1 to --way=3, got 4"
+    )
+    # a project file's value: its file, table and key, and the fix as the file writes it
+    (tmp_path / "p.toml").write_text("[solve]\nmax_num_query = 3\n")
+    assert err("--config", tmp_path / "p.toml", "solve", "--cache", cache) == (
+        f"error: --max-num-query ({tmp_path / 'p.toml'} [solve] max_num_query) belongs to the Meta-Dataset "
+        "protocol: add protocol = meta-dataset"
+    )
+    said = err("solve", "--cache", cache, "--progress", "plain", env={"POODLE_PROGRESS_INTERVAL": "-1"})
+    assert said.startswith(
+        "error: POODLE_PROGRESS_INTERVAL (environment variable for --progress-interval) must be a number in "
+        "(0, inf), got -1.0"
+    )
+
+
 def test_info_summarises_an_episode_file(tmp_path):
     from click.testing import CliRunner
 
@@ -415,6 +453,35 @@ def test_solve_protocol_reaches_the_episodes(tmp_path, make_features):
     assert eps.spec == EpisodeSpec.meta_dataset() and len(eps) == 6 and eps.ragged
     ref = sample_episodes(torch.from_numpy(y), EpisodeSpec.meta_dataset(), 6)
     assert torch.equal(eps.query, ref.query) and torch.equal(eps.ways, ref.ways)
+
+
+def test_the_summary_and_headers_say_what_the_protocol_draws(tmp_path, make_features):
+    """Under Meta-Dataset's protocol no --way/--shot/--query default is shown as if it held: the
+    summary says the protocol's rules (and what the user fixed), a report's header ``shots drawn``."""
+    from click.testing import CliRunner
+
+    from poodle.cache import write_arrays
+    from poodle.cli.report import report
+    from poodle.cli.solve import solve
+
+    assert EpisodeSpec().describe() == "5-way 1-shot, 15 queries/class"
+    assert EpisodeSpec.meta_dataset(min_ways=3, max_num_query=4, bilevel=True).describe() == (
+        "Meta-Dataset protocol (3-50 ways, shots drawn: at most 500 support images, at most 4 queries/class, bilevel)"
+    )
+    x, y = make_features(12, 30, 16, seed=2)
+    cache = write_arrays(tmp_path / "c.h5", {"test": (x, y, [f"t{i}" for i in range(12)])})
+    base = ["--cache", cache, "--episodes", 4, "--method", "proto", "--protocol", "meta-dataset", "--progress", "none"]
+    drawn = CliRunner().invoke(solve, [str(a) for a in [*base, "--json", tmp_path / "a.json"]])
+    assert drawn.exit_code == 0, drawn.output
+    text = " ".join(drawn.output.split())
+    assert "4 episodes: Meta-Dataset protocol (5-50 ways, shots drawn: at most 500 support images, at most 10 " in text
+    assert "-way" not in text and "-shot" not in text
+    fixed = CliRunner().invoke(solve, [str(a) for a in [*base, "--shot", 2, "--json", tmp_path / "b.json"]])
+    assert "Meta-Dataset protocol (5-50 ways, 2-shot, at most 10 queries/class)" in " ".join(fixed.output.split())
+    r = CliRunner().invoke(report, [str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--no-ci"])
+    assert r.exit_code == 0, r.output
+    header = next(line for line in r.output.splitlines() if line.startswith("┃"))
+    assert "shots drawn" in header and "2-shot" in header and "None" not in r.output
 
 
 def test_an_episode_file_gives_its_cells_its_setting(tmp_path):

@@ -44,7 +44,7 @@ def test_a_cell_is_checked_once_by_the_rule_that_owns_each_value(cache):
         make_cell({"cache": str(cache), "method": "proto", "transductive": True}, strict={"transductive"})
     with pytest.raises(ConfigError, match="negatives none: method 'poodle' .with these options. reads negative"):
         make_cell({"cache": str(cache), "method": "poodle", "negatives": "none"})
-    with pytest.raises(EpisodeError, match=r"query_classes must be an integer in 1..way=5, got 6"):
+    with pytest.raises(EpisodeError, match=r"query_classes must be an integer from 1 to way=5, got 6"):
         make_cell({"cache": str(cache), "query_classes": 6})
     with pytest.raises(EpisodeError) as e:
         check_setting("shot", "five")

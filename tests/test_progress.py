@@ -92,6 +92,44 @@ def test_the_interval_comes_from_the_option_the_environment_or_the_project_file(
     assert res.exit_code == 2 and "--progress-interval" in res.output
 
 
+def test_a_stage_of_unknown_size_that_ends_is_not_said_stopped(cache, tmp_path, monkeypatch, capsys):
+    """--episodes-from: the count is known only from the file, so the bar has no total; a run that
+    finishes ends its line complete, never with "(stopped)", which is kept for a stage cut short."""
+    from poodle.cli._common import progress_bar
+
+    ep = tmp_path / "e.h5"
+    _solve(cache, "--save-episodes", str(ep))
+    args = ["solve", "--cache", str(cache), "--episodes-from", str(ep), "--method", "proto", "--progress", "plain"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("solving:")]
+    assert line.startswith("solving: 30/30 episodes (100%)") and "(stopped)" not in line
+    monkeypatch.setitem(_progress._state, "mode", "plain")
+    capsys.readouterr()
+    with progress_bar("reading", total=None, unit="img") as advance:
+        advance(3)
+    assert capsys.readouterr().err.startswith("reading: 3/3 img (100%)")
+    with pytest.raises(RuntimeError), progress_bar("reading", total=None, unit="img") as advance:
+        advance(3)
+        raise RuntimeError("cut short")
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("reading: 3 img,") and line.endswith("(stopped)")
+
+
+def test_the_summary_repeats_the_progress_lines_rate_and_names_the_whole_runs(cache):
+    """The progress line's rate (episodes since solving started) and the summary's are one figure,
+    said as "solving"; the rate over the whole run (loading and drawing included) is named so."""
+    import re
+
+    res = _solve(cache, "--progress", "plain")
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("solving:")]
+    rate = re.match(r"solving: 30/30 episodes \(100%\), ([\d,.]+) episodes/s,", line).group(1)
+    text = " ".join((res.stdout + res.stderr).split())
+    assert f"{rate} episodes/s solving (the progress line's rate), " in text
+    whole = re.search(r"([\d,.]+) episodes/s over the whole run \(loading, drawing and solving: ([\d.]+) s wall", text)
+    assert whole is not None and float(whole.group(1).replace(",", "")) <= float(rate.replace(",", "")) * 1.01
+
+
 def test_a_command_that_reads_the_glyphs_generates_them_first_with_its_progress(monkeypatch, tmp_path, capsys):
     """train and extract on the embedded glyphs: a first use (minutes) is said, and its images
     counted like any stage; a set already there, another dataset or a given root: nothing."""

@@ -211,3 +211,31 @@ def test_an_unfinished_file_leaves_a_domain_with_an_empty_entry_unmarked(tmp_pat
     assert sorted(table.best) == [0, 1] and not any(table.entries[i, 2].bold for i in range(2))
     assert np.isnan(table.rank[2]) and table.ranks[:2].tolist() == [[1, 2, 1], [2, 1, 2]]
     assert any("8 of 9 cells finished" in n for n in table.notes)
+
+
+def test_bold_entries_are_marked_in_plain_text_and_bold_on_a_colour_terminal(tmp_path):
+    """Piped (no styles), a bold entry carries a trailing ``*``, said under the table; a colour
+    terminal prints it bold and needs no mark."""
+    import io
+
+    from click.testing import CliRunner
+    from rich.console import Console
+
+    from poodle.cli._common import PLAIN_BOLD, render_table
+    from poodle.cli.report import report
+
+    path = _write(tmp_path / "md.results.jsonl", _records())
+    res = CliRunner().invoke(report, [str(path), "--domains"])
+    assert res.exit_code == 0, res.output
+    table = R.domain_table(R.load_results([path]))
+    rows = {line.split("│")[1].strip(): line.split("│")[2:5] for line in res.output.splitlines() if "│ m" in line}
+    for i, (label,) in enumerate(table.rows):
+        for j, domain in enumerate("ABC"):
+            cell = rows[label][j].strip()
+            assert cell.endswith("*") == (label in EXPECTED_BOLD[domain]), (label, domain, cell)
+            assert cell.rstrip("*") == table.cell_text(i, j)
+    assert PLAIN_BOLD in res.output and PLAIN_BOLD.startswith("*: ")
+    colour = Console(file=io.StringIO(), force_terminal=True, color_system="standard", width=200)
+    colour.print(render_table(table))
+    text = colour.file.getvalue()
+    assert "\x1b[1;32m" in text and "*" not in text and PLAIN_BOLD not in text

@@ -261,7 +261,7 @@ def test_solve_query_classes_recorded_in_json_and_episodes(tmp_path, cache):
     assert eps.spec.query_classes == 2 and eps.query.shape == (5, 8)
     assert all(len(eps.query_labels[e].unique()) == 2 for e in range(5))
     bad = _run(["--cache", cache, "--query-classes", 6])
-    assert bad.exit_code != 0 and "error: --query-classes must be an integer in 1..way=5, got 6" in bad.output
+    assert bad.exit_code != 0 and "error: --query-classes must be an integer from 1 to --way=5, got 6" in bad.output
 
 
 def test_solve_help_lists_the_methods():
@@ -269,6 +269,26 @@ def test_solve_help_lists_the_methods():
     assert r.exit_code == 0
     for name in ("alpha-tim", "paddle", "bms", "proto-lp", "laplacianshot", "poodle"):
         assert f"  {name} " in r.output
+
+
+def test_solve_help_says_the_meta_dataset_options_briefly():
+    """Each Meta-Dataset option's help is its own short sentence (sampling.py's names are said once,
+    at --protocol); the log-weights' defaults read as logarithms, not as 16-digit floats; --bilevel
+    says how a superclass is read from the class names, not the library function that does it."""
+    from poodle import defaults
+    from poodle.episodes import EpisodeSpec
+    from poodle.options import settings
+
+    r = CliRunner().invoke(solve, ["--help"])
+    assert r.exit_code == 0
+    text = " ".join(r.output.split())
+    assert "[default: log(1/2) = -0.693]" in text and "[default: log(2) = 0.693]" in text
+    assert "0.6931471805599453" not in text and "superclass_names" not in text
+    assert text.count("sampling.py") == 1 and "before the first '/'" in text
+    helps = {s.key: s.meta("help") for s in settings(EpisodeSpec) if s.key in defaults.META_DATASET_KEYS}
+    assert len(helps) == 8 and len(set(helps.values())) == 8
+    assert all(h.startswith("Meta-Dataset: ") for h in helps.values())
+    assert all(len(h) <= 90 for k, h in helps.items() if k != "bilevel")
 
 
 def _copy_cache(src, dst, split, row, how):

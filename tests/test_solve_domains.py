@@ -121,6 +121,52 @@ def test_cli_table_report_episode_files_and_pool(tmp_path, caches):
     assert [x["acc"] for x in rec2] == [x["acc"] for x in records]
 
 
+def test_domains_are_named_short_and_their_table_fits_100_columns(tmp_path, make_features):
+    """Bare paths name their domains by their files' stems (poodle solve) and so does the table of
+    caches solved alone (whose results name them by path, report --domains); long names fold in
+    their column's header, and the table of 3 domains stays a table in 100 columns."""
+    from poodle.report import domain_labels
+
+    assert domain_labels(["x/mini/resnet12.h5", "x/cub/resnet12.h5"]) == ["mini/resnet12", "cub/resnet12"]
+    assert domain_labels(["b", "y/fungi.h5"]) == ["b", "fungi"] and domain_labels(["a/b.h5", "b"]) == ["a/b", "b"]
+    deep = tmp_path / "features" / "resnet12-run-3" / "caches"
+    deep.mkdir(parents=True)
+    paths = []
+    for i, name in enumerate(("birds", "fungi", "signs")):
+        x, y = make_features(12, 24, 16, seed=10 + i)
+        path = deep / f"{name}_resnet12_features.h5"
+        paths.append(write_arrays(path, {"test": (x, y, [f"t{j}" for j in range(12)])}))
+    common = ["--protocol", "meta-dataset", "--episodes", 4, "--method", "proto", "--method", "kmeans"]
+
+    def table_lines(output):
+        """The table's lines, from its header (the first line naming a domain without ``=``, which
+        the setting's line and the note under the table use) to its last row."""
+        lines = output.splitlines()
+        rows = [line for line in lines if line.replace("│", " ").split()[:1] in (["proto"], ["kmeans"])]
+        assert len(rows) == 2 and all(row.count("±") == 4 for row in rows), output  # 3 domains, their mean
+        start = next(i for i, line in enumerate(lines) if "birds_" in line and "=" not in line)
+        return lines[start : lines.index(rows[-1]) + 1]
+
+    cli_args = [str(a) for a in [*(a for p in paths for a in ("--cache", p)), *common]]
+    r = CliRunner().invoke(solve_cmd, cli_args, env={"COLUMNS": "100"})
+    assert r.exit_code == 0, r.output
+    lines = table_lines(r.output)
+    assert max(len(line) for line in lines) <= 100 and "birds_" in "".join(lines)
+    assert not any("resnet12-run-3" in line for line in lines)
+    # each cache solved alone: its results name it by path; report --domains names it by its stem
+    js = tmp_path / "alone.jsonl"
+    for p in paths:
+        assert _run(["--cache", p, *common, "--out", js]).exit_code == 0
+    rep = CliRunner().invoke(report, [str(js), "--domains"], env={"COLUMNS": "100"})
+    assert rep.exit_code == 0, rep.output
+    lines = table_lines(rep.output)
+    assert max(len(line) for line in lines) <= 100 and not any("resnet12-run-3" in line for line in lines)
+    assert "Domains: birds_resnet12_features = " in " ".join(rep.output.split())
+    table = domain_table(read_results(js).records)
+    assert table.domains == [str(p) for p in paths] and [c[0] for c in table.cols][0] == "birds_resnet12_features"
+    assert f"Domains: birds_resnet12_features = {paths[0]}, fungi_resnet12_features = " in table.notes[-1]
+
+
 def test_cli_errors_name_the_domain_and_file(tmp_path, caches):
     both = ("--cache", caches["birds"], "--cache", caches["fungi"])
     r = _run([*both, "--save-episodes", tmp_path / "e.h5", "--episodes", 2])
