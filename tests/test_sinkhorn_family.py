@@ -190,3 +190,44 @@ def test_one_pass_power_transform_is_the_formula(dtype, monkeypatch):
     assert torch.all(out[:, :2] == 5) and torch.all(out[:, 9:] == 5)
     monkeypatch.setattr(_backend, "default", lambda: _backend.Backend(native=False))
     assert torch.allclose(power_transform(x, 0.5), got, rtol=1.2 * torch.finfo(dtype).eps, atol=0)
+
+
+# ------------------------------------------------ the feature pipeline and protoLP's propagation
+@needs_loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_fused_feature_transforms_are_the_torch_formulation(dtype, ragged):
+    from poodle.solvers import bms, proto_lp, pt_map
+
+    g = torch.Generator().manual_seed(4)
+    z_s = torch.randn(3, 4, 37, generator=g, dtype=torch.float64).to(dtype)
+    z_q = torch.randn(3, 9, 37, generator=g, dtype=torch.float64).to(dtype)
+    z_s[0, 0, :3] = torch.tensor([0.0, -0.0, 1e-9], dtype=dtype)  # the power transform's zeros
+    s_mask = q_mask = None
+    if ragged:  # padded rows are zero features
+        s_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+        q_mask = torch.ones(3, 9, dtype=torch.bool)
+        q_mask[1, 5:] = q_mask[2, 2:] = False
+        z_s.mul_(s_mask.unsqueeze(2))
+        z_q.mul_(q_mask.unsqueeze(2))
+    rows = None if not ragged else torch.cat([s_mask, q_mask], 1)
+    got = {
+        "pt-map": pt_map.preprocess(z_s, z_q, 0.5, s_mask, q_mask),
+        "bms": bms.peme([z_s, z_q], 0.5, rows),
+        "proto-lp": proto_lp.preprocess([z_s, z_q], 0.5, 0, rows),
+    }
+    with _backend.active(_backend.Backend(native=False)):
+        want = {
+            "pt-map": pt_map.preprocess(z_s, z_q, 0.5, s_mask, q_mask),
+            "bms": bms.peme([z_s, z_q], 0.5, rows),
+            "proto-lp": proto_lp.preprocess([z_s, z_q], 0.5, 0, rows),
+        }
+    eps = torch.finfo(dtype).eps
+    for name in got:
+        assert got[name].shape == (3, 13, 37)
+        assert torch.allclose(got[name], want[name], rtol=0, atol=16 * eps), name
+        if ragged:  # padded rows stay exactly zero
+            assert torch.all(got[name][~rows] == 0), name
+    # every row of the fused pipeline is unit
+    fused = _sinkhorn_native.pemne([z_s, z_q], "parts", None, 1e-3)
+    assert torch.allclose(fused.norm(dim=-1), torch.ones(3, 13, dtype=dtype), atol=8 * eps)

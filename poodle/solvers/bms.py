@@ -53,7 +53,14 @@ from poodle.solvers import _sinkhorn_native, _triton_sinkhorn
 from poodle.solvers._span import RowSpan, span_flops, use_gram
 from poodle.solvers._transductive import TINY, dist_flops, grad_ready, syncs_freely
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
-from poodle.solvers.pt_map import centre_, plan_log_probs, plan_shape, transformed_rows, unit_rows_
+from poodle.solvers.pt_map import (
+    centre_,
+    fused_transform,
+    plan_log_probs,
+    plan_shape,
+    transformed_rows,
+    unit_rows_,
+)
 
 
 @dataclass
@@ -70,7 +77,10 @@ class BMSConfig:
 def peme(parts: list[Tensor], power: float, mask: Tensor | None = None) -> Tensor:
     """PEMnE on all samples of each episode, ``parts`` (``[E, n_i, D]`` each) stacked along the rows:
     ``[E, sum n_i, D]``. With ``mask [E, sum n_i]`` (real rows), the mean is over the real rows and
-    padded rows come out zero."""
+    padded rows come out zero. At ``power = 1/2`` on the CPU in the fused library's two passes
+    over each episode's rows (:func:`~poodle.solvers._sinkhorn_native.pemne`; float rounding)."""
+    if fused_transform(parts[0], power):
+        return _sinkhorn_native.pemne(parts, "all", mask, 1e-6**power)
     return unit_rows_(centre_(transformed_rows(parts, power), mask))
 
 

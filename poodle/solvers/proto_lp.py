@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
+from poodle.solvers import _sinkhorn_native
 from poodle.solvers._span import RowSpan, span_flops, use_gram
 from poodle.solvers._transductive import TINY, batched_eigh, row_sqnorm
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
@@ -63,6 +64,7 @@ from poodle.solvers.pt_map import (
     Shape,
     balance,
     centre_,
+    fused_transform,
     plan_log_probs,
     plan_shape,
     sinkhorn,
@@ -116,10 +118,13 @@ def preprocess(parts: list[Tensor], power: float, reduced_dim: int, mask: Tensor
     """The features of ``parts`` (``[E, n_i, D]`` each) stacked along the rows, transformed:
     ``[E, sum n_i, d]``. With ``mask [E, sum n_i]`` (real rows), padded rows are zero from the
     power transform on: they enter neither the projection nor the mean."""
-    z = transformed_rows(parts, power)
-    w = None if mask is None else mask.to(z.dtype).unsqueeze(2)
-    if w is not None:
-        z.mul_(w)
+    w = None if mask is None else mask.to(parts[0].dtype).unsqueeze(2)
+    if fused_transform(parts[0], power):  # padded rows come out zero
+        z = _sinkhorn_native.pemne(parts, "none", mask, 1e-6**power)
+    else:
+        z = transformed_rows(parts, power)
+        if w is not None:
+            z.mul_(w)
     if reduced_dim > 0:
         z = svd_project(z, reduced_dim)
         if w is not None:
