@@ -199,7 +199,8 @@ def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
     span = RowSpan(z, n_s, way, cfg.steps, cfg.steps, gram=False if cfg.epochs > 0 else None)
     classes = batch.class_mask
     den = y_t.sum(2, keepdim=True)
-    mu = span.normalize(span.support_sum(y_t) / (den if classes is None else den.clamp_min(1.0)))
+    # the unit centres and their scores, from one product in the Gram form
+    mu, dots = span.normalize_dots(span.support_sum(y_t) / (den if classes is None else den.clamp_min(1.0)))
     if shape is None:
         min_size = torch.full((z.shape[0],), float(batch.shot), dtype=z.dtype, device=z.device)
     else:  # each episode's own shot, as a fixed episode's: its support rows // its ways
@@ -207,7 +208,7 @@ def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
         min_size = torch.div((batch.support_labels >= 0).sum(1), ways, rounding_mode="floor").to(z.dtype)
     q = None
     for _ in range(cfg.steps):
-        logits = span.dots(mu).mul_(cfg.lam)
+        logits = dots.mul_(cfg.lam)
         if shape is None:
             q = torch.softmax(logits, 1)
         else:
@@ -222,10 +223,13 @@ def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
         counts = one_hot(label, way, z.dtype).sum(1)  # [E, K]
         min_size = (counts if classes is None else counts.masked_fill(~classes, float("inf"))).amin(1)
         den = w.sum(2, keepdim=True)
-        mu = span.normalize(span.sum(w) / (den if classes is None else den.clamp_min(TINY)))
+        state = span.sum(w) / (den if classes is None else den.clamp_min(TINY))
         if cfg.epochs > 0:
             n_rows = None if rows is None else rows.sum(1).to(z.dtype)
-            mu = _refine(z, mu, w.transpose(1, 2), cfg.epochs, cfg.lr, cfg.momentum, classes, n_rows)
+            mu = _refine(z, span.normalize(state), w.transpose(1, 2), cfg.epochs, cfg.lr, cfg.momentum, classes, n_rows)
+            dots = span.dots(mu)
+        else:
+            mu, dots = span.normalize_dots(state)
     assert q is not None  # cfg.steps >= 1
     q = q.transpose(1, 2).contiguous()
     return SolverOutput(plan_log_probs(q, batch), {"prototypes": span.explicit(mu), "assignments": q})
