@@ -231,3 +231,46 @@ def test_fused_feature_transforms_are_the_torch_formulation(dtype, ragged):
     # every row of the fused pipeline is unit
     fused = _sinkhorn_native.pemne([z_s, z_q], "parts", None, 1e-3)
     assert torch.allclose(fused.norm(dim=-1), torch.ones(3, 13, dtype=dtype), atol=8 * eps)
+
+
+@needs_loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_propagation_is_the_torch_formulation(dtype):
+    from poodle.solvers import proto_lp, pt_map
+
+    g = torch.Generator().manual_seed(5)
+    y = torch.eye(5, dtype=torch.float64).repeat(4, 1, 2)  # [4, 5, 10]: two support samples a class
+    q = torch.softmax(3 * torch.randn(4, 5, 30, generator=g, dtype=torch.float64), 1)
+    z = torch.cat([y, q], 2).to(dtype)
+    yty = torch.bmm(z[:, :, :10], z[:, :, :10].transpose(1, 2))
+    gamma = torch.tensor([1.0, 1.0, 1.0, -50.0])  # the last episode's system is not positive definite
+    got = torch.cat([proto_lp.propagate(z[e : e + 1], yty[e : e + 1], float(gamma[e])) for e in range(4)])
+    with _backend.active(_backend.Backend(native=False)):
+        want = torch.cat([proto_lp.propagate(z[e : e + 1], yty[e : e + 1], float(gamma[e])) for e in range(4)])
+    _, bad = _sinkhorn_native.propagate(z[3:], yty[3:], -50.0)
+    assert bad.tolist() == [True]  # the C pass refused it; the pseudo-inverse gave it
+    scale = want.abs().amax((1, 2), keepdim=True)
+    assert torch.allclose(got / scale, want / scale, rtol=0, atol=64 * torch.finfo(dtype).eps)
+    # a chunk gives each episode what it gets alone (the same C pass per episode)
+    chunk = proto_lp.propagate(z[:3], yty[:3], 1.0)
+    assert torch.equal(chunk, got[:3])
+    # protoLP's whole step from its assignments' kernel (their sweeps, the propagation, the sweeps
+    # with the support reset, the mix): episode 1's system is not positive definite (its z is
+    # still formed; the caller takes the torch formulation for it)
+    yty_bad = yty.clone()
+    yty_bad[1] *= -10
+    cfg = proto_lp.ProtoLPConfig()
+    y_t = z[:, :, :10]
+    kernel = torch.exp(-10 * torch.rand(4, 5, 30, generator=g, dtype=torch.float64)).to(dtype)
+    step = _sinkhorn_native.LPStep(yty_bad, y_t, 30, 1.0, 0.6, 6.0, 1e-3, 8.0, 0.01, 1000)
+    mask, zz, bad = step(kernel.clone())
+    assert bad is not None and bad.tolist() == [False, True, False, False]
+    with _backend.active(_backend.Backend(native=False)):
+        plan = pt_map.balance(kernel.clone(), 6.0, 1e-3, 1000, normalise=True)
+        want_zz = torch.cat([y_t, plan], 2)
+        want_mask = proto_lp.lp_mask(want_zz, yty_bad, y_t, cfg, 8.0, None)
+    eps = torch.finfo(dtype).eps
+    assert torch.allclose(zz, want_zz, rtol=0, atol=64 * eps)
+    good = torch.tensor([0, 2, 3])
+    assert torch.all((mask[good] >= 0) & (mask[good] <= 1))
+    assert torch.allclose(mask[good], want_mask[good], rtol=0, atol=1e3 * eps)

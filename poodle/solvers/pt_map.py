@@ -148,6 +148,11 @@ class Shape:
     keep: Tensor
     mass: Tensor
 
+    def select(self, idx: Tensor) -> Shape:
+        """The shape of the episodes ``idx`` (``[n]`` indices) alone."""
+        ways = None if self.ways is None else self.ways[idx]
+        return Shape(ways, self.cols[idx], self.keep[idx], self.mass[idx])
+
 
 def plan_shape(batch: EpisodeBatch, n_lead: int = 0, dtype: torch.dtype | None = None) -> Shape | None:
     """The :class:`Shape` of the plans ``[E, way, n_lead + Nq]`` of a ragged ``batch``, or None for a
