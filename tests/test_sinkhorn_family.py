@@ -190,3 +190,87 @@ def test_one_pass_power_transform_is_the_formula(dtype, monkeypatch):
     assert torch.all(out[:, :2] == 5) and torch.all(out[:, 9:] == 5)
     monkeypatch.setattr(_backend, "default", lambda: _backend.Backend(native=False))
     assert torch.allclose(power_transform(x, 0.5), got, rtol=1.2 * torch.finfo(dtype).eps, atol=0)
+
+
+# ------------------------------------------------ the feature pipeline and protoLP's propagation
+@needs_loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_fused_feature_transforms_are_the_torch_formulation(dtype, ragged):
+    from poodle.solvers import bms, proto_lp, pt_map
+
+    g = torch.Generator().manual_seed(4)
+    z_s = torch.randn(3, 4, 37, generator=g, dtype=torch.float64).to(dtype)
+    z_q = torch.randn(3, 9, 37, generator=g, dtype=torch.float64).to(dtype)
+    z_s[0, 0, :3] = torch.tensor([0.0, -0.0, 1e-9], dtype=dtype)  # the power transform's zeros
+    s_mask = q_mask = None
+    if ragged:  # padded rows are zero features
+        s_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+        q_mask = torch.ones(3, 9, dtype=torch.bool)
+        q_mask[1, 5:] = q_mask[2, 2:] = False
+        z_s.mul_(s_mask.unsqueeze(2))
+        z_q.mul_(q_mask.unsqueeze(2))
+    rows = None if not ragged else torch.cat([s_mask, q_mask], 1)
+    got = {
+        "pt-map": pt_map.preprocess(z_s, z_q, 0.5, s_mask, q_mask),
+        "bms": bms.peme([z_s, z_q], 0.5, rows),
+        "proto-lp": proto_lp.preprocess([z_s, z_q], 0.5, 0, rows),
+    }
+    with _backend.active(_backend.Backend(native=False)):
+        want = {
+            "pt-map": pt_map.preprocess(z_s, z_q, 0.5, s_mask, q_mask),
+            "bms": bms.peme([z_s, z_q], 0.5, rows),
+            "proto-lp": proto_lp.preprocess([z_s, z_q], 0.5, 0, rows),
+        }
+    eps = torch.finfo(dtype).eps
+    for name in got:
+        assert got[name].shape == (3, 13, 37)
+        assert torch.allclose(got[name], want[name], rtol=0, atol=16 * eps), name
+        if ragged:  # padded rows stay exactly zero
+            assert torch.all(got[name][~rows] == 0), name
+    # every row of the fused pipeline is unit
+    fused = _sinkhorn_native.pemne([z_s, z_q], "parts", None, 1e-3)
+    assert torch.allclose(fused.norm(dim=-1), torch.ones(3, 13, dtype=dtype), atol=8 * eps)
+
+
+@needs_loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_propagation_is_the_torch_formulation(dtype):
+    from poodle.solvers import proto_lp, pt_map
+
+    g = torch.Generator().manual_seed(5)
+    y = torch.eye(5, dtype=torch.float64).repeat(4, 1, 2)  # [4, 5, 10]: two support samples a class
+    q = torch.softmax(3 * torch.randn(4, 5, 30, generator=g, dtype=torch.float64), 1)
+    z = torch.cat([y, q], 2).to(dtype)
+    yty = torch.bmm(z[:, :, :10], z[:, :, :10].transpose(1, 2))
+    gamma = torch.tensor([1.0, 1.0, 1.0, -50.0])  # the last episode's system is not positive definite
+    got = torch.cat([proto_lp.propagate(z[e : e + 1], yty[e : e + 1], float(gamma[e])) for e in range(4)])
+    with _backend.active(_backend.Backend(native=False)):
+        want = torch.cat([proto_lp.propagate(z[e : e + 1], yty[e : e + 1], float(gamma[e])) for e in range(4)])
+    _, bad = _sinkhorn_native.propagate(z[3:], yty[3:], -50.0)
+    assert bad.tolist() == [True]  # the C pass refused it; the pseudo-inverse gave it
+    scale = want.abs().amax((1, 2), keepdim=True)
+    assert torch.allclose(got / scale, want / scale, rtol=0, atol=64 * torch.finfo(dtype).eps)
+    # a chunk gives each episode what it gets alone (the same C pass per episode)
+    chunk = proto_lp.propagate(z[:3], yty[:3], 1.0)
+    assert torch.equal(chunk, got[:3])
+    # protoLP's whole step from its assignments' kernel (their sweeps, the propagation, the sweeps
+    # with the support reset, the mix): episode 1's system is not positive definite (its z is
+    # still formed; the caller takes the torch formulation for it)
+    yty_bad = yty.clone()
+    yty_bad[1] *= -10
+    cfg = proto_lp.ProtoLPConfig()
+    y_t = z[:, :, :10]
+    kernel = torch.exp(-10 * torch.rand(4, 5, 30, generator=g, dtype=torch.float64)).to(dtype)
+    step = _sinkhorn_native.LPStep(yty_bad, y_t, 30, 1.0, 0.6, 6.0, 1e-3, 8.0, 0.01, 1000)
+    mask, zz, bad = step(kernel.clone())
+    assert bad is not None and bad.tolist() == [False, True, False, False]
+    with _backend.active(_backend.Backend(native=False)):
+        plan = pt_map.balance(kernel.clone(), 6.0, 1e-3, 1000, normalise=True)
+        want_zz = torch.cat([y_t, plan], 2)
+        want_mask = proto_lp.lp_mask(want_zz, yty_bad, y_t, cfg, 8.0, None)
+    eps = torch.finfo(dtype).eps
+    assert torch.allclose(zz, want_zz, rtol=0, atol=64 * eps)
+    good = torch.tensor([0, 2, 3])
+    assert torch.all((mask[good] >= 0) & (mask[good] <= 1))
+    assert torch.allclose(mask[good], want_mask[good], rtol=0, atol=1e3 * eps)

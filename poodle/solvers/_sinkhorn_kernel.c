@@ -15,6 +15,9 @@
  * rows), so a padded chunk's episode runs exactly the loop it runs alone (the same bits); entries
  * outside them are never read or written. A zero sample (a padded one inside cols[e]) stays zero.
  *
+ * The same library holds the methods' feature pipeline at exponent 1/2 (poodle_power_half,
+ * poodle_pemne) and protoLP's label propagation (poodle_propagate), each an episode at a time.
+ *
  * One entry point, poodle_sinkhorn, takes one struct poodle_sinkhorn_args (declared again, as a
  * ctypes.Structure, in _sinkhorn_native.py: SinkhornArgs); its version and size fields are checked.
  * The library says its interface (poodle_sinkhorn_interface) and the hash of the source it was
@@ -72,6 +75,14 @@ const char *poodle_sinkhorn_source(void) { return POODLE_KERNEL_SOURCE; }
 /* the authors' guard of the min-size rescaling (bms.min_size_sinkhorn) */
 #define GUARD 1e-20
 
+/* the libm function of each precision, by suffix */
+static inline float sqrt__f32(float v) { return sqrtf(v); }
+static inline double sqrt__f64(double v) { return sqrt(v); }
+static inline float fabs__f32(float v) { return fabsf(v); }
+static inline double fabs__f64(double v) { return fabs(v); }
+static inline float copysign__f32(float a, float b) { return copysignf(a, b); }
+static inline double copysign__f64(double a, double b) { return copysign(a, b); }
+
 #define REAL float
 #define SUF _f32
 #include __FILE__
@@ -110,6 +121,82 @@ int poodle_power_half(int32_t dtype, int64_t E, int64_t n, int64_t D, const void
             }
         }
     return 0;
+}
+
+/* The feature pipeline of PT-MAP, PEMnE-BMS and protoLP at exponent 1/2 (pt_map.preprocess,
+ * bms.peme, the first steps of proto_lp.preprocess), each episode's rows in two passes that keep
+ * them in cache instead of the six or seven passes of the torch formulation over the whole chunk:
+ * pass one takes each row's power transform (as poodle_power_half), divides it by its norm
+ * (floored at 1e-12, F.normalize) and adds it to its group's sum; pass two subtracts the group's
+ * mean and divides by the new norm. The parts x[p] ([E, rows[p], D], strides in elements, rows
+ * contiguous) are stacked along the rows of out [E, sum rows, D]. centre: 0 none (one pass),
+ * 1 every row on the mean of all, 2 each part's rows on their own mean. keep [E, sum rows] (bytes,
+ * or NULL: all) marks the real rows: a padded one is zero and enters no mean. Norms and means are
+ * sums in a different order from torch's, so features agree with the torch formulation to float
+ * rounding. Returns 0; -1 when a buffer cannot be allocated; -3 for an unknown dtype or bad
+ * sizes. */
+int poodle_pemne(int32_t dtype, int64_t E, int64_t D, int32_t n_parts, const int64_t *rows, const void *const *x,
+                 const int64_t *x_es, const int64_t *x_rs, void *out, int64_t o_es, int64_t o_rs, double zero_value,
+                 int32_t centre, const uint8_t *keep, int64_t k_es) {
+    if (n_parts < 1 || centre < 0 || centre > 2 || E < 0 || D < 1 || !rows || !x || !x_es || !x_rs || !out) return -3;
+    for (int32_t p = 0; p < n_parts; p++)
+        if (rows[p] < 0 || !x[p]) return -3;
+    if (dtype == 0)
+        return pemne_f32(E, D, n_parts, rows, x, x_es, x_rs, (float *)out, o_es, o_rs, (float)zero_value, centre, keep,
+                         k_es);
+    if (dtype == 1)
+        return pemne_f64(E, D, n_parts, rows, x, x_es, x_rs, (double *)out, o_es, o_rs, zero_value, centre, keep, k_es);
+    return -3;
+}
+
+/* protoLP's label propagation over the prototype graph (proto_lp.propagate), each episode's in
+ * one pass over its K x N assignments z (classes first, the support samples' rows their labels):
+ * delta_k = max(sum_n z_kn, 1e-30), W = z (z / delta)^T, the Cholesky factor of the symmetric matrix
+ * whose lower triangle is M = yty + gamma (I - W) (what LAPACK's potrf reads of torch's), the solve
+ * M A = yty, and out = A^T z. z, out [E, K, N] and yty [E, K, K] contiguous. Where M is not positive
+ * definite (a pivot not above zero, as potrf's info), bad[e] = 1 and out is left for the caller
+ * (torch's pseudo-inverse), else bad[e] = 0. The sums run in another order than torch's products
+ * and LAPACK's, so results agree to float rounding. Returns the number of such episodes; -1 when a
+ * buffer cannot be allocated; -3 for an unknown dtype or bad sizes. */
+int poodle_propagate(int32_t dtype, int64_t E, int32_t K, int32_t N, const void *z, const void *yty, double gamma,
+                     void *out, int32_t *bad) {
+    if (E < 0 || K < 1 || N < 0 || !z || !yty || !out || !bad) return -3;
+    if (dtype == 0)
+        return propagate_f32(E, K, N, (const float *)z, (const float *)yty, (float)gamma, (float *)out, bad, NULL);
+    if (dtype == 1)
+        return propagate_f64(E, K, N, (const double *)z, (const double *)yty, gamma, (double *)out, bad, NULL);
+    return -3;
+}
+
+/* protoLP's whole step after its assignments' kernel: plan [E, K, N - n_reset] holds
+ * exp(-lam cost) of the queries (overwritten: balanced as pt_map.sinkhorn balances it, each plan
+ * divided by its total, samples to 1, classes to plan_target[e], to plan_tol, over ways[e] classes
+ * and plan_cols[e] samples or all), z [E, K, N] receives [reset | plan] (the step's assignments),
+ * then poodle_propagate's propagation, where the system was positive definite the balanced sweeps
+ * of proto_lp.lp_normalise (samples to 1, classes to target[e], the first n_reset samples reset
+ * after each, to tol; cols[e] samples or all) and the mask clamp(mix P + keep z, 0, 1) (keep =
+ * 1 - mix) into out. One call a step for what the torch formulation does in about 30 operations
+ * and two LAPACK calls per episode. Returns the number of episodes whose system was not positive
+ * definite (bad[e] = 1: their z is written, their out left to the caller), or poodle_propagate's
+ * error codes. */
+int poodle_lp_assign_step(int32_t dtype, int64_t E, int32_t K, int32_t N, void *plan, const double *plan_target,
+                          double plan_tol, const int64_t *plan_cols, void *z, const void *yty, double gamma, double mix,
+                          double keep, const void *reset, int32_t n_reset, const double *target, double tol,
+                          int32_t max_iter, const int64_t *ways, const int64_t *cols, void *out, int32_t *bad) {
+    if (E < 0 || K < 1 || N < 0 || !z || !yty || !out || !bad || !target || n_reset < 0 || n_reset > N ||
+        (n_reset > 0 && !reset) || max_iter < 0 || !plan || !plan_target)
+        return -3;
+    if (dtype == 0) {
+        struct lp_f32 lp = {(float)mix, (float)keep, (const float *)reset, n_reset, target, tol, max_iter, ways, cols,
+                            (float *)plan, N - n_reset, plan_target, plan_tol, plan_cols};
+        return propagate_f32(E, K, N, (const float *)z, (const float *)yty, (float)gamma, (float *)out, bad, &lp);
+    }
+    if (dtype == 1) {
+        struct lp_f64 lp = {mix, keep, (const double *)reset, n_reset, target, tol, max_iter, ways, cols,
+                            (double *)plan, N - n_reset, plan_target, plan_tol, plan_cols};
+        return propagate_f64(E, K, N, (const double *)z, (const double *)yty, gamma, (double *)out, bad, &lp);
+    }
+    return -3;
 }
 
 /* Run a->E episodes in place (a->p, a->iters). Returns 0; -1 when a buffer cannot be allocated;
@@ -227,6 +314,199 @@ static int CAT(balanced, SUF)(REAL *p, int64_t ld, int k, int n, const REAL *res
         }
     }
     return it;
+}
+
+/* sum of row[d]^2 for d < D, in vector lanes */
+static inline REAL CAT(sqsum, SUF)(const REAL *row, int64_t D) {
+    V acc = {0};
+    int64_t d = 0;
+    for (; d + VL <= D; d += VL) {
+        V v = CAT(load, SUF)(row + d);
+        acc += v * v;
+    }
+    REAL s = CAT(hsum, SUF)(acc);
+    for (; d < D; d++) s += row[d] * row[d];
+    return s;
+}
+
+/* row /= max(||row||, 1e-12) (F.normalize's floor) */
+static inline void CAT(unit, SUF)(REAL *row, int64_t D) {
+    REAL n = CAT(sqrt_, SUF)(CAT(sqsum, SUF)(row, D));
+    if (n < (REAL)1e-12) n = (REAL)1e-12;
+    for (int64_t d = 0; d < D; d++) row[d] /= n;
+}
+
+/* poodle_pemne for one REAL: rows of the parts [first, last) of one episode form one group */
+static int CAT(pemne, SUF)(int64_t E, int64_t D, int n_parts, const int64_t *rows, const void *const *x,
+                           const int64_t *x_es, const int64_t *x_rs, REAL *out, int64_t o_es, int64_t o_rs,
+                           REAL zero_value, int centre, const uint8_t *keep, int64_t k_es) {
+    REAL *mean = NULL;
+    if (centre && !(mean = malloc(sizeof(REAL) * (size_t)D))) return -1;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t r0 = 0; /* first row of the group in out */
+        for (int first = 0; first < n_parts;) {
+            int last = centre == 1 ? n_parts : first + 1;
+            int64_t n_real = 0, r = r0;
+            if (centre) memset(mean, 0, sizeof(REAL) * (size_t)D);
+            for (int p = first; p < last; p++)
+                for (int64_t i = 0; i < rows[p]; i++, r++) {
+                    const REAL *restrict a = (const REAL *)x[p] + e * x_es[p] + i * x_rs[p];
+                    REAL *restrict b = out + e * o_es + r * o_rs;
+                    if (keep && !keep[e * k_es + r]) {
+                        memset(b, 0, sizeof(REAL) * (size_t)D);
+                        continue;
+                    }
+                    /* two loops, as poodle_power_half: GCC vectorizes neither the select nor the
+                     * copysign in the loop that takes the sqrt */
+                    for (int64_t d = 0; d < D; d++) b[d] = CAT(sqrt_, SUF)(CAT(fabs_, SUF)(a[d]) + (REAL)1e-6);
+                    for (int64_t d = 0; d < D; d++) b[d] = a[d] == (REAL)0 ? zero_value : CAT(copysign_, SUF)(b[d], a[d]);
+                    CAT(unit, SUF)(b, D);
+                    if (centre) {
+                        for (int64_t d = 0; d < D; d++) mean[d] += b[d];
+                        n_real++;
+                    }
+                }
+            if (centre) {
+                /* torch: the mean of the rows, or over the real ones (at least one) */
+                REAL count = (REAL)(keep ? (n_real > 0 ? n_real : 1) : r - r0);
+                for (int64_t d = 0; d < D; d++) mean[d] /= count;
+                for (int64_t q = r0; q < r; q++) {
+                    if (keep && !keep[e * k_es + q]) continue;
+                    REAL *b = out + e * o_es + q * o_rs;
+                    for (int64_t d = 0; d < D; d++) b[d] -= mean[d];
+                    CAT(unit, SUF)(b, D);
+                }
+            }
+            r0 = r;
+            first = last;
+        }
+    }
+    free(mean);
+    return 0;
+}
+
+/* protoLP's propagation of one episode (poodle_propagate): o = A^T z, or 0 (o untouched) where the
+ * system is not positive definite; zd [K, N], m and a [K, K], delta [K] are the caller's buffers */
+static int CAT(propagate_one, SUF)(const REAL *ze, const REAL *y, int K, int N, REAL gamma, REAL *o, REAL *zd,
+                                   REAL *m, REAL *a, REAL *delta) {
+    for (int k = 0; k < K; k++) {
+        REAL s = 0;
+        for (int n = 0; n < N; n++) s += ze[k * N + n];
+        delta[k] = s < (REAL)TINY_MASS ? (REAL)TINY_MASS : s;
+        for (int n = 0; n < N; n++) zd[k * N + n] = ze[k * N + n] / delta[k];
+    }
+    /* the lower triangle of M = yty + gamma (I - W), W_ij = <z_i, zd_j>; then its Cholesky factor
+     * in place (lower), as potrf */
+    for (int i = 0; i < K; i++)
+        for (int j = 0; j <= i; j++) {
+            V acc = {0};
+            int n = 0;
+            for (; n + VL <= N; n += VL) acc += CAT(load, SUF)(ze + i * N + n) * CAT(load, SUF)(zd + j * N + n);
+            REAL w = CAT(hsum, SUF)(acc);
+            for (; n < N; n++) w += ze[i * N + n] * zd[j * N + n];
+            m[i * K + j] = y[i * K + j] + gamma * ((i == j ? (REAL)1 : (REAL)0) - w);
+        }
+    for (int j = 0; j < K; j++) {
+        REAL d = m[j * K + j];
+        for (int k = 0; k < j; k++) d -= m[j * K + k] * m[j * K + k];
+        if (!(d > 0)) return 0;
+        d = CAT(sqrt_, SUF)(d);
+        m[j * K + j] = d;
+        for (int i = j + 1; i < K; i++) {
+            REAL t = m[i * K + j];
+            for (int k = 0; k < j; k++) t -= m[i * K + k] * m[j * K + k];
+            m[i * K + j] = t / d;
+        }
+    }
+    /* L L^T A = yty, column by column: L y = b, then L^T a = y */
+    for (int c = 0; c < K; c++) {
+        for (int i = 0; i < K; i++) {
+            REAL t = y[i * K + c];
+            for (int k = 0; k < i; k++) t -= m[i * K + k] * a[k * K + c];
+            a[i * K + c] = t / m[i * K + i];
+        }
+        for (int i = K - 1; i >= 0; i--) {
+            REAL t = a[i * K + c];
+            for (int k = i + 1; k < K; k++) t -= m[k * K + i] * a[k * K + c];
+            a[i * K + c] = t / m[i * K + i];
+        }
+    }
+    /* o_k = sum_i A_ik z_i */
+    for (int k = 0; k < K; k++) {
+        REAL *row = o + k * N;
+        for (int n = 0; n < N; n++) row[n] = 0;
+        for (int i = 0; i < K; i++) {
+            const REAL c = a[i * K + k], *zi = ze + i * N;
+            for (int n = 0; n < N; n++) row[n] += c * zi[n];
+        }
+    }
+    return 1;
+}
+
+/* poodle_propagate for one REAL; with lp (protoLP's step, poodle_lp_assign_step),
+ * each propagated plan then goes through the balanced sweeps (the first n_reset samples reset to
+ * reset after each) and becomes its mask clamp(mix P + (1 - mix) z, 0, 1) */
+struct CAT(lp, SUF) {
+    REAL mix, keep;
+    const REAL *reset;
+    int n_reset;
+    const double *target;
+    double tol;
+    int max_iter;
+    const int64_t *ways, *cols;
+    /* with plan (poodle_lp_assign_step): the assignments' exp(-lam cost) [E, K, n_plan], balanced
+     * first (each plan divided by its total, samples to 1, classes to plan_target[e], to plan_tol;
+     * plan_cols[e] samples or all), then z = [reset | plan] is written to the caller's z */
+    REAL *plan;
+    int n_plan;
+    const double *plan_target;
+    double plan_tol;
+    const int64_t *plan_cols;
+};
+
+static int CAT(propagate, SUF)(int64_t E, int K, int N, const REAL *z, const REAL *yty, REAL gamma, REAL *out,
+                               int32_t *bad, const struct CAT(lp, SUF) *lp) {
+    size_t kk = (size_t)K * (size_t)K, kn = (size_t)K * (size_t)(N > 0 ? N : 1), n1 = (size_t)(N > 0 ? N : 1);
+    REAL *buf = malloc(sizeof(REAL) * (kn + 2 * kk + (size_t)K + 3 * n1));
+    if (!buf) return -1;
+    REAL *zd = buf, *m = zd + kn, *a = m + kk, *delta = a + kk, *rows = delta + K, *inv = rows + n1, *u = inv + n1;
+    int rc = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const REAL *ze = z + e * (int64_t)K * N;
+        REAL *o = out + e * (int64_t)K * N;
+        if (lp && lp->plan) {
+            int k = lp->ways ? (int)lp->ways[e] : K, n = lp->plan_cols ? (int)lp->plan_cols[e] : lp->n_plan;
+            if (k < 0 || k > K || n < 0 || n > lp->n_plan) {
+                rc = -3;
+                break;
+            }
+            REAL *q = lp->plan + e * (int64_t)K * lp->n_plan, *zw = (REAL *)ze;
+            CAT(balanced, SUF)(q, lp->n_plan, k, n, NULL, 0, (REAL)lp->plan_target[e], lp->plan_tol, lp->max_iter,
+                               1, rows, inv, u);
+            for (int c = 0; c < K; c++) {
+                memcpy(zw + c * N, lp->reset + (e * K + c) * (int64_t)lp->n_reset, sizeof(REAL) * (size_t)lp->n_reset);
+                memcpy(zw + c * N + lp->n_reset, q + c * lp->n_plan, sizeof(REAL) * (size_t)lp->n_plan);
+            }
+        }
+        bad[e] = !CAT(propagate_one, SUF)(ze, yty + e * (int64_t)kk, K, N, gamma, o, zd, m, a, delta);
+        if (bad[e] || !lp) continue;
+        int k = lp->ways ? (int)lp->ways[e] : K, n = lp->cols ? (int)lp->cols[e] : N;
+        if (k < 0 || k > K || n < lp->n_reset || n > N) {
+            rc = -3;
+            break;
+        }
+        CAT(balanced, SUF)(o, N, k, n, lp->reset + e * (int64_t)K * lp->n_reset, lp->n_reset, (REAL)lp->target[e],
+                           lp->tol, lp->max_iter, 0, rows, inv, u);
+        for (int64_t j = 0; j < (int64_t)K * N; j++) {
+            REAL v = lp->mix * o[j] + lp->keep * ze[j];
+            o[j] = v < 0 ? 0 : v > 1 ? 1 : v;
+        }
+    }
+    free(buf);
+    if (rc < 0) return rc;
+    int n_bad = 0;
+    for (int64_t e = 0; e < E; e++) n_bad += bad[e] != 0;
+    return n_bad;
 }
 
 /* The min-size sweeps of one episode (bms.min_size_sinkhorn): samples to 1, then every class of

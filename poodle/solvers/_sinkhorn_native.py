@@ -7,7 +7,10 @@ plan, each costing microseconds of dispatch for a few hundred numbers; PT-MAP sp
 time in about 400 such sweeps an episode. The C loop does the same arithmetic with the sums written
 out and one reciprocal per sample (6.5x faster sweeps on the standard workload, plans within float
 rounding of torch's). On CUDA the same loop runs as one Triton program per episode
-(:mod:`poodle.solvers._triton_sinkhorn`).
+(:mod:`poodle.solvers._triton_sinkhorn`). The same library holds the three methods' feature
+pipeline at exponent 1/2 (:func:`pemne`, :func:`power_half`) and protoLP's label propagation
+(:func:`propagate`), each an episode at a time in cache where torch makes a pass over the chunk per
+operation.
 
 The library is built and loaded by the machinery of :mod:`poodle.solvers._native` (the same private
 directory, ownership and mode checks, compiler, flags and CPU key, the same interface and
@@ -100,6 +103,15 @@ def _open(path: Path, source_hash: str) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.poodle_power_half.restype = ctypes.c_int
     lib.poodle_power_half.argtypes = [ctypes.c_int32, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ctypes.c_double]
+    lib.poodle_propagate.restype = ctypes.c_int
+    lib.poodle_propagate.argtypes = [ctypes.c_int32, i64, ctypes.c_int32, ctypes.c_int32, ptr, ptr, ctypes.c_double]
+    lib.poodle_propagate.argtypes += [ptr, ptr]
+    lib.poodle_lp_assign_step.restype = ctypes.c_int
+    i32, f64 = ctypes.c_int32, ctypes.c_double
+    lib.poodle_lp_assign_step.argtypes = [i32, i64, i32, i32, ptr, ptr, f64, ptr, ptr, ptr, f64, f64, f64, ptr, i32]
+    lib.poodle_lp_assign_step.argtypes += [ptr, f64, i32, ptr, ptr, ptr, ptr]
+    lib.poodle_pemne.restype = ctypes.c_int
+    lib.poodle_pemne.argtypes = [i32, i64, i64, i32, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_double, i32, ptr, i64]
     return lib
 
 
@@ -308,4 +320,150 @@ def power_half(x: Tensor, out: Tensor, zero_value: float) -> Tensor:
     return out
 
 
-__all__ = ["MODES", "SINKHORN_INTERFACE", "SinkhornArgs", "formulation", "load", "power_half", "run", "state", "usable"]
+CENTRES = {"none": 0, "all": 1, "parts": 2}
+
+
+def pemne(parts: list[Tensor], centre: str, keep: Tensor | None, zero_value: float) -> Tensor:
+    """The rows of ``parts`` (``[E, n_i, D]`` each, one dtype) stacked into a new ``[E, sum n_i, D]``:
+    each row's power transform at exponent 1/2 (:func:`power_half`) divided by its norm (floored at
+    1e-12, ``F.normalize``); with ``centre`` ``"all"`` (PEMnE-BMS) every row then minus the mean of
+    all, with ``"parts"`` (PT-MAP) each part's rows minus their own mean, and divided by the new
+    norm (``"none"``: protoLP, no centring). ``keep [E, sum n_i]`` (bool, or None: all) marks the
+    real rows of a ragged chunk: a padded row comes out zero and enters no mean. Each episode's rows
+    in two passes of the C library (``poodle_pemne``) that keep them in cache; the same values as
+    the torch formulation (:func:`poodle.solvers.pt_map.preprocess`, :func:`poodle.solvers.bms.peme`)
+    to float rounding (norms and means summed in another order)."""
+    lib = load()
+    assert lib is not None
+    dt, (E, _, D) = parts[0].dtype, parts[0].shape
+    if any(t.dim() != 3 or t.shape[0] != E or t.shape[2] != D or t.dtype != dt for t in parts) or dt not in _DTYPES:
+        raise ValueError(f"pemne: parts {[(tuple(t.shape), t.dtype) for t in parts]} do not stack along the rows")
+    parts = [t if t.stride(-1) == 1 else t.contiguous() for t in parts]
+    rows = [t.shape[1] for t in parts]
+    out = parts[0].new_empty(E, sum(rows), D)
+    if keep is not None:
+        if keep.shape != out.shape[:2]:
+            raise ValueError(f"pemne: keep {tuple(keep.shape)} is not [E, rows] = {tuple(out.shape[:2])}")
+        keep = keep.to(device="cpu", dtype=torch.bool).contiguous()
+    n = len(parts)
+    i64s = ctypes.c_int64 * n
+    rc = lib.poodle_pemne(
+        _DTYPES[dt], E, D, n, i64s(*rows), (ctypes.c_void_p * n)(*[t.data_ptr() for t in parts]),
+        i64s(*[t.stride(0) for t in parts]), i64s(*[t.stride(1) for t in parts]),
+        out.data_ptr(), out.stride(0), out.stride(1), zero_value, CENTRES[centre],
+        None if keep is None else keep.data_ptr(), 0 if keep is None else keep.stride(0),
+    )  # fmt: skip
+    if rc == -1:
+        raise MemoryError(f"the fused feature transform could not allocate its buffer for D = {D}")
+    if rc != 0:
+        raise RuntimeError(f"the fused feature transform refused its arguments (code {rc})")
+    return out
+
+
+def propagate(z: Tensor, yty: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
+    """protoLP's label propagation (:func:`poodle.solvers.proto_lp.propagate`) of assignments
+    ``z [E, K, N]`` (classes first) with ``yty [E, K, K]``, each episode in one C pass
+    (``poodle_propagate``: the graph, the Cholesky factor of its system, the solve and the
+    product): ``(P^T [E, K, N], bad [E])``, ``bad`` True where the system is not positive definite
+    (those episodes' rows of ``P^T`` are left for the caller's pseudo-inverse). The same as the torch
+    formulation to float rounding."""
+    lib = load()
+    assert lib is not None
+    E, K, N = z.shape
+    if yty.shape != (E, K, K) or yty.dtype != z.dtype or z.dtype not in _DTYPES:
+        raise ValueError(f"propagate: z {tuple(z.shape)} {z.dtype} and yty {tuple(yty.shape)} {yty.dtype} differ")
+    z, yty = z.contiguous(), yty.contiguous()
+    out = torch.zeros_like(z)
+    bad = torch.zeros(E, dtype=torch.int32)
+    rc = lib.poodle_propagate(
+        _DTYPES[z.dtype], E, K, N, z.data_ptr(), yty.data_ptr(), gamma, out.data_ptr(), bad.data_ptr()
+    )
+    if rc == -1:
+        raise MemoryError(f"the fused label propagation could not allocate its buffers for {K} x {N}")
+    if rc < 0:
+        raise RuntimeError(f"the fused label propagation refused its arguments (code {rc})")
+    return out, bad.bool()
+
+
+class LPStep:
+    """protoLP's step after its assignments' kernel, one C call a step (``poodle_lp_assign_step``)
+    on buffers made once per solve: the queries' ``exp(-lam cost)`` is balanced as
+    :func:`poodle.solvers.pt_map.sinkhorn` balances it (each plan divided by its total, samples 1,
+    classes ``plan_target``, to ``plan_tol``), the step's assignments ``z = [reset | plan]`` formed,
+    then :func:`propagate`, the balanced sweeps of :func:`poodle.solvers.proto_lp.lp_normalise`
+    (classes ``target``, the support samples reset to ``reset [E, K, Ns]`` after each sweep, to
+    ``tol``) and the mask ``clamp(mix P + (1 - mix) z, 0, 1)``. ``ways``, ``plan_cols``, ``cols``
+    (``[E]`` or None): a ragged chunk's classes and samples of each plan. The same as the torch
+    formulation to float rounding."""
+
+    def __init__(
+        self,
+        yty: Tensor,
+        reset: Tensor,
+        n_plan: int,
+        gamma: float,
+        mix: float,
+        plan_target: Tensor | float,
+        plan_tol: float,
+        target: Tensor | float,
+        tol: float,
+        max_iter: int,
+        ways: Tensor | None = None,
+        plan_cols: Tensor | None = None,
+        cols: Tensor | None = None,
+    ) -> None:
+        lib = load()
+        assert lib is not None
+        E, K, n_reset = reset.shape
+        dt = reset.dtype
+        if yty.shape != (E, K, K) or dt not in _DTYPES:
+            raise ValueError(f"LPStep: yty {tuple(yty.shape)} and reset {tuple(reset.shape)} {dt} differ")
+        self.lib, self.dtype, self.shape = lib, dt, (E, K, n_plan)
+        self.yty, self.reset = yty.to(dt).contiguous(), reset.contiguous()
+        self.plan_target = torch.as_tensor(plan_target, dtype=torch.float64).expand(E).contiguous()
+        self.target = torch.as_tensor(target, dtype=torch.float64).expand(E).contiguous()
+        self.ways, self.plan_cols, self.cols = _sizes(ways), _sizes(plan_cols), _sizes(cols)
+        self.z = reset.new_empty(E, K, n_reset + n_plan)
+        self.out = torch.empty_like(self.z)
+        self.bad = torch.zeros(E, dtype=torch.int32)
+
+        def ptr(t: Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        self._head = (_DTYPES[dt], E, K, n_reset + n_plan)
+        self._tail = (
+            ptr(self.plan_target), plan_tol, ptr(self.plan_cols), self.z.data_ptr(), self.yty.data_ptr(), gamma, mix,
+            1 - mix, self.reset.data_ptr(), n_reset, self.target.data_ptr(), tol, max_iter, ptr(self.ways),
+            ptr(self.cols), self.out.data_ptr(), self.bad.data_ptr(),
+        )  # fmt: skip
+
+    def __call__(self, plan: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``plan [E, K, Nq]``: the queries' ``exp(-lam cost)`` (overwritten with their balanced
+        plan). Returns ``(mask [E, K, N], z [E, K, N], bad)`` (buffers of this object, rewritten by
+        the next call); ``bad [E]`` (bool) marks the episodes whose system was not positive
+        definite (their mask is left to the caller), None when there is none."""
+        if plan.shape != self.shape or plan.dtype != self.dtype or not plan.is_contiguous():
+            raise ValueError(f"LPStep: plan {tuple(plan.shape)} {plan.dtype} is not a contiguous {self.shape}")
+        rc = self.lib.poodle_lp_assign_step(*self._head, plan.data_ptr(), *self._tail)
+        if rc == -1:
+            raise MemoryError(f"protoLP's fused step could not allocate its buffers for {self.shape}")
+        if rc < 0:
+            raise RuntimeError(f"protoLP's fused step refused its arguments (code {rc})")
+        return self.out, self.z, (self.bad.bool() if rc else None)
+
+
+__all__ = [
+    "CENTRES",
+    "MODES",
+    "SINKHORN_INTERFACE",
+    "SinkhornArgs",
+    "formulation",
+    "LPStep",
+    "load",
+    "pemne",
+    "power_half",
+    "propagate",
+    "run",
+    "state",
+    "usable",
+]

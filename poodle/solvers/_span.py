@@ -136,6 +136,17 @@ class RowSpan:
             return state / self.sqnorm(state).sqrt_().clamp_min_(1e-12).unsqueeze(2)
         return F.normalize(state, dim=-1)
 
+    def normalize_dots(self, state: Tensor) -> tuple[Tensor, Tensor]:
+        """``(normalize(state), dots(normalize(state)))``. In the Gram form from the one product that
+        the norms take (``A G``): the unit centres' scores are the centres' divided by their norms
+        (float rounding of :meth:`dots` of the unit state, the state itself the same bits)."""
+        if not self.gram:
+            unit = self.normalize(state)
+            return unit, self.dots(unit)
+        ag = torch.bmm(state, self.g)
+        norm = (ag * state).sum(2).sqrt_().clamp_min_(1e-12).unsqueeze(2)
+        return state / norm, ag[:, :, self.n_s :] / norm
+
     def explicit(self, state: Tensor) -> Tensor:
         """The centres ``[E, K, D]``."""
         if not self.gram:

@@ -53,7 +53,14 @@ from poodle.solvers import _sinkhorn_native, _triton_sinkhorn
 from poodle.solvers._span import RowSpan, span_flops, use_gram
 from poodle.solvers._transductive import TINY, dist_flops, grad_ready, syncs_freely
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
-from poodle.solvers.pt_map import centre_, plan_log_probs, plan_shape, transformed_rows, unit_rows_
+from poodle.solvers.pt_map import (
+    centre_,
+    fused_transform,
+    plan_log_probs,
+    plan_shape,
+    transformed_rows,
+    unit_rows_,
+)
 
 
 @dataclass
@@ -70,7 +77,10 @@ class BMSConfig:
 def peme(parts: list[Tensor], power: float, mask: Tensor | None = None) -> Tensor:
     """PEMnE on all samples of each episode, ``parts`` (``[E, n_i, D]`` each) stacked along the rows:
     ``[E, sum n_i, D]``. With ``mask [E, sum n_i]`` (real rows), the mean is over the real rows and
-    padded rows come out zero."""
+    padded rows come out zero. At ``power = 1/2`` on the CPU in the fused library's two passes
+    over each episode's rows (:func:`~poodle.solvers._sinkhorn_native.pemne`; float rounding)."""
+    if fused_transform(parts[0], power):
+        return _sinkhorn_native.pemne(parts, "all", mask, 1e-6**power)
     return unit_rows_(centre_(transformed_rows(parts, power), mask))
 
 
@@ -189,7 +199,8 @@ def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
     span = RowSpan(z, n_s, way, cfg.steps, cfg.steps, gram=False if cfg.epochs > 0 else None)
     classes = batch.class_mask
     den = y_t.sum(2, keepdim=True)
-    mu = span.normalize(span.support_sum(y_t) / (den if classes is None else den.clamp_min(1.0)))
+    # the unit centres and their scores, from one product in the Gram form
+    mu, dots = span.normalize_dots(span.support_sum(y_t) / (den if classes is None else den.clamp_min(1.0)))
     if shape is None:
         min_size = torch.full((z.shape[0],), float(batch.shot), dtype=z.dtype, device=z.device)
     else:  # each episode's own shot, as a fixed episode's: its support rows // its ways
@@ -197,7 +208,7 @@ def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
         min_size = torch.div((batch.support_labels >= 0).sum(1), ways, rounding_mode="floor").to(z.dtype)
     q = None
     for _ in range(cfg.steps):
-        logits = span.dots(mu).mul_(cfg.lam)
+        logits = dots.mul_(cfg.lam)
         if shape is None:
             q = torch.softmax(logits, 1)
         else:
@@ -212,10 +223,13 @@ def bms(batch: EpisodeBatch, cfg: BMSConfig) -> SolverOutput:
         counts = one_hot(label, way, z.dtype).sum(1)  # [E, K]
         min_size = (counts if classes is None else counts.masked_fill(~classes, float("inf"))).amin(1)
         den = w.sum(2, keepdim=True)
-        mu = span.normalize(span.sum(w) / (den if classes is None else den.clamp_min(TINY)))
+        state = span.sum(w) / (den if classes is None else den.clamp_min(TINY))
         if cfg.epochs > 0:
             n_rows = None if rows is None else rows.sum(1).to(z.dtype)
-            mu = _refine(z, mu, w.transpose(1, 2), cfg.epochs, cfg.lr, cfg.momentum, classes, n_rows)
+            mu = _refine(z, span.normalize(state), w.transpose(1, 2), cfg.epochs, cfg.lr, cfg.momentum, classes, n_rows)
+            dots = span.dots(mu)
+        else:
+            mu, dots = span.normalize_dots(state)
     assert q is not None  # cfg.steps >= 1
     q = q.transpose(1, 2).contiguous()
     return SolverOutput(plan_log_probs(q, batch), {"prototypes": span.explicit(mu), "assignments": q})

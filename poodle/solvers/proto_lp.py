@@ -39,8 +39,10 @@ ours with one episode per call; 99.3% of predictions agree when they run 100 gly
 Their released code has no command line; benchmarks/compare_official.py drives their functions on
 the same episodes (docs/transductive.md).
 
-On the CPU both Sinkhorn loops run each episode's sweeps in one C loop
-(:mod:`poodle.solvers._sinkhorn_native`), on CUDA in one Triton program per episode
+On the CPU a balanced step runs in one C call (:class:`poodle.solvers._sinkhorn_native.LPStep`:
+per episode, the assignments' sweeps, the propagation and its solve, the label sweeps and the mix),
+the final assignments' sweeps in the C loop (:mod:`poodle.solvers._sinkhorn_native`); on CUDA both
+Sinkhorn loops run in one Triton program per episode
 (:mod:`poodle.solvers._triton_sinkhorn`); elsewhere, or without a C compiler or Triton, the torch
 formulation. In a ragged chunk a padded row is zero from the power transform on (it enters neither
 the projection's Gram matrix nor a mean nor the graph) and a padded class takes no mass: each
@@ -56,6 +58,7 @@ import torch
 from torch import Tensor
 
 from poodle.options import option
+from poodle.solvers import _sinkhorn_native
 from poodle.solvers._span import RowSpan, span_flops, use_gram
 from poodle.solvers._transductive import TINY, batched_eigh, row_sqnorm
 from poodle.solvers.base import EpisodeBatch, SolverOutput, one_hot, register
@@ -63,6 +66,7 @@ from poodle.solvers.pt_map import (
     Shape,
     balance,
     centre_,
+    fused_transform,
     plan_log_probs,
     plan_shape,
     sinkhorn,
@@ -116,10 +120,13 @@ def preprocess(parts: list[Tensor], power: float, reduced_dim: int, mask: Tensor
     """The features of ``parts`` (``[E, n_i, D]`` each) stacked along the rows, transformed:
     ``[E, sum n_i, d]``. With ``mask [E, sum n_i]`` (real rows), padded rows are zero from the
     power transform on: they enter neither the projection nor the mean."""
-    z = transformed_rows(parts, power)
-    w = None if mask is None else mask.to(z.dtype).unsqueeze(2)
-    if w is not None:
-        z.mul_(w)
+    w = None if mask is None else mask.to(parts[0].dtype).unsqueeze(2)
+    if fused_transform(parts[0], power):  # padded rows come out zero
+        z = _sinkhorn_native.pemne(parts, "none", mask, 1e-6**power)
+    else:
+        z = transformed_rows(parts, power)
+        if w is not None:
+            z.mul_(w)
     if reduced_dim > 0:
         z = svd_project(z, reduced_dim)
         if w is not None:
@@ -135,7 +142,23 @@ def lower_symmetric(m: Tensor) -> Tensor:
 
 def propagate(z: Tensor, yty: Tensor, gamma: float) -> Tensor:
     """Label propagation over the prototype graph: ``z [E, K, N]`` assignments (classes first, the
-    support samples first and one-hot), ``yty = Y_s^T Y_s [E, K, K]`` -> ``P^T = (z^T A)^T [E, K, N]``."""
+    support samples first and one-hot), ``yty = Y_s^T Y_s [E, K, K]`` -> ``P^T = (z^T A)^T [E, K, N]``.
+
+    On the CPU each episode's graph, solve and product run in one C pass
+    (:func:`~poodle.solvers._sinkhorn_native.propagate`, float rounding of the torch formulation:
+    about 20 batched operations and two LAPACK calls per matrix of a few classes); an episode whose
+    system is not positive definite takes the torch formulation's pseudo-inverse."""
+    if _sinkhorn_native.usable(z):
+        out, bad = _sinkhorn_native.propagate(z, yty, gamma)
+        if bool(bad.any()):
+            idx = bad.nonzero().squeeze(1)
+            out[idx] = _propagate(z[idx], yty[idx], gamma)
+        return out
+    return _propagate(z, yty, gamma)
+
+
+def _propagate(z: Tensor, yty: Tensor, gamma: float) -> Tensor:
+    """:func:`propagate`'s torch formulation."""
     k = z.shape[1]
     delta = z.sum(2).clamp_min(TINY)  # [E, K]
     w = torch.bmm(z, (z / delta.unsqueeze(2)).transpose(1, 2))
@@ -161,6 +184,15 @@ def lp_normalise(
         p = p / p.sum(1, keepdim=True).clamp_min(TINY)
         return torch.cat([y_t, p[:, :, y_t.shape[2] :]], 2)
     return balance(p, col_mass, tol, max_iter, reset=y_t, shape=shape)
+
+
+def lp_mask(zz: Tensor, yty: Tensor, y_t: Tensor, cfg: ProtoLPConfig, col_mass: float, shape: Shape | None) -> Tensor:
+    """A step's weights after the assignments ``zz [E, K, N]``: the propagated labels, normalised
+    (:func:`lp_normalise`), mixed with ``zz`` and clamped to ``[0, 1]`` (``[E, K, N]``)."""
+    p = lp_normalise(
+        propagate(zz, yty, cfg.gamma), y_t, col_mass, cfg.balanced, cfg.lp_tol, cfg.sinkhorn_max_iter, shape
+    )
+    return (cfg.mix * p + (1 - cfg.mix) * zz).clamp_(0, 1)
 
 
 def _flops(Ns: int, Nq: int, M: int, D: int, way: int, cfg: ProtoLPConfig) -> float:
@@ -218,18 +250,35 @@ def proto_lp(batch: EpisodeBatch, cfg: ProtoLPConfig) -> SolverOutput:
         # a padded class takes no probability, a padded query (no real class) none at all
         return torch.softmax(cost.mul_(-cfg.lam).masked_fill_(~shape.keep, float("-inf")), 1).nan_to_num_(0.0)
 
+    lp_mass = (n_s + n_q) / way
+    # balanced on the CPU: from the assignments' kernel to the weights, one C call a step (float
+    # rounding of the torch formulation below)
+    fused = None
+    if cfg.balanced and _sinkhorn_native.usable(y_t):
+        fused = _sinkhorn_native.LPStep(
+            yty, y_t, n_q, cfg.gamma, cfg.mix, n_q / way if shape is None else shape.mass, cfg.sinkhorn_tol,
+            lp_mass if lp_shape is None else lp_shape.mass, cfg.lp_tol, cfg.sinkhorn_max_iter,
+            ways=None if shape is None else shape.ways, plan_cols=None if shape is None else shape.cols,
+            cols=None if lp_shape is None else lp_shape.cols,
+        )  # fmt: skip
+
+    def weights(mu: Tensor) -> Tensor:  # [E, K, N]
+        if fused is None:
+            zz = torch.cat([y_t, assign(mu)], 2)
+            return lp_mask(zz, yty, y_t, cfg, lp_mass, lp_shape)
+        dots, sq = span.scores(mu)  # the kernel as sinkhorn() takes it
+        kernel = dots.mul(-2.0).add_(q2).add_(sq.unsqueeze(2)).clamp_min_(0.0).mul_(-cfg.lam).exp_().contiguous()
+        if shape is not None:
+            kernel.masked_fill_(~shape.keep, 0.0)
+        mask, zz, bad = fused(kernel)
+        if bad is not None:  # a system that is not positive definite: the pseudo-inverse
+            idx = bad.nonzero().squeeze(1)
+            sub = None if lp_shape is None else lp_shape.select(idx)
+            mask[idx] = lp_mask(zz[idx], yty[idx], y_t[idx], cfg, lp_mass, sub)
+        return mask
+
     for _ in range(cfg.steps):
-        zz = torch.cat([y_t, assign(mu)], 2)  # [E, K, N]
-        p = lp_normalise(
-            propagate(zz, yty, cfg.gamma),
-            y_t,
-            (n_s + n_q) / way,
-            cfg.balanced,
-            cfg.lp_tol,
-            cfg.sinkhorn_max_iter,
-            lp_shape,
-        )
-        mask = (cfg.mix * p + (1 - cfg.mix) * zz).clamp_(0, 1)
+        mask = weights(mu)
         den = mask.sum(2, keepdim=True)  # [E, K, 1] >= support
         est = span.sum(mask) / den.clamp_min(TINY)
         mu = mu + cfg.alpha * (est - mu)

@@ -84,6 +84,18 @@ def unit_rows_(x: Tensor) -> Tensor:
     return x.div_(torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(1e-12))
 
 
+def fused_transform(x: Tensor, beta: float) -> bool:
+    """Whether the feature pipelines run in the fused library
+    (:func:`~poodle.solvers._sinkhorn_native.pemne`): at exponent 1/2 (its formula) on features
+    ``x [E, n, D]`` the library takes (reports the formulation to the backend)."""
+    return beta == 0.5 and x.dim() == 3 and _sinkhorn_native.usable(x)
+
+
+def real_rows(mask: Tensor | None, x: Tensor) -> Tensor:
+    """``mask [E, n]`` (real rows of ``x [E, n, D]``), or all True where it is None."""
+    return torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask
+
+
 def transformed_rows(parts: list[Tensor], beta: float) -> Tensor:
     """The power-transformed, unit rows of ``parts`` (each ``[E, n_i, D]``) stacked along the rows
     into one new ``[E, sum n_i, D]`` tensor: each pass over the features runs in place."""
@@ -109,7 +121,15 @@ def preprocess(
 ) -> Tensor:
     """PT-MAP's feature pipeline for ``[E, Ns, D]`` support and ``[E, Nq, D]`` query sets (each
     centred on its own mean): ``[E, Ns + Nq, D]``, support first. With ``s_mask [E, Ns]`` /
-    ``q_mask [E, Nq]`` (real rows), each mean is over the real rows and padded rows come out zero."""
+    ``q_mask [E, Nq]`` (real rows), each mean is over the real rows and padded rows come out zero.
+
+    At ``beta = 1/2`` on the CPU, the fused library's two passes over each episode's rows
+    (:func:`~poodle.solvers._sinkhorn_native.pemne`) compute the same to float rounding."""
+    if fused_transform(z_s, beta):
+        keep = None
+        if s_mask is not None or q_mask is not None:
+            keep = torch.cat([real_rows(m, t) for m, t in ((s_mask, z_s), (q_mask, z_q))], 1)
+        return _sinkhorn_native.pemne([z_s, z_q], "parts", keep, 1e-6**beta)
     z = transformed_rows([z_s, z_q], beta)
     for block, mask in zip(z.split([z_s.shape[1], z_q.shape[1]], 1), (s_mask, q_mask)):
         centre_(block, mask)
@@ -127,6 +147,11 @@ class Shape:
     cols: Tensor
     keep: Tensor
     mass: Tensor
+
+    def select(self, idx: Tensor) -> Shape:
+        """The shape of the episodes ``idx`` (``[n]`` indices) alone."""
+        ways = None if self.ways is None else self.ways[idx]
+        return Shape(ways, self.cols[idx], self.keep[idx], self.mass[idx])
 
 
 def plan_shape(batch: EpisodeBatch, n_lead: int = 0, dtype: torch.dtype | None = None) -> Shape | None:
