@@ -133,10 +133,20 @@ def test_an_explicit_memory_bound_counts_what_the_call_holds(cache):
     methods = [("po", "poodle", {"steps": 2})]
     held = test.features.numel() * 4 + read_split(cache, "train").features.numel() * 4
     stats: dict = {}
-    evaluate(test, stream, methods, negatives=NegativeSpec("base", 5), cache_path=cache, stats=stats, device="cpu")
+    evaluate(
+        test,
+        stream,
+        methods,
+        negatives=NegativeSpec("base", 5),
+        cache_path=cache,
+        run=RunOptions(device="cpu"),
+        hooks=Hooks(stats=stats),
+    )
     assert stats["held_bytes"] == held
     with pytest.raises(ConfigError, match=f"features and negative pool held for the whole run take {held:,} bytes"):
-        evaluate(test, stream, methods, negatives=NegativeSpec("base", 5), cache_path=cache, max_memory=held)
+        evaluate(
+            test, stream, methods, negatives=NegativeSpec("base", 5), cache_path=cache, run=RunOptions(max_memory=held)
+        )
     plan = plan_chunks(100, 20, 16, 5, torch.device("cpu"), max_memory=held + 100_000, held=held, workers=1)
     assert plan.chunk == 100_000 // (4 * (3 * 20 * 16 + 8 * 6 * 16 + 16 * 20 * 6))  # 6
     edges = [a for a, _ in plan.bounds] + [plan.bounds[-1][1]]
