@@ -477,7 +477,7 @@ def _timed(ctx: Ctx, method: tuple, n: int, backend: Backend | None = None) -> f
     eps = ctx.episodes(n)
     _sync(ctx.dev)
     t = time.perf_counter()
-    evaluate(ctx.test, eps, [method], device=ctx.dev, backend=backend, **ctx.kw())
+    evaluate(ctx.test, eps, [method], run=RunOptions(device=ctx.dev), backend=backend, **ctx.kw())
     _sync(ctx.dev)
     return time.perf_counter() - t
 
@@ -603,9 +603,9 @@ def _agree_one(ctx: Ctx, m: tuple, cap: int, share: float, row: dict[str, Any]) 
         b = min(cap, done + step)
         eps = ctx.episodes(b)[done:b]
         t = time.perf_counter()
-        ref = evaluate(ctx.test, eps, [m], device="cpu", **ctx.kw())[m[0]]
+        ref = evaluate(ctx.test, eps, [m], run=RunOptions(device="cpu"), **ctx.kw())[m[0]]
         torch_only = Backend(native=False)
-        got = evaluate(ctx.test, eps, [m], device=ctx.dev, backend=torch_only, **ctx.kw())[m[0]].cpu()
+        got = evaluate(ctx.test, eps, [m], run=RunOptions(device=ctx.dev), backend=torch_only, **ctx.kw())[m[0]].cpu()
         took = time.perf_counter() - t
         spent += took
         with _quiet():
@@ -667,6 +667,7 @@ def triton(sec: Section, ctx: Ctx) -> None:
     """On CUDA: the Triton step against the torch formulation, per episode and in episodes/s, for
     each method it serves; everywhere: the cost model's prediction of both."""
     dev, kw = ctx.dev, ctx.kw()
+    on_dev = RunOptions(device=dev)
     triton_step = backend_for(RunOptions(cuda_step="triton"))
     methods = _ordered([m for m in _all_methods() if solvers.get(m[1]).triton_step])
     ok, why = _triton_step.available()
@@ -680,8 +681,8 @@ def triton(sec: Section, ctx: Ctx) -> None:
                 row: dict[str, Any] = {}
                 with _share(ctx, max(2 * share, 1.0)):
                     eps = ctx.episodes(ctx.args.agree_episodes)
-                    torch_acc = evaluate(ctx.test, eps, [m], device=dev, **kw)[m[0]].cpu()
-                    tri_acc = evaluate(ctx.test, eps, [m], device=dev, backend=triton_step, **kw)[m[0]].cpu()
+                    torch_acc = evaluate(ctx.test, eps, [m], run=on_dev, **kw)[m[0]].cpu()
+                    tri_acc = evaluate(ctx.test, eps, [m], run=on_dev, backend=triton_step, **kw)[m[0]].cpu()
                     row.update(episodes=len(eps), identical=int((tri_acc == torch_acc).sum()))
                     per[m[0]] = row
                     got = _rate(ctx, m, ctx.args.episodes, share * 0.4)

@@ -21,6 +21,7 @@ from poodle.episodes import EpisodeSpec, sample_episodes
 from poodle.evaluate import evaluate
 from poodle.negatives import NegativeSpec
 from poodle.preprocess import Preprocessor, parse
+from poodle.run import RunOptions
 from poodle.stats import mean_ci
 
 METHODS = [
@@ -73,8 +74,7 @@ def main() -> None:
                 METHODS,
                 negatives=NegativeSpec(args.negatives, args.n_neg),
                 cache_path=args.cache,
-                device="cpu",
-                workers=args.workers,
+                run=RunOptions(device="cpu", workers=args.workers),
                 preprocess=pre,
             )
             for label, *_ in METHODS:

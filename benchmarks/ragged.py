@@ -50,6 +50,7 @@ from poodle import solvers
 from poodle.cache import SplitFeatures
 from poodle.episodes import EpisodeSet, EpisodeSpec
 from poodle.negatives import NegativeSpec
+from poodle.run import RunOptions
 from poodle.solvers import EpisodeBatch
 from poodle.utils import atomic_write
 
@@ -234,12 +235,18 @@ def episode_order() -> Iterator[None]:
 
 
 def solve(split: SplitFeatures, eps: EpisodeSet, method: str, negatives: NegativeSpec, **kw: Any) -> dict[str, Any]:
-    """One :func:`evaluate` call of ``method`` (default options) on one thread: accuracies, CPU and
-    wall seconds, the plan's rows and chunks."""
+    """One :func:`evaluate` call of ``method`` (default options) on one thread (``kw``: more of its
+    :class:`~poodle.run.RunOptions`, ``chunk_size``): accuracies, CPU and wall seconds, the plan's rows
+    and chunks."""
     plans: list[ev.ChunkPlan] = []
     t, c = time.perf_counter(), time.process_time()
     acc = ev.evaluate(
-        split, eps, [(method, method, None)], negatives=negatives, device="cpu", workers=1, planned=plans.append, **kw
+        split,
+        eps,
+        [(method, method, None)],
+        negatives=negatives,
+        run=RunOptions(device="cpu", workers=1, **kw),
+        hooks=ev.Hooks(planned=plans.append),
     )[method]
     cpu, wall = time.process_time() - c, time.perf_counter() - t
     plan = plans[0]

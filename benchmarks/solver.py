@@ -44,8 +44,9 @@ import torch
 from poodle import costmodel, solvers
 from poodle.cache import read_split, write_arrays
 from poodle.episodes import EpisodeSpec, sample_episodes
-from poodle.evaluate import evaluate, prepare_negatives
+from poodle.evaluate import Hooks, evaluate, prepare_negatives
 from poodle.negatives import NegativeSpec
+from poodle.run import RunOptions
 from poodle.solvers import _native
 from poodle.solvers.backend import Backend
 from poodle.solvers.base import EpisodeBatch
@@ -355,7 +356,7 @@ def cost_model_section(test, path: Path, dev: torch.device, n_ep: int, traced: i
         eps, _ = prepare_negatives(sample_episodes(test.labels, spec, n_ep), neg, path, test.features.shape[1])
         for method, options in costmodel.ITERATIVE:
             cfg = solvers.make_config(method, options)
-            kw = dict(negatives=neg, cache_path=path, device=dev, workers=workers)
+            kw = dict(negatives=neg, cache_path=path, run=RunOptions(device=dev, workers=workers))
             evaluate(test, eps[: min(4, n_ep)], [(method, method, cfg)], **kw)  # warm-up
             _sync(dev)
             t = time.perf_counter()
@@ -452,12 +453,12 @@ def roofline_section(test, dev: torch.device, methods: list[str], n_ep: int, wor
             done = solvers.run(method, batch.to(dev), cfg).state.get("iterations")
             iters = None if done is None else float(done.double().mean())
         f_ep = episode_flops(method, cfg, iters)
-        evaluate(test, eps[:4], [(method, method, cfg)], device=dev, workers=workers)  # warm-up
+        evaluate(test, eps[:4], [(method, method, cfg)], run=RunOptions(device=dev, workers=workers))  # warm-up
         best = float("inf")
         for _ in range(2):
             _sync(dev)
             t = time.perf_counter()
-            evaluate(test, eps, [(method, method, cfg)], device=dev, workers=workers)
+            evaluate(test, eps, [(method, method, cfg)], run=RunOptions(device=dev, workers=workers))
             _sync(dev)
             best = min(best, time.perf_counter() - t)
         rate = n_ep / best
@@ -580,8 +581,7 @@ def main() -> None:
                 [("p", "poodle", cfg)],
                 negatives=NegativeSpec("base", N_NEG),
                 cache_path=path,
-                device=dev,
-                chunk_size=args.chunk,
+                run=RunOptions(device=dev, chunk_size=args.chunk),
             )
             base = reset_peak(dev)
             stats: dict = {}
@@ -593,11 +593,8 @@ def main() -> None:
                 [("p", "poodle", cfg)],
                 negatives=NegativeSpec("base", N_NEG),
                 cache_path=path,
-                device=dev,
-                max_memory=args.max_memory,
-                chunk_size=args.chunk,
-                stats=stats,
-                workers=args.workers,
+                run=RunOptions(device=dev, max_memory=args.max_memory, chunk_size=args.chunk, workers=args.workers),
+                hooks=Hooks(stats=stats),
             )["p"]
             _sync(dev)
             dt = time.perf_counter() - t
@@ -628,10 +625,7 @@ def main() -> None:
                     [("p", "poodle", cfg)],
                     negatives=NegativeSpec("base", N_NEG),
                     cache_path=path,
-                    device=dev,
-                    max_memory=args.max_memory,
-                    chunk_size=args.chunk,
-                    workers=args.workers,
+                    run=RunOptions(device=dev, max_memory=args.max_memory, chunk_size=args.chunk, workers=args.workers),
                     backend=Backend(native=False),
                 )["p"]
                 dt_t = time.perf_counter() - t

@@ -195,7 +195,9 @@ def format_option(v: Any) -> str:
 def check_general(key: str, v: Any) -> Any:
     """Deprecated (0.2.0): :func:`poodle.settings.check_setting`, which this calls."""
     warnings.warn(
-        "poodle.cells.check_general is deprecated; use poodle.settings.check_setting", DeprecationWarning, stacklevel=2
+        "poodle.cells.check_general is deprecated: use poodle.settings.check_setting (removed in 0.3.0)",
+        DeprecationWarning,
+        stacklevel=2,
     )
     return check_setting(key, v)
 

@@ -70,12 +70,15 @@ META_DATASET_KEYS: tuple[str, ...] = (
 
 # The key tables of the settings (which keys choose the episodes, which are recorded only when set,
 # the general keys and their defaults) are derived from the settings' declarations: poodle.settings.
-_MOVED: dict[str, Callable[[Any], Any]] = {
-    "EPISODE_KEYS": lambda s: ("cache", *s.EPISODE_KEYS),
-    "OPTIONAL_EPISODE_KEYS": lambda s: s.WHEN_SET_EPISODE_KEYS,
-    "NEGATIVE_KEYS": lambda s: tuple(x.key for x in s.settings(s.NegativeSpec)),
-    "GENERAL_KEYS": lambda s: s.GENERAL_KEYS,
-    "GENERAL_DEFAULTS": lambda s: s.general_defaults(),
+_MOVED: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "EPISODE_KEYS": ('("cache", *poodle.settings.EPISODE_KEYS)', lambda s: ("cache", *s.EPISODE_KEYS)),
+    "OPTIONAL_EPISODE_KEYS": ("poodle.settings.WHEN_SET_EPISODE_KEYS", lambda s: s.WHEN_SET_EPISODE_KEYS),
+    "NEGATIVE_KEYS": (
+        "the keys of poodle.options.settings(NegativeSpec)",
+        lambda s: tuple(x.key for x in s.settings(s.NegativeSpec)),
+    ),
+    "GENERAL_KEYS": ("poodle.settings.GENERAL_KEYS", lambda s: s.GENERAL_KEYS),
+    "GENERAL_DEFAULTS": ("poodle.settings.general_defaults()", lambda s: s.general_defaults()),
 }
 
 
@@ -87,12 +90,14 @@ def __getattr__(name: str) -> Any:
 
     from poodle import settings
 
+    instead, derive = _MOVED[name]
     warnings.warn(
-        f"poodle.defaults.{name} is deprecated: the settings are declared in their groups (poodle.settings)",
+        f"poodle.defaults.{name} is deprecated: use {instead}, derived from the settings' declarations "
+        f"(removed in 0.3.0)",
         DeprecationWarning,
         stacklevel=2,
     )
-    return _MOVED[name](settings)
+    return derive(settings)
 
 
 # Input normalisation of ImageNet-pretrained backbones (torchvision's constants).

@@ -249,7 +249,9 @@ def test_split_writer_restarts_damaged_or_different_staging(tmp_path):
     w = _writer(target)
     w.append(_raw(2, 4), [0, 1], ["a", "b"])
     w.close()
-    assert not _writer(target, samples_sha256="other list").resumed
+    other = _writer(target, samples_sha256="other list")
+    assert not other.resumed
+    other.close()  # it holds the staging file (locked) until closed
     staging = cache.partial_path(target, "train")
     staging.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)  # killed mid-write: unreadable
     w = _writer(target)

@@ -23,6 +23,7 @@ from poodle.cache import read_split, write_arrays
 from poodle.episodes import EpisodeSpec, sample_episodes
 from poodle.evaluate import evaluate
 from poodle.negatives import NegativeSpec
+from poodle.run import RunOptions
 from poodle.solvers import backend as _backend
 
 pytestmark = pytest.mark.cuda
@@ -50,10 +51,18 @@ def accuracies(cache):
     eps = sample_episodes(test.labels, EpisodeSpec(way=5, shot=1, query=6, seed=0), N_EPISODES)
     methods = [(m, m, _options(m)) for m in solvers.available()]
     neg = NegativeSpec("base", 30)
-    ref = evaluate(test, eps, methods, negatives=neg, cache_path=cache, device="cpu", chunk_size=5)
+    ref = evaluate(test, eps, methods, negatives=neg, cache_path=cache, run=RunOptions(device="cpu", chunk_size=5))
     # the device runs the torch formulation, as CUDA does
     torch_only = _backend.Backend(native=False)
-    dev = evaluate(test, eps, methods, negatives=neg, cache_path=cache, device=DEVICE, chunk_size=5, backend=torch_only)
+    dev = evaluate(
+        test,
+        eps,
+        methods,
+        negatives=neg,
+        cache_path=cache,
+        run=RunOptions(device=DEVICE, chunk_size=5),
+        backend=torch_only,
+    )
     return ref, dev
 
 

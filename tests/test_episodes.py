@@ -14,8 +14,9 @@ import torch
 from poodle.cache import read_split, write_arrays
 from poodle.episodes import EpisodeSpec, EpisodeStream, imbalanced_counts, load_episodes, sample_episodes, save_episodes
 from poodle.errors import ConfigError, EpisodeError, PoodleError
-from poodle.evaluate import evaluate
+from poodle.evaluate import Hooks, evaluate
 from poodle.negatives import NegativeSpec, generate, sample_indices
+from poodle.run import RunOptions
 from poodle.stats import mean_ci, paired_difference
 
 
@@ -259,7 +260,13 @@ def test_evaluate_identical_for_any_chunk_size(cache):
     methods = [("p", "proto", None), ("po", "poodle", {"steps": 20, "transductive": True})]
     runs = [
         evaluate(
-            test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=c, dtype=torch.float64
+            test,
+            eps,
+            methods,
+            negatives=NegativeSpec("base", 20),
+            cache_path=cache,
+            run=RunOptions(chunk_size=c),
+            dtype=torch.float64,
         )
         for c in (1, 7, 15)
     ]
@@ -268,7 +275,13 @@ def test_evaluate_identical_for_any_chunk_size(cache):
             assert torch.equal(r[k], runs[0][k]) and r[k].dtype == torch.float64
     auto_stats: dict = {}
     auto = evaluate(
-        test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, max_memory=100_000, stats=auto_stats
+        test,
+        eps,
+        methods,
+        negatives=NegativeSpec("base", 20),
+        cache_path=cache,
+        run=RunOptions(max_memory=100_000),
+        hooks=Hooks(stats=auto_stats),
     )
     assert 1 <= auto_stats["chunk_size"] < 15  # the memory bound sets the chunk
     assert torch.equal(auto["p"], runs[0]["p"])
@@ -281,17 +294,30 @@ def test_evaluate_identical_for_any_number_of_workers(cache):
     stats: list[dict] = [{}, {}, {}]
     runs = [
         evaluate(
-            test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=2, workers=w, stats=st
+            test,
+            eps,
+            methods,
+            negatives=NegativeSpec("base", 20),
+            cache_path=cache,
+            run=RunOptions(chunk_size=2, workers=w),
+            hooks=Hooks(stats=st),
         )
         for w, st in zip((1, 2, 3), stats)
     ]
     assert [st["workers"] for st in stats] == [1, 2, 3]
     assert torch.equal(runs[1]["po"], runs[0]["po"]) and torch.equal(runs[2]["po"], runs[0]["po"])
     before = torch.get_num_threads()
-    evaluate(test, eps[:4], methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=1, workers=2)
+    evaluate(
+        test,
+        eps[:4],
+        methods,
+        negatives=NegativeSpec("base", 20),
+        cache_path=cache,
+        run=RunOptions(chunk_size=1, workers=2),
+    )
     assert torch.get_num_threads() == before  # the thread setting is restored
     with pytest.raises(ConfigError, match="workers must be a positive integer, got 0"):
-        evaluate(test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, workers=0)
+        evaluate(test, eps, methods, negatives=NegativeSpec("base", 20), cache_path=cache, run=RunOptions(workers=0))
 
 
 @pytest.mark.parametrize("source", ["random", "sphere", "OTHER:pool"])
@@ -300,10 +326,20 @@ def test_evaluate_negative_sources(cache, source):
     source = source.replace("OTHER", str(cache.parent / "other.h5"))
     eps = sample_episodes(test.labels, EpisodeSpec(way=3, shot=1, query=3), 4)
     r1 = evaluate(
-        test, eps, [("n", "naive-ood", {"steps": 5})], negatives=NegativeSpec(source, 8), cache_path=cache, chunk_size=1
+        test,
+        eps,
+        [("n", "naive-ood", {"steps": 5})],
+        negatives=NegativeSpec(source, 8),
+        cache_path=cache,
+        run=RunOptions(chunk_size=1),
     )
     r2 = evaluate(
-        test, eps, [("n", "naive-ood", {"steps": 5})], negatives=NegativeSpec(source, 8), cache_path=cache, chunk_size=4
+        test,
+        eps,
+        [("n", "naive-ood", {"steps": 5})],
+        negatives=NegativeSpec(source, 8),
+        cache_path=cache,
+        run=RunOptions(chunk_size=4),
     )
     assert torch.equal(r1["n"], r2["n"])
 
@@ -354,7 +390,12 @@ def test_evaluate_on_a_stream_equals_the_drawn_set(cache):
     methods = [("p", "proto", None), ("po", "poodle", {"steps": 10, "transductive": True})]
     neg = NegativeSpec("base", 20)
     ref = evaluate(
-        test, sample_episodes(test.labels, spec, 11), methods, negatives=neg, cache_path=cache, chunk_size=11, workers=1
+        test,
+        sample_episodes(test.labels, spec, 11),
+        methods,
+        negatives=neg,
+        cache_path=cache,
+        run=RunOptions(chunk_size=11, workers=1),
     )
     stats: dict = {}
     got = evaluate(
@@ -363,15 +404,20 @@ def test_evaluate_on_a_stream_equals_the_drawn_set(cache):
         methods,
         negatives=neg,
         cache_path=cache,
-        chunk_size=3,
-        workers=2,
-        stats=stats,
+        run=RunOptions(chunk_size=3, workers=2),
+        hooks=Hooks(stats=stats),
     )
     for k in ("p", "po"):
         assert torch.equal(got[k], ref[k])
     assert stats["n_chunks"] == 4 and stats["first_chunk_s"] > 0
     gen = [
-        evaluate(test, e, [("n", "naive-ood", {"steps": 3})], negatives=NegativeSpec("sphere", 6), chunk_size=c)
+        evaluate(
+            test,
+            e,
+            [("n", "naive-ood", {"steps": 3})],
+            negatives=NegativeSpec("sphere", 6),
+            run=RunOptions(chunk_size=c),
+        )
         for e, c in ((sample_episodes(test.labels, spec, 5), 5), (EpisodeStream(test.labels, spec, 5), 2))
     ]
     assert torch.equal(gen[0]["n"], gen[1]["n"])
@@ -388,12 +434,13 @@ def test_evaluate_ramps_up_its_first_chunks_without_changing_results(cache):
         methods,
         negatives=NegativeSpec("base", 20),
         cache_path=cache,
-        chunk_size=4,
-        workers=2,
-        stats=stats,
+        run=RunOptions(chunk_size=4, workers=2),
+        hooks=Hooks(stats=stats),
     )
     assert stats["chunk_size"] == 4 and stats["n_chunks"] == 12  # 1, 2, then 4 + ... + 4 + 1
-    whole = evaluate(test, stream, methods, negatives=NegativeSpec("base", 20), cache_path=cache, chunk_size=40)
+    whole = evaluate(
+        test, stream, methods, negatives=NegativeSpec("base", 20), cache_path=cache, run=RunOptions(chunk_size=40)
+    )
     assert torch.equal(ramped["po"], whole["po"])
 
 
@@ -405,6 +452,7 @@ from poodle.cache import SplitFeatures
 from poodle.episodes import EpisodeSpec, EpisodeStream
 from poodle.evaluate import evaluate
 from poodle.negatives import NegativeSpec
+from poodle.run import RunOptions
 
 def status(key):
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -419,7 +467,7 @@ peaks = []
 for n in (300, 3000):
     Path("/proc/self/clear_refs").write_text("5")    # reset the peak resident size
     evaluate(f, EpisodeStream(f.labels, EpisodeSpec(way=5, shot=1, query=3), n), methods,
-             negatives=NegativeSpec("sphere", 64), device="cpu", chunk_size=8, workers=2)
+             negatives=NegativeSpec("sphere", 64), run=RunOptions(device="cpu", chunk_size=8, workers=2))
     peaks.append(status("VmHWM"))
 print(peaks[0], peaks[1])
 """

@@ -422,8 +422,9 @@ def test_a_memory_bound_below_the_pool_is_refused_and_one_above_says_what_it_lea
 
 def test_an_explicit_bound_counts_the_episodes_and_what_the_caller_holds(cache):
     from poodle.episodes import EpisodeSpec, EpisodeStream
-    from poodle.evaluate import evaluate
+    from poodle.evaluate import Hooks, evaluate
     from poodle.negatives import NegativeSpec
+    from poodle.run import RunOptions
 
     test = read_split(cache, "test")
     eps = EpisodeStream(test.labels, EpisodeSpec(way=5, shot=1, query=3), 10).materialize()
@@ -431,11 +432,12 @@ def test_an_explicit_bound_counts_the_episodes_and_what_the_caller_holds(cache):
     neg = NegativeSpec("base", 5)
     pool = read_split(cache, "train").features.numel() * 4
     plans = []
-    kw = dict(negatives=neg, cache_path=cache, device="cpu", workers=1, also_held={"the caller's copy": 1000})
-    evaluate(test, eps, methods, max_memory=10**7, planned=plans.append, **kw)
+    kw = dict(negatives=neg, cache_path=cache, also_held={"the caller's copy": 1000})
+    run = RunOptions(device="cpu", workers=1, max_memory=10**7)
+    evaluate(test, eps, methods, run=run, hooks=Hooks(planned=plans.append), **kw)
     assert plans[0].held == test.features.numel() * 4 + pool + eps.nbytes + 1000 and plans[0].budget == 10**7
     with pytest.raises(ConfigError) as e:
-        evaluate(test, eps, methods, max_memory=plans[0].held, **kw)
+        evaluate(test, eps, methods, run=RunOptions(device="cpu", workers=1, max_memory=plans[0].held), **kw)
     assert (
         f"what is held for the whole run takes {plans[0].held:,} bytes (the features and negative pool "
         f"{test.features.numel() * 4 + pool:,} bytes, the episodes drawn in advance {eps.nbytes:,} bytes, "

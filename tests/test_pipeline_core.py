@@ -5,6 +5,7 @@ counts what a call holds, and the command line's one table of parameter names to
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import click
 import pytest
@@ -54,8 +55,34 @@ def test_a_cell_is_checked_once_by_the_rule_that_owns_each_value(cache):
     with pytest.raises(ConfigError, match="n_neg must be a positive integer, got 0") as e:
         check_setting("n_neg", 0)
     assert e.value.params == ("n_neg",)
-    with pytest.warns(DeprecationWarning, match="check_setting"):
-        assert check_general("way", 3) == 3
+
+
+def test_the_names_deprecated_in_0_2_warn_name_their_replacement_and_give_its_values():
+    """poodle.cells.check_general and poodle.defaults' key tables still work for one release (the
+    suite turns these warnings into errors everywhere else: pyproject.toml)."""
+    from poodle import defaults, settings
+
+    said = "poodle.cells.check_general is deprecated: use poodle.settings.check_setting (removed in 0.3.0)"
+    for key, value in (("way", 3), ("preprocess", "power"), ("imbalance", "balanced"), ("episodes", 3.0)):
+        with pytest.warns(DeprecationWarning, match="^" + re.escape(said) + "$"):
+            assert check_general(key, value) == check_setting(key, value)
+    with pytest.warns(DeprecationWarning, match="check_general is deprecated"):
+        with pytest.raises(ConfigError, match="n_neg must be a positive integer, got 0"):
+            check_general("n_neg", 0)
+    moved = {
+        "EPISODE_KEYS": ('("cache", *poodle.settings.EPISODE_KEYS)', ("cache", *settings.EPISODE_KEYS)),
+        "OPTIONAL_EPISODE_KEYS": ("poodle.settings.WHEN_SET_EPISODE_KEYS", settings.WHEN_SET_EPISODE_KEYS),
+        "NEGATIVE_KEYS": ("the keys of poodle.options.settings(NegativeSpec)", ("negatives", "n_neg")),
+        "GENERAL_KEYS": ("poodle.settings.GENERAL_KEYS", settings.GENERAL_KEYS),
+        "GENERAL_DEFAULTS": ("poodle.settings.general_defaults()", settings.general_defaults()),
+    }
+    for name, (instead, value) in moved.items():
+        said = f"poodle.defaults.{name} is deprecated: use {instead}, derived from the settings' declarations"
+        with pytest.warns(DeprecationWarning, match="^" + re.escape(said) + r" \(removed in 0\.3\.0\)$"):
+            assert getattr(defaults, name) == value
+    assert "way" in settings.EPISODE_KEYS and settings.general_defaults()["way"] == 5
+    with pytest.raises(AttributeError, match="no attribute 'NOPE'"):
+        defaults.NOPE  # noqa: B018
 
 
 def test_methods_without_negatives_join_the_call_of_those_with_them(cache):
@@ -117,10 +144,29 @@ def test_the_pipelined_chunk_stream_gives_the_same_results_in_order(cache):
     for k in ("p", "po"):
         assert torch.equal(plain[k], piped[k])
     assert sum(solved) == 23 and len(solved) == 6  # chunks of 4
-    # the keywords of 0.1 still work for one release, with a warning, and give the same numbers
-    with pytest.warns(DeprecationWarning, match=r"evaluate\(device=, chunk_size=, workers=, overlap=\) is deprecated"):
+    # the keywords of 0.1 still work for one release, with a warning naming the replacement, and give
+    # the same numbers (the suite turns these warnings into errors everywhere else: pyproject.toml)
+    instead = r" is deprecated: give run=RunOptions\(\.\.\.\) and hooks=Hooks\(\.\.\.\) \(removed in 0\.3\.0\)$"
+    with pytest.warns(DeprecationWarning, match=r"^evaluate\(device=, chunk_size=, workers=, overlap=\)" + instead):
         old = evaluate(test, stream, methods, negatives=neg, device="cpu", chunk_size=4, workers=1, overlap=False)
     assert all(torch.equal(plain[k], old[k]) for k in ("p", "po"))
+    # the callbacks too, next to a new-style run
+    got: dict = {"progress": [], "ready": 0, "planned": [], "stats": {}}
+    with pytest.warns(DeprecationWarning, match=r"^evaluate\(progress=, ready=, planned=, stats=\)" + instead):
+        old = evaluate(
+            test,
+            stream,
+            methods,
+            negatives=neg,
+            run=run,
+            progress=got["progress"].append,
+            ready=lambda: got.update(ready=got["ready"] + 1),
+            planned=got["planned"].append,
+            stats=got["stats"],
+        )
+    assert all(torch.equal(plain[k], old[k]) for k in ("p", "po"))
+    assert got["progress"] == solved and got["ready"] == 1 and len(got["planned"]) == 1
+    assert got["planned"][0].chunk == 4 and got["stats"]["n_chunks"] == 6 and got["stats"]["chunk_size"] == 4
     with pytest.raises(TypeError, match="unexpected keyword argument.s. devcie"):
         evaluate(test, stream, methods, negatives=neg, devcie="cpu")
     with pytest.raises(ConfigError, match="workers must be a positive integer, got 0"):
@@ -133,10 +179,20 @@ def test_an_explicit_memory_bound_counts_what_the_call_holds(cache):
     methods = [("po", "poodle", {"steps": 2})]
     held = test.features.numel() * 4 + read_split(cache, "train").features.numel() * 4
     stats: dict = {}
-    evaluate(test, stream, methods, negatives=NegativeSpec("base", 5), cache_path=cache, stats=stats, device="cpu")
+    evaluate(
+        test,
+        stream,
+        methods,
+        negatives=NegativeSpec("base", 5),
+        cache_path=cache,
+        run=RunOptions(device="cpu"),
+        hooks=Hooks(stats=stats),
+    )
     assert stats["held_bytes"] == held
     with pytest.raises(ConfigError, match=f"features and negative pool held for the whole run take {held:,} bytes"):
-        evaluate(test, stream, methods, negatives=NegativeSpec("base", 5), cache_path=cache, max_memory=held)
+        evaluate(
+            test, stream, methods, negatives=NegativeSpec("base", 5), cache_path=cache, run=RunOptions(max_memory=held)
+        )
     plan = plan_chunks(100, 20, 16, 5, torch.device("cpu"), max_memory=held + 100_000, held=held, workers=1)
     assert plan.chunk == 100_000 // (4 * (3 * 20 * 16 + 8 * 6 * 16 + 16 * 20 * 6))  # 6
     edges = [a for a, _ in plan.bounds] + [plan.bounds[-1][1]]

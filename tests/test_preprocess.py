@@ -16,6 +16,7 @@ from poodle.evaluate import evaluate
 from poodle.negatives import NegativeSpec
 from poodle.preprocess import Preprocess, Preprocessor, parse
 from poodle.results import IDENTITY_FIELDS, identity_key, read_results, record_flat
+from poodle.run import RunOptions
 
 
 def _unit(x):
@@ -124,8 +125,8 @@ def test_evaluate_with_preprocessing_equals_solving_pre_transformed_features(raw
     eps = sample_episodes(te.labels, EpisodeSpec(way=4, shot=1, query=5, seed=1), 6)
     methods = [("poodle", "poodle", {"steps": 20})]
     neg = NegativeSpec("base", 50)
-    a = evaluate(te, eps, methods, negatives=neg, cache_path=cache, device="cpu", preprocess=pre)
-    b = evaluate(read_split(done, "test"), eps, methods, negatives=neg, cache_path=done, device="cpu")
+    a = evaluate(te, eps, methods, negatives=neg, cache_path=cache, run=RunOptions(device="cpu"), preprocess=pre)
+    b = evaluate(read_split(done, "test"), eps, methods, negatives=neg, cache_path=done, run=RunOptions(device="cpu"))
     assert torch.equal(a["poodle"], b["poodle"])
     # without the pool hook the negatives would differ (and so, here, would the accuracies' inputs)
     assert not torch.allclose(pre.pool("base", cache), read_split(cache, "train").features)

@@ -18,6 +18,7 @@ from poodle.evaluate import (
     BUCKET_LEAST,
     BUCKET_WASTE,
     Gatherer,
+    Hooks,
     _Negatives,
     choose_chunk,
     episode_bytes,
@@ -27,6 +28,7 @@ from poodle.evaluate import (
     plan_ragged,
 )
 from poodle.negatives import NegativeSpec
+from poodle.run import RunOptions
 from poodle.solvers import EpisodeBatch
 
 N_CLASSES, PER_CLASS, DIM = 60, 40, 24
@@ -129,13 +131,19 @@ def test_a_ragged_set_gets_the_same_accuracies_in_any_chunking():
     runs = {}
     for size in (1, 2, 3, 7, 10):
         stats: dict = {}
-        runs[size] = evaluate(features, eps, METHODS, device="cpu", chunk_size=size, workers=1, stats=stats)
+        runs[size] = evaluate(
+            features, eps, METHODS, run=RunOptions(device="cpu", chunk_size=size, workers=1), hooks=Hooks(stats=stats)
+        )
         assert stats["n_chunks"] == -(-10 // size) and stats["padded_rows"] >= stats["rows"]
     stats = {}
-    runs["planned"] = evaluate(features, eps, METHODS, device="cpu", workers=1, stats=stats, max_memory="2MiB")
+    runs["planned"] = evaluate(
+        features, eps, METHODS, run=RunOptions(device="cpu", workers=1, max_memory="2MiB"), hooks=Hooks(stats=stats)
+    )
     assert stats["bucketed"] and stats["n_chunks"] > 1
-    runs["workers"] = evaluate(features, eps, METHODS, device="cpu", chunk_size=3, workers=2)
-    runs["pipelined"] = evaluate(features, eps, METHODS, device="cpu", chunk_size=4, workers=1, overlap=True)
+    runs["workers"] = evaluate(features, eps, METHODS, run=RunOptions(device="cpu", chunk_size=3, workers=2))
+    runs["pipelined"] = evaluate(
+        features, eps, METHODS, run=RunOptions(device="cpu", chunk_size=4, workers=1, overlap=True)
+    )
     for label, method, options in METHODS:
         want = _alone(features, eps, method, options)
         for how, res in runs.items():
@@ -156,7 +164,9 @@ def test_methods_with_negatives_get_the_same_accuracies_in_any_chunking():
     eps = ragged_set(features.labels, 7, seed=1)
     neg = NegativeSpec("random", 16)
     runs = {
-        size: evaluate(features, eps, WITH_NEGATIVES, negatives=neg, device="cpu", chunk_size=size, workers=1)
+        size: evaluate(
+            features, eps, WITH_NEGATIVES, negatives=neg, run=RunOptions(device="cpu", chunk_size=size, workers=1)
+        )
         for size in (1, 2, 3, 7)
     }
     for label, _, _ in WITH_NEGATIVES:
@@ -224,7 +234,7 @@ def test_a_ragged_set_is_checked_before_solving():
     lab = eps.query_labels.clone()
     lab[1, 0] = int(eps.ways[1])  # a label past the episode's classes
     with pytest.raises(EpisodeError, match="episode 1 query entry 0"):
-        evaluate(features, broken(query_labels=lab), method, device="cpu")
+        evaluate(features, broken(query_labels=lab), method, run=RunOptions(device="cpu"))
     sup = eps.support.clone()
     other = int(torch.nonzero(features.labels != features.labels[sup[2, 0]])[0, 0])
     row = int(torch.nonzero(eps.support_labels[2] == eps.support_labels[2, 0])[-1, 0])
@@ -236,11 +246,11 @@ def test_a_ragged_set_is_checked_before_solving():
         sup[2, row] = other
         bad = broken(support=sup)
     with pytest.raises(EpisodeError, match="episode 2 label .* mixes classes"):
-        evaluate(features, bad, method, device="cpu")
+        evaluate(features, bad, method, run=RunOptions(device="cpu"))
     sup = eps.support.clone()
     sup[3, 0] = -1  # padding with a real label
     with pytest.raises(EpisodeError, match="episode 3 support entry 0"):
-        evaluate(features, broken(support=sup), method, device="cpu")
+        evaluate(features, broken(support=sup), method, run=RunOptions(device="cpu"))
 
 
 @pytest.mark.parametrize("source", ["sphere", "pool"])

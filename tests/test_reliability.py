@@ -250,6 +250,7 @@ def test_grid_and_library_get_the_same_option_check(tmp_path, cache):
     from poodle import solvers
     from poodle.episodes import EpisodeSpec, sample_episodes
     from poodle.evaluate import evaluate
+    from poodle.run import RunOptions
     from poodle.solvers.poodle import PoodleConfig
 
     grid = tmp_path / "g.toml"
@@ -262,7 +263,7 @@ def test_grid_and_library_get_the_same_option_check(tmp_path, cache):
     feats = read_split(cache, "test")
     eps = sample_episodes(feats.labels, EpisodeSpec(), 2)
     with pytest.raises(ConfigError, match="'alpha' must be a finite number"):
-        evaluate(feats, eps, [("p", "poodle", PoodleConfig(alpha=float("nan")))], device="cpu")
+        evaluate(feats, eps, [("p", "poodle", PoodleConfig(alpha=float("nan")))], run=RunOptions(device="cpu"))
     with pytest.raises(ConfigError, match="'lr' must lie in"):
         solvers.make_config("tim-gd", {"lr": -1})
     with pytest.raises(EpisodeError, match="way must be an integer >= 2"):

@@ -154,7 +154,8 @@ def fonts_digest(fs: tuple[Face, ...]) -> dict[str, str]:
 @functools.lru_cache(maxsize=64)
 def _cmap(path: str) -> frozenset[int]:
     try:
-        cmap = TTFont(path, lazy=True).getBestCmap() or {}
+        with TTFont(path, lazy=True) as font:  # closed here: a lazy font keeps its file open until closed
+            cmap = font.getBestCmap() or {}
     except Exception as e:  # noqa: BLE001 - any parse failure is a broken font file
         raise DataError(f"glyphs: cannot read the character map of {path}: {e}") from e
     return frozenset(cmap)
