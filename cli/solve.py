@@ -291,7 +291,7 @@ def solve(ctx: click.Context, **params: Any) -> None:
         prefetch.start_for_solve(path, p["split"], p["negatives"])
 
     from poodle.distributed import env_world, share
-    from poodle.solve import SETTINGS, solve_domains
+    from poodle.solve import DOMAIN_FIELD, SETTINGS, domain_file, solve_domains
     from poodle.solve import solve as run_solve
 
     methods = list(p["methods"])
@@ -324,6 +324,12 @@ def solve(ctx: click.Context, **params: Any) -> None:
             several = solve_domains(domains, methods, **common, **given)
         else:
             name = next(iter(domains), None) if domains and "=" in p["caches"][0] else None
+            # a file name holding {domain} (a script looping over domains) is the domain's file
+            label = name or Path(path).stem
+            for key, flag in (("episodes_from", "episodes_from"), ("save_episodes_to", "save_episodes_to")):
+                if common[key] and DOMAIN_FIELD in Path(str(common[key])).name:
+                    common[key] = domain_file(str(common[key]), label, flag)
+            save_episodes = common["save_episodes_to"]
             res = run_solve(path, methods, name=name, **common, **given)
     if rank == 0:
         solving = advance.rate() if advance is not None else None

@@ -204,3 +204,15 @@ def test_one_named_cache_keeps_todays_episodes(tmp_path, caches):
     assert plain["cache"] == str(caches["birds"]) and named["cache"] == "b"
     # the same identity: a name alone does not change what is solved
     assert named["key"] == plain["key"] and named["episode"]["seed"] == 0 and named["acc"] == plain["acc"]
+
+
+def test_one_cache_fills_domain_in_episode_file_names(tmp_path, caches):
+    """A script that loops over domains one cache at a time writes and reads the domain's own file."""
+    args = ["--episodes", 3, "--way", 3, "--method", "proto"]
+    r = _run(["--cache", f"b={caches['birds']}", *args, "--save-episodes", tmp_path / "e-{domain}.h5"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "e-b.h5").is_file() and not list(tmp_path.glob("*{domain}*"))
+    r = _run(["--cache", caches["birds"], *args, "--save-episodes", tmp_path / "f-{domain}.h5"])
+    assert r.exit_code == 0 and (tmp_path / "f-birds.h5").is_file(), r.output
+    r = _run(["--cache", f"b={caches['birds']}", "--method", "proto", "--episodes-from", tmp_path / "e-{domain}.h5"])
+    assert r.exit_code == 0, r.output
