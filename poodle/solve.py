@@ -94,14 +94,20 @@ def check_outputs(
 
 
 def _from_file(episodes_from: str | os.PathLike, settings: Mapping[str, Any]) -> tuple[EpisodeSet, dict[str, Any]]:
-    """The episodes of a file and the settings they imply (their spec and count)."""
-    clash = [k for k in EPISODE_PARAMS if settings.get(k) is not None]
+    """The episodes of a file and the settings they imply (their spec and count). A setting given
+    as well must be the file's (the command that wrote it, repeated, solves it)."""
+    given = [k for k in EPISODE_PARAMS if settings.get(k) is not None]
+    eps = load_episodes(Path(episodes_from)) if given else None
+    of_file = {k: len(eps) if k == "episodes" else getattr(eps.spec, k, None) for k in given} if eps else {}
+    clash = [k for k in given if settings[k] != of_file[k]]
     if clash:
         raise ConfigError(
-            f"{', '.join(clash)} cannot be combined with episodes_from (the file fixes them)",
+            f"{', '.join(f'{k}={settings[k]!r}' for k in clash)} cannot be combined with episodes_from "
+            f"{episodes_from}: its episodes have {', '.join(repr(of_file[k]) for k in clash)} there "
+            "(the file fixes them: leave it out, or give what the file has)",
             params=(*clash, "episodes_from"),
         )
-    eps = load_episodes(Path(episodes_from))
+    eps = eps if eps is not None else load_episodes(Path(episodes_from))
     return eps, {**eps.spec.settings(), "episodes": len(eps)}
 
 

@@ -493,8 +493,11 @@ def test_an_episode_file_gives_its_cells_its_setting(tmp_path):
     eps, implied = _from_file(path, {})
     (cell,) = make_cells("c.h5", ["proto"], {}, implied, eps, str(path))
     assert cell.spec == spec and cell.n_episodes == 4
-    with pytest.raises(ConfigError, match="protocol cannot be combined with episodes_from"):
-        _from_file(path, {"protocol": "meta-dataset"})
+    # the file's own setting given again is what the file says: solved (the command repeated)
+    assert _from_file(path, {"protocol": "meta-dataset", "episodes": 4})[1] == implied
+    clash = r"protocol='fixed' cannot be combined with episodes_from .*'meta-dataset' there"
+    with pytest.raises(ConfigError, match=clash):
+        _from_file(path, {"protocol": "fixed"})
     fixed = save_episodes(tmp_path / "f.h5", sample_episodes(torch.arange(8).repeat_interleave(16), EpisodeSpec(), 2))
     eps, implied = _from_file(fixed, {})
     assert "protocol" not in make_cells("c.h5", ["proto"], {}, implied, eps, str(fixed))[0].episode

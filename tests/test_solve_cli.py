@@ -222,7 +222,10 @@ def test_solve_cache_resolution_and_episode_file_mismatch(tmp_path, cache, make_
     r = _run(["--cache", other, "--episodes-from", ep, "--method", "proto"])
     assert r.exit_code == 1 and "split has 30 rows" in r.output
     r = _run(["--cache", cache, "--episodes-from", ep, "--shot", 5])
-    assert r.exit_code == 1 and "--shot cannot be combined with --episodes-from" in r.output
+    assert r.exit_code == 1 and "--shot=5 cannot be combined with --episodes-from" in r.output
+    assert "its episodes have 1 there" in " ".join(r.output.split())
+    r = _run(["--cache", cache, "--episodes-from", ep, "--shot", 1, "--episodes", 3, "--method", "proto"])
+    assert r.exit_code == 0, r.output  # the file's own setting, repeated: solved
 
 
 def test_solve_query_classes_recorded_in_json_and_episodes(tmp_path, cache):
