@@ -195,20 +195,15 @@ class EpisodeSpec:
             raise EpisodeError.bad_value(
                 "query_classes", n, f"must be an integer from {least:g} to way={self.way}", others=("way",)
             )
-        if self.min_ways > self.max_ways_upper_bound:
-            raise EpisodeError.bad_value(
-                "min_ways",
-                self.min_ways,
-                f"must be at most max_ways_upper_bound={self.max_ways_upper_bound}",
-                others=("max_ways_upper_bound",),
-            )
-        if self.min_log_weight > self.max_log_weight:
-            raise EpisodeError.bad_value(
-                "min_log_weight",
-                self.min_log_weight,
-                f"must be at most max_log_weight={self.max_log_weight:g}",
-                others=("max_log_weight",),
-            )
+        for lo, hi in (("min_ways", "max_ways_upper_bound"), ("min_log_weight", "max_log_weight")):
+            a, b = getattr(self, lo), getattr(self, hi)
+            if a <= b:
+                continue
+            show = (lambda v: f"{v:g}") if isinstance(a, float) else str
+            # blame the one of the two that was changed (the other at its default)
+            if a == schema_setting(EpisodeSpec, lo).default:
+                raise EpisodeError.bad_value(hi, b, f"must be at least {lo}={show(a)}", others=(lo,))
+            raise EpisodeError.bad_value(lo, a, f"must be at most {hi}={show(b)}", others=(hi,))
         if not self.ragged:
             return
         for name in ("imbalance", "query_classes"):

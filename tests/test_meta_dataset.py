@@ -391,8 +391,11 @@ def test_command_line_errors_name_the_flags_typed(tmp_path, monkeypatch):
 
     cache = tmp_path / "missing.h5"  # the settings are checked before the cache is read
     assert err("solve", "--cache", cache, "--protocol", "meta-dataset", "--max-ways-upper-bound", 3) == (
-        "error: --min-ways must be at most --max-ways-upper-bound=3, got 5"
-    )
+        "error: --max-ways-upper-bound must be at least --min-ways=5, got 3"
+    )  # the one typed is blamed; both typed: --min-ways
+    assert err(
+        "solve", "--cache", cache, "--protocol", "meta-dataset", "--min-ways", 9, "--max-ways-upper-bound", 8
+    ) == ("error: --min-ways must be at most --max-ways-upper-bound=8, got 9")
     assert err("solve", "--cache", cache, "--max-num-query", 3, "--bilevel") == (
         "error: --max-num-query, --bilevel belong to the Meta-Dataset protocol: add --protocol meta-dataset"
     )
