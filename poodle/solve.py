@@ -219,12 +219,9 @@ def _run(
     cells, inputs, episodes, path = prep.cells, prep.inputs, prep.episodes, prep.path
     if episodes is not None:
         inputs.put(cells[0], episodes)
-        # an error about the file's indices names the file, before anything is written
-        try:
-            episodes.check_against(inputs.features(cells[0]).labels, where=str(prep.episodes_from))
-        except EpisodeError as e:
-            raise EpisodeError(f"episodes_from {e}", params=("episodes_from",)) from None
         assert prep.episodes_from is not None  # episodes come from a file here
+        # the cache the file records first (the most precise message), then its indices (files
+        # that record none); either error names the file, before anything is written
         drawn_from, drawn_id = episodes_source(prep.episodes_from)
         if drawn_id is not None and drawn_id != cache_identity(path):
             raise EpisodeError(
@@ -233,6 +230,10 @@ def _run(
                 "on the cache they index",
                 params=("episodes_from",),
             )
+        try:
+            episodes.check_against(inputs.features(cells[0]).labels, where=str(prep.episodes_from))
+        except EpisodeError as e:
+            raise EpisodeError(f"episodes_from {e}", params=("episodes_from",)) from None
     if prep.save_episodes_to is not None and is_main_process():
         _save(inputs, cells, prep.save_episodes_to, path)
     res = run_cells(

@@ -220,7 +220,7 @@ def test_solve_cache_resolution_and_episode_file_mismatch(tmp_path, cache, make_
     x, y = make_features(6, 5, 16, seed=9)
     other = write_arrays(tmp_path / "o.h5", {"test": (x, y, [f"t{i}" for i in range(6)])})
     r = _run(["--cache", other, "--episodes-from", ep, "--method", "proto"])
-    assert r.exit_code == 1 and "split has 30 rows" in r.output
+    assert r.exit_code == 1 and "its episodes were drawn from the cache" in " ".join(r.output.split())
     r = _run(["--cache", cache, "--episodes-from", ep, "--shot", 5])
     assert r.exit_code == 1 and "--shot=5 cannot be combined with --episodes-from" in r.output
     assert "its episodes have 1 there" in " ".join(r.output.split())
@@ -342,6 +342,11 @@ def test_an_episodes_file_of_another_cache_or_with_negative_indices_is_named(tmp
     assert _run(["--cache", cache, "--episodes", 3, "--save-episodes", eps_file]).exit_code == 0
     xs, ys = make_features(6, 4, 16, seed=7)  # 24 rows: the file's indices reach past them
     other = write_arrays(tmp_path / "other.h5", {"test": (xs, ys, [f"t{i}" for i in range(6)])})
+    r = _run(["--cache", other, "--episodes-from", eps_file, "--json", out])
+    assert r.exit_code == 1 and f"error: --episodes-from {eps_file}: " in r.output, r.output
+    assert "its episodes were drawn from the cache" in " ".join(r.output.split()) and not out.exists()
+    with h5py.File(eps_file, "a") as f:  # a file that records no cache (before 0.2.0, another tool)
+        del f.attrs["cache_id"]
     r = _run(["--cache", other, "--episodes-from", eps_file, "--json", out])
     assert r.exit_code == 1 and f"error: --episodes-from {eps_file}: " in r.output, r.output
     assert "the episodes were drawn from another cache or split" in r.output and not out.exists()
