@@ -269,6 +269,10 @@ def test_solve_help_lists_the_methods():
     assert r.exit_code == 0
     for name in ("alpha-tim", "paddle", "bms", "proto-lp", "laplacianshot", "poodle"):
         assert f"  {name} " in r.output
+    # an episode file per domain: the help says how
+    text = " ".join(r.output.split())
+    assert "Write the episodes (HDF5); with several --cache, one file a domain: {domain} in the name." in text
+    assert "Solve the episodes of this file; with several --cache, one a domain: {domain} in the name." in text
 
 
 def test_solve_help_says_the_meta_dataset_options_briefly():
