@@ -283,7 +283,8 @@ def choose_weights(
             else ""
         )
         raise ConfigError(
-            f"no checkpoint of {name} on {dataset}{unfinished}: train one with '{how}' or give --checkpoint FILE"
+            f"no checkpoint of {name} on {dataset}{unfinished}: train one with '{how}' or give --checkpoint FILE "
+            "or --random-weights"
         )
     console.print(
         f"checkpoint: {run.checkpoint} (the newest complete training run of {name} on {dataset}, {run.image_size} px)",

@@ -124,6 +124,13 @@ def report(
             from poodle.errors import ConfigError
 
             raise ConfigError("--domains puts the domains (caches) on the columns; leave out --cols")
+        for flag, value, default in (("--bold", bold, "col"), ("--test", test, "all")):
+            if value != default:
+                from poodle.errors import ConfigError
+
+                raise ConfigError(
+                    f"--domains marks each domain's best its own way (with --p); leave out {flag} {value}"
+                )
         table = R.domain_table(res, rows, p_threshold=p_threshold, show_ci=not no_ci)
     else:
         table = R.build_table(res, rows, cols, bold=bold, test=test, p_threshold=p_threshold, show_ci=not no_ci)

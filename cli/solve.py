@@ -264,8 +264,16 @@ class _ListsMethods(click.Command):
 @click.option("--no-stopgrad-push", is_flag=True, help="Drop the stop-gradient in the push term (Table 9).")
 @click.option("--preset", help="A method's named preset (e.g. tim-gd: poodle-paper).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Any config field of the methods (repeatable).")
-@click.option("--save-episodes", type=click.Path(dir_okay=False), help="Write the episodes (HDF5).")
-@click.option("--episodes-from", type=click.Path(dir_okay=False), help="Solve the episodes of this file.")
+@click.option(
+    "--save-episodes",
+    type=click.Path(dir_okay=False),
+    help="Write the episodes (HDF5); with several --cache, one file a domain: {domain} in the name.",
+)
+@click.option(
+    "--episodes-from",
+    type=click.Path(dir_okay=False),
+    help="Solve the episodes of this file; with several --cache, one a domain: {domain} in the name.",
+)
 @schema_options(EpisodeSpec, CellSpec, NegativeSpec, PreprocessSpec)
 @schema_options(RunOptions, but=("cells_per_call",))  # solve's methods are one call
 @click.option(

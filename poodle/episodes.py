@@ -261,7 +261,14 @@ class CellSpec:
 
     cache: str | None = option(None, cli=False, help="Feature cache file (a path, or a grid's [caches] name).")
     method: str = option(defaults.METHOD, cli=False, help="Registered method name.")
-    episodes: int = option(defaults.EPISODES, min=1, why="the number of episodes", help="Episodes drawn.")
+    episodes: int = option(
+        defaults.EPISODES,
+        min=1,
+        why="the number of episodes",
+        help="Episodes drawn.",
+        # the Meta-Dataset protocol reports fewer a domain (poodle solve and the grid take them then)
+        default_text=f"{defaults.EPISODES}; {defaults.META_DATASET_EPISODES} under --protocol meta-dataset",
+    )
 
 
 @dataclass

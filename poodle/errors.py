@@ -1,6 +1,7 @@
 """Error types. Every error a user can cause is a :class:`PoodleError` whose message names the
 culprit (file, row, class, key, shape); the command line prints it on one line and exits 1."""
 
+import json
 from typing import TypeVar
 
 E = TypeVar("E", bound="PoodleError")
@@ -16,7 +17,7 @@ class PoodleError(Exception):
     another parameter would change (``skip_bad leaves unreadable images out``), printed after the
     message in parentheses; a caller that has no such parameter drops it by raising ``message``.
     ``needs`` are the settings that would make the input valid (``{"protocol": "meta-dataset"}``):
-    the text adds ``: add protocol = meta-dataset`` as a project file or grid writes it, and a front
+    the text adds ``: add protocol = "meta-dataset"`` as a project file or grid writes it, and a front
     end says them its own way (the command line: ``add --protocol meta-dataset``), from ``text``."""
 
     def __init__(
@@ -44,7 +45,7 @@ class PoodleError(Exception):
         """The message without the hint (with what it needs, as a project file says it)."""
         if not self.needs:
             return self.text
-        return f"{self.text}: add " + ", ".join(f"{k} = {v}" for k, v in self.needs.items())
+        return f"{self.text}: add " + ", ".join(f"{k} = {_toml(v)}" for k, v in self.needs.items())
 
     def __str__(self) -> str:
         return f"{self.message} ({self.hint})" if self.hint else self.message
@@ -54,6 +55,14 @@ class PoodleError(Exception):
         """The error of one value: ``"<param> <reason>, got <value>"``, with the three as fields;
         ``others`` are the parameters the reason names (``must be at most max_ways_upper_bound=3``)."""
         return cls(f"{param} {reason}, got {value!r}", params=(param, *others), param=param, value=value, reason=reason)
+
+
+def _toml(value: object) -> str:
+    """``value`` as TOML writes it, to paste into a project file or a grid: a string quoted, a flag
+    ``true``/``false``, a number as it is."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, str) else str(value)
 
 
 class DataError(PoodleError):

@@ -276,7 +276,8 @@ def test_an_unfinished_training_run_is_named_and_not_taken(tmp_path, images, sum
     assert fails(tmp_path, *EXTRACT, "--backbone", "conv4_64") == (
         "error: no checkpoint of conv4_64 on folder; cache/folder/checkpoints/conv4_64-simple has no complete "
         "train.json (a run that did not finish: the same poodle train command resumes it): train one with "
-        "'poodle train --backbone conv4_64 --dataset folder --data-root img' or give --checkpoint FILE"
+        "'poodle train --backbone conv4_64 --dataset folder --data-root img' or give --checkpoint FILE "
+        "or --random-weights"
     )
 
 

@@ -63,7 +63,7 @@ def test_extract_in_an_empty_folder_names_the_command_that_makes_its_checkpoint(
     code, out, _ = run("extract", "--backbone", "resnet12")
     assert code == 1 and out == (
         "error: no checkpoint of resnet12 on glyphs: train one with 'poodle train --backbone resnet12' or give "
-        "--checkpoint FILE\n"
+        "--checkpoint FILE or --random-weights\n"
     )
     assert os.listdir(tmp_path) == []  # nothing generated, nothing written
 

@@ -369,7 +369,7 @@ def test_cells_record_the_protocol_only_when_it_is_meta_dataset():
     assert md.result_identity("x") != plain.result_identity("x")
     on = make_cell({"cache": "c.h5", "method": "proto", "protocol": "meta-dataset", "bilevel": True})
     assert on.spec.bilevel and on.key != make_cell({"cache": "c.h5", "method": "proto", "protocol": "meta-dataset"}).key
-    with pytest.raises(ConfigError, match="add protocol = meta-dataset"):
+    with pytest.raises(ConfigError, match='add protocol = "meta-dataset"'):
         make_cell({"cache": "c.h5", "method": "proto", "min_ways": 3})
     with pytest.raises(EpisodeError, match="min_ways"):
         make_cell({"cache": "c.h5", "method": "proto", "protocol": "meta-dataset", "min_ways": 1})
@@ -409,7 +409,7 @@ def test_command_line_errors_name_the_flags_typed(tmp_path, monkeypatch):
     (tmp_path / "p.toml").write_text("[solve]\nmax_num_query = 3\n")
     assert err("--config", tmp_path / "p.toml", "solve", "--cache", cache) == (
         f"error: --max-num-query ({tmp_path / 'p.toml'} [solve] max_num_query) belongs to the Meta-Dataset "
-        "protocol: add protocol = meta-dataset"
+        'protocol: add protocol = "meta-dataset"'
     )
     said = err("solve", "--cache", cache, "--progress", "plain", env={"POODLE_PROGRESS_INTERVAL": "-1"})
     assert said.startswith(
@@ -532,7 +532,7 @@ def test_a_grid_sweeps_the_protocol_and_its_rules(tmp_path):
         'cache = "feat.h5"\n[episodes]\nepisodes = 4\nprotocol = ["fixed", "meta-dataset"]\n'
         'max_num_query = 5\n[solver]\nmethod = "proto"\n'
     )
-    with pytest.raises(ConfigError, match="add protocol = meta-dataset"):
+    with pytest.raises(ConfigError, match='add protocol = "meta-dataset"'):
         G.expand(G.load_grid(p))  # max_num_query on the fixed cell
     p.write_text(
         'cache = "feat.h5"\n[episodes]\nepisodes = 4\nprotocol = ["fixed", "meta-dataset"]\n'

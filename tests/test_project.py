@@ -121,7 +121,7 @@ def test_defaults_table_reaches_every_command_with_that_option(tmp_path, monkeyp
     assert code == 1
     assert one_line(out) == (
         "error: no checkpoint of resnet12 on glyphs: train one with 'poodle train --backbone resnet12' "
-        "or give --checkpoint FILE"
+        "or give --checkpoint FILE or --random-weights"
     )
     code, out = run("solve")
     assert code == 1 and "written by poodle extract under elsewhere" in one_line(out)

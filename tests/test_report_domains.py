@@ -181,6 +181,12 @@ def test_report_cli_domains(tmp_path):
     assert "m1" in res.output and "m3" not in res.output and "1.33 [" in res.output  # m1: ranks 1, 2, 1
     res = runner.invoke(report, [str(path), "--domains", "--cols", "shot"])
     assert res.exit_code == 1 and "--domains puts the domains (caches) on the columns" in res.output
+    # the domain table's own marking: a --bold or --test it would ignore is refused, naming it
+    for flag, value in (("--bold", "row"), ("--bold", "none"), ("--test", "weakest")):
+        res = runner.invoke(report, [str(path), "--domains", flag, value])
+        assert res.exit_code == 1 and f"its own way (with --p); leave out {flag} {value}\n" in res.output
+    res = runner.invoke(report, [str(path), "--domains", "--bold", "col", "--test", "all", "--format", "markdown"])
+    assert res.exit_code == 0 and res.output == R.to_markdown(R.domain_table(R.load_results([path])))
 
 
 def test_methods_are_told_apart_by_label_then_by_the_options_that_separate_them():

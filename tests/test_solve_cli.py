@@ -272,6 +272,10 @@ def test_solve_help_lists_the_methods():
     assert r.exit_code == 0
     for name in ("alpha-tim", "paddle", "bms", "proto-lp", "laplacianshot", "poodle"):
         assert f"  {name} " in r.output
+    # an episode file per domain: the help says how
+    text = " ".join(r.output.split())
+    assert "Write the episodes (HDF5); with several --cache, one file a domain: {domain} in the name." in text
+    assert "Solve the episodes of this file; with several --cache, one a domain: {domain} in the name." in text
 
 
 def test_solve_help_says_the_meta_dataset_options_briefly():
@@ -286,6 +290,8 @@ def test_solve_help_says_the_meta_dataset_options_briefly():
     assert r.exit_code == 0
     text = " ".join(r.output.split())
     assert "[default: log(1/2) = -0.693]" in text and "[default: log(2) = 0.693]" in text
+    # --episodes says both its defaults, as `poodle demo --help` does
+    assert "Episodes drawn. [default: 2000; 600 under --protocol meta-dataset]" in text
     assert "0.6931471805599453" not in text and "superclass_names" not in text
     assert text.count("sampling.py") == 1 and "before the first '/'" in text
     helps = {s.key: s.meta("help") for s in settings(EpisodeSpec) if s.key in defaults.META_DATASET_KEYS}

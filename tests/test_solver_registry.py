@@ -45,8 +45,13 @@ def test_inductive_only_method_refuses_transductive():
 
 
 def test_unknown_method_lists_known_ones():
-    with pytest.raises(ConfigError, match="unknown method 'nope'"):
+    with pytest.raises(ConfigError, match="unknown method 'nope'; known methods: .*, poodle, proto, ") as e:
         solvers.get("nope")
+    assert "did you mean" not in str(e.value)  # nothing close: the list alone
+    # a typo: the closest name, then the list as ever
+    with pytest.raises(ConfigError, match=r"^unknown method 'protoo' \(did you mean 'proto'\?\); known methods: ") as e:
+        solvers.get("protoo")
+    assert str(e.value).endswith(", ".join(solvers.available()))
 
 
 def test_class_means_and_logits_match_plain_formulas():

@@ -6,6 +6,7 @@ Use :func:`get` to look a method up by its ``--method`` name, :func:`available` 
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import pkgutil
 from typing import Any, Iterable, Mapping
@@ -69,12 +70,15 @@ def available() -> list[str]:
 
 
 def get(name: str) -> SolverInfo:
-    """The registered method ``name``; an unknown name is a :class:`ConfigError` listing the known ones."""
+    """The registered method ``name``; an unknown name is a :class:`ConfigError` listing the known ones
+    (and the closest, where one is close: a typo)."""
     _load_all()
     try:
         return _base._REGISTRY[_base._ALIASES.get(name, name)]
     except KeyError:
-        raise ConfigError(f"unknown method {name!r}; known methods: {', '.join(available())}") from None
+        close = difflib.get_close_matches(str(name), available(), n=1)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown method {name!r}{guess}; known methods: {', '.join(available())}") from None
 
 
 def make_config(name: str, options: Mapping[str, Any] | None = None, *, strict: bool = False) -> Any:
