@@ -334,9 +334,9 @@ def solve(ctx: click.Context, **params: Any) -> None:
             name = next(iter(domains), None) if domains and "=" in p["caches"][0] else None
             # a file name holding {domain} (a script looping over domains) is the domain's file
             label = name or Path(path).stem
-            for key, flag in (("episodes_from", "episodes_from"), ("save_episodes_to", "save_episodes_to")):
+            for key in ("episodes_from", "save_episodes_to"):
                 if common[key] and DOMAIN_FIELD in Path(str(common[key])).name:
-                    common[key] = domain_file(str(common[key]), label, flag)
+                    common[key] = domain_file(str(common[key]), label, key)
             save_episodes = common["save_episodes_to"]
             res = run_solve(path, methods, name=name, **common, **given)
     if rank == 0:

@@ -325,21 +325,16 @@ def test_evaluate_negative_sources(cache, source):
     test = read_split(cache, "test")
     source = source.replace("OTHER", str(cache.parent / "other.h5"))
     eps = sample_episodes(test.labels, EpisodeSpec(way=3, shot=1, query=3), 4)
-    r1 = evaluate(
-        test,
-        eps,
-        [("n", "naive-ood", {"steps": 5})],
-        negatives=NegativeSpec(source, 8),
-        cache_path=cache,
-        run=RunOptions(chunk_size=1),
-    )
-    r2 = evaluate(
-        test,
-        eps,
-        [("n", "naive-ood", {"steps": 5})],
-        negatives=NegativeSpec(source, 8),
-        cache_path=cache,
-        run=RunOptions(chunk_size=4),
+    r1, r2 = (
+        evaluate(
+            test,
+            eps,
+            [("n", "naive-ood", {"steps": 5})],
+            negatives=NegativeSpec(source, 8),
+            cache_path=cache,
+            run=RunOptions(chunk_size=size),
+        )
+        for size in (1, 4)
     )
     assert torch.equal(r1["n"], r2["n"])
 

@@ -335,6 +335,22 @@ def test_a_bad_row_is_said_and_no_results_file_is_written(tmp_path, cache, split
     r = _run(["--cache", bad, "--episodes", 3, "--steps", 2, "--json", out, "--save-episodes", eps])
     assert r.exit_code == 1 and message in r.output and str(bad) in r.output, r.output
     assert not out.exists() and not eps.exists()
+    # one file a domain ({domain} filled with the cache's name): neither appears either
+    r = _run(
+        [
+            "--cache",
+            f"d={bad}",
+            "--episodes",
+            3,
+            "--steps",
+            2,
+            "--out",
+            out,
+            "--save-episodes",
+            tmp_path / "e-{domain}.h5",
+        ]
+    )
+    assert r.exit_code == 1 and str(bad) in r.output and not out.exists() and not list(tmp_path.glob("e-*")), r.output
     good = _run(["--cache", cache, "--episodes", 3, "--steps", 2, "--json", out])
     assert good.exit_code == 0 and len(read_results(out).records) == 1  # created with its first record
 
