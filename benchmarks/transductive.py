@@ -500,6 +500,7 @@ class _SweepClock:
             self._wrap(pt_map, "_sweep", lambda p, *a: p.shape[0], sweep_bytes, timed=False)
             self._wrap(pt_map, "balance")
             self._wrap(proto_lp, "balance")
+        self._count_native()
         self._wrap(
             bms,
             "min_size_sinkhorn",
@@ -507,6 +508,34 @@ class _SweepClock:
             lambda p, m, n: 4.0 * p.shape[0] * n * (9 * kn(p) + 4 * p.shape[1]),
         )
         return self
+
+    def _count_native(self) -> None:
+        """The fused C loops' balanced sweeps (PT-MAP's, protoLP's two a step), which the torch
+        loop's ``_sweep`` never sees: each call's per-episode counts, read back from the kernel."""
+        from poodle.solvers import _sinkhorn_native as native
+
+        run, step = getattr(native, "run", None), getattr(getattr(native, "LPStep", None), "__call__", None)
+        if run is not None:
+
+            def counted_run(mode: str, p: torch.Tensor, *a: Any, iters: Any = None, **k: Any) -> Any:
+                mine = torch.zeros(p.shape[0], dtype=torch.int32) if iters is None else iters
+                out = run(mode, p, *a, iters=mine, **k)
+                if mode == "balanced":  # BMS's min-size sweeps are counted at min_size_sinkhorn
+                    self.episode_sweeps += int(mine.sum())
+                return out
+
+            self._undo.append((native, "run", run))
+            native.run = counted_run
+        if step is not None:
+
+            def counted_step(obj: Any, plan: torch.Tensor) -> Any:
+                before = int(obj.sweeps.sum()) if hasattr(obj, "sweeps") else 0
+                out = step(obj, plan)
+                self.episode_sweeps += (int(obj.sweeps.sum()) - before) if hasattr(obj, "sweeps") else 0
+                return out
+
+            self._undo.append((native.LPStep, "__call__", step))
+            native.LPStep.__call__ = counted_step
 
     def __exit__(self, *exc: Any) -> None:
         for module, name, fn in reversed(self._undo):

@@ -136,6 +136,15 @@ def check_memory_bound(
     return max(1, min(workers, (budget - held) // need))
 
 
+def take_rows(table: Tensor, idx: Tensor) -> Tensor:
+    """``table [N, D]`` rows at ``idx [...]`` (non-negative) -> ``[..., D]``, as ``table[idx]``.
+
+    ``index_select`` copies whole rows; advanced indexing goes element by element and took 2.5x as
+    long on the CPU (9.3 against 3.7 ms for a chunk of 40 episodes of 75 rows of 640, one thread),
+    a quarter of a fast method's whole run."""
+    return table.index_select(0, idx.reshape(-1)).view(*idx.shape, table.shape[-1])
+
+
 @dataclass(frozen=True)
 class ChunkPlan:
     """How a call is cut: ``bounds`` of the chunks (episode ranges, in order), the chunk size (the
@@ -567,7 +576,7 @@ class Gatherer:
         e = host.episodes
         neg = host.negatives
         if neg is not None:
-            neg = self.pool[dev(neg)] if self.pool is not None else dev(neg).to(self.dtype)
+            neg = take_rows(self.pool, dev(neg)) if self.pool is not None else dev(neg).to(self.dtype)
         pad = host.padding
         if pad is not None:
             s_idx, q_idx = dev(e.support), dev(e.query)
@@ -585,9 +594,9 @@ class Gatherer:
                 q_mask,
             )
         return Chunk(
-            self.features[dev(e.support)],
+            take_rows(self.features, dev(e.support)),
             dev(e.support_labels),
-            self.features[dev(e.query)],
+            take_rows(self.features, dev(e.query)),
             dev(e.query_labels),
             neg,
             self.spec.fixed("way"),
@@ -596,8 +605,8 @@ class Gatherer:
     def _rows(self, idx: Tensor, mask: Tensor | None) -> Tensor:
         """The feature rows of ``idx [n, L]``; a padded row (``mask`` False, index -1) is zeros."""
         if mask is None:
-            return self.features[idx]
-        return self.features[idx.clamp_min(0)].masked_fill_(~mask.unsqueeze(-1), 0.0)
+            return take_rows(self.features, idx)
+        return take_rows(self.features, idx.clamp_min(0)).masked_fill_(~mask.unsqueeze(-1), 0.0)
 
     @staticmethod
     def _labels(labels: Tensor, mask: Tensor | None) -> Tensor:

@@ -178,22 +178,23 @@ int poodle_propagate(int32_t dtype, int64_t E, int32_t K, int32_t N, const void 
  * 1 - mix) into out. One call a step for what the torch formulation does in about 30 operations
  * and two LAPACK calls per episode. Returns the number of episodes whose system was not positive
  * definite (bad[e] = 1: their z is written, their out left to the caller), or poodle_propagate's
- * error codes. */
+ * error codes. sweeps (or NULL): each episode's sweeps of both loops are added to sweeps[e]. */
 int poodle_lp_assign_step(int32_t dtype, int64_t E, int32_t K, int32_t N, void *plan, const double *plan_target,
                           double plan_tol, const int64_t *plan_cols, void *z, const void *yty, double gamma, double mix,
                           double keep, const void *reset, int32_t n_reset, const double *target, double tol,
-                          int32_t max_iter, const int64_t *ways, const int64_t *cols, void *out, int32_t *bad) {
+                          int32_t max_iter, const int64_t *ways, const int64_t *cols, void *out, int32_t *bad,
+                          int32_t *sweeps) {
     if (E < 0 || K < 1 || N < 0 || !z || !yty || !out || !bad || !target || n_reset < 0 || n_reset > N ||
         (n_reset > 0 && !reset) || max_iter < 0 || !plan || !plan_target)
         return -3;
     if (dtype == 0) {
         struct lp_f32 lp = {(float)mix, (float)keep, (const float *)reset, n_reset, target, tol, max_iter, ways, cols,
-                            (float *)plan, N - n_reset, plan_target, plan_tol, plan_cols};
+                            (float *)plan, N - n_reset, plan_target, plan_tol, plan_cols, sweeps};
         return propagate_f32(E, K, N, (const float *)z, (const float *)yty, (float)gamma, (float *)out, bad, &lp);
     }
     if (dtype == 1) {
         struct lp_f64 lp = {mix, keep, (const double *)reset, n_reset, target, tol, max_iter, ways, cols,
-                            (double *)plan, N - n_reset, plan_target, plan_tol, plan_cols};
+                            (double *)plan, N - n_reset, plan_target, plan_tol, plan_cols, sweeps};
         return propagate_f64(E, K, N, (const double *)z, (const double *)yty, gamma, (double *)out, bad, &lp);
     }
     return -3;
@@ -462,6 +463,7 @@ struct CAT(lp, SUF) {
     const double *plan_target;
     double plan_tol;
     const int64_t *plan_cols;
+    int32_t *sweeps; /* [E] or NULL: each episode's sweeps of both loops are added to it */
 };
 
 static int CAT(propagate, SUF)(int64_t E, int K, int N, const REAL *z, const REAL *yty, REAL gamma, REAL *out,
@@ -481,8 +483,9 @@ static int CAT(propagate, SUF)(int64_t E, int K, int N, const REAL *z, const REA
                 break;
             }
             REAL *q = lp->plan + e * (int64_t)K * lp->n_plan, *zw = (REAL *)ze;
-            CAT(balanced, SUF)(q, lp->n_plan, k, n, NULL, 0, (REAL)lp->plan_target[e], lp->plan_tol, lp->max_iter,
-                               1, rows, inv, u);
+            int it = CAT(balanced, SUF)(q, lp->n_plan, k, n, NULL, 0, (REAL)lp->plan_target[e], lp->plan_tol,
+                                        lp->max_iter, 1, rows, inv, u);
+            if (lp->sweeps) lp->sweeps[e] += it;
             for (int c = 0; c < K; c++) {
                 memcpy(zw + c * N, lp->reset + (e * K + c) * (int64_t)lp->n_reset, sizeof(REAL) * (size_t)lp->n_reset);
                 memcpy(zw + c * N + lp->n_reset, q + c * lp->n_plan, sizeof(REAL) * (size_t)lp->n_plan);
@@ -495,8 +498,9 @@ static int CAT(propagate, SUF)(int64_t E, int K, int N, const REAL *z, const REA
             rc = -3;
             break;
         }
-        CAT(balanced, SUF)(o, N, k, n, lp->reset + e * (int64_t)K * lp->n_reset, lp->n_reset, (REAL)lp->target[e],
-                           lp->tol, lp->max_iter, 0, rows, inv, u);
+        int it = CAT(balanced, SUF)(o, N, k, n, lp->reset + e * (int64_t)K * lp->n_reset, lp->n_reset,
+                                    (REAL)lp->target[e], lp->tol, lp->max_iter, 0, rows, inv, u);
+        if (lp->sweeps) lp->sweeps[e] += it;
         for (int64_t j = 0; j < (int64_t)K * N; j++) {
             REAL v = lp->mix * o[j] + lp->keep * ze[j];
             o[j] = v < 0 ? 0 : v > 1 ? 1 : v;

@@ -109,7 +109,7 @@ def _open(path: Path, source_hash: str) -> ctypes.CDLL:
     lib.poodle_lp_assign_step.restype = ctypes.c_int
     i32, f64 = ctypes.c_int32, ctypes.c_double
     lib.poodle_lp_assign_step.argtypes = [i32, i64, i32, i32, ptr, ptr, f64, ptr, ptr, ptr, f64, f64, f64, ptr, i32]
-    lib.poodle_lp_assign_step.argtypes += [ptr, f64, i32, ptr, ptr, ptr, ptr]
+    lib.poodle_lp_assign_step.argtypes += [ptr, f64, i32, ptr, ptr, ptr, ptr, ptr]
     lib.poodle_pemne.restype = ctypes.c_int
     lib.poodle_pemne.argtypes = [i32, i64, i64, i32, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_double, i32, ptr, i64]
     return lib
@@ -394,7 +394,8 @@ class LPStep:
     (classes ``target``, the support samples reset to ``reset [E, K, Ns]`` after each sweep, to
     ``tol``) and the mask ``clamp(mix P + (1 - mix) z, 0, 1)``. ``ways``, ``plan_cols``, ``cols``
     (``[E]`` or None): a ragged chunk's classes and samples of each plan. The same as the torch
-    formulation to float rounding."""
+    formulation to float rounding. ``sweeps [E]`` (int32) adds up each episode's sweeps of both
+    loops over the calls (what the floor model counts)."""
 
     def __init__(
         self,
@@ -426,6 +427,7 @@ class LPStep:
         self.z = reset.new_empty(E, K, n_reset + n_plan)
         self.out = torch.empty_like(self.z)
         self.bad = torch.zeros(E, dtype=torch.int32)
+        self.sweeps = torch.zeros(E, dtype=torch.int32)  # both loops' sweeps of every call so far
 
         def ptr(t: Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
@@ -434,7 +436,7 @@ class LPStep:
         self._tail = (
             ptr(self.plan_target), plan_tol, ptr(self.plan_cols), self.z.data_ptr(), self.yty.data_ptr(), gamma, mix,
             1 - mix, self.reset.data_ptr(), n_reset, self.target.data_ptr(), tol, max_iter, ptr(self.ways),
-            ptr(self.cols), self.out.data_ptr(), self.bad.data_ptr(),
+            ptr(self.cols), self.out.data_ptr(), self.bad.data_ptr(), self.sweeps.data_ptr(),
         )  # fmt: skip
 
     def __call__(self, plan: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
