@@ -215,6 +215,20 @@ def sqdist(x: Tensor, w: Tensor, x2: Tensor | None = None) -> Tensor:
     return d.clamp_min(0.0)
 
 
+def class_softmax(logits: Tensor, log: bool = False) -> Tensor:
+    """``softmax`` (``log``: ``log_softmax``) of ``logits [E, N, K]`` over its last axis, the
+    classes, computed classes-first: ATen's CPU kernel over a last axis of a few classes handles
+    each row alone and took 6-7x as long (972 against 137 us for ``[40, 75, 5]``, one thread) as
+    the same softmax over the middle axis of ``[E, K, N]``, which runs along vectors of samples.
+    The same values but for the rounding of the sum over the classes (its order differs). Returns
+    ``[E, N, K]`` (contiguous)."""
+    if logits.device.type != "cpu" or logits.dim() != 3:
+        return torch.log_softmax(logits, -1) if log else torch.softmax(logits, -1)
+    t = logits.transpose(1, 2).contiguous()
+    out = torch.log_softmax(t, 1) if log else torch.softmax(t, 1)
+    return out.transpose(1, 2).contiguous()
+
+
 def softmax_logits(x: Tensor, w: Tensor, scale: Tensor | float) -> Tensor:  # the one definition, every solver
     """``scale * (x.w - ||w||^2/2)``: the logits ``-(scale/2)||x - w||^2`` less the per-row constant
     ``-(scale/2)||x||^2``, which no softmax over classes (and no argmax) sees. ``[E, N, K]``."""

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from poodle.options import option
-from poodle.solvers._transductive import dist_flops, row_weight, softmax_logits, support_share, weighted_means
+from poodle.solvers._transductive import (
+    class_softmax,
+    dist_flops,
+    row_weight,
+    softmax_logits,
+    support_share,
+    weighted_means,
+)
 from poodle.solvers.base import EpisodeBatch, SolverOutput, mask_classes, one_hot, register
 
 
@@ -60,16 +67,16 @@ def soft_kmeans(batch: EpisodeBatch, cfg: SoftKMeansConfig) -> SolverOutput:
     q_w, s_w = batch.query_weight(), row_weight(batch.support_mask, z_s.dtype)
     a_q = None
     for _ in range(cfg.steps):
-        a_q = torch.softmax(mask_classes(softmax_logits(z_q, p, cfg.scale), batch), -1)
+        a_q = class_softmax(mask_classes(softmax_logits(z_q, p, cfg.scale), batch))
         if q_w is not None:
             a_q = a_q * q_w
         if cfg.fix_support:
             a_s = labelled
         else:
-            soft_s = torch.softmax(mask_classes(softmax_logits(z_s, p, cfg.scale), batch), -1)
+            soft_s = class_softmax(mask_classes(softmax_logits(z_s, p, cfg.scale), batch))
             a_s = support_share(soft_s if s_w is None else soft_s * s_w, z_s)
         p = weighted_means(a_s, a_q, z_q, p)
     logits = mask_classes(softmax_logits(z_q, p, cfg.scale), batch)
     if a_q is None:  # no refinement: the assignments to the support means
-        a_q = torch.softmax(logits, -1)
-    return SolverOutput(torch.log_softmax(logits, -1), {"prototypes": p, "assignments": a_q})
+        a_q = class_softmax(logits)
+    return SolverOutput(class_softmax(logits, log=True), {"prototypes": p, "assignments": a_q})
