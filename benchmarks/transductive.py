@@ -514,7 +514,8 @@ class _SweepClock:
         loop's ``_sweep`` never sees: each call's per-episode counts, read back from the kernel."""
         from poodle.solvers import _sinkhorn_native as native
 
-        run, step = getattr(native, "run", None), getattr(getattr(native, "LPStep", None), "__call__", None)
+        run = getattr(native, "run", None)
+        step = native.LPStep.__call__ if hasattr(native, "LPStep") else None
         if run is not None:
 
             def counted_run(mode: str, p: torch.Tensor, *a: Any, iters: Any = None, **k: Any) -> Any:
@@ -529,9 +530,9 @@ class _SweepClock:
         if step is not None:
 
             def counted_step(obj: Any, plan: torch.Tensor) -> Any:
-                before = int(obj.sweeps.sum()) if hasattr(obj, "sweeps") else 0
+                before = int(obj.sweeps.sum())
                 out = step(obj, plan)
-                self.episode_sweeps += (int(obj.sweeps.sum()) - before) if hasattr(obj, "sweeps") else 0
+                self.episode_sweeps += int(obj.sweeps.sum()) - before
                 return out
 
             self._undo.append((native.LPStep, "__call__", step))

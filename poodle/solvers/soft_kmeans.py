@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from poodle.options import option
 from poodle.solvers._transductive import (
     class_softmax,
