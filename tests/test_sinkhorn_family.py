@@ -274,3 +274,12 @@ def test_fused_propagation_is_the_torch_formulation(dtype):
     good = torch.tensor([0, 2, 3])
     assert torch.all((mask[good] >= 0) & (mask[good] <= 1))
     assert torch.allclose(mask[good], want_mask[good], rtol=0, atol=1e3 * eps)
+    # the sweeps it counts (the floor model's): the plan's, as the plain loop counts them, plus the
+    # propagated plan's where the system was solved (not episode 1's)
+    plan_sweeps = torch.zeros(4, dtype=torch.int32)
+    _sinkhorn_native.run("balanced", kernel.clone(), 6.0, 1000, tol=1e-3, normalise=True, iters=plan_sweeps)
+    assert step.sweeps[1] == plan_sweeps[1] > 0
+    assert torch.all(step.sweeps[good] > plan_sweeps[good])
+    first = step.sweeps.clone()
+    step(kernel.clone())
+    assert torch.equal(step.sweeps, 2 * first)  # the same call again: the counts add up
