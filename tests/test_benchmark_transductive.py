@@ -83,16 +83,18 @@ def test_query_classes_columns(bench, monkeypatch, tmp_path):
 
 
 def test_roofline_part_counts_what_it_reports(bench, tmp_path, monkeypatch):
-    # part 3 on PADDLE (no Sinkhorn) and PEMnE-BMS (its sweeps counted), the 64-d set from a cache
+    # part 3 on PADDLE (no Sinkhorn), PEMnE-BMS (its sweeps counted), PT-MAP and protoLP (their C
+    # loops' sweeps counted: the fused loop's and the fused step's), the 64-d set from a cache
     monkeypatch.setattr(bench, "CALIBRATE", [0.0, 1])
     cache = bench.synthetic_cache(tmp_path / "c", dim=64)
-    argv = ["--skip-accuracy", "--skip-throughput", "--roofline", "--methods", "paddle,bms", "--shots", "1"]
+    methods = "paddle,bms,pt-map,proto-lp"
+    argv = ["--skip-accuracy", "--skip-throughput", "--roofline", "--methods", methods, "--shots", "1"]
     argv += ["--roofline-cache", str(cache), "--roofline-chunk", "4", "--tp-seconds", "0", "--repeats", "1"]
     argv += ["--out", str(tmp_path / "o")]
     assert bench.main(argv) == 0
     rf = json.loads((tmp_path / "o" / "transductive.json").read_text())["roofline"]
     rows = {(r["method"], r["dim"]): r for r in rf["rows"]}
-    assert set(rows) == {("paddle", 640), ("bms", 640), ("paddle", 64), ("bms", 64)}
+    assert set(rows) == {(m, d) for m in methods.split(",") for d in (640, 64)}
     assert rows[("bms", 640)]["sweeps_per_episode"] == 20 * 50  # steps x sweeps, every episode
     assert "sweep_share" not in rows[("paddle", 640)]
     for r in rows.values():
@@ -106,4 +108,7 @@ def test_roofline_part_counts_what_it_reports(bench, tmp_path, monkeypatch):
         assert fl["floor_us"] == max(fl["parts"]["memory"], compute) > 0 and fl["share"] > 0
     assert rows[("bms", 640)]["floor"]["sweeps"] == 1000 and rows[("bms", 640)]["floor"]["plan"] == [5, 75]
     assert rows[("bms", 640)]["floor"]["parts"]["sweeps"] > 0 and rows[("paddle", 64)]["floor"]["plan"] is None
+    for m in ("pt-map", "proto-lp"):  # a balanced loop runs until it converges: at least one sweep a step
+        assert rows[(m, 640)]["floor"]["sweeps"] == rows[(m, 640)]["sweeps_per_episode"] >= 1
+        assert rows[(m, 640)]["floor"]["parts"]["sweeps"] > 0
     assert "Own floors per episode" in (tmp_path / "o" / "transductive.md").read_text()
