@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from poodle.options import option
-from poodle.solvers._transductive import cosine, dist_flops
+from poodle.solvers._transductive import class_softmax, cosine, dist_flops
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_classes, one_hot, register
 
 
@@ -63,7 +63,7 @@ def can_t(batch: EpisodeBatch, cfg: CanTConfig) -> SolverOutput:
         n_iter_e = n_qe // cfg.step if cfg.iterations < 0 else torch.full_like(n_qe, cfg.iterations)
         ranks = torch.arange(n_q, device=z_q.device).expand_as(q_norm[..., 0])
     for i in range(_n_iter(cfg, n_q)):
-        prob = torch.softmax(mask_classes(cfg.scale * cosine(z_q, p, q_norm), batch), -1)
+        prob = class_softmax(mask_classes(cfg.scale * cosine(z_q, p, q_norm), batch))
         conf, pseudo = prob.max(-1)  # [E, Nq]
         if not batch.ragged:
             k = min((i + 1) * cfg.step, n_q)
@@ -81,5 +81,5 @@ def can_t(batch: EpisodeBatch, cfg: CanTConfig) -> SolverOutput:
         num = torch.bmm(y_s.transpose(1, 2), z_s) + torch.bmm(a_q.transpose(1, 2), z_q)
         new = F.normalize(num / (y_s.sum(1) + a_q.sum(1)).unsqueeze(-1).clamp_min(1.0), dim=-1)
         p = new if not batch.ragged else torch.where((i < n_iter_e)[:, None, None], new, p)
-    log_probs = torch.log_softmax(mask_classes(cfg.scale * cosine(z_q, p, q_norm), batch), -1)
+    log_probs = class_softmax(mask_classes(cfg.scale * cosine(z_q, p, q_norm), batch), log=True)
     return SolverOutput(log_probs, {"prototypes": p})

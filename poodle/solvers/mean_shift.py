@@ -27,6 +27,7 @@ from torch import Tensor
 from poodle.options import option
 from poodle.solvers._transductive import (
     centre_and_project,
+    class_softmax,
     dist_flops,
     row_sqnorm,
     row_weight,
@@ -100,13 +101,13 @@ def mean_shift(batch: EpisodeBatch, cfg: MeanShiftConfig) -> SolverOutput:
     labelled = support_share(one_hot(batch.support_labels, batch.way, z_s.dtype), z_s)  # fixed: made once
     mu = labelled[0] / labelled[1].clamp_min(1.0).unsqueeze(-1)  # the support class means
     q2 = row_sqnorm(z_q)
-    log_p = torch.log_softmax(mask_classes(-cfg.sigma * sqdist(z_q, mu, q2), batch), -1)
+    log_p = class_softmax(mask_classes(-cfg.sigma * sqdist(z_q, mu, q2), batch), log=True)
     selected = torch.zeros(z_s.shape[0], dtype=torch.long, device=z_s.device)
     for _ in range(cfg.steps):
         sel = confident_top_d(log_p.exp(), cfg.threshold, batch.query_mask, batch.class_mask)  # [E, Nq, K]
         num = labelled[0] + torch.bmm(sel.transpose(1, 2), z_q)
         den = (labelled[1] + sel.sum(1)).unsqueeze(-1)  # >= shots >= 1
         mu = num / den.clamp_min(1.0)
-        log_p = torch.log_softmax(mask_classes(-cfg.sigma * sqdist(z_q, mu, q2), batch), -1)
+        log_p = class_softmax(mask_classes(-cfg.sigma * sqdist(z_q, mu, q2), batch), log=True)
         selected = sel.sum(1)[:, 0].long()
     return SolverOutput(log_p, {"prototypes": mu, "selected": selected})
