@@ -95,6 +95,7 @@ def test_a_config_is_checked_once_where_it_is_built_and_trusted_after(cache, mon
 
     cfg = solvers.make_config("proto", {"scale": 5.0})
     assert solvers.is_checked(cfg) and not solvers.is_checked(dataclasses.replace(cfg, scale=6.0))
+    assert vars(cfg) == {"scale": 5.0}  # the mark is kept beside the config: its attributes are its fields
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.scale = -1.0  # type: ignore[misc]
     features = read_split(cache, "test")

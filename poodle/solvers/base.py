@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
@@ -438,17 +439,30 @@ def check_config(method: str, cfg: Any) -> None:
         validate_config(cfg, method)
 
 
-# The attribute :func:`validate_config` sets on a frozen config it has checked: its values cannot
-# change afterwards, so a config built once (a cell's, the command line's) is trusted by every call
-# that receives it (each chunk of a run) instead of being checked again.
-_CHECKED = "_poodle_checked"
+# The frozen configs :func:`validate_config` has checked, by ``id`` while they live (each removed
+# by a finalizer when its config is freed, before the id can be reused): their values cannot change,
+# so a config built once (a cell's, the command line's) is trusted by every call it is handed to
+# (each chunk of a run) instead of being checked again. Kept beside the configs, not on them, so
+# that nothing reading a config's attributes (``vars``, ``asdict``, a record) sees the mark.
+_CHECKED: set[int] = set()
+
+
+def _mark_checked(cfg: Any) -> None:
+    key = id(cfg)
+    if key in _CHECKED:
+        return
+    try:
+        weakref.finalize(cfg, _CHECKED.discard, key)
+    except TypeError:  # a config class without weak references (slots) is checked every time
+        return
+    _CHECKED.add(key)
 
 
 def is_checked(cfg: Any) -> bool:
     """Whether ``cfg`` is a frozen config that :func:`validate_config` has checked (a config made by
     :func:`build_config`, or one whose class checks itself in ``__post_init__``). A config of a
     mutable class is never trusted: its values may have changed since."""
-    return bool(cfg.__dict__.get(_CHECKED, False)) if hasattr(cfg, "__dict__") else False
+    return id(cfg) in _CHECKED
 
 
 _TYPES_CACHE: dict[type, dict[str, Any]] = {}
@@ -558,7 +572,7 @@ def validate_config(cfg: Any, method: str = "") -> Any:
             raise ConfigError(f"method {method!r}: option {f.name!r} {why}, got {value:g}", params=(f.name,))
         object.__setattr__(cfg, f.name, value)  # also for frozen configs: the value is only normalised
     if _frozen(type(cfg)):
-        object.__setattr__(cfg, _CHECKED, True)  # not a field: no equality, repr or record sees it
+        _mark_checked(cfg)
     return cfg
 
 
