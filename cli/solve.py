@@ -72,11 +72,12 @@ def method_flag(method: str, field: str) -> str:
     return f"--set {method}.{field}=V"
 
 
-def solver_options(ctx: click.Context, methods: list[str], sets: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """Per-method option dicts holding only what the user gave explicitly (so every method keeps its
-    own paper defaults), each checked by the method's configuration. An explicit option no chosen
-    method accepts, or a shared name (--alpha) that means different things for the chosen methods,
-    is a ConfigError naming the flag."""
+def solver_configs(ctx: click.Context, methods: list[str], sets: tuple[str, ...]) -> dict[str, Any]:
+    """Per-method configs built from only what the user gave explicitly (so every method keeps its
+    own paper defaults): each checked here, once, where an error can name the flag that set the
+    value, and handed to the library as it is. An explicit option no chosen method accepts, or a
+    shared name (--alpha) that means different things for the chosen methods, is a ConfigError
+    naming the flag."""
     from poodle import solvers
     from poodle.errors import ConfigError
 
@@ -136,13 +137,14 @@ def solver_options(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
             how_set[m, field] = how
             per[m][field] = value
     # each method's configuration checks its values now, before any work, with the flag named
+    configs: dict[str, Any] = {}
     for m in methods:
         try:
-            solvers.make_config(m, per[m], strict=True)
+            configs[m] = solvers.make_config(m, per[m], strict=True)
         except ConfigError as e:
             culprit = next((how_set[m, f] for f in e.params if (m, f) in how_set), None)
             raise ConfigError(f"{culprit}: {e}" if culprit else str(e)) from None
-    return per
+    return configs
 
 
 def _cache_path(ctx: click.Context, cache: str | None, dataset: str | None, backbone: str | None) -> Path:
@@ -303,7 +305,7 @@ def solve(ctx: click.Context, **params: Any) -> None:
     from poodle.solve import solve as run_solve
 
     methods = list(p["methods"])
-    per = solver_options(ctx, methods, p["sets"])
+    configs = solver_configs(ctx, methods, p["sets"])
     # only what the user gave: the library fills the defaults (and takes them from --episodes-from)
     given = {k: ctx.params[k] for k in SETTINGS if _explicit(ctx, k)}
     # under torchrun (poodle.distributed) rank 0 alone shows a bar (of its share) and prints
@@ -321,7 +323,7 @@ def solve(ctx: click.Context, **params: Any) -> None:
     )
     with bar as advance:
         common = dict(
-            options=per,
+            options=configs,
             episodes_from=episodes_from,
             save_episodes_to=save_episodes,
             out=results_path,

@@ -5,8 +5,9 @@ parameters, one combination of a grid file, a row of the demo's table): every va
 there, once, by the rule that owns it (the episode setting: :meth:`EpisodeSpec.validate`; the
 negatives: :meth:`NegativeSpec.validate` and :meth:`SolverInfo.check_negatives`; a method's
 options: :func:`poodle.solvers.make_config`; the preprocessing: :func:`poodle.preprocess.parse`).
-A cell then holds only resolved values: the method's whole configuration (presets resolved), the
-negatives it reads (``"none"`` for a method that reads none) and whether it uses the queries.
+A cell then holds only resolved values: the method's registry entry and its configuration, built
+and checked there (presets resolved; every later call trusts it), the negatives it reads (``"none"``
+for a method that reads none) and whether it uses the queries.
 
 Its identity in the results layer (:meth:`Cell.result_identity`) adds the content fingerprints of
 the files it reads; :func:`poodle.results.make_identity` is the one function that assembles it.
@@ -27,6 +28,7 @@ from poodle.errors import ConfigError, PoodleError
 from poodle.negatives import NegativeSpec
 from poodle.results import jsonable, make_identity, record_flat
 from poodle.settings import EPISODE_KEYS, GENERAL_KEYS, WHEN_SET_EPISODE_KEYS, check_setting, general_defaults
+from poodle.solvers import SolverInfo
 from poodle.utils import content_hash
 
 # The episode settings of a cell: EpisodeSpec's fields and the number of episodes (poodle.settings).
@@ -62,7 +64,7 @@ class Locations:
         return (f"{path}:{split}" if split else str(path)), path
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Cell:
     """One method, fully configured, on one episode setting.
 
@@ -75,13 +77,15 @@ class Cell:
         negatives: the negative source as written (``"none"`` for a method that reads none).
         n_neg: negatives per episode (``None`` without negatives).
         method: the registered method name.
-        options: every field of the method's configuration, with the values used.
+        cfg: the method's configuration dataclass, built and checked when the cell was made (its
+            fields hold the values used; :attr:`options` is them as records write them).
         transductive: whether the method uses the unlabelled queries.
         index: position among the cells of a run (a grid's order).
         preprocess: the feature preprocessing (:mod:`poodle.preprocess`).
         episodes_from: an episode file whose episodes the cell solves (``episode`` is then its
             setting), or ``None`` when they are drawn.
         locations: how ``cache`` and a pool file in ``negatives`` resolve to files.
+        solver: the method's registry entry (looked up once, when the cell was made).
     """
 
     label: str
@@ -90,12 +94,65 @@ class Cell:
     negatives: str
     n_neg: int | None
     method: str
-    options: dict[str, Any]
+    cfg: Any
     transductive: bool
     index: int = 0
     preprocess: str = defaults.PREPROCESS
     episodes_from: str | None = None
     locations: Locations = field(default_factory=Locations, compare=False, repr=False)
+    solver: SolverInfo = field(default=None, compare=False, repr=False)  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        label: str,
+        cache: str,
+        episode: dict[str, Any],
+        negatives: str,
+        n_neg: int | None,
+        method: str,
+        cfg: Any = None,
+        transductive: bool = False,
+        index: int = 0,
+        preprocess: str = defaults.PREPROCESS,
+        episodes_from: str | None = None,
+        locations: Locations | None = None,
+        solver: SolverInfo | None = None,
+        *,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        info = solver if solver is not None else solvers.get(method)
+        if options is not None or cfg is None or isinstance(cfg, Mapping):
+            # the old form held the options as a dict: the config is built from them here
+            warnings.warn(
+                "Cell(options=...) is deprecated: give cfg, the method's config (poodle.solvers.make_config), "
+                "or make the cell with poodle.cells.make_cell (removed in 0.3.0)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            given = options if options is not None else cfg
+            cfg = solvers.build_config(info, given or {}, strict=True)
+        values = dict(
+            label=label,
+            cache=cache,
+            episode=episode,
+            negatives=negatives,
+            n_neg=n_neg,
+            method=method,
+            cfg=cfg,
+            transductive=transductive,
+            index=index,
+            preprocess=preprocess,
+            episodes_from=episodes_from,
+            locations=locations if locations is not None else Locations(),
+            solver=info,
+        )
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Every field of the method's configuration with the value used, as records hold them."""
+        return jsonable(solvers.config_dict(self.cfg))
 
     @property
     def cache_file(self) -> Path:
@@ -116,8 +173,8 @@ class Cell:
         return NegativeSpec(self.locations.negatives(self.negatives)[0], int(self.n_neg or 0))
 
     def config(self) -> Any:
-        """The method's configuration dataclass."""
-        return solvers.make_config(self.method, self.options, strict=True)
+        """The method's configuration dataclass (:attr:`cfg`, built and checked when the cell was made)."""
+        return self.cfg
 
     def written(self) -> dict[str, Any]:
         """The cell as a grid writes it: its configuration, the cache as written and its label."""
@@ -249,9 +306,15 @@ def make_cell(
     strict: frozenset[str] | set[str] = frozenset(),
     locations: Locations | None = None,
     episodes_from: str | None = None,
+    config: Any = None,
+    checked: bool = False,
 ) -> Cell:
     """The cell of one combination of values: general settings (:data:`poodle.settings.GENERAL_KEYS`,
-    each checked by its declaration, defaults from it), ``transductive`` and the method's options.
+    each checked by its declaration, defaults from it), ``transductive`` and the method's options,
+    or, instead of the options, ``config``: the method's config built already (the command line
+    builds it to name its flags in an error), used as it is (checked unless it was when built).
+    ``checked``: the general settings in ``values`` are each :func:`poodle.settings.check_setting`'s
+    result already (a grid file's, checked at its lines as the file was read), not checked again.
 
     Options the method does not have are dropped and ``transductive`` is ignored for a method that
     cannot switch it (the rule of a grid's product: ``alpha`` with ``proto`` is the proto cell),
@@ -277,8 +340,28 @@ def make_cell(
                 f"method {method.name!r} has no option {k!r}; its options are: {', '.join(sorted(fields))}",
                 params=(k,),
             )
-    cfg = solvers.make_config(method.name, opts, strict=True)
-    general = {k: check_setting(k, values[k]) for k in GENERAL_KEYS if values.get(k) is not None}
+    if config is None:
+        cfg = solvers.build_config(method, opts, strict=True)
+    elif opts:
+        raise ConfigError(
+            f"method {method.name!r}: options {', '.join(sorted(opts))} given beside its config; "
+            "set them in the config",
+            params=tuple(sorted(opts)),
+        )
+    elif not isinstance(config, method.config):
+        raise ConfigError(
+            f"method {method.name!r}: config must be a {method.config.__name__}, got {type(config).__name__}",
+            params=("options",),
+        )
+    else:
+        cfg = config if solvers.is_checked(config) else solvers.validate_config(config, method.name)
+    # the method's name is checked by its lookup in the registry above (an unknown name lists the
+    # known ones), not again as a setting
+    general = {
+        k: values[k] if checked else check_setting(k, values[k])
+        for k in GENERAL_KEYS
+        if k != "method" and values.get(k) is not None
+    }
     episode = episode_setting(general, defaults_)
     EpisodeSpec.from_settings(episode).validate()
     negatives, n_neg = "none", None
@@ -295,11 +378,12 @@ def make_cell(
         negatives=negatives,
         n_neg=n_neg,
         method=method.name,
-        options=jsonable(solvers.config_dict(cfg)),
+        cfg=cfg,
         transductive=method.is_transductive(cfg),
         preprocess=general.get("preprocess", defaults.PREPROCESS),
         episodes_from=episodes_from,
         locations=locations or Locations(),
+        solver=method,
     )
 
 

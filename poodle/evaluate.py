@@ -64,7 +64,9 @@ GPU_MAX_CHUNK = 4096
 BUCKET_WASTE = 1.1
 BUCKET_LEAST = {"cpu": 4, "cuda": 256}
 
-Method = tuple[str, str, Any]  # (label, registered method name, config)
+# (label, registered method name or its registry entry, config); :func:`evaluate` resolves each to its
+# entry and a checked config once, and its chunks trust them
+Method = tuple[str, str | SolverInfo, Any]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,27 +402,32 @@ def _negatives(
 
 
 def _resolve_methods(methods: Sequence[Method]) -> tuple[list[Method], list[tuple[SolverInfo, Any]]]:
-    """``(label, name, config)`` with the config built from a dict or ``None`` and checked, and the
-    registry entry and config of each method that reads negatives (looked up here, once)."""
+    """``(label, registry entry, config)`` of each ``(label, method, config)``: the method looked up
+    (once: a cell gives its entry), the config built from a dict or ``None``, or checked (once: a
+    config the library built was checked then); and the entry and config of each method that reads
+    negatives. The chunks trust what this returns."""
     if not methods:
         raise ConfigError("no method to run", params=("methods",))
-    out, seen = [], set()
+    out: list[Method] = []
+    seen: set[str] = set()
     users: list[tuple[SolverInfo, Any]] = []
     for item in methods:
         if len(item) != 3:
             raise ConfigError(f"methods are (label, method, config) triples, got {item!r}", params=("methods",))
-        label, name, cfg = item
-        info = solvers.get(name)
+        label, method, cfg = item
+        info = method if isinstance(method, SolverInfo) else solvers.get(method)
         if cfg is None or isinstance(cfg, Mapping):
-            cfg = solvers.make_config(name, cfg or {}, strict=True)
+            cfg = solvers.build_config(info, cfg or {}, strict=True)
         elif not isinstance(cfg, info.config):
-            raise ConfigError(f"method {name!r}: config must be a {info.config.__name__}, got {type(cfg).__name__}")
-        else:
+            raise ConfigError(
+                f"method {info.name!r}: config must be a {info.config.__name__}, got {type(cfg).__name__}"
+            )
+        elif not solvers.is_checked(cfg):  # a config the library built was checked then
             solvers.base.check_config(info.name, cfg)
         if label in seen:
             raise ConfigError(f"two methods share the label {label!r}; give each a distinct label")
         seen.add(label)
-        out.append((label, name, cfg))
+        out.append((label, info, cfg))
         if info.needs_negatives(cfg):
             users.append((info, cfg))
     return out, users
@@ -649,22 +656,33 @@ def backend_for(run: RunOptions) -> Backend:
     return Backend(cuda_step=run.cuda_step, launch_plan=costmodel.launch_plan)
 
 
-def solve_batch(batch: EpisodeBatch, method: str, cfg: Any, backend: Backend | None = None) -> Tensor:
-    """Query log-probabilities ``[E, Nq, way]`` of ``method`` configured by ``cfg`` (checked) on
-    ``batch``, whose negatives are passed to the method only when it reads them: what every chunk
-    of :func:`evaluate` and ``poodle predict``'s one task go through. ``backend``: which arithmetic
-    runs (``None``: the library's default), which reports what did."""
-    info = solvers.get(method)
+def solve_batch(batch: EpisodeBatch, method: str | SolverInfo, cfg: Any, backend: Backend | None = None) -> Tensor:
+    """Query log-probabilities ``[E, Nq, way]`` of ``method`` (a name or its registry entry)
+    configured by ``cfg`` on ``batch``, whose negatives are passed to the method only when it reads
+    them: ``poodle predict``'s one task. ``cfg`` is checked unless it was when built, and the
+    negatives rule against the batch's. ``backend``: which arithmetic runs (``None``: the library's
+    default), which reports what did."""
+    info = method if isinstance(method, SolverInfo) else solvers.get(method)
+    if not solvers.is_checked(cfg):
+        solvers.base.check_config(info.name, cfg)
+    info.check_negatives(cfg, None if batch.negatives is None else "given")
+    return _solve(batch, info, cfg, backend)
+
+
+def _solve(batch: EpisodeBatch, info: SolverInfo, cfg: Any, backend: Backend | None) -> Tensor:
+    """:func:`solve_batch` of a method resolved and checked once (every chunk of :func:`evaluate`)."""
     if not info.needs_negatives(cfg):
         batch = dataclasses.replace(batch, negatives=None)
     # nothing a solver returns needs a gradient (BMS, the one with autograd inside, leaves this mode
     # for its refinement): no version counters or autograd bookkeeping on any operation
     with torch.inference_mode():
-        return solvers.run(info.name, batch, cfg, backend=backend).log_probs
+        return solvers.call(info, batch, cfg, backend=backend).log_probs
 
 
 def solve_chunk(chunk: Chunk, methods: Sequence[Method], clock: _Clock, backend: Backend | None = None) -> Solved:
-    """Every method on one chunk: per-episode accuracy (left on the device) and solve time."""
+    """Every method on one chunk: per-episode accuracy (left on the device) and solve time.
+    ``methods`` as :func:`evaluate` resolved them (registry entries, configs checked: trusted); a
+    method given by name is looked up and checked here (:func:`solve_batch`)."""
     out: Solved = {}
     batch = EpisodeBatch(
         chunk.support,
@@ -676,9 +694,12 @@ def solve_chunk(chunk: Chunk, methods: Sequence[Method], clock: _Clock, backend:
         chunk.support_mask,
         chunk.query_mask,
     )
-    for label, name, cfg in methods:
+    for label, method, cfg in methods:
         t0 = clock.start()
-        log_probs = solve_batch(batch, name, cfg, backend)
+        if isinstance(method, SolverInfo):
+            log_probs = _solve(batch, method, cfg, backend)
+        else:
+            log_probs = solve_batch(batch, method, cfg, backend)
         hits = log_probs.argmax(-1) == chunk.query_labels
         if chunk.query_mask is None:
             correct = hits.to(torch.float64).mean(1)
@@ -992,7 +1013,9 @@ def evaluate(
         episodes: an episode set (its ``negatives`` indices are used when their source matches), or
             an :class:`~poodle.episodes.EpisodeStream` (drawn chunk by chunk: same results, flat memory;
             a stream of ragged episodes is drawn in advance, as its shapes plan the chunks).
-        methods: ``(label, method_name, config)`` triples; config a dataclass, a dict of options or None.
+        methods: ``(label, method, config)`` triples; method a registered name or its registry entry
+            (:class:`~poodle.solvers.SolverInfo`), config a dataclass (checked unless it was when
+            built), a dict of options or None. Each is resolved and checked once, not per chunk.
         negatives: the negative source and count; ``None`` means no negatives.
         cache_path: the cache file (its ``train`` split is the ``base`` pool).
         run: where and how (:class:`poodle.run.RunOptions`: device, max_memory, workers, chunk_size,

@@ -242,9 +242,9 @@ def solve_call(
     if rows is not None:  # negatives are drawn per episode number: a share draws its own
         episodes = episodes[rows.start : rows.stop]
     labels = {c.index: keys[c.index][1] for c in batch}
-    # each method's options as the cell holds them (the values used, checked when the cell was made):
-    # evaluate builds the config from them once, where it resolves the method
-    methods = [(labels[c.index], c.method, c.options) for c in batch]
+    # each method as the cell holds it, resolved and configured (the config checked when the cell
+    # was made): evaluate and its chunks trust them
+    methods = [(labels[c.index], c.solver, c.cfg) for c in batch]
     stats: dict[str, Any] = {}
     raw = inputs.features(c0)
     # a preprocessing's copy is solved; the split as read stays in memory beside it (Inputs keeps it)
@@ -325,16 +325,24 @@ def _mib(n: int) -> str:
 
 
 def cell_record(
-    cell: Cell, identity: dict[str, Any], acc: torch.Tensor, info: dict[str, Any], group: str, processes: int = 1
+    cell: Cell,
+    identity: dict[str, Any],
+    acc: torch.Tensor,
+    info: dict[str, Any],
+    group: str,
+    processes: int = 1,
+    key: str | None = None,
 ) -> dict[str, Any]:
-    """The results record of a solved cell (:func:`poodle.results.make_record`): its identity, its
-    label, cache as written, position and group, how and where it was solved, and ``acc [E]``."""
+    """The results record of a solved cell (:func:`poodle.results.make_record`): its identity (and
+    its key, when :func:`cell_keys` computed it), its label, cache as written, position and group,
+    how and where it was solved, and ``acc [E]``."""
     extra = {k: v for k, v in info.items() if k != "seconds"}
     if cell.episodes_from is not None:
         extra["episodes_from"] = cell.episodes_from
     return make_record(
         identity,
         acc.tolist(),
+        key=key,
         label=cell.label,
         cache=cell.cache,
         index=cell.index,
@@ -438,7 +446,7 @@ def run_cells(
         for c in batch:
             key = keys[c.index][1]
             acc, info = solved[key]
-            record = by_key[key] = cell_record(c, keys[c.index][0], acc, info, group, d.world)
+            record = by_key[key] = cell_record(c, keys[c.index][0], acc, info, group, d.world, key)
             if results is not None:
                 results.append(record)
             run.accs[key] = acc

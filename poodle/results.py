@@ -146,17 +146,18 @@ def make_record(
     index: int = 0,
     group: str = "",
     seconds: float | None = None,
+    key: str | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """A cell record: the identity, its key, display fields, per-episode accuracies ``acc [E]`` in
-    [0, 1], their mean and 95% half-width (1.96 * population std / sqrt(E)), and ``extra`` fields
-    (timings, device, ...)."""
+    """A cell record: the identity, its key (:func:`identity_key` of it; ``key``: that key, computed
+    once by the caller), display fields, per-episode accuracies ``acc [E]`` in [0, 1], their mean
+    and 95% half-width (1.96 * population std / sqrt(E)), and ``extra`` fields (timings, device, ...)."""
     values = [float(a) for a in acc]
     n = len(values)
     mean, ci95 = mean_ci(values)
     record: dict[str, Any] = {
         "kind": "cell",
-        "key": identity_key(identity),
+        "key": identity_key(identity) if key is None else key,
         **identity,
         "label": label,
         "cache": cache,

@@ -114,13 +114,14 @@ def _from_file(episodes_from: str | os.PathLike, settings: Mapping[str, Any]) ->
 def make_cells(
     cache: str | os.PathLike,
     methods: Sequence[str],
-    options: Mapping[str, Mapping[str, Any]],
+    options: Mapping[str, Any],
     settings: Mapping[str, Any],
     episodes: EpisodeSet | None = None,
     episodes_from: str | None = None,
     domains: Mapping[str, str | os.PathLike] | None = None,
 ) -> list[Cell]:
-    """One cell per method on the setting ``settings`` (with ``episodes`` from ``episodes_from``: its
+    """One cell per method on the setting ``settings`` (``options``: ``{method: {option: value}}``
+    or ``{method: config}``, as :func:`solve` takes them; with ``episodes`` from ``episodes_from``: its
     setting, and its negatives for the methods that read some unless ``settings`` names others).
     With ``domains`` (``{name: cache file}``), ``cache`` is one of its names: the cells record the
     name as their ``cache`` (a grid's ``[caches]`` name), and read its file."""
@@ -137,12 +138,15 @@ def make_cells(
     locations = Locations(caches={k: str(v) for k, v in domains.items()}) if domains else None
     cells = []
     for i, m in enumerate(methods):
-        own = dict(options.get(m, {}))
+        given = options.get(m, {})
+        # a config built by the caller (the command line's, checked there) is the cell's as it is
+        own = dict(given) if isinstance(given, Mapping) else {}
         cell = make_cell(
             {**values, **own, "cache": str(cache), "method": m},
             strict=set(own),
             episodes_from=episodes_from,
             locations=locations,
+            config=None if isinstance(given, Mapping) else given,
         )
         cells.append(dataclasses.replace(cell, index=i))
     given = settings.get("negatives")
@@ -181,7 +185,7 @@ class _Prepared:
 def _prepare(
     cache: str | os.PathLike,
     methods: Sequence[str],
-    options: Mapping[str, Mapping[str, Any]] | None,
+    options: Mapping[str, Any] | None,
     episodes_from: str | os.PathLike | None,
     save_episodes_to: str | os.PathLike | None,
     out: str | os.PathLike | None,
@@ -273,7 +277,7 @@ def solve(
     cache: str | os.PathLike,
     methods: Sequence[str] = (defaults.METHOD,),
     *,
-    options: Mapping[str, Mapping[str, Any]] | None = None,
+    options: Mapping[str, Any] | None = None,
     episodes_from: str | os.PathLike | None = None,
     save_episodes_to: str | os.PathLike | None = None,
     out: str | os.PathLike | None = None,
@@ -288,6 +292,8 @@ def solve(
         cache: the feature cache (HDF5).
         methods: registered method names (each at most once).
         options: ``{method: {option: value}}``; a method keeps its defaults for what is not given.
+            A method's entry may be its config instead (:func:`poodle.solvers.make_config`; the
+            command line's, built and checked once where the flags are read), used as it is.
         episodes_from: an episodes file (:func:`poodle.episodes.save_episodes`) to solve; its
             negatives are the default of the methods that read negatives.
         save_episodes_to: write the episodes (with their negatives) here.
@@ -397,7 +403,7 @@ def solve_domains(
     caches: Mapping[str, str | os.PathLike],
     methods: Sequence[str] = (defaults.METHOD,),
     *,
-    options: Mapping[str, Mapping[str, Any]] | None = None,
+    options: Mapping[str, Any] | None = None,
     episodes_from: str | os.PathLike | None = None,
     save_episodes_to: str | os.PathLike | None = None,
     out: str | os.PathLike | None = None,

@@ -6,11 +6,44 @@ rounding, no probability on a padded class)."""
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
 from conftest import clustered_features
 
 from poodle.solvers import EpisodeBatch
+
+# A method's plain float64 per-episode reference, registered where it is written, in the method's
+# own test: ``@reference("name", **options)`` on ``fn(support [Ns, D], support_labels [Ns], query
+# [Nq, D], way, negatives [M, D] or None, cfg) -> log_probs [Nq, way]`` (``options``: the method's
+# options for the shared checks, fewer steps keeping the suite fast). tests/test_ragged_shots.py
+# checks every registered method against its reference; :func:`references` finds them, so a new
+# method's test is all it takes.
+_REFERENCES: dict[str, tuple[Callable[..., torch.Tensor], dict[str, Any]]] = {}
+_MARK = "@reference("
+
+
+def reference(name: str, **options: Any) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
+    """Register ``fn`` as the reference of method ``name`` (see above)."""
+
+    def deco(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        _REFERENCES[name] = (fn, dict(options))
+        return fn
+
+    return deco
+
+
+def references() -> dict[str, tuple[Callable[..., torch.Tensor], dict[str, Any]]]:
+    """``{method: (reference, options)}`` of every test module that registers one (imported here)."""
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        if path.stem not in sys.modules and _MARK in path.read_text(encoding="utf-8"):
+            importlib.import_module(path.stem)
+    return dict(_REFERENCES)
+
 
 DIM = 16
 # (shots per class, queries per class) of each episode: ways 5 to 50, shots 1 to 100, queries 1 to 10

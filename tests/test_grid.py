@@ -53,6 +53,23 @@ steps = 3
 # Expansion
 
 
+def test_each_setting_of_a_grid_is_checked_once_as_the_file_is_read(tmp_path, cache, monkeypatch):
+    import poodle.cells
+    import poodle.grid.spec
+
+    checked: list[str] = []
+    for module in (poodle.cells, poodle.grid.spec):
+        real = module.check_setting
+        monkeypatch.setattr(module, "check_setting", lambda k, v, real=real: checked.append(k) or real(k, v))
+    spec = G.load_grid(_grid(tmp_path, SMALL))
+    # each value of the file once, at its line: cache, shot (2), query, episodes, n_neg, method (2)
+    assert sorted(checked) == sorted(["cache", "shot", "shot", "query", "episodes", "n_neg", "method", "method"])
+    cells = G.expand(spec)
+    assert len(cells) == 10 and len(checked) == 8  # the cells take them as they are
+    with pytest.raises(ConfigError, match=r"g.toml: option 'shot' must be a positive integer, got 0"):
+        G.load_grid(_grid(tmp_path, SMALL.replace("shot = [1, 5]", "shot = [1, 0]")))
+
+
 def test_product_skips_options_a_method_lacks_and_adds_explicit_cells(tmp_path, cache):
     p = _grid(
         tmp_path,

@@ -85,6 +85,66 @@ def test_the_names_deprecated_in_0_2_warn_name_their_replacement_and_give_its_va
         defaults.NOPE  # noqa: B018
 
 
+def test_a_config_is_checked_once_where_it_is_built_and_trusted_after(cache, monkeypatch):
+    """A frozen config checked when it was built carries the fact: the chunks of a run trust it; a
+    config made in Python is checked once per call, never per chunk; solvers.run checks what it is
+    given unless the library built it."""
+    from poodle import solvers
+    from poodle.solvers import base
+    from poodle.solvers.proto import ProtoConfig
+
+    cfg = solvers.make_config("proto", {"scale": 5.0})
+    assert solvers.is_checked(cfg) and not solvers.is_checked(dataclasses.replace(cfg, scale=6.0))
+    assert vars(cfg) == {"scale": 5.0}  # the mark is kept beside the config: its attributes are its fields
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.scale = -1.0  # type: ignore[misc]
+    features = read_split(cache, "test")
+    eps = EpisodeStream(features.labels, EpisodeSpec(way=5, shot=1, query=3), 6)
+    checks: list[str] = []
+    real = base.validate_config
+    monkeypatch.setattr(base, "validate_config", lambda c, m="": checks.append(m) or real(c, m))
+    run = RunOptions(device="cpu", chunk_size=1, workers=1)
+    built = evaluate(features, eps, [("p", "proto", cfg)], run=run)
+    assert checks == []  # six chunks, no check: it was checked when built
+    made = evaluate(features, eps, [("p", "proto", ProtoConfig(scale=5.0))], run=run)
+    assert checks == ["proto"]  # once for the call, not per chunk
+    assert torch.equal(built["p"], made["p"])
+    batch = solvers.EpisodeBatch(
+        torch.eye(4)[None], torch.arange(4)[None], torch.eye(4)[None], None, 4
+    )  # one 4-way 1-shot episode
+    with pytest.raises(ConfigError, match=r"method 'proto': option 'scale' must lie in \(0, inf\), got -1"):
+        solvers.run("proto", batch, ProtoConfig(scale=-1.0))
+    assert checks == ["proto", "proto"]
+    solvers.run("proto", batch, cfg)
+    assert checks == ["proto", "proto"]  # the library's config is trusted
+
+
+def test_a_cell_holds_its_config_and_its_old_form_warns(cache):
+    from poodle import solvers
+    from poodle.cells import Cell
+    from poodle.results import jsonable
+
+    c = make_cell({"cache": str(cache), "method": "tim-gd", "steps": 7})
+    assert c.cfg == solvers.make_config("tim-gd", {"steps": 7}) and solvers.is_checked(c.cfg)
+    assert c.solver is solvers.get("tim-gd") and c.config() is c.cfg
+    assert c.options == jsonable(solvers.config_dict(c.cfg)) and c.options["steps"] == 7
+    old = {k: getattr(c, k) for k in ("label", "cache", "episode", "negatives", "n_neg", "method", "transductive")}
+    said = (
+        "Cell(options=...) is deprecated: give cfg, the method's config (poodle.solvers.make_config), or make "
+        "the cell with poodle.cells.make_cell (removed in 0.3.0)"
+    )
+    with pytest.warns(DeprecationWarning, match="^" + re.escape(said) + "$"):
+        o = Cell(**old, options={"steps": 7})
+    assert o == c and o.key == c.key and o.cfg == c.cfg
+    # a config built by the caller (the command line's) makes the same cell, used as it is
+    cfg = solvers.make_config("tim-gd", {"steps": 7})
+    assert make_cell({"cache": str(cache), "method": "tim-gd"}, config=cfg).cfg is cfg
+    with pytest.raises(ConfigError, match="method 'tim-gd': options steps given beside its config"):
+        make_cell({"cache": str(cache), "method": "tim-gd", "steps": 3}, config=cfg)
+    with pytest.raises(ConfigError, match="method 'proto': config must be a ProtoConfig, got TimGDConfig"):
+        make_cell({"cache": str(cache), "method": "proto"}, config=cfg)
+
+
 def test_methods_without_negatives_join_the_call_of_those_with_them(cache):
     base = {"cache": str(cache), "episodes": 4}
     cells = [

@@ -1,12 +1,17 @@
 """Unequal numbers of support images per class (``poodle predict``'s episodes): every registered
 method, batched, matches its plain float64 per-episode reference on episodes whose classes have
-1, 3, 2, 5 and 1 support images, in shuffled (not class-major) order."""
+1, 3, 2, 5 and 1 support images, in shuffled (not class-major) order.
+
+The methods are the registry's: a method's reference is test_solvers_core's (``CORE``), the
+transductive competitors' (tests/_references_transductive.py), or one its own test registers
+(``tests/_ragged.reference``); a method without one fails here."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _ragged import references
 from _references_transductive import REFERENCES
 from test_solvers_core import _compare, ref_ce, ref_naive_ood, ref_poodle, ref_proto
 from test_solvers_transductive import assert_matches, config, run_reference
@@ -58,13 +63,19 @@ def ragged_batch(make_features, n_episodes: int = 3, seed: int = 0, n_neg: int =
     return EpisodeBatch(torch.stack(sup), torch.stack(ys), torch.stack(qry), neg, WAY)
 
 
-def test_every_registered_method_is_covered():
-    missing = sorted(set(solvers.available()) - set(CORE) - set(REFERENCES))
-    assert not missing, f"methods without an unequal-shot reference test: {missing}"
+@pytest.mark.parametrize("name", solvers.available())
+def test_every_method_matches_its_reference_with_unequal_shots(make_features, name):
+    if name in CORE:
+        _core(make_features, name)
+    elif name in REFERENCES:
+        _transductive(make_features, name)
+    else:
+        own = references()
+        assert name in own, f"method {name} has no float64 reference with unequal shots (tests/_ragged.reference)"
+        _registered(make_features, name, *own[name])
 
 
-@pytest.mark.parametrize("name", sorted(CORE))
-def test_core_methods_match_reference_with_unequal_shots(make_features, name):
+def _core(make_features, name):
     batch = ragged_batch(make_features)
     assert not torch.equal(batch.support_labels[0], batch.support_labels[0].sort().values)  # not class-major
     ref, kw = CORE[name]
@@ -84,13 +95,27 @@ def test_core_methods_match_reference_with_unequal_shots(make_features, name):
                 assert torch.allclose(out.state["prototypes"][e, k], mean, atol=1e-12)
 
 
-def _without_negatives(batch: EpisodeBatch) -> EpisodeBatch:
-    return EpisodeBatch(batch.support, batch.support_labels, batch.query, None, batch.way)
-
-
-@pytest.mark.parametrize("name", sorted(REFERENCES))
-def test_transductive_methods_match_reference_with_unequal_shots(make_features, name):
+def _transductive(make_features, name):
     batch = _without_negatives(ragged_batch(make_features, seed=1))
     cfg = config(name)
     ref_lp, ref_st = run_reference(name, batch, cfg)
     assert_matches(name, solvers.run(name, batch, cfg), ref_lp, ref_st)
+
+
+def _registered(make_features, name, ref, options):
+    """A method's own reference (:func:`_ragged.reference`), each episode alone, against the batch."""
+    batch = ragged_batch(make_features, seed=2)
+    info = solvers.get(name)
+    cfg = solvers.make_config(name, options, strict=True)
+    if not info.needs_negatives(cfg):
+        batch = _without_negatives(batch)
+    out = solvers.run(name, batch, cfg).log_probs
+    for e in range(batch.n_episodes):
+        neg = None if batch.negatives is None else batch.negatives[e]
+        want = ref(batch.support[e], batch.support_labels[e], batch.query[e], WAY, neg, cfg)
+        assert torch.equal(out[e].argmax(-1), want.argmax(-1)), f"{name}: predictions differ in episode {e}"
+        assert torch.allclose(out[e].exp(), want.exp(), atol=1e-4), f"{name}: probabilities differ in episode {e}"
+
+
+def _without_negatives(batch: EpisodeBatch) -> EpisodeBatch:
+    return EpisodeBatch(batch.support, batch.support_labels, batch.query, None, batch.way)

@@ -155,7 +155,7 @@ def parse_grid(
 
     defaulted = False
     if "cache" not in axes and (product or not all("cache" in c for c in cells)) and default_cache is not None:
-        axes["cache"], defaulted = [default_cache], True
+        axes["cache"], defaulted = [_check_general(where, "cache", default_cache)], True
     if "cache" not in axes and (product or not all("cache" in c for c in cells)):
         raise ConfigError(f'{where}: no cache given: set cache = "FILE.h5" (or a name from [caches])')
     if "label" in axes:
@@ -324,11 +324,12 @@ def load_grid(
 
 def _make_cell(spec: GridSpec, combo: Mapping[str, Any], label: str | None, strict: set[str], where: str) -> Cell:
     """A cell from one combination of option values (:func:`poodle.cells.make_cell`); an error is said
-    at ``where`` in the grid file."""
+    at ``where`` in the grid file. Its general settings were checked as the file was read
+    (:func:`parse_grid`): the cell takes them as they are."""
     if combo.get("cache") is None:
         raise ConfigError(f'{where}: no cache given (set cache = "FILE.h5")')
     try:
-        return make_cell(combo, label=label, strict=strict, locations=spec.locations)
+        return make_cell(combo, label=label, strict=strict, locations=spec.locations, checked=True)
     except PoodleError as e:
         raise located(where, e) from None
 

@@ -23,6 +23,7 @@ from poodle.solvers.base import (
     class_means,
     coerce_option,
     config_dict,
+    is_checked,
     neg_half_sqdist,
     one_hot,
     register,
@@ -35,6 +36,7 @@ __all__ = [
     "SolverInfo",
     "SolverOutput",
     "available",
+    "call",
     "get",
     "homonyms",
     "make_config",
@@ -46,6 +48,7 @@ __all__ = [
     "build_config",
     "coerce_option",
     "config_dict",
+    "is_checked",
     "validate_config",
 ]
 
@@ -106,14 +109,27 @@ def run(
     """Solve ``batch`` with method ``name``; ``config`` or keyword options (not both). ``backend``
     (:class:`~poodle.solvers.backend.Backend`) says which arithmetic runs, and its report says
     afterwards what did (``backend.formulation``); ``None``: the backend of the call this one is
-    inside, else :func:`~poodle.solvers.backend.default`."""
+    inside, else :func:`~poodle.solvers.backend.default`.
+
+    The public entry: the options or a config made in Python are checked (a config the library
+    built, :func:`make_config`, was checked then and is trusted), and the negatives rule against
+    the batch's. A caller that has resolved the method and checked its config and negatives once
+    for many batches calls :func:`call` per batch."""
     info = get(name)
     if config is None:
         config = build_config(info, options, strict=True)
     elif options:
         raise TypeError("give either a config or keyword options, not both")
-    else:
+    elif not is_checked(config):
         _base.check_config(info.name, config)
     info.check_negatives(config, None if batch.negatives is None else "given")
+    return call(info, batch, config, backend=backend)
+
+
+def call(info: SolverInfo, batch: EpisodeBatch, config: Any, *, backend: Backend | None = None) -> SolverOutput:
+    """The method ``info`` (a registry entry, :func:`get`) on ``batch`` with ``config`` as given:
+    nothing is looked up or checked, the caller did that once (``poodle.evaluate`` per call, not per
+    chunk: the config checked where it was built, the negatives rule before the first chunk).
+    ``backend``: as :func:`run`."""
     with _backend.active(_backend.for_call(backend), info.name):  # its engines report under its name
         return info.fn(batch, config)

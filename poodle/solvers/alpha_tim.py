@@ -43,7 +43,7 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_cl
 from poodle.solvers.tim_gd import ragged_rows
 
 
-@dataclass
+@dataclass(frozen=True)
 class AlphaTimConfig:
     MEANINGS: ClassVar[dict[str, str]] = {"alpha": "alpha-entropy order"}  # see base.MEANINGS
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
@@ -410,7 +411,9 @@ def build_config(info: SolverInfo, options: Mapping[str, Any], *, strict: bool =
                 )
             continue
         kwargs[key] = coerce_option(info.name, key, value, _field_types(info.config)[key])
-    return validate_config(info.config(**kwargs), info.name)
+    cfg = info.config(**kwargs)
+    # a config class that checks itself in __post_init__ (TIM-GD, LaplacianShot) has done it
+    return cfg if is_checked(cfg) else validate_config(cfg, info.name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,8 +433,36 @@ def meaning(config: type, name: str) -> str | None:
 def check_config(method: str, cfg: Any) -> None:
     """ConfigError naming the method and option when a value of ``cfg`` is not finite or outside its
     interval: :func:`validate_config`, for configs built directly in Python (``solvers.run``,
-    ``evaluate``), so they get the same check as options from the command line or a grid."""
-    validate_config(cfg, method)
+    ``evaluate``), so they get the same check as options from the command line or a grid. A config
+    that passed the check already (:func:`is_checked`) is not checked again."""
+    if not is_checked(cfg):
+        validate_config(cfg, method)
+
+
+# The frozen configs :func:`validate_config` has checked, by ``id`` while they live (each removed
+# by a finalizer when its config is freed, before the id can be reused): their values cannot change,
+# so a config built once (a cell's, the command line's) is trusted by every call it is handed to
+# (each chunk of a run) instead of being checked again. Kept beside the configs, not on them, so
+# that nothing reading a config's attributes (``vars``, ``asdict``, a record) sees the mark.
+_CHECKED: set[int] = set()
+
+
+def _mark_checked(cfg: Any) -> None:
+    key = id(cfg)
+    if key in _CHECKED:
+        return
+    try:
+        weakref.finalize(cfg, _CHECKED.discard, key)
+    except TypeError:  # a config class without weak references (slots) is checked every time
+        return
+    _CHECKED.add(key)
+
+
+def is_checked(cfg: Any) -> bool:
+    """Whether ``cfg`` is a frozen config that :func:`validate_config` has checked (a config made by
+    :func:`build_config`, or one whose class checks itself in ``__post_init__``). A config of a
+    mutable class is never trusted: its values may have changed since."""
+    return id(cfg) in _CHECKED
 
 
 _TYPES_CACHE: dict[type, dict[str, Any]] = {}
@@ -528,7 +559,8 @@ def validate_config(cfg: Any, method: str = "") -> Any:
        (:func:`poodle.options.option`).
 
     Config classes call :func:`resolve_preset` in ``__post_init__`` too, so a config constructed
-    directly also holds the values used.
+    directly also holds the values used. A frozen config is marked as checked (:func:`is_checked`):
+    the calls it is handed to afterwards trust it.
     """
     method = method or type(cfg).__name__
     resolve_preset(cfg, method)
@@ -539,7 +571,14 @@ def validate_config(cfg: Any, method: str = "") -> Any:
         if why is not None:
             raise ConfigError(f"method {method!r}: option {f.name!r} {why}, got {value:g}", params=(f.name,))
         object.__setattr__(cfg, f.name, value)  # also for frozen configs: the value is only normalised
+    if _frozen(type(cfg)):
+        _mark_checked(cfg)
     return cfg
+
+
+def _frozen(config: type) -> bool:
+    params = getattr(config, "__dataclass_params__", None)
+    return bool(params is not None and params.frozen)
 
 
 def resolve_preset(cfg: Any, method: str = "") -> None:

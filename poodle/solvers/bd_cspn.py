@@ -27,7 +27,7 @@ from poodle.solvers._transductive import dist_flops, rectified_prototypes, shift
 from poodle.solvers.base import EpisodeBatch, SolverOutput, mask_classes, register
 
 
-@dataclass
+@dataclass(frozen=True)
 class BDCSPNConfig:
     epsilon: float = option(10.0, min=0, min_open=True)  # Liu et al. Sec. 4: epsilon = 10
     shift: bool = True  # the cross-class bias reduction

@@ -63,7 +63,7 @@ from poodle.solvers.pt_map import (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class BMSConfig:
     power: float = option(0.5, min=0, min_open=True)
     lam: float = option(8.5, min=0, min_open=True)

@@ -27,7 +27,7 @@ from poodle.solvers._transductive import class_softmax, cosine, dist_flops
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_classes, one_hot, register
 
 
-@dataclass
+@dataclass(frozen=True)
 class CanTConfig:
     step: int = option(30, min=1)  # queries added per iteration (the POODLE authors' reimplementation)
     iterations: int = option(-1, min=-1)  # -1: Nq // step (2 for 75 queries, as theirs)

@@ -33,7 +33,7 @@ from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_cl
 from poodle.solvers.tim_gd import ragged_rows
 
 
-@dataclass
+@dataclass(frozen=True)
 class EntropyMinConfig:
     steps: int = option(25, min=0)  # Dhillon et al.: 25 epochs (one step on support + query each)
     lr: float = option(5e-5, min=0, min_open=True)  # Dhillon et al.: Adam, lr 5e-5

@@ -103,7 +103,7 @@ def kmeans_loop(
     return centres, prev_q, prev_s, iters
 
 
-@dataclass
+@dataclass(frozen=True)
 class KMeansConfig:
     max_iter: int = option(250, min=0)  # the POODLE authors' cap (number_fc_update)
     fix_support: bool = True  # support points keep their labels (seeded/constrained k-means)
@@ -140,7 +140,7 @@ def kmeans(batch: EpisodeBatch, cfg: KMeansConfig) -> SolverOutput:
     return SolverOutput(log_probs, {"prototypes": c, "iterations": iters})
 
 
-@dataclass
+@dataclass(frozen=True)
 class BayesKMeansConfig:
     # TAFSSL src/utils/misc.py parse_args: sigma 1, n_clusters = way; reduced_dim 10 for "& bkm".
     sigma: float = option(1.0, min=0, min_open=True)

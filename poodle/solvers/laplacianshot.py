@@ -89,7 +89,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaplacianShotConfig:
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = PRESETS
     knn: int = option(3, min=1)  # Ziko et al.: k = 3 nearest neighbours

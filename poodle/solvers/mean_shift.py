@@ -37,7 +37,7 @@ from poodle.solvers._transductive import (
 from poodle.solvers.base import EpisodeBatch, SolverOutput, mask_classes, one_hot, register
 
 
-@dataclass
+@dataclass(frozen=True)
 class MeanShiftConfig:
     # TAFSSL src/utils/misc.py: n_iter_msp 4, sigma 1, most_confident thresh 0.3; "& msp" runs
     # use reduced_dim 10 (exp_table / exp_unbalanced).

@@ -45,7 +45,7 @@ from poodle.solvers._span import RowSpan, span_flops, use_gram
 from poodle.solvers.base import EpisodeBatch, SolverOutput, mask_classes, one_hot, register
 
 
-@dataclass
+@dataclass(frozen=True)
 class PaddleConfig:
     lmd: float = option(75.0, min=0)  # lambda (their "alpha"); 0: lambda = Nq, the query count
     steps: int = option(100, min=1)  # the authors' iter: 100

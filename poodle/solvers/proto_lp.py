@@ -75,7 +75,7 @@ from poodle.solvers.pt_map import (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProtoLPConfig:
     MEANINGS: ClassVar[dict[str, str]] = {"alpha": "prototype update rate"}  # see base.MEANINGS
 

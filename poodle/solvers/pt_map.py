@@ -49,7 +49,7 @@ from poodle.solvers._transductive import (
 from poodle.solvers.base import EpisodeBatch, SolverOutput, mask_classes, one_hot, register
 
 
-@dataclass
+@dataclass(frozen=True)
 class PTMapConfig:
     MEANINGS: ClassVar[dict[str, str]] = {  # see base.MEANINGS
         "alpha": "prototype update rate",

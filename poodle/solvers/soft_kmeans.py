@@ -31,7 +31,7 @@ from poodle.solvers._transductive import (
 from poodle.solvers.base import EpisodeBatch, SolverOutput, mask_classes, one_hot, register
 
 
-@dataclass
+@dataclass(frozen=True)
 class SoftKMeansConfig:
     steps: int = option(1, min=0)  # Ren et al.: a single refinement step
     # Ren et al. use -||x-p||^2 on unnormalised features; on unit features a temperature is needed:

@@ -31,7 +31,7 @@ from poodle.solvers._transductive import TINY, dist_flops, pow_anywhere, row_sqn
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_classes, one_hot, register
 
 
-@dataclass
+@dataclass(frozen=True)
 class TimADMConfig:
     """Defaults: mboudiaf/TIM ``src/tim.py`` config (temp 15, loss_weights [0.1, 1.0, 0.1],
     iter 150, alpha 1.0), which the TIM-ADM evaluation scripts use unchanged."""

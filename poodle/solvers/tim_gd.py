@@ -70,7 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class TimGDConfig:
     """TIM-GD options. A field left ``None`` takes the preset's value when the config is built (see
     :data:`PRESETS`), so a built config holds the values used."""
