@@ -104,13 +104,16 @@ def test_lr_decays_at_the_milestone_epoch_not_one_late():
 @pytest.mark.parametrize(
     "bad, culprit, params",
     [
-        ({"recipe": "kd"}, "unknown recipe 'kd'", ("recipe",)),
+        ({"recipe": "kd"}, "recipe must be one of simple, rot, rot-kd, got 'kd'", ("recipe",)),
         ({"teacher": "first"}, "teacher must be one of last, best, got 'first'", ("teacher",)),
-        ({"epochs": 0}, "epochs must lie in [1, inf), got 0", ("epochs",)),
+        ({"epochs": 0}, "epochs must be a positive integer, got 0", ("epochs",)),
         ({"milestones": (100,)}, "milestones contain 100, outside 1..99 (epochs 100)", ("milestones", "epochs")),
-        ({"label_smoothing": 1.0}, "label_smoothing must lie in [0, 1), got 1.0", ("label_smoothing",)),
+        ({"milestones": [0, 60]}, "milestones must be a comma-separated list, each a positive", ("milestones",)),
+        ({"label_smoothing": 1.0}, "label_smoothing must be a number in [0, 1), got 1.0", ("label_smoothing",)),
         ({"recipe": "rot-kd", "generations": 0}, "recipe rot-kd needs generations >= 1", ("recipe", "generations")),
-        ({"seed": -1}, "seed -1 does not fit 63 bits", ("seed",)),
+        ({"seed": -1}, "seed must be an integer in 0..9223372036854775807 (what torch, numpy", ("seed",)),
+        ({"workers": -1}, "workers must be an integer >= 0, got -1", ("workers",)),
+        ({"amp": "yes"}, "amp must be true or false, got 'yes'", ("amp",)),
     ],
 )
 def test_bad_settings_name_the_culprit(bad, culprit, params):
