@@ -516,5 +516,13 @@ def test_a_command_takes_every_setting_of_its_groups_but_those_it_names():
     assert group(ExtractOptions, "dtype") <= flags(predict) and "--dtype" not in flags(predict)
     assert group(RunOptions, "cells_per_call") <= flags(solve) and "--cells-per-call" not in flags(solve)
     assert group(RunOptions, "workers") <= flags(grid) and "--workers" not in flags(grid)
+    from poodle.cli.demo import demo
+    from poodle.cli.train import train
+    from poodle.demo_settings import DemoConfig
+    from poodle.train import TrainConfig
+
+    assert group(TrainConfig) <= flags(train) and group(DemoConfig) <= flags(demo)
+    assert "--no-channels-last" in {o for p in train.params for o in p.secondary_opts}
+    assert "--val-split" not in flags(train)  # declared with cli=False
     with pytest.raises(AssertionError, match="no such settings"):
         schema_options(RunOptions, but=("no_such_setting",))

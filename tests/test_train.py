@@ -342,3 +342,35 @@ def test_cli_train_prints_the_checkpoint(image_root, tmp_path):
     res = CliRunner().invoke(cli, args[:-2] + ["--out", str(out), "--lr", "0.5"])
     assert res.exit_code == 1 and f"error: --out {out}: last.pt was trained with other settings" in res.output
     assert "lr: 0.05 -> 0.5" in res.output and "pass --force to start over" in res.output
+
+
+def test_train_options_are_trainconfig_s_declarations(monkeypatch, tmp_path):
+    """``poodle train``'s options are made from TrainConfig's fields: a list (``--milestones 3,5``),
+    a flag said both ways (``--amp`` / ``--no-channels-last``), a bound refused with its flag."""
+    from click.testing import CliRunner
+
+    import poodle.train
+    from poodle.cli.main import cli
+
+    seen = []
+
+    def stop(cfg, **kw):
+        seen.append(cfg)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(poodle.train, "train", stop)
+    base = ["train", "--backbone", "conv4_64", "--dataset", "mini", "--cache-root", str(tmp_path)]
+    res = CliRunner().invoke(cli, [*base, "--epochs", "10", "--milestones", "3,5", "--amp", "--no-channels-last"])
+    assert res.exit_code == 0 and len(seen) == 1, res.output
+    cfg = seen[0]
+    assert (cfg.milestones, cfg.amp, cfg.channels_last, cfg.lr, cfg.epochs) == ((3, 5), True, False, 0.05, 10)
+    res = CliRunner().invoke(cli, [*base, "--milestones", "auto"])
+    assert res.exit_code == 0 and seen[-1].milestones is None and seen[-1].amp is None, res.output
+    for args, said in (
+        (["--lr", "0"], "--lr must be a number in (0, inf), got 0.0"),
+        (["--milestones", "0,5"], "--milestones must be a comma-separated list, each a positive integer, got (0, 5)"),
+        (["--milestones", "x"], "expected comma-separated integers like 60,80, got 'x'"),
+        (["--seed", "-1"], "--seed must be an integer in 0..9223372036854775807"),
+    ):
+        res = CliRunner().invoke(cli, [*base, *args])
+        assert res.exit_code != 0 and said in res.output, res.output
