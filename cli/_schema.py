@@ -42,8 +42,10 @@ class ListType(click.ParamType):
         self.name = {int: "integers", float: "numbers"}.get(kind, "list")
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if value is None or isinstance(value, tuple):
+        if value is None:
             return value
+        if isinstance(value, (list, tuple)):  # a project file's list, or a default
+            return tuple(value)
         if str(value).strip().lower() in self.none_words:
             return None
         try:

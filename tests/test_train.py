@@ -364,6 +364,13 @@ def test_train_options_are_trainconfig_s_declarations(monkeypatch, tmp_path):
     assert res.exit_code == 0 and len(seen) == 1, res.output
     cfg = seen[0]
     assert (cfg.milestones, cfg.amp, cfg.channels_last, cfg.lr, cfg.epochs) == ((3, 5), True, False, 0.05, 10)
+    project = tmp_path / "poodle.toml"
+    project.write_text("[train]\nmilestones = [4, 6]\nepochs = 8\n")
+    res = CliRunner().invoke(cli, ["--config", str(project), *base])
+    assert res.exit_code == 0 and (seen[-1].milestones, seen[-1].epochs) == ((4, 6), 8), res.output
+    project.write_text("[train]\nmilestones = [4, 6.5]\n")
+    res = CliRunner().invoke(cli, ["--config", str(project), *base])
+    assert res.exit_code == 1 and "[train] milestones = [4, 6.5]: expected a list of integers" in res.output
     res = CliRunner().invoke(cli, [*base, "--milestones", "auto"])
     assert res.exit_code == 0 and seen[-1].milestones is None and seen[-1].amp is None, res.output
     for args, said in (
