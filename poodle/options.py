@@ -15,7 +15,10 @@ default: ``poodle.cli._schema``), the project file's keys and their type checks,
 the keys a result identity records (a ``when_set`` field only when it differs from its default, so
 that records written before it existed keep their hash), the checks of a value (:func:`check_value`)
 and of a whole group (:func:`check_group`), and the docs' option tables (:func:`table`). Nothing
-else declares a bound, a type or a default of a setting.
+else declares a bound, a type or a default of a setting: a group that passes a setting on to
+another stage's takes that declaration with its own default (:func:`option_like`:
+``DemoConfig.lr = option_like(TrainConfig, "lr", 0.1)``). A field ``tuple[int, ...]`` is a
+sequence setting (``milestones``: each item checked by the bounds; ``60,80`` on the command line).
 """
 
 from __future__ import annotations
