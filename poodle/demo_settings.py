@@ -27,6 +27,7 @@ DATASET = "glyphs"
 PAPER_COMPETITORS = ("entropy-min", "can-t", "laplacianshot", "tim-gd", "mean-shift", "bayes-kmeans", "soft-kmeans")
 # What --quick changes (quick_config): 1 epoch of small batches, validated once, 40 episodes.
 QUICK: dict[str, Any] = {"epochs": 1, "episodes": 40, "val_every": 1, "batch_size": 32}
+EPOCHS, BATCH_SIZE = 3, 128  # about 2 CPU minutes of training (docs/demo.md)
 
 
 @dataclass
@@ -65,12 +66,16 @@ class DemoConfig:
     epochs: int = option_like(
         TrainConfig,
         "epochs",
-        3,
+        EPOCHS,
         help="Training epochs of the demo's backbone.",
-        default_text=f"3, about 2 CPU minutes; --quick: {QUICK['epochs']}",
+        default_text=f"{EPOCHS}, about 2 CPU minutes; --quick: {QUICK['epochs']}",
     )
     batch_size: int = option_like(
-        TrainConfig, "batch_size", 128, help="Training batch.", default_text=f"128; --quick: {QUICK['batch_size']}"
+        TrainConfig,
+        "batch_size",
+        BATCH_SIZE,
+        help="Training batch.",
+        default_text=f"{BATCH_SIZE}; --quick: {QUICK['batch_size']}",
     )
     lr: float = option_like(TrainConfig, "lr", 0.1, help="Training learning rate.")
     channels_last: bool = option_like(
