@@ -79,6 +79,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "poodle.system",
             "poodle.extract",
             "poodle.train",
+            "poodle.demo_settings",
         ),
     ),
     ("evaluation", ("poodle.evaluate", "poodle.cells", "poodle.predict")),

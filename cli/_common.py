@@ -387,6 +387,8 @@ def _toml_text(value: Any) -> str:
 
 
 def _toml_type_error(param: click.Option, value: Any) -> str | None:
+    from poodle.cli._schema import ListType
+
     """What is wrong with the type of a project file's ``value`` for ``param`` (None: nothing). TOML
     has types: a number is not read from a string, nor a string from a number, nor a number from
     ``true`` (click would turn 3.5 into 3 and true into 1)."""
@@ -394,6 +396,10 @@ def _toml_type_error(param: click.Option, value: Any) -> str | None:
         if not isinstance(value, list):
             return "expected a list"
         return next((w for v in value if (w := _toml_scalar_error(param, v))), None)
+    if isinstance(value, list) and isinstance(param.type, ListType):  # a sequence setting: milestones = [60, 80]
+        kind = int if param.type.kind is int else (int, float)
+        ok = all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
+        return None if ok else f"expected a list of {param.type.name}"
     if isinstance(value, list):
         return "expected one value, not a list"
     return _toml_scalar_error(param, value)

@@ -33,7 +33,39 @@ class SizeType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class ListType(click.ParamType):
+    """A comma-separated list (``60,80``) of a sequence setting's items, as a tuple; a word of the
+    setting's ``none_words`` (``auto``) is None. Each item's bound is the library's check."""
+
+    def __init__(self, kind: type, none_words: tuple[str, ...]) -> None:
+        self.kind, self.none_words = kind, none_words
+        self.name = {int: "integers", float: "numbers"}.get(kind, "list")
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value is None:
+            return value
+        if isinstance(value, (list, tuple)):  # a project file's list, or a default
+            return tuple(value)
+        if str(value).strip().lower() in self.none_words:
+            return None
+        try:
+            return tuple(self.kind(v) for v in str(value).split(",") if v.strip())
+        except ValueError:
+            self.fail(f"expected comma-separated {self.name} like 60,80, got {value!r}", param, ctx)
+
+
+class SettingOption(click.Option):
+    """A click option made from a declared setting (:func:`click_option`): ``setting`` is the
+    declaration (tests/test_code_rules.py tells it from an option written by hand)."""
+
+    def __init__(self, *args: Any, setting: Setting, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.setting = setting
+
+
 def _click_type(s: Setting) -> Any:
+    if s.many:
+        return ListType(s.kind, s.meta("none_words"))
     if s.meta("cli_type") == "size":
         return SizeType()
     if s.meta("choices"):
@@ -48,14 +80,26 @@ def click_option(s: Setting, **given: Any) -> Callable[[Any], Any]:
     default = given.get("default", s.default)
     text = given.get("help", s.meta("help"))
     shown = default is not None and not s.meta("cli_type")
-    if shown and "default" not in given and s.meta("default_text"):
+    if "default" not in given and s.meta("default_text"):
         # as click writes a default (click would put a text of ours in parentheses)
         text, shown = f"{text}  [default: {s.meta('default_text')}]", False
-    if s.kind is bool and not s.optional:
-        return click.option(s.flag, s.key, is_flag=True, default=bool(default), help=text)
+    if s.kind is bool and not s.many:
+        # said both ways (--amp/--no-amp): a flag typed overrides a project file's value either way,
+        # and an optional one (None: the library decides) can be said on or off
+        return click.option(
+            f"{s.flag}/--no-{s.flag[2:]}",
+            s.key,
+            cls=SettingOption,
+            setting=s,
+            default=default,
+            show_default=shown,
+            help=text,
+        )
     return click.option(
         s.flag,
         s.key,
+        cls=SettingOption,
+        setting=s,
         type=_click_type(s),
         default=default,
         show_default=shown,
@@ -96,6 +140,15 @@ def run_options(params: dict[str, Any], cls: type) -> Any:
     return cls(**{s.name: params[s.key] for s in settings(cls) if s.key in params})
 
 
+def given(ctx: click.Context, params: dict[str, Any]) -> dict[str, Any]:
+    """Of a command's ``params``, those given (typed, from the project file or an environment
+    variable), not left at their option's default: what a command passes on when the library's
+    default depends on other settings (``poodle demo --quick`` takes 1 epoch unless one is given)."""
+    from click.core import ParameterSource
+
+    return {k: v for k, v in params.items() if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}
+
+
 def flag_message(flag: str, error: Any, reason: str | None = None) -> str | None:
     """An error about one value (``param``, ``value``, ``reason``: :meth:`PoodleError.bad_value`) said
     with its flag: ``--way must be an integer >= 2, got 1``; None for an error that is not one.
@@ -105,4 +158,12 @@ def flag_message(flag: str, error: Any, reason: str | None = None) -> str | None
     return f"{flag} {error.reason if reason is None else reason}, got {error.value!r}"
 
 
-__all__ = ["click_option", "flag_message", "run_options", "schema_options"]
+__all__ = [
+    "ListType",
+    "SettingOption",
+    "click_option",
+    "flag_message",
+    "given",
+    "run_options",
+    "schema_options",
+]

@@ -11,15 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 
 from poodle import defaults
 from poodle.cli._common import console, friendly_errors, keep, progress_option, say_glyphs_generation
-
-
-def _milestones(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
-    if value is None or value == "auto":
-        return None
-    try:
-        return tuple(int(v) for v in value.split(",") if v.strip())
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated epochs like 60,80, got {value!r}") from None
+from poodle.cli._schema import schema_options
+from poodle.train.config import TrainConfig
 
 
 class TrainDisplay:
@@ -104,15 +97,6 @@ class TrainDisplay:
             self.task = None
 
 
-def _default(name: str) -> Any:
-    """The default of TrainConfig's field ``name``: the recipe's defaults live in one place."""
-    import dataclasses
-
-    from poodle.train.config import TrainConfig
-
-    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}[name]
-
-
 @click.command()
 @click.option(
     "--dataset",
@@ -122,100 +106,8 @@ def _default(name: str) -> Any:
 )
 @click.option("--data-root", type=click.Path(file_okay=False), default=None, help="Dataset root folder.")
 @click.option("--backbone", required=True, help="Backbone name (see `poodle extract --help`).")
-@click.option("--recipe", type=click.Choice(["simple", "rot", "rot-kd"]), default=_default("recipe"), show_default=True)
-@click.option("--epochs", type=int, default=_default("epochs"), show_default=True)
-@click.option(
-    "--batch-size",
-    type=int,
-    default=_default("batch_size"),
-    show_default=True,
-    help="Global batch (split over torchrun processes).",
-)
-@click.option("--lr", type=float, default=_default("lr"), show_default=True)
-@click.option("--momentum", type=float, default=_default("momentum"), show_default=True)
-@click.option("--weight-decay", type=float, default=_default("weight_decay"), show_default=True)
-@click.option(
-    "--milestones",
-    callback=_milestones,
-    default=None,
-    help="Epochs where lr is multiplied by --gamma, e.g. 60,80 [default: 60%,80% of --epochs; tiered 60/80/90%].",
-)
-@click.option("--gamma", type=float, default=_default("gamma"), show_default=True)
-@click.option("--label-smoothing", type=float, default=_default("label_smoothing"), show_default=True)
-@click.option(
-    "--rot-weight", type=float, default=_default("rot_weight"), show_default=True, help="lambda of the rotation loss."
-)
-@click.option(
-    "--generations", type=int, default=_default("generations"), show_default=True, help="Born-again students (rot-kd)."
-)
-@click.option(
-    "--temperature",
-    type=float,
-    default=_default("temperature"),
-    show_default=True,
-    help="Distillation temperature (rot-kd).",
-)
-@click.option(
-    "--teacher",
-    type=click.Choice(["last", "best"]),
-    default=_default("teacher"),
-    show_default=True,
-    help="Checkpoint of the previous generation that teaches (paper: last; release: best).",
-)
-@click.option(
-    "--sup-weight",
-    type=float,
-    default=_default("sup_weight"),
-    show_default=True,
-    help="Supervised loss weight (release: 0.5).",
-)
-@click.option(
-    "--kd-weight",
-    type=float,
-    default=_default("kd_weight"),
-    show_default=True,
-    help="Distillation loss weight (release: 0.5).",
-)
-@click.option(
-    "--image-size",
-    type=int,
-    default=None,
-    help="Input side in pixels [default: 84, the paper's; glyphs 28, cifar-fs and fc100 32, their own].",
-)
-@click.option(
-    "--augment",
-    type=click.Choice(["paper", "crop", "none"]),
-    default=_default("augment"),
-    show_default=True,
-    help="paper: random resized crop + jitter + flip; crop: mild crop only (glyphs); none.",
-)
-@click.option(
-    "--val-every",
-    type=int,
-    default=_default("val_every"),
-    show_default=True,
-    help="Meta-validate every N epochs (0: never).",
-)
-@click.option("--val-episodes", type=int, default=_default("val_episodes"), show_default=True)
-@click.option("--val-way", type=int, default=_default("val_way"), show_default=True)
-@click.option("--val-shot", type=int, default=_default("val_shot"), show_default=True)
-@click.option("--val-query", type=int, default=_default("val_query"), show_default=True)
-@click.option("--seed", type=int, default=_default("seed"), show_default=True)
-@click.option(
-    "--channels-last/--no-channels-last",
-    default=_default("channels_last"),
-    show_default=True,
-    help="Convolutions on NHWC tensors: 1.2-1.6x faster steps on a CPU; the weights differ by rounding.",
-)
-@click.option(
-    "--workers",
-    type=int,
-    default=None,
-    help="DataLoader worker processes [default: one per usable core, at most 4; poodle info --system].",
-)
-@click.option("--device", default=_default("device"), show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--amp/--no-amp", default=None, help="Mixed precision [default: on for CUDA, off on CPU].")
-@click.option("--cache-root", type=click.Path(file_okay=False), default=_default("cache_root"), show_default=True)
+@schema_options(TrainConfig)  # every setting of the recipe and the run: TrainConfig's declarations
+@click.option("--cache-root", type=click.Path(file_okay=False), default=defaults.CACHE_ROOT, show_default=True)
 @click.option(
     "--out",
     type=click.Path(file_okay=False),
@@ -236,7 +128,6 @@ def train(**opts: Any) -> None:
     Checkpoints (release key layout) load in `poodle extract --checkpoint` unchanged. Under
     `torchrun --nproc-per-node N poodle train ...` the same command trains with DistributedDataParallel.
     """
-    from poodle.train import TrainConfig
     from poodle.train import train as run_train
 
     resume, force = opts.pop("resume"), opts.pop("force")

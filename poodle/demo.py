@@ -32,96 +32,26 @@ import torch
 from poodle import defaults, solvers
 from poodle.data import PixelCache
 from poodle.data.glyphs import ensure_glyphs, glyphs_to_generate
-from poodle.errors import CacheError, ConfigError
+from poodle.demo_settings import (
+    DATASET,
+    PAPER_COMPETITORS,
+    QUICK,
+    DemoConfig,
+    competitor_names,
+    quick_config,
+)
+from poodle.errors import CacheError
 from poodle.events import CellFinished, EpisodesSolved, Event
 from poodle.extract import extract
 from poodle.grid import GridSpec, expand, parse_grid, run_grid
-from poodle.options import check_group, option
 from poodle.pipeline import RunOptions
 from poodle.report import Result, Table, build_table, to_markdown
 from poodle.results import record_flat
-from poodle.train import TrainConfig, train
+from poodle.train import train
 from poodle.utils import atomic_path, content_hash
 
-DATASET = "glyphs"
-# The transductive methods the paper compares with (Table 4 and appendix Tables 9-10): entropy
-# minimisation, CAN-T, LaplacianShot, TIM-GD, mean-shift, Bayes k-means and soft k-means.
-PAPER_COMPETITORS = ("entropy-min", "can-t", "laplacianshot", "tim-gd", "mean-shift", "bayes-kmeans", "soft-kmeans")
 RESULTS_FILE = "results.jsonl"
 ProgressFactory = Callable[[str, int], ContextManager[Callable[[int], None]]]
-
-
-@dataclass
-class DemoConfig:
-    """What ``poodle demo`` runs. Defaults: a conv4 trained about 2 CPU minutes (3 epochs of batches
-    of 128 at lr 0.1, no augmentation, channels-last: docs/demo.md), the paper's evaluation
-    protocol (2,000 episodes, 5-way, 15 queries, 400 negatives; section 5.1).
-
-    ``quick`` shrinks everything for tests: a small subset of glyph classes, one epoch, few episodes.
-    """
-
-    cache_root: str = defaults.CACHE_ROOT
-    backbone: str = "conv4_64"
-    image_size: int = 28
-    recipe: str = "simple"
-    epochs: int = option(3, min=1, help="Training epochs of the demo's backbone.")
-    batch_size: int = 128
-    lr: float = 0.1
-    augment: str = "none"
-    channels_last: bool = True
-    val_every: int = 3
-    episodes: int = option(defaults.EPISODES, min=1, help="Episodes of each evaluated setting.")
-    way: int = defaults.WAY
-    shots: tuple[int, ...] = (1, 5)
-    query: int = defaults.QUERY
-    n_neg: int = defaults.N_NEG
-    seed: int = defaults.SEED
-    device: str = defaults.DEVICE
-    workers: int = 0
-    max_memory: str = defaults.MAX_MEMORY
-    competitors: str | tuple[str, ...] = "paper"
-    quick: bool = False
-
-    def __post_init__(self) -> None:
-        self.shots = tuple(int(s) for s in self.shots)
-        check_group(self, ConfigError)
-
-    def milestones(self) -> tuple[int, ...]:
-        """The lr decays (x0.1 at the start of these epochs): one, before the last epoch, from 4
-        epochs on; none below. Measured on the val episodes (docs/demo.md): after 3 epochs at lr 0.1,
-        64.6%, and 60.0% when the third ran at 0.01 instead; after 4 with the fourth at 0.01, 68.2%.
-        The paper's 60%/80% schedule is for 90+ epochs."""
-        return (self.epochs - 1,) if self.epochs >= 4 else ()
-
-    def train_config(self, dataset: str = DATASET, data_root: str | None = None):
-        """The :class:`poodle.train.TrainConfig` of the demo's backbone."""
-        return TrainConfig(
-            dataset=dataset,
-            data_root=data_root,
-            backbone=self.backbone,
-            recipe=self.recipe,
-            epochs=self.epochs,
-            batch_size=self.batch_size,
-            lr=self.lr,
-            milestones=self.milestones(),
-            image_size=self.image_size,
-            augment=self.augment,
-            channels_last=self.channels_last,
-            val_every=self.val_every,
-            val_episodes=100 if self.quick else 500,
-            seed=self.seed,
-            workers=self.workers,
-            device=self.device,
-            cache_root=self.cache_root,
-        )
-
-
-def quick_config(**overrides: Any) -> DemoConfig:
-    """The ``--quick`` settings (tests, smoke runs): a small glyph subset, 1 epoch, 40 episodes;
-    ``overrides`` win."""
-    opts: dict[str, Any] = dict(quick=True, epochs=1, episodes=40, val_every=1, batch_size=32)
-    opts.update(overrides)
-    return DemoConfig(**opts)
 
 
 @dataclass
@@ -171,33 +101,6 @@ LEGEND = (
     "POODLE-B / POODLE-R: CE + pull - push with negatives from the base classes / uniform random "
     "features; transductive: the queries are used as unlabelled data."
 )
-
-
-def competitor_names(which: str | tuple[str, ...] | list[str]) -> list[str]:
-    """Registered always-transductive methods selected by ``which``: ``paper`` (those the paper
-    compares with, :data:`PAPER_COMPETITORS`), ``all``, ``none``, or names (a tuple or a
-    comma-separated string). An unknown or non-transductive name is a ConfigError."""
-    registered = [
-        n for n in solvers.available() if solvers.get(n).transductive == "always" and not solvers.get(n).uses_negatives
-    ]
-    if isinstance(which, str):
-        if which == "all":
-            return registered
-        if which == "none":
-            return []
-        names = list(PAPER_COMPETITORS) if which == "paper" else [w.strip() for w in which.split(",") if w.strip()]
-    else:
-        names = list(which)
-    if which == "paper":
-        return [n for n in names if n in registered]  # a missing solver leaves its row out
-    for n in names:
-        if n not in registered:
-            raise ConfigError(
-                f"competitors: {n!r} is not a registered transductive method; choose from "
-                f"{', '.join(registered)} (or paper, all, none)",
-                params=("competitors",),
-            )
-    return names
 
 
 def demo_rows(competitors: str | tuple[str, ...] = "paper") -> list[Row]:
@@ -460,3 +363,21 @@ def _write_table(
         with atomic_path(path) as tmp:
             tmp.write_text(text)
     return md_path, json_path
+
+
+__all__ = [
+    "DATASET",
+    "LEGEND",
+    "PAPER_COMPETITORS",
+    "QUICK",
+    "RESULTS_FILE",
+    "DemoConfig",
+    "DemoResult",
+    "Row",
+    "competitor_names",
+    "demo_grid",
+    "demo_rows",
+    "demo_table",
+    "quick_config",
+    "run_demo",
+]

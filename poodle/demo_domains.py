@@ -40,7 +40,7 @@ from poodle.pipeline import RunOptions
 from poodle.report import DomainTable, domain_table, to_markdown
 from poodle.utils import atomic_path
 
-EPISODES = 600  # per domain, as Meta-Dataset reports
+EPISODES = defaults.META_DATASET_EPISODES  # per domain, as Meta-Dataset reports
 RESULTS_FILE = "results.jsonl"
 
 

@@ -15,7 +15,10 @@ default: ``poodle.cli._schema``), the project file's keys and their type checks,
 the keys a result identity records (a ``when_set`` field only when it differs from its default, so
 that records written before it existed keep their hash), the checks of a value (:func:`check_value`)
 and of a whole group (:func:`check_group`), and the docs' option tables (:func:`table`). Nothing
-else declares a bound, a type or a default of a setting.
+else declares a bound, a type or a default of a setting: a group that passes a setting on to
+another stage's takes that declaration with its own default (:func:`option_like`:
+``DemoConfig.lr = option_like(TrainConfig, "lr", 0.1)``). A field ``tuple[int, ...]`` is a
+sequence setting (``milestones``: each item checked by the bounds; ``60,80`` on the command line).
 """
 
 from __future__ import annotations
@@ -117,6 +120,24 @@ def option(
     return field(default=default, metadata=metadata)
 
 
+_KEEP: Any = object()
+
+
+def option_like(group: type, key: str, default: Any = _KEEP, **changes: Any) -> Any:
+    """A field declared as ``group``'s setting ``key`` is (its bounds, type checks, help, reason),
+    with ``default`` and any other :func:`option` argument in ``changes`` (``help``, ``cli`` ...) its
+    own: a stage that passes a setting on to another stage's group (``poodle demo`` trains with
+    :class:`poodle.train.TrainConfig`) takes its declaration instead of writing a second one.
+    ``min``/``max`` cannot be changed here: a bound is its declaration's."""
+    assert not {"min", "max", "min_open", "max_open", "exclude"} & set(changes), "a bound is its declaration's"
+    f = setting(group, key).field
+    meta = dict(f.metadata)
+    unknown = set(changes) - set(meta)
+    assert not unknown, f"option() takes no {unknown}"
+    meta.update({k: tuple(v) if k in ("choices", "none_words") and v is not None else v for k, v in changes.items()})
+    return field(default=f.default if default is _KEEP else default, metadata=meta)
+
+
 def bounds(f: dataclasses.Field) -> Bounds | None:
     """The bounds declared for field ``f`` (None: any finite number)."""
     return f.metadata.get("bounds")
@@ -174,6 +195,12 @@ class Setting:
         return len(real) > 1
 
     @property
+    def many(self) -> bool:
+        """Whether the value is a sequence of ``kind`` (``tuple[int, ...]``: the lr decay's epochs);
+        the command line writes it comma-separated (``60,80``)."""
+        return _value_type(typing.get_type_hints(self.owner)[self.name])[2]
+
+    @property
     def optional(self) -> bool:
         """Whether None is a value (``int | None``)."""
         return _value_type(typing.get_type_hints(self.owner)[self.name])[1]
@@ -187,6 +214,11 @@ class Setting:
 
     def describe(self) -> str:
         """What the values are, as the docs' tables and a refused value say it (``an integer >= 2``)."""
+        if self.many:
+            return "a comma-separated list, each " + self._describe_one()
+        return self._describe_one()
+
+    def _describe_one(self) -> str:
         if self.meta("choices"):
             return "one of " + ", ".join(self.meta("choices"))
         if self.meta("cli_type") == "size":
@@ -207,14 +239,19 @@ class Setting:
         return "a non-empty string"
 
 
-def _value_type(annotation: Any) -> tuple[type, bool]:
-    """``(int, True)`` for ``int | None``, ``(float, False)`` for ``float``; str for anything else."""
-    members = typing.get_args(annotation) or (annotation,)
+def _value_type(annotation: Any) -> tuple[type, bool, bool]:
+    """``(int, True, False)`` for ``int | None``, ``(float, False, False)`` for ``float``, ``(int,
+    False, True)`` for ``tuple[int, ...]`` (a sequence of them); str for anything else."""
+    members = typing.get_args(annotation) if typing.get_origin(annotation) is not tuple else ()
+    members = members or (annotation,)
     real = [m for m in members if m is not type(None)]
+    many = len(real) == 1 and typing.get_origin(real[0]) is tuple
+    if many:
+        real = [typing.get_args(real[0])[0]]
     kind = real[0] if len(real) == 1 and real[0] in (int, float, str, bool) else str
     if float in real and int in real:
         kind = float
-    return kind, type(None) in members
+    return kind, type(None) in members, many
 
 
 def settings(cls: type) -> list[Setting]:
@@ -250,6 +287,27 @@ def check_value(s: Setting, value: Any, error: type[Exception] | None = None, *,
         if s.optional:
             return None
         raise err.bad_value(s.key, value, f"must be {s.describe()}")
+    if s.many:
+        return _check_many(s, value, err, files)
+    return _check_one(s, value, err, files)
+
+
+def _check_many(s: Setting, value: Any, err: Any, files: bool) -> tuple:
+    """A sequence setting's value: each item checked as the setting's kind and bounds (said with
+    the whole value), the sequence as a tuple."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise err.bad_value(s.key, value, f"must be {s.describe()}")
+    items = []
+    for item in value:
+        try:
+            items.append(_check_one(s, item, ConfigError, files))
+        except ConfigError:
+            raise err.bad_value(s.key, value, f"must be {s.describe()}") from None
+    return tuple(items)
+
+
+def _check_one(s: Setting, value: Any, err: Any, files: bool) -> Any:
+    kind = s.kind
     why = f" ({s.meta('why')})" if s.meta("why") else ""
     if s.mixed:  # its own type checks it where it is used (a size: poodle.utils.parse_size)
         return value
@@ -331,6 +389,7 @@ def table(*groups: type) -> str:
     for cls in groups:
         for s in settings(cls):
             d = "none" if s.default is None else str(s.default).lower() if isinstance(s.default, bool) else s.default
+            d = ",".join(map(str, d)) if isinstance(d, tuple) else d
             d = s.meta("default_text") or d
             values = s.describe() + (" or none" if s.optional else "")
             why = f" ({s.meta('why')})" if s.meta("why") else ""
@@ -347,6 +406,7 @@ __all__ = [
     "check_group",
     "check_value",
     "option",
+    "option_like",
     "recorded",
     "setting",
     "settings",

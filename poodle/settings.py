@@ -77,7 +77,10 @@ def episode_record(values: dict[str, Any]) -> dict[str, Any]:
 def markdown_tables() -> str:
     """The option tables of docs/settings.md, generated from the declarations (a test checks that the
     page holds them; ``python -m poodle.settings`` prints them)."""
-    from poodle.extract import ExtractOptions  # imported here: it loads the backbones, which results readers need not
+    # imported here: they load the backbones and the training loop, which results readers need not
+    from poodle.demo_settings import DemoConfig
+    from poodle.extract import ExtractOptions
+    from poodle.train import TrainConfig
 
     parts = [
         ("A cell's settings (`poodle solve` options, grid and project-file keys, results identity)", GROUPS),
@@ -86,6 +89,12 @@ def markdown_tables() -> str:
             (RunOptions,),
         ),
         ("How features are extracted (`poodle extract`, `poodle predict`: `ExtractOptions`)", (ExtractOptions,)),
+        ("How a backbone is trained (`poodle train`: `TrainConfig`)", (TrainConfig,)),
+        (
+            "The demo (`poodle demo`: `DemoConfig`; a setting it passes on is declared by the stage it is "
+            "passed to, with the demo's default)",
+            (DemoConfig,),
+        ),
     ]
     return "\n".join(f"### {title}\n\n{table(*groups)}" for title, groups in parts)
 

@@ -179,38 +179,59 @@ def test_bounds_live_next_to_their_fields_only():
 # ------------------------------------------------------------------------------------------------
 # The settings schema: every bound and every setting declared once (poodle.options.option)
 
-# The settings groups the command line's options are generated from (cli/_schema.py).
+# The functions that check settings: a bound compared there is a bound written twice.
 CHECKS = ("validate", "check", "__post_init__")
+SCHEMA = ROOT / "poodle" / "options.py"  # the schema's machinery: it compares values with their bounds
 
 
 def _schema_groups():
+    """The settings groups the command line's options are generated from (cli/_schema.py)."""
     from poodle import settings
+    from poodle.demo_settings import DemoConfig
     from poodle.extract import ExtractOptions
     from poodle.pipeline import RunOptions
+    from poodle.train import TrainConfig
 
-    return (*settings.GROUPS, RunOptions, ExtractOptions)
+    return (*settings.GROUPS, RunOptions, ExtractOptions, TrainConfig, DemoConfig)
 
 
-def _literal_bounds(tree: ast.AST) -> list[int]:
-    """Lines where a check method (validate, check, __post_init__) compares one of its object's
-    settings with a number written there (``self.n_neg < 1``): a bound that belongs in the field's
-    declaration."""
+def _setting_names() -> frozenset[str]:
+    """The field names of every declared setting: of the groups above and of every method's config."""
+    from poodle import solvers
+    from poodle.options import settings
+
+    groups = (*_schema_groups(), *(solvers.get(m).config for m in solvers.available()))
+    return frozenset(s.name for g in groups for s in settings(g))
+
+
+def _is_check(fn: ast.AST) -> bool:
+    return isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+        fn.name in CHECKS or fn.name.startswith("check_")
+    )
+
+
+def _literal_bounds(tree: ast.AST, names: frozenset[str] = frozenset()) -> list[int]:
+    """Lines where a check (validate, check, __post_init__, check_*) compares a setting with a number
+    written there: one of its object's (``self.n_neg < 1``) or, by its name, one of another object
+    (``opts.workers < 0``, ``names``): a bound that belongs in the field's declaration."""
     found = []
     for fn in ast.walk(tree):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name not in CHECKS:
+        if not _is_check(fn):
             continue
         for n in ast.walk(fn):
             if not isinstance(n, ast.Compare):
                 continue
             sides = [n.left, *n.comparators]
-            own = any(
-                isinstance(s, ast.Attribute) and isinstance(s.value, ast.Name) and s.value.id == "self" for s in sides
+            setting = any(
+                isinstance(s, ast.Attribute)
+                and ((isinstance(s.value, ast.Name) and s.value.id == "self") or s.attr in names)
+                for s in sides
             )
             number = any(
                 isinstance(s, ast.Constant) and isinstance(s.value, (int, float)) and not isinstance(s.value, bool)
                 for s in sides
             )
-            if own and number:
+            if setting and number:
                 found.append(n.lineno)
     return found
 
@@ -237,7 +258,13 @@ def _hand_flags(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_no_bound_is_written_outside_the_schema():
-    found = [f"{p.relative_to(ROOT)}:{line}" for p in LIBRARY for line in _literal_bounds(ast.parse(p.read_text()))]
+    names = _setting_names()
+    found = [
+        f"{p.relative_to(ROOT)}:{line}"
+        for p in LIBRARY
+        if p != SCHEMA
+        for line in _literal_bounds(ast.parse(p.read_text()), names)
+    ]
     found += [f"{p.relative_to(ROOT)}:{line}" for p in COMMANDS for line in _click_ranges(ast.parse(p.read_text()))]
     assert not found, "bounds outside their fields' declarations:\n" + "\n".join(found)
 
@@ -267,11 +294,88 @@ def test_no_setting_is_declared_twice():
     assert not twice, "\n".join(twice)
 
 
-# Commands whose options are not generated from a settings group yet: train's recipe options are
-# TrainConfig's fields (their defaults read from it), demo's are DemoConfig's, split's its own.
-UNCONVERTED_COMMANDS = ("train", "demo", "split")
+# Commands whose options are not generated from a settings group yet: split's are its own.
+UNCONVERTED_COMMANDS = ("split",)
 # A command's own option that shares a setting's name but not its meaning.
-HOMONYMS = {("predict", "--query"): "the folder of the query images"}
+HOMONYMS = {
+    ("predict", "--query"): "the folder of the query images",
+    ("solve", "--lr"): "the method's Adam learning rate (a shortcut for --set lr=), not training's SGD one",
+    ("solve", "--label-smoothing"): "the method's (ce) label smoothing, not training's",
+}
+
+
+def _commands():
+    """Every command of ``poodle`` (its click command objects, each module imported)."""
+    import click
+
+    from poodle.cli.main import cli
+
+    ctx = click.Context(cli)
+    return {name: cli.get_command(ctx, name) for name in cli.list_commands(ctx)}
+
+
+def _twice_in(command) -> list[str]:
+    """A command's settings declared twice: two options of one name or flag (two groups that share a
+    setting, or a group's setting and an option written by hand), and an option written by hand for
+    a setting of a group whose options the command takes (``--milestones`` by hand beside
+    TrainConfig's options, even where the declaration has no option: ``cli=False``)."""
+    import click
+
+    from poodle.cli._schema import SettingOption
+    from poodle.options import settings
+
+    options = [p for p in command.params if isinstance(p, click.Option)]
+    out, seen, flags = [], {}, {}
+    for p in options:
+        where = f"{p.setting.owner.__name__}.{p.setting.name}" if isinstance(p, SettingOption) else "by hand"
+        if p.name in seen:
+            out.append(f"{p.name}: {seen[p.name]} and {where}")
+        seen[p.name] = where
+        for flag in (*p.opts, *p.secondary_opts):
+            if flag in flags and flags[flag] != p.name:
+                out.append(f"{flag}: options {flags[flag]} and {p.name}")
+            flags[flag] = p.name
+    groups = {p.setting.owner for p in options if isinstance(p, SettingOption)}
+    keys = {s.key: f"{g.__name__}.{s.name}" for g in groups for s in settings(g)}
+    out += [
+        f"{p.opts[0]} by hand is {keys[p.name]}" for p in options if not isinstance(p, SettingOption) and p.name in keys
+    ]
+    return out
+
+
+def test_no_command_declares_a_setting_twice():
+    twice = [f"poodle {name}: {t}" for name, command in _commands().items() for t in _twice_in(command)]
+    assert not twice, "\n".join(twice)
+    generated = {
+        name: {p.setting.owner.__name__ for p in c.params if hasattr(p, "setting")} for name, c in _commands().items()
+    }
+    assert {"TrainConfig"} <= generated["train"] and {"DemoConfig"} <= generated["demo"]
+
+
+def test_the_command_rule_finds_a_setting_declared_twice():
+    # the rule above must be able to fail: a hand-written option beside the group's, and two groups
+    # that share a setting, and an option by hand for a declaration with no option of its own
+    import click
+
+    from poodle.cli._schema import schema_options
+    from poodle.demo_settings import DemoConfig
+    from poodle.train import TrainConfig
+
+    def command(*decorators):
+        fn = lambda **kw: None  # noqa: E731
+        for d in decorators:
+            fn = d(fn)
+        return click.command()(fn)
+
+    hand = command(schema_options(TrainConfig), click.option("--lr", type=float))
+    assert _twice_in(hand) == ["lr: by hand and TrainConfig.lr", "--lr by hand is TrainConfig.lr"]
+    renamed = command(schema_options(TrainConfig, only=("lr",)), click.option("--lr", "rate", type=float))
+    assert _twice_in(renamed) == ["--lr: options rate and lr"]
+    both = command(schema_options(TrainConfig, only=("seed",)), schema_options(DemoConfig, only=("seed",)))
+    assert _twice_in(both)[0] == "seed: DemoConfig.seed and TrainConfig.seed"
+    hidden = command(schema_options(TrainConfig, only=("lr",)), click.option("--val-split"))
+    assert _twice_in(hidden) == ["--val-split by hand is TrainConfig.val_split"]
+    assert _twice_in(command(schema_options(TrainConfig))) == []
 
 
 def test_the_schema_rules_find_what_they_forbid():
@@ -280,6 +384,11 @@ def test_the_schema_rules_find_what_they_forbid():
     assert _literal_bounds(ast.parse(validate)) == [3, 3]
     fine = "class S:\n    def validate(self):\n        if self.query_classes > self.way:\n            pass\n"
     assert _literal_bounds(ast.parse(fine)) == []
+    # a check_* function, a setting of another object named as declared (workers), not another name
+    other = "def check_options(opts, n):\n    if opts.workers < 0 or n < 0 or opts.count < 0:\n        pass\n"
+    assert _literal_bounds(ast.parse(other), frozenset({"workers"})) == [2]
+    assert _literal_bounds(ast.parse(other.replace("check_options", "options")), frozenset({"workers"})) == []
+    assert {"lr", "epochs", "image_size", "workers", "n_neg", "threads"} <= _setting_names()
     ranges = 'click.option("--n-neg", type=click.IntRange(min=1))\nclick.option("--x", type=FloatRange(0, 1))\n'
     assert _click_ranges(ast.parse(ranges)) == [1, 2]
     assert _hand_flags(ast.parse(ranges)) == [(1, "--n-neg"), (2, "--x")]
@@ -404,5 +513,32 @@ def test_a_command_takes_every_setting_of_its_groups_but_those_it_names():
     assert group(ExtractOptions, "dtype") <= flags(predict) and "--dtype" not in flags(predict)
     assert group(RunOptions, "cells_per_call") <= flags(solve) and "--cells-per-call" not in flags(solve)
     assert group(RunOptions, "workers") <= flags(grid) and "--workers" not in flags(grid)
+    from poodle.cli.demo import demo
+    from poodle.cli.train import train
+    from poodle.demo_settings import DemoConfig
+    from poodle.train import TrainConfig
+
+    assert group(TrainConfig) <= flags(train) and group(DemoConfig) <= flags(demo)
+    assert "--no-channels-last" in {o for p in train.params for o in p.secondary_opts}
+    assert "--val-split" not in flags(train)  # declared with cli=False
     with pytest.raises(AssertionError, match="no such settings"):
         schema_options(RunOptions, but=("no_such_setting",))
+
+
+def test_a_sequence_setting_checks_each_item_and_a_shared_one_keeps_its_bounds():
+    """``tuple[int, ...]`` (milestones): each item by the bounds, the value as a tuple; option_like
+    takes another group's declaration with a default of its own, never another bound."""
+    from poodle.errors import ConfigError
+    from poodle.options import check_value, option_like, setting
+    from poodle.train import TrainConfig
+
+    s = setting(TrainConfig, "milestones")
+    assert s.many and s.kind is int and s.optional
+    assert check_value(s, [3, 5.0], files=True) == (3, 5) and check_value(s, "auto", files=True) is None
+    for bad in ([0, 5], [3, 2.5], "3,5", 3):
+        with pytest.raises(ConfigError, match=r"^milestones must be a comma-separated list, each a positive integer"):
+            check_value(s, bad)
+    with pytest.raises(AssertionError, match="a bound is its declaration's"):
+        option_like(TrainConfig, "lr", 0.1, min=1)
+    with pytest.raises(AssertionError, match="takes no"):
+        option_like(TrainConfig, "lr", 0.1, maximum=1)

@@ -262,3 +262,78 @@ def test_domain_method_selection():
     assert [m.method for m in domain_methods("Proto,pt-map")] == ["proto", "pt-map"]
     with pytest.raises(ConfigError, match="'ce' is not a method of the per-domain demo"):
         domain_methods("proto,ce")
+
+
+# ---- the demo's settings: DemoConfig's declarations ------------------------------------------------
+
+
+def _config_of(monkeypatch, *args):
+    """The DemoConfig ``poodle demo ARGS`` would run (the run itself replaced by a stop)."""
+    import poodle.demo
+    import poodle.demo_domains
+
+    seen = []
+
+    def stop(cfg, **kw):
+        seen.append(cfg)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(poodle.demo, "run_demo", stop)
+    monkeypatch.setattr(poodle.demo_domains, "run_domain_demo", stop)
+    res = CliRunner().invoke(cli, ["demo", *args])
+    assert res.exit_code == 0 and len(seen) == 1, res.output
+    return seen[0]
+
+
+def test_quick_gives_way_to_the_settings_given(monkeypatch, tmp_path):
+    root = ["--cache-root", str(tmp_path)]
+    full = _config_of(monkeypatch, *root)
+    assert (full.epochs, full.batch_size, full.episodes, full.lr, full.channels_last, full.quick) == (
+        3,
+        128,
+        2000,
+        0.1,
+        True,
+        False,
+    )
+    quick = _config_of(monkeypatch, *root, "--quick")
+    assert (quick.epochs, quick.batch_size, quick.episodes, quick.val_every) == (1, 32, 40, 1)
+    given = _config_of(monkeypatch, *root, "--quick", "--epochs", "2", "--no-channels-last", "--threads", "1")
+    assert (given.epochs, given.batch_size, given.channels_last, given.threads) == (2, 32, False, 1)
+    domains = _config_of(monkeypatch, *root, "--protocol", "meta-dataset")
+    assert (domains.protocol, domains.episodes) == ("meta-dataset", 600)
+    assert _config_of(monkeypatch, *root, "--protocol", "meta-dataset", "--episodes", "7").episodes == 7
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--workers", "-1"], "--workers must be an integer >= 0, got -1"),
+        (["--image-size", "0"], "--image-size must be a positive integer, got 0"),
+        (["--threads", "-1"], "--threads must be an integer >= 0, got -1"),
+        (["--lr", "0"], "--lr must be a number in (0, inf), got 0.0"),
+        (["--competitors", "tim-gd,xx"], "--competitors: 'xx' is not a registered transductive method"),
+    ],
+)
+def test_a_bad_demo_setting_is_refused_before_any_work(tmp_path, args, said):
+    """By its declaration (TrainConfig's for what the demo trains with), before the glyphs are made."""
+    res = CliRunner().invoke(cli, ["demo", "--cache-root", str(tmp_path / "c"), *args])
+    assert res.exit_code == 1 and f"error: {said}" in res.output, res.output
+    assert not (tmp_path / "c").exists()
+
+
+def test_the_demo_declares_what_it_passes_on_as_the_stage_it_goes_to():
+    """A setting the demo trains or solves with is that stage's declaration (bounds, help) with the
+    demo's default: one declaration, however many stages take it."""
+    from poodle.demo import DemoConfig
+    from poodle.episodes import EpisodeSpec
+    from poodle.options import setting
+    from poodle.train import TrainConfig
+
+    for key, group in (("lr", TrainConfig), ("epochs", TrainConfig), ("image_size", TrainConfig), ("way", EpisodeSpec)):
+        mine, theirs = setting(DemoConfig, key), setting(group, key)
+        assert mine.bounds == theirs.bounds and mine.meta("why") == theirs.meta("why")
+    assert setting(DemoConfig, "lr").default == 0.1 and setting(TrainConfig, "lr").default == 0.05
+    with pytest.raises(ConfigError, match=r"^lr must be a number in \(0, inf\), got 0.0$") as e:
+        DemoConfig(lr=0)
+    assert e.value.params == ("lr",)

@@ -104,13 +104,16 @@ def test_lr_decays_at_the_milestone_epoch_not_one_late():
 @pytest.mark.parametrize(
     "bad, culprit, params",
     [
-        ({"recipe": "kd"}, "unknown recipe 'kd'", ("recipe",)),
+        ({"recipe": "kd"}, "recipe must be one of simple, rot, rot-kd, got 'kd'", ("recipe",)),
         ({"teacher": "first"}, "teacher must be one of last, best, got 'first'", ("teacher",)),
-        ({"epochs": 0}, "epochs must lie in [1, inf), got 0", ("epochs",)),
+        ({"epochs": 0}, "epochs must be a positive integer, got 0", ("epochs",)),
         ({"milestones": (100,)}, "milestones contain 100, outside 1..99 (epochs 100)", ("milestones", "epochs")),
-        ({"label_smoothing": 1.0}, "label_smoothing must lie in [0, 1), got 1.0", ("label_smoothing",)),
+        ({"milestones": [0, 60]}, "milestones must be a comma-separated list, each a positive", ("milestones",)),
+        ({"label_smoothing": 1.0}, "label_smoothing must be a number in [0, 1), got 1.0", ("label_smoothing",)),
         ({"recipe": "rot-kd", "generations": 0}, "recipe rot-kd needs generations >= 1", ("recipe", "generations")),
-        ({"seed": -1}, "seed -1 does not fit 63 bits", ("seed",)),
+        ({"seed": -1}, "seed must be an integer in 0..9223372036854775807 (what torch, numpy", ("seed",)),
+        ({"workers": -1}, "workers must be an integer >= 0, got -1", ("workers",)),
+        ({"amp": "yes"}, "amp must be true or false, got 'yes'", ("amp",)),
     ],
 )
 def test_bad_settings_name_the_culprit(bad, culprit, params):
@@ -339,3 +342,42 @@ def test_cli_train_prints_the_checkpoint(image_root, tmp_path):
     res = CliRunner().invoke(cli, args[:-2] + ["--out", str(out), "--lr", "0.5"])
     assert res.exit_code == 1 and f"error: --out {out}: last.pt was trained with other settings" in res.output
     assert "lr: 0.05 -> 0.5" in res.output and "pass --force to start over" in res.output
+
+
+def test_train_options_are_trainconfig_s_declarations(monkeypatch, tmp_path):
+    """``poodle train``'s options are made from TrainConfig's fields: a list (``--milestones 3,5``),
+    a flag said both ways (``--amp`` / ``--no-channels-last``), a bound refused with its flag."""
+    from click.testing import CliRunner
+
+    import poodle.train
+    from poodle.cli.main import cli
+
+    seen = []
+
+    def stop(cfg, **kw):
+        seen.append(cfg)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(poodle.train, "train", stop)
+    base = ["train", "--backbone", "conv4_64", "--dataset", "mini", "--cache-root", str(tmp_path)]
+    res = CliRunner().invoke(cli, [*base, "--epochs", "10", "--milestones", "3,5", "--amp", "--no-channels-last"])
+    assert res.exit_code == 0 and len(seen) == 1, res.output
+    cfg = seen[0]
+    assert (cfg.milestones, cfg.amp, cfg.channels_last, cfg.lr, cfg.epochs) == ((3, 5), True, False, 0.05, 10)
+    project = tmp_path / "poodle.toml"
+    project.write_text("[train]\nmilestones = [4, 6]\nepochs = 8\n")
+    res = CliRunner().invoke(cli, ["--config", str(project), *base])
+    assert res.exit_code == 0 and (seen[-1].milestones, seen[-1].epochs) == ((4, 6), 8), res.output
+    project.write_text("[train]\nmilestones = [4, 6.5]\n")
+    res = CliRunner().invoke(cli, ["--config", str(project), *base])
+    assert res.exit_code == 1 and "[train] milestones = [4, 6.5]: expected a list of integers" in res.output
+    res = CliRunner().invoke(cli, [*base, "--milestones", "auto"])
+    assert res.exit_code == 0 and seen[-1].milestones is None and seen[-1].amp is None, res.output
+    for args, said in (
+        (["--lr", "0"], "--lr must be a number in (0, inf), got 0.0"),
+        (["--milestones", "0,5"], "--milestones must be a comma-separated list, each a positive integer, got (0, 5)"),
+        (["--milestones", "x"], "expected comma-separated integers like 60,80, got 'x'"),
+        (["--seed", "-1"], "--seed must be an integer in 0..9223372036854775807"),
+    ):
+        res = CliRunner().invoke(cli, [*base, *args])
+        assert res.exit_code != 0 and said in res.output, res.output

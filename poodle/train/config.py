@@ -10,14 +10,15 @@ from the authors' release (configs, SmoothCrossEntropy, meta_val).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from poodle import defaults
 from poodle.errors import ConfigError
-from poodle.options import option, violation
-from poodle.utils import check_seed
+from poodle.options import check_group, option
+from poodle.utils import SEED_MAX
 
 RECIPES = ("simple", "rot", "rot-kd")
 AUGMENTATIONS = ("paper", "crop", "none")
@@ -32,73 +33,97 @@ RUNTIME_FIELDS = frozenset({"device", "workers", "cache_root", "data_root", "out
 class TrainConfig:
     """Everything that defines a pre-training run.
 
+    Each setting of the recipe and the run is declared once below with :func:`poodle.options.option`
+    (default, bounds, help): ``poodle train``'s options, their checks (:meth:`check`) and the docs'
+    table (docs/settings.md) are made from these declarations. Notes beyond a field's help:
+
+    - ``batch_size`` is the global batch: under torchrun each of W processes takes batch/W.
+    - ``milestones`` are 0-based epochs where the decay takes effect (at that epoch); None means 60%
+      and 80% of ``epochs`` (and 90% for tiered), the paper's 60/80 (60/80/90) at 100 epochs.
+    - ``label_smoothing`` is epsilon of the release's SmoothCrossEntropy (1 - eps on the true class,
+      eps/(C-1) on each other class); ``rot_weight`` is lambda_ssl of appendix A eq. (2).
+    - ``channels_last``: the weights differ from a channels-first run by float rounding, so it is a
+      defining setting (docs/train.md).
+    - ``workers``, ``device``, ``amp``, ``cache_root``, ``data_root`` and ``out`` are runtime only
+      (:data:`RUNTIME_FIELDS`): a run may be resumed with others.
+
     Attributes:
         dataset, data_root: as for ``poodle extract`` (``glyphs``, ``mini``, ``csv``, ``folder``...).
         backbone: a name from :func:`poodle.backbones.available`.
-        recipe: ``simple`` (label-smoothed CE), ``rot`` (+ 4-rotation self-supervision) or
-            ``rot-kd`` (rot, then ``generations`` born-again students distilled from the previous one).
-        epochs, batch_size, lr, momentum, weight_decay: SGD settings (paper section 5.1).
-            ``batch_size`` is the global batch: under torchrun each of W processes takes batch/W.
-        milestones: epochs (0-based, the decay takes effect *at* that epoch) where the lr is
-            multiplied by ``gamma``; ``None`` means 60% and 80% of ``epochs`` (and 90% for tiered),
-            i.e. the paper's 60/80 (60/80/90) at 100 epochs.
-        label_smoothing: epsilon of the release's SmoothCrossEntropy (1 - eps on the true class,
-            eps/(C-1) on each other class).
-        rot_weight: lambda_ssl of appendix A eq. (2).
-        generations, temperature, teacher: born-again KD (appendix A): the number of students, tau,
-            and which checkpoint of the previous generation teaches (``last`` as the paper says;
-            the release uses ``best``).
-        sup_weight, kd_weight: loss = sup_weight * supervised + kd_weight * distillation; the paper
-            says 1/1, the release uses 0.5/0.5.
-        image_size: input side in pixels (None: 84, the paper's, or the dataset's own size: glyphs 28,
-            cifar-fs and fc100 32); augment: ``paper`` (random resized crop, jitter 0.4, flip),
-            ``crop`` (a mild random resized crop, scale 0.5-1, no flip/jitter: for glyphs, where
-            mirroring makes another character) or ``none`` (the eval transform).
-        val_every, val_episodes, val_way, val_shot, val_query, val_split: meta-validation with
-            nearest prototypes (0 disables it; the best checkpoint is then the last).
-        channels_last: run the convolutions on channels-last (NHWC) tensors. On a CPU it makes
-            a training step 1.2-1.6x faster (docs/train.md); the weights then differ from a
-            channels-first run by float rounding, so it is a defining setting.
-        seed: all randomness (init, data order, augmentation) derives from it.
-        workers, device, amp: runtime only (``amp=None``: on for CUDA, off on CPU).
         cache_root: where ``glyphs`` is generated and the default output directory lies.
         out: output directory (default ``<cache_root>/<dataset>/checkpoints/<backbone>-<recipe>``).
     """
 
-    # Numeric fields declare their bounds (poodle.options.option), checked once in :meth:`check`, so
-    # the command line and the library get the same check; every number must also be finite.
     dataset: str
     backbone: str
-    recipe: str = "simple"
+    recipe: str = option(
+        "simple",
+        choices=RECIPES,
+        help="simple (label-smoothed cross-entropy), rot (+ 4-rotation self-supervision) or rot-kd "
+        "(rot, then born-again students distilled from the previous generation).",
+    )
     data_root: str | None = None
-    epochs: int = option(100, min=1)  # paper 5.1
-    batch_size: int = option(64, min=1)  # paper 5.1
-    lr: float = option(0.05, min=0, min_open=True)  # paper 5.1
-    momentum: float = option(0.9, min=0, max=1, max_open=True)  # release configs (SGD, nesterov off)
-    weight_decay: float = option(5e-4, min=0)  # paper 5.1
-    milestones: tuple[int, ...] | None = None  # paper 5.1: 60/80 (tiered 60/80/90) of 100
-    gamma: float = option(0.1, min=0, min_open=True, max=1)  # paper 5.1: "decreased by a factor of 10"
-    label_smoothing: float = option(0.1, min=0, max=1, max_open=True)  # release default (SmoothCrossEntropy)
-    rot_weight: float = option(1.0, min=0)  # appendix A: lambda_ssl = 1
-    generations: int = option(2, min=0)  # appendix A: T = 2
-    temperature: float = option(4.0, min=0, min_open=True)  # appendix A: tau = 4
-    teacher: str = "last"  # appendix A: "the last checkpoint"
-    sup_weight: float = option(1.0, min=0)  # appendix A: lambdas = 1 (release: 0.5)
-    kd_weight: float = option(1.0, min=0)  # appendix A: lambdas = 1 (release: 0.5)
+    epochs: int = option(100, min=1, help="Training epochs (paper 5.1: 100).")
+    batch_size: int = option(64, min=1, help="Global batch (split over torchrun processes).")
+    lr: float = option(0.05, min=0, min_open=True, help="SGD learning rate (paper 5.1: 0.05).")
+    momentum: float = option(0.9, min=0, max=1, max_open=True, help="SGD momentum (the release's; no Nesterov).")
+    weight_decay: float = option(5e-4, min=0, help="SGD weight decay (paper 5.1: 5e-4).")
+    milestones: tuple[int, ...] | None = option(
+        None,
+        min=1,
+        metavar="EPOCHS",
+        none_words=("auto",),
+        help="Epochs where lr is multiplied by --gamma, e.g. 60,80 [default: 60%,80% of --epochs; tiered 60/80/90%].",
+    )
+    gamma: float = option(
+        0.1, min=0, min_open=True, max=1, help="Factor of the lr at each milestone (paper 5.1: a tenth)."
+    )
+    label_smoothing: float = option(
+        0.1, min=0, max=1, max_open=True, help="Label smoothing of the cross-entropy (the release's)."
+    )
+    rot_weight: float = option(1.0, min=0, help="lambda of the rotation loss.")  # appendix A: lambda_ssl = 1
+    generations: int = option(2, min=0, help="Born-again students (rot-kd).")  # appendix A: T = 2
+    temperature: float = option(4.0, min=0, min_open=True, help="Distillation temperature (rot-kd).")  # tau = 4
+    teacher: str = option(
+        "last",
+        choices=TEACHERS,
+        help="Checkpoint of the previous generation that teaches (paper: last; release: best).",
+    )
+    sup_weight: float = option(1.0, min=0, help="Supervised loss weight (release: 0.5).")  # appendix A: 1
+    kd_weight: float = option(1.0, min=0, help="Distillation loss weight (release: 0.5).")  # appendix A: 1
     # paper 5.1: 84; None: the dataset's own (defaults.DATASET_IMAGE_SIZES: glyphs 28, CIFAR 32)
-    image_size: int | None = option(None, min=1)
-    augment: str = "paper"  # release transform.py with_augment
-    val_every: int = option(4, min=0)  # release meta_val_interval
-    val_episodes: int = option(500, min=1)  # release meta_val
-    val_way: int = option(5, min=2)
-    val_shot: int = option(1, min=1)  # release meta_val_shot
-    val_query: int = option(15, min=1)
-    val_split: str = "val"
-    seed: int = 0
-    channels_last: bool = False
-    workers: int = option(None, min=0)  # type: ignore[assignment]  # None: one per usable core, at most 4
-    device: str = defaults.DEVICE
-    amp: bool | None = None
+    image_size: int | None = option(
+        None,
+        min=1,
+        help="Input side in pixels [default: 84, the paper's; glyphs 28, cifar-fs and fc100 32, their own].",
+    )
+    augment: str = option(
+        "paper",
+        choices=AUGMENTATIONS,
+        help="paper: random resized crop + jitter + flip; crop: mild crop only (glyphs); none.",
+    )  # the release's transform.py with_augment; crop: mirroring a glyph makes another character
+    val_every: int = option(4, min=0, help="Meta-validate every N epochs (0: never).")  # release meta_val_interval
+    val_episodes: int = option(500, min=1, help="Meta-validation episodes (nearest prototypes).")  # release meta_val
+    val_way: int = option(5, min=2, help="Classes per meta-validation episode.")
+    val_shot: int = option(1, min=1, help="Labelled images per class of a meta-validation episode.")
+    val_query: int = option(15, min=1, help="Queries per class of a meta-validation episode.")
+    val_split: str = option("val", cli=False, help="Split the meta-validation episodes come from.")
+    seed: int = option(
+        0,
+        min=0,
+        max=SEED_MAX,
+        why="what torch, numpy and HDF5 hold: 63 bits",
+        help="Seed of all of training's randomness (initialisation, data order, augmentation).",
+    )
+    channels_last: bool = option(
+        False,
+        help="Convolutions on NHWC tensors: 1.2-1.6x faster steps on a CPU; the weights differ by rounding.",
+    )
+    workers: int = option(  # type: ignore[assignment]  # None: resolved by __post_init__
+        None, min=0, help="DataLoader worker processes [default: one per usable core, at most 4; poodle info --system]."
+    )
+    device: str = option(defaults.DEVICE, help="auto, cpu, cuda or cuda:N.")
+    amp: bool | None = option(None, help="Mixed precision [default: on for CUDA, off on CPU].")
     cache_root: str = defaults.CACHE_ROOT
     out: str | None = None
 
@@ -109,37 +134,21 @@ class TrainConfig:
             from poodle.system import TRAIN_WORKERS, default_workers
 
             self.workers = default_workers(TRAIN_WORKERS)
-        if self.milestones is not None:
-            self.milestones = tuple(int(m) for m in self.milestones)
+        if isinstance(self.milestones, (list, tuple)):  # a checkpoint's list, numpy's integers: plain ints
+            self.milestones = tuple(int(m) if _integral(m) else m for m in self.milestones)
         self.check()
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the first impossible setting (and, in ``params``, the
-        fields it speaks of)."""
-        if self.recipe not in RECIPES:
-            raise ConfigError(f"unknown recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}", params=("recipe",))
-        if self.augment not in AUGMENTATIONS:
-            raise ConfigError(
-                f"augment {self.augment!r} is unknown; choose one of {', '.join(AUGMENTATIONS)}", params=("augment",)
-            )
-        if self.teacher not in TEACHERS:
-            raise ConfigError(
-                f"teacher must be one of {', '.join(TEACHERS)}, got {self.teacher!r}", params=("teacher",)
-            )
-        for f in dataclasses.fields(self):
-            why = violation(f, getattr(self, f.name))
-            if why is not None:
-                raise ConfigError.bad_value(f.name, getattr(self, f.name), why)
-        try:
-            check_seed(self.seed)
-        except ConfigError as e:
-            raise ConfigError(str(e), params=("seed",)) from None
-        if self.recipe == "rot-kd" and not self.generations:  # a rule between two settings
+        fields it speaks of): a value outside its declaration (:func:`poodle.options.check_group`),
+        then the rules between settings."""
+        check_group(self, ConfigError)
+        if self.recipe == "rot-kd" and not self.generations:
             raise ConfigError(
                 f"recipe rot-kd needs generations >= 1, got {self.generations}", params=("recipe", "generations")
             )
         for m in self.milestones or ():
-            if m < 1 or m >= self.epochs:  # each milestone an epoch after the first: a rule between two settings
+            if m >= self.epochs:  # each milestone an epoch before the last (its bound: at least 1)
                 raise ConfigError(
                     f"milestones contain {m}, outside 1..{self.epochs - 1} (epochs {self.epochs})",
                     params=("milestones", "epochs"),
@@ -194,6 +203,10 @@ class TrainConfig:
     def defining(self) -> dict[str, Any]:
         """The fields that determine the trained weights (compared on resume)."""
         return {k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS}
+
+
+def _integral(m: Any) -> bool:
+    return (isinstance(m, numbers.Integral) and not isinstance(m, bool)) or (isinstance(m, float) and m.is_integer())
 
 
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
