@@ -11,8 +11,9 @@ write as its ``path``. Each is one of
 - ``value``: ``bad_value(param, value, reason)``, or ``param=`` and ``value=`` given: a front end says
   the parameter its own way and the value as the caller gave it;
 - ``params``: ``params=`` alone: the parameters are known, the value only in the text;
-- ``marked``: neither, with a comment ``# not a caller's value: <why>`` on one of its lines (an
-  error between two files poodle wrote itself, a state the caller does not choose);
+- ``marked``: neither, with a comment ``# not a caller's value: <why>`` on one of its lines or on
+  the line above (an error between two files poodle wrote itself, a state the caller does not
+  choose);
 - ``neither``: neither, unmarked.
 
 It prints the counts; ``--list`` adds every ``params`` and ``neither`` one as ``file:line``.
@@ -81,7 +82,7 @@ def classify(source: str, path: str, classes: set[str]) -> list[Raise]:
             kind = "value"
         else:
             end = node.end_lineno or node.lineno
-            marked = any(MARKER in line for line in lines[node.lineno - 1 : end])
+            marked = any(MARKER in line for line in lines[max(node.lineno - 2, 0) : end])
             kind = "marked" if marked else "params" if "params" in keys else "neither"
         out.append(Raise(path, node.lineno, kind))
     return out

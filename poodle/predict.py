@@ -70,7 +70,9 @@ def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
         files = _images_under(cd)
         if not files:
             raise DataError(
-                f"support class {cd.name!r} has no images: {cd} (image extensions: {' '.join(IMAGE_EXTENSIONS)})"
+                f"support class {cd.name!r} has no images: {cd} (image extensions: {' '.join(IMAGE_EXTENSIONS)})",
+                param="folder",
+                value=folder,
             )
         out += [(str(f.resolve()), cd.name) for f in files]
     return out
@@ -226,21 +228,29 @@ def make_task(support: Sequence[tuple[str, str]], query: Sequence[tuple[str, str
     that are partial or not support classes."""
     support, query = list(support), list(query)
     if not support:
-        raise DataError("no support images")
+        raise DataError("no support images", param="support", value=support)
     if not query:
-        raise DataError("no query images")
+        raise DataError("no query images", param="query", value=query)
     classes = sorted({c for _, c in support})
     if len(classes) < 2:
-        raise DataError(f"the support has one class only ({classes[0]!r}); a classifier needs at least two")
+        raise DataError(
+            f"the support has one class only ({classes[0]!r}); a classifier needs at least two",
+            param="support",
+            value=support,
+        )
     labelled = [y is not None for _, y in query]
     if any(labelled) and not all(labelled):
-        raise DataError("some query images have a label and others none: label all of them or none")
+        raise DataError(
+            "some query images have a label and others none: label all of them or none", param="query", value=query
+        )
     labels = [str(y) for _, y in query] if all(labelled) else None
     if labels is not None:
         unknown = sorted(set(labels) - set(classes))
         if unknown:
             raise DataError(
-                f"query label(s) {', '.join(map(repr, unknown[:5]))} are not support classes ({', '.join(classes)})"
+                f"query label(s) {', '.join(map(repr, unknown[:5]))} are not support classes ({', '.join(classes)})",
+                param="query",
+                value=unknown,
             )
     return Task(support, query, classes, labels)
 
@@ -497,14 +507,16 @@ def _task_features(
                 source=ListSource(lists),
             )
         except DataError as e:  # predict has no skip_bad: every image must decode
-            raise DataError(e.message) from None
+            raise DataError(e.message, params=e.params, param=e.param, value=e.value) from None
         _check_transform(path, base_attrs, solving)
         s, q = read_split(path, "support"), read_split(path, "query")
     # The splits' classes are sorted names: support's are exactly the task's classes.
     if s.classes != task.classes:
+        # not a caller's value: predict wrote this cache itself, from the same image list
         raise CacheError(f"{path}: support classes {s.classes} differ from the image list's {task.classes}")
     # rows come back in the image-list order (extract writes them in order; nothing is skipped here)
     if s.paths is None or q.paths is None or len(q) != len(task.query) or len(s) != len(task.support):
+        # not a caller's value: predict wrote this cache itself, from the same image list
         raise CacheError(f"{path}: expected {len(task.support)} support and {len(task.query)} query rows")
     return path, s, q
 

@@ -165,17 +165,25 @@ class FolderSource(DatasetSource):
         if not d.is_dir():
             raise DataError(
                 f"no split folder {d} (found: {', '.join(self.splits()) or 'none'}; "
-                f"the folder layout is <root>/<split>/<class>/<image>)"
+                f"the folder layout is <root>/<split>/<class>/<image>)",
+                param="split",
+                value=split,
             )
         class_dirs = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
         if not class_dirs:
-            raise DataError(f"split folder {d} has no class folders (layout: <root>/<split>/<class>/<image>)")
+            raise DataError(
+                f"split folder {d} has no class folders (layout: <root>/<split>/<class>/<image>)",
+                param="root",
+                value=self.root,
+            )
         out: list[tuple[str, str]] = []
         for cd in class_dirs:
             files = sorted(f for f in os.listdir(cd) if _is_image(f))
             if not files:
                 raise DataError(
-                    f"class {cd.name!r} has no images: {cd} (image extensions: {' '.join(IMAGE_EXTENSIONS)})"
+                    f"class {cd.name!r} has no images: {cd} (image extensions: {' '.join(IMAGE_EXTENSIONS)})",
+                    param="root",
+                    value=self.root,
                 )
             out.extend((_rel(cd / f, self.root), cd.name) for f in files)
         return out
@@ -206,44 +214,62 @@ class CsvSource(DatasetSource):
         if not path.is_file():
             raise DataError(
                 f"split file {path} does not exist (found: "
-                f"{', '.join(s + '.csv' for s in self.splits()) or 'no .csv files'})"
+                f"{', '.join(s + '.csv' for s in self.splits()) or 'no .csv files'})",
+                param="split",
+                value=split,
             )
         if not self.image_dir.is_dir():
-            raise DataError(f"image folder {self.image_dir} does not exist (split files name images in it)")
+            raise DataError(
+                f"image folder {self.image_dir} does not exist (split files name images in it)",
+                param="root",
+                value=self.root,
+            )
         prefix = _rel(self.image_dir, self.root) if self.image_dir != self.root else ""
         out: list[tuple[str, str]] = []
         try:
             with open(path, newline="", encoding="utf-8-sig") as fh:
                 rows = list(enumerate(csv.reader(fh), start=1))
         except (UnicodeDecodeError, csv.Error) as e:
-            raise DataError(f"{path}: not a readable CSV file ({e})") from None
+            raise DataError(f"{path}: not a readable CSV file ({e})", param="root", value=self.root) from None
         rows = [(i, [c.strip() for c in r]) for i, r in rows if any(c.strip() for c in r)]
         if rows and self._is_header(rows[0][1]):
             rows = rows[1:]
         seen: dict[str, int] = {}
         for line, row in rows:
             if len(row) < 2 or not row[0] or not row[1]:
-                raise DataError(f"{path} line {line}: expected 'filename,label', got {','.join(row)!r}")
+                raise DataError(
+                    f"{path} line {line}: expected 'filename,label', got {','.join(row)!r}",
+                    param="root",
+                    value=self.root,
+                )
             filename, label = row[0], row[1]
             # Paths are relative to the image folder: an absolute path or one climbing out of it would
             # be joined wrongly later (and fail only when the image is decoded), so refuse it here.
             if Path(filename).is_absolute() or filename.startswith(("/", "\\")) or ".." in Path(filename).parts:
                 raise DataError(
                     f"{path} line {line}: image path {filename!r} must be relative to the image "
-                    f"folder {self.image_dir} (no absolute paths, no '..')"
+                    f"folder {self.image_dir} (no absolute paths, no '..')",
+                    param="root",
+                    value=self.root,
                 )
             if not (self.image_dir / filename).is_file():
-                raise DataError(f"{path} line {line}: image {self.image_dir / filename} does not exist")
+                raise DataError(
+                    f"{path} line {line}: image {self.image_dir / filename} does not exist",
+                    param="root",
+                    value=self.root,
+                )
             if filename in seen:
                 # a repeated row would make one image two samples: it could be its own query
                 raise DataError(
                     f"{path} lines {seen[filename]} and {line} both list {filename!r}; each image "
-                    f"may appear once per split"
+                    f"may appear once per split",
+                    param="root",
+                    value=self.root,
                 )
             seen[filename] = line
             out.append((f"{prefix}/{filename}" if prefix else filename, label))
         if not out:
-            raise DataError(f"split file {path} lists no images")
+            raise DataError(f"split file {path} lists no images", param="root", value=self.root)
         return out
 
     def _is_header(self, row: list[str]) -> bool:
@@ -299,7 +325,7 @@ class CubSource(DatasetSource):
             d = self.image_dir / name
             files = sorted(f for f in os.listdir(d) if _is_image(f))
             if not files:
-                raise DataError(f"class {name!r} has no images: {d}")
+                raise DataError(f"class {name!r} has no images: {d}", param="root", value=self.root)
             out.extend((_rel(d / f, self.root), name) for f in files)
         if not out:
             raise DataError(
@@ -388,6 +414,10 @@ class ListedSource(DatasetSource):
             d = self.root / c
             files = sorted(f for f in os.listdir(d) if _is_image(f) and (d / f).is_file())
             if not files:
-                raise DataError(f"class {c!r} has no images: {d} (image extensions: {' '.join(IMAGE_EXTENSIONS)})")
+                raise DataError(
+                    f"class {c!r} has no images: {d} (image extensions: {' '.join(IMAGE_EXTENSIONS)})",
+                    param="root",
+                    value=self.root,
+                )
             out.extend((_rel(d / f, self.root), c) for f in files)
         return out
