@@ -307,8 +307,10 @@ def located(where: str, error: PoodleError) -> ConfigError:
     """``error`` said at a place in a file (a grid's path and ``[[cell]]``): the file's keys are not
     command-line flags, so the error names them as the file's options and carries no parameters."""
     if error.reason is not None and error.param is not None:
-        return ConfigError(f"{where}: option {error.param!r} {error.reason}, got {error.value!r}")
-    return ConfigError(f"{where}: {error}")
+        return ConfigError(
+            f"{where}: option {error.param!r} {error.reason}, got {error.value!r}", param=error.param, value=error.value
+        )
+    return ConfigError(f"{where}: {error}", param=error.param, value=error.value)
 
 
 def numbered(cells: Sequence[Cell]) -> list[Cell]:

@@ -59,8 +59,10 @@ def env_world() -> tuple[int, int, int]:
         rank = int(os.environ.get("RANK", "0"))
         local = int(os.environ.get("LOCAL_RANK", "0"))
     except ValueError as e:
+        # not a caller's value: torchrun's environment variables, no parameter
         raise ConfigError(f"torchrun's environment is malformed: {e}") from None
     if world < 1 or not 0 <= rank < world:
+        # not a caller's value: torchrun's environment variables, no parameter
         raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} from the environment do not fit together")
     return world, rank, local
 
@@ -137,6 +139,7 @@ class Dist:
             return
         if first == self.rank and err is not None:
             raise err
+        # not a caller's value: another rank failed; that rank reports its error
         raise RankFailed(f"rank {first} of {self.world} failed")
 
     def stop_point(self) -> None:
@@ -298,6 +301,7 @@ def init(device: str | torch.device = "auto") -> Dist:
         raise ConfigError("device cuda: CUDA is not available", params=("device",))
     if use_cuda:
         if local >= torch.cuda.device_count():
+            # not a caller's value: torchrun's LOCAL_RANK against this node's GPUs
             raise ConfigError(
                 f"LOCAL_RANK {local} but this node has {torch.cuda.device_count()} GPU(s): start "
                 f"at most that many processes per node"

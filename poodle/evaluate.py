@@ -345,7 +345,9 @@ def _check_held(neg: Tensor, M: int, source: str, pool_rows: int) -> None:
     if (int(neg.min()) if neg.numel() else 0) < 0 or hi >= pool_rows:
         raise EpisodeError(
             f"negative indices reach {hi} but the pool {source!r} has {pool_rows} rows; "
-            "the episodes were saved with another pool"
+            "the episodes were saved with another pool",
+            param="negatives",
+            value=source,
         )
 
 
@@ -405,11 +407,17 @@ def _resolve_methods(methods: Sequence[Method]) -> tuple[list[Method], list[tupl
         if cfg is None or isinstance(cfg, Mapping):
             cfg = solvers.make_config(name, cfg or {}, strict=True)
         elif not isinstance(cfg, info.config):
-            raise ConfigError(f"method {name!r}: config must be a {info.config.__name__}, got {type(cfg).__name__}")
+            raise ConfigError(
+                f"method {name!r}: config must be a {info.config.__name__}, got {type(cfg).__name__}",
+                param="methods",
+                value=name,
+            )
         else:
             solvers.base.check_config(info.name, cfg)
         if label in seen:
-            raise ConfigError(f"two methods share the label {label!r}; give each a distinct label")
+            raise ConfigError(
+                f"two methods share the label {label!r}; give each a distinct label", param="methods", value=label
+            )
         seen.add(label)
         out.append((label, name, cfg))
         if info.needs_negatives(cfg):
@@ -848,11 +856,13 @@ def _held_parts(
 
 def _check_episodes(features: Any, episodes: EpisodeSet | EpisodeStream) -> None:
     if len(episodes) == 0:
-        raise EpisodeError("no episodes to solve")
+        raise EpisodeError("no episodes to solve", param="episodes", value=len(episodes))
     split_name = getattr(features, "name", None)
     if split_name and split_name != episodes.spec.split:
         raise EpisodeError(
-            f"the episodes were drawn from split {episodes.spec.split!r} but the features are split {split_name!r}"
+            f"the episodes were drawn from split {episodes.spec.split!r} but the features are split {split_name!r}",
+            param="episodes",
+            value=episodes.spec.split,
         )
     if isinstance(episodes, EpisodeSet) and episodes.ways is not None:
         check_ragged(episodes, features.labels)
@@ -870,10 +880,12 @@ def check_ragged(episodes: EpisodeSet, labels: Tensor, where: str = "episodes") 
     ways = episodes.ways.to(torch.int64)
 
     def fail(e: int, why: str) -> None:
-        raise EpisodeError(f"{where}: episode {int(episodes.index[e])} {why}")  # type: ignore[index]
+        raise EpisodeError(f"{where}: episode {int(episodes.index[e])} {why}", param="episodes", value=where)  # type: ignore[index]
 
     if ways.shape != (E,):
-        raise EpisodeError(f"{where}: ways has shape {tuple(ways.shape)}, expected ({E},)")
+        raise EpisodeError(
+            f"{where}: ways has shape {tuple(ways.shape)}, expected ({E},)", param="episodes", value=where
+        )
     if bool((ways < 2).any()):
         e = int((ways < 2).nonzero()[0, 0])
         fail(e, f"has {int(ways[e])} classes; an episode needs at least 2")
@@ -884,7 +896,11 @@ def check_ragged(episodes: EpisodeSet, labels: Tensor, where: str = "episodes") 
         ("query", episodes.query, episodes.query_labels),
     ):
         if idx.shape != lab.shape:
-            raise EpisodeError(f"{where}: {name} indices {tuple(idx.shape)} and labels {tuple(lab.shape)} differ")
+            raise EpisodeError(
+                f"{where}: {name} indices {tuple(idx.shape)} and labels {tuple(lab.shape)} differ",
+                param="episodes",
+                value=where,
+            )
         real = idx >= 0
         bad = (idx < -1) | (idx >= n) | (real != (lab >= 0)) | (lab >= ways.unsqueeze(1))
         if bool(bad.any()):

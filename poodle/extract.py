@@ -52,7 +52,9 @@ def cache_path(cache_root: str | os.PathLike, dataset: str, backbone: str, tag: 
     name = f"{backbone}-{tag}" if tag else backbone
     for part, what in ((dataset, "dataset"), (name, "backbone/tag")):
         if not part or "/" in part or "\\" in part or part in (".", ".."):
-            raise ConfigError(f"{what} {part!r} cannot be used in a file name")
+            raise ConfigError(
+                f"{what} {part!r} cannot be used in a file name", param=what.partition("/")[0], value=part
+            )
     return Path(cache_root) / dataset / f"{name}.h5"
 
 
@@ -566,7 +568,9 @@ def _check_no_empty_class(split: str, classes: Sequence[str], counts: np.ndarray
     empty = np.flatnonzero(counts == 0)
     if empty.size:
         raise DataError(
-            f"split {split}: class {classes[int(empty[0])]!r} has no images left after skipping unreadable ones"
+            f"split {split}: class {classes[int(empty[0])]!r} has no images left after skipping unreadable ones",
+            param="split",
+            value=split,
         )
 
 

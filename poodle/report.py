@@ -117,7 +117,7 @@ def load_results(paths: Sequence[str | Path]) -> Results:
     Files whose last line was cut or that hold fewer cells than their grid are named in
     ``.unfinished`` (and :func:`build_table` then leaves columns with empty entries unbolded)."""
     if not paths:
-        raise ConfigError("no results file given")
+        raise ConfigError("no results file given", param="paths", value=paths)
     out: list[Result] = []
     unfinished: list[str] = []
     for p in paths:
@@ -128,7 +128,7 @@ def load_results(paths: Sequence[str | Path]) -> Results:
         for r in sorted(res.records, key=lambda r: r.get("index", 0)):
             out.append(Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), str(p), len(out)))
     if not out:
-        raise ConfigError(f"{', '.join(map(str, paths))}: no finished cells yet")
+        raise ConfigError(f"{', '.join(map(str, paths))}: no finished cells yet", param="paths", value=paths)
     return Results(out, unfinished)
 
 
@@ -614,12 +614,16 @@ def domain_table(
         for i, r in enumerate(results)
     ]
     if not res:
-        raise ConfigError("a per-domain table needs results; none given")
+        raise ConfigError("a per-domain table needs results; none given", param="results", value=results)
     keys = split_keys(methods)
     if keys is None:
         keys = _method_keys(res)
     if DOMAIN_KEY in keys:
-        raise ConfigError(f"{DOMAIN_KEY!r} names the domains (the columns); it cannot tell methods apart")
+        raise ConfigError(
+            f"{DOMAIN_KEY!r} names the domains (the columns); it cannot tell methods apart",
+            param="methods",
+            value=methods,
+        )
     base = build_table(res, rows=keys, cols=[DOMAIN_KEY], bold="none", show_ci=show_ci)
     caches = [str(c[0]) for c in base.cols]
     labels = domain_labels(caches)

@@ -193,7 +193,11 @@ def _prepare(
     """Every check of :func:`solve` that comes before solving, and its cells."""
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; settings are {', '.join(SETTINGS)}")
+        raise ConfigError(
+            f"unknown setting(s) {', '.join(unknown)}; settings are {', '.join(SETTINGS)}",
+            param="settings",
+            value=unknown,
+        )
     path = Path(cache)
     check_outputs(path, episodes_from, settings.get("negatives"), save_episodes_to, out)
     episodes = None

@@ -44,15 +44,17 @@ DEFAULT_FRACTION = {"noisy": 0.2, "disjoint": 0.5}
 def class_folders(root: Path) -> dict[str, list[str]]:
     """``{class: sorted image file names}`` of ``root/<class>/<image>``, classes sorted."""
     if not root.is_dir():
-        raise DataError(f"{root} is not a directory")
+        raise DataError(f"{root} is not a directory", param="root", value=root)
     out: dict[str, list[str]] = {}
     for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         files = sorted(f for f in os.listdir(d) if _is_image(f) and (d / f).is_file())
         if not files:
-            raise DataError(f"class folder {d} has no images")
+            raise DataError(f"class folder {d} has no images", param="root", value=root)
         out[d.name] = files
     if len(out) < 2:
-        raise DataError(f"{root}: expected class folders <root>/<class>/<image>, found {len(out)}")
+        raise DataError(
+            f"{root}: expected class folders <root>/<class>/<image>, found {len(out)}", param="root", value=root
+        )
     return out
 
 

@@ -40,10 +40,12 @@ def parse_size(text: str | int) -> int:
         return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if m is None or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"cannot read memory size {text!r}: use a number with MiB or GiB, e.g. 4GiB")
+        raise ConfigError(
+            f"cannot read memory size {text!r}: use a number with MiB or GiB, e.g. 4GiB", param="text", value=text
+        )
     n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n <= 0:
-        raise ConfigError(f"memory size must be positive, got {text!r}")
+        raise ConfigError(f"memory size must be positive, got {text!r}", param="text", value=text)
     return n
 
 
@@ -312,7 +314,7 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".partial") -> Iterator[P
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"{shown}: cannot create its directory ({e.strerror})") from None
+        raise ConfigError(f"{shown}: cannot create its directory ({e.strerror})", param="path", value=path) from None
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{suffix}")
     try:
         yield tmp
