@@ -406,3 +406,59 @@ def test_a_command_takes_every_setting_of_its_groups_but_those_it_names():
     assert group(RunOptions, "workers") <= flags(grid) and "--workers" not in flags(grid)
     with pytest.raises(AssertionError, match="no such settings"):
         schema_options(RunOptions, but=("no_such_setting",))
+
+
+def _raises_module():
+    """benchmarks/raises.py, the census of the library's user errors (stdlib only: no poodle import)."""
+    import importlib.util
+    import sys
+
+    name = "poodle_bench_raises"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "raises.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_every_user_error_carries_its_parameter_or_says_why_not():
+    """Every error a caller can cause names the parameter it is about (``bad_value``, ``param=`` and
+    ``value=``, or at least ``params=``), so that a front end says it its own way without reading the
+    text; the few about no caller's value (torchrun's environment, files poodle wrote itself) say so
+    with ``# not a caller's value: <why>`` (benchmarks/raises.py)."""
+    found = _raises_module().scan(ROOT)
+    bare = [f"{r.path}:{r.line}" for r in found if r.kind == "neither"]
+    assert bare == []
+    assert sum(r.kind == "value" for r in found) > 250  # the scan sees the library's errors
+
+
+def test_the_error_census_tells_the_kinds_apart():
+    bench = _raises_module()
+    errors = "class PoodleError(Exception): ...\nclass MyError(PoodleError): ...\nclass WriteError(PoodleError): ..."
+    classes = bench.error_classes({"m": ast.parse(errors)})
+    assert classes == {"PoodleError", "MyError"}
+    source = (
+        "def f(x, err):\n"
+        "    raise MyError(f'{x} is bad')\n"  # 2: neither
+        "    raise MyError(f'{x} is bad', params=('x',))\n"  # 3: params
+        "    raise MyError(f'{x} is bad', param='x', value=x)\n"  # 4: value
+        "    raise MyError.bad_value('x', x, 'must be odd')\n"  # 5: value
+        "    raise err.bad_value('x', x, 'must be odd')\n"  # 6: value (only an error has bad_value)
+        "    # not a caller's value: two files we wrote disagree\n"
+        "    raise MyError('the files disagree')\n"  # 8: marked
+        "    raise MyError(\n        'the files disagree'\n    )  # not a caller's value: ours\n"  # 9: marked
+        "    raise WriteError('disk full', path='x')\n"  # carries its file as path=: left out
+        "    raise ValueError(x)\n"
+    )
+    found = [(r.line, r.kind) for r in bench.classify(source, "m.py", classes)]
+    assert sorted(found) == [
+        (2, "neither"),
+        (3, "params"),
+        (4, "value"),
+        (5, "value"),
+        (6, "value"),
+        (8, "marked"),
+        (9, "marked"),
+    ]
