@@ -157,6 +157,43 @@ def test_an_extract_error_reaches_the_command_line_as_its_flags(tmp_path):
     assert r.exit_code == 1 and "(--force replaces it; a --tag writes another file)" in r.output, r.output
 
 
+def test_the_command_line_says_an_error_from_its_fields_never_from_its_text():
+    """A flag comes from the error's parameter fields through one mapping (``flags_of``): an error
+    about one value with a reason is said from its fields whatever its text; one that carries a
+    parameter and a value but no reason keeps its text (the file it names stays as written)."""
+    import click
+
+    from poodle.cli._common import error_text, friendly_errors
+    from poodle.errors import CacheError, ConfigError
+
+    raised: list[Exception] = []
+
+    @click.command()
+    @click.option("--n-neg", "n_neg", type=int, default=1)
+    @click.option("--cache", "cache", default="x.h5")
+    @friendly_errors
+    def cmd(n_neg: int, cache: str) -> None:
+        raise raised[0]
+
+    said = []
+    for error in (
+        ConfigError("negatives: n_neg must be >= 1", params=("n_neg",), param="n_neg", value=0, reason="must be >= 1"),
+        CacheError("x.h5: not a poodle feature cache", param="cache", value="x.h5"),
+        ConfigError("n_neg must be >= 1, got 0", params=("n_neg",)),
+    ):
+        raised[:] = [error]
+        r = CliRunner().invoke(cmd, ["--n-neg", "0"])
+        assert r.exit_code == 1
+        said.append(r.output.strip())
+    assert said == [
+        "error: --n-neg must be >= 1, got 0",
+        "error: x.h5: not a poodle feature cache",  # 'cache' in the text is not its parameter
+        "error: --n-neg must be >= 1, got 0",  # free text: the parameters it names, as flags
+    ]
+    with click.Context(cmd):
+        assert error_text(ConfigError("no cache", param="n_neg", value=0)) == "no cache"
+
+
 def test_bounds_live_next_to_their_fields_only():
     import dataclasses
 
