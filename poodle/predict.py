@@ -61,10 +61,15 @@ def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
     """``[(absolute path, class)]`` from ``folder/<class>/<images>`` (images found recursively)."""
     d = resolve_path(Path(folder).expanduser(), "support")
     if not d.is_dir():
-        raise DataError(f"support {d}: no such folder", params=("support",))
+        raise DataError(f"support {d}: no such folder", params=("support",), param="support", value=folder)
     class_dirs = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not class_dirs:
-        raise DataError(f"support {d} has no class folders (layout: SUPPORT/<class>/<image>)", params=("support",))
+        raise DataError(
+            f"support {d} has no class folders (layout: SUPPORT/<class>/<image>)",
+            params=("support",),
+            param="support",
+            value=folder,
+        )
     out = []
     for cd in class_dirs:
         files = _images_under(cd)
@@ -81,35 +86,39 @@ def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
 def _read_csv(path: str | os.PathLike, what: str, need_label: bool) -> list[tuple[str, str | None]]:
     p = resolve_path(Path(path).expanduser(), what)
     if not p.is_file():
-        raise DataError(f"{what} {p}: no such file", params=(what,))
+        raise DataError(f"{what} {p}: no such file", params=(what,), param=what, value=path)
     with open(p, newline="", encoding="utf-8") as fh:
         rows = [r for r in csv.reader(fh) if r and any(c.strip() for c in r)]
     if not rows:
-        raise DataError(f"{what} {p} is empty", params=(what,))
+        raise DataError(f"{what} {p} is empty", params=(what,), param=what, value=path)
     header = [c.strip().lower() for c in rows[0]]
     if "path" not in header:
         raise DataError(
             f"{what} {p}: the first line must be a header with a 'path' column"
             + (" and a 'label' column" if need_label else " (and optionally 'label')"),
             params=(what,),
+            param=what,
+            value=path,
         )
     ip, il = header.index("path"), header.index("label") if "label" in header else None
     if need_label and il is None:
-        raise DataError(f"{what} {p}: no 'label' column in the header", params=(what,))
+        raise DataError(f"{what} {p}: no 'label' column in the header", params=(what,), param=what, value=path)
     out: list[tuple[str, str | None]] = []
     for n, r in enumerate(rows[1:], start=2):
         if len(r) <= max(ip, il or 0):
-            raise DataError(f"{what} {p}, line {n}: {len(r)} fields, expected {len(header)}", params=(what,))
+            raise DataError(
+                f"{what} {p}, line {n}: {len(r)} fields, expected {len(header)}", params=(what,), param=what, value=path
+            )
         f = Path(r[ip].strip()).expanduser()
         f = f if f.is_absolute() else p.parent / f
         if not f.is_file():
-            raise DataError(f"{what} {p}, line {n}: image {f} does not exist", params=(what,))
+            raise DataError(f"{what} {p}, line {n}: image {f} does not exist", params=(what,), param=what, value=path)
         label = r[il].strip() if il is not None else None
         if il is not None and not label:
-            raise DataError(f"{what} {p}, line {n}: empty label", params=(what,))
+            raise DataError(f"{what} {p}, line {n}: empty label", params=(what,), param=what, value=path)
         out.append((str(f.resolve()), label))
     if not out:
-        raise DataError(f"{what} {p} lists no images", params=(what,))
+        raise DataError(f"{what} {p} lists no images", params=(what,), param=what, value=path)
     return out
 
 
@@ -122,11 +131,14 @@ def query_from_folder(folder: str | os.PathLike) -> list[tuple[str, str | None]]
     """``[(absolute path, None)]``: every image under ``folder``, sorted."""
     d = resolve_path(Path(folder).expanduser(), "query")
     if not d.is_dir():
-        raise DataError(f"query {d}: no such folder", params=("query",))
+        raise DataError(f"query {d}: no such folder", params=("query",), param="query", value=folder)
     files = _images_under(d)
     if not files:
         raise DataError(
-            f"query {d} holds no images (image extensions: {' '.join(IMAGE_EXTENSIONS)})", params=("query",)
+            f"query {d} holds no images (image extensions: {' '.join(IMAGE_EXTENSIONS)})",
+            params=("query",),
+            param="query",
+            value=folder,
         )
     return [(str(f.resolve()), None) for f in files]
 
@@ -208,6 +220,8 @@ def _check_base_cache(path: Path, backbone: str, sha: str) -> dict[str, Any]:
             f"{attrs['checkpoint_sha256'][:12]}), not of {backbone} (checkpoint {sha[:12]}): "
             f"its rows would live in another feature space",
             params=("negatives_from",),
+            param="negatives_from",
+            value=path,
         )
     return attrs
 
@@ -292,6 +306,8 @@ def make_solving(
         raise ConfigError(
             "negatives base reads the train split of negatives_from: give a feature cache of the same backbone",
             params=("negatives", "negatives_from"),
+            param="negatives_from",
+            value=negatives_from,
         )
     info.check_negatives(cfg, negatives)
     NegativeSpec(negatives, n_neg).validate()
@@ -300,6 +316,8 @@ def make_solving(
         raise ConfigError(
             "preprocess cl2n centres on base-class features: give negatives_from (a cache; its train split)",
             params=("preprocess", "negatives_from"),
+            param="preprocess",
+            value=preprocess,
         )
     return Solving(info.name, cfg, negatives if info.needs_negatives(cfg) else None, n_neg, pool, pre)
 
@@ -317,7 +335,12 @@ def _pool_attrs(solving: Solving, backbone: str, sha: str) -> dict[str, Any]:
     if solving.negatives_from is None:
         return {}
     if not solving.negatives_from.is_file():
-        raise ConfigError(f"negatives_from {solving.negatives_from}: no such cache file", params=("negatives_from",))
+        raise ConfigError(
+            f"negatives_from {solving.negatives_from}: no such cache file",
+            params=("negatives_from",),
+            param="negatives_from",
+            value=solving.negatives_from,
+        )
     return _check_base_cache(solving.negatives_from, backbone, sha)
 
 
@@ -532,6 +555,8 @@ def _check_transform(path: Path, base_attrs: dict[str, Any], solving: Solving) -
             f"through '{theirs}': give the same image_size (and crop_pct / interpolation) "
             f"as that cache, or leave them out to take its own",
             params=("negatives_from", "image_size", "crop_pct", "interpolation"),
+            param="negatives_from",
+            value=solving.negatives_from,
         )
 
 

@@ -289,13 +289,20 @@ class CubSource(DatasetSource):
 
     def __init__(self, root: Path, image_dir: Path, name: str = "cub", split: str = "release") -> None:
         if split not in CUB_SPLITS:
-            raise ConfigError(f"cub_split {split!r}: use one of {', '.join(CUB_SPLITS)}", params=("cub_split",))
+            raise ConfigError(
+                f"cub_split {split!r}: use one of {', '.join(CUB_SPLITS)}",
+                params=("cub_split",),
+                param="cub_split",
+                value=split,
+            )
         super().__init__(name if split == "release" else f"{name}-{split}", root)
         self.split_rule = split
         self.image_dir = image_dir
         self.class_dirs = sorted(p.name for p in image_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
         if not self.class_dirs:
-            raise DataError(f"dataset cub: no class folders in {image_dir}", params=("dataset",))
+            raise DataError(
+                f"dataset cub: no class folders in {image_dir}", params=("dataset",), param="data_root", value=root
+            )
         if split != "release":
             have = set(self.class_dirs)
             self.lists = {s: split_list(f"cub-{split}", s) for s in SPLITS}
@@ -306,6 +313,8 @@ class CubSource(DatasetSource):
                         f"cub_split {split}: class folder {missing[0]!r} of its {s} split is not in "
                         f"{image_dir} ({len(missing)} of {len(names)} missing)",
                         params=("cub_split",),
+                        param="cub_split",
+                        value=split,
                     )
 
     def describe(self) -> str:
@@ -316,7 +325,12 @@ class CubSource(DatasetSource):
 
     def _list(self, split: str) -> list[tuple[str, str]]:
         if split not in self.RULE:
-            raise DataError(f"dataset cub has splits train, val, test; not {split!r}", params=("dataset",))
+            raise DataError(
+                f"dataset cub has splits train, val, test; not {split!r}",
+                params=("dataset",),
+                param="split",
+                value=split,
+            )
         out: list[tuple[str, str]] = []
         wanted = set(self.lists[split]) if self.split_rule != "release" else None
         for i, name in enumerate(self.class_dirs):
@@ -332,6 +346,8 @@ class CubSource(DatasetSource):
                 f"dataset cub: split {split!r} gets no classes from the "
                 f"{len(self.class_dirs)} class folders in {self.image_dir}",
                 params=("dataset",),
+                param="split",
+                value=split,
             )
         return out
 
@@ -358,6 +374,8 @@ class ListedSource(DatasetSource):
                     f"class_split {class_split!r} is neither a shipped split ({', '.join(CLASS_SPLITS)}) "
                     "nor a folder of train.txt, val.txt, test.txt",
                     params=("class_split",),
+                    param="class_split",
+                    value=class_split,
                 )
             name = list_dir.resolve().name
         super().__init__(name, root)
@@ -369,6 +387,8 @@ class ListedSource(DatasetSource):
             raise DataError(
                 f"class_split {class_split}: no class list in {list_dir} (train.txt, val.txt, test.txt)",
                 params=("class_split",),
+                param="class_split",
+                value=class_split,
             )
         owner: dict[str, str] = {}
         for s, names in self.lists.items():
@@ -377,7 +397,10 @@ class ListedSource(DatasetSource):
                 if c in owner:
                     where = "twice" if owner[c] == s else f"in {owner[c]}.txt and {s}.txt"
                     raise DataError(
-                        f"class_split {class_split}: class {c!r} is listed {where}", params=("class_split",)
+                        f"class_split {class_split}: class {c!r} is listed {where}",
+                        params=("class_split",),
+                        param="class_split",
+                        value=class_split,
                     )
                 parts = Path(c).parts
                 if Path(c).is_absolute() or ".." in parts or c.startswith(("/", "\\")):
@@ -385,6 +408,8 @@ class ListedSource(DatasetSource):
                         f"class_split {class_split}: class {c!r} of {s}.txt must be a folder path under the "
                         "data root (no absolute paths, no '..')",
                         params=("class_split",),
+                        param="class_split",
+                        value=class_split,
                     )
                 owner[c] = s
 
@@ -400,6 +425,8 @@ class ListedSource(DatasetSource):
                 f"class_split {self.class_split} has no {split} classes; extract the ones it has with "
                 f"splits {','.join(self.lists)}",
                 params=("class_split", "splits"),
+                param="class_split",
+                value=self.class_split,
             )
         names = sorted(self.lists[split])
         missing = [c for c in names if not (self.root / c).is_dir()]
@@ -408,6 +435,8 @@ class ListedSource(DatasetSource):
                 f"class_split {self.class_split}: class folder {missing[0]!r} of its {split} split is not in "
                 f"{self.root} ({len(missing)} of {len(names)} missing)",
                 params=("class_split", "data_root"),
+                param="class_split",
+                value=self.class_split,
             )
         out: list[tuple[str, str]] = []
         for c in names:
