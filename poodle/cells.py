@@ -287,7 +287,7 @@ def make_cell(
         n_neg = general.get("n_neg", defaults_["n_neg"])
         method.check_negatives(cfg, negatives)
     if "cache" not in general:
-        raise ConfigError("no feature cache given", params=("cache",))
+        raise ConfigError("no feature cache given", params=("cache",), param="cache", value=None)
     return Cell(
         label=label or method.name,
         cache=general["cache"],

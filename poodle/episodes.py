@@ -211,12 +211,16 @@ class EpisodeSpec:
                 raise EpisodeError(
                     f"{name} belongs to the fixed protocol; the Meta-Dataset protocol draws its own per-class counts",
                     params=(name,),
+                    param=name,
+                    value=getattr(self, name),
                 )
         if self.bilevel and self.way is not None:
             raise EpisodeError(
                 "bilevel draws the ways within a superclass; it cannot be combined with a fixed way "
                 "(as in meta_dataset's sampler)",
                 params=("bilevel", "way"),
+                param="way",
+                value=self.way,
             )
 
     def describe(self) -> str:
@@ -519,6 +523,8 @@ def _short(spec: EpisodeSpec, counts: Tensor, names: list[str], need: int, what:
             f"split {spec.split!r}: lower shot or query (or drop classes): {len(short)} class(es) have "
             f"fewer than {what} images: {shown}",
             params=("shot", "query"),
+            param="shot",
+            value=spec.shot,
         )
 
 
@@ -534,6 +540,8 @@ def _check_meta_dataset(
             f"split {spec.split!r} has {present} classes with images; Meta-Dataset episodes need at "
             f"least {key} = {least}",
             params=(key,),
+            param=key,
+            value=least,
         )
     # every class must leave at least one support image and one query
     if spec.query is not None:
@@ -555,7 +563,10 @@ def _check_meta_dataset(
         given = list(superclasses) if superclasses is not None else superclass_names(names)
         if len(given) != len(counts):
             raise EpisodeError(
-                f"{len(given)} superclasses given for the split's {len(counts)} classes", params=("bilevel",)
+                f"{len(given)} superclasses given for the split's {len(counts)} classes",
+                params=("bilevel",),
+                param="bilevel",
+                value=spec.bilevel,
             )
         per: dict[str, int] = {}
         for c, sup in enumerate(given):
@@ -568,6 +579,8 @@ def _check_meta_dataset(
                 f"split {spec.split!r}: bilevel needs every superclass to have at least min_ways = "
                 f"{spec.min_ways} classes with images; {len(small)} have fewer: {shown}",
                 params=("bilevel", "min_ways"),
+                param="bilevel",
+                value=spec.bilevel,
             )
 
 
@@ -585,6 +598,8 @@ def superclass_names(classes: Sequence[str]) -> list[str]:
         "bilevel needs each class's superclass: class names of the form SUPER/NAME or SUPER_NAME "
         f"(e.g. {names[0] if names else ''!r} has neither), or superclasses given to the sampler",
         params=("bilevel",),
+        param="bilevel",
+        value=True,
     )
 
 

@@ -132,6 +132,8 @@ def check_memory_bound(
             f"included) needs about {_mib(need)}: {_mib(need + held - budget)} more; raise it to at "
             f"least {_mib(need + held)} or lower n_neg",
             params=("max_memory", "n_neg"),
+            param="max_memory",
+            value=budget,
         )
     return max(1, min(workers, (budget - held) // need))
 
@@ -188,7 +190,9 @@ def plan_chunks(
     elif workers is None:
         workers = torch.get_num_threads()
     if workers < 1:
-        raise ConfigError(f"workers must be at least 1, got {workers}", params=("workers",))
+        raise ConfigError(
+            f"workers must be at least 1, got {workers}", params=("workers",), param="workers", value=workers
+        )
     budget = parse_size(max_memory) if max_memory is not None else default_budget(device) + held
     if chunk_size is None:
         workers = check_memory_bound(budget, n_rows, dim, way, workers, itemsize, held, held_parts)
@@ -340,6 +344,8 @@ def _check_held(neg: Tensor, M: int, source: str, pool_rows: int) -> None:
         raise EpisodeError(
             f"the episodes hold {neg.shape[1]} negatives per episode from {source!r}, but n_neg is {M}",
             params=("n_neg",),
+            param="n_neg",
+            value=M,
         )
     hi = int(neg.max()) if neg.numel() else 0
     if (int(neg.min()) if neg.numel() else 0) < 0 or hi >= pool_rows:
@@ -396,12 +402,17 @@ def _resolve_methods(methods: Sequence[Method]) -> tuple[list[Method], list[tupl
     """``(label, name, config)`` with the config built from a dict or ``None`` and checked, and the
     registry entry and config of each method that reads negatives (looked up here, once)."""
     if not methods:
-        raise ConfigError("no method to run", params=("methods",))
+        raise ConfigError("no method to run", params=("methods",), param="methods", value=methods)
     out, seen = [], set()
     users: list[tuple[SolverInfo, Any]] = []
     for item in methods:
         if len(item) != 3:
-            raise ConfigError(f"methods are (label, method, config) triples, got {item!r}", params=("methods",))
+            raise ConfigError(
+                f"methods are (label, method, config) triples, got {item!r}",
+                params=("methods",),
+                param="methods",
+                value=item,
+            )
         label, name, cfg = item
         info = solvers.get(name)
         if cfg is None or isinstance(cfg, Mapping):

@@ -76,6 +76,8 @@ def pool_file(source: str, cache_path: Path | str | None) -> Path:
             f"negatives {source}: no such cache file {str(path)!r} (the keywords are base, random, sphere and "
             f"none; anything else names a pool file, FILE[:SPLIT])",
             params=("negatives",),
+            param="negatives",
+            value=source,
         )
     return path
 
@@ -157,7 +159,12 @@ def generate(
     ones to a few units in the last place (the device's ``log``/``sin``/``cos``).
     """
     if kind not in GENERATED:
-        raise ConfigError(f"unknown generated negatives {kind!r}: use random or sphere", params=("negatives",))
+        raise ConfigError(
+            f"unknown generated negatives {kind!r}: use random or sphere",
+            params=("negatives",),
+            param="negatives",
+            value=kind,
+        )
     dev = torch.device("cpu") if device is None else torch.device(device)
     idx = episode_index.tolist()
     size = n_neg * dim

@@ -155,7 +155,9 @@ def parse_where(items: Iterable[str]) -> dict[str, list[str]]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"where {item!r}: expected KEY=VALUE[,VALUE...]", params=("where",))
+            raise ConfigError(
+                f"where {item!r}: expected KEY=VALUE[,VALUE...]", params=("where",), param="where", value=item
+            )
         out.setdefault(key.strip(), []).extend(v.strip() for v in value.split(","))
     return out
 
@@ -166,13 +168,18 @@ def filter_results(results: Sequence[Result], where: Mapping[str, Sequence[str]]
     for key in where:
         if key not in known:
             raise ConfigError(
-                f"where: unknown key {key!r}; keys in these results: {', '.join(sorted(known))}", params=("where",)
+                f"where: unknown key {key!r}; keys in these results: {', '.join(sorted(known))}",
+                params=("where",),
+                param="where",
+                value=key,
             )
     kept = [r for r in results if all(any(_match(r.flat.get(k), v) for v in vs) for k, vs in where.items())]
     if not kept:
         raise ConfigError(
             "where: no result matches " + " and ".join(f"{k} in {{{', '.join(v)}}}" for k, v in where.items()),
             params=("where",),
+            param="where",
+            value=where,
         )
     return Results(kept, getattr(results, "unfinished", ()))
 
@@ -382,7 +389,10 @@ def _table_keys(results: Sequence[Result], rows: Any, cols: Any) -> tuple[list[s
     for k in (row_keys or []) + (col_keys or []):
         if k not in known:
             raise ConfigError(
-                f"rows/cols: unknown key {k!r}; keys in these results: {', '.join(known)}", params=("rows", "cols")
+                f"rows/cols: unknown key {k!r}; keys in these results: {', '.join(known)}",
+                params=("rows", "cols"),
+                param="rows",
+                value=k,
             )
     if col_keys is None:
         col_keys = [k for k in ("shot", "transductive") if k in vary and k not in (row_keys or [])]
@@ -390,7 +400,12 @@ def _table_keys(results: Sequence[Result], rows: Any, cols: Any) -> tuple[list[s
         row_keys = drop_derived(results, [k for k in vary if k not in col_keys], col_keys)
     overlap = set(row_keys) & set(col_keys)
     if overlap:
-        raise ConfigError(f"key {sorted(overlap)[0]!r} is on both rows and cols", params=("rows", "cols"))
+        raise ConfigError(
+            f"key {sorted(overlap)[0]!r} is on both rows and cols",
+            params=("rows", "cols"),
+            param="rows",
+            value=sorted(overlap)[0],
+        )
     return row_keys, col_keys, known
 
 

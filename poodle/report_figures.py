@@ -88,12 +88,16 @@ def _find_baseline(results: Sequence[Result], name: str, like: Result) -> Result
             f"{like.flat.get('label')} ({format_value('shot', like.flat.get('shot'))}); add a "
             f'[[cell]] with method = "{name}" to the grid, or set baseline to zero',
             params=("baseline",),
+            param="baseline",
+            value=name,
         )
     if len({_hashable(tuple(sorted((k, _hashable(v)) for k, v in r.flat.items()))) for r in found}) > 1:
         labels = sorted({str(r.flat.get("label")) for r in found})
         raise ConfigError(
             f"baseline {name!r} is ambiguous: {len(found)} results match ({', '.join(labels)}); filter with where",
             params=("baseline", "where"),
+            param="baseline",
+            value=name,
         )
     return found[0]
 
@@ -129,6 +133,8 @@ def _gains(
                 f"heatmap: panel {where} has {len(zero)} cells with {x}={y}=0; baseline zero needs exactly one "
                 f"(or name a baseline method)",
                 params=("baseline",),
+                param="baseline",
+                value=baseline,
             )
         base = zero[0]
     else:

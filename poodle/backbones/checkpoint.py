@@ -337,5 +337,7 @@ def checkpoint_digest(checkpoint: str | os.PathLike | None) -> str:
         return "none"
     ck = resolve_path(Path(checkpoint).expanduser(), "checkpoint")
     if not ck.is_file():
-        raise CheckpointError(f"checkpoint {ck} does not exist", params=("checkpoint",))
+        raise CheckpointError(
+            f"checkpoint {ck} does not exist", params=("checkpoint",), param="checkpoint", value=checkpoint
+        )
     return file_sha256(ck)

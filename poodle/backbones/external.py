@@ -89,6 +89,8 @@ def no_downloads(name: str) -> Iterator[None]:
             f"backbone {name}: building it tries to download weights ({str(url)[:80]}); poodle never "
             f"downloads: give the weights as a checkpoint file",
             params=("checkpoint",),
+            param="backbone",
+            value=name,
         )
 
     patches: list[tuple[Any, str, Any]] = [
@@ -240,7 +242,13 @@ def unknown_model(library: str, model: str, known: list[str], kind: str = "model
     """The error of a model name ``library`` does not know, with the nearest names it does."""
     near = difflib.get_close_matches(model, known, n=3)
     hint = f"did you mean {', '.join(near)}?" if near else None
-    return ConfigError(f"{library} has no {kind} {model!r}", params=("backbone",), hint=hint)
+    return ConfigError(
+        f"{library} has no {kind} {model!r}",
+        params=("backbone",),
+        hint=hint,
+        param="backbone",
+        value=f"{library}:{model}",
+    )
 
 
 def _builder(model: str) -> Callable[..., nn.Module]:

@@ -48,6 +48,8 @@ class CifarSource(DatasetSource):
                     f"dataset {name}: {f} does not exist (CIFAR-100's binary version: train.bin, "
                     f"test.bin, fine_label_names.txt, coarse_label_names.txt)",
                     params=("dataset",),
+                    param="data_root",
+                    value=root,
                 )
             size = f.stat().st_size
             if size == 0 or size % RECORD:
@@ -70,6 +72,8 @@ class CifarSource(DatasetSource):
             f"dataset {name}: no {FILES[0]} in {root} or {root / 'cifar-100-binary'} (CIFAR-100's "
             f"binary version; the Python version's pickles are not read)",
             params=("dataset",),
+            param="data_root",
+            value=root,
         )
 
     def describe(self) -> str:
@@ -83,7 +87,9 @@ class CifarSource(DatasetSource):
     def _names(self, filename: str) -> list[str]:
         path = self.bin_dir / filename
         if not path.is_file():
-            raise DataError(f"dataset {self.name}: {path} does not exist", params=("dataset",))
+            raise DataError(
+                f"dataset {self.name}: {path} does not exist", params=("dataset",), param="bin_dir", value=self.bin_dir
+            )
         names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         dup = {n for n in names if names.count(n) > 1}
         if not names or dup:
@@ -118,7 +124,12 @@ class CifarSource(DatasetSource):
 
     def _list(self, split: str) -> list[tuple[str, str]]:
         if split not in SPLITS:
-            raise DataError(f"dataset {self.name} has splits {', '.join(SPLITS)}; not {split!r}", params=("dataset",))
+            raise DataError(
+                f"dataset {self.name} has splits {', '.join(SPLITS)}; not {split!r}",
+                params=("dataset",),
+                param="split",
+                value=split,
+            )
         labels = [self._labels(f) for f in self.files]
         if self.name == "cifar-fs":
             wanted = split_list("cifar-fs", split)
@@ -170,6 +181,8 @@ class CifarSource(DatasetSource):
                 f"dataset {self.name}: class {empty[0]!r} of the {split} split has no images in "
                 f"{', '.join(str(f) for f in self.files)}",
                 params=("dataset",),
+                param="bin_dir",
+                value=self.bin_dir,
             )
         return out
 

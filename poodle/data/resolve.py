@@ -17,7 +17,12 @@ from poodle.utils import resolve_path
 
 def _need_root(name: str, data_root: str | os.PathLike | None) -> Path:
     if data_root is None:
-        raise ConfigError(f"dataset {name} needs a data_root folder", params=("dataset", "data_root"))
+        raise ConfigError(
+            f"dataset {name} needs a data_root folder",
+            params=("dataset", "data_root"),
+            param="data_root",
+            value=data_root,
+        )
     root = resolve_path(Path(data_root).expanduser(), "data_root")
     if not root.exists():
         raise DataError(f"data root {root} does not exist", param="data_root", value=data_root)
@@ -70,7 +75,10 @@ def resolve_dataset(
         raise ConfigError(f"unknown dataset {name!r}; known: {', '.join(NAMES)}", param="dataset", value=name)
     if class_split is not None and name != "folder":
         raise ConfigError(
-            f"class_split {class_split} is an option of dataset folder, not {name}", params=("class_split", "dataset")
+            f"class_split {class_split} is an option of dataset folder, not {name}",
+            params=("class_split", "dataset"),
+            param="class_split",
+            value=class_split,
         )
     root = _need_root(name, data_root)
     if name == "csv":

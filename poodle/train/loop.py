@@ -160,6 +160,8 @@ def _read_checkpoint(path: Path, out: Path) -> dict[str, Any]:
             f"out {out} holds {path.relative_to(out)}, which is not a checkpoint written by poodle.train; "
             "pass force to start over or choose another folder",
             params=("out", "force"),
+            param="out",
+            value=out,
         )
     return ckpt
 
@@ -177,6 +179,8 @@ def _check_config(path: Path, saved: dict[str, Any], cfg: TrainConfig) -> None:
             f"out {out}: {path.relative_to(out)} was trained with other settings ({'; '.join(diffs)}); "
             "pass force to start over or choose another folder",
             params=("out", "force"),
+            param="out",
+            value=out,
         )
 
 
@@ -264,7 +268,10 @@ def train(
     amp = (device.type == "cuda") if cfg.amp is None else bool(cfg.amp and device.type == "cuda")
     if cfg.batch_size % dist.world:
         raise ConfigError(
-            f"batch_size {cfg.batch_size} is not divisible by the {dist.world} processes", params=("batch_size",)
+            f"batch_size {cfg.batch_size} is not divisible by the {dist.world} processes",
+            params=("batch_size",),
+            param="batch_size",
+            value=cfg.batch_size,
         )
     out = cfg.out_dir()
     emit = callback if (callback is not None and dist.main) else (lambda e: None)
@@ -350,7 +357,9 @@ def _prepare_out(cfg: TrainConfig, out: Path, *, resume: bool | None, force: boo
         return
     if not last.exists():
         if resume is True:
-            raise ConfigError(f"resume: nothing to resume in {out} (no last.pt)", params=("resume",))
+            raise ConfigError(
+                f"resume: nothing to resume in {out} (no last.pt)", params=("resume",), param="resume", value=resume
+            )
         return
     saved = _read_checkpoint(last, out)
     if resume is False:
@@ -358,6 +367,8 @@ def _prepare_out(cfg: TrainConfig, out: Path, *, resume: bool | None, force: boo
             f"out {out} already holds a run (epoch {saved.get('epoch')}/{cfg.epochs}); "
             "resume it, pass force to start over or choose another folder",
             params=("out", "force"),
+            param="out",
+            value=out,
         )
     _check_config(last, saved.get("config", {}), cfg)
 
