@@ -190,9 +190,7 @@ def plan_chunks(
     elif workers is None:
         workers = torch.get_num_threads()
     if workers < 1:
-        raise ConfigError(
-            f"workers must be at least 1, got {workers}", params=("workers",), param="workers", value=workers
-        )
+        raise ConfigError.bad_value("workers", workers, "must be at least 1")
     budget = parse_size(max_memory) if max_memory is not None else default_budget(device) + held
     if chunk_size is None:
         workers = check_memory_bound(budget, n_rows, dim, way, workers, itemsize, held, held_parts)
