@@ -16,7 +16,7 @@ write as its ``path``. Each is one of
   choose);
 - ``neither``: neither, unmarked.
 
-It prints the counts; ``--list`` adds every ``params`` and ``neither`` one as ``file:line``.
+It prints the counts; ``--list`` adds every ``params``, ``marked`` and ``neither`` one as ``file:line``.
 ``tests/test_code_rules.py`` imports this module and fails on any ``neither``.
 """
 
@@ -100,7 +100,7 @@ def scan(root: Path = ROOT) -> list[Raise]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--list", action="store_true", help="list every params and neither error as file:line")
+    parser.add_argument("--list", action="store_true", help="list every params, marked and neither error as file:line")
     args = parser.parse_args()
     found = scan()
     counts = {k: sum(r.kind == k for r in found) for k in KINDS}
@@ -108,7 +108,7 @@ def main() -> None:
     for k in KINDS:
         print(f"  {k:8s} {counts[k]}")
     if args.list:
-        for k in ("params", "neither"):
+        for k in ("params", "marked", "neither"):
             for r in found:
                 if r.kind == k:
                     print(f"{k} {r.path}:{r.line}")
