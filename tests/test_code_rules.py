@@ -471,6 +471,23 @@ def test_every_user_error_carries_its_parameter_or_says_why_not():
     assert sum(r.kind == "value" for r in found) > 250  # the scan sees the library's errors
 
 
+def test_an_error_about_a_file_carries_the_argument_that_named_it_and_the_path(tmp_path):
+    from poodle.backbones.checkpoint import read_checkpoint
+    from poodle.cache import read_split
+    from poodle.episodes import load_episodes
+    from poodle.errors import PoodleError
+
+    missing, foreign = tmp_path / "none.h5", tmp_path / "text.h5"
+    foreign.write_text("not a cache")
+    readers = {"cache": lambda p: read_split(p, "test"), "episodes_from": load_episodes, "checkpoint": read_checkpoint}
+    for param, read in readers.items():
+        for path in (missing, foreign):
+            with pytest.raises(PoodleError) as e:
+                read(path)
+            assert (e.value.param, e.value.value, e.value.reason) == (param, path, None), e.value
+            assert str(path) in str(e.value)  # the text names the file, as before
+
+
 def test_the_error_census_tells_the_kinds_apart():
     bench = _raises_module()
     errors = "class PoodleError(Exception): ...\nclass MyError(PoodleError): ...\nclass WriteError(PoodleError): ..."
