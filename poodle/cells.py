@@ -276,6 +276,8 @@ def make_cell(
             raise ConfigError(
                 f"method {method.name!r} has no option {k!r}; its options are: {', '.join(sorted(fields))}",
                 params=(k,),
+                param=k,
+                value=v,
             )
     cfg = solvers.make_config(method.name, opts, strict=True)
     general = {k: check_setting(k, values[k]) for k in GENERAL_KEYS if values.get(k) is not None}
