@@ -97,16 +97,21 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
 
 
 def say_error(error: PoodleError) -> None:
-    """``error: <message>`` on stderr, the library's parameter names written as this command's flags
-    (a value that was not typed named where it came from: :func:`given_as`)."""
+    """``error: <message>`` on stderr, as :func:`error_text` says it."""
+    console.print(styled("error:", "bold red", " " + error_text(error)), soft_wrap=True)
+
+
+def error_text(error: PoodleError) -> str:
+    """A library error as the running command says it: the parameters it carries (``params``,
+    ``param``) written as this command's flags (:func:`flags_of`, the one mapping), a value that was
+    not typed named where it came from (:func:`given_as`)."""
     ctx = click.get_current_context(silent=True)
     command = ctx.command if ctx else None
-    flags = flags_of(command, getattr(error, "params", ()))
+    flags = flags_of(command, (*error.params, *((error.param,) if error.param and error.reason else ())))
     # values all from the project file: what they need is said as the file's keys (add protocol = ...)
     in_file = bool(flags) and all(_source(ctx, f)[1] == "project" for f in flags.values())
     needs = {} if in_file else flags_of(command, tuple(error.needs))
-    text = _flag_text(error, flags, given_as(ctx, flags), needs)
-    console.print(styled("error:", "bold red", " " + text), soft_wrap=True)
+    return _flag_text(error, flags, given_as(ctx, flags), needs)
 
 
 def given_as(ctx: click.Context | None, flags: dict[str, str]) -> dict[str, str]:
@@ -147,15 +152,16 @@ def _source(ctx: click.Context | None, flag: str) -> tuple[click.Option | None, 
 
 def _flag_text(error: PoodleError, flags: dict[str, str], said: dict[str, str], needs: dict[str, str]) -> str:
     """The error's text with parameters as flags (``said``: as the user gave them, see
-    :func:`given_as`): an error about one value (``bad_value``: its parameter, value and reason are
-    fields) is said from those fields, the other parameters its reason names as plain flags; only an
+    :func:`given_as`): an error about one value with a reason (``bad_value``: its parameter, value and
+    reason are fields) is said from those fields, the other parameters its reason names as plain
+    flags, whatever its text (a prefix such as ``glyphs:`` is the library's own way); only an
     error whose text is free falls back to writing its named parameters as flags in the text
     (:func:`as_flags`). What the error needs (``error.needs``) is said as flags to type
     (``add --protocol meta-dataset``) when this command has them all (``needs``: their flags)."""
     from poodle.cli._schema import flag_message
 
     hint = f" ({as_flags(error.hint, flags)})" if error.hint else ""
-    if error.param in flags and error.text == f"{error.param} {error.reason}, got {error.value!r}":
+    if error.param in flags and error.reason is not None:  # said from its fields, never from its text
         others = {p: f for p, f in flags.items() if p != error.param}
         said_value = flag_message(said[error.param], error, reason=as_flags(str(error.reason), others))
         if said_value is not None:
@@ -470,7 +476,7 @@ def progress_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     128 + the signal's number). The command itself receives neither option; every display it makes
     (:func:`progress_bar`, :func:`poodle.cli._progress.new_progress`) takes the form chosen."""
     from poodle.cli import _progress
-    from poodle.cli._schema import click_option, flag_message
+    from poodle.cli._schema import click_option
     from poodle.errors import ConfigError
     from poodle.options import check_group, settings
 
@@ -481,9 +487,7 @@ def progress_option(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             check_group(_progress.ProgressOptions(progress, progress_interval), ConfigError)
         except ConfigError as e:
-            flag = "--" + str(e.param).replace("_", "-")
-            said = given_as(click.get_current_context(silent=True), {str(e.param): flag})[str(e.param)]
-            raise click.UsageError(flag_message(said, e) or str(e)) from None
+            raise click.UsageError(error_text(e)) from None
         _progress.configure(progress, progress_interval)
         _KEPT.clear()
         # SIGTERM and SIGINT stop the run at its next safe point (poodle.interrupt); torchrun's

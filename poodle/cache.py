@@ -153,14 +153,16 @@ class _Reader:
     def __enter__(self) -> h5py.File:
         resolve_path(self.path, what="cache")
         if not self.path.exists():
-            raise CacheError(f"{self.path}: no such cache file")
+            raise CacheError(f"{self.path}: no such cache file", param="cache", value=self.path)
         if self.path.is_dir():
-            raise CacheError(f"{self.path}: is a directory, not a cache file")
+            raise CacheError(f"{self.path}: is a directory, not a cache file", param="cache", value=self.path)
         try:
             self.f = h5py.File(self.path, "r")
         except OSError as e:
             raise CacheError(
-                f"{self.path}: not a poodle feature cache (not a readable HDF5 file: {str(e).splitlines()[0]})"
+                f"{self.path}: not a poodle feature cache (not a readable HDF5 file: {str(e).splitlines()[0]})",
+                param="cache",
+                value=self.path,
             ) from None
         try:
             check_root(self.f, self.path)
@@ -178,27 +180,35 @@ def check_root(f: h5py.File, path: str | os.PathLike) -> dict[str, Any]:
     fmt = _text(f.attrs.get("format"))
     if fmt != FORMAT:
         what = "has no 'format' attribute" if fmt is None else f"has format={fmt!r}"
-        raise CacheError(f"{path}: not a poodle feature cache (the root {what}, expected {FORMAT!r})")
+        raise CacheError(
+            f"{path}: not a poodle feature cache (the root {what}, expected {FORMAT!r})", param="cache", value=path
+        )
     attrs = {k: _text(v) for k, v in f.attrs.items()}
     missing = [k for k in ROOT_ATTRS if k not in attrs]
     if missing:
-        raise CacheError(f"{path}: root attribute(s) {', '.join(missing)} missing")
+        raise CacheError(f"{path}: root attribute(s) {', '.join(missing)} missing", param="cache", value=path)
     try:
         version = int(attrs["version"])
     except (TypeError, ValueError):
-        raise CacheError(f"{path}: root attribute version={attrs['version']!r} is not an integer") from None
+        raise CacheError(
+            f"{path}: root attribute version={attrs['version']!r} is not an integer", param="cache", value=path
+        ) from None
     if version not in READABLE_VERSIONS:
         raise CacheError(
             f"{path}: cache format version {version}, this poodle reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))}"
+            f"{', '.join(map(str, READABLE_VERSIONS))}",
+            param="cache",
+            value=path,
         )
     try:
         attrs["image_size"] = int(attrs["image_size"])
     except (TypeError, ValueError):
-        raise CacheError(f"{path}: root attribute image_size={attrs['image_size']!r} is not an integer") from None
+        raise CacheError(
+            f"{path}: root attribute image_size={attrs['image_size']!r} is not an integer", param="cache", value=path
+        ) from None
     for k in ("dataset", "backbone", "checkpoint_sha256", "transform", "created", "poodle_version"):
         if not isinstance(attrs[k], str):
-            raise CacheError(f"{path}: root attribute {k}={attrs[k]!r} is not a string")
+            raise CacheError(f"{path}: root attribute {k}={attrs[k]!r} is not a string", param="cache", value=path)
     return attrs
 
 
@@ -233,50 +243,68 @@ def _check_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
     if not _is_complete(g):
         raise CacheError(
             f"{where} is incomplete (attribute complete is not True); re-run the command "
-            f"that writes it (poodle extract resumes)"
+            f"that writes it (poodle extract resumes)",
+            param="cache",
+            value=path,
         )
     for key in ("features", "labels", "classes"):
         if key not in g or not isinstance(g[key], h5py.Dataset):
-            raise CacheError(f"{where}: dataset {name}/{key} missing")
+            raise CacheError(f"{where}: dataset {name}/{key} missing", param="cache", value=path)
     feats, labels, classes = g["features"], g["labels"], g["classes"]
     if feats.ndim != 2:
-        raise CacheError(f"{where}: features must be 2-D [N, D], got shape {feats.shape}")
+        raise CacheError(f"{where}: features must be 2-D [N, D], got shape {feats.shape}", param="cache", value=path)
     if feats.dtype not in NORM_TOLERANCE:
-        raise CacheError(f"{where}: features must be float32 or float16, got {feats.dtype}")
+        raise CacheError(f"{where}: features must be float32 or float16, got {feats.dtype}", param="cache", value=path)
     n, dim = feats.shape
     if labels.dtype != np.int64 or labels.shape != (n,):
-        raise CacheError(f"{where}: labels must be int64 [{n}], got {labels.dtype} {labels.shape}")
+        raise CacheError(
+            f"{where}: labels must be int64 [{n}], got {labels.dtype} {labels.shape}", param="cache", value=path
+        )
     if not _is_string_dataset(classes) or classes.ndim != 1 or classes.shape[0] == 0:
         raise CacheError(
-            f"{where}: classes must be a non-empty 1-D string dataset, got {classes.dtype} {classes.shape}"
+            f"{where}: classes must be a non-empty 1-D string dataset, got {classes.dtype} {classes.shape}",
+            param="cache",
+            value=path,
         )
     if "paths" in g:
         p = g["paths"]
         if not isinstance(p, h5py.Dataset) or not _is_string_dataset(p) or p.shape != (n,):
             raise CacheError(
                 f"{where}: paths must be a string dataset [{n}], got "
-                f"{getattr(p, 'dtype', '?')} {getattr(p, 'shape', '?')}"
+                f"{getattr(p, 'dtype', '?')} {getattr(p, 'shape', '?')}",
+                param="cache",
+                value=path,
             )
     if "norms" in g:
         nm = g["norms"]
         if not isinstance(nm, h5py.Dataset) or nm.dtype.kind != "f" or nm.shape != (n,):
             raise CacheError(
-                f"{where}: norms must be float [{n}], got {getattr(nm, 'dtype', '?')} {getattr(nm, 'shape', '?')}"
+                f"{where}: norms must be float [{n}], got {getattr(nm, 'dtype', '?')} {getattr(nm, 'shape', '?')}",
+                param="cache",
+                value=path,
             )
     for key, want in (("n_images", n), ("feature_dim", dim)):
         if key not in g.attrs:
-            raise CacheError(f"{where}: attribute {key} missing")
+            raise CacheError(f"{where}: attribute {key} missing", param="cache", value=path)
         try:
             ok = int(g.attrs[key]) == want
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            raise CacheError(f"{where}: attribute {key}={_text(g.attrs[key])!r} but the features have {want}")
+            raise CacheError(
+                f"{where}: attribute {key}={_text(g.attrs[key])!r} but the features have {want}",
+                param="cache",
+                value=path,
+            )
     rm = _get_vector(g, "raw_mean")
     if rm is None:
-        raise CacheError(f"{where}: attribute raw_mean missing")
+        raise CacheError(f"{where}: attribute raw_mean missing", param="cache", value=path)
     if rm.dtype.kind != "f" or rm.shape != (dim,) or not np.isfinite(rm).all():
-        raise CacheError(f"{where}: attribute raw_mean must be finite float [{dim}], got {rm.dtype} {rm.shape}")
+        raise CacheError(
+            f"{where}: attribute raw_mean must be finite float [{dim}], got {rm.dtype} {rm.shape}",
+            param="cache",
+            value=path,
+        )
     return {"n": n, "dim": dim, "dtype": feats.dtype, "n_classes": int(classes.shape[0])}
 
 
@@ -306,9 +334,12 @@ def _degenerate(n: int, zero: bool) -> str:
     )
 
 
-def check_unit_rows(features: torch.Tensor, where: str, tol: float = 1e-3) -> None:
+def check_unit_rows(
+    features: torch.Tensor, where: str, tol: float = 1e-3, *, cache: str | os.PathLike | None = None
+) -> None:
     """CacheError naming the first row of ``features [N, D]`` that is not finite or whose L2 norm is
-    neither 1 (within ``tol``) nor 0, or when every row is the same vector. Blockwise, so it costs one
+    neither 1 (within ``tol``) nor 0, or when every row is the same vector (``cache``: the file the
+    rows were read from, the error's value). Blockwise, so it costs one
     pass and little memory.
 
     The norms are taken in the rows' own dtype: a float32 norm errs by about 1e-7 relative, far inside
@@ -327,15 +358,19 @@ def check_unit_rows(features: torch.Tensor, where: str, tol: float = 1e-3) -> No
             row = x[r].double()
             if not bool(torch.isfinite(row).all()):
                 raise CacheError(
-                    f"{where}: features row {a + r} is not finite (NaN or Inf); re-extract the split or fix the file"
+                    f"{where}: features row {a + r} is not finite (NaN or Inf); re-extract the split or fix the file",
+                    param="cache",
+                    value=cache,
                 )
             norm = float(torch.linalg.vector_norm(row))
             if abs(norm - 1) > tol and norm != 0:
                 raise CacheError(
-                    f"{where}: features row {a + r} has L2 norm {norm:.6f}, expected 1 (rows must be L2-normalised)"
+                    f"{where}: features row {a + r} has L2 norm {norm:.6f}, expected 1 (rows must be L2-normalised)",
+                    param="cache",
+                    value=cache,
                 )
     if same:
-        raise CacheError(f"{where}: {_degenerate(n, not bool(features[0].any()))}")
+        raise CacheError(f"{where}: {_degenerate(n, not bool(features[0].any()))}", param="cache", value=cache)
 
 
 def read_split(path: str | os.PathLike, split: str, *, check_rows: bool = True) -> SplitFeatures:
@@ -347,10 +382,18 @@ def read_split(path: str | os.PathLike, split: str, *, check_rows: bool = True) 
         names = _split_names(f)
         complete = [n for n in names if _is_complete(f[n])]
         if split not in names:
-            raise CacheError(f"{path}: no split {split!r}; complete splits: {', '.join(complete) or 'none'}")
+            raise CacheError(
+                f"{path}: no split {split!r}; complete splits: {', '.join(complete) or 'none'}",
+                param="split",
+                value=split,
+            )
         g = f[split]
         if not _is_complete(g):
-            raise CacheError(f"{path}: split {split!r} is incomplete; complete splits: {', '.join(complete) or 'none'}")
+            raise CacheError(
+                f"{path}: split {split!r} is incomplete; complete splits: {', '.join(complete) or 'none'}",
+                param="split",
+                value=split,
+            )
         info = _check_split(g, path, split)
         ds = g["features"]
         raw = prefetch.take(path, split, ds.shape)  # read ahead by the command line, if it did
@@ -361,11 +404,11 @@ def read_split(path: str | os.PathLike, split: str, *, check_rows: bool = True) 
         norms = torch.from_numpy(np.asarray(g["norms"][()], dtype=np.float32)) if "norms" in g else None
         raw_mean = torch.from_numpy(np.asarray(_get_vector(g, "raw_mean"), dtype=np.float32))
     if info["n"] and (int(labels.min()) < 0 or int(labels.max()) >= len(classes)):
-        raise CacheError(f"{path}: split {split!r}: labels outside [0, {len(classes)})")
+        raise CacheError(f"{path}: split {split!r}: labels outside [0, {len(classes)})", param="cache", value=path)
     if norms is not None and not (torch.isfinite(norms).all() and (norms >= 0).all()):
-        raise CacheError(f"{path}: split {split!r}: norms must be finite and non-negative")
+        raise CacheError(f"{path}: split {split!r}: norms must be finite and non-negative", param="cache", value=path)
     if check_rows:
-        check_unit_rows(feats, f"{path}: split {split!r}", NORM_TOLERANCE[info["dtype"]])
+        check_unit_rows(feats, f"{path}: split {split!r}", NORM_TOLERANCE[info["dtype"]], cache=path)
     return SplitFeatures(
         name=split, features=feats, labels=labels, classes=classes, paths=paths, raw_mean=raw_mean, norms=norms
     )
@@ -386,7 +429,7 @@ def validate(path: str | os.PathLike) -> dict[str, Any]:
         attrs = check_root(f, path)
         names = _split_names(f)
         if not names:
-            raise CacheError(f"{path}: holds no splits")
+            raise CacheError(f"{path}: holds no splits", param="cache", value=path)
         splits = {name: _validate_split(f[name], path, name) for name in names}
     return {"path": str(path), "attrs": attrs, "splits": splits}
 
@@ -398,7 +441,7 @@ def _validate_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
     classes = _strings(g["classes"])
     if len(set(classes)) != len(classes):
         dup = sorted({c for c in classes if classes.count(c) > 1})
-        raise CacheError(f"{where}: class names repeat: {', '.join(dup[:5])}")
+        raise CacheError(f"{where}: class names repeat: {', '.join(dup[:5])}", param="cache", value=path)
     tol = NORM_TOLERANCE[dtype]
     counts = np.zeros(n_classes, dtype=np.int64)
     norm_min, norm_max, zero_rows = np.inf, -np.inf, 0
@@ -408,7 +451,7 @@ def _validate_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
         x = np.asarray(g["features"][a : a + _ROWS_PER_BLOCK], dtype=np.float64)
         if not np.isfinite(x).all():
             row = a + int(np.argwhere(~np.isfinite(x))[0, 0])
-            raise CacheError(f"{where}: features row {row} is not finite")
+            raise CacheError(f"{where}: features row {row} is not finite", param="cache", value=path)
         if all_same and len(x):
             first_row = x[0] if first_row is None else first_row
             all_same = bool((x == first_row).all())
@@ -420,7 +463,9 @@ def _validate_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
             r = int(bad[0])
             raise CacheError(
                 f"{where}: features row {a + r} has L2 norm {norms[r]:.6f}, expected 1 "
-                f"(rows must be L2-normalised; tolerance {tol} for {dtype})"
+                f"(rows must be L2-normalised; tolerance {tol} for {dtype})",
+                param="cache",
+                value=path,
             )
         if (~zero).any():
             norm_min = min(norm_min, float(norms[~zero].min()))
@@ -429,13 +474,19 @@ def _validate_split(g: h5py.Group, path: Path, name: str) -> dict[str, Any]:
         out = np.flatnonzero((y < 0) | (y >= n_classes))
         if out.size:
             r = int(out[0])
-            raise CacheError(f"{where}: labels row {a + r} is {int(y[r])}, outside [0, {n_classes})")
+            raise CacheError(
+                f"{where}: labels row {a + r} is {int(y[r])}, outside [0, {n_classes})", param="cache", value=path
+            )
         counts += np.bincount(y, minlength=n_classes)
     empty = np.flatnonzero(counts == 0)
     if empty.size:
-        raise CacheError(f"{where}: class {classes[int(empty[0])]!r} has no rows ({empty.size} class(es) without rows)")
+        raise CacheError(
+            f"{where}: class {classes[int(empty[0])]!r} has no rows ({empty.size} class(es) without rows)",
+            param="cache",
+            value=path,
+        )
     if all_same and n > 1:
-        raise CacheError(f"{where}: {_degenerate(n, zero_rows == n)}")
+        raise CacheError(f"{where}: {_degenerate(n, zero_rows == n)}", param="cache", value=path)
     return {
         "n_images": n,
         "n_classes": n_classes,
@@ -468,7 +519,11 @@ def make_root_attrs(
     ``weights``: where pretrained weights came from (:data:`PROVENANCE_ATTRS`)."""
     unknown = sorted(set(weights or {}) - set(PROVENANCE_ATTRS))
     if unknown:
-        raise CacheError(f"weights provenance has unknown fields {unknown}; known: {', '.join(PROVENANCE_ATTRS)}")
+        raise CacheError(
+            f"weights provenance has unknown fields {unknown}; known: {', '.join(PROVENANCE_ATTRS)}",
+            param="weights",
+            value=weights,
+        )
     attrs: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -548,26 +603,32 @@ def write_arrays(
     """
     path = Path(path)
     if dtype not in FEATURE_DTYPES:
-        raise CacheError(f"dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
+        raise CacheError(f"dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}", param="dtype", value=dtype)
     if not splits:
-        raise CacheError(f"{path}: no splits to write")
+        raise CacheError(f"{path}: no splits to write", param="splits", value=splits)
     root = make_root_attrs(dataset, backbone, **attrs)
     with atomic_path(path, suffix=".tmp") as tmp:
         with h5py.File(tmp, "w") as f:
             _set_attrs(f, root)
             for name, item in splits.items():
                 if len(item) not in (3, 4):
-                    raise CacheError(f"split {name!r}: expected (features, labels, classes[, paths])")
+                    raise CacheError(
+                        f"split {name!r}: expected (features, labels, classes[, paths])", param="splits", value=name
+                    )
                 feats = np.asarray(item[0].detach().cpu() if isinstance(item[0], torch.Tensor) else item[0])
                 labels = np.asarray(item[1].detach().cpu() if isinstance(item[1], torch.Tensor) else item[1])
                 classes = [str(c) for c in item[2]]
                 paths = None if len(item) == 3 or item[3] is None else [str(p) for p in item[3]]
                 if feats.ndim != 2 or labels.shape != (feats.shape[0],):
                     raise CacheError(
-                        f"split {name!r}: features must be [N, D] and labels [N], got {feats.shape} and {labels.shape}"
+                        f"split {name!r}: features must be [N, D] and labels [N], got {feats.shape} and {labels.shape}",
+                        param="splits",
+                        value=name,
                     )
                 if paths is not None and len(paths) != feats.shape[0]:
-                    raise CacheError(f"split {name!r}: {len(paths)} paths for {feats.shape[0]} rows")
+                    raise CacheError(
+                        f"split {name!r}: {len(paths)} paths for {feats.shape[0]} rows", param="splits", value=name
+                    )
                 raw_mean = feats.astype(np.float64).mean(0) if len(feats) else np.zeros(feats.shape[1])
                 x = _l2_normalise(feats) if normalise else feats
                 g = f.create_group(name)
@@ -585,7 +646,12 @@ def write_arrays(
         try:
             validate(tmp)
         except CacheError as e:  # name the file the caller asked for, not the temporary one
-            raise CacheError(str(e).replace(str(tmp), str(path), 1)) from None
+            raise CacheError(
+                str(e).replace(str(tmp), str(path), 1),
+                params=e.params,
+                param=e.param,
+                value=path if e.value == tmp else e.value,
+            ) from None
     return path
 
 
@@ -654,7 +720,9 @@ def _lock_or_fail(fd: int, path: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise CacheError(
-            f"{path}: in use by another process (is another `poodle extract` writing this cache?)"
+            f"{path}: in use by another process (is another `poodle extract` writing this cache?)",
+            param="cache_path",
+            value=path,
         ) from None
 
 
@@ -736,7 +804,7 @@ class SplitWriter:
     ) -> None:
         # path, extra_key: another staging file and what else it must match (poodle.cache_shares)
         if dtype not in FEATURE_DTYPES:
-            raise CacheError(f"dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}")
+            raise CacheError(f"dtype {dtype!r}: use one of {', '.join(FEATURE_DTYPES)}", param="dtype", value=dtype)
         self.cache_path = Path(cache_path)
         self.split = split
         self.path = Path(path) if path is not None else partial_path(self.cache_path, split)
@@ -896,11 +964,17 @@ class SplitWriter:
         if raw.ndim != 2 or raw.shape[1] != self.dim or len(labels) != b or len(paths) != b:
             raise CacheError(
                 f"batch of shape {raw.shape} with {len(labels)} labels and {len(paths)} paths "
-                f"does not fit split {self.split!r} of dim {self.dim}"
+                f"does not fit split {self.split!r} of dim {self.dim}",
+                param="raw",
+                value=tuple(raw.shape),
             )
         n_consumed = b + len(skipped) if n_consumed is None else int(n_consumed)
         if n_consumed != b + len(skipped):
-            raise CacheError(f"batch covers {n_consumed} images but holds {b} rows and {len(skipped)} skipped")
+            raise CacheError(
+                f"batch covers {n_consumed} images but holds {b} rows and {len(skipped)} skipped",
+                param="n_consumed",
+                value=n_consumed,
+            )
         self._append(raw, labels, paths, n_consumed, skipped)
         # on disk the state head still points at the last whole batch: a re-run resumes from there
         self._check("the batches written before are kept for a re-run to resume from")
@@ -921,7 +995,9 @@ class SplitWriter:
             if not np.isfinite(raw).all():
                 raise CacheError(
                     f"split {self.split!r}: the backbone produced non-finite features for "
-                    f"{paths[int(np.argwhere(~np.isfinite(raw))[0, 0])]}"
+                    f"{paths[int(np.argwhere(~np.isfinite(raw))[0, 0])]}",
+                    param="paths",
+                    value=paths[int(np.argwhere(~np.isfinite(raw))[0, 0])],
                 )
             for key in ("features", "labels", "paths", "norms"):
                 g[key].resize(n0 + b, axis=0)
@@ -983,6 +1059,7 @@ class SplitWriter:
         """
         assert self.f is not None, "writer is closed"
         if self.n_consumed != self.n_total:
+            # not a caller's value: the writer's own state
             raise CacheError(f"split {self.split!r}: only {self.n_consumed} of {self.n_total} images done")
         name = self.split
         with cache_lock(self.cache_path):
@@ -991,12 +1068,16 @@ class SplitWriter:
                 try:
                     now = read_attrs(self.cache_path)
                 except CacheError as e:
-                    raise CacheError(f"{e}; it changed while this split was extracted") from None
+                    raise CacheError(
+                        f"{e}; it changed while this split was extracted", param="cache_path", value=self.cache_path
+                    ) from None
                 mism = identity_mismatches(now, self.root_attrs)
                 if mism:
                     raise CacheError(
                         f"{self.cache_path} was replaced while split {name!r} was extracted "
-                        f"and now holds features made with {'; '.join(mism)}"
+                        f"and now holds features made with {'; '.join(mism)}",
+                        param="cache_path",
+                        value=self.cache_path,
                     )
             replace_with_copy(
                 self.cache_path,

@@ -101,7 +101,9 @@ class ShareWriter(SplitWriter):
         if not 0 <= self.start < self.stop <= int(key["n_split"]) or self.start % self.batch_size:
             raise CacheError(
                 f"share [{start}, {stop}) of split {split!r} does not start on a batch boundary "
-                f"inside its {key['n_split']} images"
+                f"inside its {key['n_split']} images",
+                param="start",
+                value=start,
             )
         super().__init__(
             cache_path,
@@ -155,7 +157,11 @@ class ShareWriter(SplitWriter):
         raw = np.asarray(raw)
         n = len(raw) + len(skipped) if n_consumed is None else int(n_consumed)
         if n != min(self.batch_size, self.n_total - self.n_consumed):
-            raise CacheError(f"share {self.path.name}: a batch of {n} images where {self.batch_size} were due")
+            raise CacheError(
+                f"share {self.path.name}: a batch of {n} images where {self.batch_size} were due",
+                param="n_consumed",
+                value=n,
+            )
         # Written before the rows and the state (the commit point): a torn write leaves a spare row.
         k = _n_batches(self.n_consumed, self.batch_size)
         sums = self.f[self.split]["batch_sums"]
@@ -343,6 +349,7 @@ def commit_shares(
         total, skipped = _merge_rows(dst, staged, split, n, dim, FEATURE_DTYPES[dtype], batch_size)
         labels = dst["labels"][()]
         if labels.size and (labels.min() < 0 or labels.max() >= len(classes)):
+            # not a caller's value: the staging files poodle wrote disagree
             raise CacheError(f"split {split!r}: staged labels outside the {len(classes)} classes")
         dst.create_dataset("classes", data=np.array(list(classes), dtype=object), dtype=STRING)
         dst.attrs["n_images"] = n
@@ -371,9 +378,11 @@ def _tiling(split: str, covered: Sequence[Covered], n_split: int) -> list[Covere
     pos = 0
     for c in parts:
         if c.start != pos:
+            # not a caller's value: the staging files poodle wrote disagree
             raise CacheError(f"split {split!r}: staged rows jump from {pos} to {c.start} ({c.path.name})")
         pos = c.end
     if pos != n_split:
+        # not a caller's value: the staging files poodle wrote disagree
         raise CacheError(f"split {split!r}: only {pos} of {n_split} images are staged")
     return parts
 
@@ -381,6 +390,7 @@ def _tiling(split: str, covered: Sequence[Covered], n_split: int) -> list[Covere
 def _committed_state(c: Covered, f: h5py.File, dim: int) -> np.ndarray:
     state = _read_state(f, dim)
     if state is None:
+        # not a caller's value: a staging file poodle wrote is damaged
         raise CacheError(f"{c.path}: its state is damaged; delete it and run again")
     return state
 

@@ -339,6 +339,8 @@ def make_cell(
             raise ConfigError(
                 f"method {method.name!r} has no option {k!r}; its options are: {', '.join(sorted(fields))}",
                 params=(k,),
+                param=k,
+                value=v,
             )
     if config is None:
         cfg = solvers.build_config(method, opts, strict=True)
@@ -347,11 +349,15 @@ def make_cell(
             f"method {method.name!r}: options {', '.join(sorted(opts))} given beside its config; "
             "set them in the config",
             params=tuple(sorted(opts)),
+            param="options",
+            value=sorted(opts),
         )
     elif not isinstance(config, method.config):
         raise ConfigError(
             f"method {method.name!r}: config must be a {method.config.__name__}, got {type(config).__name__}",
             params=("options",),
+            param="config",
+            value=config,
         )
     else:
         cfg = config if solvers.is_checked(config) else solvers.validate_config(config, method.name)
@@ -370,7 +376,7 @@ def make_cell(
         n_neg = general.get("n_neg", defaults_["n_neg"])
         method.check_negatives(cfg, negatives)
     if "cache" not in general:
-        raise ConfigError("no feature cache given", params=("cache",))
+        raise ConfigError("no feature cache given", params=("cache",), param="cache", value=None)
     return Cell(
         label=label or method.name,
         cache=general["cache"],
@@ -391,8 +397,10 @@ def located(where: str, error: PoodleError) -> ConfigError:
     """``error`` said at a place in a file (a grid's path and ``[[cell]]``): the file's keys are not
     command-line flags, so the error names them as the file's options and carries no parameters."""
     if error.reason is not None and error.param is not None:
-        return ConfigError(f"{where}: option {error.param!r} {error.reason}, got {error.value!r}")
-    return ConfigError(f"{where}: {error}")
+        return ConfigError(
+            f"{where}: option {error.param!r} {error.reason}, got {error.value!r}", param=error.param, value=error.value
+        )
+    return ConfigError(f"{where}: {error}", param=error.param, value=error.value)
 
 
 def numbered(cells: Sequence[Cell]) -> list[Cell]:

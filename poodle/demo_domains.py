@@ -109,7 +109,9 @@ def domain_methods(which: str | tuple[str, ...] = "ragged") -> list[DomainMethod
         found = [m for m in every if n in (m.label, m.method)]
         if not found:
             known = ", ".join(m.method for m in every)
-            raise ConfigError(f"methods: {n!r} is not a method of the per-domain demo; choose from {known}")
+            raise ConfigError(
+                f"methods: {n!r} is not a method of the per-domain demo; choose from {known}", param="methods", value=n
+            )
         out.extend(m for m in found if m not in out)
     return out
 
@@ -143,7 +145,11 @@ def write_domain_caches(features: Path, out_dir: Path, domains: tuple[Domain, ..
         split = split if split is not None else read_split(features, "test")
         keep = [c for c, name in enumerate(split.classes) if alphabet_of(name) in d.alphabets]
         if not keep:
-            raise ConfigError(f"domain {d.name!r}: no test class of {features} is in the alphabets {d.alphabets}")
+            raise ConfigError(
+                f"domain {d.name!r}: no test class of {features} is in the alphabets {d.alphabets}",
+                param="features",
+                value=features,
+            )
         new_label = np.full(len(split.classes), -1, dtype=np.int64)
         new_label[keep] = np.arange(len(keep))
         labels = new_label[split.labels.numpy()]

@@ -174,6 +174,8 @@ def competitor_names(which: str | tuple[str, ...] | list[str]) -> list[str]:
                 f"competitors: {n!r} is not a registered transductive method; choose from "
                 f"{', '.join(registered)} (or paper, all, none)",
                 params=("competitors",),
+                param="competitors",
+                value=n,
             )
     return names
 

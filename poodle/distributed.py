@@ -59,8 +59,10 @@ def env_world() -> tuple[int, int, int]:
         rank = int(os.environ.get("RANK", "0"))
         local = int(os.environ.get("LOCAL_RANK", "0"))
     except ValueError as e:
+        # not a caller's value: torchrun's environment variables, no parameter
         raise ConfigError(f"torchrun's environment is malformed: {e}") from None
     if world < 1 or not 0 <= rank < world:
+        # not a caller's value: torchrun's environment variables, no parameter
         raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} from the environment do not fit together")
     return world, rank, local
 
@@ -137,6 +139,7 @@ class Dist:
             return
         if first == self.rank and err is not None:
             raise err
+        # not a caller's value: another rank failed; that rank reports its error
         raise RankFailed(f"rank {first} of {self.world} failed")
 
     def stop_point(self) -> None:
@@ -285,19 +288,25 @@ def init(device: str | torch.device = "auto") -> Dist:
     if _CURRENT is not None and torch.distributed.is_initialized():
         if name == "cpu" and _CURRENT.device.type != "cpu":
             raise ConfigError(
-                "this process already joined the run on a GPU; device cpu cannot change that", params=("device",)
+                "this process already joined the run on a GPU; device cpu cannot change that",
+                params=("device",),
+                param="device",
+                value=device,
             )
         return _CURRENT
     if name not in ("auto", "cuda", "cpu"):
         raise ConfigError(
             f"device {name}: under torchrun each process uses cuda:LOCAL_RANK; give cuda, auto or cpu",
             params=("device",),
+            param="device",
+            value=device,
         )
     use_cuda = name != "cpu" and torch.cuda.is_available()
     if name == "cuda" and not use_cuda:
-        raise ConfigError("device cuda: CUDA is not available", params=("device",))
+        raise ConfigError("device cuda: CUDA is not available", params=("device",), param="device", value=device)
     if use_cuda:
         if local >= torch.cuda.device_count():
+            # not a caller's value: torchrun's LOCAL_RANK against this node's GPUs
             raise ConfigError(
                 f"LOCAL_RANK {local} but this node has {torch.cuda.device_count()} GPU(s): start "
                 f"at most that many processes per node"

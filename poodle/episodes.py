@@ -211,12 +211,16 @@ class EpisodeSpec:
                 raise EpisodeError(
                     f"{name} belongs to the fixed protocol; the Meta-Dataset protocol draws its own per-class counts",
                     params=(name,),
+                    param=name,
+                    value=getattr(self, name),
                 )
         if self.bilevel and self.way is not None:
             raise EpisodeError(
                 "bilevel draws the ways within a superclass; it cannot be combined with a fixed way "
                 "(as in meta_dataset's sampler)",
                 params=("bilevel", "way"),
+                param="way",
+                value=self.way,
             )
 
     def describe(self) -> str:
@@ -248,7 +252,11 @@ class EpisodeSpec:
         """``way``, ``shot`` or ``query``; EpisodeError when it is drawn per episode."""
         v = getattr(self, name)
         if v is None:
-            raise EpisodeError(f"{name} is drawn per episode under the {self.protocol} protocol; ask the episodes")
+            raise EpisodeError(
+                f"{name} is drawn per episode under the {self.protocol} protocol; ask the episodes",
+                param="protocol",
+                value=self.protocol,
+            )
         return int(v)
 
 
@@ -402,12 +410,16 @@ class EpisodeSet:
             if real.numel() and int(real.min()) < 0:
                 e = int((t < 0).any(1).nonzero()[0, 0])
                 raise EpisodeError(
-                    f"{where}: {name} index {int(t.min())} (episode {e}) is negative; row indices lie in 0..{n - 1}"
+                    f"{where}: {name} index {int(t.min())} (episode {e}) is negative; row indices lie in 0..{n - 1}",
+                    param="episodes",
+                    value=where,
                 )
             if real.numel() and int(real.max()) >= n:
                 raise EpisodeError(
                     f"{where}: {name} indices reach {int(real.max())} but the split has {n} rows "
-                    f"(0..{n - 1}); the episodes were drawn from another cache or split"
+                    f"(0..{n - 1}); the episodes were drawn from another cache or split",
+                    param="episodes",
+                    value=where,
                 )
         bad = self._mixed(labels) if self.ways is not None else self._mixed_fixed(labels)
         if bool(bad.any()):
@@ -415,19 +427,25 @@ class EpisodeSet:
             assert self.index is not None  # set in __post_init__
             raise EpisodeError(
                 f"{where}: episode {int(self.index[e])} does not match the split's labels "
-                f"(a label mixes classes); the episodes were drawn from another cache or split"
+                f"(a label mixes classes); the episodes were drawn from another cache or split",
+                param="episodes",
+                value=where,
             )
         if self.negatives is not None and pool_size is not None and self.negatives.numel():
             hi = int(self.negatives.max())
             if int(self.negatives.min()) < 0:
                 raise EpisodeError(
                     f"{where}: negative index {int(self.negatives.min())} is negative; the pool "
-                    f"{self.negative_source!r} has rows 0..{pool_size - 1}"
+                    f"{self.negative_source!r} has rows 0..{pool_size - 1}",
+                    param="episodes",
+                    value=where,
                 )
             if hi >= pool_size:
                 raise EpisodeError(
                     f"{where}: negative indices reach {hi} but the negative pool "
-                    f"{self.negative_source!r} has {pool_size} rows"
+                    f"{self.negative_source!r} has {pool_size} rows",
+                    param="episodes",
+                    value=where,
                 )
 
     def _mixed_fixed(self, labels: Tensor) -> Tensor:
@@ -487,7 +505,9 @@ def check_spec(
     assert spec.way is not None and spec.shot is not None and spec.query is not None  # validated
     if spec.way > present:
         raise EpisodeError(
-            f"split {spec.split!r} has {present} classes with images; cannot draw {spec.way}-way episodes"
+            f"split {spec.split!r} has {present} classes with images; cannot draw {spec.way}-way episodes",
+            param="way",
+            value=spec.way,
         )
     need = spec.shot + spec.query
     _short(spec, counts, names, need, f"shot + query = {need}")
@@ -503,6 +523,8 @@ def _short(spec: EpisodeSpec, counts: Tensor, names: list[str], need: int, what:
             f"split {spec.split!r}: lower shot or query (or drop classes): {len(short)} class(es) have "
             f"fewer than {what} images: {shown}",
             params=("shot", "query"),
+            param="shot",
+            value=spec.shot,
         )
 
 
@@ -518,6 +540,8 @@ def _check_meta_dataset(
             f"split {spec.split!r} has {present} classes with images; Meta-Dataset episodes need at "
             f"least {key} = {least}",
             params=(key,),
+            param=key,
+            value=least,
         )
     # every class must leave at least one support image and one query
     if spec.query is not None:
@@ -539,7 +563,10 @@ def _check_meta_dataset(
         given = list(superclasses) if superclasses is not None else superclass_names(names)
         if len(given) != len(counts):
             raise EpisodeError(
-                f"{len(given)} superclasses given for the split's {len(counts)} classes", params=("bilevel",)
+                f"{len(given)} superclasses given for the split's {len(counts)} classes",
+                params=("bilevel",),
+                param="bilevel",
+                value=spec.bilevel,
             )
         per: dict[str, int] = {}
         for c, sup in enumerate(given):
@@ -552,6 +579,8 @@ def _check_meta_dataset(
                 f"split {spec.split!r}: bilevel needs every superclass to have at least min_ways = "
                 f"{spec.min_ways} classes with images; {len(small)} have fewer: {shown}",
                 params=("bilevel", "min_ways"),
+                param="bilevel",
+                value=spec.bilevel,
             )
 
 
@@ -569,6 +598,8 @@ def superclass_names(classes: Sequence[str]) -> list[str]:
         "bilevel needs each class's superclass: class names of the form SUPER/NAME or SUPER_NAME "
         f"(e.g. {names[0] if names else ''!r} has neither), or superclasses given to the sampler",
         params=("bilevel",),
+        param="bilevel",
+        value=True,
     )
 
 
@@ -698,7 +729,7 @@ class EpisodeStream:
         if step != 1:
             raise TypeError("EpisodeStream slices must be contiguous (step 1)")
         if b <= a:
-            raise EpisodeError(f"empty slice [{a}:{b}] of {self.n} episodes")
+            raise EpisodeError(f"empty slice [{a}:{b}] of {self.n} episodes", param="sl", value=sl)
         return self._draw(self.start + a, b - a)
 
     def materialize(self) -> EpisodeSet:
@@ -709,7 +740,10 @@ class EpisodeStream:
         """EpisodeError unless ``labels`` has as many rows as the split the stream draws from."""
         if int(labels.shape[0]) != self._draw.n_rows:
             raise EpisodeError(
-                f"{where}: drawn from a split of {self._draw.n_rows} rows, but the features have {int(labels.shape[0])}"
+                f"{where}: drawn from a split of {self._draw.n_rows} rows, "
+                f"but the features have {int(labels.shape[0])}",
+                param="episodes",
+                value=where,
             )
 
 
@@ -727,7 +761,7 @@ def save_episodes(path: str | os.PathLike, eps: EpisodeSet, **attrs: object) -> 
     try:
         check_output(path, "episodes", what="episode file")
     except ConfigError as e:
-        raise EpisodeError(str(e)) from None
+        raise EpisodeError(str(e), param="path", value=path) from None
     spec = eps.spec
     # built in memory, then written with plain file I/O: a full disk is then one clean error, never
     # a failed write inside HDF5 (whose library may crash at exit after one)
@@ -771,7 +805,7 @@ def episodes_source(path: str | os.PathLike) -> tuple[str | None, str | None]:
         with h5py.File(path, "r") as f:
             cache, cache_id = f.attrs.get("cache"), f.attrs.get("cache_id")
     except OSError as e:
-        raise EpisodeError(f"{path}: not an HDF5 file ({e})") from None
+        raise EpisodeError(f"{path}: not an HDF5 file ({e})", param="episodes_from", value=path) from None
     return (None if cache is None else _text(cache)), (None if cache_id is None else _text(cache_id))
 
 
@@ -783,16 +817,18 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
     """
     path = resolve_path(path, what="episodes file")
     if not path.is_file():
-        raise EpisodeError(f"{path}: no such episodes file")
+        raise EpisodeError(f"{path}: no such episodes file", param="episodes_from", value=path)
     try:
         f = h5py.File(path, "r")
     except OSError as e:
-        raise EpisodeError(f"{path}: not an HDF5 file ({e})") from None
+        raise EpisodeError(f"{path}: not an HDF5 file ({e})", param="episodes_from", value=path) from None
     with f:
         missing = [k for k in ("split", "way", "shot", "query", "seed") if k not in f.attrs]
         missing += [k for k in ("support", "query", "support_labels", "query_labels") if k not in f]
         if missing:
-            raise EpisodeError(f"{path}: not an episodes file (missing {', '.join(missing)})")
+            raise EpisodeError(
+                f"{path}: not an episodes file (missing {', '.join(missing)})", param="episodes_from", value=path
+            )
         spec = _read_spec(path, f.attrs)
         arrays = _read_index_arrays(path, f)
         source = _text(f.attrs.get("negative_source", ""))
@@ -830,13 +866,17 @@ def _read_spec(path: Path, a: Any) -> EpisodeSpec:
         if isinstance(v, np.ndarray) and v.size == 1:
             v = v.reshape(()).item()
         if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise EpisodeError(f"{path}: attribute {key!r} must be {what}, got {_text(v)!r}")
+            raise EpisodeError(
+                f"{path}: attribute {key!r} must be {what}, got {_text(v)!r}", param="episodes_from", value=path
+            )
         return float(v) if isinstance(v, float) else v
 
     def integer(key: str) -> int:
         v = num(key, what="an integer")
         if not float(v).is_integer():
-            raise EpisodeError(f"{path}: attribute {key!r} must be an integer, got {v!r}")
+            raise EpisodeError(
+                f"{path}: attribute {key!r} must be an integer, got {v!r}", param="episodes_from", value=path
+            )
         return int(v)
 
     protocol = _text(a.get("protocol", defaults.PROTOCOL))
@@ -849,7 +889,9 @@ def _read_spec(path: Path, a: Any) -> EpisodeSpec:
         shape = {k: (None if v == 0 else v) for k, v in shape.items()}
         for k in defaults.META_DATASET_KEYS:
             if k not in a:
-                raise EpisodeError(f"{path}: a Meta-Dataset episode file needs attribute {k!r}")
+                raise EpisodeError(
+                    f"{path}: a Meta-Dataset episode file needs attribute {k!r}", param="episodes_from", value=path
+                )
             rules[k] = bool(integer(k)) if k == "bilevel" else num(k) if k.endswith("log_weight") else integer(k)
     spec = EpisodeSpec(
         split=_text(a["split"]),
@@ -863,7 +905,7 @@ def _read_spec(path: Path, a: Any) -> EpisodeSpec:
     try:
         spec.validate()
     except EpisodeError as e:
-        raise EpisodeError(f"{path}: {e}") from None
+        raise EpisodeError(f"{path}: {e}", param="episodes_from", value=path) from None
     return spec
 
 
@@ -875,7 +917,9 @@ def _read_index_arrays(path: Path, f: h5py.File) -> dict[str, Tensor]:
         if name in f:
             arr = np.asarray(f[name][()])
             if arr.dtype.kind not in "iu":
-                raise EpisodeError(f"{path}: /{name} must hold integers, got {arr.dtype}")
+                raise EpisodeError(
+                    f"{path}: /{name} must hold integers, got {arr.dtype}", param="episodes_from", value=path
+                )
             arrays[name] = torch.from_numpy(arr.astype(np.int64))
     return arrays
 
@@ -884,7 +928,11 @@ def _check_shapes(path: Path, spec: EpisodeSpec, arrays: dict[str, Tensor]) -> N
     """Every array of an episode file has the shape ``spec`` implies; labels lie in ``0..way-1``."""
     E = arrays["support"].shape[0]
     if E == 0:
-        raise EpisodeError(f"{path}: holds no episodes (/support has shape {tuple(arrays['support'].shape)})")
+        raise EpisodeError(
+            f"{path}: holds no episodes (/support has shape {tuple(arrays['support'].shape)})",
+            param="episodes_from",
+            value=path,
+        )
     way = spec.fixed("way")
     shapes = {
         "support": (E, spec.n_support),
@@ -898,18 +946,24 @@ def _check_shapes(path: Path, spec: EpisodeSpec, arrays: dict[str, Tensor]) -> N
         if name in arrays and tuple(arrays[name].shape) != shape:
             raise EpisodeError(
                 f"{path}: /{name} has shape {tuple(arrays[name].shape)}, expected {shape} "
-                f"for {spec.way}-way {spec.shot}-shot {spec.query}-query episodes"
+                f"for {spec.way}-way {spec.shot}-shot {spec.query}-query episodes",
+                param="episodes_from",
+                value=path,
             )
     _check_negatives(path, arrays, E)
     for name in ("support_labels", "query_labels"):
         t = arrays[name]
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= way):
-            raise EpisodeError(f"{path}: /{name} must lie in 0..{way - 1}")
+            raise EpisodeError(f"{path}: /{name} must lie in 0..{way - 1}", param="episodes_from", value=path)
 
 
 def _check_negatives(path: Path, arrays: dict[str, Tensor], E: int) -> None:
     if "negatives" in arrays and (arrays["negatives"].ndim != 2 or arrays["negatives"].shape[0] != E):
-        raise EpisodeError(f"{path}: /negatives has shape {tuple(arrays['negatives'].shape)}, expected ({E}, M)")
+        raise EpisodeError(
+            f"{path}: /negatives has shape {tuple(arrays['negatives'].shape)}, expected ({E}, M)",
+            param="episodes_from",
+            value=path,
+        )
 
 
 def _check_ragged(path: Path, spec: EpisodeSpec, arrays: dict[str, Tensor]) -> None:
@@ -917,42 +971,64 @@ def _check_ragged(path: Path, spec: EpisodeSpec, arrays: dict[str, Tensor]) -> N
     episode ``e`` in ``0..ways[e]-1`` with every label in its support, ``/class_ids`` as wide as
     the most ways, and ``/shots`` and ``/queries`` (when present) the labels' counts."""
     if "ways" not in arrays:
-        raise EpisodeError(f"{path}: a Meta-Dataset episode file needs /ways (each episode's number of classes)")
+        raise EpisodeError(
+            f"{path}: a Meta-Dataset episode file needs /ways (each episode's number of classes)",
+            param="episodes_from",
+            value=path,
+        )
     ways = arrays["ways"]
     E = ways.shape[0]
     if ways.ndim != 1 or E == 0:
-        raise EpisodeError(f"{path}: /ways has shape {tuple(ways.shape)}, expected (E,) with E > 0")
+        raise EpisodeError(
+            f"{path}: /ways has shape {tuple(ways.shape)}, expected (E,) with E > 0", param="episodes_from", value=path
+        )
     if int(ways.min()) < 2:
         e = int((ways < 2).nonzero()[0, 0])
-        raise EpisodeError(f"{path}: /ways[{e}] is {int(ways[e])}; an episode has at least 2 classes")
+        raise EpisodeError(
+            f"{path}: /ways[{e}] is {int(ways[e])}; an episode has at least 2 classes",
+            param="episodes_from",
+            value=path,
+        )
     if spec.way is not None and bool((ways != spec.way).any()):
-        raise EpisodeError(f"{path}: /ways differs from the file's way = {spec.way}")
+        raise EpisodeError(f"{path}: /ways differs from the file's way = {spec.way}", param="episodes_from", value=path)
     W = int(ways.max())
     for rows, labels in (("support", "support_labels"), ("query", "query_labels")):
         r, lab = arrays[rows], arrays[labels]
         if r.ndim != 2 or r.shape[0] != E or lab.shape != r.shape:
             raise EpisodeError(
-                f"{path}: /{rows} {tuple(r.shape)} and /{labels} {tuple(lab.shape)} must both be ({E}, N)"
+                f"{path}: /{rows} {tuple(r.shape)} and /{labels} {tuple(lab.shape)} must both be ({E}, N)",
+                param="episodes_from",
+                value=path,
             )
         bad = (lab < -1) | (lab >= ways.unsqueeze(1)) | ((lab == -1) != (r == -1))
         if bool(bad.any()):
             e, j = (int(x) for x in bad.nonzero()[0])
             raise EpisodeError(
                 f"{path}: /{labels}[{e}, {j}] = {int(lab[e, j])} with /{rows}[{e}, {j}] = {int(r[e, j])}: labels "
-                f"lie in 0..ways-1 = {int(ways[e]) - 1}, and -1 (padding) exactly where the row is -1"
+                f"lie in 0..ways-1 = {int(ways[e]) - 1}, and -1 (padding) exactly where the row is -1",
+                param="episodes_from",
+                value=path,
             )
     for name, shape in (("index", (E,)), ("class_ids", (E, W))):
         if name in arrays and tuple(arrays[name].shape) != shape:
-            raise EpisodeError(f"{path}: /{name} has shape {tuple(arrays[name].shape)}, expected {shape}")
+            raise EpisodeError(
+                f"{path}: /{name} has shape {tuple(arrays[name].shape)}, expected {shape}",
+                param="episodes_from",
+                value=path,
+            )
     _check_negatives(path, arrays, E)
     for name, labels in (("shots", "support_labels"), ("queries", "query_labels")):
         counts = _label_counts(arrays[labels], W)
         if name in arrays and not torch.equal(arrays[name], counts):
-            raise EpisodeError(f"{path}: /{name} disagrees with /{labels} (each label's count of rows)")
+            raise EpisodeError(
+                f"{path}: /{name} disagrees with /{labels} (each label's count of rows)",
+                param="episodes_from",
+                value=path,
+            )
     missing = (_label_counts(arrays["support_labels"], W) == 0) & (torch.arange(W) < ways.unsqueeze(1))
     if bool(missing.any()):
         e, k = (int(x) for x in missing.nonzero()[0])
-        raise EpisodeError(f"{path}: episode {e}: label {k} has no support row")
+        raise EpisodeError(f"{path}: episode {e}: label {k} has no support row", param="episodes_from", value=path)
 
 
 def describe_episodes(eps: EpisodeSet) -> dict[str, tuple[float, float, float]]:

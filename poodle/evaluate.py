@@ -134,6 +134,8 @@ def check_memory_bound(
             f"included) needs about {_mib(need)}: {_mib(need + held - budget)} more; raise it to at "
             f"least {_mib(need + held)} or lower n_neg",
             params=("max_memory", "n_neg"),
+            param="max_memory",
+            value=budget,
         )
     return max(1, min(workers, (budget - held) // need))
 
@@ -199,7 +201,7 @@ def plan_chunks(
     elif workers is None:
         workers = torch.get_num_threads()
     if workers < 1:
-        raise ConfigError(f"workers must be at least 1, got {workers}", params=("workers",))
+        raise ConfigError.bad_value("workers", workers, "must be at least 1")
     budget = parse_size(max_memory) if max_memory is not None else default_budget(device) + held
     if chunk_size is None:
         workers = check_memory_bound(budget, n_rows, dim, way, workers, itemsize, held, held_parts)
@@ -351,12 +353,16 @@ def _check_held(neg: Tensor, M: int, source: str, pool_rows: int) -> None:
         raise EpisodeError(
             f"the episodes hold {neg.shape[1]} negatives per episode from {source!r}, but n_neg is {M}",
             params=("n_neg",),
+            param="n_neg",
+            value=M,
         )
     hi = int(neg.max()) if neg.numel() else 0
     if (int(neg.min()) if neg.numel() else 0) < 0 or hi >= pool_rows:
         raise EpisodeError(
             f"negative indices reach {hi} but the pool {source!r} has {pool_rows} rows; "
-            "the episodes were saved with another pool"
+            "the episodes were saved with another pool",
+            param="negatives",
+            value=source,
         )
 
 
@@ -407,25 +413,34 @@ def _resolve_methods(methods: Sequence[Method]) -> tuple[list[Method], list[tupl
     config the library built was checked then); and the entry and config of each method that reads
     negatives. The chunks trust what this returns."""
     if not methods:
-        raise ConfigError("no method to run", params=("methods",))
+        raise ConfigError("no method to run", params=("methods",), param="methods", value=methods)
     out: list[Method] = []
     seen: set[str] = set()
     users: list[tuple[SolverInfo, Any]] = []
     for item in methods:
         if len(item) != 3:
-            raise ConfigError(f"methods are (label, method, config) triples, got {item!r}", params=("methods",))
+            raise ConfigError(
+                f"methods are (label, method, config) triples, got {item!r}",
+                params=("methods",),
+                param="methods",
+                value=item,
+            )
         label, method, cfg = item
         info = method if isinstance(method, SolverInfo) else solvers.get(method)
         if cfg is None or isinstance(cfg, Mapping):
             cfg = solvers.build_config(info, cfg or {}, strict=True)
         elif not isinstance(cfg, info.config):
             raise ConfigError(
-                f"method {info.name!r}: config must be a {info.config.__name__}, got {type(cfg).__name__}"
+                f"method {info.name!r}: config must be a {info.config.__name__}, got {type(cfg).__name__}",
+                param="methods",
+                value=info.name,
             )
         elif not solvers.is_checked(cfg):  # a config the library built was checked then
             solvers.base.check_config(info.name, cfg)
         if label in seen:
-            raise ConfigError(f"two methods share the label {label!r}; give each a distinct label")
+            raise ConfigError(
+                f"two methods share the label {label!r}; give each a distinct label", param="methods", value=label
+            )
         seen.add(label)
         out.append((label, info, cfg))
         if info.needs_negatives(cfg):
@@ -878,11 +893,13 @@ def _held_parts(
 
 def _check_episodes(features: Any, episodes: EpisodeSet | EpisodeStream) -> None:
     if len(episodes) == 0:
-        raise EpisodeError("no episodes to solve")
+        raise EpisodeError("no episodes to solve", param="episodes", value=len(episodes))
     split_name = getattr(features, "name", None)
     if split_name and split_name != episodes.spec.split:
         raise EpisodeError(
-            f"the episodes were drawn from split {episodes.spec.split!r} but the features are split {split_name!r}"
+            f"the episodes were drawn from split {episodes.spec.split!r} but the features are split {split_name!r}",
+            param="episodes",
+            value=episodes.spec.split,
         )
     if isinstance(episodes, EpisodeSet) and episodes.ways is not None:
         check_ragged(episodes, features.labels)
@@ -900,10 +917,12 @@ def check_ragged(episodes: EpisodeSet, labels: Tensor, where: str = "episodes") 
     ways = episodes.ways.to(torch.int64)
 
     def fail(e: int, why: str) -> None:
-        raise EpisodeError(f"{where}: episode {int(episodes.index[e])} {why}")  # type: ignore[index]
+        raise EpisodeError(f"{where}: episode {int(episodes.index[e])} {why}", param="episodes", value=where)  # type: ignore[index]
 
     if ways.shape != (E,):
-        raise EpisodeError(f"{where}: ways has shape {tuple(ways.shape)}, expected ({E},)")
+        raise EpisodeError(
+            f"{where}: ways has shape {tuple(ways.shape)}, expected ({E},)", param="episodes", value=where
+        )
     if bool((ways < 2).any()):
         e = int((ways < 2).nonzero()[0, 0])
         fail(e, f"has {int(ways[e])} classes; an episode needs at least 2")
@@ -914,7 +933,11 @@ def check_ragged(episodes: EpisodeSet, labels: Tensor, where: str = "episodes") 
         ("query", episodes.query, episodes.query_labels),
     ):
         if idx.shape != lab.shape:
-            raise EpisodeError(f"{where}: {name} indices {tuple(idx.shape)} and labels {tuple(lab.shape)} differ")
+            raise EpisodeError(
+                f"{where}: {name} indices {tuple(idx.shape)} and labels {tuple(lab.shape)} differ",
+                param="episodes",
+                value=where,
+            )
         real = idx >= 0
         bad = (idx < -1) | (idx >= n) | (real != (lab >= 0)) | (lab >= ways.unsqueeze(1))
         if bool(bad.any()):

@@ -52,7 +52,9 @@ def cache_path(cache_root: str | os.PathLike, dataset: str, backbone: str, tag: 
     name = f"{backbone}-{tag}" if tag else backbone
     for part, what in ((dataset, "dataset"), (name, "backbone/tag")):
         if not part or "/" in part or "\\" in part or part in (".", ".."):
-            raise ConfigError(f"{what} {part!r} cannot be used in a file name")
+            raise ConfigError(
+                f"{what} {part!r} cannot be used in a file name", param=what.partition("/")[0], value=part
+            )
     return Path(cache_root) / dataset / f"{name}.h5"
 
 
@@ -174,17 +176,26 @@ class ExtractOptions:
     def check(self, dataset: str) -> None:
         """ConfigError for a value no dataset or backbone could take."""
         if self.pretrained and self.checkpoint is not None:
-            raise ConfigError("give checkpoint or pretrained, not both", params=("checkpoint", "pretrained"))
+            raise ConfigError(
+                "give checkpoint or pretrained, not both",
+                params=("checkpoint", "pretrained"),
+                param="checkpoint",
+                value=self.checkpoint,
+            )
         check_group(self, ConfigError)
         if self.cub_split != defaults.CUB_SPLIT and dataset != "cub":
             raise ConfigError(
                 f"cub_split {self.cub_split} is an option of dataset cub, not {dataset}",
                 params=("cub_split", "dataset"),
+                param="cub_split",
+                value=self.cub_split,
             )
         if self.class_split is not None and dataset != "folder":
             raise ConfigError(
                 f"class_split {self.class_split} is an option of dataset folder, not {dataset}",
                 params=("class_split", "dataset"),
+                param="class_split",
+                value=self.class_split,
             )
 
 
@@ -281,7 +292,9 @@ def extract(
                 raise
             # a pretrained file found in timm's / torch hub's cache: damaged (a copy cut short) or foreign
             hint = "it is in the library's cache: delete it and run again to download it anew"
-            raise CheckpointError(e.message, params=e.params, hint=hint) from None
+            raise CheckpointError(
+                e.message, params=e.params, hint=hint, param="pretrained", value=weights.checkpoint
+            ) from None
     workers = default_workers() if opts.workers is None else int(opts.workers)
     run = _Run(d, model, opts, workers, progress_factory, tell)
     for split in plan.todo:
@@ -307,7 +320,9 @@ def check_options(dataset: str, backbone: str, options: ExtractOptions) -> None:
     if options.checkpoint is not None:
         ck = resolve_path(Path(options.checkpoint).expanduser(), "checkpoint")
         if not ck.is_file():
-            raise CheckpointError(f"checkpoint {ck} does not exist", params=("checkpoint",))
+            raise CheckpointError(
+                f"checkpoint {ck} does not exist", params=("checkpoint",), param="checkpoint", value=ck
+            )
 
 
 def _weights(d: Any, backbone: str, opts: ExtractOptions) -> _Weights:
@@ -345,6 +360,8 @@ def _model_spec(backbone: str, opts: ExtractOptions) -> _Model:
             f"crop_pct and interpolation apply to torchvision:/timm: backbones; {spec.name} uses the "
             "release's transform (resize to size*256/224, bilinear)",
             params=("crop_pct", "interpolation"),
+            param="crop_pct",
+            value=opts.crop_pct,
         )
     if opts.image_size is not None and opts.image_size < spec.min_input_size:
         raise ConfigError.bad_value("image_size", opts.image_size, f"must be >= {spec.min_input_size} for {spec.name}")
@@ -376,7 +393,11 @@ def _plan(
         # would otherwise surface only when the first split is committed
         if out.is_dir():
             raise CacheError(
-                f"cache path {out} is a directory", params=("cache_root", "tag"), hint="remove it or choose another tag"
+                f"cache path {out} is a directory",
+                params=("cache_root", "tag"),
+                hint="remove it or choose another tag",
+                param="cache_root",
+                value=out,
             )
         check_writable_dir(out, "cache", param="cache_root")
         image_size = _image_size(model, source, dataset)
@@ -407,6 +428,8 @@ def _image_size(model: _Model, source: Any, dataset: str) -> int:
             raise ConfigError(
                 f"backbone {model.name} needs an image_size >= {model.min_size}; {dataset}'s images are {size} px",
                 params=("image_size",),
+                param="image_size",
+                value=size,
             )
     if model.transform is None:
         model.transform = native_eval_transform(size) if size == native else eval_transform(size)
@@ -430,12 +453,18 @@ def _existing(
         attrs = read_attrs(out)
     except CacheError as e:
         if not opts.force:
-            raise CacheError(e.message, params=("force", "tag"), hint=hint) from None
+            raise CacheError(e.message, params=("force", "tag"), hint=hint, param="cache_root", value=out) from None
         tell(Notice("cache-replaced", f"{out} is not a poodle cache: replacing it (force)", ("force",)))
         return True, set()
     mism = identity_mismatches(attrs, root_attrs)
     if mism and not opts.force:
-        raise CacheError(f"{out} holds features made with {'; '.join(mism)}", params=("force", "tag"), hint=hint)
+        raise CacheError(
+            f"{out} holds features made with {'; '.join(mism)}",
+            params=("force", "tag"),
+            hint=hint,
+            param="cache_root",
+            value=out,
+        )
     if mism:
         tell(Notice("cache-replaced", f"{out} was made with other settings: replacing it (force)", ("force",)))
         return True, set()
@@ -566,7 +595,9 @@ def _check_no_empty_class(split: str, classes: Sequence[str], counts: np.ndarray
     empty = np.flatnonzero(counts == 0)
     if empty.size:
         raise DataError(
-            f"split {split}: class {classes[int(empty[0])]!r} has no images left after skipping unreadable ones"
+            f"split {split}: class {classes[int(empty[0])]!r} has no images left after skipping unreadable ones",
+            param="split",
+            value=split,
         )
 
 
@@ -601,6 +632,8 @@ def _complete_splits(
                     f"{out}: split {s!r} {' and '.join(problems)}",
                     params=tuple(params),
                     hint="force recomputes it; a tag writes another file",
+                    param="cache_root",
+                    value=out,
                 )
             done.add(s)
             tell(SplitReused(s, out))
@@ -665,7 +698,13 @@ def _stage_batches(
             bad = set(ds.bad_indices(y))
             if bad and not skip_bad:
                 err = ds.error(min(bad))
-                raise DataError(str(err), params=("skip_bad",), hint="skip_bad leaves unreadable images out") from None
+                raise DataError(
+                    str(err),
+                    params=("skip_bad",),
+                    hint="skip_bad leaves unreadable images out",
+                    param="skip_bad",
+                    value=skip_bad,
+                ) from None
             good = [i for i in range(pos, pos + b) if i not in bad]
             if bad:
                 keep = y >= 0

@@ -76,6 +76,8 @@ def pool_file(source: str, cache_path: Path | str | None) -> Path:
             f"negatives {source}: no such cache file {str(path)!r} (the keywords are base, random, sphere and "
             f"none; anything else names a pool file, FILE[:SPLIT])",
             params=("negatives",),
+            param="negatives",
+            value=source,
         )
     return path
 
@@ -91,16 +93,18 @@ def load_pool(source: str, cache_path: Path | str | None, dim: int | None = None
         try:
             feats = read_split(path, split).features
         except CacheError as e:
-            raise CacheError(f"negative pool {source!r}: {e}") from None
+            raise CacheError(f"negative pool {source!r}: {e}", param="negatives", value=source) from None
         _POOLS.clear()  # keep one pool at a time: they can be large
         _POOLS[key] = feats
     pool = _POOLS[key]
     if pool.shape[0] == 0:
-        raise CacheError(f"negative pool {source!r} ({path}:{split}) has no rows")
+        raise CacheError(f"negative pool {source!r} ({path}:{split}) has no rows", param="negatives", value=source)
     if dim is not None and pool.shape[1] != dim:
         raise ConfigError(
             f"negative pool {source!r} ({path}:{split}) has feature dimension {pool.shape[1]}, "
-            f"but the episodes' features have {dim}"
+            f"but the episodes' features have {dim}",
+            param="negatives",
+            value=source,
         )
     return pool
 
@@ -155,7 +159,12 @@ def generate(
     ones to a few units in the last place (the device's ``log``/``sin``/``cos``).
     """
     if kind not in GENERATED:
-        raise ConfigError(f"unknown generated negatives {kind!r}: use random or sphere", params=("negatives",))
+        raise ConfigError(
+            f"unknown generated negatives {kind!r}: use random or sphere",
+            params=("negatives",),
+            param="negatives",
+            value=kind,
+        )
     dev = torch.device("cpu") if device is None else torch.device(device)
     idx = episode_index.tolist()
     size = n_neg * dim

@@ -61,16 +61,23 @@ def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
     """``[(absolute path, class)]`` from ``folder/<class>/<images>`` (images found recursively)."""
     d = resolve_path(Path(folder).expanduser(), "support")
     if not d.is_dir():
-        raise DataError(f"support {d}: no such folder", params=("support",))
+        raise DataError(f"support {d}: no such folder", params=("support",), param="support", value=folder)
     class_dirs = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not class_dirs:
-        raise DataError(f"support {d} has no class folders (layout: SUPPORT/<class>/<image>)", params=("support",))
+        raise DataError(
+            f"support {d} has no class folders (layout: SUPPORT/<class>/<image>)",
+            params=("support",),
+            param="support",
+            value=folder,
+        )
     out = []
     for cd in class_dirs:
         files = _images_under(cd)
         if not files:
             raise DataError(
-                f"support class {cd.name!r} has no images: {cd} (image extensions: {' '.join(IMAGE_EXTENSIONS)})"
+                f"support class {cd.name!r} has no images: {cd} (image extensions: {' '.join(IMAGE_EXTENSIONS)})",
+                param="folder",
+                value=folder,
             )
         out += [(str(f.resolve()), cd.name) for f in files]
     return out
@@ -79,35 +86,39 @@ def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
 def _read_csv(path: str | os.PathLike, what: str, need_label: bool) -> list[tuple[str, str | None]]:
     p = resolve_path(Path(path).expanduser(), what)
     if not p.is_file():
-        raise DataError(f"{what} {p}: no such file", params=(what,))
+        raise DataError(f"{what} {p}: no such file", params=(what,), param=what, value=path)
     with open(p, newline="", encoding="utf-8") as fh:
         rows = [r for r in csv.reader(fh) if r and any(c.strip() for c in r)]
     if not rows:
-        raise DataError(f"{what} {p} is empty", params=(what,))
+        raise DataError(f"{what} {p} is empty", params=(what,), param=what, value=path)
     header = [c.strip().lower() for c in rows[0]]
     if "path" not in header:
         raise DataError(
             f"{what} {p}: the first line must be a header with a 'path' column"
             + (" and a 'label' column" if need_label else " (and optionally 'label')"),
             params=(what,),
+            param=what,
+            value=path,
         )
     ip, il = header.index("path"), header.index("label") if "label" in header else None
     if need_label and il is None:
-        raise DataError(f"{what} {p}: no 'label' column in the header", params=(what,))
+        raise DataError(f"{what} {p}: no 'label' column in the header", params=(what,), param=what, value=path)
     out: list[tuple[str, str | None]] = []
     for n, r in enumerate(rows[1:], start=2):
         if len(r) <= max(ip, il or 0):
-            raise DataError(f"{what} {p}, line {n}: {len(r)} fields, expected {len(header)}", params=(what,))
+            raise DataError(
+                f"{what} {p}, line {n}: {len(r)} fields, expected {len(header)}", params=(what,), param=what, value=path
+            )
         f = Path(r[ip].strip()).expanduser()
         f = f if f.is_absolute() else p.parent / f
         if not f.is_file():
-            raise DataError(f"{what} {p}, line {n}: image {f} does not exist", params=(what,))
+            raise DataError(f"{what} {p}, line {n}: image {f} does not exist", params=(what,), param=what, value=path)
         label = r[il].strip() if il is not None else None
         if il is not None and not label:
-            raise DataError(f"{what} {p}, line {n}: empty label", params=(what,))
+            raise DataError(f"{what} {p}, line {n}: empty label", params=(what,), param=what, value=path)
         out.append((str(f.resolve()), label))
     if not out:
-        raise DataError(f"{what} {p} lists no images", params=(what,))
+        raise DataError(f"{what} {p} lists no images", params=(what,), param=what, value=path)
     return out
 
 
@@ -120,11 +131,14 @@ def query_from_folder(folder: str | os.PathLike) -> list[tuple[str, str | None]]
     """``[(absolute path, None)]``: every image under ``folder``, sorted."""
     d = resolve_path(Path(folder).expanduser(), "query")
     if not d.is_dir():
-        raise DataError(f"query {d}: no such folder", params=("query",))
+        raise DataError(f"query {d}: no such folder", params=("query",), param="query", value=folder)
     files = _images_under(d)
     if not files:
         raise DataError(
-            f"query {d} holds no images (image extensions: {' '.join(IMAGE_EXTENSIONS)})", params=("query",)
+            f"query {d} holds no images (image extensions: {' '.join(IMAGE_EXTENSIONS)})",
+            params=("query",),
+            param="query",
+            value=folder,
         )
     return [(str(f.resolve()), None) for f in files]
 
@@ -206,6 +220,8 @@ def _check_base_cache(path: Path, backbone: str, sha: str) -> dict[str, Any]:
             f"{attrs['checkpoint_sha256'][:12]}), not of {backbone} (checkpoint {sha[:12]}): "
             f"its rows would live in another feature space",
             params=("negatives_from",),
+            param="negatives_from",
+            value=path,
         )
     return attrs
 
@@ -226,21 +242,29 @@ def make_task(support: Sequence[tuple[str, str]], query: Sequence[tuple[str, str
     that are partial or not support classes."""
     support, query = list(support), list(query)
     if not support:
-        raise DataError("no support images")
+        raise DataError("no support images", param="support", value=support)
     if not query:
-        raise DataError("no query images")
+        raise DataError("no query images", param="query", value=query)
     classes = sorted({c for _, c in support})
     if len(classes) < 2:
-        raise DataError(f"the support has one class only ({classes[0]!r}); a classifier needs at least two")
+        raise DataError(
+            f"the support has one class only ({classes[0]!r}); a classifier needs at least two",
+            param="support",
+            value=support,
+        )
     labelled = [y is not None for _, y in query]
     if any(labelled) and not all(labelled):
-        raise DataError("some query images have a label and others none: label all of them or none")
+        raise DataError(
+            "some query images have a label and others none: label all of them or none", param="query", value=query
+        )
     labels = [str(y) for _, y in query] if all(labelled) else None
     if labels is not None:
         unknown = sorted(set(labels) - set(classes))
         if unknown:
             raise DataError(
-                f"query label(s) {', '.join(map(repr, unknown[:5]))} are not support classes ({', '.join(classes)})"
+                f"query label(s) {', '.join(map(repr, unknown[:5]))} are not support classes ({', '.join(classes)})",
+                param="query",
+                value=unknown,
             )
     return Task(support, query, classes, labels)
 
@@ -282,6 +306,8 @@ def make_solving(
         raise ConfigError(
             "negatives base reads the train split of negatives_from: give a feature cache of the same backbone",
             params=("negatives", "negatives_from"),
+            param="negatives_from",
+            value=negatives_from,
         )
     info.check_negatives(cfg, negatives)
     NegativeSpec(negatives, n_neg).validate()
@@ -290,6 +316,8 @@ def make_solving(
         raise ConfigError(
             "preprocess cl2n centres on base-class features: give negatives_from (a cache; its train split)",
             params=("preprocess", "negatives_from"),
+            param="preprocess",
+            value=preprocess,
         )
     return Solving(info.name, cfg, negatives if info.needs_negatives(cfg) else None, n_neg, pool, pre)
 
@@ -307,7 +335,12 @@ def _pool_attrs(solving: Solving, backbone: str, sha: str) -> dict[str, Any]:
     if solving.negatives_from is None:
         return {}
     if not solving.negatives_from.is_file():
-        raise ConfigError(f"negatives_from {solving.negatives_from}: no such cache file", params=("negatives_from",))
+        raise ConfigError(
+            f"negatives_from {solving.negatives_from}: no such cache file",
+            params=("negatives_from",),
+            param="negatives_from",
+            value=solving.negatives_from,
+        )
     return _check_base_cache(solving.negatives_from, backbone, sha)
 
 
@@ -497,14 +530,16 @@ def _task_features(
                 source=ListSource(lists),
             )
         except DataError as e:  # predict has no skip_bad: every image must decode
-            raise DataError(e.message) from None
+            raise DataError(e.message, params=e.params, param=e.param, value=e.value) from None
         _check_transform(path, base_attrs, solving)
         s, q = read_split(path, "support"), read_split(path, "query")
     # The splits' classes are sorted names: support's are exactly the task's classes.
     if s.classes != task.classes:
+        # not a caller's value: predict wrote this cache itself, from the same image list
         raise CacheError(f"{path}: support classes {s.classes} differ from the image list's {task.classes}")
     # rows come back in the image-list order (extract writes them in order; nothing is skipped here)
     if s.paths is None or q.paths is None or len(q) != len(task.query) or len(s) != len(task.support):
+        # not a caller's value: predict wrote this cache itself, from the same image list
         raise CacheError(f"{path}: expected {len(task.support)} support and {len(task.query)} query rows")
     return path, s, q
 
@@ -520,6 +555,8 @@ def _check_transform(path: Path, base_attrs: dict[str, Any], solving: Solving) -
             f"through '{theirs}': give the same image_size (and crop_pct / interpolation) "
             f"as that cache, or leave them out to take its own",
             params=("negatives_from", "image_size", "crop_pct", "interpolation"),
+            param="negatives_from",
+            value=solving.negatives_from,
         )
 
 

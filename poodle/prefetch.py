@@ -34,7 +34,9 @@ def pool_location(source: str, cache_path: Path | str | None) -> tuple[Path, str
     """``(file, split)`` of a negative pool source (``base`` or ``FILE[:SPLIT]``)."""
     if source == "base":
         if cache_path is None:
-            raise ConfigError("negatives = base needs the cache file (its train split is the pool)")
+            raise ConfigError(
+                "negatives = base needs the cache file (its train split is the pool)", param="negatives", value=source
+            )
         return Path(cache_path), "train"
     path, sep, split = source.rpartition(":")
     # "C:\\x.h5" or a path without ":SPLIT": the whole text is the file

@@ -86,10 +86,17 @@ def parse(text: str | Preprocess | None) -> Preprocess:
         return text
     kind, sep, arg = str(text).strip().partition(":")
     if kind not in KINDS:
-        raise ConfigError(f"preprocess {text!r}: use l2n, cl2n or power[:BETA]", params=("preprocess",))
+        raise ConfigError(
+            f"preprocess {text!r}: use l2n, cl2n or power[:BETA]",
+            params=("preprocess",),
+            param="preprocess",
+            value=text,
+        )
     if kind != "power":
         if sep:
-            raise ConfigError(f"preprocess {text!r}: {kind} takes no argument", params=("preprocess",))
+            raise ConfigError(
+                f"preprocess {text!r}: {kind} takes no argument", params=("preprocess",), param="preprocess", value=text
+            )
         return Preprocess(kind)
     if not sep:
         return Preprocess("power", DEFAULT_BETA)
@@ -97,10 +104,15 @@ def parse(text: str | Preprocess | None) -> Preprocess:
         beta = float(arg)
     except ValueError:
         raise ConfigError(
-            f"preprocess {text!r}: BETA must be a number, e.g. power:0.5", params=("preprocess",)
+            f"preprocess {text!r}: BETA must be a number, e.g. power:0.5",
+            params=("preprocess",),
+            param="preprocess",
+            value=text,
         ) from None
     if not (math.isfinite(beta) and beta > 0):
-        raise ConfigError(f"preprocess {text!r}: BETA must be positive", params=("preprocess",))
+        raise ConfigError(
+            f"preprocess {text!r}: BETA must be positive", params=("preprocess",), param="preprocess", value=text
+        )
     return Preprocess("power", beta)
 
 
@@ -126,6 +138,8 @@ def power_transform(x: Tensor, beta: float, where: str = "features") -> Tensor:
             f"preprocess power: {where} row {row} has a negative value ({float(x[row].min()):.3g}); "
             f"the power transform needs non-negative (ReLU) features: use l2n or cl2n",
             params=("preprocess",),
+            param="preprocess",
+            value=where,
         )
     return _normalise_(_float64_copy(x).pow_(beta)).to(x.dtype)
 
@@ -159,7 +173,10 @@ class Preprocessor:
         if self.spec.needs_base:
             if base is None:
                 raise ConfigError(
-                    "preprocess cl2n needs a base split (the cache's train split) to centre on", params=("preprocess",)
+                    "preprocess cl2n needs a base split (the cache's train split) to centre on",
+                    params=("preprocess",),
+                    param="preprocess",
+                    value=spec,
                 )
             x = _float64_copy(base.features)
             self._working(x.numel() * 8)
@@ -181,12 +198,17 @@ class Preprocessor:
         if p.needs_base:
             if cache_path is None:
                 raise ConfigError(
-                    "preprocess cl2n needs a cache with a train split (the base classes)", params=("preprocess",)
+                    "preprocess cl2n needs a cache with a train split (the base classes)",
+                    params=("preprocess",),
+                    param="preprocess",
+                    value=spec,
                 )
             if BASE_SPLIT not in list_splits(cache_path):
                 raise ConfigError(
                     f"preprocess cl2n centres on the base split, but {cache_path} has no complete {BASE_SPLIT!r} split",
                     params=("preprocess",),
+                    param="preprocess",
+                    value=spec,
                 )
             base = read_split(cache_path, BASE_SPLIT)
         return cls(p, base, log)
@@ -243,16 +265,18 @@ class Preprocessor:
             try:
                 s = read_split(path, split)
             except CacheError as e:
-                raise CacheError(f"negative pool {source!r}: {e}") from None
+                raise CacheError(f"negative pool {source!r}: {e}", param="negatives", value=source) from None
             self._pools = {key: self.rows(s.features, s.norms, where=f"negative pool {source!r}")}
             self._working(s.features.numel() * (8 + s.features.element_size()))
         pool = self._pools[key]
         if pool.shape[0] == 0:
-            raise CacheError(f"negative pool {source!r} ({path}:{split}) has no rows")
+            raise CacheError(f"negative pool {source!r} ({path}:{split}) has no rows", param="negatives", value=source)
         if dim is not None and pool.shape[1] != dim:
             raise ConfigError(
                 f"negative pool {source!r} ({path}:{split}) has feature dimension {pool.shape[1]}, "
-                f"but the episodes' features have {dim}"
+                f"but the episodes' features have {dim}",
+                param="negatives",
+                value=source,
             )
         return pool
 

@@ -53,22 +53,24 @@ def read_project(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
         text = p.read_bytes().decode("utf-8-sig")
     except FileNotFoundError:
         dangling = " (a symbolic link to nothing)" if p.is_symlink() else ""
-        raise ConfigError(f"project file {p} does not exist{dangling}") from None
+        raise ConfigError(f"project file {p} does not exist{dangling}", param="path", value=path) from None
     except IsADirectoryError:
-        raise ConfigError(f"project file {p} is a directory") from None
+        raise ConfigError(f"project file {p} is a directory", param="path", value=path) from None
     except OSError as e:  # a symbolic link loop, no permission to read, an I/O error
-        raise ConfigError(f"project file {p} cannot be read: {_os_reason(e)}") from None
+        raise ConfigError(f"project file {p} cannot be read: {_os_reason(e)}", param="path", value=path) from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"project file {p} is not UTF-8 text (byte {e.start})") from None
+        raise ConfigError(f"project file {p} is not UTF-8 text (byte {e.start})", param="path", value=path) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"project file {p} is not valid TOML: {e}") from None
+        raise ConfigError(f"project file {p} is not valid TOML: {e}", param="path", value=path) from None
     for key, value in data.items():
         if not isinstance(value, dict):
             raise ConfigError(
                 f"{p}: {key!r} is outside any table; write it under [{DEFAULTS_TABLE}] or a command's table "
-                f"such as [extract]"
+                f"such as [extract]",
+                param="path",
+                value=path,
             )
     return data
 
@@ -99,14 +101,18 @@ def project_defaults(
         if table != DEFAULTS_TABLE and table not in options:
             raise ConfigError(
                 f"{p}: unknown table [{table}]; tables are [{DEFAULTS_TABLE}] and the commands "
-                f"{', '.join(f'[{c}]' for c in options)}"
+                f"{', '.join(f'[{c}]' for c in options)}",
+                param="path",
+                value=path,
             )
     shared = tables.get(DEFAULTS_TABLE, {})
     for key, value in shared.items():
         name = key.replace("-", "_")
         takers = [c for c, names in options.items() if name in names]
         if not takers:
-            raise ConfigError(f"{p}: [{DEFAULTS_TABLE}] {key}: no command has an option {key!r}")
+            raise ConfigError(
+                f"{p}: [{DEFAULTS_TABLE}] {key}: no command has an option {key!r}", param="path", value=path
+            )
         for c in takers:
             out.setdefault(c, {})[name] = (DEFAULTS_TABLE, key, value)
     for table, entries in tables.items():
@@ -117,7 +123,9 @@ def project_defaults(
             if name not in options[table]:
                 raise ConfigError(
                     f"{p}: [{table}] {key}: {table} has no option {key!r} (its options: "
-                    f"{', '.join(sorted(options[table]))})"
+                    f"{', '.join(sorted(options[table]))})",
+                    param="path",
+                    value=path,
                 )
             out.setdefault(table, {})[name] = (table, key, value)
     return out
@@ -348,7 +356,11 @@ def check_index(cache_root: str | os.PathLike) -> str | None:
     index = index_path(cache_root)
     if os.path.lexists(index) and not index.is_file():
         what = "a directory" if index.is_dir() else "not a regular file"
-        raise CacheError(f"{index}, the index of the caches extract writes, is {what}: move it out of the way")
+        raise CacheError(
+            f"{index}, the index of the caches extract writes, is {what}: move it out of the way",
+            param="cache_root",
+            value=cache_root,
+        )
     return _read_index(cache_root)[1]
 
 

@@ -117,7 +117,7 @@ def load_results(paths: Sequence[str | Path]) -> Results:
     Files whose last line was cut or that hold fewer cells than their grid are named in
     ``.unfinished`` (and :func:`build_table` then leaves columns with empty entries unbolded)."""
     if not paths:
-        raise ConfigError("no results file given")
+        raise ConfigError("no results file given", param="paths", value=paths)
     out: list[Result] = []
     unfinished: list[str] = []
     for p in paths:
@@ -128,7 +128,7 @@ def load_results(paths: Sequence[str | Path]) -> Results:
         for r in sorted(res.records, key=lambda r: r.get("index", 0)):
             out.append(Result(record_flat(r), np.asarray(r["acc"], dtype=np.float64), str(p), len(out)))
     if not out:
-        raise ConfigError(f"{', '.join(map(str, paths))}: no finished cells yet")
+        raise ConfigError(f"{', '.join(map(str, paths))}: no finished cells yet", param="paths", value=paths)
     return Results(out, unfinished)
 
 
@@ -155,7 +155,9 @@ def parse_where(items: Iterable[str]) -> dict[str, list[str]]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"where {item!r}: expected KEY=VALUE[,VALUE...]", params=("where",))
+            raise ConfigError(
+                f"where {item!r}: expected KEY=VALUE[,VALUE...]", params=("where",), param="where", value=item
+            )
         out.setdefault(key.strip(), []).extend(v.strip() for v in value.split(","))
     return out
 
@@ -166,13 +168,18 @@ def filter_results(results: Sequence[Result], where: Mapping[str, Sequence[str]]
     for key in where:
         if key not in known:
             raise ConfigError(
-                f"where: unknown key {key!r}; keys in these results: {', '.join(sorted(known))}", params=("where",)
+                f"where: unknown key {key!r}; keys in these results: {', '.join(sorted(known))}",
+                params=("where",),
+                param="where",
+                value=key,
             )
     kept = [r for r in results if all(any(_match(r.flat.get(k), v) for v in vs) for k, vs in where.items())]
     if not kept:
         raise ConfigError(
             "where: no result matches " + " and ".join(f"{k} in {{{', '.join(v)}}}" for k, v in where.items()),
             params=("where",),
+            param="where",
+            value=where,
         )
     return Results(kept, getattr(results, "unfinished", ()))
 
@@ -382,7 +389,10 @@ def _table_keys(results: Sequence[Result], rows: Any, cols: Any) -> tuple[list[s
     for k in (row_keys or []) + (col_keys or []):
         if k not in known:
             raise ConfigError(
-                f"rows/cols: unknown key {k!r}; keys in these results: {', '.join(known)}", params=("rows", "cols")
+                f"rows/cols: unknown key {k!r}; keys in these results: {', '.join(known)}",
+                params=("rows", "cols"),
+                param="rows",
+                value=k,
             )
     if col_keys is None:
         col_keys = [k for k in ("shot", "transductive") if k in vary and k not in (row_keys or [])]
@@ -390,7 +400,12 @@ def _table_keys(results: Sequence[Result], rows: Any, cols: Any) -> tuple[list[s
         row_keys = drop_derived(results, [k for k in vary if k not in col_keys], col_keys)
     overlap = set(row_keys) & set(col_keys)
     if overlap:
-        raise ConfigError(f"key {sorted(overlap)[0]!r} is on both rows and cols", params=("rows", "cols"))
+        raise ConfigError(
+            f"key {sorted(overlap)[0]!r} is on both rows and cols",
+            params=("rows", "cols"),
+            param="rows",
+            value=sorted(overlap)[0],
+        )
     return row_keys, col_keys, known
 
 
@@ -614,12 +629,16 @@ def domain_table(
         for i, r in enumerate(results)
     ]
     if not res:
-        raise ConfigError("a per-domain table needs results; none given")
+        raise ConfigError("a per-domain table needs results; none given", param="results", value=results)
     keys = split_keys(methods)
     if keys is None:
         keys = _method_keys(res)
     if DOMAIN_KEY in keys:
-        raise ConfigError(f"{DOMAIN_KEY!r} names the domains (the columns); it cannot tell methods apart")
+        raise ConfigError(
+            f"{DOMAIN_KEY!r} names the domains (the columns); it cannot tell methods apart",
+            param="methods",
+            value=methods,
+        )
     base = build_table(res, rows=keys, cols=[DOMAIN_KEY], bold="none", show_ci=show_ci)
     caches = [str(c[0]) for c in base.cols]
     labels = domain_labels(caches)

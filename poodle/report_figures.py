@@ -88,12 +88,16 @@ def _find_baseline(results: Sequence[Result], name: str, like: Result) -> Result
             f"{like.flat.get('label')} ({format_value('shot', like.flat.get('shot'))}); add a "
             f'[[cell]] with method = "{name}" to the grid, or set baseline to zero',
             params=("baseline",),
+            param="baseline",
+            value=name,
         )
     if len({_hashable(tuple(sorted((k, _hashable(v)) for k, v in r.flat.items()))) for r in found}) > 1:
         labels = sorted({str(r.flat.get("label")) for r in found})
         raise ConfigError(
             f"baseline {name!r} is ambiguous: {len(found)} results match ({', '.join(labels)}); filter with where",
             params=("baseline", "where"),
+            param="baseline",
+            value=name,
         )
     return found[0]
 
@@ -129,6 +133,8 @@ def _gains(
                 f"heatmap: panel {where} has {len(zero)} cells with {x}={y}=0; baseline zero needs exactly one "
                 f"(or name a baseline method)",
                 params=("baseline",),
+                param="baseline",
+                value=baseline,
             )
         base = zero[0]
     else:
@@ -137,7 +143,11 @@ def _gains(
     sig = np.zeros_like(gain, dtype=bool)
     for r in group:
         if r.pairing() != base.pairing():
-            raise ConfigError(f"heatmap: {r.flat.get('label')} and the baseline were not solved on the same episodes")
+            raise ConfigError(
+                f"heatmap: {r.flat.get('label')} and the baseline were not solved on the same episodes",
+                param="baseline",
+                value=baseline,
+            )
         i, j = ys.index(r.flat[y]), xs.index(r.flat[x])
         if not np.isnan(gain[i, j]):
             raise ConfigError(
@@ -186,7 +196,7 @@ def heatmap(
     """
     cells = [r for r in results if x in r.flat and y in r.flat and r.flat[x] is not None and r.flat[y] is not None]
     if not cells:
-        raise ConfigError(f"heatmap: no result has both {x!r} and {y!r} (run a grid over them)")
+        raise ConfigError(f"heatmap: no result has both {x!r} and {y!r} (run a grid over them)", param="x", value=x)
     if baseline != "zero":
         cells = [r for r in cells if baseline not in (r.flat.get("label"), r.flat.get("method"))]
     if panels is None:
@@ -194,7 +204,7 @@ def heatmap(
     else:
         unknown = [k for k in panels if k not in cells[0].flat]
         if unknown:
-            raise ConfigError(f"heatmap: unknown panel key {unknown[0]!r}")
+            raise ConfigError(f"heatmap: unknown panel key {unknown[0]!r}", param="panels", value=panels)
     groups = _panels(cells, panels)
     nrows, ncols, place = _heatmap_layout(cells, panels, groups)
     xs, ys = sorted({r.flat[x] for r in cells}), sorted({r.flat[y] for r in cells})
@@ -245,11 +255,13 @@ def lines(
         and (baseline is None or baseline not in (r.flat.get("label"), r.flat.get("method")))
     ]
     if not cells:
-        raise ConfigError(f"figure: no result has a numeric {x!r}")
+        raise ConfigError(f"figure: no result has a numeric {x!r}", param="x", value=x)
     if len({r.flat[x] for r in cells}) < 2:
         raise ConfigError(
             f"figure: every result has {x} = {format_value(x, cells[0].flat[x])}; run a grid over "
-            f"several values of {x!r}"
+            f"several values of {x!r}",
+            param="x",
+            value=x,
         )
     vary = drop_derived(cells, [k for k in varying_keys(cells) if k != x], (x,))
     if panels is None:

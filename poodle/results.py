@@ -73,7 +73,7 @@ def cache_identity(path: str | os.PathLike) -> str:
     try:
         st = p.stat()
     except FileNotFoundError:
-        raise ConfigError(f"feature cache {p} does not exist") from None
+        raise ConfigError(f"feature cache {p} does not exist", param="cache", value=path) from None
     key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _FINGERPRINTS:
         _FINGERPRINTS[key] = file_sha256(p)
@@ -106,7 +106,7 @@ def make_identity(
     """A cell's identity (see the module docstring); ``episode`` must hold every episode field."""
     missing = [k for k in EPISODE_KEYS if k not in episode]
     if missing:
-        raise ConfigError(f"episode settings lack {', '.join(missing)}")
+        raise ConfigError(f"episode settings lack {', '.join(missing)}", param="episode", value=episode)
     ep = {k: jsonable(v) for k, v in episode_record(dict(episode)).items()}
     identity = {
         "cache_id": cache_id,
@@ -246,11 +246,15 @@ def _parse_lines(path: Path, raw: bytes) -> tuple[list[tuple[int, dict[str, Any]
             if not objs:  # nothing read yet: not a results file at all (a grid spec, a CSV ...)
                 raise ConfigError(
                     f"{path} is not a results file (its first line is not JSON; results files are the JSON "
-                    f"Lines that solving with an output file, a grid and the demo write)"
+                    f"Lines that solving with an output file, a grid and the demo write)",
+                    param="path",
+                    value=path,
                 ) from None
-            raise ConfigError(f"{path}: line {i + 1} is not valid JSON; the file is damaged") from None
+            raise ConfigError(
+                f"{path}: line {i + 1} is not valid JSON; the file is damaged", param="path", value=path
+            ) from None
         if not isinstance(obj, dict):
-            raise ConfigError(f"{path}: line {i + 1} is not a JSON object")
+            raise ConfigError(f"{path}: line {i + 1} is not a JSON object", param="path", value=path)
         objs.append((i + 1, obj))
         complete = offset = end
     return objs, complete
@@ -263,9 +267,9 @@ def read_results(path: str | os.PathLike) -> ResultsContent:
     try:
         raw = _read_locked(path)
     except FileNotFoundError:
-        raise ConfigError(f"results file {path} does not exist") from None
+        raise ConfigError(f"results file {path} does not exist", param="path", value=path) from None
     except IsADirectoryError:
-        raise ConfigError(f"results file {path} is a directory") from None
+        raise ConfigError(f"results file {path} is a directory", param="path", value=path) from None
     return _parse(path, raw)
 
 
@@ -278,14 +282,18 @@ def _read_locked(path: Path) -> bytes:
 def _parse(path: Path, raw: bytes) -> ResultsContent:
     objs, complete = _parse_lines(path, raw)
     if not objs:
-        raise ConfigError(f"{path} is empty or has no header line")
+        raise ConfigError(f"{path} is empty or has no header line", param="path", value=path)
     header = objs[0][1]
     if header.get("format") != FORMAT:
-        raise ConfigError(f"{path} is not a poodle results file (its first line has no format={FORMAT!r})")
+        raise ConfigError(
+            f"{path} is not a poodle results file (its first line has no format={FORMAT!r})", param="path", value=path
+        )
     if header.get("version") != VERSION:
         raise ConfigError(
             f"{path}: results format version {header.get('version')} is not supported (this poodle reads "
-            f"version {VERSION})"
+            f"version {VERSION})",
+            param="path",
+            value=path,
         )
     records: dict[str, dict[str, Any]] = {}
     for line, obj in objs[1:]:
@@ -293,7 +301,9 @@ def _parse(path: Path, raw: bytes) -> ResultsContent:
             continue
         missing = [k for k in ("key", "acc", "method", "episode") if k not in obj]
         if missing:
-            raise ConfigError(f"{path}: line {line} is a cell record without {', '.join(missing)}")
+            raise ConfigError(
+                f"{path}: line {line} is a cell record without {', '.join(missing)}", param="path", value=path
+            )
         records.pop(obj["key"], None)
         records[obj["key"]] = obj
     return ResultsContent(path, header, list(records.values()), complete)

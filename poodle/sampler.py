@@ -54,6 +54,7 @@ def check_words() -> None:
         got = [int(w) for w in word_at(packed_words([5489], 4), np.zeros(4, np.int64), np.arange(4))]
         _WORDS_OK.append(got == list(_MT19937_5489))
     if not _WORDS_OK[0]:
+        # not a caller's value: this torch's generator, not a setting
         raise EpisodeError(
             f"torch {torch.__version__}'s CPU generator does not yield mt19937's words; episodes "
             "cannot be drawn as defined (they are made of those words)"

@@ -60,7 +60,7 @@ def check_setting(key: str, value: Any) -> Any:
     :class:`poodle.errors.PoodleError` carrying the key and the value otherwise. Rules between
     settings (``query_classes <= way``) are the group's, checked when the cell's whole setting is."""
     if key not in SETTINGS:
-        raise ConfigError(f"unknown setting {key!r}", params=(key,))
+        raise ConfigError(f"unknown setting {key!r}", params=(key,), param=key, value=value)
     return check_value(SETTINGS[key], value, error_of(key), files=True)
 
 

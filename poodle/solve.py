@@ -85,7 +85,10 @@ def check_outputs(
     inputs = [cache, episodes_from, negatives.split(":")[0] if negatives else None]
     if save_episodes_to is not None and out is not None and Path(save_episodes_to).resolve() == Path(out).resolve():
         raise ConfigError(
-            f"save_episodes_to and out both name {out}; give two files", params=("save_episodes_to", "out")
+            f"save_episodes_to and out both name {out}; give two files",
+            params=("save_episodes_to", "out"),
+            param="out",
+            value=out,
         )
     if save_episodes_to is not None:
         check_output(save_episodes_to, "episodes", inputs=inputs, param="save_episodes_to")
@@ -106,6 +109,8 @@ def _from_file(episodes_from: str | os.PathLike, settings: Mapping[str, Any]) ->
             f"{episodes_from}: its episodes have {', '.join(repr(of_file[k]) for k in clash)} there "
             "(the file fixes them: leave it out, or give what the file has)",
             params=(*clash, "episodes_from"),
+            param="episodes_from",
+            value=episodes_from,
         )
     eps = eps if eps is not None else load_episodes(Path(episodes_from))
     return eps, {**eps.spec.settings(), "episodes": len(eps)}
@@ -127,10 +132,10 @@ def make_cells(
     name as their ``cache`` (a grid's ``[caches]`` name), and read its file."""
     methods = list(methods)
     if not methods:
-        raise ConfigError("no method given", params=("methods",))
+        raise ConfigError("no method given", params=("methods",), param="methods", value=methods)
     dups = sorted({m for m in methods if methods.count(m) > 1})
     if dups:
-        raise ConfigError(f"method {', '.join(dups)} given twice", params=("methods",))
+        raise ConfigError(f"method {', '.join(dups)} given twice", params=("methods",), param="methods", value=methods)
     values = {k: v for k, v in settings.items() if v is not None}
     if episodes is not None and episodes.negatives is not None:
         values.setdefault("negatives", episodes.negative_source)
@@ -154,6 +159,8 @@ def make_cells(
         raise ConfigError(
             f"negatives {given}: none of the chosen methods ({', '.join(methods)}) reads negatives",
             params=("negatives",),
+            param="negatives",
+            value=given,
         )
     return cells
 
@@ -197,7 +204,11 @@ def _prepare(
     """Every check of :func:`solve` that comes before solving, and its cells."""
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; settings are {', '.join(SETTINGS)}")
+        raise ConfigError(
+            f"unknown setting(s) {', '.join(unknown)}; settings are {', '.join(SETTINGS)}",
+            param="settings",
+            value=unknown,
+        )
     path = Path(cache)
     check_outputs(path, episodes_from, settings.get("negatives"), save_episodes_to, out)
     episodes = None
@@ -233,11 +244,15 @@ def _run(
                 f"(content {drawn_id[:12]}), not from {path} (content {cache_identity(path)[:12]}): solve them "
                 "on the cache they index",
                 params=("episodes_from",),
+                param="episodes_from",
+                value=prep.episodes_from,
             )
         try:
             episodes.check_against(inputs.features(cells[0]).labels, where=str(prep.episodes_from))
         except EpisodeError as e:
-            raise EpisodeError(f"episodes_from {e}", params=("episodes_from",)) from None
+            raise EpisodeError(
+                f"episodes_from {e}", params=("episodes_from",), param="episodes_from", value=prep.episodes_from
+            ) from None
     if prep.save_episodes_to is not None and is_main_process():
         _save(inputs, cells, prep.save_episodes_to, path)
     res = run_cells(
@@ -270,7 +285,12 @@ def _run(
 def _check_domain_name(name: str) -> None:
     """ConfigError unless ``name`` may name a domain (it enters file names and seeds)."""
     if not _DOMAIN_NAME.match(name):
-        raise ConfigError(f"domain name {name!r} may hold letters, digits and _ . + - only", params=("cache",))
+        raise ConfigError(
+            f"domain name {name!r} may hold letters, digits and _ . + - only",
+            params=("cache",),
+            param="cache",
+            value=name,
+        )
 
 
 def solve(
@@ -334,7 +354,9 @@ def domain_caches(items: Sequence[str]) -> dict[str, Path]:
             path = rest.strip()
             name = name.strip()
             if not name or not path:
-                raise ConfigError(f"cache {item!r}: expected NAME=PATH or a path", params=("cache",))
+                raise ConfigError(
+                    f"cache {item!r}: expected NAME=PATH or a path", params=("cache",), param="cache", value=item
+                )
         else:
             path = item
             name = Path(item).stem
@@ -342,15 +364,19 @@ def domain_caches(items: Sequence[str]) -> dict[str, Path]:
             raise ConfigError(
                 f"cache {item!r}: domain name {name!r} may hold letters, digits and _ . + - only (give NAME=PATH)",
                 params=("cache",),
+                param="cache",
+                value=item,
             )
         if name in out:
             raise ConfigError(
                 f"cache {item!r}: domain {name!r} given twice (also {out[name]}); name each with NAME=PATH",
                 params=("cache",),
+                param="cache",
+                value=item,
             )
         out[name] = Path(path)
     if not out:
-        raise ConfigError("no feature cache given", params=("cache",))
+        raise ConfigError("no feature cache given", params=("cache",), param="cache", value=items)
     return out
 
 
@@ -378,6 +404,8 @@ def domain_file(path: str | os.PathLike, domain: str, param: str) -> Path:
             f"{param} {text}: with several caches give one file per domain, a name holding {DOMAIN_FIELD} "
             f"(e.g. episodes-{DOMAIN_FIELD}.h5)",
             params=(param,),
+            param=param,
+            value=path,
         )
     return Path(text.replace(DOMAIN_FIELD, domain))
 
@@ -428,7 +456,7 @@ def solve_domains(
     """
     t_start = time.perf_counter()
     if not caches:
-        raise ConfigError("no feature cache given", params=("cache",))
+        raise ConfigError("no feature cache given", params=("cache",), param="cache", value=caches)
     for name in caches:
         _check_domain_name(name)
     seed = settings.get("seed")
@@ -439,7 +467,10 @@ def solve_domains(
         save_to = None if save_episodes_to is None else domain_file(save_episodes_to, name, "save_episodes_to")
         if ep_from is not None and not ep_from.is_file():
             raise ConfigError(
-                f"episodes_from: no episode file {ep_from} for domain {name!r}", params=("episodes_from",)
+                f"episodes_from: no episode file {ep_from} for domain {name!r}",
+                params=("episodes_from",),
+                param="episodes_from",
+                value=episodes_from,
             )
         own = dict(settings)
         if ep_from is None:

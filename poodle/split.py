@@ -44,15 +44,17 @@ DEFAULT_FRACTION = {"noisy": 0.2, "disjoint": 0.5}
 def class_folders(root: Path) -> dict[str, list[str]]:
     """``{class: sorted image file names}`` of ``root/<class>/<image>``, classes sorted."""
     if not root.is_dir():
-        raise DataError(f"{root} is not a directory")
+        raise DataError(f"{root} is not a directory", param="root", value=root)
     out: dict[str, list[str]] = {}
     for d in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         files = sorted(f for f in os.listdir(d) if _is_image(f) and (d / f).is_file())
         if not files:
-            raise DataError(f"class folder {d} has no images")
+            raise DataError(f"class folder {d} has no images", param="root", value=root)
         out[d.name] = files
     if len(out) < 2:
-        raise DataError(f"{root}: expected class folders <root>/<class>/<image>, found {len(out)}")
+        raise DataError(
+            f"{root}: expected class folders <root>/<class>/<image>, found {len(out)}", param="root", value=root
+        )
     return out
 
 
@@ -68,7 +70,12 @@ def draw(
     """
     _check_setting(setting)
     if not 0.0 < fraction < 1.0:
-        raise ConfigError(f"fraction {fraction}: must be strictly between 0 and 1", params=("fraction",))
+        raise ConfigError(
+            f"fraction {fraction}: must be strictly between 0 and 1",
+            params=("fraction",),
+            param="fraction",
+            value=fraction,
+        )
     rng = np.random.default_rng(seed)
     pool: list[tuple[str, str]] = []
     test: list[tuple[str, str]] = []
@@ -82,6 +89,8 @@ def draw(
                 raise DataError(
                     f"fraction {fraction} of the {len(files)} images of class {c!r} leaves none to test",
                     params=("fraction",),
+                    param="fraction",
+                    value=fraction,
                 )
             pool += [(f"{c}/{f}", c) for i, f in enumerate(files) if i in chosen]
             test += [(f"{c}/{f}", c) for i, f in enumerate(files) if i not in chosen]
@@ -91,6 +100,8 @@ def draw(
                 f"fraction {fraction} of at most {most} images per class puts no image in the pool "
                 f"(the count per class is rounded down); raise it or use more images per class",
                 params=("fraction",),
+                param="fraction",
+                value=fraction,
             )
     else:
         k = int(round(fraction * len(names)))
@@ -99,6 +110,8 @@ def draw(
                 f"fraction {fraction} of {len(names)} classes gives {k} pool classes; "
                 f"both the pool and the test split need at least one",
                 params=("fraction",),
+                param="fraction",
+                value=fraction,
             )
         held = {names[i] for i in rng.permutation(len(names))[:k].tolist()}
         for c in names:
@@ -109,7 +122,12 @@ def draw(
 
 def _check_setting(setting: str) -> None:
     if setting not in SETTINGS:
-        raise ConfigError(f"setting {setting!r}: use one of {', '.join(SETTINGS)}", params=("setting",))
+        raise ConfigError(
+            f"setting {setting!r}: use one of {', '.join(SETTINGS)}",
+            params=("setting",),
+            param="setting",
+            value=setting,
+        )
 
 
 def _csv_text(rows: list[tuple[str, str]]) -> str:
@@ -136,10 +154,15 @@ def _check_out(out: Path, record: dict[str, Any], force: bool) -> None:
                 + ", ".join(f"{k}={old.get(k)!r}" for k in keys)
                 + "; pass force to replace it, or choose another folder",
                 params=("out", "force"),
+                param="out",
+                value=out,
             )
     elif out.exists() and any(out.iterdir()) and not manifest.exists() and not force:
         raise ConfigError(
-            f"out {out} exists and is not a split folder; pass force or choose another folder", params=("out", "force")
+            f"out {out} exists and is not a split folder; pass force or choose another folder",
+            params=("out", "force"),
+            param="out",
+            value=out,
         )
 
 
@@ -152,12 +175,17 @@ def _link_images(out: Path, root: Path, force: bool) -> None:
                 raise ConfigError(
                     f"out {out} holds {link.name}, which is not a link to {root}; pass force or choose another folder",
                     params=("out", "force"),
+                    param="out",
+                    value=out,
                 )
             if link.is_symlink() or link.is_file():
                 link.unlink()
             else:
                 raise ConfigError(
-                    f"out {out} holds a folder {link.name}; remove it or choose another folder", params=("out",)
+                    f"out {out} holds a folder {link.name}; remove it or choose another folder",
+                    params=("out",),
+                    param="out",
+                    value=out,
                 )
     if not link.is_symlink():
         link.symlink_to(root, target_is_directory=True)
@@ -176,7 +204,7 @@ def make_split(
     to ``out/split.json``. An existing ``out`` made with other settings is refused without ``force``."""
     root = resolve_path(Path(data_root).expanduser(), "data_root")
     if not root.exists():
-        raise DataError(f"data_root {root} does not exist", params=("data_root",))
+        raise DataError(f"data_root {root} does not exist", params=("data_root",), param="data_root", value=data_root)
     root = root.resolve()
     out = resolve_path(out, "out")
     _check_setting(setting)

@@ -47,7 +47,9 @@ def paired_difference(a: Any, b: Any) -> tuple[float, float]:
     """Mean of ``a - b`` over paired episodes (both ``[E]``) and its 95% half-width."""
     x, y = _vector(a), _vector(b)
     if x.shape != y.shape:
-        raise ConfigError(f"a paired difference needs equal lengths, got {x.shape[0]} and {y.shape[0]}")
+        raise ConfigError(
+            f"a paired difference needs equal lengths, got {x.shape[0]} and {y.shape[0]}", param="b", value=b
+        )
     return mean_ci(x - y)
 
 
@@ -59,7 +61,9 @@ def paired_ttest(a: Any, b: Any) -> tuple[float, float]:
     """
     x, y = _vector(a), _vector(b)
     if x.shape != y.shape:
-        raise ConfigError(f"a paired t-test needs two equal-length vectors, got {x.shape[0]} and {y.shape[0]}")
+        raise ConfigError(
+            f"a paired t-test needs two equal-length vectors, got {x.shape[0]} and {y.shape[0]}", param="b", value=b
+        )
     n = x.shape[0]
     if n < 2:
         return float("nan"), 1.0
@@ -133,10 +137,14 @@ def average_rank_interval(
         ``(average rank [M], low [M], high [M])``.
     """
     if not domains:
-        raise ConfigError("an average rank needs at least one domain")
+        raise ConfigError("an average rank needs at least one domain", param="domains", value=domains)
     n_methods = len(domains[0])
     if any(len(d) != n_methods for d in domains):
-        raise ConfigError(f"every domain needs all {n_methods} methods, got {[len(d) for d in domains]}")
+        raise ConfigError(
+            f"every domain needs all {n_methods} methods, got {[len(d) for d in domains]}",
+            param="domains",
+            value=domains,
+        )
     if not 0 < level < 1:
         raise ConfigError.bad_value("level", level, "must lie in (0, 1)")
     if n_boot < 1:
@@ -146,7 +154,7 @@ def average_rank_interval(
     for d, accs in enumerate(domains):
         vecs = [_vector(a) for a in accs]
         if any(v.shape[0] == 0 for v in vecs):
-            raise ConfigError(f"domain {d}: a method has no episodes")
+            raise ConfigError(f"domain {d}: a method has no episodes", param="domains", value=d)
         point += descending_ranks(np.array([v.mean() for v in vecs]), tol)
         rng = np.random.default_rng([seed, d])
         if len({v.shape[0] for v in vecs}) == 1:

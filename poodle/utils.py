@@ -40,10 +40,12 @@ def parse_size(text: str | int) -> int:
         return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if m is None or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"cannot read memory size {text!r}: use a number with MiB or GiB, e.g. 4GiB")
+        raise ConfigError(
+            f"cannot read memory size {text!r}: use a number with MiB or GiB, e.g. 4GiB", param="text", value=text
+        )
     n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n <= 0:
-        raise ConfigError(f"memory size must be positive, got {text!r}")
+        raise ConfigError(f"memory size must be positive, got {text!r}", param="text", value=text)
     return n
 
 
@@ -62,23 +64,40 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         m = re.fullmatch(r"(cpu|cuda)(?::(-?\d+))?", text)
         if m is None:
-            raise ConfigError(f"device {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)", params=("device",))
+            raise ConfigError(
+                f"device {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)",
+                params=("device",),
+                param="device",
+                value=name,
+            )
         if m.group(2) is not None and int(m.group(2)) < 0:
-            raise ConfigError(f"device {text!r}: the CUDA device index must be >= 0", params=("device",))
+            raise ConfigError(
+                f"device {text!r}: the CUDA device index must be >= 0", params=("device",), param="device", value=name
+            )
         if m.group(1) == "cpu" and m.group(2) is not None:
-            raise ConfigError(f"device {text!r}: the CPU takes no index; use cpu", params=("device",))
+            raise ConfigError(
+                f"device {text!r}: the CPU takes no index; use cpu", params=("device",), param="device", value=name
+            )
         dev = torch.device(text)
     if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)", params=("device",))
+        raise ConfigError(
+            f"device {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)", params=("device",), param="device", value=name
+        )
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(
-                f"device {text}: CUDA is not available on this machine (use cpu or auto)", params=("device",)
+                f"device {text}: CUDA is not available on this machine (use cpu or auto)",
+                params=("device",),
+                param="device",
+                value=name,
             )
         n = torch.cuda.device_count()
         if dev.index is not None and not 0 <= dev.index < n:
             raise ConfigError(
-                f"device {text}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}", params=("device",)
+                f"device {text}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}",
+                params=("device",),
+                param="device",
+                value=name,
             )
     return dev
 
@@ -90,10 +109,18 @@ def check_seed(seed: object, what: str = "seed") -> int:
     """``seed`` as an int in ``0 .. 2**63 - 1`` (what torch, numpy and HDF5 attributes all hold);
     ConfigError naming the value otherwise."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ConfigError(f"{what} must be an integer, got {seed!r}", params=(what,) if what.isidentifier() else ())
+        raise ConfigError(
+            f"{what} must be an integer, got {seed!r}",
+            params=(what,) if what.isidentifier() else (),
+            param=what,
+            value=seed,
+        )
     if not 0 <= int(seed) <= SEED_MAX:
         raise ConfigError(
-            f"{what} {seed} does not fit 63 bits: use 0 .. {SEED_MAX}", params=(what,) if what.isidentifier() else ()
+            f"{what} {seed} does not fit 63 bits: use 0 .. {SEED_MAX}",
+            params=(what,) if what.isidentifier() else (),
+            param=what,
+            value=seed,
         )
     return int(seed)
 
@@ -112,7 +139,7 @@ def check_writable_dir(path: str | os.PathLike, what: str = "output", param: str
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
-        raise ConfigError(f"{what} {path}: {probe} is a file, not a directory", params=params)
+        raise ConfigError(f"{what} {path}: {probe} is a file, not a directory", params=params, param=param, value=path)
     # probe the nearest existing folder (the missing ones are made by whoever writes): no side effect
     try:
         fd, name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=probe)
@@ -120,7 +147,10 @@ def check_writable_dir(path: str | os.PathLike, what: str = "output", param: str
         os.unlink(name)
     except OSError as e:
         raise ConfigError(
-            f"{what} {path}: cannot write in directory {probe} ({e.strerror or e})", params=params
+            f"{what} {path}: cannot write in directory {probe} ({e.strerror or e})",
+            params=params,
+            param=param,
+            value=path,
         ) from None
 
 
@@ -203,6 +233,8 @@ def resolve_path(path: str | os.PathLike, param: str | None = None, what: str = 
         raise ConfigError(
             f"{param or what} {path}: cannot be resolved: {_unresolvable(p, e)}",
             params=() if param is None else (param,),
+            param=param,
+            value=path,
         ) from None
     return p
 
@@ -312,7 +344,7 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".partial") -> Iterator[P
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"{shown}: cannot create its directory ({e.strerror})") from None
+        raise ConfigError(f"{shown}: cannot create its directory ({e.strerror})", param="path", value=path) from None
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{suffix}")
     try:
         yield tmp
@@ -417,13 +449,17 @@ def check_output(
     what = param or what
     for inp in inputs:
         if inp is not None and Path(inp).exists() and p.exists() and os.path.samefile(p, inp):
-            raise ConfigError(f"{what} {path} is the input file {inp}; choose another name", params=params)
+            raise ConfigError(
+                f"{what} {path} is the input file {inp}; choose another name", params=params, param=param, value=path
+            )
     found = file_kind(p)
     if found is not None and found not in (kind, "empty"):
         raise ConfigError(
             f"{what} {path} already exists and is {KIND_NAMES.get(found, found)}, not "
             f"{KIND_NAMES.get(kind, kind)}: refusing to overwrite it (choose another name or remove it)",
             params=params,
+            param=param,
+            value=path,
         )
     check_writable_dir(p, what, param)
 

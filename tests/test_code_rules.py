@@ -157,6 +157,43 @@ def test_an_extract_error_reaches_the_command_line_as_its_flags(tmp_path):
     assert r.exit_code == 1 and "(--force replaces it; a --tag writes another file)" in r.output, r.output
 
 
+def test_the_command_line_says_an_error_from_its_fields_never_from_its_text():
+    """A flag comes from the error's parameter fields through one mapping (``flags_of``): an error
+    about one value with a reason is said from its fields whatever its text; one that carries a
+    parameter and a value but no reason keeps its text (the file it names stays as written)."""
+    import click
+
+    from poodle.cli._common import error_text, friendly_errors
+    from poodle.errors import CacheError, ConfigError
+
+    raised: list[Exception] = []
+
+    @click.command()
+    @click.option("--n-neg", "n_neg", type=int, default=1)
+    @click.option("--cache", "cache", default="x.h5")
+    @friendly_errors
+    def cmd(n_neg: int, cache: str) -> None:
+        raise raised[0]
+
+    said = []
+    for error in (
+        ConfigError("negatives: n_neg must be >= 1", params=("n_neg",), param="n_neg", value=0, reason="must be >= 1"),
+        CacheError("x.h5: not a poodle feature cache", param="cache", value="x.h5"),
+        ConfigError("n_neg must be >= 1, got 0", params=("n_neg",)),
+    ):
+        raised[:] = [error]
+        r = CliRunner().invoke(cmd, ["--n-neg", "0"])
+        assert r.exit_code == 1
+        said.append(r.output.strip())
+    assert said == [
+        "error: --n-neg must be >= 1, got 0",
+        "error: x.h5: not a poodle feature cache",  # 'cache' in the text is not its parameter
+        "error: --n-neg must be >= 1, got 0",  # free text: the parameters it names, as flags
+    ]
+    with click.Context(cmd):
+        assert error_text(ConfigError("no cache", param="n_neg", value=0)) == "no cache"
+
+
 def test_bounds_live_next_to_their_fields_only():
     import dataclasses
 
@@ -542,3 +579,76 @@ def test_a_sequence_setting_checks_each_item_and_a_shared_one_keeps_its_bounds()
         option_like(TrainConfig, "lr", 0.1, min=1)
     with pytest.raises(AssertionError, match="takes no"):
         option_like(TrainConfig, "lr", 0.1, maximum=1)
+
+
+def _raises_module():
+    """benchmarks/raises.py, the census of the library's user errors (stdlib only: no poodle import)."""
+    import importlib.util
+    import sys
+
+    name = "poodle_bench_raises"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "raises.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_every_user_error_carries_its_parameter_or_says_why_not():
+    """Every error a caller can cause names the parameter it is about (``bad_value``, ``param=`` and
+    ``value=``, or at least ``params=``), so that a front end says it its own way without reading the
+    text; the few about no caller's value (torchrun's environment, files poodle wrote itself) say so
+    with ``# not a caller's value: <why>`` (benchmarks/raises.py)."""
+    found = _raises_module().scan(ROOT)
+    bare = [f"{r.path}:{r.line}" for r in found if r.kind == "neither"]
+    assert bare == []
+    assert sum(r.kind == "value" for r in found) > 250  # the scan sees the library's errors
+
+
+def test_an_error_about_a_file_carries_the_argument_that_named_it_and_the_path(tmp_path):
+    from poodle.backbones.checkpoint import read_checkpoint
+    from poodle.cache import read_split
+    from poodle.episodes import load_episodes
+    from poodle.errors import PoodleError
+
+    missing, foreign = tmp_path / "none.h5", tmp_path / "text.h5"
+    foreign.write_text("not a cache")
+    readers = {"cache": lambda p: read_split(p, "test"), "episodes_from": load_episodes, "checkpoint": read_checkpoint}
+    for param, read in readers.items():
+        for path in (missing, foreign):
+            with pytest.raises(PoodleError) as e:
+                read(path)
+            assert (e.value.param, e.value.value, e.value.reason) == (param, path, None), e.value
+            assert str(path) in str(e.value)  # the text names the file, as before
+
+
+def test_the_error_census_tells_the_kinds_apart():
+    bench = _raises_module()
+    errors = "class PoodleError(Exception): ...\nclass MyError(PoodleError): ...\nclass WriteError(PoodleError): ..."
+    classes = bench.error_classes({"m": ast.parse(errors)})
+    assert classes == {"PoodleError", "MyError"}
+    source = (
+        "def f(x, err):\n"
+        "    raise MyError(f'{x} is bad')\n"  # 2: neither
+        "    raise MyError(f'{x} is bad', params=('x',))\n"  # 3: params
+        "    raise MyError(f'{x} is bad', param='x', value=x)\n"  # 4: value
+        "    raise MyError.bad_value('x', x, 'must be odd')\n"  # 5: value
+        "    raise err.bad_value('x', x, 'must be odd')\n"  # 6: value (only an error has bad_value)
+        "    # not a caller's value: two files we wrote disagree\n"
+        "    raise MyError('the files disagree')\n"  # 8: marked
+        "    raise MyError(\n        'the files disagree'\n    )  # not a caller's value: ours\n"  # 9: marked
+        "    raise WriteError('disk full', path='x')\n"  # carries its file as path=: left out
+        "    raise ValueError(x)\n"
+    )
+    found = [(r.line, r.kind) for r in bench.classify(source, "m.py", classes)]
+    assert sorted(found) == [
+        (2, "neither"),
+        (3, "params"),
+        (4, "value"),
+        (5, "value"),
+        (6, "value"),
+        (8, "marked"),
+        (9, "marked"),
+    ]

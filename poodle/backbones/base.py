@@ -78,11 +78,17 @@ class Backbone(nn.Module):
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 4 or x.shape[1] != 3:
-            raise ConfigError(f"{self.name} expects images [B, 3, H, W], got a tensor of shape {list(x.shape)}")
+            raise ConfigError(
+                f"{self.name} expects images [B, 3, H, W], got a tensor of shape {list(x.shape)}",
+                param="x",
+                value=tuple(x.shape),
+            )
         if min(x.shape[-2:]) < self.min_input_size:
             raise ConfigError(
                 f"{self.name} needs inputs of at least {self.min_input_size}x"
-                f"{self.min_input_size} pixels, got {x.shape[-2]}x{x.shape[-1]}"
+                f"{self.min_input_size} pixels, got {x.shape[-2]}x{x.shape[-1]}",
+                param="x",
+                value=tuple(x.shape),
             )
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +180,9 @@ def get_spec(name: str) -> BackboneSpec:
     """The registry entry of ``name`` (or an alias); ConfigError listing the known names."""
     spec = BACKBONES.get(ALIASES.get(name, name))
     if spec is None:
-        raise ConfigError(f"unknown backbone {name!r}; known backbones: {', '.join(available())}")
+        raise ConfigError(
+            f"unknown backbone {name!r}; known backbones: {', '.join(available())}", param="backbone", value=name
+        )
     return spec
 
 
@@ -183,7 +191,7 @@ def build(name: str, *, num_classes: int = 0, rotation_head: bool = False) -> Ba
     ``rotation_head``, the 4-way rotation head. Weights are freshly initialised."""
     spec = get_spec(name)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
-        raise ConfigError(f"num_classes must be an integer >= 0, got {num_classes!r}")
+        raise ConfigError.bad_value("num_classes", num_classes, "must be an integer >= 0")
     model = spec.constructor(num_classes=num_classes, rotation_head=bool(rotation_head))
     model.name = spec.name
     return model

@@ -41,13 +41,17 @@ def _read_safetensors(p: Path) -> dict[str, torch.Tensor]:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
     except ImportError:
-        raise CheckpointError(f"{p}: reading .safetensors files needs safetensors: pip install safetensors") from None
+        raise CheckpointError(
+            f"{p}: reading .safetensors files needs safetensors: pip install safetensors", param="checkpoint", value=p
+        ) from None
     try:
         state = load_file(str(p), device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{p} is not a safetensors file ({str(e).strip().splitlines()[0][:160]})") from None
+        raise CheckpointError(
+            f"{p} is not a safetensors file ({str(e).strip().splitlines()[0][:160]})", param="checkpoint", value=p
+        ) from None
     if not state:
-        raise CheckpointError(f"{p} holds no tensors")
+        raise CheckpointError(f"{p} holds no tensors", param="checkpoint", value=p)
     return dict(state)
 
 
@@ -62,9 +66,9 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     """
     p = resolve_path(path, what="checkpoint")
     if not p.is_file():
-        raise CheckpointError(f"checkpoint {p} does not exist")
+        raise CheckpointError(f"checkpoint {p} does not exist", param="checkpoint", value=path)
     if p.stat().st_size == 0:  # torch says only "EOFError"
-        raise CheckpointError(f"{p} is not a torch checkpoint (an empty file)")
+        raise CheckpointError(f"{p} is not a torch checkpoint (an empty file)", param="checkpoint", value=path)
     if p.suffix == ".safetensors":
         return _read_safetensors(p), {}
     try:
@@ -80,14 +84,18 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
                 f"{p} holds Python object(s) that torch.load(weights_only=True) refuses to "
                 f"unpickle: {', '.join(refused[:5])}{', ...' if len(refused) > 5 else ''}; "
                 f"only tensors and plain containers are accepted (re-save the state dict "
-                f"alone)"
+                f"alone)",
+                param="checkpoint",
+                value=path,
             ) from None
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         # The weights-only unpickler buries the real cause ("Unsupported operand 100") mid-message.
         detail = next((ln for ln in lines if ln.startswith("Unsupported")), lines[0] if lines else "")
         # torch's zip reader goes on about "an internal miniz error" and file corruption: its first sentence says it
         detail = detail.split(". ")[0]
-        raise CheckpointError(f"{p} is not a torch checkpoint ({type(e).__name__}: {detail[:160]})") from e
+        raise CheckpointError(
+            f"{p} is not a torch checkpoint ({type(e).__name__}: {detail[:160]})", param="checkpoint", value=path
+        ) from e
     wrapper = next((k for k in WRAPPERS if isinstance(obj, Mapping) and isinstance(obj.get(k), Mapping)), None)
     if wrapper is not None:
         state, meta = obj[wrapper], {k: v for k, v in obj.items() if k != wrapper}
@@ -97,10 +105,14 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
         what = (
             f"a dict with keys {sorted(map(str, obj))[:8]}" if isinstance(obj, Mapping) else f"a {type(obj).__name__}"
         )
-        raise CheckpointError(f"{p} holds {what}, not a state dict or {{'state_dict': ...}}")
+        raise CheckpointError(
+            f"{p} holds {what}, not a state dict or {{'state_dict': ...}}", param="checkpoint", value=path
+        )
     for k, v in state.items():
         if not isinstance(k, str) or not isinstance(v, torch.Tensor):
-            raise CheckpointError(f"{p}: state dict entry {k!r} is a {type(v).__name__}, not a tensor")
+            raise CheckpointError(
+                f"{p}: state dict entry {k!r} is a {type(v).__name__}, not a tensor", param="checkpoint", value=path
+            )
     return dict(state), meta
 
 
@@ -245,7 +257,9 @@ def load_state_dict_strict(
         if wrong:
             raise CheckpointError(
                 f"{source}: {len(wrong)} tensor(s) where {getattr(model, 'name', 'the model')} "
-                f"has floating-point values hold non-floating data: {_listing(wrong)}"
+                f"has floating-point values hold non-floating data: {_listing(wrong)}",
+                param="checkpoint",
+                value=source,
             )
     if missing or unexpected or mismatched:
         name = getattr(model, "name", type(model).__name__)
@@ -277,7 +291,7 @@ def load_state_dict_strict(
                 f"; its classifier has {w.shape[0]} classes: build with num_classes="
                 f"{w.shape[0]}, or 0 to leave the classifier out"
             )
-        raise CheckpointError(msg)
+        raise CheckpointError(msg, param="checkpoint", value=source)
     target.load_state_dict(sd, strict=True)
 
 
@@ -300,7 +314,11 @@ def save_checkpoint(model: nn.Module, path: str | os.PathLike, **extra: Any) -> 
     ``weights_only=True`` (numbers, strings, lists, dicts, tensors)."""
     clash = {"state_dict", "arch"} & extra.keys()
     if clash:
-        raise ConfigError(f"save_checkpoint: {sorted(clash)} are written by save_checkpoint itself")
+        raise ConfigError(
+            f"save_checkpoint: {sorted(clash)} are written by save_checkpoint itself",
+            param="extra",
+            value=sorted(clash),
+        )
     model = _unwrap(model)
     # contiguous: a channels-last model's weights are stored in the usual layout, as any reader expects
     state = {PREFIX + k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
@@ -319,5 +337,7 @@ def checkpoint_digest(checkpoint: str | os.PathLike | None) -> str:
         return "none"
     ck = resolve_path(Path(checkpoint).expanduser(), "checkpoint")
     if not ck.is_file():
-        raise CheckpointError(f"checkpoint {ck} does not exist", params=("checkpoint",))
+        raise CheckpointError(
+            f"checkpoint {ck} does not exist", params=("checkpoint",), param="checkpoint", value=checkpoint
+        )
     return file_sha256(ck)

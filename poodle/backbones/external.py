@@ -55,7 +55,11 @@ def split_name(name: str) -> tuple[str, str]:
     """``"timm:resnet50"`` -> ``("timm", "resnet50")``; ConfigError for anything else."""
     source, _, model = name.partition(":")
     if source not in SOURCES or not model:
-        raise ConfigError(f"backbone {name!r}: external backbones are named torchvision:NAME or timm:NAME")
+        raise ConfigError(
+            f"backbone {name!r}: external backbones are named torchvision:NAME or timm:NAME",
+            param="backbone",
+            value=name,
+        )
     return source, model
 
 
@@ -65,6 +69,7 @@ def import_timm() -> Any:
         import timm  # optional dependency (poodle[timm]): imported only when a timm: backbone is used
         import timm.data
     except ImportError:
+        # not a caller's value: timm is not installed
         raise ConfigError(TIMM_HINT) from None
     return timm
 
@@ -84,6 +89,8 @@ def no_downloads(name: str) -> Iterator[None]:
             f"backbone {name}: building it tries to download weights ({str(url)[:80]}); poodle never "
             f"downloads: give the weights as a checkpoint file",
             params=("checkpoint",),
+            param="backbone",
+            value=name,
         )
 
     patches: list[tuple[Any, str, Any]] = [
@@ -198,7 +205,11 @@ def eval_transform_spec(
 
         dc = resolve_data_config(pretrained_cfg=cfg.to_dict())
         if dc.get("crop_mode", "center") != "center":
-            raise ConfigError(f"timm:{model}: crop mode {dc['crop_mode']!r} is not supported (only center)")
+            raise ConfigError(
+                f"timm:{model}: crop mode {dc['crop_mode']!r} is not supported (only center)",
+                param="backbone",
+                value=f"timm:{model}",
+            )
         crop = int(dc["input_size"][-1])
         resize = int(crop / float(dc["crop_pct"]))
         interp = str(dc["interpolation"])
@@ -231,7 +242,13 @@ def unknown_model(library: str, model: str, known: list[str], kind: str = "model
     """The error of a model name ``library`` does not know, with the nearest names it does."""
     near = difflib.get_close_matches(model, known, n=3)
     hint = f"did you mean {', '.join(near)}?" if near else None
-    return ConfigError(f"{library} has no {kind} {model!r}", params=("backbone",), hint=hint)
+    return ConfigError(
+        f"{library} has no {kind} {model!r}",
+        params=("backbone",),
+        hint=hint,
+        param="backbone",
+        value=f"{library}:{model}",
+    )
 
 
 def _builder(model: str) -> Callable[..., nn.Module]:
@@ -247,7 +264,11 @@ def _last_layer(net: nn.Module, model: str) -> tuple[str, nn.Module]:
         return "classifier.1", net.get_submodule("classifier.1")
     found = [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear)]
     if not found:
-        raise ConfigError(f"torchvision:{model}: no final linear layer found to take the pre-logits from")
+        raise ConfigError(
+            f"torchvision:{model}: no final linear layer found to take the pre-logits from",
+            param="backbone",
+            value=f"torchvision:{model}",
+        )
     return found[-1]
 
 
@@ -314,13 +335,19 @@ class ExternalBackbone(Backbone):
         except Exception as e:  # noqa: BLE001 - a filter fails in its own ways on a foreign file: one line
             raise CheckpointError(
                 f"{self.name}: timm's {type(self.net).__module__}.checkpoint_filter_fn cannot convert the "
-                f"checkpoint ({type(e).__name__}: {str(e).strip()[:160]})"
+                f"checkpoint ({type(e).__name__}: {str(e).strip()[:160]})",
+                param="backbone",
+                value=self.name,
             ) from None
         return dict(out)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != 3:
-            raise ConfigError(f"{self.name} expects images [B, 3, H, W], got a tensor of shape {list(x.shape)}")
+            raise ConfigError(
+                f"{self.name} expects images [B, 3, H, W], got a tensor of shape {list(x.shape)}",
+                param="x",
+                value=tuple(x.shape),
+            )
         return self._forward(self.net, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

@@ -60,6 +60,8 @@ def resolve_pretrained(backbone: str, choice: bool | str = True) -> Weights:
             f"pretrained is for timm:NAME and torchvision:NAME backbones, not {backbone}",
             params=("pretrained", "checkpoint"),
             hint="its weights come from a checkpoint, e.g. of a poodle train run",
+            param="pretrained",
+            value=choice,
         )
     source, model = split_name(backbone)
     if source == "timm":
@@ -68,6 +70,8 @@ def resolve_pretrained(backbone: str, choice: bool | str = True) -> Weights:
                 f"pretrained {choice!r}: a timm model's weights are chosen by the tag in its name",
                 params=("pretrained",),
                 hint="timm:NAME.TAG, e.g. timm:resnet50.a1_in1k, with pretrained alone",
+                param="pretrained",
+                value=choice,
             )
         return _timm_weights(model)
     return _torchvision_weights(model, DEFAULT if choice is True else str(choice))
@@ -110,12 +114,16 @@ def _timm_weights(model: str) -> Weights:
             raise ConfigError(
                 f"{name}: timm's configuration names the weights file {path}, which does not exist",
                 params=("pretrained",),
+                param="backbone",
+                value=name,
             )
         return Weights(path, {**origin, "weights_source": "file", "weights_file": str(path)})
     raise ConfigError(
         f"{name}: timm's configuration names no weights for it, so pretrained has nothing to load",
         params=("pretrained", "checkpoint"),
         hint="give a checkpoint FILE",
+        param="backbone",
+        value=name,
     )
 
 
@@ -207,6 +215,8 @@ def _hub_file(name: str, hub_id: str, filename: str | None, origin: dict[str, st
         params=("pretrained", "checkpoint"),
         hint=f"where there is network, `hf download {repo} {files[0]}` with the same HF_HOME puts it there, "
         f"then copy that folder; or give a checkpoint FILE",
+        param="backbone",
+        value=name,
     )
 
 
@@ -247,6 +257,8 @@ def _url_file(name: str, url: str, origin: dict[str, str], choice: str = "") -> 
             f"and cannot be downloaded from {url} ({type(e).__name__}: {_first_line(e)})",
             params=("pretrained", "checkpoint"),
             hint="put the file there, or give a checkpoint FILE",
+            param="backbone",
+            value=name,
         ) from None
     return Weights(path, origin)
 
@@ -265,6 +277,8 @@ def _torchvision_weights(model: str, choice: str) -> Weights:
             f"torchvision:{model} has no weights enum, so pretrained has nothing to load",
             params=("pretrained", "checkpoint"),
             hint="give a checkpoint FILE",
+            param="backbone",
+            value=f"torchvision:{model}",
         ) from None
     member = choice.rpartition(".")[2]  # "ResNet50_Weights.IMAGENET1K_V2" or "IMAGENET1K_V2"
     try:
@@ -272,7 +286,10 @@ def _torchvision_weights(model: str, choice: str) -> Weights:
     except KeyError:
         names = ", ".join(w.name for w in enum)
         raise ConfigError(
-            f"pretrained {choice!r}: {enum.__name__} has {names} (or DEFAULT)", params=("pretrained",)
+            f"pretrained {choice!r}: {enum.__name__} has {names} (or DEFAULT)",
+            params=("pretrained",),
+            param="pretrained",
+            value=choice,
         ) from None
     label = f"{enum.__name__}.{weights.name}"
     origin = {"weights": label, "weights_source": "torchvision"}

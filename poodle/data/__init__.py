@@ -68,7 +68,9 @@ class PixelCache:
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
-            raise ConfigError(f"the pixel cache's budget must be >= 0 bytes, got {max_bytes}")
+            raise ConfigError(
+                f"the pixel cache's budget must be >= 0 bytes, got {max_bytes}", param="max_bytes", value=max_bytes
+            )
         self.max_bytes = int(max_bytes)
         self.nbytes = 0
         self._images: dict[tuple[str, str], Image.Image] = {}
@@ -144,9 +146,9 @@ class ImageDataset(Dataset):
         uint8: bool = False,
     ) -> None:
         if on_error not in ("raise", "sentinel"):
-            raise ConfigError(f"on_error must be 'raise' or 'sentinel', got {on_error!r}")
+            raise ConfigError.bad_value("on_error", on_error, "must be 'raise' or 'sentinel'")
         if cache_bytes < 0:
-            raise ConfigError(f"cache_bytes must be >= 0, got {cache_bytes}")
+            raise ConfigError.bad_value("cache_bytes", cache_bytes, "must be >= 0")
         self.source = source
         self.split = split
         self.root = Path(source.root)
@@ -180,7 +182,9 @@ class ImageDataset(Dataset):
             return self.source.open_image(self.samples[index][0])
         except Exception as e:  # noqa: BLE001 - PIL raises many types for damaged files
             raise DataError(
-                f"cannot decode image {p}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                f"cannot decode image {p}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                param="root",
+                value=p,
             ) from None
 
     def _key(self, index: int) -> tuple[str, str]:
@@ -252,7 +256,11 @@ class ImageDataset(Dataset):
             self.load(index)
         except DataError as e:
             return e
-        return DataError(f"cannot decode image {self.path(index)} (it failed in a DataLoader worker)")
+        return DataError(
+            f"cannot decode image {self.path(index)} (it failed in a DataLoader worker)",
+            param="root",
+            value=self.path(index),
+        )
 
     def check(self, labels: torch.Tensor) -> None:
         """Raise DataError for the first sentinel among a batch's labels, if any."""

@@ -138,6 +138,7 @@ def faces(directory: str | None = None) -> tuple[Face, ...]:
     out += [Face(n, d / f, allowed) for n, f, allowed in CM_FACES]
     missing = [str(f.path) for f in out if not f.path.is_file()]
     if missing:
+        # not a caller's value: matplotlib's fonts are missing from this system
         raise DataError(f"glyphs: matplotlib font file(s) not found: {', '.join(missing[:3])}"
                         f"{' ...' if len(missing) > 3 else ''} (is matplotlib installed completely?)")
     return tuple(out)
@@ -157,6 +158,7 @@ def _cmap(path: str) -> frozenset[int]:
         with TTFont(path, lazy=True) as font:  # closed here: a lazy font keeps its file open until closed
             cmap = font.getBestCmap() or {}
     except Exception as e:  # noqa: BLE001 - any parse failure is a broken font file
+        # not a caller's value: a font file of this system is broken
         raise DataError(f"glyphs: cannot read the character map of {path}: {e}") from e
     return frozenset(cmap)
 
@@ -301,7 +303,7 @@ def build_classes(directory: str | None = None, alphabets: tuple[str, ...] | Non
         unknown = sorted(set(alphabets) - set(ALPHABETS))
         if unknown:
             raise DataError(f"glyphs: unknown alphabet(s) {', '.join(unknown)}; "
-                            f"known: {', '.join(ALPHABETS)}")
+                            f"known: {', '.join(ALPHABETS)}", param="alphabets", value=alphabets)
         cands = [c for c in cands if c[1] in alphabets]
     renders = clean_renders(cands, fs)
     coarse = outline_distance(renders, fs)

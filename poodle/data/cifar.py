@@ -38,7 +38,7 @@ class CifarSource(DatasetSource):
 
     def __init__(self, root: Path, bin_dir: Path, name: str) -> None:
         if name not in ("cifar-fs", "fc100"):
-            raise DataError(f"CIFAR-100 splits are cifar-fs and fc100, not {name!r}")
+            raise DataError(f"CIFAR-100 splits are cifar-fs and fc100, not {name!r}", param="name", value=name)
         super().__init__(name, root)
         self.bin_dir = Path(bin_dir)
         self.files = [self.bin_dir / f for f in FILES]
@@ -48,10 +48,16 @@ class CifarSource(DatasetSource):
                     f"dataset {name}: {f} does not exist (CIFAR-100's binary version: train.bin, "
                     f"test.bin, fine_label_names.txt, coarse_label_names.txt)",
                     params=("dataset",),
+                    param="data_root",
+                    value=root,
                 )
             size = f.stat().st_size
             if size == 0 or size % RECORD:
-                raise DataError(f"{f}: {size} bytes is not a whole number of {RECORD}-byte CIFAR-100 records")
+                raise DataError(
+                    f"{f}: {size} bytes is not a whole number of {RECORD}-byte CIFAR-100 records",
+                    param="bin_dir",
+                    value=bin_dir,
+                )
         self.fine_names = self._names("fine_label_names.txt")
         self.coarse_names = self._names("coarse_label_names.txt") if name == "fc100" else None
         self._maps: dict[Path, np.ndarray] = {}
@@ -66,6 +72,8 @@ class CifarSource(DatasetSource):
             f"dataset {name}: no {FILES[0]} in {root} or {root / 'cifar-100-binary'} (CIFAR-100's "
             f"binary version; the Python version's pickles are not read)",
             params=("dataset",),
+            param="data_root",
+            value=root,
         )
 
     def describe(self) -> str:
@@ -79,11 +87,17 @@ class CifarSource(DatasetSource):
     def _names(self, filename: str) -> list[str]:
         path = self.bin_dir / filename
         if not path.is_file():
-            raise DataError(f"dataset {self.name}: {path} does not exist", params=("dataset",))
+            raise DataError(
+                f"dataset {self.name}: {path} does not exist", params=("dataset",), param="bin_dir", value=self.bin_dir
+            )
         names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         dup = {n for n in names if names.count(n) > 1}
         if not names or dup:
-            raise DataError(f"{path}: " + ("no label names" if not names else f"label {sorted(dup)[0]!r} listed twice"))
+            raise DataError(
+                f"{path}: " + ("no label names" if not names else f"label {sorted(dup)[0]!r} listed twice"),
+                param="bin_dir",
+                value=self.bin_dir,
+            )
         return names
 
     def _map(self, path: Path) -> np.ndarray:
@@ -101,12 +115,21 @@ class CifarSource(DatasetSource):
         for labels, names, what in ((fine, self.fine_names, "fine"), (coarse, self.coarse_names, "coarse")):
             if names is not None and labels.size and int(labels.max()) >= len(names):
                 i = int(np.argmax(labels >= len(names)))
-                raise DataError(f"{path} record {i}: {what} label {int(labels[i])} but {len(names)} {what} label names")
+                raise DataError(
+                    f"{path} record {i}: {what} label {int(labels[i])} but {len(names)} {what} label names",
+                    param="bin_dir",
+                    value=self.bin_dir,
+                )
         return coarse, fine
 
     def _list(self, split: str) -> list[tuple[str, str]]:
         if split not in SPLITS:
-            raise DataError(f"dataset {self.name} has splits {', '.join(SPLITS)}; not {split!r}", params=("dataset",))
+            raise DataError(
+                f"dataset {self.name} has splits {', '.join(SPLITS)}; not {split!r}",
+                params=("dataset",),
+                param="split",
+                value=split,
+            )
         labels = [self._labels(f) for f in self.files]
         if self.name == "cifar-fs":
             wanted = split_list("cifar-fs", split)
@@ -114,7 +137,10 @@ class CifarSource(DatasetSource):
             missing = [c for c in wanted if c not in index]
             if missing:
                 raise DataError(
-                    f"{self.bin_dir / 'fine_label_names.txt'} has no class {missing[0]!r} of the CIFAR-FS {split} split"
+                    f"{self.bin_dir / 'fine_label_names.txt'} has no class {missing[0]!r} "
+                    f"of the CIFAR-FS {split} split",
+                    param="bin_dir",
+                    value=self.bin_dir,
                 )
             keep = np.zeros(len(self.fine_names), dtype=bool)
             keep[[index[c] for c in wanted]] = True
@@ -128,7 +154,9 @@ class CifarSource(DatasetSource):
             if missing:
                 raise DataError(
                     f"{self.bin_dir / 'coarse_label_names.txt'} has no superclass {missing[0]!r} of "
-                    f"the FC100 {split} split"
+                    f"the FC100 {split} split",
+                    param="bin_dir",
+                    value=self.bin_dir,
                 )
             keep = np.zeros(len(self.coarse_names), dtype=bool)
             keep[[index[c] for c in wanted]] = True
@@ -153,6 +181,8 @@ class CifarSource(DatasetSource):
                 f"dataset {self.name}: class {empty[0]!r} of the {split} split has no images in "
                 f"{', '.join(str(f) for f in self.files)}",
                 params=("dataset",),
+                param="bin_dir",
+                value=self.bin_dir,
             )
         return out
 
@@ -165,18 +195,24 @@ class CifarSource(DatasetSource):
                 if parent.setdefault(f, c) != c:
                     raise DataError(
                         f"{self.bin_dir}: fine class {self.fine_names[f]!r} appears under superclasses "
-                        f"{parent[f]} and {c}; the files are not CIFAR-100's"
+                        f"{parent[f]} and {c}; the files are not CIFAR-100's",
+                        param="bin_dir",
+                        value=self.bin_dir,
                     )
 
     def open_image(self, rel_path: str) -> Image.Image:
         """The 32 x 32 RGB image of ``<file>#<record>``."""
         name, sep, idx = rel_path.rpartition("#")
         if not sep or not idx.isdigit():
-            raise DataError(f"{rel_path!r} is not a CIFAR record path (<file>#<index>)")
+            raise DataError(
+                f"{rel_path!r} is not a CIFAR record path (<file>#<index>)", param="rel_path", value=rel_path
+            )
         m = self._map(self.root / name)
         i = int(idx)
         if i >= m.shape[0]:
-            raise DataError(f"{self.root / name} has {m.shape[0]} records, not {i + 1}")
+            raise DataError(
+                f"{self.root / name} has {m.shape[0]} records, not {i + 1}", param="rel_path", value=rel_path
+            )
         pixels = np.asarray(m[i, 2:]).reshape(3, SIDE, SIDE).transpose(1, 2, 0)
         return Image.fromarray(np.ascontiguousarray(pixels), "RGB")
 
@@ -190,7 +226,9 @@ def write_cifar100_binary(path: str | Path, images: np.ndarray, fine: np.ndarray
     n = images.shape[0]
     if images.shape[1:] != (SIDE, SIDE, 3) or np.shape(fine) != (n,) or np.shape(coarse) != (n,):
         raise DataError(
-            f"expected images [N, 32, 32, 3] and labels [N], got {images.shape}, {np.shape(fine)}, {np.shape(coarse)}"
+            f"expected images [N, 32, 32, 3] and labels [N], got {images.shape}, {np.shape(fine)}, {np.shape(coarse)}",
+            param="images",
+            value=tuple(images.shape),
         )
     rec = np.empty((n, RECORD), dtype=np.uint8)
     rec[:, 0] = coarse

@@ -88,7 +88,11 @@ def glyph_classes(alphabets: Sequence[str] | None = None, max_per_alphabet: int 
     out = list(classes)
     if max_per_alphabet is not None:
         if max_per_alphabet < 1:
-            raise ConfigError(f"glyphs: max_per_alphabet must be >= 1, got {max_per_alphabet}")
+            raise ConfigError(
+                f"glyphs: max_per_alphabet must be >= 1, got {max_per_alphabet}",
+                param="max_per_alphabet",
+                value=max_per_alphabet,
+            )
         seen: dict[str, int] = {}
         kept = []
         for c in out:
@@ -123,7 +127,9 @@ def _find_class(cls: GlyphClass | str | int) -> GlyphClass:
         if (isinstance(cls, int) and c.codepoint == cls) or c.name == cls or c.char == cls:
             return c
     raise DataError(
-        f"glyphs: no class {cls!r} (give a GlyphClass, a class name such as 'latin_0041', a character or a code point)"
+        f"glyphs: no class {cls!r} (give a GlyphClass, a class name such as 'latin_0041', a character or a code point)",
+        param="cls",
+        value=cls,
     )
 
 
@@ -132,7 +138,7 @@ def _find_class(cls: GlyphClass | str | int) -> GlyphClass:
 
 def _check_seed(seed: int) -> None:
     if not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ConfigError(f"glyphs: seed must be a non-negative integer, got {seed!r}")
+        raise ConfigError(f"glyphs: seed must be a non-negative integer, got {seed!r}", param="seed", value=seed)
 
 
 def face_order(cls: GlyphClass, seed: int) -> list[str]:
@@ -261,7 +267,9 @@ def generate_glyphs(
     fs = faces()
     classes = glyph_classes(alphabets, max_per_alphabet)
     if not classes:
-        raise DataError("glyphs: no class survives the selection; choose other alphabets")
+        raise DataError(
+            "glyphs: no class survives the selection; choose other alphabets", param="alphabets", value=alphabets
+        )
     files = _render_classes(out, classes, settings, {f.name: str(f.path) for f in fs}, workers, progress)
     manifest = _manifest(classes, settings, fs, files)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -323,6 +331,7 @@ def _render_classes(
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
     if faint:
+        # not a caller's value: the fonts of this system lack a glyph
         raise DataError(
             f"glyphs: class(es) {', '.join(faint[:5])} rendered an image without ink (a font that lacks the glyph?)"
         )
@@ -388,7 +397,9 @@ def verify_glyphs(root: str | Path, *, checksum: bool = False) -> dict:
     if not mpath.is_file():
         raise DataError(
             f"glyphs: {root} has no {MANIFEST}; it was not made by ensure_glyphs or "
-            f"its generation did not finish (delete the folder, or pass force=True)"
+            f"its generation did not finish (delete the folder, or pass force=True)",
+            param="root",
+            value=root,
         )
     try:
         m = json.loads(mpath.read_text(encoding="utf-8"))
@@ -396,12 +407,16 @@ def verify_glyphs(root: str | Path, *, checksum: bool = False) -> dict:
         recorded = m["checksum"]
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(
-            f"glyphs: {mpath} is unreadable or incomplete ({e}); delete {root} or pass force=True to regenerate"
+            f"glyphs: {mpath} is unreadable or incomplete ({e}); delete {root} or pass force=True to regenerate",
+            param="root",
+            value=root,
         ) from e
     if m.get("format") != FORMAT:
         raise DataError(
             f"glyphs: {root} was made by format {m.get('format')}, this poodle writes "
-            f"format {FORMAT}; delete it or pass force=True to regenerate"
+            f"format {FORMAT}; delete it or pass force=True to regenerate",
+            param="root",
+            value=root,
         )
     files: list[tuple[str, str]] = []
     for name, info in classes.items():
@@ -410,12 +425,16 @@ def verify_glyphs(root: str | Path, *, checksum: bool = False) -> dict:
             pngs = sorted(e.name for e in os.scandir(folder) if e.name.endswith(".png"))
         except FileNotFoundError:
             raise DataError(
-                f"glyphs: class folder {folder} is missing; delete {root} or pass force=True to regenerate"
+                f"glyphs: class folder {folder} is missing; delete {root} or pass force=True to regenerate",
+                param="root",
+                value=root,
             ) from None
         if pngs != [f"{i:03d}.png" for i in range(n)]:
             raise DataError(
                 f"glyphs: {folder} holds {len(pngs)} images, the manifest says {n}; "
-                f"delete {root} or pass force=True to regenerate"
+                f"delete {root} or pass force=True to regenerate",
+                param="root",
+                value=root,
             )
         if checksum:
             for p in pngs:
@@ -424,7 +443,9 @@ def verify_glyphs(root: str | Path, *, checksum: bool = False) -> dict:
     if checksum and _checksum(files) != recorded:
         raise DataError(
             f"glyphs: the images under {root} do not match the checksum in its "
-            f"manifest (modified files?); delete it or pass force=True to regenerate"
+            f"manifest (modified files?); delete it or pass force=True to regenerate",
+            param="root",
+            value=root,
         )
     return m
 
@@ -484,7 +505,9 @@ def ensure_glyphs(
         if got != want:
             diff = ", ".join(f"{k}={got[k]!r} (wanted {want[k]!r})" for k in want if got[k] != want[k])
             raise DataError(
-                f"glyphs: {root} was generated with other settings: {diff}; delete it or pass force=True to regenerate"
+                f"glyphs: {root} was generated with other settings: {diff}; delete it or pass force=True to regenerate",
+                param="root",
+                value=root,
             )
         return root
     base.mkdir(parents=True, exist_ok=True)

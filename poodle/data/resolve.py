@@ -17,12 +17,17 @@ from poodle.utils import resolve_path
 
 def _need_root(name: str, data_root: str | os.PathLike | None) -> Path:
     if data_root is None:
-        raise ConfigError(f"dataset {name} needs a data_root folder", params=("dataset", "data_root"))
+        raise ConfigError(
+            f"dataset {name} needs a data_root folder",
+            params=("dataset", "data_root"),
+            param="data_root",
+            value=data_root,
+        )
     root = resolve_path(Path(data_root).expanduser(), "data_root")
     if not root.exists():
-        raise DataError(f"data root {root} does not exist")
+        raise DataError(f"data root {root} does not exist", param="data_root", value=data_root)
     if not root.is_dir():
-        raise DataError(f"data root {root} is not a directory")
+        raise DataError(f"data root {root} is not a directory", param="data_root", value=data_root)
     return root
 
 
@@ -37,7 +42,9 @@ def _preset_csv(name: str, root: Path, images: tuple[str, ...], release_csv: str
     raise DataError(
         f"dataset {name}: no split files in {root}: expected {root / 'train.csv'} with images in "
         f"{root / images[0]}/, or the release's {root / release_csv}/train.csv with images in "
-        f"{root / release_images}/"
+        f"{root / release_images}/",
+        param="data_root",
+        value=root,
     )
 
 
@@ -65,10 +72,13 @@ def resolve_dataset(
             return FolderSource(Path(data_root), "glyphs")
         return FolderSource(Path(ensure_glyphs(Path(cache_root))), "glyphs")
     if name not in NAMES:
-        raise ConfigError(f"unknown dataset {name!r}; known: {', '.join(NAMES)}")
+        raise ConfigError(f"unknown dataset {name!r}; known: {', '.join(NAMES)}", param="dataset", value=name)
     if class_split is not None and name != "folder":
         raise ConfigError(
-            f"class_split {class_split} is an option of dataset folder, not {name}", params=("class_split", "dataset")
+            f"class_split {class_split} is an option of dataset folder, not {name}",
+            params=("class_split", "dataset"),
+            param="class_split",
+            value=class_split,
         )
     root = _need_root(name, data_root)
     if name == "csv":
@@ -87,4 +97,4 @@ def resolve_dataset(
     for cand in (root / "images", root / "CUB_200_2011" / "images", root):
         if cand.is_dir() and any(p.is_dir() for p in cand.iterdir()):
             return CubSource(root, cand, split=cub_split)
-    raise DataError(f"dataset cub: no class folders in {root / 'images'}")
+    raise DataError(f"dataset cub: no class folders in {root / 'images'}", param="data_root", value=root)

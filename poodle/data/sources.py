@@ -165,17 +165,25 @@ class FolderSource(DatasetSource):
         if not d.is_dir():
             raise DataError(
                 f"no split folder {d} (found: {', '.join(self.splits()) or 'none'}; "
-                f"the folder layout is <root>/<split>/<class>/<image>)"
+                f"the folder layout is <root>/<split>/<class>/<image>)",
+                param="split",
+                value=split,
             )
         class_dirs = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
         if not class_dirs:
-            raise DataError(f"split folder {d} has no class folders (layout: <root>/<split>/<class>/<image>)")
+            raise DataError(
+                f"split folder {d} has no class folders (layout: <root>/<split>/<class>/<image>)",
+                param="root",
+                value=self.root,
+            )
         out: list[tuple[str, str]] = []
         for cd in class_dirs:
             files = sorted(f for f in os.listdir(cd) if _is_image(f))
             if not files:
                 raise DataError(
-                    f"class {cd.name!r} has no images: {cd} (image extensions: {' '.join(IMAGE_EXTENSIONS)})"
+                    f"class {cd.name!r} has no images: {cd} (image extensions: {' '.join(IMAGE_EXTENSIONS)})",
+                    param="root",
+                    value=self.root,
                 )
             out.extend((_rel(cd / f, self.root), cd.name) for f in files)
         return out
@@ -206,44 +214,62 @@ class CsvSource(DatasetSource):
         if not path.is_file():
             raise DataError(
                 f"split file {path} does not exist (found: "
-                f"{', '.join(s + '.csv' for s in self.splits()) or 'no .csv files'})"
+                f"{', '.join(s + '.csv' for s in self.splits()) or 'no .csv files'})",
+                param="split",
+                value=split,
             )
         if not self.image_dir.is_dir():
-            raise DataError(f"image folder {self.image_dir} does not exist (split files name images in it)")
+            raise DataError(
+                f"image folder {self.image_dir} does not exist (split files name images in it)",
+                param="root",
+                value=self.root,
+            )
         prefix = _rel(self.image_dir, self.root) if self.image_dir != self.root else ""
         out: list[tuple[str, str]] = []
         try:
             with open(path, newline="", encoding="utf-8-sig") as fh:
                 rows = list(enumerate(csv.reader(fh), start=1))
         except (UnicodeDecodeError, csv.Error) as e:
-            raise DataError(f"{path}: not a readable CSV file ({e})") from None
+            raise DataError(f"{path}: not a readable CSV file ({e})", param="root", value=self.root) from None
         rows = [(i, [c.strip() for c in r]) for i, r in rows if any(c.strip() for c in r)]
         if rows and self._is_header(rows[0][1]):
             rows = rows[1:]
         seen: dict[str, int] = {}
         for line, row in rows:
             if len(row) < 2 or not row[0] or not row[1]:
-                raise DataError(f"{path} line {line}: expected 'filename,label', got {','.join(row)!r}")
+                raise DataError(
+                    f"{path} line {line}: expected 'filename,label', got {','.join(row)!r}",
+                    param="root",
+                    value=self.root,
+                )
             filename, label = row[0], row[1]
             # Paths are relative to the image folder: an absolute path or one climbing out of it would
             # be joined wrongly later (and fail only when the image is decoded), so refuse it here.
             if Path(filename).is_absolute() or filename.startswith(("/", "\\")) or ".." in Path(filename).parts:
                 raise DataError(
                     f"{path} line {line}: image path {filename!r} must be relative to the image "
-                    f"folder {self.image_dir} (no absolute paths, no '..')"
+                    f"folder {self.image_dir} (no absolute paths, no '..')",
+                    param="root",
+                    value=self.root,
                 )
             if not (self.image_dir / filename).is_file():
-                raise DataError(f"{path} line {line}: image {self.image_dir / filename} does not exist")
+                raise DataError(
+                    f"{path} line {line}: image {self.image_dir / filename} does not exist",
+                    param="root",
+                    value=self.root,
+                )
             if filename in seen:
                 # a repeated row would make one image two samples: it could be its own query
                 raise DataError(
                     f"{path} lines {seen[filename]} and {line} both list {filename!r}; each image "
-                    f"may appear once per split"
+                    f"may appear once per split",
+                    param="root",
+                    value=self.root,
                 )
             seen[filename] = line
             out.append((f"{prefix}/{filename}" if prefix else filename, label))
         if not out:
-            raise DataError(f"split file {path} lists no images")
+            raise DataError(f"split file {path} lists no images", param="root", value=self.root)
         return out
 
     def _is_header(self, row: list[str]) -> bool:
@@ -263,13 +289,20 @@ class CubSource(DatasetSource):
 
     def __init__(self, root: Path, image_dir: Path, name: str = "cub", split: str = "release") -> None:
         if split not in CUB_SPLITS:
-            raise ConfigError(f"cub_split {split!r}: use one of {', '.join(CUB_SPLITS)}", params=("cub_split",))
+            raise ConfigError(
+                f"cub_split {split!r}: use one of {', '.join(CUB_SPLITS)}",
+                params=("cub_split",),
+                param="cub_split",
+                value=split,
+            )
         super().__init__(name if split == "release" else f"{name}-{split}", root)
         self.split_rule = split
         self.image_dir = image_dir
         self.class_dirs = sorted(p.name for p in image_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
         if not self.class_dirs:
-            raise DataError(f"dataset cub: no class folders in {image_dir}", params=("dataset",))
+            raise DataError(
+                f"dataset cub: no class folders in {image_dir}", params=("dataset",), param="data_root", value=root
+            )
         if split != "release":
             have = set(self.class_dirs)
             self.lists = {s: split_list(f"cub-{split}", s) for s in SPLITS}
@@ -280,6 +313,8 @@ class CubSource(DatasetSource):
                         f"cub_split {split}: class folder {missing[0]!r} of its {s} split is not in "
                         f"{image_dir} ({len(missing)} of {len(names)} missing)",
                         params=("cub_split",),
+                        param="cub_split",
+                        value=split,
                     )
 
     def describe(self) -> str:
@@ -290,7 +325,12 @@ class CubSource(DatasetSource):
 
     def _list(self, split: str) -> list[tuple[str, str]]:
         if split not in self.RULE:
-            raise DataError(f"dataset cub has splits train, val, test; not {split!r}", params=("dataset",))
+            raise DataError(
+                f"dataset cub has splits train, val, test; not {split!r}",
+                params=("dataset",),
+                param="split",
+                value=split,
+            )
         out: list[tuple[str, str]] = []
         wanted = set(self.lists[split]) if self.split_rule != "release" else None
         for i, name in enumerate(self.class_dirs):
@@ -299,13 +339,15 @@ class CubSource(DatasetSource):
             d = self.image_dir / name
             files = sorted(f for f in os.listdir(d) if _is_image(f))
             if not files:
-                raise DataError(f"class {name!r} has no images: {d}")
+                raise DataError(f"class {name!r} has no images: {d}", param="root", value=self.root)
             out.extend((_rel(d / f, self.root), name) for f in files)
         if not out:
             raise DataError(
                 f"dataset cub: split {split!r} gets no classes from the "
                 f"{len(self.class_dirs)} class folders in {self.image_dir}",
                 params=("dataset",),
+                param="split",
+                value=split,
             )
         return out
 
@@ -332,6 +374,8 @@ class ListedSource(DatasetSource):
                     f"class_split {class_split!r} is neither a shipped split ({', '.join(CLASS_SPLITS)}) "
                     "nor a folder of train.txt, val.txt, test.txt",
                     params=("class_split",),
+                    param="class_split",
+                    value=class_split,
                 )
             name = list_dir.resolve().name
         super().__init__(name, root)
@@ -343,6 +387,8 @@ class ListedSource(DatasetSource):
             raise DataError(
                 f"class_split {class_split}: no class list in {list_dir} (train.txt, val.txt, test.txt)",
                 params=("class_split",),
+                param="class_split",
+                value=class_split,
             )
         owner: dict[str, str] = {}
         for s, names in self.lists.items():
@@ -351,7 +397,10 @@ class ListedSource(DatasetSource):
                 if c in owner:
                     where = "twice" if owner[c] == s else f"in {owner[c]}.txt and {s}.txt"
                     raise DataError(
-                        f"class_split {class_split}: class {c!r} is listed {where}", params=("class_split",)
+                        f"class_split {class_split}: class {c!r} is listed {where}",
+                        params=("class_split",),
+                        param="class_split",
+                        value=class_split,
                     )
                 parts = Path(c).parts
                 if Path(c).is_absolute() or ".." in parts or c.startswith(("/", "\\")):
@@ -359,6 +408,8 @@ class ListedSource(DatasetSource):
                         f"class_split {class_split}: class {c!r} of {s}.txt must be a folder path under the "
                         "data root (no absolute paths, no '..')",
                         params=("class_split",),
+                        param="class_split",
+                        value=class_split,
                     )
                 owner[c] = s
 
@@ -374,6 +425,8 @@ class ListedSource(DatasetSource):
                 f"class_split {self.class_split} has no {split} classes; extract the ones it has with "
                 f"splits {','.join(self.lists)}",
                 params=("class_split", "splits"),
+                param="class_split",
+                value=self.class_split,
             )
         names = sorted(self.lists[split])
         missing = [c for c in names if not (self.root / c).is_dir()]
@@ -382,12 +435,18 @@ class ListedSource(DatasetSource):
                 f"class_split {self.class_split}: class folder {missing[0]!r} of its {split} split is not in "
                 f"{self.root} ({len(missing)} of {len(names)} missing)",
                 params=("class_split", "data_root"),
+                param="class_split",
+                value=self.class_split,
             )
         out: list[tuple[str, str]] = []
         for c in names:
             d = self.root / c
             files = sorted(f for f in os.listdir(d) if _is_image(f) and (d / f).is_file())
             if not files:
-                raise DataError(f"class {c!r} has no images: {d} (image extensions: {' '.join(IMAGE_EXTENSIONS)})")
+                raise DataError(
+                    f"class {c!r} has no images: {d} (image extensions: {' '.join(IMAGE_EXTENSIONS)})",
+                    param="root",
+                    value=self.root,
+                )
             out.extend((_rel(d / f, self.root), c) for f in files)
         return out

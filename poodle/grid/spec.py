@@ -46,17 +46,19 @@ def _load_toml(path: Path) -> dict[str, Any]:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"grid file {path} does not exist") from None
+        raise ConfigError(f"grid file {path} does not exist", param="path", value=path) from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        raise ConfigError(f"{path}: not valid TOML: {e}", param="path", value=path) from None
     except UnicodeDecodeError as e:
         line = raw_line(path, e.start)
         raise ConfigError(
             f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}, line "
-            f"{line}); TOML files must be UTF-8"
+            f"{line}); TOML files must be UTF-8",
+            param="path",
+            value=path,
         ) from None
     except IsADirectoryError:
-        raise ConfigError(f"grid file {path} is a directory") from None
+        raise ConfigError(f"grid file {path} is a directory", param="path", value=path) from None
 
 
 def raw_line(path: Path, offset: int) -> int:
@@ -132,22 +134,26 @@ def parse_grid(
 
     name = data.get("name", path.stem)
     if not isinstance(name, str):
-        raise ConfigError(f"{where}: 'name' must be a string")
+        raise ConfigError(f"{where}: 'name' must be a string", param="name", value=name)
     description = data.get("description", "")
     product = data.get("product", True)
     if not isinstance(product, bool):
-        raise ConfigError(f"{where}: 'product' must be true or false, got {product!r}")
+        raise ConfigError(f"{where}: 'product' must be true or false, got {product!r}", param="product", value=product)
 
     caches = data.get("caches", {})
     if not isinstance(caches, dict) or not all(isinstance(v, str) for v in caches.values()):
-        raise ConfigError(f"{where}: [caches] must map names to cache file paths (strings)")
+        raise ConfigError(
+            f"{where}: [caches] must map names to cache file paths (strings)", param="caches", value=caches
+        )
     for cname in caches:
         if cname in NEGATIVE_KEYWORDS:
-            raise ConfigError(f"{where}: cache name {cname!r} is reserved (negatives keyword); rename it")
+            raise ConfigError(
+                f"{where}: cache name {cname!r} is reserved (negatives keyword); rename it", param="caches", value=cname
+            )
 
     raw_cells = data.get("cell", [])
     if not isinstance(raw_cells, list) or not all(isinstance(c, dict) for c in raw_cells):
-        raise ConfigError(f"{where}: 'cell' must be written as [[cell]] tables")
+        raise ConfigError(f"{where}: 'cell' must be written as [[cell]] tables", param="cell", value=raw_cells)
 
     fields_by_method = _solver_fields()
     axes = {k: _normalise_values(where, k, v) for k, v in flat.items()}
@@ -157,11 +163,17 @@ def parse_grid(
     if "cache" not in axes and (product or not all("cache" in c for c in cells)) and default_cache is not None:
         axes["cache"], defaulted = [_check_general(where, "cache", default_cache)], True
     if "cache" not in axes and (product or not all("cache" in c for c in cells)):
-        raise ConfigError(f'{where}: no cache given: set cache = "FILE.h5" (or a name from [caches])')
+        raise ConfigError(
+            f'{where}: no cache given: set cache = "FILE.h5" (or a name from [caches])', param="cache", value=None
+        )
     if "label" in axes:
-        raise ConfigError(f"{where}: 'label' names one explicit cell; set it inside a [[cell]]")
+        raise ConfigError(
+            f"{where}: 'label' names one explicit cell; set it inside a [[cell]]", param="label", value=axes["label"]
+        )
     if not product and not cells:
-        raise ConfigError(f"{where}: product = false but there is no [[cell]]: the grid is empty")
+        raise ConfigError(
+            f"{where}: product = false but there is no [[cell]]: the grid is empty", param="product", value=product
+        )
 
     spec = GridSpec(
         path=path,
@@ -185,12 +197,16 @@ def _flatten(data: Mapping[str, Any], where: str) -> dict[str, Any]:
         # "episodes" and "negatives" are both section names and options: a plain value is the option
         if key in SECTIONS and (isinstance(value, dict) or key not in GENERAL_KEYS):
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}: [{key}] must be a table of options")
+                raise ConfigError(f"{where}: [{key}] must be a table of options", param=key, value=value)
             for k, v in value.items():
                 if isinstance(v, dict):
-                    raise ConfigError(f"{where}: [{key}].{k} is a table; options take a value or a list")
+                    raise ConfigError(
+                        f"{where}: [{key}].{k} is a table; options take a value or a list", param=k, value=v
+                    )
                 if k in flat:
-                    raise ConfigError(f"{where}: option {k!r} is given twice ({origin[k]} and [{key}])")
+                    raise ConfigError(
+                        f"{where}: option {k!r} is given twice ({origin[k]} and [{key}])", param=k, value=v
+                    )
                 flat[k], origin[k] = v, f"[{key}]"
         elif key in TOP_LEVEL_ONLY:
             continue
@@ -198,10 +214,12 @@ def _flatten(data: Mapping[str, Any], where: str) -> dict[str, Any]:
             if isinstance(value, dict):
                 raise ConfigError(
                     f"{where}: unknown section [{key}]; sections are "
-                    f"{', '.join('[' + s + ']' for s in SECTIONS)}, [caches] and [[cell]]"
+                    f"{', '.join('[' + s + ']' for s in SECTIONS)}, [caches] and [[cell]]",
+                    param="path",
+                    value=where,
                 )
             if key in flat:
-                raise ConfigError(f"{where}: option {key!r} is given twice")
+                raise ConfigError(f"{where}: option {key!r} is given twice", param=key, value=value)
             flat[key], origin[key] = value, "top level"
     return flat
 
@@ -211,10 +229,10 @@ def _read_cell(cw: str, c: Mapping[str, Any]) -> dict[str, Any]:
     cell: dict[str, Any] = {}
     for k, v in c.items():
         if isinstance(v, dict):
-            raise ConfigError(f"{cw}: {k!r} is a table; options take a value or a list")
+            raise ConfigError(f"{cw}: {k!r} is a table; options take a value or a list", param=k, value=v)
         if k == "label":
             if not isinstance(v, str) or not v:
-                raise ConfigError(f"{cw}: 'label' must be a non-empty string, got {v!r}")
+                raise ConfigError(f"{cw}: 'label' must be a non-empty string, got {v!r}", param="label", value=v)
             cell[k] = v
         else:
             cell[k] = _normalise_values(cw, k, v)
@@ -224,13 +242,13 @@ def _read_cell(cw: str, c: Mapping[str, Any]) -> dict[str, Any]:
 def _normalise_values(where: str, key: str, value: Any) -> list[Any]:
     values = _as_list(value)
     if not values:
-        raise ConfigError(f"{where}: option {key!r} has an empty list of values")
+        raise ConfigError(f"{where}: option {key!r} has an empty list of values", param=key, value=value)
     if key in GENERAL_KEYS:
         values = [_check_general(where, key, v) for v in values]
     else:
         for v in values:
             if isinstance(v, (list, dict)):
-                raise ConfigError(f"{where}: option {key!r} has a nested value {v!r}")
+                raise ConfigError(f"{where}: option {key!r} has a nested value {v!r}", param=key, value=v)
     return values
 
 
@@ -245,7 +263,7 @@ def _check_option_names(spec: GridSpec, fields_by_method: Mapping[str, set[str]]
         try:
             solvers.get(m)
         except ConfigError as e:  # unknown method: the message lists the known ones
-            raise ConfigError(f"{where}: {e}") from None
+            raise ConfigError(f"{where}: {e}", param="method", value=m) from None
 
     def known(methods: Iterable[str]) -> set[str]:
         names = set(GENERAL_KEYS) | {"transductive"}
@@ -260,7 +278,9 @@ def _check_option_names(spec: GridSpec, fields_by_method: Mapping[str, set[str]]
         opts = sorted(known(methods) - set(GENERAL_KEYS))
         raise ConfigError(
             f"{w}: unknown option {key!r} for method {', '.join(methods)}{hint}; known options: "
-            f"{', '.join(GENERAL_KEYS)}; solver options: {', '.join(opts)}"
+            f"{', '.join(GENERAL_KEYS)}; solver options: {', '.join(opts)}",
+            param=key,
+            value=w,
         )
 
     k_all = known(all_methods)
@@ -299,7 +319,9 @@ def ambiguous(where: str, key: str, methods: Iterable[str], whose: str) -> None:
         raise ConfigError(
             f"{where}: option {key!r} would set different parameters of {whose}: {what}. Give each "
             f"method its own value: set {key} inside a [[cell]] with that method (a cell's own values "
-            f"are not shared)"
+            f"are not shared)",
+            param="path",
+            value=where,
         )
 
 
@@ -327,7 +349,7 @@ def _make_cell(spec: GridSpec, combo: Mapping[str, Any], label: str | None, stri
     at ``where`` in the grid file. Its general settings were checked as the file was read
     (:func:`parse_grid`): the cell takes them as they are."""
     if combo.get("cache") is None:
-        raise ConfigError(f'{where}: no cache given (set cache = "FILE.h5")')
+        raise ConfigError(f'{where}: no cache given (set cache = "FILE.h5")', param="cache", value=None)
     try:
         return make_cell(combo, label=label, strict=strict, locations=spec.locations, checked=True)
     except PoodleError as e:
@@ -365,7 +387,7 @@ def expand(spec: GridSpec) -> list[Cell]:
             out.setdefault(c.key, c)
     cells = numbered(list(out.values()))
     if not cells:
-        raise ConfigError(f"{where}: the grid has no cells")
+        raise ConfigError(f"{where}: the grid has no cells", param="path", value=where)
     return cells
 
 

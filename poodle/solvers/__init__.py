@@ -81,7 +81,9 @@ def get(name: str) -> SolverInfo:
     except KeyError:
         close = difflib.get_close_matches(str(name), available(), n=1)
         guess = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"unknown method {name!r}{guess}; known methods: {', '.join(available())}") from None
+        raise ConfigError(
+            f"unknown method {name!r}{guess}; known methods: {', '.join(available())}", param="method", value=name
+        ) from None
 
 
 def make_config(name: str, options: Mapping[str, Any] | None = None, *, strict: bool = False) -> Any:

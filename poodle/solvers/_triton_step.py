@@ -344,11 +344,14 @@ def _kernel_for(device: torch.device) -> Any:
     Triton's interpreter, which Triton chooses when it is first imported (``TRITON_INTERPRET=1``)."""
     ok, why = available()
     if not ok:
+        # not a caller's value: this system cannot run Triton
         raise ConfigError(f"the Triton step cannot run: {why}")
     if device.type != "cuda" and not INTERPRETED:
         raise ConfigError(
             f"the Triton step runs on CUDA tensors, or on {device.type} tensors in Triton's interpreter "
-            "(TRITON_INTERPRET=1 set before triton is first imported)"
+            "(TRITON_INTERPRET=1 set before triton is first imported)",
+            param="device",
+            value=device,
         )
     return _fit_kernel
 
@@ -356,10 +359,16 @@ def _kernel_for(device: torch.device) -> Any:
 def _check(x: Tensor, w0: Tensor) -> None:
     if x.dim() != 3 or w0.dim() != 3 or w0.shape[0] != x.shape[0] or w0.shape[2] != x.shape[2]:
         raise ConfigError(
-            f"rows must be [E, n, D] and prototypes [E, K, D]; got {tuple(x.shape)} and {tuple(w0.shape)}"
+            f"rows must be [E, n, D] and prototypes [E, K, D]; got {tuple(x.shape)} and {tuple(w0.shape)}",
+            param="x",
+            value=tuple(x.shape),
         )
     if x.dtype not in (torch.float32, torch.float64) or w0.dtype != x.dtype:
-        raise ConfigError(f"the Triton step takes float32 or float64 rows and prototypes; got {x.dtype}, {w0.dtype}")
+        raise ConfigError(
+            f"the Triton step takes float32 or float64 rows and prototypes; got {x.dtype}, {w0.dtype}",
+            param="x",
+            value=x.dtype,
+        )
 
 
 def _run(
@@ -511,16 +520,22 @@ def fit_logit_loss(
     """
     _check(x, w0)
     if loss.kind not in _KINDS:
-        raise ConfigError(f"the Triton step knows the losses {sorted(_KINDS)}, not {loss.kind!r}")
+        raise ConfigError(
+            f"the Triton step knows the losses {sorted(_KINDS)}, not {loss.kind!r}", param="loss", value=loss.kind
+        )
     E, n, _ = x.shape
     K = w0.shape[1]
     ns = int(loss.n_support)
     if not 0 < ns < n:
-        raise ConfigError(f"a logit loss needs support and query rows; got {ns} support rows of {n}")
+        raise ConfigError(
+            f"a logit loss needs support and query rows; got {ns} support rows of {n}", param="loss", value=ns
+        )
     kind = _KINDS[loss.kind]
     a = float(getattr(loss, "alpha", 0.0))
     if kind == ALPHA and a == 1.0:
-        raise ConfigError("alpha-entropy order 1 is the Shannon limit, which kind 'tim' computes")
+        raise ConfigError(
+            "alpha-entropy order 1 is the Shannon limit, which kind 'tim' computes", param="loss", value=a
+        )
     pow_int = int(a - 1) if kind == ALPHA and a - 1 == int(a - 1) and 1 <= a - 1 <= 8 else 0
     w_ce, w_a, w_c = (float(v) for v in loss.weights)
     tensors = {"targets": loss.targets.to(x.dtype).expand(E, K, ns).contiguous()}

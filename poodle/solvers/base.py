@@ -309,7 +309,10 @@ class SolverInfo:
         place the rule is checked, for the command line, grid cells and the library."""
         if coerce_option(self.name, "transductive", value, bool) and self.transductive == "never":
             raise ConfigError(
-                f"method {self.name!r} is inductive only; it cannot be transductive", params=("transductive",)
+                f"method {self.name!r} is inductive only; it cannot be transductive",
+                params=("transductive",),
+                param="transductive",
+                value=value,
             )
 
     def check_negatives(self, cfg: Any, source: str | None) -> None:
@@ -321,6 +324,8 @@ class SolverInfo:
                 f"negatives none: method {self.name!r}{what} reads negative samples; use base, random, sphere "
                 "or a pool file FILE[:SPLIT]",
                 params=("negatives",),
+                param="negatives",
+                value=source,
             )
 
     def settings(self) -> tuple[str, ...]:
@@ -407,7 +412,10 @@ def build_config(info: SolverInfo, options: Mapping[str, Any], *, strict: bool =
             if strict:
                 known = ", ".join(sorted(fields)) or "(none)"
                 raise ConfigError(
-                    f"method {info.name!r} has no option {key!r}; its options are: {known}", params=(key,)
+                    f"method {info.name!r} has no option {key!r}; its options are: {known}",
+                    params=(key,),
+                    param=key,
+                    value=value,
                 )
             continue
         kwargs[key] = coerce_option(info.name, key, value, _field_types(info.config)[key])
@@ -490,7 +498,9 @@ def coerce_option(method: str, key: str, value: Any, tp: Any) -> Any:
     if value is None:
         if type(None) in members:
             return None
-        raise ConfigError(f"option {key!r} of method {method!r} needs a value, got none", params=(key,))
+        raise ConfigError(
+            f"option {key!r} of method {method!r} needs a value, got none", params=(key,), param=key, value=value
+        )
     kinds = [m for m in members if m is not type(None)]
     for kind in kinds:
         try:
@@ -498,7 +508,9 @@ def coerce_option(method: str, key: str, value: Any, tp: Any) -> Any:
         except (TypeError, ValueError):
             continue
     names = " or ".join(_type_name(k) for k in kinds)
-    raise ConfigError(f"option {key!r} of method {method!r} expects {names}, got {value!r}", params=(key,))
+    raise ConfigError(
+        f"option {key!r} of method {method!r} expects {names}, got {value!r}", params=(key,), param=key, value=value
+    )
 
 
 def _type_name(tp: Any) -> str:
@@ -569,7 +581,12 @@ def validate_config(cfg: Any, method: str = "") -> Any:
         value = coerce_option(method, f.name, getattr(cfg, f.name), hints[f.name])
         why = violation(f, value)
         if why is not None:
-            raise ConfigError(f"method {method!r}: option {f.name!r} {why}, got {value:g}", params=(f.name,))
+            raise ConfigError(
+                f"method {method!r}: option {f.name!r} {why}, got {value:g}",
+                params=(f.name,),
+                param=f.name,
+                value=value,
+            )
         object.__setattr__(cfg, f.name, value)  # also for frozen configs: the value is only normalised
     if _frozen(type(cfg)):
         _mark_checked(cfg)
@@ -592,7 +609,10 @@ def resolve_preset(cfg: Any, method: str = "") -> None:
     if cfg.preset not in presets:
         name = method or type(cfg).__name__
         raise ConfigError(
-            f"{name}: unknown preset {cfg.preset!r}; known presets: {', '.join(presets)}", params=("preset",)
+            f"{name}: unknown preset {cfg.preset!r}; known presets: {', '.join(presets)}",
+            params=("preset",),
+            param="preset",
+            value=cfg.preset,
         )
     for key, value in presets[cfg.preset].items():
         if getattr(cfg, key) is None:

@@ -46,4 +46,4 @@ def train_transform(kind: str, image_size: int) -> Callable:
         return mild_crop_transform(image_size)
     if kind == "none":
         return transforms.eval_transform(image_size)
-    raise ConfigError(f"unknown augmentation {kind!r}; choose paper, crop or none")
+    raise ConfigError(f"unknown augmentation {kind!r}; choose paper, crop or none", param="augment", value=kind)

@@ -145,13 +145,18 @@ class TrainConfig:
         check_group(self, ConfigError)
         if self.recipe == "rot-kd" and not self.generations:
             raise ConfigError(
-                f"recipe rot-kd needs generations >= 1, got {self.generations}", params=("recipe", "generations")
+                f"recipe rot-kd needs generations >= 1, got {self.generations}",
+                params=("recipe", "generations"),
+                param="generations",
+                value=self.generations,
             )
         for m in self.milestones or ():
             if m >= self.epochs:  # each milestone an epoch before the last (its bound: at least 1)
                 raise ConfigError(
                     f"milestones contain {m}, outside 1..{self.epochs - 1} (epochs {self.epochs})",
                     params=("milestones", "epochs"),
+                    param="milestones",
+                    value=self.milestones,
                 )
 
     # -- derived values ---------------------------------------------------------------------

@@ -120,7 +120,11 @@ def _dataset(cfg: TrainConfig, split: str, transform: Callable, pixels: PixelCac
     ``dataset.finish`` (the same values as the float per-image transform)."""
     source = resolve_dataset(cfg.dataset, cfg.data_root, Path(cfg.cache_root))
     if split not in source.splits():
-        raise DataError(f"dataset {cfg.dataset!r} has no {split!r} split (it has: {', '.join(source.splits())})")
+        raise DataError(
+            f"dataset {cfg.dataset!r} has no {split!r} split (it has: {', '.join(source.splits())})",
+            param="dataset",
+            value=cfg.dataset,
+        )
     return ImageDataset(source, split, transform, cache=pixels, uint8=True)
 
 
@@ -148,12 +152,16 @@ def _read_checkpoint(path: Path, out: Path) -> dict[str, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for a damaged file
-        raise CheckpointError(f"{path}: cannot read checkpoint ({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"{path}: cannot read checkpoint ({type(e).__name__}: {e})", param="out", value=out
+        ) from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
             f"out {out} holds {path.relative_to(out)}, which is not a checkpoint written by poodle.train; "
             "pass force to start over or choose another folder",
             params=("out", "force"),
+            param="out",
+            value=out,
         )
     return ckpt
 
@@ -171,6 +179,8 @@ def _check_config(path: Path, saved: dict[str, Any], cfg: TrainConfig) -> None:
             f"out {out}: {path.relative_to(out)} was trained with other settings ({'; '.join(diffs)}); "
             "pass force to start over or choose another folder",
             params=("out", "force"),
+            param="out",
+            value=out,
         )
 
 
@@ -258,7 +268,10 @@ def train(
     amp = (device.type == "cuda") if cfg.amp is None else bool(cfg.amp and device.type == "cuda")
     if cfg.batch_size % dist.world:
         raise ConfigError(
-            f"batch_size {cfg.batch_size} is not divisible by the {dist.world} processes", params=("batch_size",)
+            f"batch_size {cfg.batch_size} is not divisible by the {dist.world} processes",
+            params=("batch_size",),
+            param="batch_size",
+            value=cfg.batch_size,
         )
     out = cfg.out_dir()
     emit = callback if (callback is not None and dist.main) else (lambda e: None)
@@ -293,12 +306,18 @@ def _train_split(cfg: TrainConfig, pixels: PixelCache) -> tuple[ImageDataset, li
     train_set = _dataset(cfg, "train", train_transform(cfg.augment, cfg.size), pixels)
     _, classes = dataset_labels(train_set)
     if len(train_set) < 2:
-        raise DataError(f"the train split of {cfg.dataset!r} has {len(train_set)} images; need at least 2")
+        raise DataError(
+            f"the train split of {cfg.dataset!r} has {len(train_set)} images; need at least 2",
+            param="dataset",
+            value=cfg.dataset,
+        )
     if len(classes) < 2:
         # a one-class classifier has a constant cross-entropy: nothing would be learnt
         raise DataError(
             f"the train split of {cfg.dataset!r} has {len(classes)} class ({', '.join(classes)}); "
-            f"training a classifier needs at least 2"
+            f"training a classifier needs at least 2",
+            param="dataset",
+            value=cfg.dataset,
         )
     return train_set, classes
 
@@ -326,7 +345,7 @@ def _prepare_out(cfg: TrainConfig, out: Path, *, resume: bool | None, force: boo
     """Check that ``out`` can take this run: empty it with ``force``, else refuse a run made with
     other settings (or, as ``resume`` asks, a missing or an existing one)."""
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"output directory {out} is a file")
+        raise ConfigError(f"output directory {out} is a file", param="out", value=out)
     check_writable_dir(out / "train.json", "output directory")
     last = out / "last.pt"
     if force and out.exists():
@@ -338,7 +357,9 @@ def _prepare_out(cfg: TrainConfig, out: Path, *, resume: bool | None, force: boo
         return
     if not last.exists():
         if resume is True:
-            raise ConfigError(f"resume: nothing to resume in {out} (no last.pt)", params=("resume",))
+            raise ConfigError(
+                f"resume: nothing to resume in {out} (no last.pt)", params=("resume",), param="resume", value=resume
+            )
         return
     saved = _read_checkpoint(last, out)
     if resume is False:
@@ -346,6 +367,8 @@ def _prepare_out(cfg: TrainConfig, out: Path, *, resume: bool | None, force: boo
             f"out {out} already holds a run (epoch {saved.get('epoch')}/{cfg.epochs}); "
             "resume it, pass force to start over or choose another folder",
             params=("out", "force"),
+            param="out",
+            value=out,
         )
     _check_config(last, saved.get("config", {}), cfg)
 
