@@ -235,3 +235,24 @@ def test_dataset_glyphs_reads_a_set_generated_elsewhere_through_data_root(tmp_pa
     (tmp_path / "plain" / "train").mkdir(parents=True)
     with pytest.raises(DataError):
         resolve_dataset("glyphs", tmp_path / "plain", cache_root=tmp_path)
+
+
+def test_the_rendering_workers_ignore_a_signal_to_the_whole_group(tmp_path):
+    # a scheduler signals every process of the group: the workers keep rendering (the parent stops
+    # at its next safe point and shuts them down); a worker killed by it broke the pool, whose
+    # shutdown could then hang
+    import multiprocessing
+    import os
+    import signal
+
+    sent: list[int] = []
+
+    def progress(n: int) -> None:
+        if not sent:
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signal.SIGTERM)
+                sent.append(child.pid)
+
+    m = g.generate_glyphs(tmp_path / "a", seed=0, alphabets=SUBSET, max_per_alphabet=4, instances=3, workers=2,
+                          progress=progress)  # fmt: skip
+    assert sent and m == json.loads((tmp_path / "a" / "manifest.json").read_text())

@@ -51,6 +51,7 @@ from poodle.data._glyph_render import (
     to_image,
 )
 from poodle.errors import ConfigError, DataError
+from poodle.interrupt import quiet_worker
 from poodle.options import check_group, option
 
 __all__ = [
@@ -321,7 +322,10 @@ def _render_classes(
         # Small chunks (~30 classes, about a second each) so that no worker idles long at the end
         # while another finishes a big last chunk; the files do not depend on the chunking.
         chunk = max(1, len(tasks) // (32 * n_workers))
-        with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
+        # the workers ignore SIGINT/SIGTERM (a scheduler signals the whole group): the parent stops at
+        # its next safe point and shuts them down; a worker killed inside a task broke the pool,
+        # whose shutdown could then hang
+        with ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=quiet_worker, initargs=(0,)) as pool:
             try:
                 for r in pool.map(_render_class, tasks, chunksize=chunk):
                     collect(r)
