@@ -457,8 +457,10 @@ def solve_domains(
     t_start = time.perf_counter()
     if not caches:
         raise ConfigError("no feature cache given", params=("cache",), param="cache", value=caches)
-    for name in caches:
+    for name, path in caches.items():
         _check_domain_name(name)
+        if not Path(path).is_file():  # before any domain is solved, not when its turn comes
+            raise _in_domain(name, ConfigError(f"feature cache {path} does not exist", param="cache", value=str(path)))
     seed = settings.get("seed")
     base_seed = int(seed) if seed is not None else defaults.SEED
     preps: dict[str, _Prepared] = {}

@@ -179,6 +179,11 @@ def test_cli_errors_name_the_domain_and_file(tmp_path, caches):
     assert r.exit_code != 0 and "NAME=PATH" in r.output
     r = _run([*both, "--way", 30, "--episodes", 2])  # 12 classes: the domain is named
     assert r.exit_code != 0 and "domain 'birds'" in r.output
+    # a missing cache is found before the first domain is solved: nothing written, nothing solved
+    out = tmp_path / "r.jsonl"
+    r = _run([*both, "--cache", f"gone={tmp_path / 'gone.h5'}", "--episodes", 2, "--out", out])
+    assert r.exit_code != 0 and "domain 'gone'" in r.output and "gone.h5 does not exist" in r.output
+    assert "solving" not in r.output and not out.exists()
 
 
 def test_project_file_lists_domains_read_from_its_folder(tmp_path, caches, monkeypatch):
