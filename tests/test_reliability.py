@@ -273,10 +273,13 @@ def test_grid_and_library_get_the_same_option_check(tmp_path, cache):
 @pytest.mark.parametrize(
     "args, culprit",
     [
-        (["--momentum", "5"], "--momentum must lie in [0, 1)"),
-        (["--weight-decay", "-1"], "--weight-decay must lie in [0, inf)"),
+        (["--momentum", "5"], "--momentum must be a number in [0, 1), got 5.0"),
+        (["--weight-decay", "-1"], "--weight-decay must be a number in [0, inf), got -1.0"),
         (["--lr", "nan"], "--lr must be"),
-        (["--seed", str(2**64)], "does not fit 63 bits"),
+        (
+            ["--seed", str(2**64)],
+            "--seed must be an integer in 0..9223372036854775807 (what torch, numpy and HDF5 hold: 63 bits)",
+        ),
     ],
 )
 def test_meaningless_training_options_are_refused(tmp_path, args, culprit):
