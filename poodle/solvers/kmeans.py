@@ -45,7 +45,6 @@ from poodle.solvers._transductive import (
     softmax_logits,
     sqdist,
     support_share,
-    syncs_freely,
     weighted_means,
 )
 from poodle.solvers.base import EpisodeBatch, SolverOutput, class_means, mask_classes, one_hot, register
@@ -80,9 +79,6 @@ def kmeans_loop(
     s2 = None if fix_support else row_sqnorm(z_s)
     # fixed support labels: their share of every update is the same, made once
     fixed = support_share(one_hot(labels_s, K, z_s.dtype), z_s) if fix_support else None
-    if fixed is not None and cm is None and q_mask is None and syncs_freely(active):
-        centres, prev_q, iters = _fixed_support_dropping(z_q, q2, centres, fixed, max_iter)
-        return centres, prev_q, prev_s, iters
     for it in range(max_iter):
         lab_q = mask_padded_classes(sqdist(z_q, centres, q2), cm, float("inf")).argmin(-1)
         if q_mask is not None:
@@ -105,56 +101,6 @@ def kmeans_loop(
             prev_s = torch.where(keep[:, None], prev_s, lab_s)
         iters = iters + active.long()
     return centres, prev_q, prev_s, iters
-
-
-def _fixed_support_dropping(
-    z_q: Tensor, q2: Tensor, centres: Tensor, fixed: tuple[Tensor, Tensor], max_iter: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`kmeans_loop` with the support labels fixed on a fixed-shape chunk, where a look at the
-    assignments costs nothing (the CPU): the chunk shrinks to the episodes still moving whenever a
-    quarter of it has stopped (each drop copies the rest), instead of every episode running to the
-    slowest one's iteration (2.6 a chunk of 40 against 1.8 an episode on the standard workload).
-    Each episode makes the same operations as in the masked loop, in a smaller batch, so its
-    centres, assignments and iterations are the same bits. Returns ``(centres, query_assign,
-    iterations)``."""
-    E, K = centres.shape[0], centres.shape[1]
-    out_c, out_q = centres.clone(), torch.full(z_q.shape[:2], -1, dtype=torch.long, device=z_q.device)
-    out_it = torch.zeros(E, dtype=torch.long, device=z_q.device)
-    idx = torch.arange(E, device=z_q.device)
-    c, prev, its, num, den = centres, out_q.clone(), out_it.clone(), fixed[0], fixed[1]
-    live: Tensor | None = None  # the episodes of the working set still moving, when some are not
-    for _ in range(max_iter):
-        lab = sqdist(z_q, c, q2).argmin(-1)
-        moved = (lab != prev).any(1)
-        if live is not None:
-            moved &= live
-        n = int(moved.count_nonzero())
-        if n == 0:
-            break
-        if n == idx.shape[0]:
-            live = None
-        elif 4 * n > 3 * idx.shape[0]:
-            live = moved
-        else:
-            keep, gone = moved.nonzero().squeeze(1), (~moved).nonzero().squeeze(1)
-            at = idx.index_select(0, gone)
-            out_c.index_copy_(0, at, c.index_select(0, gone))
-            out_q.index_copy_(0, at, prev.index_select(0, gone))
-            out_it.index_copy_(0, at, its.index_select(0, gone))
-            idx, c, prev, its, lab = (t.index_select(0, keep) for t in (idx, c, prev, its, lab))
-            z_q, q2, num, den = (t.index_select(0, keep) for t in (z_q, q2, num, den))
-            live = None
-        new = weighted_means((num, den), one_hot(lab, K, z_q.dtype), z_q, c)
-        if live is None:
-            c, prev, its = new, lab, its + 1
-        else:
-            c = torch.where(live[:, None, None], new, c)
-            prev = torch.where(live[:, None], lab, prev)
-            its = its + live.long()
-    out_c.index_copy_(0, idx, c)
-    out_q.index_copy_(0, idx, prev)
-    out_it.index_copy_(0, idx, its)
-    return out_c, out_q, out_it
 
 
 @dataclass(frozen=True)
