@@ -462,19 +462,24 @@ def test_a_new_episode_field_is_a_flag_a_project_key_a_grid_axis_and_an_identity
     assert recorded(Spec()) == recorded(EpisodeSpec())  # the identity of every older record is kept
 
 
-def _imports_module():
-    """benchmarks/imports.py, the analysis of the import graph (stdlib only: no poodle import)."""
+def _bench_module(stem: str):
+    """benchmarks/<stem>.py (stdlib only: no poodle import), loaded once."""
     import importlib.util
     import sys
 
-    name = "poodle_bench_imports"
+    name = f"poodle_bench_{stem}"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "imports.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{stem}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def _imports_module():
+    """benchmarks/imports.py, the analysis of the import graph."""
+    return _bench_module("imports")
 
 
 # The one import that reaches up and closes a circle, and why it may: poodle.defaults' module
@@ -582,18 +587,8 @@ def test_a_sequence_setting_checks_each_item_and_a_shared_one_keeps_its_bounds()
 
 
 def _raises_module():
-    """benchmarks/raises.py, the census of the library's user errors (stdlib only: no poodle import)."""
-    import importlib.util
-    import sys
-
-    name = "poodle_bench_raises"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "raises.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """benchmarks/raises.py, the census of the library's user errors."""
+    return _bench_module("raises")
 
 
 def test_every_user_error_carries_its_parameter_or_says_why_not():
