@@ -376,7 +376,7 @@ def solve_task(
         len(s.classes),
     ).to(resolve_device(device))
     torch.manual_seed(defaults.SEED)
-    log_probs = solve_batch(batch, solving.method, solving.config)
+    log_probs = solve_batch(batch, solving.method, solving.config, checked=True)  # by make_solving
     return torch.softmax(log_probs[0].double().cpu(), -1)
 
 
