@@ -904,3 +904,19 @@ FORMATS: dict[str, Callable[[Table, str | None], str]] = {
     "markdown": lambda table, caption: to_markdown(table),
     "latex": lambda table, caption: to_latex(table, caption=caption),
 }
+
+
+def formats_line() -> str:
+    """The line of docs/grid.md that names the formats of ``poodle report --format``, made from
+    :data:`FORMATS` (a test checks that the page holds it; ``python -m poodle.report`` prints it):
+    a new format is its function and its entry, and this line regenerated."""
+    names = [f"`{name}`" for name in FORMATS]
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    return (
+        f"FORMAT is `rich` (the default: the terminal's table, below) or a text format of "
+        f"`poodle.report.FORMATS`: {listed} (this line is made from them, `python -m poodle.report`).\n"
+    )
+
+
+if __name__ == "__main__":
+    print(formats_line(), end="")
