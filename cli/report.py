@@ -1,4 +1,5 @@
-"""``poodle report RESULTS...``: tables (rich, Markdown, LaTeX) and figures from grid results."""
+"""``poodle report RESULTS...``: tables (rich, or a text format of ``poodle.report.FORMATS``) and figures
+from grid results."""
 
 from __future__ import annotations
 

@@ -384,15 +384,20 @@ def _negatives(
     cache_path: Any,
     dim: int,
     preprocess: Any,
+    checked: bool = False,
 ) -> _Negatives:
     """What the methods that read negatives (``users``: each one's registry entry and config) get;
-    every check (the source, its pool file and rows, held indices) before any solving."""
-    source = None if negatives is None or negatives.is_none else negatives.source
-    for info, cfg in users:
-        info.check_negatives(cfg, source)
+    every check (the source, its pool file and rows, held indices) before any solving. ``checked``:
+    the negatives rule of each method and the spec's settings were checked where they were chosen
+    (:func:`evaluate`'s ``checked``), the files are read and checked here."""
+    if not checked:
+        source = None if negatives is None or negatives.is_none else negatives.source
+        for info, cfg in users:
+            info.check_negatives(cfg, source)
     if not users or negatives is None:
         return _Negatives()
-    negatives.validate()
+    if not checked:
+        negatives.validate()
     if negatives.generated:
         return _Negatives(negatives, count=negatives.n_neg)
     # read once: through the preprocessing when there is one (no untransformed copy kept besides)
@@ -671,16 +676,20 @@ def backend_for(run: RunOptions) -> Backend:
     return Backend(cuda_step=run.cuda_step, launch_plan=costmodel.launch_plan)
 
 
-def solve_batch(batch: EpisodeBatch, method: str | SolverInfo, cfg: Any, backend: Backend | None = None) -> Tensor:
+def solve_batch(
+    batch: EpisodeBatch, method: str | SolverInfo, cfg: Any, backend: Backend | None = None, *, checked: bool = False
+) -> Tensor:
     """Query log-probabilities ``[E, Nq, way]`` of ``method`` (a name or its registry entry)
     configured by ``cfg`` on ``batch``, whose negatives are passed to the method only when it reads
     them: ``poodle predict``'s one task. ``cfg`` is checked unless it was when built, and the
-    negatives rule against the batch's. ``backend``: which arithmetic runs (``None``: the library's
-    default), which reports what did."""
+    negatives rule against the batch's, unless ``checked``: the caller checked the rule where the
+    negatives were chosen (``poodle predict``'s, before any image was read). ``backend``: which
+    arithmetic runs (``None``: the library's default), which reports what did."""
     info = method if isinstance(method, SolverInfo) else solvers.get(method)
     if not solvers.is_checked(cfg):
         solvers.base.check_config(info.name, cfg)
-    info.check_negatives(cfg, None if batch.negatives is None else "given")
+    if not checked:
+        info.check_negatives(cfg, None if batch.negatives is None else "given")
     return _solve(batch, info, cfg, backend)
 
 
@@ -1026,6 +1035,7 @@ def evaluate(
     preprocess: Any = None,
     also_held: Mapping[str, int] | None = None,
     backend: Backend | None = None,
+    checked: bool = False,
     **deprecated: Any,
 ) -> dict[str, Tensor]:
     """Per-episode accuracies of every method on ``episodes``.
@@ -1052,6 +1062,10 @@ def evaluate(
             read, before preprocessing": n}``): an explicit ``max_memory`` on the CPU counts them.
         backend: which arithmetic the solvers run, and the report of what did (``None``:
             :func:`backend_for` ``(run)``; a caller that records what ran passes its own).
+        checked: the caller checked each method's negatives rule against ``negatives``, and the
+            negative settings, where it chose them (the pipeline's cells, when
+            :func:`poodle.cells.make_cell` made them): not checked again. Left False (a call from
+            Python), they are checked here, once per call, not per chunk.
         deprecated: the keywords of 0.1 (``device=``, ``progress=`` ...), folded into ``run`` and
             ``hooks`` with a DeprecationWarning.
 
@@ -1078,7 +1092,7 @@ def evaluate(
     _check_episodes(features, episodes)
     spec = episodes.spec
     D = features.features.shape[1]
-    neg = _negatives(users, negatives, episodes, cache_path, D, preprocess)
+    neg = _negatives(users, negatives, episodes, cache_path, D, preprocess, checked)
     gatherer = Gatherer(features.features, episodes, neg, dev, dtype)
     parts = _held_parts(gatherer, episodes, also_held) if max_memory is not None else {}
     plan_kw: dict[str, Any] = dict(

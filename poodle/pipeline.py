@@ -286,6 +286,7 @@ def solve_call(
         preprocess=pre,
         also_held=also,
         backend=backend,
+        checked=True,  # each cell's negatives, against its method, when the cell was made
     )
     call_seconds = time.perf_counter() - t0
     info = {

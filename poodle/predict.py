@@ -361,7 +361,8 @@ def solve_task(
 ) -> torch.Tensor:
     """The task as one episode of any number of classes and support images per class, solved by
     the method through the evaluation path's :func:`poodle.evaluate.solve_batch`: query
-    probabilities float64 ``[Nq, C]``."""
+    probabilities float64 ``[Nq, C]``. ``solving`` is :func:`make_solving`'s, its choices checked
+    there (the config, the negatives rule): trusted here."""
 
     def say(message: str) -> None:
         on_event(Notice("preprocess-fallback", message, ("preprocess",)))
@@ -376,7 +377,7 @@ def solve_task(
         len(s.classes),
     ).to(resolve_device(device))
     torch.manual_seed(defaults.SEED)
-    log_probs = solve_batch(batch, solving.method, solving.config)
+    log_probs = solve_batch(batch, solving.method, solving.config, checked=True)
     return torch.softmax(log_probs[0].double().cpu(), -1)
 
 

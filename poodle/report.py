@@ -23,6 +23,8 @@ Meta-Dataset's papers mark their tables.
 
 from __future__ import annotations
 
+import csv
+import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
@@ -893,6 +895,23 @@ def to_latex(table: Table, caption: str | None = None, label: str | None = None)
     return notes + "\n".join(out) + "\n"
 
 
+def to_csv(table: Table) -> str:
+    """The table as comma-separated values, one line per entry (a long table, for a spreadsheet or
+    pandas): the values of the row and column keys as ``--where`` writes them (``none``, ``true``),
+    the mean accuracy and its 95% half-width in percent, the number of episodes and whether the
+    entry is bold; then the table's further columns (``extra``: the differences, a domain table's
+    mean over domains and rank) of its row. Empty crossings and the notes are left out."""
+    buf = io.StringIO()
+    out = csv.writer(buf, lineterminator="\n")
+    extra = [title for title, _ in table.extra]
+    out.writerow([*table.row_keys, *table.col_keys, "accuracy", "ci95", "episodes", "bold", *extra])
+    for (i, j), e in sorted(table.entries.items()):
+        keys = [_where_text(v) for v in (*table.rows[i], *table.cols[j])]
+        numbers = [f"{100 * e.result.mean:.4f}", f"{100 * e.result.ci95:.4f}", len(e.result.acc)]
+        out.writerow([*keys, *numbers, "true" if e.bold else "false", *(texts[i] for _, texts in table.extra)])
+    return buf.getvalue()
+
+
 def _latex_text(text: str) -> str:
     """A plain-text cell (an ``extra`` column's) in LaTeX: escaped, ``±`` as ``$\\pm$``, ``–`` as ``--``."""
     return _latex_escape(text).replace("±", r"$\pm$").replace("–", "--")
@@ -903,4 +922,21 @@ def _latex_text(text: str) -> str:
 FORMATS: dict[str, Callable[[Table, str | None], str]] = {
     "markdown": lambda table, caption: to_markdown(table),
     "latex": lambda table, caption: to_latex(table, caption=caption),
+    "csv": lambda table, caption: to_csv(table),
 }
+
+
+def formats_line() -> str:
+    """The line of docs/grid.md that names the formats of ``poodle report --format``, made from
+    :data:`FORMATS` (a test checks that the page holds it; ``python -m poodle.report`` prints it):
+    a new format is its function and its entry, and this line regenerated."""
+    names = [f"`{name}`" for name in FORMATS]
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    return (
+        f"FORMAT is `rich` (the default: the terminal's table, below) or a text format of "
+        f"`poodle.report.FORMATS`: {listed} (this line is made from them, `python -m poodle.report`).\n"
+    )
+
+
+if __name__ == "__main__":
+    print(formats_line(), end="")

@@ -70,3 +70,16 @@ def test_the_settings_tables_are_the_declarations():
     assert block == markdown_tables()
     assert "| `way` | `--way` | `5` | an integer >= 2 or none (a 1-way episode is always right) |" in block
     assert "| `n_neg` | `--n-neg` | `400` | a positive integer |" in block
+
+
+def test_the_report_formats_line_is_the_formats():
+    """docs/grid.md names the formats of ``poodle report --format`` by a line made from
+    ``poodle.report.FORMATS`` (regenerate with ``python -m poodle.report``): a format added there
+    shows on the page, and the page names no other."""
+    from poodle.report import FORMATS, formats_line
+
+    text = (ROOT / "docs" / "grid.md").read_text(encoding="utf-8")
+    block = text.split("<!-- generated formats: begin -->\n")[1].split("<!-- generated formats: end -->")[0]
+    assert block == formats_line()
+    assert all(f"`{name}`" in block for name in FORMATS) and {"markdown", "latex"} <= set(FORMATS)
+    assert "[--format FORMAT]" in text and "--format rich|" not in text

@@ -119,6 +119,51 @@ def test_a_config_is_checked_once_where_it_is_built_and_trusted_after(cache, mon
     assert checks == ["proto", "proto"]  # the library's config is trusted
 
 
+def test_the_negatives_rule_runs_once_where_the_negatives_are_chosen(cache, monkeypatch):
+    """A method's negatives rule (:meth:`SolverInfo.check_negatives`) runs once per value: for a
+    cell when it is made (the pipeline's calls and their chunks trust it), for evaluate or
+    solve_batch called from Python once per call, never per chunk; a bad combination still raises."""
+    from poodle import solvers
+    from poodle.cells import numbered
+    from poodle.evaluate import solve_batch
+    from poodle.solvers import base
+
+    seen: list[tuple[str, str | None]] = []
+    real = base.SolverInfo.check_negatives
+
+    def counting(self: base.SolverInfo, cfg: object, source: str | None) -> None:
+        seen.append((self.name, source))
+        real(self, cfg, source)
+
+    monkeypatch.setattr(base.SolverInfo, "check_negatives", counting)
+    common = {"cache": str(cache), "way": 3, "shot": 1, "query": 2, "episodes": 6, "n_neg": 5}
+    cells = numbered(
+        [
+            make_cell({**common, "method": "poodle", "steps": 3, **o}, label=label)
+            for label, o in (("po-r", {"negatives": "random"}), ("po-b", {"negatives": "base"}), ("po-0", {"beta": 0}))
+        ]
+        + [make_cell({**common, "method": "proto"})]
+    )
+    assert seen == [("poodle", "random"), ("poodle", "base")]  # the two cells whose method reads negatives
+    # four calls (one cell each) of three chunks: nothing checked again
+    run = run_cells(cells, options=RunOptions(device="cpu", chunk_size=2, workers=1, cells_per_call=1))
+    assert len(run.records) == 4 and seen == [("poodle", "random"), ("poodle", "base")]
+    # from Python: once per call (three chunks), and a method that reads negatives without any raises
+    features = read_split(cache, "test")
+    eps = EpisodeStream(features.labels, EpisodeSpec(way=3, shot=1, query=2), 6)
+    chunks = RunOptions(device="cpu", chunk_size=2, workers=1)
+    po = [("p", "poodle", {"steps": 3})]
+    evaluate(features, eps, po, negatives=NegativeSpec("random", 5), run=chunks)
+    assert seen[2:] == [("poodle", "random")]
+    with pytest.raises(ConfigError, match="negatives none: method 'poodle' .with these options. reads negative"):
+        evaluate(features, eps, po, negatives=None, run=chunks)
+    assert seen[3:] == [("poodle", None)]
+    batch = solvers.EpisodeBatch(torch.eye(4)[None], torch.arange(4)[None], torch.eye(4)[None], None, 4)
+    with pytest.raises(ConfigError, match="reads negative samples"):
+        solve_batch(batch, "poodle", solvers.make_config("poodle", {"steps": 3}))
+    assert seen[4:] == [("poodle", None)]
+
+
 def test_a_cell_holds_its_config_and_its_old_form_warns(cache):
     from poodle import solvers
     from poodle.cells import Cell

@@ -162,6 +162,30 @@ def test_library_result_and_wilson_interval(task):
     assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)
 
 
+def test_the_negatives_rule_runs_once_for_the_task(task, monkeypatch):
+    """The method's negatives rule is checked once, where predict's choices are checked (before any
+    image is read); solving the task trusts it. A method that reads negatives with none raises."""
+    from poodle.solvers import base
+
+    root, truth = task
+    seen: list[tuple[str, str | None]] = []
+    real = base.SolverInfo.check_negatives
+
+    def counting(self: base.SolverInfo, cfg: object, source: str | None) -> None:
+        seen.append((self.name, source))
+        real(self, cfg, source)
+
+    monkeypatch.setattr(base.SolverInfo, "check_negatives", counting)
+    support, query = support_from_folder(root / "support"), query_from_folder(root / "query")
+    kw = dict(image_size=32, method="poodle", options={"steps": 20}, n_neg=10)
+    res = predict(support, query, "conv4_64", negatives="random", **kw)
+    assert seen == [("poodle", "random")]
+    assert [res.classes[int(k)] for k in res.predictions] == [truth[p.rsplit("/", 1)[-1]] for p in res.paths]
+    with pytest.raises(ConfigError, match="negatives none: method 'poodle' .with these options. reads negative"):
+        predict(support, query, "conv4_64", negatives="none", **kw)
+    assert seen == [("poodle", "random"), ("poodle", "none")]
+
+
 def test_base_negatives_come_from_a_cache_of_the_same_backbone(task, tmp_path):
     root, _ = task
     rng = np.random.default_rng(0)

@@ -235,6 +235,41 @@ def test_heatmap_and_line_figures_are_written(tmp_path):
         F.heatmap(heat, tmp_path / "x.png", baseline="nope")
 
 
+def test_csv_is_one_line_per_entry_with_its_numbers(tmp_path):
+    import csv
+
+    from click.testing import CliRunner
+
+    from poodle.cli.report import report
+
+    path = _grid_results(tmp_path)
+    results = R.load_results([path])
+    table = R.build_table(results, rows="method,beta", cols="shot,transductive")
+    lines = list(csv.DictReader(R.to_csv(table).splitlines()))
+    assert len(lines) == len(table.entries) == 4 * 4 - 2  # proto is inductive only: two empty crossings
+    assert list(lines[0]) == ["method", "beta", "shot", "transductive", "accuracy", "ci95", "episodes", "bold"]
+    for line in lines:
+        (r,) = [
+            r
+            for r in results
+            if r.flat["method"] == line["method"]
+            and str(r.flat["shot"]) == line["shot"]
+            and str(r.flat["transductive"]).lower() == line["transductive"]
+            and ("none" if r.flat.get("beta") is None else f"{r.flat['beta']:g}") == line["beta"]
+        ]
+        acc = np.asarray(r.acc, dtype=np.float64)  # the entry's numbers, by hand
+        assert float(line["accuracy"]) == pytest.approx(100 * acc.mean(), abs=1e-4)
+        assert float(line["ci95"]) == pytest.approx(100 * 1.96 * acc.std() / math.sqrt(len(acc)), abs=1e-4)
+        assert int(line["episodes"]) == E
+    bold = {(i, j) for (i, j), e in table.entries.items() if e.bold}
+    assert bold and sum(line["bold"] == "true" for line in lines) == len(bold)
+    res = CliRunner().invoke(
+        report, [str(path), "--rows", "method,beta", "--format", "csv", "--out", str(tmp_path / "t.csv")]
+    )
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "t.csv").read_text() == R.to_csv(table)
+
+
 def test_report_cli_latex_to_file_and_figure(tmp_path):
     from click.testing import CliRunner
 

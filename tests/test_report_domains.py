@@ -4,6 +4,7 @@ a plain loop over replicates), which entries are bold, and the command line."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -136,6 +137,20 @@ def test_domain_table_means_ranks_interval_and_bold():
     assert r"label & A & B & C & mean over domains & average rank [95\%] \\" in tex
     assert tex.count(r"\mathbf") == sum(len(v) for v in EXPECTED_BOLD.values())
     assert f"{100 * table.mean[0]:.2f} $\\pm$ {100 * table.mean_ci[0]:.2f}" in tex
+    rows = list(csv.DictReader(R.to_csv(table).splitlines()))  # a line per method and domain, then its row's columns
+    assert len(rows) == 3 * 3 and list(rows[0]) == [
+        "label",
+        "cache",
+        "accuracy",
+        "ci95",
+        "episodes",
+        "bold",
+        "mean over domains",
+        "average rank [95%]",
+    ]
+    assert [r["bold"] == "true" for r in rows] == [table.entries[i, j].bold for i in range(3) for j in range(3)]
+    assert float(rows[0]["accuracy"]) == pytest.approx(100 * e.result.mean, abs=1e-4)
+    assert rows[0]["average rank [95%]"] == f"{table.rank[0]:.2f} [{table.rank_low[0]:.2f}, {table.rank_high[0]:.2f}]"
 
 
 def test_a_method_missing_a_domain_is_not_ranked_and_the_others_keep_their_ranks():
