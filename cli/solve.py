@@ -102,7 +102,7 @@ def solver_configs(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
 
     def accepts(m: str, field: str) -> bool:
         if field == "transductive":
-            return infos[m].transductive != "never"
+            return infos[m].can_transduce
         return field in infos[m].options()
 
     per: dict[str, dict[str, Any]] = {m: {} for m in methods}

@@ -398,7 +398,7 @@ def _fits(combo: Mapping[str, Any], own: set[str]) -> bool:
     fields = set(info.options())
     for k in own - set(GENERAL_KEYS):
         if k == "transductive":
-            if combo[k] and info.transductive == "never":
+            if combo[k] and not info.can_transduce:
                 return False
         elif k not in fields:
             return False

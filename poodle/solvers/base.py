@@ -304,10 +304,17 @@ class SolverInfo:
             return bool(cfg.transductive)
         return self.transductive == "always"
 
+    @property
+    def can_transduce(self) -> bool:
+        """Whether the method can use the unlabelled queries at all: the rule that
+        :meth:`check_transductive` applies, and that the command line and a grid's axes read to
+        decide which methods take ``transductive``."""
+        return self.transductive != "never"
+
     def check_transductive(self, value: Any) -> None:
         """ConfigError when ``value`` asks this method to use the queries and it cannot: the one
         place the rule is checked, for the command line, grid cells and the library."""
-        if coerce_option(self.name, "transductive", value, bool) and self.transductive == "never":
+        if coerce_option(self.name, "transductive", value, bool) and not self.can_transduce:
             raise ConfigError(
                 f"method {self.name!r} is inductive only; it cannot be transductive",
                 params=("transductive",),
