@@ -152,8 +152,9 @@ def make_cells(
             episodes_from=episodes_from,
             locations=locations,
             config=None if isinstance(given, Mapping) else given,
+            index=i,
         )
-        cells.append(dataclasses.replace(cell, index=i))
+        cells.append(cell)
     given = settings.get("negatives")
     if given not in (None, "none") and all(c.negatives == "none" for c in cells):
         raise ConfigError(
