@@ -1,8 +1,9 @@
 """Cells: one configured method on one episode setting, the unit that every command solves.
 
 A cell is made in one place, :func:`make_cell`, from values as a user gives them (``poodle solve``'s
-parameters, one combination of a grid file, a row of the demo's table): every value is checked
-there, once, by the rule that owns it (the episode setting: :meth:`EpisodeSpec.validate`; the
+parameters, one combination of a grid file, a row of the demo's table), in one go (the general
+settings checked there, the method looked up and configured by the constructor it calls): every
+value is checked there, once, by the rule that owns it (the episode setting: :meth:`EpisodeSpec.validate`; the
 negatives: :meth:`NegativeSpec.validate` and :meth:`SolverInfo.check_negatives`; a method's
 options: :func:`poodle.solvers.make_config`; the preprocessing: :func:`poodle.preprocess.parse`).
 A cell then holds only resolved values: the method's registry entry and its configuration, built

@@ -10,7 +10,10 @@ The stages follow three rules:
 
 - Work is split by :func:`share` (contiguous, deterministic, disjoint ranges), so every rank knows
   every other rank's share without asking, and the results gathered on rank 0 can be put back in
-  their one-process order.
+  their one-process order. :func:`deal` gives a rank its part of rounds of units of work (a
+  solve's calls, or one call's episodes) from their counts alone; the caller solves it and hands
+  its tensors to :func:`gather_results`, which merges each round on rank 0: nothing here calls
+  back into the stage that uses it.
 - Every piece of work that can fail runs inside :meth:`Dist.guard`. Leaving the block is a
   collective: the ranks agree (one all-reduce) on whether any of them failed. If one did, the
   lowest failing rank re-raises its own error (which the command line prints) and every other rank
