@@ -3,9 +3,10 @@
 A cell is made in one place, :func:`make_cell`, from values as a user gives them (``poodle solve``'s
 parameters, one combination of a grid file, a row of the demo's table), in one go (the general
 settings checked there, the method looked up and configured by the constructor it calls): every
-value is checked there, once, by the rule that owns it (the episode setting: :meth:`EpisodeSpec.validate`; the
-negatives: :meth:`NegativeSpec.validate` and :meth:`SolverInfo.check_negatives`; a method's
-options: :func:`poodle.solvers.make_config`; the preprocessing: :func:`poodle.preprocess.parse`).
+value is checked there, once, by the rule that owns it (the episode setting:
+:meth:`EpisodeSpec.validate`; the negatives: :meth:`NegativeSpec.validate` and
+:meth:`SolverInfo.check_negatives`; a method's options: :func:`poodle.solvers.make_config`; the
+preprocessing: :func:`poodle.preprocess.parse`).
 A cell then holds only resolved values: the method's registry entry and its configuration, built
 and checked there (presets resolved; every later call trusts it), the negatives it reads (``"none"``
 for a method that reads none) and whether it uses the queries.
