@@ -1,10 +1,12 @@
 """Cells: one configured method on one episode setting, the unit that every command solves.
 
 A cell is made in one place, :func:`make_cell`, from values as a user gives them (``poodle solve``'s
-parameters, one combination of a grid file, a row of the demo's table): every value is checked
-there, once, by the rule that owns it (the episode setting: :meth:`EpisodeSpec.validate`; the
-negatives: :meth:`NegativeSpec.validate` and :meth:`SolverInfo.check_negatives`; a method's
-options: :func:`poodle.solvers.make_config`; the preprocessing: :func:`poodle.preprocess.parse`).
+parameters, one combination of a grid file, a row of the demo's table), in one go (the general
+settings checked there, the method looked up and configured by the constructor it calls): every
+value is checked there, once, by the rule that owns it (the episode setting:
+:meth:`EpisodeSpec.validate`; the negatives: :meth:`NegativeSpec.validate` and
+:meth:`SolverInfo.check_negatives`; a method's options: :func:`poodle.solvers.make_config`; the
+preprocessing: :func:`poodle.preprocess.parse`).
 A cell then holds only resolved values: the method's registry entry and its configuration, built
 and checked there (presets resolved; every later call trusts it), the negatives it reads (``"none"``
 for a method that reads none) and whether it uses the queries.
@@ -19,7 +21,7 @@ import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import AbstractSet, Any, Mapping, Sequence
 
 from poodle import defaults, solvers
 from poodle.defaults import NEGATIVE_KEYWORDS
@@ -86,6 +88,11 @@ class Cell:
             setting), or ``None`` when they are drawn.
         locations: how ``cache`` and a pool file in ``negatives`` resolve to files.
         solver: the method's registry entry (looked up once, when the cell was made).
+
+    :func:`make_cell` makes a cell from values as a user gives them: it checks the general settings
+    and hands the rest to the constructor as ``given`` (with ``strict``, ``cfg`` the caller's config
+    or None, ``negatives`` and ``n_neg`` as given), which looks the method up, builds and checks its
+    config (:func:`_configure`) and settles ``transductive`` and the negatives from it.
     """
 
     label: str
@@ -119,7 +126,15 @@ class Cell:
         solver: SolverInfo | None = None,
         *,
         options: Mapping[str, Any] | None = None,
+        given: Mapping[str, Any] | None = None,
+        strict: AbstractSet[str] = frozenset(),
     ) -> None:
+        if given is not None:
+            # make_cell's form: the method's values as given, resolved here, so that a cell is
+            # made in one go (looked up, configured and checked, then held)
+            solver, cfg, negatives, n_neg, transductive = _configure(method, given, strict, cfg, negatives, n_neg)
+            method = solver.name  # an alias's entry is held by its registered name
+            label = label or method
         info = solver if solver is not None else solvers.get(method)
         if options is not None or cfg is None or isinstance(cfg, Mapping):
             # the old form held the options as a dict: the config is built from them here
@@ -308,6 +323,7 @@ def make_cell(
     episodes_from: str | None = None,
     config: Any = None,
     checked: bool = False,
+    index: int = 0,
 ) -> Cell:
     """The cell of one combination of values: general settings (:data:`poodle.settings.GENERAL_KEYS`,
     each checked by its declaration, defaults from it), ``transductive`` and the method's options,
@@ -315,6 +331,7 @@ def make_cell(
     builds it to name its flags in an error), used as it is (checked unless it was when built).
     ``checked``: the general settings in ``values`` are each :func:`poodle.settings.check_setting`'s
     result already (a grid file's, checked at its lines as the file was read), not checked again.
+    ``index``: the cell's position among the cells of its run.
 
     Options the method does not have are dropped and ``transductive`` is ignored for a method that
     cannot switch it (the rule of a grid's product: ``alpha`` with ``proto`` is the proto cell),
@@ -323,12 +340,52 @@ def make_cell(
     given, so the negative settings do not multiply its cells.
     """
     defaults_ = general_defaults()
-    method = solvers.get(values.get("method", defaults_["method"]))
+    # the method's name is checked by its lookup in the registry (an unknown name lists the known
+    # ones), not again as a setting
+    general = {
+        k: values[k] if checked else check_setting(k, values[k])
+        for k in GENERAL_KEYS
+        if k != "method" and values.get(k) is not None
+    }
+    episode = episode_setting(general, defaults_)
+    EpisodeSpec.from_settings(episode).validate()
+    if "cache" not in general:
+        raise ConfigError("no feature cache given", params=("cache",), param="cache", value=None)
+    name = values.get("method", defaults_["method"])
+    return Cell(
+        label=label or "",  # the method's registered name by default, once looked up
+        cache=general["cache"],
+        episode=episode,
+        negatives=general.get("negatives", defaults_["negatives"]),
+        n_neg=general.get("n_neg", defaults_["n_neg"]),
+        method=name,
+        cfg=config,
+        preprocess=general.get("preprocess", defaults.PREPROCESS),
+        index=index,
+        episodes_from=episodes_from,
+        locations=locations or Locations(),
+        given={k: v for k, v in values.items() if k not in GENERAL_KEYS},
+        strict=strict,
+    )
+
+
+def _configure(
+    name: str,
+    given: Mapping[str, Any],
+    strict: AbstractSet[str],
+    config: Any,
+    negatives: str,
+    n_neg: int | None,
+) -> tuple[SolverInfo, Any, str, int | None, bool]:
+    """``(registry entry, config, negatives, n_neg, transductive)`` of the method ``name`` from the
+    values ``given`` for it (:func:`make_cell`'s rules: options it lacks dropped unless in
+    ``strict``, ``transductive`` for a method that cannot switch it ignored unless in ``strict``; or
+    ``config``, the caller's, instead of options) and the negatives given (``"none"`` and None for a
+    method that reads none)."""
+    method = solvers.get(name)
     fields = set(method.options())
     opts: dict[str, Any] = {}
-    for k, v in values.items():
-        if k in GENERAL_KEYS:
-            continue
+    for k, v in given.items():
         if k == "transductive" and method.transductive != "optional":
             if k in strict:
                 method.check_transductive(v)
@@ -361,36 +418,11 @@ def make_cell(
         )
     else:
         cfg = config if solvers.is_checked(config) else solvers.validate_config(config, method.name)
-    # the method's name is checked by its lookup in the registry above (an unknown name lists the
-    # known ones), not again as a setting
-    general = {
-        k: values[k] if checked else check_setting(k, values[k])
-        for k in GENERAL_KEYS
-        if k != "method" and values.get(k) is not None
-    }
-    episode = episode_setting(general, defaults_)
-    EpisodeSpec.from_settings(episode).validate()
-    negatives, n_neg = "none", None
     if method.needs_negatives(cfg):
-        negatives = general.get("negatives", defaults_["negatives"])
-        n_neg = general.get("n_neg", defaults_["n_neg"])
         method.check_negatives(cfg, negatives)
-    if "cache" not in general:
-        raise ConfigError("no feature cache given", params=("cache",), param="cache", value=None)
-    return Cell(
-        label=label or method.name,
-        cache=general["cache"],
-        episode=episode,
-        negatives=negatives,
-        n_neg=n_neg,
-        method=method.name,
-        cfg=cfg,
-        transductive=method.is_transductive(cfg),
-        preprocess=general.get("preprocess", defaults.PREPROCESS),
-        episodes_from=episodes_from,
-        locations=locations or Locations(),
-        solver=method,
-    )
+    else:
+        negatives, n_neg = "none", None
+    return method, cfg, negatives, n_neg, method.is_transductive(cfg)
 
 
 def located(where: str, error: PoodleError) -> ConfigError:

@@ -10,7 +10,10 @@ The stages follow three rules:
 
 - Work is split by :func:`share` (contiguous, deterministic, disjoint ranges), so every rank knows
   every other rank's share without asking, and the results gathered on rank 0 can be put back in
-  their one-process order.
+  their one-process order. :func:`deal` gives a rank its part of rounds of units of work (a
+  solve's calls, or one call's episodes) from their counts alone; the caller solves it and hands
+  its tensors to :func:`gather_results`, which merges each round on rank 0: nothing here calls
+  back into the stage that uses it.
 - Every piece of work that can fail runs inside :meth:`Dist.guard`. Leaving the block is a
   collective: the ranks agree (one all-reduce) on whether any of them failed. If one did, the
   lowest failing rank re-raises its own error (which the command line prints) and every other rank
@@ -32,6 +35,7 @@ import contextlib
 import datetime
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -214,60 +218,114 @@ class Dist:
 Solved = dict[str, tuple[torch.Tensor, dict]]  # {key: (per-row results, info)}
 
 
+@dataclass(frozen=True)
+class Round:
+    """One round of :func:`deal`: the units it finishes, in order, and this rank's part of it.
+
+    Attributes:
+        units: the indices of the units finished in this round, in order (rank 0 takes up their
+            results, merged by :func:`gather_results`, in this order).
+        unit: the index of the unit this rank solves in the round, or None (nothing this round).
+        rows: the rows of that unit's episodes this rank solves, or None (all of them).
+    """
+
+    units: tuple[int, ...]
+    unit: int | None
+    rows: range | None
+
+
+def deal(d: Dist, n_rows: Sequence[int]) -> list[Round]:
+    """This rank's share of ``len(n_rows)`` units of work (unit ``i`` has ``n_rows[i]`` rows, e.g. a
+    call's episodes), in rounds, from the counts alone.
+
+    With at least as many units as ranks, the units are dealt out in rounds of one per rank (a rank
+    past the round's last unit has none); with fewer, each unit is a round whose rows are split
+    across all ranks (:func:`share`; a rank with no rows has none). One process: one unit a round,
+    all of its rows. Every rank gets the same rounds, in the same order: each rank solves its part
+    of a round inside one :meth:`Dist.guard` and hands its results to :func:`gather_results`, and
+    every rank goes through every round (each is a guard and a gather, collectives).
+    """
+    n = len(n_rows)
+    if not d.enabled:
+        return [Round((i,), i, None) for i in range(n)]
+    if n >= d.world:
+        rounds = [tuple(range(a, min(a + d.world, n))) for a in range(0, n, d.world)]
+        return [Round(r, r[d.rank] if d.rank < len(r) else None, None) for r in rounds]
+    out = []
+    for i in range(n):
+        rows = d.share(int(n_rows[i]))
+        out.append(Round((i,), i if len(rows) else None, rows))
+    return out
+
+
+def gather_results(d: Dist, local: Solved) -> Solved | None:
+    """Every rank's results of one round of :func:`deal`, merged on rank 0; None elsewhere.
+
+    ``local`` is ``{key: (float64 [n] per-row results, info)}`` of this rank's part (``{}`` when it
+    had none); ``info`` is JSON-serialisable and holds at least ``seconds``. A key solved by several
+    ranks (a unit whose rows were split) has its parts put back in rank order, ``seconds`` being the
+    slowest rank's and the rest of ``info`` rank 0's part's. Every rank must call it (two gathers).
+    One process: ``local`` as it is.
+    """
+    if not d.enabled:
+        return local
+    keys = list(local)
+    flat = (
+        torch.cat([local[k][0].reshape(-1).to(torch.float64).cpu() for k in keys])
+        if keys
+        else torch.zeros(0, dtype=torch.float64)
+    )
+    values = d.gather_tensor(flat)
+    metas = d.gather_json([[k, int(local[k][0].numel()), local[k][1]] for k in keys])
+    if not d.main:
+        return None
+    assert values is not None and metas is not None
+    parts: dict[str, list[tuple[torch.Tensor, dict]]] = {}
+    for v, meta in zip(values, metas):
+        at = 0
+        for k, n, info in meta:
+            parts.setdefault(k, []).append((v[at : at + n], info))
+            at += n
+    return {
+        k: (
+            torch.cat([t for t, _ in ps]),
+            {**ps[0][1], "seconds": max(float(i.get("seconds", 0.0)) for _, i in ps)},
+        )
+        for k, ps in parts.items()
+    }
+
+
 def shared_map(
     d: Dist, units: Sequence[Any], solve: Callable[[Any, range | None], Solved], n_rows: Callable[[Any], int]
 ) -> Iterator[tuple[Any, Solved]]:
-    """Solve ``units`` (e.g. a grid's cells) across the ranks; yield ``(unit, results)`` on rank 0, in order.
+    """Deprecated (0.2.0): loop over :func:`deal`'s rounds and merge each with :func:`gather_results`.
 
-    ``solve(unit, rows)`` returns ``{key: (float64 [len(rows)] per-row results, info)}`` for the rows
-    ``rows`` of the unit's episodes (``None``: all of them); ``info`` is JSON-serialisable and holds at
-    least ``seconds``. With at least as many units as ranks, the units are dealt out in rounds of one
-    per rank; with fewer, every unit's rows are split across all ranks (``n_rows(unit)`` of them) and
-    the parts are put back in order, ``seconds`` being the slowest rank's. Every rank must iterate the
-    generator to its end (ranks other than 0 get nothing from it); each round is one guard.
+    Solves ``units`` across the ranks with the callback ``solve(unit, rows)`` and yields
+    ``(unit, results)`` on rank 0, in order (see :func:`deal` for who solves what); every rank must
+    iterate the generator to its end.
     """
-    if not d.enabled:
-        for u in units:
-            yield u, solve(u, None)
-        return
-    by_cells = len(units) >= d.world
-    rounds = [list(units[i : i + d.world]) for i in range(0, len(units), d.world)] if by_cells else [[u] for u in units]
-    for rnd in rounds:
-        local: dict[str, tuple[torch.Tensor, dict]] = {}
-        with d.guard():
-            if by_cells:
-                if d.rank < len(rnd):
-                    local = solve(rnd[d.rank], None)
-            else:
-                rows = d.share(n_rows(rnd[0]))
-                if len(rows):
-                    local = solve(rnd[0], rows)
-        keys = list(local)
-        flat = (
-            torch.cat([local[k][0].reshape(-1).to(torch.float64).cpu() for k in keys])
-            if keys
-            else torch.zeros(0, dtype=torch.float64)
-        )
-        values = d.gather_tensor(flat)
-        metas = d.gather_json([[k, int(local[k][0].numel()), local[k][1]] for k in keys])
-        if not d.main:
-            continue
-        assert values is not None and metas is not None
-        parts: dict[str, list[tuple[torch.Tensor, dict]]] = {}
-        for v, meta in zip(values, metas):
-            at = 0
-            for k, n, info in meta:
-                parts.setdefault(k, []).append((v[at : at + n], info))
-                at += n
-        merged = {
-            k: (
-                torch.cat([t for t, _ in ps]),
-                {**ps[0][1], "seconds": max(float(i.get("seconds", 0.0)) for _, i in ps)},
-            )
-            for k, ps in parts.items()
-        }
-        for u in rnd:
-            yield u, merged
+    warnings.warn(
+        "poodle.distributed.shared_map is deprecated: loop over poodle.distributed.deal(d, n_rows) and merge "
+        "each round with poodle.distributed.gather_results (removed in 0.3.0)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    units = list(units)
+    rounds = deal(d, [n_rows(u) for u in units]) if d.enabled else deal(d, [0] * len(units))
+
+    def rounds_of() -> Iterator[tuple[Any, Solved]]:
+        for rnd in rounds:
+            local: Solved = {}
+            with d.guard():
+                if rnd.unit is not None:
+                    local = solve(units[rnd.unit], rnd.rows)
+            merged = gather_results(d, local)
+            if merged is None:
+                continue
+            for i in rnd.units:
+                yield units[i], merged
+
+    return rounds_of()
 
 
 _CURRENT: Dist | None = None
@@ -332,4 +390,15 @@ def _shutdown() -> None:
             torch.distributed.destroy_process_group()
 
 
-__all__ = ["Dist", "RankFailed", "init", "share", "env_world", "is_main_process", "shared_map"]
+__all__ = [
+    "Dist",
+    "RankFailed",
+    "Round",
+    "deal",
+    "env_world",
+    "gather_results",
+    "init",
+    "is_main_process",
+    "share",
+    "shared_map",
+]

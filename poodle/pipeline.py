@@ -10,8 +10,12 @@ table is a grid) and torchrun runs of either. In order:
 3. the others are scheduled so that each cache split is read once and each episode set drawn once
    (:func:`schedule`), in calls of cells that share episodes and negatives (:func:`calls`);
 4. each call is one :func:`poodle.evaluate.evaluate` over :class:`Inputs` (features, preprocessing,
-   episodes), its rows shared out across torchrun's processes (:func:`poodle.distributed.shared_map`);
-5. each finished cell is one record (:func:`cell_record`) appended to the results file.
+   episodes) (:func:`solve_call`); under torchrun the calls, or their episodes, are dealt out by
+   their counts (:func:`poodle.distributed.deal`) and each round's results merged on rank 0
+   (:func:`poodle.distributed.gather_results`): the pipeline runs the loop, the distribution sees
+   counts and tensors only;
+5. each finished cell is one record (:func:`poodle.results.make_record`, as :func:`cell_record`
+   makes it) appended to the results file.
 
 Progress and notices reach the caller as typed events (:mod:`poodle.events`).
 """
@@ -338,10 +342,7 @@ def cell_record(
 ) -> dict[str, Any]:
     """The results record of a solved cell (:func:`poodle.results.make_record`): its identity (and
     its key, when :func:`cell_keys` computed it), its label, cache as written, position and group,
-    how and where it was solved, and ``acc [E]``."""
-    extra = {k: v for k, v in info.items() if k != "seconds"}
-    if cell.episodes_from is not None:
-        extra["episodes_from"] = cell.episodes_from
+    how and where it was solved, and ``acc [E]``; :func:`run_cells` makes it so where it appends it."""
     return make_record(
         identity,
         acc.tolist(),
@@ -350,11 +351,18 @@ def cell_record(
         cache=cell.cache,
         index=cell.index,
         group=group,
-        seconds=info["seconds"],
         processes=processes,
-        versions=versions(),
-        **extra,
+        **_how_solved(info, cell.episodes_from),
     )
+
+
+def _how_solved(info: dict[str, Any], episodes_from: str | None) -> dict[str, Any]:
+    """A record's fields of how, where and how fast a cell was solved (``info`` of
+    :func:`solve_call`, its episode file), and the versions."""
+    extra = {k: v for k, v in info.items() if k != "seconds"}
+    if episodes_from is not None:
+        extra["episodes_from"] = episodes_from
+    return {"seconds": info["seconds"], "versions": versions(), **extra}
 
 
 def as_cell(record: dict[str, Any], cell: Cell, group: str) -> dict[str, Any]:
@@ -440,16 +448,35 @@ def run_cells(
     by_key: dict[str, dict[str, Any]] = {}
     n_done = len(done_idx)
 
-    def solve(batch: list[Cell], rows: range | None) -> Solved:
-        emit(CellsStarted(tuple(batch), n_done, len(cells)))
-        return solve_call(batch, keys, inputs, options, d.device, emit, rows, ready=d.main and not by_key)
-
     t0 = time.perf_counter()
-    for batch, solved in distributed.shared_map(d, call_list, solve, lambda b: b[0].n_episodes):
-        for c in batch:
-            key = keys[c.index][1]
+    # the calls dealt out across torchrun's ranks by their episode counts (one process: each call
+    # in turn, whole); rank 0 takes every record up in the calls' order
+    for rnd in distributed.deal(d, [batch[0].n_episodes for batch in call_list]):
+        local: Solved = {}
+        with d.guard():
+            if rnd.unit is not None:
+                batch = call_list[rnd.unit]
+                emit(CellsStarted(tuple(batch), n_done, len(cells)))
+                ready = d.main and not by_key
+                local = solve_call(batch, keys, inputs, options, d.device, emit, rnd.rows, ready=ready)
+        solved = distributed.gather_results(d, local)
+        if solved is None:  # not rank 0
+            continue
+        for c in (c for i in rnd.units for c in call_list[i]):
+            identity, key = keys[c.index]
             acc, info = solved[key]
-            record = by_key[key] = cell_record(c, keys[c.index][0], acc, info, group, d.world, key)
+            # the record made where it is appended, as cell_record makes it
+            record = by_key[key] = make_record(
+                identity,
+                acc.tolist(),
+                key=key,
+                label=c.label,
+                cache=c.cache,
+                index=c.index,
+                group=group,
+                processes=d.world,
+                **_how_solved(info, c.episodes_from),
+            )
             if results is not None:
                 results.append(record)
             run.accs[key] = acc

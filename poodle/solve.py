@@ -152,8 +152,9 @@ def make_cells(
             episodes_from=episodes_from,
             locations=locations,
             config=None if isinstance(given, Mapping) else given,
+            index=i,
         )
-        cells.append(dataclasses.replace(cell, index=i))
+        cells.append(cell)
     given = settings.get("negatives")
     if given not in (None, "none") and all(c.negatives == "none" for c in cells):
         raise ConfigError(
@@ -163,18 +164,6 @@ def make_cells(
             value=given,
         )
     return cells
-
-
-def _save(inputs: Inputs, cells: Sequence[Cell], path: str | os.PathLike, cache: Path) -> None:
-    """Draw the episodes (and the negatives of the methods that read some) and write them to ``path``."""
-    c0 = next((c for c in cells if c.negatives != "none"), cells[0])
-    eps = inputs.episodes(c0)
-    eps = eps if isinstance(eps, EpisodeSet) else eps.materialize()
-    neg = c0.negative_spec()
-    if neg is not None:
-        eps, _ = prepare_negatives(eps, neg, cache, inputs.features(c0).dim)
-    inputs.put(c0, eps)
-    save_episodes(path, eps, cache=str(cache), cache_id=cache_identity(cache))
 
 
 @dataclass
@@ -227,10 +216,19 @@ def _prepare(
     return _Prepared(path, cells, Inputs(on_event), episodes, episodes_from, save_episodes_to)
 
 
-def _run(
-    prep: _Prepared, out: str | os.PathLike | None, run: RunOptions, on_event: OnEvent, t_start: float
+def _solve(
+    prep: _Prepared | Mapping[str, Any],
+    out: str | os.PathLike | None,
+    run: RunOptions,
+    on_event: OnEvent,
+    t_start: float,
 ) -> SolveResult:
-    """Solve prepared cells (checking an episode file against its cache first) as one call."""
+    """Solve one setting as one call: ``prep``, prepared already (:func:`solve_domains` checks every
+    domain before solving any), or :func:`_prepare`'s arguments, prepared here: the cells go from
+    where they are made to the pipeline. An episode file is checked against its cache first; the
+    episodes the pipeline uses (read, or drawn and saved) are handed to it in its :class:`Inputs`."""
+    if not isinstance(prep, _Prepared):
+        prep = _prepare(**prep)
     cells, inputs, episodes, path = prep.cells, prep.inputs, prep.episodes, prep.path
     if episodes is not None:
         inputs.put(cells[0], episodes)
@@ -254,7 +252,16 @@ def _run(
                 f"episodes_from {e}", params=("episodes_from",), param="episodes_from", value=prep.episodes_from
             ) from None
     if prep.save_episodes_to is not None and is_main_process():
-        _save(inputs, cells, prep.save_episodes_to, path)
+        # the episodes drawn (with the negatives of the methods that read some) and written; the
+        # run solves them as saved
+        c0 = next((c for c in cells if c.negatives != "none"), cells[0])
+        eps = inputs.episodes(c0)
+        eps = eps if isinstance(eps, EpisodeSet) else eps.materialize()
+        neg = c0.negative_spec()
+        if neg is not None:
+            eps, _ = prepare_negatives(eps, neg, path, inputs.features(c0).dim)
+        inputs.put(c0, eps)
+        save_episodes(prep.save_episodes_to, eps, cache=str(path), cache_id=cache_identity(path))
     res = run_cells(
         cells,
         out=out,
@@ -335,8 +342,20 @@ def solve(
     if name is not None:
         _check_domain_name(name)
     domains = None if name is None else {name: cache}
-    prep = _prepare(cache, methods, options, episodes_from, save_episodes_to, out, on_event, settings, name, domains)
-    return _run(prep, out, run, on_event, t_start)
+    # prepared and solved in one call: the cells go from where they are made to the pipeline
+    prepare = dict(
+        cache=cache,
+        methods=methods,
+        options=options,
+        episodes_from=episodes_from,
+        save_episodes_to=save_episodes_to,
+        out=out,
+        on_event=on_event,
+        settings=settings,
+        name=name,
+        domains=domains,
+    )
+    return _solve(prepare, out, run, on_event, t_start)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,7 +505,7 @@ def solve_domains(
         # what the cache's contents decide (its classes, an episode file's indices) is found as
         # the domain is solved; the domains before it are already in ``out``
         try:
-            results[name] = _run(prep, out, run, on_event, t_start)
+            results[name] = _solve(prep, out, run, on_event, t_start)
         except PoodleError as e:
             raise _in_domain(name, e) from None
     return DomainsResult(

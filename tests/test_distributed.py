@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import torch
 
 from poodle import backbones, cache
 from poodle.cache_shares import Covered, plan, share_files
-from poodle.distributed import Dist, RankFailed, share
+from poodle.distributed import Dist, RankFailed, Round, deal, gather_results, share, shared_map
 from poodle.extract import cache_path, extract
 
 SIZE = 32
@@ -67,6 +68,47 @@ def test_plan_deals_out_the_uncovered_batches():
     assert plan([cov(0, 10)], 10, 4, 2) == [[], []]
     # more ranks than batches: some get nothing
     assert plan([], 5, 4, 3) == [[], [(0, 4)], [(4, 5)]]
+
+
+def test_deal_gives_each_rank_its_part_of_every_round_from_the_counts():
+    # one process: every unit in turn, whole
+    assert deal(Dist(), [7, 3]) == [Round((0,), 0, None), Round((1,), 1, None)]
+    assert deal(Dist(), []) == []
+    # at least as many units as ranks: rounds of one unit per rank, the last round short
+    two = [deal(Dist(world=2, rank=r), [5, 5, 5]) for r in range(2)]
+    assert two[0] == [Round((0, 1), 0, None), Round((2,), 2, None)]
+    assert two[1] == [Round((0, 1), 1, None), Round((2,), None, None)]
+    # fewer units than ranks: each unit a round, its rows shared out; a rank with none solves nothing
+    three = [deal(Dist(world=3, rank=r), [7, 1]) for r in range(3)]
+    assert [[rnd.units for rnd in ranks] for ranks in three] == [[(0,), (1,)]] * 3
+    assert [ranks[0].rows for ranks in three] == [range(0, 2), range(2, 4), range(4, 7)]
+    assert [(ranks[1].unit, ranks[1].rows) for ranks in three] == [
+        (None, range(0, 0)),
+        (None, range(0, 0)),
+        (1, range(0, 1)),
+    ]
+
+
+def test_one_process_results_pass_through_and_the_old_callback_map_warns():
+    local = {"k": (torch.tensor([0.5, 1.0], dtype=torch.float64), {"seconds": 1.0})}
+    assert gather_results(Dist(), local) is local
+    said = (
+        "poodle.distributed.shared_map is deprecated: loop over poodle.distributed.deal(d, n_rows) and merge "
+        "each round with poodle.distributed.gather_results (removed in 0.3.0)"
+    )
+    seen = []
+
+    def solve(unit, rows):
+        seen.append((unit, rows))
+        return {unit: (torch.full((2,), float(len(unit))), {"seconds": 0.0})}
+
+    with pytest.warns(DeprecationWarning, match="^" + re.escape(said) + "$"):
+        got = list(shared_map(Dist(), ["a", "bb"], solve, len))
+    assert seen == [("a", None), ("bb", None)]
+    assert [(u, {k: v[0].tolist() for k, v in r.items()}) for u, r in got] == [
+        ("a", {"a": [1.0, 1.0]}),
+        ("bb", {"bb": [2.0, 2.0]}),
+    ]
 
 
 def test_a_single_process_guard_passes_errors_through():
