@@ -49,7 +49,7 @@ from poodle.episodes import EpisodeSet, EpisodeStream
 from poodle.errors import ConfigError, EpisodeError
 from poodle.negatives import NegativeSpec, generate, load_pool, sample_indices
 from poodle.run import RunOptions
-from poodle.solvers.backend import Backend
+from poodle.solvers.backend import Backend, for_call
 from poodle.solvers.base import EpisodeBatch, SolverInfo
 from poodle.utils import parse_size, resolve_device
 
@@ -700,7 +700,7 @@ def _solve(batch: EpisodeBatch, info: SolverInfo, cfg: Any, backend: Backend | N
     # nothing a solver returns needs a gradient (BMS, the one with autograd inside, leaves this mode
     # for its refinement): no version counters or autograd bookkeeping on any operation
     with torch.inference_mode():
-        return solvers.call(info, batch, cfg, backend=backend).log_probs
+        return for_call(backend).solve(info, batch, cfg).log_probs
 
 
 def solve_chunk(chunk: Chunk, methods: Sequence[Method], clock: _Clock, backend: Backend | None = None) -> Solved:

@@ -133,5 +133,4 @@ def call(info: SolverInfo, batch: EpisodeBatch, config: Any, *, backend: Backend
     nothing is looked up or checked, the caller did that once (``poodle.evaluate`` per call, not per
     chunk: the config checked where it was built, the negatives rule before the first chunk).
     ``backend``: as :func:`run`."""
-    with _backend.active(_backend.for_call(backend), info.name):  # its engines report under its name
-        return info.fn(batch, config)
+    return _backend.for_call(backend).solve(info, batch, config)

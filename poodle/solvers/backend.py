@@ -23,11 +23,14 @@ import dataclasses
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from poodle.errors import ConfigError
+
+if TYPE_CHECKING:  # the registry's types (a name only: nothing here reads the registry)
+    from poodle.solvers.base import EpisodeBatch, SolverInfo, SolverOutput
 
 # the choices (``poodle.defaults`` holds the same for RunOptions: a test keeps them equal); this
 # module imports nothing of the library above it
@@ -118,6 +121,13 @@ class Backend:
         check_sinkhorn(
             self.cuda_sinkhorn, "POODLE_CUDA_SINKHORN" if self.cuda_sinkhorn == _env_sinkhorn() else "cuda_sinkhorn"
         )
+
+    def solve(self, info: SolverInfo, batch: EpisodeBatch, config: Any) -> SolverOutput:
+        """The method ``info`` (a registry entry) on ``batch`` with ``config`` as given, under this
+        backend: nothing looked up or checked (:func:`poodle.solvers.call`'s caller did that once);
+        the method's engines take this backend's arithmetic and report what ran under its name."""
+        with active(self, info.name):
+            return info.fn(batch, config)
 
     def with_(self, **changes: object) -> Backend:
         """A copy with ``changes``, reporting into the same :class:`Report`."""
