@@ -10,7 +10,8 @@ write as its ``path``. Each is one of
 
 - ``value``: ``bad_value(param, value, reason)``, or ``param=`` and ``value=`` given: a front end says
   the parameter its own way and the value as the caller gave it;
-- ``params``: ``params=`` alone: the parameters are known, the value only in the text;
+- ``params``: ``params=`` alone, or parameter names marked in its text (``poodle.errors.mark``,
+  which puts them in ``params``): the parameters are known, the value only in the text;
 - ``marked``: neither, with a comment ``# not a caller's value: <why>`` on one of its lines or on
   the line above (an error between two files poodle wrote itself, a state the caller does not
   choose);
@@ -90,7 +91,8 @@ def classify(source: str, path: str, classes: set[str]) -> list[Raise]:
         else:
             end = node.end_lineno or node.lineno
             marked = any(MARKER in line for line in lines[max(node.lineno - 2, 0) : end])
-            kind = "marked" if marked else "params" if "params" in keys else "neither"
+            named = "params" in keys or any(_marks(a) for a in (*node.args, *node.keywords))
+            kind = "marked" if marked else "params" if named else "neither"
         out.append(Raise(path, node.lineno, kind))
     return out
 

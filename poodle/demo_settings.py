@@ -173,7 +173,6 @@ def competitor_names(which: str | tuple[str, ...] | list[str]) -> list[str]:
             raise ConfigError(
                 f"{mark('competitors')}: {n!r} is not a registered transductive method; choose from "
                 f"{', '.join(registered)} (or paper, all, none)",
-                params=("competitors",),
                 param="competitors",
                 value=n,
             )

@@ -220,7 +220,6 @@ class EpisodeSpec:
                 f"{mark('bilevel')} draws the ways within a superclass; it cannot be combined with a fixed "
                 f"{mark('way')} "
                 "(as in meta_dataset's sampler)",
-                params=("bilevel", "way"),
                 param="way",
                 value=self.way,
             )
@@ -524,7 +523,6 @@ def _short(spec: EpisodeSpec, counts: Tensor, names: list[str], need: int, what:
         raise EpisodeError(
             f"split {spec.split!r}: lower {mark('shot')} or {mark('query')} (or drop classes): {len(short)} "
             f"class(es) have fewer than {what} images: {shown}",
-            params=("shot", "query"),
             param="shot",
             value=spec.shot,
         )
@@ -580,7 +578,6 @@ def _check_meta_dataset(
             raise EpisodeError(
                 f"split {spec.split!r}: {mark('bilevel')} needs every superclass to have at least {mark('min_ways')} = "
                 f"{spec.min_ways} classes with images; {len(small)} have fewer: {shown}",
-                params=("bilevel", "min_ways"),
                 param="bilevel",
                 value=spec.bilevel,
             )
@@ -599,7 +596,6 @@ def superclass_names(classes: Sequence[str]) -> list[str]:
     raise EpisodeError(
         f"{mark('bilevel')} needs each class's superclass: class names of the form SUPER/NAME or SUPER_NAME "
         f"(e.g. {names[0] if names else ''!r} has neither), or superclasses given to the sampler",
-        params=("bilevel",),
         param="bilevel",
         value=True,
     )

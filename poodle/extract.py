@@ -178,7 +178,6 @@ class ExtractOptions:
         if self.pretrained and self.checkpoint is not None:
             raise ConfigError(
                 f"give {mark('checkpoint')} or {mark('pretrained')}, not both",
-                params=("checkpoint", "pretrained"),
                 param="checkpoint",
                 value=self.checkpoint,
             )
@@ -186,14 +185,12 @@ class ExtractOptions:
         if self.cub_split != defaults.CUB_SPLIT and dataset != "cub":
             raise ConfigError(
                 f"{mark('cub_split')} {self.cub_split} is an option of {mark('dataset')} cub, not {dataset}",
-                params=("cub_split", "dataset"),
                 param="cub_split",
                 value=self.cub_split,
             )
         if self.class_split is not None and dataset != "folder":
             raise ConfigError(
                 f"{mark('class_split')} {self.class_split} is an option of {mark('dataset')} folder, not {dataset}",
-                params=("class_split", "dataset"),
                 param="class_split",
                 value=self.class_split,
             )
@@ -320,9 +317,7 @@ def check_options(dataset: str, backbone: str, options: ExtractOptions) -> None:
     if options.checkpoint is not None:
         ck = resolve_path(Path(options.checkpoint).expanduser(), "checkpoint")
         if not ck.is_file():
-            raise CheckpointError(
-                f"{mark('checkpoint')} {ck} does not exist", params=("checkpoint",), param="checkpoint", value=ck
-            )
+            raise CheckpointError(f"{mark('checkpoint')} {ck} does not exist", param="checkpoint", value=ck)
 
 
 def _weights(d: Any, backbone: str, opts: ExtractOptions) -> _Weights:
@@ -359,7 +354,6 @@ def _model_spec(backbone: str, opts: ExtractOptions) -> _Model:
         raise ConfigError(
             f"{mark('crop_pct')} and {mark('interpolation')} apply to torchvision:/timm: backbones; {spec.name} "
             "uses the release's transform (resize to size*256/224, bilinear)",
-            params=("crop_pct", "interpolation"),
             param="crop_pct",
             value=opts.crop_pct,
         )
@@ -428,7 +422,6 @@ def _image_size(model: _Model, source: Any, dataset: str) -> int:
             raise ConfigError(
                 f"backbone {model.name} needs an {mark('image_size')} >= {model.min_size}; {dataset}'s images "
                 f"are {size} px",
-                params=("image_size",),
                 param="image_size",
                 value=size,
             )
@@ -705,7 +698,6 @@ def _stage_batches(
                 err = ds.error(min(bad))
                 raise DataError(
                     str(err),
-                    params=("skip_bad",),
                     hint=f"{mark('skip_bad')} leaves unreadable images out",
                     param="skip_bad",
                     value=skip_bad,

@@ -75,7 +75,6 @@ def pool_file(source: str, cache_path: Path | str | None) -> Path:
         raise ConfigError(
             f"{mark('negatives')} {source}: no such cache file {str(path)!r} (the keywords are base, random, "
             f"sphere and none; anything else names a pool file, FILE[:SPLIT])",
-            params=("negatives",),
             param="negatives",
             value=source,
         )
@@ -161,7 +160,6 @@ def generate(
     if kind not in GENERATED:
         raise ConfigError(
             f"unknown generated {mark('negatives')} {kind!r}: use random or sphere",
-            params=("negatives",),
             param="negatives",
             value=kind,
         )

@@ -88,7 +88,6 @@ def parse(text: str | Preprocess | None) -> Preprocess:
     if kind not in KINDS:
         raise ConfigError(
             f"{mark('preprocess')} {text!r}: use l2n, cl2n or power[:BETA]",
-            params=("preprocess",),
             param="preprocess",
             value=text,
         )
@@ -96,7 +95,6 @@ def parse(text: str | Preprocess | None) -> Preprocess:
         if sep:
             raise ConfigError(
                 f"{mark('preprocess')} {text!r}: {kind} takes no argument",
-                params=("preprocess",),
                 param="preprocess",
                 value=text,
             )
@@ -108,14 +106,12 @@ def parse(text: str | Preprocess | None) -> Preprocess:
     except ValueError:
         raise ConfigError(
             f"{mark('preprocess')} {text!r}: BETA must be a number, e.g. power:0.5",
-            params=("preprocess",),
             param="preprocess",
             value=text,
         ) from None
     if not (math.isfinite(beta) and beta > 0):
         raise ConfigError(
             f"{mark('preprocess')} {text!r}: BETA must be positive",
-            params=("preprocess",),
             param="preprocess",
             value=text,
         )
@@ -143,7 +139,6 @@ def power_transform(x: Tensor, beta: float, where: str = "features") -> Tensor:
         raise DataError(
             f"{mark('preprocess')} power: {where} row {row} has a negative value ({float(x[row].min()):.3g}); "
             f"the power transform needs non-negative (ReLU) features: use l2n or cl2n",
-            params=("preprocess",),
             param="preprocess",
             value=where,
         )
@@ -180,7 +175,6 @@ class Preprocessor:
             if base is None:
                 raise ConfigError(
                     f"{mark('preprocess')} cl2n needs a base split (the cache's train split) to centre on",
-                    params=("preprocess",),
                     param="preprocess",
                     value=spec,
                 )
@@ -205,7 +199,6 @@ class Preprocessor:
             if cache_path is None:
                 raise ConfigError(
                     f"{mark('preprocess')} cl2n needs a cache with a train split (the base classes)",
-                    params=("preprocess",),
                     param="preprocess",
                     value=spec,
                 )
@@ -213,7 +206,6 @@ class Preprocessor:
                 raise ConfigError(
                     f"{mark('preprocess')} cl2n centres on the base split, but {cache_path} has no complete "
                     f"{BASE_SPLIT!r} split",
-                    params=("preprocess",),
                     param="preprocess",
                     value=spec,
                 )

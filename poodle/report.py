@@ -155,9 +155,7 @@ def parse_where(items: Iterable[str]) -> dict[str, list[str]]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(
-                f"{mark('where')} {item!r}: expected KEY=VALUE[,VALUE...]", params=("where",), param="where", value=item
-            )
+            raise ConfigError(f"{mark('where')} {item!r}: expected KEY=VALUE[,VALUE...]", param="where", value=item)
         out.setdefault(key.strip(), []).extend(v.strip() for v in value.split(","))
     return out
 
@@ -169,7 +167,6 @@ def filter_results(results: Sequence[Result], where: Mapping[str, Sequence[str]]
         if key not in known:
             raise ConfigError(
                 f"{mark('where')}: unknown key {key!r}; keys in these results: {', '.join(sorted(known))}",
-                params=("where",),
                 param="where",
                 value=key,
             )
@@ -178,7 +175,6 @@ def filter_results(results: Sequence[Result], where: Mapping[str, Sequence[str]]
         raise ConfigError(
             f"{mark('where')}: no result matches "
             + " and ".join(f"{k} in {{{', '.join(v)}}}" for k, v in where.items()),
-            params=("where",),
             param="where",
             value=where,
         )
@@ -391,7 +387,6 @@ def _table_keys(results: Sequence[Result], rows: Any, cols: Any) -> tuple[list[s
         if k not in known:
             raise ConfigError(
                 f"{mark('rows')}/{mark('cols')}: unknown key {k!r}; keys in these results: {', '.join(known)}",
-                params=("rows", "cols"),
                 param="rows",
                 value=k,
             )
@@ -403,7 +398,6 @@ def _table_keys(results: Sequence[Result], rows: Any, cols: Any) -> tuple[list[s
     if overlap:
         raise ConfigError(
             f"key {sorted(overlap)[0]!r} is on both {mark('rows')} and {mark('cols')}",
-            params=("rows", "cols"),
             param="rows",
             value=sorted(overlap)[0],
         )
@@ -422,14 +416,12 @@ def _one_entry(group: list[Result], known: list[str], where: str) -> Entry:
         raise ConfigError(
             f"{len(group)} results with identical options at {where} (from "
             f"{', '.join(sorted({r.source for r in group}))}); report one file or filter with {mark('where')}",
-            params=("where",),
         )
     k0 = differ[0]
     raise ConfigError(
         f"several results fall at {where}: they differ in {', '.join(differ)}; add "
         f"{k0} to {mark('rows')} or {mark('cols')}, or pick one with {mark('where')} "
         f"{k0}={_where_text(group[0].flat.get(k0))}",
-        params=("rows", "cols", "where"),
     )
 
 

@@ -87,7 +87,6 @@ def _find_baseline(results: Sequence[Result], name: str, like: Result) -> Result
             f"{mark('baseline')} {name!r}: no result with that label or method on the episodes of "
             f"{like.flat.get('label')} ({format_value('shot', like.flat.get('shot'))}); add a "
             f'[[cell]] with method = "{name}" to the grid, or set baseline to zero',
-            params=("baseline",),
             param="baseline",
             value=name,
         )
@@ -96,7 +95,6 @@ def _find_baseline(results: Sequence[Result], name: str, like: Result) -> Result
         raise ConfigError(
             f"{mark('baseline')} {name!r} is ambiguous: {len(found)} results match ({', '.join(labels)}); "
             f"filter with {mark('where')}",
-            params=("baseline", "where"),
             param="baseline",
             value=name,
         )
@@ -133,7 +131,6 @@ def _gains(
             raise ConfigError(
                 f"heatmap: panel {where} has {len(zero)} cells with {x}={y}=0; {mark('baseline')} zero needs "
                 f"exactly one (or name a baseline method)",
-                params=("baseline",),
                 param="baseline",
                 value=baseline,
             )
@@ -154,7 +151,6 @@ def _gains(
             raise ConfigError(
                 f"heatmap: several results at {x}={r.flat[x]}, {y}={r.flat[y]} in panel {where}; choose with "
                 f"{mark('where')} or {mark('panels')}",
-                params=("where", "panels"),
             )
         gain[i, j] = 100 * float(np.mean(r.acc - base.acc))
         sig[i, j] = r is not base and paired_ttest(r.acc, base.acc)[1] <= p_threshold
@@ -286,7 +282,6 @@ def lines(
                 raise ConfigError(
                     f"figure: several results share {x}={xs[0]:g} in one series; add a key to "
                     f"{mark('panels')} or filter with {mark('where')}",
-                    params=("panels", "where"),
                 )
             m = np.array([100 * r.mean for r in series])
             c = np.array([100 * r.ci95 for r in series])

@@ -72,7 +72,6 @@ def draw(
     if not 0.0 < fraction < 1.0:
         raise ConfigError(
             f"{mark('fraction')} {fraction}: must be strictly between 0 and 1",
-            params=("fraction",),
             param="fraction",
             value=fraction,
         )
@@ -88,7 +87,6 @@ def draw(
             if k == len(files):
                 raise DataError(
                     f"{mark('fraction')} {fraction} of the {len(files)} images of class {c!r} leaves none to test",
-                    params=("fraction",),
                     param="fraction",
                     value=fraction,
                 )
@@ -99,7 +97,6 @@ def draw(
             raise DataError(
                 f"{mark('fraction')} {fraction} of at most {most} images per class puts no image in the pool "
                 f"(the count per class is rounded down); raise it or use more images per class",
-                params=("fraction",),
                 param="fraction",
                 value=fraction,
             )
@@ -109,7 +106,6 @@ def draw(
             raise ConfigError(
                 f"{mark('fraction')} {fraction} of {len(names)} classes gives {k} pool classes; "
                 f"both the pool and the test split need at least one",
-                params=("fraction",),
                 param="fraction",
                 value=fraction,
             )
@@ -124,7 +120,6 @@ def _check_setting(setting: str) -> None:
     if setting not in SETTINGS:
         raise ConfigError(
             f"{mark('setting')} {setting!r}: use one of {', '.join(SETTINGS)}",
-            params=("setting",),
             param="setting",
             value=setting,
         )
@@ -153,14 +148,12 @@ def _check_out(out: Path, record: dict[str, Any], force: bool) -> None:
                 f"{mark('out')} {out} holds a split made with "
                 + ", ".join(f"{k}={old.get(k)!r}" for k in keys)
                 + f"; pass {mark('force')} to replace it, or choose another folder",
-                params=("out", "force"),
                 param="out",
                 value=out,
             )
     elif out.exists() and any(out.iterdir()) and not manifest.exists() and not force:
         raise ConfigError(
             f"{mark('out')} {out} exists and is not a split folder; pass {mark('force')} or choose another folder",
-            params=("out", "force"),
             param="out",
             value=out,
         )
@@ -175,7 +168,6 @@ def _link_images(out: Path, root: Path, force: bool) -> None:
                 raise ConfigError(
                     f"{mark('out')} {out} holds {link.name}, which is not a link to {root}; pass "
                     f"{mark('force')} or choose another folder",
-                    params=("out", "force"),
                     param="out",
                     value=out,
                 )
@@ -184,7 +176,6 @@ def _link_images(out: Path, root: Path, force: bool) -> None:
             else:
                 raise ConfigError(
                     f"{mark('out')} {out} holds a folder {link.name}; remove it or choose another folder",
-                    params=("out",),
                     param="out",
                     value=out,
                 )
@@ -205,9 +196,7 @@ def make_split(
     to ``out/split.json``. An existing ``out`` made with other settings is refused without ``force``."""
     root = resolve_path(Path(data_root).expanduser(), "data_root")
     if not root.exists():
-        raise DataError(
-            f"{mark('data_root')} {root} does not exist", params=("data_root",), param="data_root", value=data_root
-        )
+        raise DataError(f"{mark('data_root')} {root} does not exist", param="data_root", value=data_root)
     root = root.resolve()
     out = resolve_path(out, "out")
     _check_setting(setting)

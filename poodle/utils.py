@@ -66,21 +66,18 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
         if m is None:
             raise ConfigError(
                 f"{mark('device')} {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)",
-                params=("device",),
                 param="device",
                 value=name,
             )
         if m.group(2) is not None and int(m.group(2)) < 0:
             raise ConfigError(
                 f"{mark('device')} {text!r}: the CUDA device index must be >= 0",
-                params=("device",),
                 param="device",
                 value=name,
             )
         if m.group(1) == "cpu" and m.group(2) is not None:
             raise ConfigError(
                 f"{mark('device')} {text!r}: the CPU takes no index; use cpu",
-                params=("device",),
                 param="device",
                 value=name,
             )
@@ -88,7 +85,6 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(
             f"{mark('device')} {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)",
-            params=("device",),
             param="device",
             value=name,
         )
@@ -96,7 +92,6 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
         if not torch.cuda.is_available():
             raise ConfigError(
                 f"{mark('device')} {text}: CUDA is not available on this machine (use cpu or auto)",
-                params=("device",),
                 param="device",
                 value=name,
             )
@@ -104,7 +99,6 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
         if dev.index is not None and not 0 <= dev.index < n:
             raise ConfigError(
                 f"{mark('device')} {text}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}",
-                params=("device",),
                 param="device",
                 value=name,
             )

@@ -744,6 +744,7 @@ def test_the_error_census_tells_the_kinds_apart():
         "    raise MyError(\n        'the files disagree'\n    )  # not a caller's value: ours\n"  # 9: marked
         "    raise WriteError('disk full', path='x')\n"  # carries its file as path=: left out
         "    raise ValueError(x)\n"
+        "    raise MyError(f'{mark(\"x\")} is bad')\n"  # 14: params (a marked name is one)
     )
     found = [(r.line, r.kind) for r in bench.classify(source, "m.py", classes)]
     assert sorted(found) == [
@@ -754,4 +755,5 @@ def test_the_error_census_tells_the_kinds_apart():
         (6, "value"),
         (8, "marked"),
         (9, "marked"),
+        (14, "params"),
     ]

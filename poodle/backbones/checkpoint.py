@@ -337,7 +337,5 @@ def checkpoint_digest(checkpoint: str | os.PathLike | None) -> str:
         return "none"
     ck = resolve_path(Path(checkpoint).expanduser(), "checkpoint")
     if not ck.is_file():
-        raise CheckpointError(
-            f"{mark('checkpoint')} {ck} does not exist", params=("checkpoint",), param="checkpoint", value=checkpoint
-        )
+        raise CheckpointError(f"{mark('checkpoint')} {ck} does not exist", param="checkpoint", value=checkpoint)
     return file_sha256(ck)

@@ -88,7 +88,6 @@ def no_downloads(name: str) -> Iterator[None]:
         raise ConfigError(
             f"backbone {name}: building it tries to download weights ({str(url)[:80]}); poodle never "
             f"downloads: give the weights as a {mark('checkpoint')} file",
-            params=("checkpoint",),
             param="backbone",
             value=name,
         )

@@ -58,7 +58,6 @@ def resolve_pretrained(backbone: str, choice: bool | str = True) -> Weights:
     if not is_external(backbone):
         raise ConfigError(
             f"{mark('pretrained')} is for timm:NAME and torchvision:NAME backbones, not {backbone}",
-            params=("pretrained", "checkpoint"),
             hint=f"its weights come from a {mark('checkpoint')}, e.g. of a poodle train run",
             param="pretrained",
             value=choice,
@@ -68,7 +67,6 @@ def resolve_pretrained(backbone: str, choice: bool | str = True) -> Weights:
         if choice not in (True, DEFAULT):
             raise ConfigError(
                 f"{mark('pretrained')} {choice!r}: a timm model's weights are chosen by the tag in its name",
-                params=("pretrained",),
                 hint=f"timm:NAME.TAG, e.g. timm:resnet50.a1_in1k, with {mark('pretrained')} alone",
                 param="pretrained",
                 value=choice,
@@ -120,7 +118,6 @@ def _timm_weights(model: str) -> Weights:
         return Weights(path, {**origin, "weights_source": "file", "weights_file": str(path)})
     raise ConfigError(
         f"{name}: timm's configuration names no weights for it, so {mark('pretrained')} has nothing to load",
-        params=("pretrained", "checkpoint"),
         hint=f"give a {mark('checkpoint')} FILE",
         param="backbone",
         value=name,
@@ -212,7 +209,6 @@ def _hub_file(name: str, hub_id: str, filename: str | None, origin: dict[str, st
     raise ConfigError(
         f"{name} with {mark('pretrained')}: {wanted} of Hugging Face repository {repo} is not in the hub cache {cache} "
         f"(HF_HOME) and {reason}",
-        params=("pretrained", "checkpoint"),
         hint=f"where there is network, `hf download {repo} {files[0]}` with the same HF_HOME puts it there, "
         f"then copy that folder; or give a {mark('checkpoint')} FILE",
         param="backbone",
@@ -255,7 +251,6 @@ def _url_file(name: str, url: str, origin: dict[str, str], choice: str = "") -> 
         raise ConfigError(
             f"{name} with {mark('pretrained')}{choice}: {filename} is not in torch hub's cache {folder} (TORCH_HOME) "
             f"and cannot be downloaded from {url} ({type(e).__name__}: {_first_line(e)})",
-            params=("pretrained", "checkpoint"),
             hint=f"put the file there, or give a {mark('checkpoint')} FILE",
             param="backbone",
             value=name,
@@ -275,7 +270,6 @@ def _torchvision_weights(model: str, choice: str) -> Weights:
     except (ValueError, KeyError):
         raise ConfigError(
             f"torchvision:{model} has no weights enum, so {mark('pretrained')} has nothing to load",
-            params=("pretrained", "checkpoint"),
             hint=f"give a {mark('checkpoint')} FILE",
             param="backbone",
             value=f"torchvision:{model}",
@@ -287,7 +281,6 @@ def _torchvision_weights(model: str, choice: str) -> Weights:
         names = ", ".join(w.name for w in enum)
         raise ConfigError(
             f"{mark('pretrained')} {choice!r}: {enum.__name__} has {names} (or DEFAULT)",
-            params=("pretrained",),
             param="pretrained",
             value=choice,
         ) from None

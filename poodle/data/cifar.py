@@ -47,7 +47,6 @@ class CifarSource(DatasetSource):
                 raise DataError(
                     f"{mark('dataset')} {name}: {f} does not exist (CIFAR-100's binary version: train.bin, "
                     f"test.bin, fine_label_names.txt, coarse_label_names.txt)",
-                    params=("dataset",),
                     param="data_root",
                     value=root,
                 )
@@ -71,7 +70,6 @@ class CifarSource(DatasetSource):
         raise DataError(
             f"{mark('dataset')} {name}: no {FILES[0]} in {root} or {root / 'cifar-100-binary'} (CIFAR-100's "
             f"binary version; the Python version's pickles are not read)",
-            params=("dataset",),
             param="data_root",
             value=root,
         )
@@ -89,7 +87,6 @@ class CifarSource(DatasetSource):
         if not path.is_file():
             raise DataError(
                 f"{mark('dataset')} {self.name}: {path} does not exist",
-                params=("dataset",),
                 param="bin_dir",
                 value=self.bin_dir,
             )
@@ -129,7 +126,6 @@ class CifarSource(DatasetSource):
         if split not in SPLITS:
             raise DataError(
                 f"{mark('dataset')} {self.name} has splits {', '.join(SPLITS)}; not {split!r}",
-                params=("dataset",),
                 param="split",
                 value=split,
             )
@@ -183,7 +179,6 @@ class CifarSource(DatasetSource):
             raise DataError(
                 f"{mark('dataset')} {self.name}: class {empty[0]!r} of the {split} split has no images in "
                 f"{', '.join(str(f) for f in self.files)}",
-                params=("dataset",),
                 param="bin_dir",
                 value=self.bin_dir,
             )

@@ -19,7 +19,6 @@ def _need_root(name: str, data_root: str | os.PathLike | None) -> Path:
     if data_root is None:
         raise ConfigError(
             f"{mark('dataset')} {name} needs a {mark('data_root')} folder",
-            params=("dataset", "data_root"),
             param="data_root",
             value=data_root,
         )
@@ -76,7 +75,6 @@ def resolve_dataset(
     if class_split is not None and name != "folder":
         raise ConfigError(
             f"{mark('class_split')} {class_split} is an option of {mark('dataset')} folder, not {name}",
-            params=("class_split", "dataset"),
             param="class_split",
             value=class_split,
         )

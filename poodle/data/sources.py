@@ -291,7 +291,6 @@ class CubSource(DatasetSource):
         if split not in CUB_SPLITS:
             raise ConfigError(
                 f"{mark('cub_split')} {split!r}: use one of {', '.join(CUB_SPLITS)}",
-                params=("cub_split",),
                 param="cub_split",
                 value=split,
             )
@@ -302,7 +301,6 @@ class CubSource(DatasetSource):
         if not self.class_dirs:
             raise DataError(
                 f"{mark('dataset')} cub: no class folders in {image_dir}",
-                params=("dataset",),
                 param="data_root",
                 value=root,
             )
@@ -315,7 +313,6 @@ class CubSource(DatasetSource):
                     raise DataError(
                         f"{mark('cub_split')} {split}: class folder {missing[0]!r} of its {s} split is not in "
                         f"{image_dir} ({len(missing)} of {len(names)} missing)",
-                        params=("cub_split",),
                         param="cub_split",
                         value=split,
                     )
@@ -330,7 +327,6 @@ class CubSource(DatasetSource):
         if split not in self.RULE:
             raise DataError(
                 f"{mark('dataset')} cub has splits train, val, test; not {split!r}",
-                params=("dataset",),
                 param="split",
                 value=split,
             )
@@ -348,7 +344,6 @@ class CubSource(DatasetSource):
             raise DataError(
                 f"{mark('dataset')} cub: split {split!r} gets no classes from the "
                 f"{len(self.class_dirs)} class folders in {self.image_dir}",
-                params=("dataset",),
                 param="split",
                 value=split,
             )
@@ -376,7 +371,6 @@ class ListedSource(DatasetSource):
                 raise ConfigError(
                     f"{mark('class_split')} {class_split!r} is neither a shipped split ({', '.join(CLASS_SPLITS)}) "
                     "nor a folder of train.txt, val.txt, test.txt",
-                    params=("class_split",),
                     param="class_split",
                     value=class_split,
                 )
@@ -389,7 +383,6 @@ class ListedSource(DatasetSource):
         if not self.lists:
             raise DataError(
                 f"{mark('class_split')} {class_split}: no class list in {list_dir} (train.txt, val.txt, test.txt)",
-                params=("class_split",),
                 param="class_split",
                 value=class_split,
             )
@@ -401,7 +394,6 @@ class ListedSource(DatasetSource):
                     where = "twice" if owner[c] == s else f"in {owner[c]}.txt and {s}.txt"
                     raise DataError(
                         f"{mark('class_split')} {class_split}: class {c!r} is listed {where}",
-                        params=("class_split",),
                         param="class_split",
                         value=class_split,
                     )
@@ -410,7 +402,6 @@ class ListedSource(DatasetSource):
                     raise DataError(
                         f"{mark('class_split')} {class_split}: class {c!r} of {s}.txt must be a folder path under the "
                         "data root (no absolute paths, no '..')",
-                        params=("class_split",),
                         param="class_split",
                         value=class_split,
                     )
@@ -427,7 +418,6 @@ class ListedSource(DatasetSource):
             raise DataError(
                 f"{mark('class_split')} {self.class_split} has no {split} classes; extract the ones it has with "
                 f"{mark('splits')} {','.join(self.lists)}",
-                params=("class_split", "splits"),
                 param="class_split",
                 value=self.class_split,
             )

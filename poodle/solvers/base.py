@@ -310,7 +310,6 @@ class SolverInfo:
         if coerce_option(self.name, "transductive", value, bool) and self.transductive == "never":
             raise ConfigError(
                 f"method {self.name!r} is inductive only; it cannot be {mark('transductive')}",
-                params=("transductive",),
                 param="transductive",
                 value=value,
             )
@@ -323,7 +322,6 @@ class SolverInfo:
             raise ConfigError(
                 f"{mark('negatives')} none: method {self.name!r}{what} reads negative samples; use base, "
                 "random, sphere or a pool file FILE[:SPLIT]",
-                params=("negatives",),
                 param="negatives",
                 value=source,
             )
@@ -610,7 +608,6 @@ def resolve_preset(cfg: Any, method: str = "") -> None:
         name = method or type(cfg).__name__
         raise ConfigError(
             f"{name}: unknown {mark('preset')} {cfg.preset!r}; known presets: {', '.join(presets)}",
-            params=("preset",),
             param="preset",
             value=cfg.preset,
         )

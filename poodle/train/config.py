@@ -146,7 +146,6 @@ class TrainConfig:
         if self.recipe == "rot-kd" and not self.generations:
             raise ConfigError(
                 f"{mark('recipe')} rot-kd needs {mark('generations')} >= 1, got {self.generations}",
-                params=("recipe", "generations"),
                 param="generations",
                 value=self.generations,
             )
@@ -154,7 +153,6 @@ class TrainConfig:
             if m >= self.epochs:  # each milestone an epoch before the last (its bound: at least 1)
                 raise ConfigError(
                     f"{mark('milestones')} contain {m}, outside 1..{self.epochs - 1} ({mark('epochs')} {self.epochs})",
-                    params=("milestones", "epochs"),
                     param="milestones",
                     value=self.milestones,
                 )

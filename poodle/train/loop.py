@@ -159,7 +159,6 @@ def _read_checkpoint(path: Path, out: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{mark('out')} {out} holds {path.relative_to(out)}, which is not a checkpoint written by poodle.train; "
             f"pass {mark('force')} to start over or choose another folder",
-            params=("out", "force"),
             param="out",
             value=out,
         )
@@ -178,7 +177,6 @@ def _check_config(path: Path, saved: dict[str, Any], cfg: TrainConfig) -> None:
         raise ConfigError(
             f"{mark('out')} {out}: {path.relative_to(out)} was trained with other settings ({'; '.join(diffs)}); "
             f"pass {mark('force')} to start over or choose another folder",
-            params=("out", "force"),
             param="out",
             value=out,
         )
@@ -269,7 +267,6 @@ def train(
     if cfg.batch_size % dist.world:
         raise ConfigError(
             f"{mark('batch_size')} {cfg.batch_size} is not divisible by the {dist.world} processes",
-            params=("batch_size",),
             param="batch_size",
             value=cfg.batch_size,
         )
@@ -359,7 +356,6 @@ def _prepare_out(cfg: TrainConfig, out: Path, *, resume: bool | None, force: boo
         if resume is True:
             raise ConfigError(
                 f"{mark('resume')}: nothing to resume in {out} (no last.pt)",
-                params=("resume",),
                 param="resume",
                 value=resume,
             )
@@ -369,7 +365,6 @@ def _prepare_out(cfg: TrainConfig, out: Path, *, resume: bool | None, force: boo
         raise ConfigError(
             f"{mark('out')} {out} already holds a run (epoch {saved.get('epoch')}/{cfg.epochs}); "
             f"resume it, pass {mark('force')} to start over or choose another folder",
-            params=("out", "force"),
             param="out",
             value=out,
         )
@@ -672,7 +667,6 @@ def _train_step(
         raise ConfigError(
             f"the loss became {loss.item()} in generation {gen.index}, epoch {epoch}: lower {mark('lr')} or "
             f"turn {mark('amp')} off",
-            params=("lr", "amp"),
         )
     gen.optimizer.zero_grad(set_to_none=True)
     gen.scaler.scale(loss).backward()
