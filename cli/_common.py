@@ -286,7 +286,7 @@ def say_stopped(e: BaseException) -> None:
 
 
 def note(event: Any, prefix: bool = True) -> None:
-    """A library :class:`poodle.events.Notice` as one line (parameter names written as flags),
+    """A library :class:`poodle.events.Notice` as one line (its marked parameter names as flags),
     after ``note:`` unless ``prefix`` is false (a step of the command's own work)."""
     ctx = click.get_current_context(silent=True)
     text = as_flags(event.marked_message, flags_of(ctx.command if ctx else None, event.params))

@@ -72,10 +72,11 @@ class PoodleError(Exception):
     (:meth:`bad_value`) also carries the parameter, the value and the reason as fields, for a front
     end that places them itself (a grid file says ``option 'shot'`` at its line). An error whose
     message is free text carries ``param`` and ``value`` too, without a reason (an error about a
-    file's content: the argument that named the file and its path), and its text is said as it is.
+    file's content: the argument that named the file and its path), and its text is said as it is
+    (its marked names as the front end writes them).
     ``hint`` is what another parameter would change (``skip_bad leaves unreadable images out``),
     printed after the message in parentheses; a caller that has no such parameter drops it by
-    raising ``message``.
+    raising ``marked_message``.
     ``needs`` are the settings that would make the input valid (``{"protocol": "meta-dataset"}``):
     the text adds ``: add protocol = "meta-dataset"`` as a project file or grid writes it, and a front
     end says them its own way (the command line: ``add --protocol meta-dataset``), from ``text``."""
