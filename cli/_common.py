@@ -34,7 +34,7 @@ from rich.text import Text
 
 from poodle import defaults
 from poodle.cli._console import console, out
-from poodle.errors import PoodleError
+from poodle.errors import Param, PoodleError, parts
 from poodle.events import NoticeWarning
 
 
@@ -89,11 +89,11 @@ def flags_of(command: click.Command | None, params: tuple[str, ...]) -> dict[str
     return out
 
 
-def as_flags(message: str, flags: dict[str, str]) -> str:
-    """``message`` with each library parameter name in ``flags`` written as its command-line flag."""
-    for p, flag in flags.items():
-        message = re.sub(rf"(?<![\w-]){re.escape(p)}(?![\w-])", flag, message, count=1)
-    return message
+def as_flags(text: str, flags: dict[str, str]) -> str:
+    """``text`` (a library message) with each parameter it marks (:func:`poodle.errors.mark`) written
+    as its flag in ``flags`` (as its name when this command has no flag for it); every other word as
+    it is: the message is joined from its parts, never searched."""
+    return "".join(flags.get(p.name, p.name) if isinstance(p, Param) else p for p in parts(text))
 
 
 def say_error(error: PoodleError) -> None:
@@ -151,26 +151,26 @@ def _source(ctx: click.Context | None, flag: str) -> tuple[click.Option | None, 
 
 
 def _flag_text(error: PoodleError, flags: dict[str, str], said: dict[str, str], needs: dict[str, str]) -> str:
-    """The error's text with parameters as flags (``said``: as the user gave them, see
+    """The error's text with its marked parameters as flags (``said``: as the user gave them, see
     :func:`given_as`): an error about one value with a reason (``bad_value``: its parameter, value and
-    reason are fields) is said from those fields, the other parameters its reason names as plain
-    flags, whatever its text (a prefix such as ``glyphs:`` is the library's own way); only an
-    error whose text is free falls back to writing its named parameters as flags in the text
-    (:func:`as_flags`). What the error needs (``error.needs``) is said as flags to type
-    (``add --protocol meta-dataset``) when this command has them all (``needs``: their flags)."""
+    reason are fields) is said from those fields, the other parameters its reason marks as plain
+    flags, whatever its text (a prefix such as ``glyphs:`` is the library's own way); an error whose
+    text is free is joined from its parts (:func:`as_flags`). What the error needs (``error.needs``)
+    is said as flags to type (``add --protocol meta-dataset``) when this command has them all
+    (``needs``: their flags)."""
     from poodle.cli._schema import flag_message
 
-    hint = f" ({as_flags(error.hint, flags)})" if error.hint else ""
-    if error.param in flags and error.reason is not None:  # said from its fields, never from its text
+    hint = f" ({as_flags(error.marked_hint, flags)})" if error.marked_hint else ""
+    if error.param in flags and error.marked_reason is not None:  # said from its fields, never from its text
         others = {p: f for p, f in flags.items() if p != error.param}
-        said_value = flag_message(said[error.param], error, reason=as_flags(str(error.reason), others))
+        said_value = flag_message(said[error.param], error, reason=as_flags(error.marked_reason, others))
         if said_value is not None:
             return said_value + hint
-    text = as_flags(error.text, said)
+    text = as_flags(error.marked_text, said)
     if error.needs and set(needs) == set(error.needs):
         text += ": add " + ", ".join(_typed(needs[k], v) for k, v in error.needs.items())
     elif error.needs:
-        text = as_flags(error.message, said)
+        text = as_flags(error.marked_message, said)
     return text + hint
 
 
@@ -286,10 +286,10 @@ def say_stopped(e: BaseException) -> None:
 
 
 def note(event: Any, prefix: bool = True) -> None:
-    """A library :class:`poodle.events.Notice` as one line (parameter names written as flags),
+    """A library :class:`poodle.events.Notice` as one line (its marked parameter names as flags),
     after ``note:`` unless ``prefix`` is false (a step of the command's own work)."""
     ctx = click.get_current_context(silent=True)
-    text = as_flags(event.message, flags_of(ctx.command if ctx else None, event.params))
+    text = as_flags(event.marked_message, flags_of(ctx.command if ctx else None, event.params))
     if prefix:
         console.print(styled("note", "yellow", f": {text}"), soft_wrap=True)
     else:

@@ -647,8 +647,9 @@ def write_arrays(
             validate(tmp)
         except CacheError as e:  # name the file the caller asked for, not the temporary one
             raise CacheError(
-                str(e).replace(str(tmp), str(path), 1),
+                e.marked_message.replace(str(tmp), str(path), 1),
                 params=e.params,
+                hint=e.marked_hint,
                 param=e.param,
                 value=path if e.value == tmp else e.value,
             ) from None

@@ -26,7 +26,7 @@ from typing import AbstractSet, Any, Mapping, Sequence
 from poodle import defaults, solvers
 from poodle.defaults import NEGATIVE_KEYWORDS
 from poodle.episodes import EpisodeSpec
-from poodle.errors import ConfigError, PoodleError
+from poodle.errors import ConfigError, PoodleError, mark
 from poodle.negatives import NegativeSpec
 from poodle.results import jsonable, make_identity, record_flat
 from poodle.settings import EPISODE_KEYS, GENERAL_KEYS, WHEN_SET_EPISODE_KEYS, check_setting, general_defaults
@@ -290,7 +290,7 @@ def episode_setting(general: Mapping[str, Any], defaults_: Mapping[str, Any] | N
     ]
     if given and not md:
         raise ConfigError(
-            f"{', '.join(given)} belong{'s' if len(given) == 1 else ''} to the Meta-Dataset protocol",
+            f"{', '.join(map(mark, given))} belong{'s' if len(given) == 1 else ''} to the Meta-Dataset protocol",
             params=tuple(given),
             needs={"protocol": "meta-dataset"},
         )
@@ -350,7 +350,7 @@ def make_cell(
     episode = episode_setting(general, defaults_)
     EpisodeSpec.from_settings(episode).validate()
     if "cache" not in general:
-        raise ConfigError("no feature cache given", params=("cache",), param="cache", value=None)
+        raise ConfigError(f"no feature {mark('cache')} given", params=("cache",), param="cache", value=None)
     name = values.get("method", defaults_["method"])
     return Cell(
         label=label or "",  # the method's registered name by default, once looked up
@@ -403,7 +403,7 @@ def _configure(
         cfg = solvers.build_config(method, opts, strict=True)
     elif opts:
         raise ConfigError(
-            f"method {method.name!r}: options {', '.join(sorted(opts))} given beside its config; "
+            f"method {method.name!r}: options {', '.join(map(mark, sorted(opts)))} given beside its config; "
             "set them in the config",
             params=tuple(sorted(opts)),
             param="options",

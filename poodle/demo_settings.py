@@ -14,7 +14,7 @@ import numpy as np
 
 from poodle import defaults, solvers
 from poodle.episodes import CellSpec, EpisodeSpec
-from poodle.errors import ConfigError
+from poodle.errors import ConfigError, mark
 from poodle.negatives import NegativeSpec
 from poodle.options import check_group, option, option_like
 from poodle.run import RunOptions
@@ -171,9 +171,8 @@ def competitor_names(which: str | tuple[str, ...] | list[str]) -> list[str]:
     for n in names:
         if n not in registered:
             raise ConfigError(
-                f"competitors: {n!r} is not a registered transductive method; choose from "
+                f"{mark('competitors')}: {n!r} is not a registered transductive method; choose from "
                 f"{', '.join(registered)} (or paper, all, none)",
-                params=("competitors",),
                 param="competitors",
                 value=n,
             )

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from poodle.errors import ConfigError, PoodleError
+from poodle.errors import ConfigError, PoodleError, mark
 from poodle.utils import resolve_device
 
 DEFAULT_TIMEOUT_S = 3600
@@ -346,7 +346,7 @@ def init(device: str | torch.device = "auto") -> Dist:
     if _CURRENT is not None and torch.distributed.is_initialized():
         if name == "cpu" and _CURRENT.device.type != "cpu":
             raise ConfigError(
-                "this process already joined the run on a GPU; device cpu cannot change that",
+                f"this process already joined the run on a GPU; {mark('device')} cpu cannot change that",
                 params=("device",),
                 param="device",
                 value=device,
@@ -354,14 +354,16 @@ def init(device: str | torch.device = "auto") -> Dist:
         return _CURRENT
     if name not in ("auto", "cuda", "cpu"):
         raise ConfigError(
-            f"device {name}: under torchrun each process uses cuda:LOCAL_RANK; give cuda, auto or cpu",
+            f"{mark('device')} {name}: under torchrun each process uses cuda:LOCAL_RANK; give cuda, auto or cpu",
             params=("device",),
             param="device",
             value=device,
         )
     use_cuda = name != "cpu" and torch.cuda.is_available()
     if name == "cuda" and not use_cuda:
-        raise ConfigError("device cuda: CUDA is not available", params=("device",), param="device", value=device)
+        raise ConfigError(
+            f"{mark('device')} cuda: CUDA is not available", params=("device",), param="device", value=device
+        )
     if use_cuda:
         if local >= torch.cuda.device_count():
             # not a caller's value: torchrun's LOCAL_RANK against this node's GPUs

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from poodle import defaults, sampler
-from poodle.errors import ConfigError, EpisodeError
+from poodle.errors import ConfigError, EpisodeError, mark
 from poodle.options import check_group, check_value, option
 from poodle.options import setting as schema_setting
 from poodle.options import settings as schema
@@ -193,7 +193,7 @@ class EpisodeSpec:
         if n is not None and self.way is not None and n > self.way:
             least = getattr(schema_setting(EpisodeSpec, "query_classes").bounds, "lo", 1)
             raise EpisodeError.bad_value(
-                "query_classes", n, f"must be an integer from {least:g} to way={self.way}", others=("way",)
+                "query_classes", n, f"must be an integer from {least:g} to {mark('way')}={self.way}", others=("way",)
             )
         for lo, hi in (("min_ways", "max_ways_upper_bound"), ("min_log_weight", "max_log_weight")):
             a, b = getattr(self, lo), getattr(self, hi)
@@ -202,23 +202,24 @@ class EpisodeSpec:
             show = (lambda v: f"{v:g}") if isinstance(a, float) else str
             # blame the one of the two that was changed (the other at its default)
             if a == schema_setting(EpisodeSpec, lo).default:
-                raise EpisodeError.bad_value(hi, b, f"must be at least {lo}={show(a)}", others=(lo,))
-            raise EpisodeError.bad_value(lo, a, f"must be at most {hi}={show(b)}", others=(hi,))
+                raise EpisodeError.bad_value(hi, b, f"must be at least {mark(lo)}={show(a)}", others=(lo,))
+            raise EpisodeError.bad_value(lo, a, f"must be at most {mark(hi)}={show(b)}", others=(hi,))
         if not self.ragged:
             return
         for name in ("imbalance", "query_classes"):
             if getattr(self, name) is not None:
                 raise EpisodeError(
-                    f"{name} belongs to the fixed protocol; the Meta-Dataset protocol draws its own per-class counts",
+                    f"{mark(name)} belongs to the fixed protocol; the Meta-Dataset protocol draws its own "
+                    "per-class counts",
                     params=(name,),
                     param=name,
                     value=getattr(self, name),
                 )
         if self.bilevel and self.way is not None:
             raise EpisodeError(
-                "bilevel draws the ways within a superclass; it cannot be combined with a fixed way "
+                f"{mark('bilevel')} draws the ways within a superclass; it cannot be combined with a fixed "
+                f"{mark('way')} "
                 "(as in meta_dataset's sampler)",
-                params=("bilevel", "way"),
                 param="way",
                 value=self.way,
             )
@@ -520,9 +521,8 @@ def _short(spec: EpisodeSpec, counts: Tensor, names: list[str], need: int, what:
             f", ... ({len(short)} in all)" if len(short) > 10 else ""
         )
         raise EpisodeError(
-            f"split {spec.split!r}: lower shot or query (or drop classes): {len(short)} class(es) have "
-            f"fewer than {what} images: {shown}",
-            params=("shot", "query"),
+            f"split {spec.split!r}: lower {mark('shot')} or {mark('query')} (or drop classes): {len(short)} "
+            f"class(es) have fewer than {what} images: {shown}",
             param="shot",
             value=spec.shot,
         )
@@ -538,7 +538,7 @@ def _check_meta_dataset(
         key = "way" if spec.way is not None else "min_ways"
         raise EpisodeError(
             f"split {spec.split!r} has {present} classes with images; Meta-Dataset episodes need at "
-            f"least {key} = {least}",
+            f"least {mark(key)} = {least}",
             params=(key,),
             param=key,
             value=least,
@@ -576,9 +576,8 @@ def _check_meta_dataset(
         if small:
             shown = ", ".join(f"{n} ({k})" for n, k in small[:10])
             raise EpisodeError(
-                f"split {spec.split!r}: bilevel needs every superclass to have at least min_ways = "
+                f"split {spec.split!r}: {mark('bilevel')} needs every superclass to have at least {mark('min_ways')} = "
                 f"{spec.min_ways} classes with images; {len(small)} have fewer: {shown}",
-                params=("bilevel", "min_ways"),
                 param="bilevel",
                 value=spec.bilevel,
             )
@@ -595,9 +594,8 @@ def superclass_names(classes: Sequence[str]) -> list[str]:
     if names and all("_" in c for c in names):
         return [c.rsplit("_", 1)[0] for c in names]
     raise EpisodeError(
-        "bilevel needs each class's superclass: class names of the form SUPER/NAME or SUPER_NAME "
+        f"{mark('bilevel')} needs each class's superclass: class names of the form SUPER/NAME or SUPER_NAME "
         f"(e.g. {names[0] if names else ''!r} has neither), or superclasses given to the sampler",
-        params=("bilevel",),
         param="bilevel",
         value=True,
     )

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from poodle import costmodel, defaults, solvers
 from poodle.episodes import EpisodeSet, EpisodeStream
-from poodle.errors import ConfigError, EpisodeError
+from poodle.errors import ConfigError, EpisodeError, mark
 from poodle.negatives import NegativeSpec, generate, load_pool, sample_indices
 from poodle.run import RunOptions
 from poodle.solvers.backend import Backend, for_call
@@ -130,9 +130,9 @@ def check_memory_bound(
     if need + held > budget:
         what = f"{held_text(held, held_parts)}, and " if held else ""
         raise ConfigError(
-            f"max_memory {_mib(budget)} cannot be met: {what}one episode ({n_rows} rows of D={dim}, negatives "
-            f"included) needs about {_mib(need)}: {_mib(need + held - budget)} more; raise it to at "
-            f"least {_mib(need + held)} or lower n_neg",
+            f"{mark('max_memory')} {_mib(budget)} cannot be met: {what}one episode ({n_rows} rows of D={dim}, "
+            f"negatives included) needs about {_mib(need)}: {_mib(need + held - budget)} more; raise it to at "
+            f"least {_mib(need + held)} or lower {mark('n_neg')}",
             params=("max_memory", "n_neg"),
             param="max_memory",
             value=budget,
@@ -351,7 +351,7 @@ def prepare_negatives(
 def _check_held(neg: Tensor, M: int, source: str, pool_rows: int) -> None:
     if neg.shape[1] != M:
         raise EpisodeError(
-            f"the episodes hold {neg.shape[1]} negatives per episode from {source!r}, but n_neg is {M}",
+            f"the episodes hold {neg.shape[1]} negatives per episode from {source!r}, but {mark('n_neg')} is {M}",
             params=("n_neg",),
             param="n_neg",
             value=M,
@@ -425,7 +425,7 @@ def _resolve_methods(methods: Sequence[Method]) -> tuple[list[Method], list[tupl
     for item in methods:
         if len(item) != 3:
             raise ConfigError(
-                f"methods are (label, method, config) triples, got {item!r}",
+                f"{mark('methods')} are (label, method, config) triples, got {item!r}",
                 params=("methods",),
                 param="methods",
                 value=item,

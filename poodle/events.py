@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from poodle.errors import marked_params, plain
+
 
 @dataclass(frozen=True)
 class Ready:
@@ -53,11 +55,22 @@ class EpisodesSolved:
 @dataclass(frozen=True)
 class Notice:
     """Something the user should know that is not an error. ``code`` names the kind
-    (``preprocess-fallback``, ``other-records``, ...); ``params`` the parameters it speaks of."""
+    (``preprocess-fallback``, ``other-records``, ...); ``params`` the parameters it speaks of: those
+    given and each marked in the message (:func:`poodle.errors.mark`). ``message`` reads plain (the
+    names as they are); ``marked_message`` keeps the marks, for a front end to write each its own way
+    (:func:`poodle.errors.parts`)."""
 
     code: str
     message: str
     params: tuple[str, ...] = field(default=())
+    marked_message: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # frozen: the plain text and the parameters are set once here, from the message as given
+        marked = self.message
+        object.__setattr__(self, "marked_message", marked)
+        object.__setattr__(self, "message", plain(marked))
+        object.__setattr__(self, "params", tuple(dict.fromkeys((*self.params, *marked_params(marked)))))
 
 
 class NoticeWarning(UserWarning):

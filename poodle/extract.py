@@ -39,7 +39,7 @@ from poodle.cache import (
 )
 from poodle.data import ImageDataset, PixelCache, resolve_dataset
 from poodle.data.transforms import eval_transform, native_eval_transform
-from poodle.errors import CacheError, CheckpointError, ConfigError, DataError
+from poodle.errors import CacheError, CheckpointError, ConfigError, DataError, mark
 from poodle.events import Notice, OnEvent, SplitResumed, SplitReused, SplitWritten, ignore
 from poodle.options import check_group, option
 from poodle.utils import check_writable_dir
@@ -177,23 +177,20 @@ class ExtractOptions:
         """ConfigError for a value no dataset or backbone could take."""
         if self.pretrained and self.checkpoint is not None:
             raise ConfigError(
-                "give checkpoint or pretrained, not both",
-                params=("checkpoint", "pretrained"),
+                f"give {mark('checkpoint')} or {mark('pretrained')}, not both",
                 param="checkpoint",
                 value=self.checkpoint,
             )
         check_group(self, ConfigError)
         if self.cub_split != defaults.CUB_SPLIT and dataset != "cub":
             raise ConfigError(
-                f"cub_split {self.cub_split} is an option of dataset cub, not {dataset}",
-                params=("cub_split", "dataset"),
+                f"{mark('cub_split')} {self.cub_split} is an option of {mark('dataset')} cub, not {dataset}",
                 param="cub_split",
                 value=self.cub_split,
             )
         if self.class_split is not None and dataset != "folder":
             raise ConfigError(
-                f"class_split {self.class_split} is an option of dataset folder, not {dataset}",
-                params=("class_split", "dataset"),
+                f"{mark('class_split')} {self.class_split} is an option of {mark('dataset')} folder, not {dataset}",
                 param="class_split",
                 value=self.class_split,
             )
@@ -293,7 +290,7 @@ def extract(
             # a pretrained file found in timm's / torch hub's cache: damaged (a copy cut short) or foreign
             hint = "it is in the library's cache: delete it and run again to download it anew"
             raise CheckpointError(
-                e.message, params=e.params, hint=hint, param="pretrained", value=weights.checkpoint
+                e.marked_message, params=e.params, hint=hint, param="pretrained", value=weights.checkpoint
             ) from None
     workers = default_workers() if opts.workers is None else int(opts.workers)
     run = _Run(d, model, opts, workers, progress_factory, tell)
@@ -320,9 +317,7 @@ def check_options(dataset: str, backbone: str, options: ExtractOptions) -> None:
     if options.checkpoint is not None:
         ck = resolve_path(Path(options.checkpoint).expanduser(), "checkpoint")
         if not ck.is_file():
-            raise CheckpointError(
-                f"checkpoint {ck} does not exist", params=("checkpoint",), param="checkpoint", value=ck
-            )
+            raise CheckpointError(f"{mark('checkpoint')} {ck} does not exist", param="checkpoint", value=ck)
 
 
 def _weights(d: Any, backbone: str, opts: ExtractOptions) -> _Weights:
@@ -357,9 +352,8 @@ def _model_spec(backbone: str, opts: ExtractOptions) -> _Model:
     spec = backbones.get_spec(backbone)
     if opts.crop_pct is not None or opts.interpolation is not None:
         raise ConfigError(
-            f"crop_pct and interpolation apply to torchvision:/timm: backbones; {spec.name} uses the "
-            "release's transform (resize to size*256/224, bilinear)",
-            params=("crop_pct", "interpolation"),
+            f"{mark('crop_pct')} and {mark('interpolation')} apply to torchvision:/timm: backbones; {spec.name} "
+            "uses the release's transform (resize to size*256/224, bilinear)",
             param="crop_pct",
             value=opts.crop_pct,
         )
@@ -395,7 +389,7 @@ def _plan(
             raise CacheError(
                 f"cache path {out} is a directory",
                 params=("cache_root", "tag"),
-                hint="remove it or choose another tag",
+                hint=f"remove it or choose another {mark('tag')}",
                 param="cache_root",
                 value=out,
             )
@@ -426,8 +420,8 @@ def _image_size(model: _Model, source: Any, dataset: str) -> int:
         size = native or defaults.DATASET_IMAGE_SIZES.get(dataset, defaults.IMAGE_SIZE)
         if size < model.min_size:
             raise ConfigError(
-                f"backbone {model.name} needs an image_size >= {model.min_size}; {dataset}'s images are {size} px",
-                params=("image_size",),
+                f"backbone {model.name} needs an {mark('image_size')} >= {model.min_size}; {dataset}'s images "
+                f"are {size} px",
                 param="image_size",
                 value=size,
             )
@@ -448,13 +442,15 @@ def _existing(
     Refuses what would mix features of different provenance."""
     if not out.exists():
         return False, set()
-    hint = "force replaces it; a tag writes another file"
+    hint = f"{mark('force')} replaces it; a {mark('tag')} writes another file"
     try:
         attrs = read_attrs(out)
     except CacheError as e:
         if not opts.force:
-            raise CacheError(e.message, params=("force", "tag"), hint=hint, param="cache_root", value=out) from None
-        tell(Notice("cache-replaced", f"{out} is not a poodle cache: replacing it (force)", ("force",)))
+            raise CacheError(
+                e.marked_message, params=("force", "tag"), hint=hint, param="cache_root", value=out
+            ) from None
+        tell(Notice("cache-replaced", f"{out} is not a poodle cache: replacing it ({mark('force')})", ("force",)))
         return True, set()
     mism = identity_mismatches(attrs, root_attrs)
     if mism and not opts.force:
@@ -466,7 +462,9 @@ def _existing(
             value=out,
         )
     if mism:
-        tell(Notice("cache-replaced", f"{out} was made with other settings: replacing it (force)", ("force",)))
+        tell(
+            Notice("cache-replaced", f"{out} was made with other settings: replacing it ({mark('force')})", ("force",))
+        )
         return True, set()
     return False, _complete_splits(out, split_list, samples, opts, tell)
 
@@ -616,11 +614,11 @@ def _complete_splits(
             if not isinstance(g, h5py.Group) or not bool(g.attrs.get("complete", False)):
                 continue
             if opts.force:
-                tell(Notice("split-recomputed", f"{s}: recomputing (force)", ("force",)))
+                tell(Notice("split-recomputed", f"{s}: recomputing ({mark('force')})", ("force",)))
                 continue
             problems, params = [], ["force", "tag"]
             if "features" in g and str(g["features"].dtype) != opts.dtype:
-                problems.append(f"is stored as {g['features'].dtype} (this run: dtype {opts.dtype})")
+                problems.append(f"is stored as {g['features'].dtype} (this run: {mark('dtype')} {opts.dtype})")
                 params.append("dtype")
             digest = g.attrs.get("samples_sha256")
             if digest is not None:
@@ -631,7 +629,7 @@ def _complete_splits(
                 raise CacheError(
                     f"{out}: split {s!r} {' and '.join(problems)}",
                     params=tuple(params),
-                    hint="force recomputes it; a tag writes another file",
+                    hint=f"{mark('force')} recomputes it; a {mark('tag')} writes another file",
                     param="cache_root",
                     value=out,
                 )
@@ -700,8 +698,7 @@ def _stage_batches(
                 err = ds.error(min(bad))
                 raise DataError(
                     str(err),
-                    params=("skip_bad",),
-                    hint="skip_bad leaves unreadable images out",
+                    hint=f"{mark('skip_bad')} leaves unreadable images out",
                     param="skip_bad",
                     value=skip_bad,
                 ) from None

@@ -29,7 +29,7 @@ from torch import Tensor
 from poodle import defaults
 from poodle._mt19937 import M32, MT19937, RANGE64, normal_fill_, packed_words, random64_at, verified, word_at
 from poodle.cache import read_split
-from poodle.errors import CacheError, ConfigError
+from poodle.errors import CacheError, ConfigError, mark
 from poodle.options import check_group, option
 from poodle.prefetch import pool_location
 from poodle.utils import derive_seeds, generator, resolve_path
@@ -73,9 +73,8 @@ def pool_file(source: str, cache_path: Path | str | None) -> Path:
     path = resolve_path(pool_location(source, cache_path)[0], "negatives")
     if not path.is_file():
         raise ConfigError(
-            f"negatives {source}: no such cache file {str(path)!r} (the keywords are base, random, sphere and "
-            f"none; anything else names a pool file, FILE[:SPLIT])",
-            params=("negatives",),
+            f"{mark('negatives')} {source}: no such cache file {str(path)!r} (the keywords are base, random, "
+            f"sphere and none; anything else names a pool file, FILE[:SPLIT])",
             param="negatives",
             value=source,
         )
@@ -160,8 +159,7 @@ def generate(
     """
     if kind not in GENERATED:
         raise ConfigError(
-            f"unknown generated negatives {kind!r}: use random or sphere",
-            params=("negatives",),
+            f"unknown generated {mark('negatives')} {kind!r}: use random or sphere",
             param="negatives",
             value=kind,
         )

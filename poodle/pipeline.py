@@ -37,7 +37,7 @@ from poodle import __version__, distributed
 from poodle.cache import SplitFeatures, read_split
 from poodle.cells import Cell
 from poodle.episodes import EpisodeSet, EpisodeStream, load_episodes
-from poodle.errors import ConfigError
+from poodle.errors import ConfigError, mark
 from poodle.evaluate import ChunkPlan, Hooks, backend_for, evaluate
 from poodle.events import CellFinished, CellsStarted, EpisodesSolved, Notice, OnEvent, Ready, ignore
 from poodle.negatives import pool_file
@@ -261,8 +261,8 @@ def solve_call(
             inputs.notice(
                 Notice(
                     "memory-beyond-bound",
-                    f"max_memory {_mib(plan.budget)} counts what each call holds ({_mib(plan.held)}) and its "
-                    f"chunks; preprocess {pre.spec} also took {_mib(pre.working_bytes)} for a moment before "
+                    f"{mark('max_memory')} {_mib(plan.budget)} counts what each call holds ({_mib(plan.held)}) and its "
+                    f"chunks; {mark('preprocess')} {pre.spec} also took {_mib(pre.working_bytes)} for a moment before "
                     f"solving (the rows it transforms, as float64), beyond the bound",
                     ("max_memory", "preprocess"),
                 )

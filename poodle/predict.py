@@ -34,7 +34,7 @@ from poodle.backbones.checkpoint import checkpoint_digest
 from poodle.backbones.pretrained import resolve_pretrained
 from poodle.cache import SplitFeatures, read_attrs, read_split
 from poodle.data.sources import IMAGE_EXTENSIONS, DatasetSource
-from poodle.errors import CacheError, ConfigError, DataError
+from poodle.errors import CacheError, ConfigError, DataError, mark
 from poodle.evaluate import solve_batch
 from poodle.events import Event, Notice, OnEvent, SplitReused, SplitWritten, ignore
 from poodle.extract import ExtractOptions, extract
@@ -61,11 +61,11 @@ def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
     """``[(absolute path, class)]`` from ``folder/<class>/<images>`` (images found recursively)."""
     d = resolve_path(Path(folder).expanduser(), "support")
     if not d.is_dir():
-        raise DataError(f"support {d}: no such folder", params=("support",), param="support", value=folder)
+        raise DataError(f"{mark('support')} {d}: no such folder", params=("support",), param="support", value=folder)
     class_dirs = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not class_dirs:
         raise DataError(
-            f"support {d} has no class folders (layout: SUPPORT/<class>/<image>)",
+            f"{mark('support')} {d} has no class folders (layout: SUPPORT/<class>/<image>)",
             params=("support",),
             param="support",
             value=folder,
@@ -86,15 +86,15 @@ def support_from_folder(folder: str | os.PathLike) -> list[tuple[str, str]]:
 def _read_csv(path: str | os.PathLike, what: str, need_label: bool) -> list[tuple[str, str | None]]:
     p = resolve_path(Path(path).expanduser(), what)
     if not p.is_file():
-        raise DataError(f"{what} {p}: no such file", params=(what,), param=what, value=path)
+        raise DataError(f"{mark(what)} {p}: no such file", params=(what,), param=what, value=path)
     with open(p, newline="", encoding="utf-8") as fh:
         rows = [r for r in csv.reader(fh) if r and any(c.strip() for c in r)]
     if not rows:
-        raise DataError(f"{what} {p} is empty", params=(what,), param=what, value=path)
+        raise DataError(f"{mark(what)} {p} is empty", params=(what,), param=what, value=path)
     header = [c.strip().lower() for c in rows[0]]
     if "path" not in header:
         raise DataError(
-            f"{what} {p}: the first line must be a header with a 'path' column"
+            f"{mark(what)} {p}: the first line must be a header with a 'path' column"
             + (" and a 'label' column" if need_label else " (and optionally 'label')"),
             params=(what,),
             param=what,
@@ -102,23 +102,28 @@ def _read_csv(path: str | os.PathLike, what: str, need_label: bool) -> list[tupl
         )
     ip, il = header.index("path"), header.index("label") if "label" in header else None
     if need_label and il is None:
-        raise DataError(f"{what} {p}: no 'label' column in the header", params=(what,), param=what, value=path)
+        raise DataError(f"{mark(what)} {p}: no 'label' column in the header", params=(what,), param=what, value=path)
     out: list[tuple[str, str | None]] = []
     for n, r in enumerate(rows[1:], start=2):
         if len(r) <= max(ip, il or 0):
             raise DataError(
-                f"{what} {p}, line {n}: {len(r)} fields, expected {len(header)}", params=(what,), param=what, value=path
+                f"{mark(what)} {p}, line {n}: {len(r)} fields, expected {len(header)}",
+                params=(what,),
+                param=what,
+                value=path,
             )
         f = Path(r[ip].strip()).expanduser()
         f = f if f.is_absolute() else p.parent / f
         if not f.is_file():
-            raise DataError(f"{what} {p}, line {n}: image {f} does not exist", params=(what,), param=what, value=path)
+            raise DataError(
+                f"{mark(what)} {p}, line {n}: image {f} does not exist", params=(what,), param=what, value=path
+            )
         label = r[il].strip() if il is not None else None
         if il is not None and not label:
-            raise DataError(f"{what} {p}, line {n}: empty label", params=(what,), param=what, value=path)
+            raise DataError(f"{mark(what)} {p}, line {n}: empty label", params=(what,), param=what, value=path)
         out.append((str(f.resolve()), label))
     if not out:
-        raise DataError(f"{what} {p} lists no images", params=(what,), param=what, value=path)
+        raise DataError(f"{mark(what)} {p} lists no images", params=(what,), param=what, value=path)
     return out
 
 
@@ -131,11 +136,11 @@ def query_from_folder(folder: str | os.PathLike) -> list[tuple[str, str | None]]
     """``[(absolute path, None)]``: every image under ``folder``, sorted."""
     d = resolve_path(Path(folder).expanduser(), "query")
     if not d.is_dir():
-        raise DataError(f"query {d}: no such folder", params=("query",), param="query", value=folder)
+        raise DataError(f"{mark('query')} {d}: no such folder", params=("query",), param="query", value=folder)
     files = _images_under(d)
     if not files:
         raise DataError(
-            f"query {d} holds no images (image extensions: {' '.join(IMAGE_EXTENSIONS)})",
+            f"{mark('query')} {d} holds no images (image extensions: {' '.join(IMAGE_EXTENSIONS)})",
             params=("query",),
             param="query",
             value=folder,
@@ -216,7 +221,7 @@ def _check_base_cache(path: Path, backbone: str, sha: str) -> dict[str, Any]:
     attrs = read_attrs(path)
     if attrs["backbone"] != backbone or attrs["checkpoint_sha256"] != sha:
         raise ConfigError(
-            f"negatives_from {path} holds features of backbone {attrs['backbone']} (checkpoint "
+            f"{mark('negatives_from')} {path} holds features of backbone {attrs['backbone']} (checkpoint "
             f"{attrs['checkpoint_sha256'][:12]}), not of {backbone} (checkpoint {sha[:12]}): "
             f"its rows would live in another feature space",
             params=("negatives_from",),
@@ -304,7 +309,8 @@ def make_solving(
         )
     if negatives == "base" and pool is None:
         raise ConfigError(
-            "negatives base reads the train split of negatives_from: give a feature cache of the same backbone",
+            f"{mark('negatives')} base reads the train split of {mark('negatives_from')}: give a feature cache "
+            "of the same backbone",
             params=("negatives", "negatives_from"),
             param="negatives_from",
             value=negatives_from,
@@ -314,7 +320,8 @@ def make_solving(
     pre = parse(preprocess)
     if pre.needs_base and pool is None:
         raise ConfigError(
-            "preprocess cl2n centres on base-class features: give negatives_from (a cache; its train split)",
+            f"{mark('preprocess')} cl2n centres on base-class features: give {mark('negatives_from')} (a cache; "
+            "its train split)",
             params=("preprocess", "negatives_from"),
             param="preprocess",
             value=preprocess,
@@ -336,7 +343,7 @@ def _pool_attrs(solving: Solving, backbone: str, sha: str) -> dict[str, Any]:
         return {}
     if not solving.negatives_from.is_file():
         raise ConfigError(
-            f"negatives_from {solving.negatives_from}: no such cache file",
+            f"{mark('negatives_from')} {solving.negatives_from}: no such cache file",
             params=("negatives_from",),
             param="negatives_from",
             value=solving.negatives_from,
@@ -531,7 +538,7 @@ def _task_features(
                 source=ListSource(lists),
             )
         except DataError as e:  # predict has no skip_bad: every image must decode
-            raise DataError(e.message, params=e.params, param=e.param, value=e.value) from None
+            raise DataError(e.marked_message, params=e.params, param=e.param, value=e.value) from None
         _check_transform(path, base_attrs, solving)
         s, q = read_split(path, "support"), read_split(path, "query")
     # The splits' classes are sorted names: support's are exactly the task's classes.
@@ -552,8 +559,9 @@ def _check_transform(path: Path, base_attrs: dict[str, Any], solving: Solving) -
     ours, theirs = read_attrs(path).get("transform"), base_attrs.get("transform")
     if ours != theirs:
         raise ConfigError(
-            f"the images went through '{ours}', but the features of negatives_from {solving.negatives_from} "
-            f"through '{theirs}': give the same image_size (and crop_pct / interpolation) "
+            f"the images went through '{ours}', but the features of {mark('negatives_from')} {solving.negatives_from} "
+            f"through '{theirs}': give the same {mark('image_size')} (and {mark('crop_pct')} / "
+            f"{mark('interpolation')}) "
             f"as that cache, or leave them out to take its own",
             params=("negatives_from", "image_size", "crop_pct", "interpolation"),
             param="negatives_from",

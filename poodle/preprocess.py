@@ -36,7 +36,7 @@ from torch import Tensor
 
 from poodle import defaults
 from poodle.cache import list_splits, read_split
-from poodle.errors import CacheError, ConfigError, DataError
+from poodle.errors import CacheError, ConfigError, DataError, mark
 from poodle.negatives import GENERATED, load_pool, pool_file, pool_location
 from poodle.options import option
 
@@ -87,15 +87,16 @@ def parse(text: str | Preprocess | None) -> Preprocess:
     kind, sep, arg = str(text).strip().partition(":")
     if kind not in KINDS:
         raise ConfigError(
-            f"preprocess {text!r}: use l2n, cl2n or power[:BETA]",
-            params=("preprocess",),
+            f"{mark('preprocess')} {text!r}: use l2n, cl2n or power[:BETA]",
             param="preprocess",
             value=text,
         )
     if kind != "power":
         if sep:
             raise ConfigError(
-                f"preprocess {text!r}: {kind} takes no argument", params=("preprocess",), param="preprocess", value=text
+                f"{mark('preprocess')} {text!r}: {kind} takes no argument",
+                param="preprocess",
+                value=text,
             )
         return Preprocess(kind)
     if not sep:
@@ -104,14 +105,15 @@ def parse(text: str | Preprocess | None) -> Preprocess:
         beta = float(arg)
     except ValueError:
         raise ConfigError(
-            f"preprocess {text!r}: BETA must be a number, e.g. power:0.5",
-            params=("preprocess",),
+            f"{mark('preprocess')} {text!r}: BETA must be a number, e.g. power:0.5",
             param="preprocess",
             value=text,
         ) from None
     if not (math.isfinite(beta) and beta > 0):
         raise ConfigError(
-            f"preprocess {text!r}: BETA must be positive", params=("preprocess",), param="preprocess", value=text
+            f"{mark('preprocess')} {text!r}: BETA must be positive",
+            param="preprocess",
+            value=text,
         )
     return Preprocess("power", beta)
 
@@ -135,9 +137,8 @@ def power_transform(x: Tensor, beta: float, where: str = "features") -> Tensor:
     if bool(neg.any()):
         row = int(neg.any(-1).nonzero()[0, 0])
         raise DataError(
-            f"preprocess power: {where} row {row} has a negative value ({float(x[row].min()):.3g}); "
+            f"{mark('preprocess')} power: {where} row {row} has a negative value ({float(x[row].min()):.3g}); "
             f"the power transform needs non-negative (ReLU) features: use l2n or cl2n",
-            params=("preprocess",),
             param="preprocess",
             value=where,
         )
@@ -173,8 +174,7 @@ class Preprocessor:
         if self.spec.needs_base:
             if base is None:
                 raise ConfigError(
-                    "preprocess cl2n needs a base split (the cache's train split) to centre on",
-                    params=("preprocess",),
+                    f"{mark('preprocess')} cl2n needs a base split (the cache's train split) to centre on",
                     param="preprocess",
                     value=spec,
                 )
@@ -198,15 +198,14 @@ class Preprocessor:
         if p.needs_base:
             if cache_path is None:
                 raise ConfigError(
-                    "preprocess cl2n needs a cache with a train split (the base classes)",
-                    params=("preprocess",),
+                    f"{mark('preprocess')} cl2n needs a cache with a train split (the base classes)",
                     param="preprocess",
                     value=spec,
                 )
             if BASE_SPLIT not in list_splits(cache_path):
                 raise ConfigError(
-                    f"preprocess cl2n centres on the base split, but {cache_path} has no complete {BASE_SPLIT!r} split",
-                    params=("preprocess",),
+                    f"{mark('preprocess')} cl2n centres on the base split, but {cache_path} has no complete "
+                    f"{BASE_SPLIT!r} split",
                     param="preprocess",
                     value=spec,
                 )
@@ -238,7 +237,7 @@ class Preprocessor:
             return centre_transform(x, self.centre_raw, norms)
         missing = "the base split" if self.centre_raw is None else where
         self._say(
-            f"preprocess cl2n: {missing} has no stored raw norms (a cache written before version 2); "
+            f"{mark('preprocess')} cl2n: {missing} has no stored raw norms (a cache written before version 2); "
             f"centring the normalised rows instead of the raw features"
         )
         assert self.centre_normalised is not None  # set in __init__ for cl2n

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from poodle.errors import ConfigError
+from poodle.errors import ConfigError, mark
 from poodle.results import read_results, record_flat
 from poodle.settings import PAIRING_KEYS
 from poodle.stats import (
@@ -157,9 +157,7 @@ def parse_where(items: Iterable[str]) -> dict[str, list[str]]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(
-                f"where {item!r}: expected KEY=VALUE[,VALUE...]", params=("where",), param="where", value=item
-            )
+            raise ConfigError(f"{mark('where')} {item!r}: expected KEY=VALUE[,VALUE...]", param="where", value=item)
         out.setdefault(key.strip(), []).extend(v.strip() for v in value.split(","))
     return out
 
@@ -170,16 +168,15 @@ def filter_results(results: Sequence[Result], where: Mapping[str, Sequence[str]]
     for key in where:
         if key not in known:
             raise ConfigError(
-                f"where: unknown key {key!r}; keys in these results: {', '.join(sorted(known))}",
-                params=("where",),
+                f"{mark('where')}: unknown key {key!r}; keys in these results: {', '.join(sorted(known))}",
                 param="where",
                 value=key,
             )
     kept = [r for r in results if all(any(_match(r.flat.get(k), v) for v in vs) for k, vs in where.items())]
     if not kept:
         raise ConfigError(
-            "where: no result matches " + " and ".join(f"{k} in {{{', '.join(v)}}}" for k, v in where.items()),
-            params=("where",),
+            f"{mark('where')}: no result matches "
+            + " and ".join(f"{k} in {{{', '.join(v)}}}" for k, v in where.items()),
             param="where",
             value=where,
         )
@@ -391,8 +388,7 @@ def _table_keys(results: Sequence[Result], rows: Any, cols: Any) -> tuple[list[s
     for k in (row_keys or []) + (col_keys or []):
         if k not in known:
             raise ConfigError(
-                f"rows/cols: unknown key {k!r}; keys in these results: {', '.join(known)}",
-                params=("rows", "cols"),
+                f"{mark('rows')}/{mark('cols')}: unknown key {k!r}; keys in these results: {', '.join(known)}",
                 param="rows",
                 value=k,
             )
@@ -403,8 +399,7 @@ def _table_keys(results: Sequence[Result], rows: Any, cols: Any) -> tuple[list[s
     overlap = set(row_keys) & set(col_keys)
     if overlap:
         raise ConfigError(
-            f"key {sorted(overlap)[0]!r} is on both rows and cols",
-            params=("rows", "cols"),
+            f"key {sorted(overlap)[0]!r} is on both {mark('rows')} and {mark('cols')}",
             param="rows",
             value=sorted(overlap)[0],
         )
@@ -422,14 +417,13 @@ def _one_entry(group: list[Result], known: list[str], where: str) -> Entry:
     if not differ:
         raise ConfigError(
             f"{len(group)} results with identical options at {where} (from "
-            f"{', '.join(sorted({r.source for r in group}))}); report one file or filter with where",
-            params=("where",),
+            f"{', '.join(sorted({r.source for r in group}))}); report one file or filter with {mark('where')}",
         )
     k0 = differ[0]
     raise ConfigError(
         f"several results fall at {where}: they differ in {', '.join(differ)}; add "
-        f"{k0} to rows or cols, or pick one with where {k0}={_where_text(group[0].flat.get(k0))}",
-        params=("rows", "cols", "where"),
+        f"{k0} to {mark('rows')} or {mark('cols')}, or pick one with {mark('where')} "
+        f"{k0}={_where_text(group[0].flat.get(k0))}",
     )
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from poodle.errors import ConfigError
+from poodle.errors import ConfigError, mark
 from poodle.report import (
     Result,
     _hashable,
@@ -84,18 +84,17 @@ def _find_baseline(results: Sequence[Result], name: str, like: Result) -> Result
     ]
     if not found:
         raise ConfigError(
-            f"baseline {name!r}: no result with that label or method on the episodes of "
+            f"{mark('baseline')} {name!r}: no result with that label or method on the episodes of "
             f"{like.flat.get('label')} ({format_value('shot', like.flat.get('shot'))}); add a "
             f'[[cell]] with method = "{name}" to the grid, or set baseline to zero',
-            params=("baseline",),
             param="baseline",
             value=name,
         )
     if len({_hashable(tuple(sorted((k, _hashable(v)) for k, v in r.flat.items()))) for r in found}) > 1:
         labels = sorted({str(r.flat.get("label")) for r in found})
         raise ConfigError(
-            f"baseline {name!r} is ambiguous: {len(found)} results match ({', '.join(labels)}); filter with where",
-            params=("baseline", "where"),
+            f"{mark('baseline')} {name!r} is ambiguous: {len(found)} results match ({', '.join(labels)}); "
+            f"filter with {mark('where')}",
             param="baseline",
             value=name,
         )
@@ -130,9 +129,8 @@ def _gains(
         zero = [r for r in group if r.flat[x] == 0 and r.flat[y] == 0]
         if len(zero) != 1:
             raise ConfigError(
-                f"heatmap: panel {where} has {len(zero)} cells with {x}={y}=0; baseline zero needs exactly one "
-                f"(or name a baseline method)",
-                params=("baseline",),
+                f"heatmap: panel {where} has {len(zero)} cells with {x}={y}=0; {mark('baseline')} zero needs "
+                f"exactly one (or name a baseline method)",
                 param="baseline",
                 value=baseline,
             )
@@ -152,8 +150,7 @@ def _gains(
         if not np.isnan(gain[i, j]):
             raise ConfigError(
                 f"heatmap: several results at {x}={r.flat[x]}, {y}={r.flat[y]} in panel {where}; choose with "
-                f"where or panels",
-                params=("where", "panels"),
+                f"{mark('where')} or {mark('panels')}",
             )
         gain[i, j] = 100 * float(np.mean(r.acc - base.acc))
         sig[i, j] = r is not base and paired_ttest(r.acc, base.acc)[1] <= p_threshold
@@ -284,8 +281,7 @@ def lines(
             if len(set(xs.tolist())) != len(xs):
                 raise ConfigError(
                     f"figure: several results share {x}={xs[0]:g} in one series; add a key to "
-                    f"panels or filter with where",
-                    params=("panels", "where"),
+                    f"{mark('panels')} or filter with {mark('where')}",
                 )
             m = np.array([100 * r.mean for r in series])
             c = np.array([100 * r.ci95 for r in series])

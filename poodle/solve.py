@@ -27,7 +27,7 @@ from poodle import defaults
 from poodle.cells import Cell, Locations, make_cell
 from poodle.distributed import is_main_process
 from poodle.episodes import EpisodeSet, EpisodeSpec, episodes_source, load_episodes, save_episodes
-from poodle.errors import ConfigError, EpisodeError, PoodleError, WriteError
+from poodle.errors import ConfigError, EpisodeError, PoodleError, WriteError, mark
 from poodle.evaluate import prepare_negatives
 from poodle.events import OnEvent, ignore
 from poodle.negatives import NegativeSpec
@@ -85,7 +85,7 @@ def check_outputs(
     inputs = [cache, episodes_from, negatives.split(":")[0] if negatives else None]
     if save_episodes_to is not None and out is not None and Path(save_episodes_to).resolve() == Path(out).resolve():
         raise ConfigError(
-            f"save_episodes_to and out both name {out}; give two files",
+            f"{mark('save_episodes_to')} and {mark('out')} both name {out}; give two files",
             params=("save_episodes_to", "out"),
             param="out",
             value=out,
@@ -105,7 +105,7 @@ def _from_file(episodes_from: str | os.PathLike, settings: Mapping[str, Any]) ->
     clash = [k for k in given if settings[k] != of_file[k]]
     if clash:
         raise ConfigError(
-            f"{', '.join(f'{k}={settings[k]!r}' for k in clash)} cannot be combined with episodes_from "
+            f"{', '.join(f'{mark(k)}={settings[k]!r}' for k in clash)} cannot be combined with {mark('episodes_from')} "
             f"{episodes_from}: its episodes have {', '.join(repr(of_file[k]) for k in clash)} there "
             "(the file fixes them: leave it out, or give what the file has)",
             params=(*clash, "episodes_from"),
@@ -158,7 +158,7 @@ def make_cells(
     given = settings.get("negatives")
     if given not in (None, "none") and all(c.negatives == "none" for c in cells):
         raise ConfigError(
-            f"negatives {given}: none of the chosen methods ({', '.join(methods)}) reads negatives",
+            f"{mark('negatives')} {given}: none of the chosen methods ({', '.join(methods)}) reads negatives",
             params=("negatives",),
             param="negatives",
             value=given,
@@ -238,7 +238,7 @@ def _solve(
         drawn_from, drawn_id = episodes_source(prep.episodes_from)
         if drawn_id is not None and drawn_id != cache_identity(path):
             raise EpisodeError(
-                f"episodes_from {prep.episodes_from}: its episodes were drawn from the cache {drawn_from} "
+                f"{mark('episodes_from')} {prep.episodes_from}: its episodes were drawn from the cache {drawn_from} "
                 f"(content {drawn_id[:12]}), not from {path} (content {cache_identity(path)[:12]}): solve them "
                 "on the cache they index",
                 params=("episodes_from",),
@@ -249,7 +249,10 @@ def _solve(
             episodes.check_against(inputs.features(cells[0]).labels, where=str(prep.episodes_from))
         except EpisodeError as e:
             raise EpisodeError(
-                f"episodes_from {e}", params=("episodes_from",), param="episodes_from", value=prep.episodes_from
+                f"{mark('episodes_from')} {e}",
+                params=("episodes_from",),
+                param="episodes_from",
+                value=prep.episodes_from,
             ) from None
     if prep.save_episodes_to is not None and is_main_process():
         # the episodes drawn (with the negatives of the methods that read some) and written; the
@@ -374,28 +377,32 @@ def domain_caches(items: Sequence[str]) -> dict[str, Path]:
             name = name.strip()
             if not name or not path:
                 raise ConfigError(
-                    f"cache {item!r}: expected NAME=PATH or a path", params=("cache",), param="cache", value=item
+                    f"{mark('cache')} {item!r}: expected NAME=PATH or a path",
+                    params=("cache",),
+                    param="cache",
+                    value=item,
                 )
         else:
             path = item
             name = Path(item).stem
         if not _DOMAIN_NAME.match(name):
             raise ConfigError(
-                f"cache {item!r}: domain name {name!r} may hold letters, digits and _ . + - only (give NAME=PATH)",
+                f"{mark('cache')} {item!r}: domain name {name!r} may hold letters, digits and _ . + - only "
+                "(give NAME=PATH)",
                 params=("cache",),
                 param="cache",
                 value=item,
             )
         if name in out:
             raise ConfigError(
-                f"cache {item!r}: domain {name!r} given twice (also {out[name]}); name each with NAME=PATH",
+                f"{mark('cache')} {item!r}: domain {name!r} given twice (also {out[name]}); name each with NAME=PATH",
                 params=("cache",),
                 param="cache",
                 value=item,
             )
         out[name] = Path(path)
     if not out:
-        raise ConfigError("no feature cache given", params=("cache",), param="cache", value=items)
+        raise ConfigError(f"no feature {mark('cache')} given", params=("cache",), param="cache", value=items)
     return out
 
 
@@ -403,7 +410,9 @@ def _in_domain(name: str, error: PoodleError) -> PoodleError:
     """``error`` said of domain ``name`` (a write error keeps its own form: it names its file)."""
     if isinstance(error, WriteError):
         return error
-    return type(error)(f"domain {name!r}: {error.text}", params=error.params, hint=error.hint, needs=error.needs)
+    return type(error)(
+        f"domain {name!r}: {error.marked_text}", params=error.params, hint=error.marked_hint, needs=error.needs
+    )
 
 
 def domain_seed(seed: int, domain: str) -> int:
@@ -420,7 +429,7 @@ def domain_file(path: str | os.PathLike, domain: str, param: str) -> Path:
     text = str(path)
     if DOMAIN_FIELD not in Path(text).name:
         raise ConfigError(
-            f"{param} {text}: with several caches give one file per domain, a name holding {DOMAIN_FIELD} "
+            f"{mark(param)} {text}: with several caches give one file per domain, a name holding {DOMAIN_FIELD} "
             f"(e.g. episodes-{DOMAIN_FIELD}.h5)",
             params=(param,),
             param=param,
@@ -475,7 +484,7 @@ def solve_domains(
     """
     t_start = time.perf_counter()
     if not caches:
-        raise ConfigError("no feature cache given", params=("cache",), param="cache", value=caches)
+        raise ConfigError(f"no feature {mark('cache')} given", params=("cache",), param="cache", value=caches)
     for name, path in caches.items():
         _check_domain_name(name)
         if not Path(path).is_file():  # before any domain is solved, not when its turn comes
@@ -488,7 +497,7 @@ def solve_domains(
         save_to = None if save_episodes_to is None else domain_file(save_episodes_to, name, "save_episodes_to")
         if ep_from is not None and not ep_from.is_file():
             raise ConfigError(
-                f"episodes_from: no episode file {ep_from} for domain {name!r}",
+                f"{mark('episodes_from')}: no episode file {ep_from} for domain {name!r}",
                 params=("episodes_from",),
                 param="episodes_from",
                 value=episodes_from,

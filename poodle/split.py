@@ -34,7 +34,7 @@ import numpy as np
 
 from poodle import __version__
 from poodle.data.sources import _is_image
-from poodle.errors import ConfigError, DataError
+from poodle.errors import ConfigError, DataError, mark
 from poodle.utils import atomic_path, resolve_path
 
 SETTINGS = ("noisy", "disjoint")
@@ -71,8 +71,7 @@ def draw(
     _check_setting(setting)
     if not 0.0 < fraction < 1.0:
         raise ConfigError(
-            f"fraction {fraction}: must be strictly between 0 and 1",
-            params=("fraction",),
+            f"{mark('fraction')} {fraction}: must be strictly between 0 and 1",
             param="fraction",
             value=fraction,
         )
@@ -87,8 +86,7 @@ def draw(
             chosen = set(rng.permutation(len(files))[:k].tolist())
             if k == len(files):
                 raise DataError(
-                    f"fraction {fraction} of the {len(files)} images of class {c!r} leaves none to test",
-                    params=("fraction",),
+                    f"{mark('fraction')} {fraction} of the {len(files)} images of class {c!r} leaves none to test",
                     param="fraction",
                     value=fraction,
                 )
@@ -97,9 +95,8 @@ def draw(
         if not pool:
             most = max(len(f) for f in classes.values())
             raise DataError(
-                f"fraction {fraction} of at most {most} images per class puts no image in the pool "
+                f"{mark('fraction')} {fraction} of at most {most} images per class puts no image in the pool "
                 f"(the count per class is rounded down); raise it or use more images per class",
-                params=("fraction",),
                 param="fraction",
                 value=fraction,
             )
@@ -107,9 +104,8 @@ def draw(
         k = int(round(fraction * len(names)))
         if not 0 < k < len(names):
             raise ConfigError(
-                f"fraction {fraction} of {len(names)} classes gives {k} pool classes; "
+                f"{mark('fraction')} {fraction} of {len(names)} classes gives {k} pool classes; "
                 f"both the pool and the test split need at least one",
-                params=("fraction",),
                 param="fraction",
                 value=fraction,
             )
@@ -123,8 +119,7 @@ def draw(
 def _check_setting(setting: str) -> None:
     if setting not in SETTINGS:
         raise ConfigError(
-            f"setting {setting!r}: use one of {', '.join(SETTINGS)}",
-            params=("setting",),
+            f"{mark('setting')} {setting!r}: use one of {', '.join(SETTINGS)}",
             param="setting",
             value=setting,
         )
@@ -150,17 +145,15 @@ def _check_out(out: Path, record: dict[str, Any], force: bool) -> None:
         keys = ("setting", "seed", "fraction", "source")
         if any(old.get(k) != record[k] for k in keys):
             raise ConfigError(
-                f"out {out} holds a split made with "
+                f"{mark('out')} {out} holds a split made with "
                 + ", ".join(f"{k}={old.get(k)!r}" for k in keys)
-                + "; pass force to replace it, or choose another folder",
-                params=("out", "force"),
+                + f"; pass {mark('force')} to replace it, or choose another folder",
                 param="out",
                 value=out,
             )
     elif out.exists() and any(out.iterdir()) and not manifest.exists() and not force:
         raise ConfigError(
-            f"out {out} exists and is not a split folder; pass force or choose another folder",
-            params=("out", "force"),
+            f"{mark('out')} {out} exists and is not a split folder; pass {mark('force')} or choose another folder",
             param="out",
             value=out,
         )
@@ -173,8 +166,8 @@ def _link_images(out: Path, root: Path, force: bool) -> None:
         if not link.is_symlink() or Path(os.readlink(link)) != root:
             if not force:
                 raise ConfigError(
-                    f"out {out} holds {link.name}, which is not a link to {root}; pass force or choose another folder",
-                    params=("out", "force"),
+                    f"{mark('out')} {out} holds {link.name}, which is not a link to {root}; pass "
+                    f"{mark('force')} or choose another folder",
                     param="out",
                     value=out,
                 )
@@ -182,8 +175,7 @@ def _link_images(out: Path, root: Path, force: bool) -> None:
                 link.unlink()
             else:
                 raise ConfigError(
-                    f"out {out} holds a folder {link.name}; remove it or choose another folder",
-                    params=("out",),
+                    f"{mark('out')} {out} holds a folder {link.name}; remove it or choose another folder",
                     param="out",
                     value=out,
                 )
@@ -204,7 +196,7 @@ def make_split(
     to ``out/split.json``. An existing ``out`` made with other settings is refused without ``force``."""
     root = resolve_path(Path(data_root).expanduser(), "data_root")
     if not root.exists():
-        raise DataError(f"data_root {root} does not exist", params=("data_root",), param="data_root", value=data_root)
+        raise DataError(f"{mark('data_root')} {root} does not exist", param="data_root", value=data_root)
     root = root.resolve()
     out = resolve_path(out, "out")
     _check_setting(setting)

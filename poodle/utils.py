@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 import torch
 
-from poodle.errors import ConfigError, WriteError
+from poodle.errors import ConfigError, WriteError, mark
 
 _UNITS = {
     "": 1,
@@ -65,37 +65,40 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
         m = re.fullmatch(r"(cpu|cuda)(?::(-?\d+))?", text)
         if m is None:
             raise ConfigError(
-                f"device {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)",
-                params=("device",),
+                f"{mark('device')} {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)",
                 param="device",
                 value=name,
             )
         if m.group(2) is not None and int(m.group(2)) < 0:
             raise ConfigError(
-                f"device {text!r}: the CUDA device index must be >= 0", params=("device",), param="device", value=name
+                f"{mark('device')} {text!r}: the CUDA device index must be >= 0",
+                param="device",
+                value=name,
             )
         if m.group(1) == "cpu" and m.group(2) is not None:
             raise ConfigError(
-                f"device {text!r}: the CPU takes no index; use cpu", params=("device",), param="device", value=name
+                f"{mark('device')} {text!r}: the CPU takes no index; use cpu",
+                param="device",
+                value=name,
             )
         dev = torch.device(text)
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(
-            f"device {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)", params=("device",), param="device", value=name
+            f"{mark('device')} {text!r}: use auto, cpu, cuda or cuda:N (N >= 0)",
+            param="device",
+            value=name,
         )
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(
-                f"device {text}: CUDA is not available on this machine (use cpu or auto)",
-                params=("device",),
+                f"{mark('device')} {text}: CUDA is not available on this machine (use cpu or auto)",
                 param="device",
                 value=name,
             )
         n = torch.cuda.device_count()
         if dev.index is not None and not 0 <= dev.index < n:
             raise ConfigError(
-                f"device {text}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}",
-                params=("device",),
+                f"{mark('device')} {text}: this machine has {n} CUDA device(s), cuda:0..cuda:{n - 1}",
                 param="device",
                 value=name,
             )
@@ -110,14 +113,14 @@ def check_seed(seed: object, what: str = "seed") -> int:
     ConfigError naming the value otherwise."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ConfigError(
-            f"{what} must be an integer, got {seed!r}",
+            f"{mark(what) if what.isidentifier() else what} must be an integer, got {seed!r}",
             params=(what,) if what.isidentifier() else (),
             param=what,
             value=seed,
         )
     if not 0 <= int(seed) <= SEED_MAX:
         raise ConfigError(
-            f"{what} {seed} does not fit 63 bits: use 0 .. {SEED_MAX}",
+            f"{mark(what) if what.isidentifier() else what} {seed} does not fit 63 bits: use 0 .. {SEED_MAX}",
             params=(what,) if what.isidentifier() else (),
             param=what,
             value=seed,
@@ -133,7 +136,7 @@ def check_writable_dir(path: str | os.PathLike, what: str = "output", param: str
     ``param``: the library parameter that named ``path`` (the error says it, for the front end to map)."""
     params = () if param is None else (param,)
     p = resolve_path(path, param, what)
-    what = param or what
+    what = mark(param) if param else what
     parent = p.parent
     probe = parent
     while not probe.exists() and probe.parent != probe:
@@ -231,7 +234,7 @@ def resolve_path(path: str | os.PathLike, param: str | None = None, what: str = 
         return p
     except OSError as e:
         raise ConfigError(
-            f"{param or what} {path}: cannot be resolved: {_unresolvable(p, e)}",
+            f"{mark(param) if param else what} {path}: cannot be resolved: {_unresolvable(p, e)}",
             params=() if param is None else (param,),
             param=param,
             value=path,
@@ -446,7 +449,7 @@ def check_output(
     library parameter that named ``path`` (the errors say it, for the front end to map)."""
     params = () if param is None else (param,)
     p = resolve_path(path, param, what)
-    what = param or what
+    what = mark(param) if param else what
     for inp in inputs:
         if inp is not None and Path(inp).exists() and p.exists() and os.path.samefile(p, inp):
             raise ConfigError(

@@ -164,7 +164,7 @@ def test_the_command_line_says_an_error_from_its_fields_never_from_its_text():
     import click
 
     from poodle.cli._common import error_text, friendly_errors
-    from poodle.errors import CacheError, ConfigError
+    from poodle.errors import CacheError, ConfigError, mark
 
     raised: list[Exception] = []
 
@@ -179,7 +179,9 @@ def test_the_command_line_says_an_error_from_its_fields_never_from_its_text():
     for error in (
         ConfigError("negatives: n_neg must be >= 1", params=("n_neg",), param="n_neg", value=0, reason="must be >= 1"),
         CacheError("x.h5: not a poodle feature cache", param="cache", value="x.h5"),
-        ConfigError("n_neg must be >= 1, got 0", params=("n_neg",)),
+        ConfigError(f"{mark('n_neg')} must be >= 1, got 0"),
+        # only a marked name is the parameter: the words 'cache' and 'n_neg' before it stay words
+        ConfigError(f"no cache: n_neg of {mark('cache')} is 0 (raise {mark('n_neg')})", params=("cache",)),
     ):
         raised[:] = [error]
         r = CliRunner().invoke(cmd, ["--n-neg", "0"])
@@ -188,10 +190,116 @@ def test_the_command_line_says_an_error_from_its_fields_never_from_its_text():
     assert said == [
         "error: --n-neg must be >= 1, got 0",
         "error: x.h5: not a poodle feature cache",  # 'cache' in the text is not its parameter
-        "error: --n-neg must be >= 1, got 0",  # free text: the parameters it names, as flags
+        "error: --n-neg must be >= 1, got 0",  # free text: the parameters it marks, as flags
+        "error: no cache: n_neg of --cache is 0 (raise --n-neg)",
     ]
     with click.Context(cmd):
         assert error_text(ConfigError("no cache", param="n_neg", value=0)) == "no cache"
+
+
+def test_a_marked_name_reads_plain_and_is_said_as_its_flag():
+    """A message marks its parameters (``mark``): Python and logs read the plain name, the error
+    and the notice carry it in ``params``, a re-raise with the marked text keeps it, and the
+    command line writes each marked name as its flag (or as the project file gave it)."""
+    import click
+
+    from poodle.cli._common import as_flags, error_text, note
+    from poodle.errors import ConfigError, EpisodeError, Param, mark, parts, plain
+    from poodle.events import Notice
+
+    text = f"{mark('way')} 3 is below the way of {mark('min_ways')}"
+    assert plain(text) == "way 3 is below the way of min_ways"
+    assert parts(text) == ["", Param("way"), " 3 is below the way of ", Param("min_ways"), ""]
+    assert as_flags(text, {"way": "--way"}) == "--way 3 is below the way of min_ways"
+    e = ConfigError(text, params=("seed",), hint=f"lower {mark('shot')}")
+    assert str(e) == "way 3 is below the way of min_ways (lower shot)" and e.text == plain(text)
+    assert (e.hint, e.marked_hint, e.params) == (
+        "lower shot",
+        f"lower {mark('shot')}",
+        ("seed", "way", "min_ways", "shot"),
+    )
+    again = EpisodeError(f"domain 'a': {e.marked_text}", params=e.params, hint=e.marked_hint)
+    assert str(again) == "domain 'a': " + str(e) and again.marked_text.endswith(e.marked_text)
+    bad = ConfigError.bad_value("max_ways", 2, f"must be at least {mark('min_ways')}=5")
+    assert (str(bad), bad.reason, bad.params) == (
+        "max_ways must be at least min_ways=5, got 2",
+        "must be at least min_ways=5",
+        ("max_ways", "min_ways"),
+    )
+    n = Notice("c", f"replacing it ({mark('force')})", ("tag",))
+    assert (n.message, n.params, n.marked_message) == (
+        "replacing it (force)",
+        ("tag", "force"),
+        f"replacing it ({mark('force')})",
+    )
+
+    @click.command()
+    @click.option("--way", type=int)
+    @click.option("--max-ways", "max_ways", type=int)
+    @click.option("--min-ways", "min_ways", type=int)
+    @click.option("--force", is_flag=True)
+    def cmd(way: int, max_ways: int, min_ways: int, force: bool) -> None:
+        assert error_text(e) == "--way 3 is below the way of --min-ways (lower shot)"
+        assert error_text(bad) == "--max-ways must be at least --min-ways=5, got 2"
+        note(n)
+
+    r = CliRunner().invoke(cmd, [])
+    assert r.exit_code == 0 and r.output.strip() == "note: replacing it (--force)", r.output
+
+
+def _regex_users(source: str) -> set[str]:
+    """The functions of ``source`` (a cli/ module) that call the ``re`` module."""
+    found = set()
+    for fn in ast.walk(ast.parse(source)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for n in ast.walk(fn):
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "re":
+                    found.add(fn.name)
+    return found
+
+
+# the only regular expressions of the command line, none on a library message: a table's column
+# label folded at its separators, a progress field that is a rate
+CLI_REGEX = {"_common.py": {"_fold"}, "_progress.py": {"_emit"}}
+
+
+def test_the_command_line_reads_no_message_with_a_regular_expression():
+    """The command line says a library message by joining its parts (``poodle.errors.parts``), each
+    marked name as its flag: no regular expression (nor a search) looks for words in an error's
+    or a notice's text."""
+    found = {p.name: _regex_users(p.read_text()) for p in COMMANDS}
+    assert {k: v for k, v in found.items() if v} == CLI_REGEX
+    for path in COMMANDS:
+        text = path.read_text()
+        for attr in ("text", "message", "hint", "reason", "marked_text", "marked_message", "marked_hint"):
+            assert not re.search(rf"\.{attr}\b[^\n]*\.(find|index|split|replace|partition)\(", text), (path, attr)
+    # the rule sees the old way: the flags put into the text by a substitution
+    old = 'def as_flags(message, flags):\n    return re.sub(rf"\\b{p}\\b", flag, message, count=1)\n'
+    assert _regex_users(old) == {"as_flags"}
+
+
+def test_an_error_that_names_its_parameter_marks_it():
+    """An error (or a notice) that lists a parameter literally and writes it bare in its literal text
+    is found (benchmarks/raises.py ``unmarked``): the command line would print the name there."""
+    bench = _raises_module()
+    assert bench.scan_unmarked(ROOT) == []
+    classes = {"PoodleError", "ConfigError"}
+    source = (
+        "def f(x):\n"
+        "    raise ConfigError(f'n_neg {x} is bad', params=('n_neg',))\n"  # 2: bare
+        "    raise ConfigError(f'{mark(\"n_neg\")} {x} is bad; n_neg again', params=('n_neg',))\n"  # marked once
+        "    raise ConfigError('bad', params=('force',), hint='pass force')\n"  # 4: bare in the hint
+        "    raise ConfigError('a negative count', params=('n_neg',))\n"  # names it nowhere
+        "    raise ConfigError.bad_value('way', x, 'must be below max_ways', others=('max_ways',))\n"  # 6
+        "    Notice('c', 'replacing it (force)', ('force',))\n"  # 7
+        "    Notice('c', f'replacing it ({mark(\"force\")})', ('force',))\n"
+    )
+    assert bench.unmarked(source, "m.py", classes) == [
+        ("m.py", 2, "n_neg"),
+        ("m.py", 4, "force"),
+        ("m.py", 6, "max_ways"),
+        ("m.py", 7, "force"),
+    ]
 
 
 def test_bounds_live_next_to_their_fields_only():
@@ -636,6 +744,7 @@ def test_the_error_census_tells_the_kinds_apart():
         "    raise MyError(\n        'the files disagree'\n    )  # not a caller's value: ours\n"  # 9: marked
         "    raise WriteError('disk full', path='x')\n"  # carries its file as path=: left out
         "    raise ValueError(x)\n"
+        "    raise MyError(f'{mark(\"x\")} is bad')\n"  # 14: params (a marked name is one)
     )
     found = [(r.line, r.kind) for r in bench.classify(source, "m.py", classes)]
     assert sorted(found) == [
@@ -646,4 +755,5 @@ def test_the_error_census_tells_the_kinds_apart():
         (6, "value"),
         (8, "marked"),
         (9, "marked"),
+        (14, "params"),
     ]

@@ -153,7 +153,7 @@ def test_damaged_cifar_files_are_named(cifar, tmp_path):
         resolve_dataset("fc100", tmp_path)
     # the library names its parameter, the command line writes it as the flag
     assert str(e.value).startswith("dataset fc100: no train.bin") and e.value.params == ("dataset",)
-    assert as_flags(str(e.value), {p: "--" + p.replace("_", "-") for p in e.value.params}).startswith(
+    assert as_flags(e.value.marked_text, {p: "--" + p.replace("_", "-") for p in e.value.params}).startswith(
         "--dataset fc100: no train.bin"
     )
 
@@ -189,7 +189,7 @@ def test_cub_140_30_30_is_its_own_dataset(tmp_path):
     with pytest.raises(DataError, match=f"class folder '{names[-1]}' of its test split") as e:
         resolve_dataset("cub", tmp_path / "cub", cub_split="140-30-30")
     assert str(e.value).startswith("cub_split 140-30-30: ") and e.value.params == ("cub_split",)
-    assert as_flags(str(e.value), {p: "--" + p.replace("_", "-") for p in e.value.params}).startswith(
+    assert as_flags(e.value.marked_text, {p: "--" + p.replace("_", "-") for p in e.value.params}).startswith(
         "--cub-split 140-30-30: class folder"
     )
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from poodle.cache import read_split, write_arrays
 from poodle.cells import check_general, make_cell
 from poodle.episodes import EpisodeSpec, EpisodeStream
-from poodle.errors import ConfigError, EpisodeError
+from poodle.errors import ConfigError, EpisodeError, mark
 from poodle.evaluate import Hooks, evaluate, plan_chunks
 from poodle.events import CellFinished, CellsStarted, EpisodesSolved, Ready
 from poodle.negatives import NegativeSpec
@@ -311,9 +311,7 @@ def test_library_errors_name_parameters_and_each_command_writes_its_own_flags():
         @click.command(name=name)
         @friendly_errors
         def cmd(**kw):
-            raise ConfigError(
-                "n_neg must be a positive integer; save_episodes_to is set", params=("n_neg", "save_episodes_to")
-            )
+            raise ConfigError(f"{mark('n_neg')} must be a positive integer; {mark('save_episodes_to')} is set")
 
         for o in opts:
             cmd = click.option(*o)(cmd)

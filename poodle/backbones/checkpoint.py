@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from poodle.backbones.base import BACKBONES, Backbone
-from poodle.errors import CheckpointError, ConfigError
+from poodle.errors import CheckpointError, ConfigError, mark
 from poodle.utils import atomic_write, file_sha256, resolve_path
 
 PREFIX = "module."
@@ -337,7 +337,5 @@ def checkpoint_digest(checkpoint: str | os.PathLike | None) -> str:
         return "none"
     ck = resolve_path(Path(checkpoint).expanduser(), "checkpoint")
     if not ck.is_file():
-        raise CheckpointError(
-            f"checkpoint {ck} does not exist", params=("checkpoint",), param="checkpoint", value=checkpoint
-        )
+        raise CheckpointError(f"{mark('checkpoint')} {ck} does not exist", param="checkpoint", value=checkpoint)
     return file_sha256(ck)

@@ -39,7 +39,7 @@ from torchvision import transforms as T
 from torchvision.transforms import InterpolationMode
 
 from poodle.backbones.base import Backbone
-from poodle.errors import CheckpointError, ConfigError
+from poodle.errors import CheckpointError, ConfigError, mark
 
 SOURCES = ("torchvision", "timm")
 TIMM_HINT = "timm is not installed: pip install 'poodle[timm]' (or pip install timm)"
@@ -87,8 +87,7 @@ def no_downloads(name: str) -> Iterator[None]:
         url = next((a for a in args if isinstance(a, str)), kwargs.get("url", ""))
         raise ConfigError(
             f"backbone {name}: building it tries to download weights ({str(url)[:80]}); poodle never "
-            f"downloads: give the weights as a checkpoint file",
-            params=("checkpoint",),
+            f"downloads: give the weights as a {mark('checkpoint')} file",
             param="backbone",
             value=name,
         )

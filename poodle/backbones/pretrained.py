@@ -33,7 +33,7 @@ import torchvision
 
 from poodle import defaults
 from poodle.backbones.external import import_timm, is_external, split_name, unknown_model
-from poodle.errors import ConfigError
+from poodle.errors import ConfigError, mark
 
 # How ``pretrained`` names the default weights (True means the same).
 DEFAULT = defaults.PRETRAINED
@@ -57,9 +57,8 @@ def resolve_pretrained(backbone: str, choice: bool | str = True) -> Weights:
     the file is neither cached nor downloadable."""
     if not is_external(backbone):
         raise ConfigError(
-            f"pretrained is for timm:NAME and torchvision:NAME backbones, not {backbone}",
-            params=("pretrained", "checkpoint"),
-            hint="its weights come from a checkpoint, e.g. of a poodle train run",
+            f"{mark('pretrained')} is for timm:NAME and torchvision:NAME backbones, not {backbone}",
+            hint=f"its weights come from a {mark('checkpoint')}, e.g. of a poodle train run",
             param="pretrained",
             value=choice,
         )
@@ -67,9 +66,8 @@ def resolve_pretrained(backbone: str, choice: bool | str = True) -> Weights:
     if source == "timm":
         if choice not in (True, DEFAULT):
             raise ConfigError(
-                f"pretrained {choice!r}: a timm model's weights are chosen by the tag in its name",
-                params=("pretrained",),
-                hint="timm:NAME.TAG, e.g. timm:resnet50.a1_in1k, with pretrained alone",
+                f"{mark('pretrained')} {choice!r}: a timm model's weights are chosen by the tag in its name",
+                hint=f"timm:NAME.TAG, e.g. timm:resnet50.a1_in1k, with {mark('pretrained')} alone",
                 param="pretrained",
                 value=choice,
             )
@@ -119,9 +117,8 @@ def _timm_weights(model: str) -> Weights:
             )
         return Weights(path, {**origin, "weights_source": "file", "weights_file": str(path)})
     raise ConfigError(
-        f"{name}: timm's configuration names no weights for it, so pretrained has nothing to load",
-        params=("pretrained", "checkpoint"),
-        hint="give a checkpoint FILE",
+        f"{name}: timm's configuration names no weights for it, so {mark('pretrained')} has nothing to load",
+        hint=f"give a {mark('checkpoint')} FILE",
         param="backbone",
         value=name,
     )
@@ -210,11 +207,10 @@ def _hub_file(name: str, hub_id: str, filename: str | None, origin: dict[str, st
             reason = "the repository holds none of them"
     wanted = " or ".join(files)
     raise ConfigError(
-        f"{name} with pretrained: {wanted} of Hugging Face repository {repo} is not in the hub cache {cache} "
+        f"{name} with {mark('pretrained')}: {wanted} of Hugging Face repository {repo} is not in the hub cache {cache} "
         f"(HF_HOME) and {reason}",
-        params=("pretrained", "checkpoint"),
         hint=f"where there is network, `hf download {repo} {files[0]}` with the same HF_HOME puts it there, "
-        f"then copy that folder; or give a checkpoint FILE",
+        f"then copy that folder; or give a {mark('checkpoint')} FILE",
         param="backbone",
         value=name,
     )
@@ -253,10 +249,9 @@ def _url_file(name: str, url: str, origin: dict[str, str], choice: str = "") -> 
             with contextlib.suppress(OSError):
                 p.rmdir()
         raise ConfigError(
-            f"{name} with pretrained{choice}: {filename} is not in torch hub's cache {folder} (TORCH_HOME) "
+            f"{name} with {mark('pretrained')}{choice}: {filename} is not in torch hub's cache {folder} (TORCH_HOME) "
             f"and cannot be downloaded from {url} ({type(e).__name__}: {_first_line(e)})",
-            params=("pretrained", "checkpoint"),
-            hint="put the file there, or give a checkpoint FILE",
+            hint=f"put the file there, or give a {mark('checkpoint')} FILE",
             param="backbone",
             value=name,
         ) from None
@@ -274,9 +269,8 @@ def _torchvision_weights(model: str, choice: str) -> Weights:
         enum = torchvision.models.get_model_weights(model)
     except (ValueError, KeyError):
         raise ConfigError(
-            f"torchvision:{model} has no weights enum, so pretrained has nothing to load",
-            params=("pretrained", "checkpoint"),
-            hint="give a checkpoint FILE",
+            f"torchvision:{model} has no weights enum, so {mark('pretrained')} has nothing to load",
+            hint=f"give a {mark('checkpoint')} FILE",
             param="backbone",
             value=f"torchvision:{model}",
         ) from None
@@ -286,8 +280,7 @@ def _torchvision_weights(model: str, choice: str) -> Weights:
     except KeyError:
         names = ", ".join(w.name for w in enum)
         raise ConfigError(
-            f"pretrained {choice!r}: {enum.__name__} has {names} (or DEFAULT)",
-            params=("pretrained",),
+            f"{mark('pretrained')} {choice!r}: {enum.__name__} has {names} (or DEFAULT)",
             param="pretrained",
             value=choice,
         ) from None

@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from poodle.data.sources import SPLITS, DatasetSource, split_list
-from poodle.errors import DataError
+from poodle.errors import DataError, mark
 
 RECORD = 3074  # 2 label bytes + 3 * 32 * 32 pixels
 SIDE = 32
@@ -45,9 +45,8 @@ class CifarSource(DatasetSource):
         for f in self.files:
             if not f.is_file():
                 raise DataError(
-                    f"dataset {name}: {f} does not exist (CIFAR-100's binary version: train.bin, "
+                    f"{mark('dataset')} {name}: {f} does not exist (CIFAR-100's binary version: train.bin, "
                     f"test.bin, fine_label_names.txt, coarse_label_names.txt)",
-                    params=("dataset",),
                     param="data_root",
                     value=root,
                 )
@@ -69,9 +68,8 @@ class CifarSource(DatasetSource):
             if (d / FILES[0]).is_file():
                 return cls(root, d, name)
         raise DataError(
-            f"dataset {name}: no {FILES[0]} in {root} or {root / 'cifar-100-binary'} (CIFAR-100's "
+            f"{mark('dataset')} {name}: no {FILES[0]} in {root} or {root / 'cifar-100-binary'} (CIFAR-100's "
             f"binary version; the Python version's pickles are not read)",
-            params=("dataset",),
             param="data_root",
             value=root,
         )
@@ -88,7 +86,9 @@ class CifarSource(DatasetSource):
         path = self.bin_dir / filename
         if not path.is_file():
             raise DataError(
-                f"dataset {self.name}: {path} does not exist", params=("dataset",), param="bin_dir", value=self.bin_dir
+                f"{mark('dataset')} {self.name}: {path} does not exist",
+                param="bin_dir",
+                value=self.bin_dir,
             )
         names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         dup = {n for n in names if names.count(n) > 1}
@@ -125,8 +125,7 @@ class CifarSource(DatasetSource):
     def _list(self, split: str) -> list[tuple[str, str]]:
         if split not in SPLITS:
             raise DataError(
-                f"dataset {self.name} has splits {', '.join(SPLITS)}; not {split!r}",
-                params=("dataset",),
+                f"{mark('dataset')} {self.name} has splits {', '.join(SPLITS)}; not {split!r}",
                 param="split",
                 value=split,
             )
@@ -178,9 +177,8 @@ class CifarSource(DatasetSource):
             empty = [c for c in groups if c not in seen]
         if empty:
             raise DataError(
-                f"dataset {self.name}: class {empty[0]!r} of the {split} split has no images in "
+                f"{mark('dataset')} {self.name}: class {empty[0]!r} of the {split} split has no images in "
                 f"{', '.join(str(f) for f in self.files)}",
-                params=("dataset",),
                 param="bin_dir",
                 value=self.bin_dir,
             )

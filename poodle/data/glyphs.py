@@ -217,7 +217,9 @@ class _Settings:
         try:
             check_group(self, ConfigError)
         except ConfigError as e:
-            raise ConfigError(f"glyphs: {e}", params=e.params, param=e.param, value=e.value, reason=e.reason) from None
+            raise ConfigError(
+                f"glyphs: {e.marked_text}", params=e.params, param=e.param, value=e.value, reason=e.marked_reason
+            ) from None
 
     def config(self) -> dict:
         return {

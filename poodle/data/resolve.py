@@ -11,15 +11,14 @@ from pathlib import Path
 
 from poodle.data.cifar import CifarSource
 from poodle.data.sources import CUB_SPLITS, NAMES, CsvSource, CubSource, DatasetSource, FolderSource, ListedSource
-from poodle.errors import ConfigError, DataError
+from poodle.errors import ConfigError, DataError, mark
 from poodle.utils import resolve_path
 
 
 def _need_root(name: str, data_root: str | os.PathLike | None) -> Path:
     if data_root is None:
         raise ConfigError(
-            f"dataset {name} needs a data_root folder",
-            params=("dataset", "data_root"),
+            f"{mark('dataset')} {name} needs a {mark('data_root')} folder",
             param="data_root",
             value=data_root,
         )
@@ -75,8 +74,7 @@ def resolve_dataset(
         raise ConfigError(f"unknown dataset {name!r}; known: {', '.join(NAMES)}", param="dataset", value=name)
     if class_split is not None and name != "folder":
         raise ConfigError(
-            f"class_split {class_split} is an option of dataset folder, not {name}",
-            params=("class_split", "dataset"),
+            f"{mark('class_split')} {class_split} is an option of {mark('dataset')} folder, not {name}",
             param="class_split",
             value=class_split,
         )

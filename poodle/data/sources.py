@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from poodle.data.transforms import load_rgb
-from poodle.errors import ConfigError, DataError
+from poodle.errors import ConfigError, DataError, mark
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -290,8 +290,7 @@ class CubSource(DatasetSource):
     def __init__(self, root: Path, image_dir: Path, name: str = "cub", split: str = "release") -> None:
         if split not in CUB_SPLITS:
             raise ConfigError(
-                f"cub_split {split!r}: use one of {', '.join(CUB_SPLITS)}",
-                params=("cub_split",),
+                f"{mark('cub_split')} {split!r}: use one of {', '.join(CUB_SPLITS)}",
                 param="cub_split",
                 value=split,
             )
@@ -301,7 +300,9 @@ class CubSource(DatasetSource):
         self.class_dirs = sorted(p.name for p in image_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
         if not self.class_dirs:
             raise DataError(
-                f"dataset cub: no class folders in {image_dir}", params=("dataset",), param="data_root", value=root
+                f"{mark('dataset')} cub: no class folders in {image_dir}",
+                param="data_root",
+                value=root,
             )
         if split != "release":
             have = set(self.class_dirs)
@@ -310,9 +311,8 @@ class CubSource(DatasetSource):
                 missing = [c for c in names if c not in have]
                 if missing:
                     raise DataError(
-                        f"cub_split {split}: class folder {missing[0]!r} of its {s} split is not in "
+                        f"{mark('cub_split')} {split}: class folder {missing[0]!r} of its {s} split is not in "
                         f"{image_dir} ({len(missing)} of {len(names)} missing)",
-                        params=("cub_split",),
                         param="cub_split",
                         value=split,
                     )
@@ -326,8 +326,7 @@ class CubSource(DatasetSource):
     def _list(self, split: str) -> list[tuple[str, str]]:
         if split not in self.RULE:
             raise DataError(
-                f"dataset cub has splits train, val, test; not {split!r}",
-                params=("dataset",),
+                f"{mark('dataset')} cub has splits train, val, test; not {split!r}",
                 param="split",
                 value=split,
             )
@@ -343,9 +342,8 @@ class CubSource(DatasetSource):
             out.extend((_rel(d / f, self.root), name) for f in files)
         if not out:
             raise DataError(
-                f"dataset cub: split {split!r} gets no classes from the "
+                f"{mark('dataset')} cub: split {split!r} gets no classes from the "
                 f"{len(self.class_dirs)} class folders in {self.image_dir}",
-                params=("dataset",),
                 param="split",
                 value=split,
             )
@@ -371,9 +369,8 @@ class ListedSource(DatasetSource):
             list_dir = Path(class_split).expanduser()
             if not list_dir.is_dir():
                 raise ConfigError(
-                    f"class_split {class_split!r} is neither a shipped split ({', '.join(CLASS_SPLITS)}) "
+                    f"{mark('class_split')} {class_split!r} is neither a shipped split ({', '.join(CLASS_SPLITS)}) "
                     "nor a folder of train.txt, val.txt, test.txt",
-                    params=("class_split",),
                     param="class_split",
                     value=class_split,
                 )
@@ -385,8 +382,7 @@ class ListedSource(DatasetSource):
         self.lists = {s: v for s, v in self.lists.items() if v}
         if not self.lists:
             raise DataError(
-                f"class_split {class_split}: no class list in {list_dir} (train.txt, val.txt, test.txt)",
-                params=("class_split",),
+                f"{mark('class_split')} {class_split}: no class list in {list_dir} (train.txt, val.txt, test.txt)",
                 param="class_split",
                 value=class_split,
             )
@@ -397,17 +393,15 @@ class ListedSource(DatasetSource):
                 if c in owner:
                     where = "twice" if owner[c] == s else f"in {owner[c]}.txt and {s}.txt"
                     raise DataError(
-                        f"class_split {class_split}: class {c!r} is listed {where}",
-                        params=("class_split",),
+                        f"{mark('class_split')} {class_split}: class {c!r} is listed {where}",
                         param="class_split",
                         value=class_split,
                     )
                 parts = Path(c).parts
                 if Path(c).is_absolute() or ".." in parts or c.startswith(("/", "\\")):
                     raise DataError(
-                        f"class_split {class_split}: class {c!r} of {s}.txt must be a folder path under the "
+                        f"{mark('class_split')} {class_split}: class {c!r} of {s}.txt must be a folder path under the "
                         "data root (no absolute paths, no '..')",
-                        params=("class_split",),
                         param="class_split",
                         value=class_split,
                     )
@@ -422,9 +416,8 @@ class ListedSource(DatasetSource):
     def _list(self, split: str) -> list[tuple[str, str]]:
         if split not in self.lists:
             raise DataError(
-                f"class_split {self.class_split} has no {split} classes; extract the ones it has with "
-                f"splits {','.join(self.lists)}",
-                params=("class_split", "splits"),
+                f"{mark('class_split')} {self.class_split} has no {split} classes; extract the ones it has with "
+                f"{mark('splits')} {','.join(self.lists)}",
                 param="class_split",
                 value=self.class_split,
             )
@@ -432,7 +425,7 @@ class ListedSource(DatasetSource):
         missing = [c for c in names if not (self.root / c).is_dir()]
         if missing:
             raise DataError(
-                f"class_split {self.class_split}: class folder {missing[0]!r} of its {split} split is not in "
+                f"{mark('class_split')} {self.class_split}: class folder {missing[0]!r} of its {split} split is not in "
                 f"{self.root} ({len(missing)} of {len(names)} missing)",
                 params=("class_split", "data_root"),
                 param="class_split",

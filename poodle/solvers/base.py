@@ -20,7 +20,7 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 from torch import Tensor
 
-from poodle.errors import ConfigError
+from poodle.errors import ConfigError, mark
 from poodle.options import violation
 
 Transductivity = Literal["never", "optional", "always"]
@@ -316,8 +316,7 @@ class SolverInfo:
         place the rule is checked, for the command line, grid cells and the library."""
         if coerce_option(self.name, "transductive", value, bool) and not self.can_transduce:
             raise ConfigError(
-                f"method {self.name!r} is inductive only; it cannot be transductive",
-                params=("transductive",),
+                f"method {self.name!r} is inductive only; it cannot be {mark('transductive')}",
                 param="transductive",
                 value=value,
             )
@@ -328,9 +327,8 @@ class SolverInfo:
         if self.needs_negatives(cfg) and (source is None or source == "none"):
             what = " (with these options)" if callable(self.uses_negatives) else ""
             raise ConfigError(
-                f"negatives none: method {self.name!r}{what} reads negative samples; use base, random, sphere "
-                "or a pool file FILE[:SPLIT]",
-                params=("negatives",),
+                f"{mark('negatives')} none: method {self.name!r}{what} reads negative samples; use base, "
+                "random, sphere or a pool file FILE[:SPLIT]",
                 param="negatives",
                 value=source,
             )
@@ -616,8 +614,7 @@ def resolve_preset(cfg: Any, method: str = "") -> None:
     if cfg.preset not in presets:
         name = method or type(cfg).__name__
         raise ConfigError(
-            f"{name}: unknown preset {cfg.preset!r}; known presets: {', '.join(presets)}",
-            params=("preset",),
+            f"{name}: unknown {mark('preset')} {cfg.preset!r}; known presets: {', '.join(presets)}",
             param="preset",
             value=cfg.preset,
         )

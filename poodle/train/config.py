@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from poodle import defaults
-from poodle.errors import ConfigError
+from poodle.errors import ConfigError, mark
 from poodle.options import check_group, option
 from poodle.utils import SEED_MAX
 
@@ -145,16 +145,14 @@ class TrainConfig:
         check_group(self, ConfigError)
         if self.recipe == "rot-kd" and not self.generations:
             raise ConfigError(
-                f"recipe rot-kd needs generations >= 1, got {self.generations}",
-                params=("recipe", "generations"),
+                f"{mark('recipe')} rot-kd needs {mark('generations')} >= 1, got {self.generations}",
                 param="generations",
                 value=self.generations,
             )
         for m in self.milestones or ():
             if m >= self.epochs:  # each milestone an epoch before the last (its bound: at least 1)
                 raise ConfigError(
-                    f"milestones contain {m}, outside 1..{self.epochs - 1} (epochs {self.epochs})",
-                    params=("milestones", "epochs"),
+                    f"{mark('milestones')} contain {m}, outside 1..{self.epochs - 1} ({mark('epochs')} {self.epochs})",
                     param="milestones",
                     value=self.milestones,
                 )

@@ -29,7 +29,7 @@ from poodle import defaults, distributed
 from poodle.backbones import build, load_checkpoint, save_checkpoint
 from poodle.data import ImageDataset, PixelCache, resolve_dataset
 from poodle.data.transforms import eval_transform
-from poodle.errors import CheckpointError, ConfigError, DataError
+from poodle.errors import CheckpointError, ConfigError, DataError, mark
 from poodle.interrupt import critical, loader_batches, quiet_worker
 from poodle.train.augment import train_transform
 from poodle.train.config import TrainConfig, config_differences
@@ -157,9 +157,8 @@ def _read_checkpoint(path: Path, out: Path) -> dict[str, Any]:
         ) from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
-            f"out {out} holds {path.relative_to(out)}, which is not a checkpoint written by poodle.train; "
-            "pass force to start over or choose another folder",
-            params=("out", "force"),
+            f"{mark('out')} {out} holds {path.relative_to(out)}, which is not a checkpoint written by poodle.train; "
+            f"pass {mark('force')} to start over or choose another folder",
             param="out",
             value=out,
         )
@@ -176,9 +175,8 @@ def _check_config(path: Path, saved: dict[str, Any], cfg: TrainConfig) -> None:
     if diffs:
         out = cfg.out_dir()
         raise ConfigError(
-            f"out {out}: {path.relative_to(out)} was trained with other settings ({'; '.join(diffs)}); "
-            "pass force to start over or choose another folder",
-            params=("out", "force"),
+            f"{mark('out')} {out}: {path.relative_to(out)} was trained with other settings ({'; '.join(diffs)}); "
+            f"pass {mark('force')} to start over or choose another folder",
             param="out",
             value=out,
         )
@@ -268,8 +266,7 @@ def train(
     amp = (device.type == "cuda") if cfg.amp is None else bool(cfg.amp and device.type == "cuda")
     if cfg.batch_size % dist.world:
         raise ConfigError(
-            f"batch_size {cfg.batch_size} is not divisible by the {dist.world} processes",
-            params=("batch_size",),
+            f"{mark('batch_size')} {cfg.batch_size} is not divisible by the {dist.world} processes",
             param="batch_size",
             value=cfg.batch_size,
         )
@@ -358,15 +355,16 @@ def _prepare_out(cfg: TrainConfig, out: Path, *, resume: bool | None, force: boo
     if not last.exists():
         if resume is True:
             raise ConfigError(
-                f"resume: nothing to resume in {out} (no last.pt)", params=("resume",), param="resume", value=resume
+                f"{mark('resume')}: nothing to resume in {out} (no last.pt)",
+                param="resume",
+                value=resume,
             )
         return
     saved = _read_checkpoint(last, out)
     if resume is False:
         raise ConfigError(
-            f"out {out} already holds a run (epoch {saved.get('epoch')}/{cfg.epochs}); "
-            "resume it, pass force to start over or choose another folder",
-            params=("out", "force"),
+            f"{mark('out')} {out} already holds a run (epoch {saved.get('epoch')}/{cfg.epochs}); "
+            f"resume it, pass {mark('force')} to start over or choose another folder",
             param="out",
             value=out,
         )
@@ -667,8 +665,8 @@ def _train_step(
     logits, loss = _loss(run, gen, images, labels, rot_labels)
     if not torch.isfinite(loss):
         raise ConfigError(
-            f"the loss became {loss.item()} in generation {gen.index}, epoch {epoch}: lower lr or turn amp off",
-            params=("lr", "amp"),
+            f"the loss became {loss.item()} in generation {gen.index}, epoch {epoch}: lower {mark('lr')} or "
+            f"turn {mark('amp')} off",
         )
     gen.optimizer.zero_grad(set_to_none=True)
     gen.scaler.scale(loss).backward()
