@@ -79,6 +79,7 @@ def solver_configs(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
     shared name (--alpha) that means different things for the chosen methods, is a ConfigError
     naming the flag."""
     from poodle import solvers
+    from poodle.cli._common import given_as
     from poodle.errors import ConfigError
 
     given: list[tuple[str, str, Any, str | None]] = []  # (config field, how the user wrote it, value, method)
@@ -87,7 +88,9 @@ def solver_configs(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
             v = ctx.params[opt]
             if opt.startswith("no_stopgrad"):
                 v = not v
-            given.append((field, _flag(opt), v, only))
+            # a value from the project file is said with its file, table and key, as every other one
+            given.append((field, given_as(ctx, {opt: _flag(opt)})[opt], v, only))
+    in_file = given_as(ctx, {"sets": "--set"})["sets"].removeprefix("--set")  # " (poodle.toml [solve] set)"
     for item in sets:
         key, value = parse_set(item, "KEY=VALUE or METHOD.KEY=VALUE")
         method: str | None = None
@@ -97,7 +100,7 @@ def solver_configs(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
                 method = solvers.get(method.strip().replace("_", "-")).name
             except ConfigError as e:
                 raise ConfigError(f"--set {item!r}: {e}") from None
-        given.append((key.strip(), f"--set {item.partition('=')[0].strip()}", value, method))
+        given.append((key.strip(), f"--set {item.partition('=')[0].strip()}{in_file}", value, method))
     infos = {m: solvers.get(m) for m in methods}
 
     def accepts(m: str, field: str) -> bool:
