@@ -381,3 +381,26 @@ def test_train_options_are_trainconfig_s_declarations(monkeypatch, tmp_path):
     ):
         res = CliRunner().invoke(cli, [*base, *args])
         assert res.exit_code != 0 and said in res.output, res.output
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--device", "tpu"], "error: --device 'tpu': use auto, cpu, cuda or cuda:N (N >= 0)"),
+        (["--dataset", "nope"], "Invalid value for '--dataset': 'nope' is not one of 'csv', 'folder', 'mini'"),
+    ],
+)
+def test_a_bad_device_or_dataset_is_refused_before_the_glyphs_or_the_output_folder(monkeypatch, tmp_path, args, said):
+    """Said with its flag, before the glyphs are generated (minutes on first use) or anything is written."""
+    from click.testing import CliRunner
+
+    import poodle.data.glyphs
+    from poodle.cli.main import cli
+
+    def generate(*a, **kw):
+        raise AssertionError("the glyphs were generated before the setting was refused")
+
+    monkeypatch.setattr(poodle.data.glyphs, "ensure_glyphs", generate)
+    res = CliRunner().invoke(cli, ["train", "--backbone", "conv4_64", "--cache-root", str(tmp_path / "c"), *args])
+    assert res.exit_code != 0 and said in " ".join(res.output.split()), res.output
+    assert "training conv4_64" not in res.output and not (tmp_path / "c").exists()
