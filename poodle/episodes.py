@@ -505,7 +505,9 @@ def check_spec(
     assert spec.way is not None and spec.shot is not None and spec.query is not None  # validated
     if spec.way > present:
         raise EpisodeError(
-            f"split {spec.split!r} has {present} classes with images; cannot draw {spec.way}-way episodes",
+            f"split {spec.split!r} has {present} classes with images; cannot draw {spec.way}-way episodes "
+            f"(lower way to at most {present})",
+            params=("way",),
             param="way",
             value=spec.way,
         )

@@ -148,6 +148,10 @@ def test_solve_imbalanced_random_negatives(tmp_path, cache):
         (["--negatives", "none"], "--negatives none: method 'poodle' (with these options) reads negative samples"),
         (["--method", "proto", "--negatives", "random"], "none of the chosen methods"),
         (["--split", "val"], "no split 'val'"),
+        (
+            ["--way", 100],
+            "split 'test' has 6 classes with images; cannot draw 100-way episodes (lower --way to at most 6)",
+        ),
         (["--steps", "x"], "is not a valid integer"),
         (["--negatives", "MISSING"], "no such cache file"),
         (
