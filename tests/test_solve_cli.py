@@ -385,6 +385,30 @@ def test_an_episodes_file_of_another_cache_or_with_negative_indices_is_named(tmp
     assert f"error: --episodes-from {eps_file}: support index -4 (episode 1) is negative" in r.output.replace("\n", "")
 
 
+def test_a_file_that_is_no_episodes_file_is_said_with_the_flag(tmp_path, cache):
+    """--episodes-from naming a file that is not one: the flag, the file, and what it lacks (the
+    attribute ``query`` and the dataset ``/query`` apart), before anything is solved or written."""
+    import h5py
+
+    out, plain, missing = tmp_path / "r.json", tmp_path / "p.h5", tmp_path / "none.h5"
+    with h5py.File(plain, "w") as f:
+        f["support"] = [[1]]
+    for path, said in [
+        (
+            plain,
+            "not an episodes file (missing attributes split, way, shot, query, seed; datasets /query, "
+            "/support_labels, /query_labels)",
+        ),
+        (cache, "not an episodes file (missing attributes split, way, shot, query, seed; datasets /support, /query"),
+        (missing, "no such episodes file"),
+    ]:
+        for more in ([], ["--shot", 1]):  # the file read to compare its setting, or to solve it
+            r = _run(["--cache", cache, "--episodes-from", path, "--json", out, *more])
+            assert r.exit_code == 1 and not out.exists(), r.output
+            assert f"error: --episodes-from {path}: {said}" in r.output.replace("\n", ""), r.output
+            assert "solving" not in r.output
+
+
 def test_an_episodes_file_is_solved_only_on_the_cache_it_was_drawn_from(tmp_path, cache, make_features):
     """A cache of the same shape (same classes and rows, other features) takes the file's indices
     without complaint, so the file's record of its cache's content decides: refused, naming both."""
