@@ -295,7 +295,7 @@ def test_solve_help_says_the_meta_dataset_options_briefly():
     text = " ".join(r.output.split())
     assert "[default: log(1/2) = -0.693]" in text and "[default: log(2) = 0.693]" in text
     # --episodes says both its defaults, as `poodle demo --help` does
-    assert "Episodes drawn. [default: 2000; 600 under --protocol meta-dataset]" in text
+    assert "Episodes drawn. [default: 2000; 600 under --protocol meta-dataset; x>=1]" in text
     assert "0.6931471805599453" not in text and "superclass_names" not in text
     assert text.count("sampling.py") == 1 and "before the first '/'" in text
     helps = {s.key: s.meta("help") for s in settings(EpisodeSpec) if s.key in defaults.META_DATASET_KEYS}
