@@ -74,6 +74,8 @@ def test_solve_several_methods_table_json_and_episodes(tmp_path, cache):
     assert d["poodle"]["options"]["alpha"] == 1.0 and d["poodle"]["options"]["steps"] == 15
     assert d["poodle"]["negatives"] == "base" and d["poodle"]["n_neg"] == 10
     assert d["ce"]["options"]["steps"] == 15 and d["ce"]["transductive"] is False
+    # the setting's line says which methods used the queries, as the records do
+    assert "preprocess l2n; transductive: poodle; inductive: proto, ce; device " in " ".join(r.output.split())
     for m in ("proto", "poodle", "ce"):
         acc = torch.tensor(d[m]["acc"], dtype=torch.float64)
         assert acc.shape == (12,) and d[m]["mean"] == pytest.approx(float(acc.mean()))
@@ -91,6 +93,7 @@ def test_solve_several_methods_table_json_and_episodes(tmp_path, cache):
     )
     assert r2.exit_code == 0, r2.output
     again = read_results(js2).records[0]
+    assert "preprocess l2n; transductive; device " in " ".join(r2.output.split())
     assert again["acc"] == d["poodle"]["acc"] and again["key"] == d["poodle"]["key"]
 
     # replaying POODLE's episode file with a method that uses no negatives needs no --negatives none
@@ -98,6 +101,7 @@ def test_solve_several_methods_table_json_and_episodes(tmp_path, cache):
     r3 = _run(["--cache", cache, "--episodes-from", ep, "--method", "proto", "--json", js3])
     assert r3.exit_code == 0, r3.output
     assert read_results(js3).records[0]["acc"] == d["proto"]["acc"]
+    assert "preprocess l2n; inductive; device " in " ".join(r3.output.split())
 
 
 def test_solve_imbalanced_random_negatives(tmp_path, cache):
