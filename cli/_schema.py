@@ -56,11 +56,49 @@ class ListType(click.ParamType):
 
 class SettingOption(click.Option):
     """A click option made from a declared setting (:func:`click_option`): ``setting`` is the
-    declaration (tests/test_code_rules.py tells it from an option written by hand)."""
+    declaration (tests/test_code_rules.py tells it from an option written by hand). Its help ends
+    as click ends a ranged option's: ``[default: 5; x>=2]``, the default as the declaration says it
+    (``default_text``) and the range its bounds (:func:`range_text`), on every command alike."""
 
-    def __init__(self, *args: Any, setting: Setting, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, setting: Setting, default_text: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.setting = setting
+        self.default_text = default_text
+
+    def get_help_extra(self, ctx: click.Context) -> Any:
+        extra = super().get_help_extra(ctx)
+        if self.default_text is not None:
+            extra["default"] = self.default_text
+        described = range_text(self.setting)
+        if described:
+            extra["range"] = described
+        return extra
+
+
+def range_text(s: Setting) -> str | None:
+    """The bounds of setting ``s`` as click writes a range (``x>=2``, ``x>0``, ``0<=x<1``; a list's:
+    ``each x>=1``); None for a setting without bounds."""
+    b = s.bounds
+    if b is None or s.meta("choices") or s.kind not in (int, float):
+        return None
+    lo, hi, lo_open, hi_open = b.lo, b.hi, b.lo_open, b.hi_open
+    if s.kind is int:  # an integer's open bound is the closed one next to it (as the docs say it)
+        lo, hi = (lo + 1 if lo_open else lo), (hi - 1 if hi_open else hi)
+        lo_open = hi_open = False
+
+    def num(x: float) -> str:
+        return f"{x:g}"
+
+    # a seed's int64 limit is no limit to say
+    low = None if lo <= -(2**53) else (f"{num(lo)}<" if lo_open else f"{num(lo)}<=")
+    high = None if hi >= 2**53 else (f"<{num(hi)}" if hi_open else f"<={num(hi)}")
+    if low is None and high is None:
+        return None
+    if high is None:
+        text = f"x>{num(lo)}" if lo_open else f"x>={num(lo)}"
+    else:
+        text = f"{low or ''}x{high}"
+    return f"each {text}" if s.many else text
 
 
 def _click_type(s: Setting) -> Any:
@@ -80,9 +118,8 @@ def click_option(s: Setting, **given: Any) -> Callable[[Any], Any]:
     default = given.get("default", s.default)
     text = given.get("help", s.meta("help"))
     shown = default is not None and not s.meta("cli_type")
-    if "default" not in given and s.meta("default_text"):
-        # as click writes a default (click would put a text of ours in parentheses)
-        text, shown = f"{text}  [default: {s.meta('default_text')}]", False
+    # said as click writes a default (click would put a text of ours in parentheses): SettingOption
+    default_text = s.meta("default_text") if "default" not in given else None
     if s.kind is bool and not s.many:
         # said both ways (--amp/--no-amp): a flag typed overrides a project file's value either way,
         # and an optional one (None: the library decides) can be said on or off
@@ -91,6 +128,7 @@ def click_option(s: Setting, **given: Any) -> Callable[[Any], Any]:
             s.key,
             cls=SettingOption,
             setting=s,
+            default_text=default_text,
             default=default,
             show_default=shown,
             help=text,
@@ -100,6 +138,7 @@ def click_option(s: Setting, **given: Any) -> Callable[[Any], Any]:
         s.key,
         cls=SettingOption,
         setting=s,
+        default_text=default_text,
         type=_click_type(s),
         default=default,
         show_default=shown,
@@ -163,6 +202,7 @@ __all__ = [
     "SettingOption",
     "click_option",
     "flag_message",
+    "range_text",
     "given",
     "run_options",
     "schema_options",

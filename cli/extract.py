@@ -25,7 +25,7 @@ from poodle.cli._schema import schema_options
 from poodle.extract import ExtractOptions
 from poodle.run import RunOptions
 
-DATASETS = ["csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100"]
+DATASETS = list(defaults.DATASETS)
 
 
 def _list_backbones(ctx: click.Context, param: click.Parameter, value: bool) -> None:

@@ -79,6 +79,7 @@ def solver_configs(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
     shared name (--alpha) that means different things for the chosen methods, is a ConfigError
     naming the flag."""
     from poodle import solvers
+    from poodle.cli._common import given_as
     from poodle.errors import ConfigError
 
     given: list[tuple[str, str, Any, str | None]] = []  # (config field, how the user wrote it, value, method)
@@ -87,7 +88,9 @@ def solver_configs(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
             v = ctx.params[opt]
             if opt.startswith("no_stopgrad"):
                 v = not v
-            given.append((field, _flag(opt), v, only))
+            # a value from the project file is said with its file, table and key, as every other one
+            given.append((field, given_as(ctx, {opt: _flag(opt)})[opt], v, only))
+    in_file = given_as(ctx, {"sets": "--set"})["sets"].removeprefix("--set")  # " (poodle.toml [solve] set)"
     for item in sets:
         key, value = parse_set(item, "KEY=VALUE or METHOD.KEY=VALUE")
         method: str | None = None
@@ -97,7 +100,7 @@ def solver_configs(ctx: click.Context, methods: list[str], sets: tuple[str, ...]
                 method = solvers.get(method.strip().replace("_", "-")).name
             except ConfigError as e:
                 raise ConfigError(f"--set {item!r}: {e}") from None
-        given.append((key.strip(), f"--set {item.partition('=')[0].strip()}", value, method))
+        given.append((key.strip(), f"--set {item.partition('=')[0].strip()}{in_file}", value, method))
     infos = {m: solvers.get(m) for m in methods}
 
     def accepts(m: str, field: str) -> bool:
@@ -382,6 +385,19 @@ def _title(spec: Any) -> str:
     return "Meta-Dataset protocol" + (f" ({', '.join(fixed)})" if fixed else "")
 
 
+def _inference(records: list[dict[str, Any]]) -> str:
+    """Whether the methods used the queries, as their records say: ``transductive`` or ``inductive``
+    when all agree, else ``transductive: poodle; inductive: proto``."""
+    by: dict[bool, list[str]] = {True: [], False: []}
+    for r in records:
+        name = str(r.get("label") or r["method"])
+        if name not in by[bool(r.get("transductive"))]:
+            by[bool(r.get("transductive"))].append(name)
+    if not by[False] or not by[True]:
+        return "transductive" if by[True] else "inductive"
+    return f"transductive: {', '.join(by[True])}; inductive: {', '.join(by[False])}"
+
+
 def _rates(solving: float | None, episodes: int, seconds: float, chunks: str = "") -> str:
     """The throughput line: the progress line's rate (episodes solved a second from the moment
     solving started, ``solving``), then the rate over the whole run, loading and drawing included
@@ -410,7 +426,7 @@ def _summary(
         + (f", queries from {spec.query_classes} of the {spec.way} classes" if spec.query_classes else "")
         + f", split {spec.split} of {path}; negatives: "
         + (f"{res.negatives.source} x {res.negatives.n_neg}" if res.negatives else "none")
-        + f"; preprocess {res.records[0].get('preprocess', 'l2n')}; device {res.device}"
+        + f"; preprocess {res.records[0].get('preprocess', 'l2n')}; {_inference(res.records)}; device {res.device}"
         + (f" x {res.processes} processes" if res.processes > 1 else ""),
         highlight=False,
     )
@@ -454,7 +470,7 @@ def _domains_summary(
         + ", ".join(f"{d} = {p}" for d, p in domains.items())
         + "; negatives: "
         + (f"{first.negatives.source} x {first.negatives.n_neg}" if first.negatives else "none")
-        + f"; device {first.device}",
+        + f"; {_inference(res.records)}; device {first.device}",
         highlight=False,
         soft_wrap=True,
     )

@@ -102,6 +102,7 @@ class TrainDisplay:
     "--dataset",
     default=defaults.DATASET,
     show_default=True,
+    type=click.Choice(defaults.DATASETS),
     help="glyphs (embedded, generated on first use), mini, tiered, cub, cifar-fs, fc100, csv or folder.",
 )
 @click.option("--data-root", type=click.Path(file_okay=False), default=None, help="Dataset root folder.")
@@ -129,11 +130,14 @@ def train(**opts: Any) -> None:
     `torchrun --nproc-per-node N poodle train ...` the same command trains with DistributedDataParallel.
     """
     from poodle.train import train as run_train
+    from poodle.utils import resolve_device
 
     resume, force = opts.pop("resume"), opts.pop("force")
     if resume and force:
         raise click.UsageError("--resume and --force exclude each other")
     cfg = TrainConfig(**opts)
+    # the device is read now, before the glyphs are generated (minutes) or the output folder made
+    resolve_device(cfg.device)
     main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports
     if not main_process:
         run_train(cfg, resume=True if resume else None, force=force)

@@ -27,6 +27,8 @@ CUDA_STEP = "torch"
 CUDA_STEPS = ("torch", "triton")
 CACHE_ROOT = "cache"  # where extract, train and demo keep what they make, by dataset
 DATASET = "glyphs"  # the embedded dataset (generated on first use): extract's and train's default
+# the names --dataset takes (poodle.data.resolve_dataset): extract's and train's choices
+DATASETS: tuple[str, ...] = ("csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100")
 # Image side fed to a backbone of the release: the paper's 84, except where a dataset has its own
 # (the glyphs are drawn at 28 px, as the demo trains and extracts them; CIFAR's images are 32 px).
 IMAGE_SIZE = 84

@@ -48,7 +48,7 @@ from poodle.pipeline import RunOptions
 from poodle.report import Result, Table, build_table, to_markdown
 from poodle.results import record_flat
 from poodle.train import train
-from poodle.utils import atomic_path, content_hash
+from poodle.utils import atomic_path, content_hash, resolve_device
 
 RESULTS_FILE = "results.jsonl"
 ProgressFactory = Callable[[str, int], ContextManager[Callable[[int], None]]]
@@ -151,6 +151,10 @@ class _Stages:
     progress_factory: ProgressFactory | None
     seconds: dict[str, float] = field(default_factory=dict)
     reused: dict[str, bool] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # the device is read here, before the glyphs are generated (minutes) or anything is written
+        resolve_device(self.cfg.device)
 
     @property
     def cache_root(self) -> Path:

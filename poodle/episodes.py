@@ -506,7 +506,9 @@ def check_spec(
     assert spec.way is not None and spec.shot is not None and spec.query is not None  # validated
     if spec.way > present:
         raise EpisodeError(
-            f"split {spec.split!r} has {present} classes with images; cannot draw {spec.way}-way episodes",
+            f"split {spec.split!r} has {present} classes with images; cannot draw {spec.way}-way episodes "
+            f"(lower way to at most {present})",
+            params=("way",),
             param="way",
             value=spec.way,
         )
@@ -821,11 +823,17 @@ def load_episodes(path: str | Path, *, labels: Tensor | None = None, pool_size: 
     except OSError as e:
         raise EpisodeError(f"{path}: not an HDF5 file ({e})", param="episodes_from", value=path) from None
     with f:
-        missing = [k for k in ("split", "way", "shot", "query", "seed") if k not in f.attrs]
-        missing += [k for k in ("support", "query", "support_labels", "query_labels") if k not in f]
+        # attributes and datasets apart: "query" is both (queries per class, and their indices)
+        attrs = [k for k in ("split", "way", "shot", "query", "seed") if k not in f.attrs]
+        sets = [f"/{k}" for k in ("support", "query", "support_labels", "query_labels") if k not in f]
+        missing = [
+            f"{what}{'s' if len(ks) > 1 else ''} {', '.join(ks)}"
+            for what, ks in (("attribute", attrs), ("dataset", sets))
+            if ks
+        ]
         if missing:
             raise EpisodeError(
-                f"{path}: not an episodes file (missing {', '.join(missing)})", param="episodes_from", value=path
+                f"{path}: not an episodes file (missing {'; '.join(missing)})", param="episodes_from", value=path
             )
         spec = _read_spec(path, f.attrs)
         arrays = _read_index_arrays(path, f)

@@ -100,7 +100,7 @@ def _from_file(episodes_from: str | os.PathLike, settings: Mapping[str, Any]) ->
     """The episodes of a file and the settings they imply (their spec and count). A setting given
     as well must be the file's (the command that wrote it, repeated, solves it)."""
     given = [k for k in EPISODE_PARAMS if settings.get(k) is not None]
-    eps = load_episodes(Path(episodes_from)) if given else None
+    eps = _load(episodes_from) if given else None
     of_file = {k: len(eps) if k == "episodes" else getattr(eps.spec, k, None) for k in given} if eps else {}
     clash = [k for k in given if settings[k] != of_file[k]]
     if clash:
@@ -112,8 +112,19 @@ def _from_file(episodes_from: str | os.PathLike, settings: Mapping[str, Any]) ->
             param="episodes_from",
             value=episodes_from,
         )
-    eps = eps if eps is not None else load_episodes(Path(episodes_from))
+    eps = eps if eps is not None else _load(episodes_from)
     return eps, {**eps.spec.settings(), "episodes": len(eps)}
+
+
+def _load(episodes_from: str | os.PathLike) -> EpisodeSet:
+    """The episodes of the file, an error about it said as of ``episodes_from`` (as the checks
+    against the cache in :func:`_run` say theirs)."""
+    try:
+        return load_episodes(Path(episodes_from))
+    except EpisodeError as e:
+        raise EpisodeError(
+            f"episodes_from {e}", params=("episodes_from",), param="episodes_from", value=episodes_from
+        ) from None
 
 
 def make_cells(

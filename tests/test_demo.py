@@ -313,10 +313,18 @@ def test_quick_gives_way_to_the_settings_given(monkeypatch, tmp_path):
         (["--threads", "-1"], "--threads must be an integer >= 0, got -1"),
         (["--lr", "0"], "--lr must be a number in (0, inf), got 0.0"),
         (["--competitors", "tim-gd,xx"], "--competitors: 'xx' is not a registered transductive method"),
+        (["--device", "tpu"], "--device 'tpu': use auto, cpu, cuda or cuda:N (N >= 0)"),
+        (["--device", "tpu", "--protocol", "meta-dataset"], "--device 'tpu': use auto, cpu, cuda or cuda:N"),
     ],
 )
-def test_a_bad_demo_setting_is_refused_before_any_work(tmp_path, args, said):
+def test_a_bad_demo_setting_is_refused_before_any_work(tmp_path, monkeypatch, args, said):
     """By its declaration (TrainConfig's for what the demo trains with), before the glyphs are made."""
+    import poodle.demo
+
+    def generate(*a, **kw):  # minutes of work the refusal must come before
+        raise AssertionError("the glyphs were generated before the setting was refused")
+
+    monkeypatch.setattr(poodle.demo, "ensure_glyphs", generate)
     res = CliRunner().invoke(cli, ["demo", "--cache-root", str(tmp_path / "c"), *args])
     assert res.exit_code == 1 and f"error: {said}" in res.output, res.output
     assert not (tmp_path / "c").exists()

@@ -256,3 +256,49 @@ def test_the_rendering_workers_ignore_a_signal_to_the_whole_group(tmp_path):
     m = g.generate_glyphs(tmp_path / "a", seed=0, alphabets=SUBSET, max_per_alphabet=4, instances=3, workers=2,
                           progress=progress)  # fmt: skip
     assert sent and m == json.loads((tmp_path / "a" / "manifest.json").read_text())
+
+
+_STOPPED_IN_A_BROKEN_POOL = """
+import multiprocessing, os, signal, sys
+from pathlib import Path
+from poodle.data import glyphs as g
+
+def progress(n):
+    # a worker gone under the pool (the pool is broken), then a stop: the other worker, which
+    # ignores SIGTERM, is busy with a class whose result (800 files) fills the pipe to the parent
+    os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+    raise KeyboardInterrupt
+
+try:
+    g.ensure_glyphs(Path(sys.argv[1]), progress=progress, alphabets=("latin", "greek"), max_per_alphabet=3,
+                    instances=800, workers=2)
+except KeyboardInterrupt:
+    print("stopped", sorted(p.name for p in (Path(sys.argv[1]) / "glyphs").iterdir()), flush=True)
+"""
+
+
+def test_a_generation_stopped_in_a_broken_pool_ends_and_leaves_no_folder(tmp_path):
+    """On the way out the workers are stopped for good (they ignore SIGTERM): the process ends, and
+    no worker writes on into the temporary folder after it was deleted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_IN_A_BROKEN_POOL, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its workers too can be killed should it hang
+    )
+    try:
+        out, _ = run.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        out, _ = run.communicate()
+        pytest.fail(f"the stopped generation did not end: {out}")
+    time.sleep(1)  # a worker left running would write on
+    assert run.returncode == 0 and out.strip() == "stopped []", out
+    assert list((tmp_path / "glyphs").iterdir()) == []

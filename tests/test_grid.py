@@ -66,7 +66,7 @@ def test_each_setting_of_a_grid_is_checked_once_as_the_file_is_read(tmp_path, ca
     assert sorted(checked) == sorted(["cache", "shot", "shot", "query", "episodes", "n_neg", "method", "method"])
     cells = G.expand(spec)
     assert len(cells) == 10 and len(checked) == 8  # the cells take them as they are
-    with pytest.raises(ConfigError, match=r"g.toml: option 'shot' must be a positive integer, got 0"):
+    with pytest.raises(ConfigError, match=r"g.toml, line 4: option 'shot' must be a positive integer, got 0"):
         G.load_grid(_grid(tmp_path, SMALL.replace("shot = [1, 5]", "shot = [1, 0]")))
 
 
@@ -141,7 +141,8 @@ def test_grid_hash_ignores_formatting_but_not_cells(tmp_path, cache):
         ("[episodes]\nshot = [1, 'five']\n", r"option 'shot' must be a positive integer, got 'five'"),
         (
             "[episodes]\nimbalance = -1\n",
-            r"g.toml: option 'imbalance' must be a number in \(0, inf\) \(a Dirichlet concentration\), got -1.0",
+            r"g.toml, line 3: option 'imbalance' must be a number in \(0, inf\) \(a Dirichlet concentration\), "
+            r"got -1.0",
         ),
         (
             "[episodes]\nway = true\n",
@@ -161,6 +162,39 @@ def test_bad_grid_files_give_one_line_errors(tmp_path, body, message):
         G.expand(G.load_grid(p))
     assert "\n" not in str(e.value)
     assert str(p) in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("[episodes]\nshot = [1, 'five']\n", "g.toml, line 3: option 'shot' must be a positive integer, got 'five'"),
+        ("way = [5, true]\n", "g.toml, line 2: option 'way' must be an integer >= 2"),
+        (
+            'description = """\nway = 3\n"""\nway = [\n  5,\n  [6],\n]\n',
+            "g.toml, line 5: option 'way' must be an integer >= 2",
+        ),
+        ("alpha = [1.0, 'x']\n", "g.toml, line 2: option 'alpha' of method 'poodle' expects a float, got 'x'"),
+        (
+            "alpha = 1.0\n[[cell]]\nmethod = 'proto'\n[[cell]]\nlabel = 'b'\n# alpha = 2\nalpha = [0.5, 'x']\n",
+            "g.toml: [[cell]] #2, line 8: option 'alpha' of method 'poodle' expects a float, got 'x'",
+        ),
+        (  # a cell's value written outside it: that line
+            "product = false\nsteps = 'x'\n[[cell]]\nmethod = 'poodle'\n",
+            "g.toml: [[cell]] #1, line 3: option 'steps' of method 'poodle' expects an int, got 'x'",
+        ),
+    ],
+)
+def test_a_bad_value_in_a_grid_file_names_its_line(tmp_path, body, message):
+    """An option's value said at the line that sets it: in a list, in a multi-line array, in a
+    [[cell]] (its own line, else the grid's); a value given as an override is in no line."""
+    p = _grid(tmp_path, body)
+    with pytest.raises(ConfigError) as e:
+        G.expand(G.load_grid(p))
+    assert str(e.value).startswith(f"{p}") and message in str(e.value), str(e.value)
+    key = message.split("option '")[1].split("'")[0]
+    with pytest.raises(ConfigError) as e:
+        G.expand(G.load_grid(_grid(tmp_path, "", "o.toml"), overrides={key: [0.5, "x"] if key == "alpha" else "x"}))
+    assert "line" not in str(e.value) and f"o.toml: option {key!r}" in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize(

@@ -104,6 +104,27 @@ def test_a_bad_project_file_is_one_line_naming_the_file_table_and_key(tmp_path, 
     assert sorted(os.listdir(tmp_path)) == ["poodle.toml"]
 
 
+def test_a_bad_method_option_of_the_project_file_is_said_with_its_file_and_key(tmp_path, monkeypatch, features):
+    """A method's option from the project file is the file's value, not a typed one: its error names
+    the file, the table and the key (as every other value of the file), before any episode."""
+    features(tmp_path / "feat.h5")
+    monkeypatch.chdir(tmp_path)
+    for text, message in [
+        (
+            "lr = -1\n",
+            "error: --lr (poodle.toml [solve] lr): method 'tim-gd': option 'lr' must lie in (0, inf), got -1",
+        ),
+        ('set = ["lr=-1"]\n', "error: --set lr (poodle.toml [solve] set): method 'tim-gd': option 'lr' must lie in"),
+        ("alpha = 2\n", "error: option --alpha (poodle.toml [solve] alpha) is not an option of the chosen method(s)"),
+    ]:
+        (tmp_path / "poodle.toml").write_text(f'[solve]\ncache = "feat.h5"\nmethod = "tim-gd"\n{text}')
+        code, out = run("solve", "--episodes", 3)
+        assert code == 1 and one_line(out).startswith(message), out
+    (tmp_path / "poodle.toml").write_text('[solve]\ncache = "feat.h5"\nmethod = "tim-gd"\nlr = 0.5\n')
+    code, out = run("solve", "--episodes", 3, "--lr", -2)  # typed over the file's: the flag alone
+    assert code == 1 and one_line(out).startswith("error: --lr: method 'tim-gd': option 'lr' must lie in"), out
+
+
 def test_an_option_with_an_optional_value_set_to_true_is_the_option_alone(tmp_path, monkeypatch):
     from poodle.cli._common import project_default_map
 

@@ -74,6 +74,8 @@ def test_solve_several_methods_table_json_and_episodes(tmp_path, cache):
     assert d["poodle"]["options"]["alpha"] == 1.0 and d["poodle"]["options"]["steps"] == 15
     assert d["poodle"]["negatives"] == "base" and d["poodle"]["n_neg"] == 10
     assert d["ce"]["options"]["steps"] == 15 and d["ce"]["transductive"] is False
+    # the setting's line says which methods used the queries, as the records do
+    assert "preprocess l2n; transductive: poodle; inductive: proto, ce; device " in " ".join(r.output.split())
     for m in ("proto", "poodle", "ce"):
         acc = torch.tensor(d[m]["acc"], dtype=torch.float64)
         assert acc.shape == (12,) and d[m]["mean"] == pytest.approx(float(acc.mean()))
@@ -91,6 +93,7 @@ def test_solve_several_methods_table_json_and_episodes(tmp_path, cache):
     )
     assert r2.exit_code == 0, r2.output
     again = read_results(js2).records[0]
+    assert "preprocess l2n; transductive; device " in " ".join(r2.output.split())
     assert again["acc"] == d["poodle"]["acc"] and again["key"] == d["poodle"]["key"]
 
     # replaying POODLE's episode file with a method that uses no negatives needs no --negatives none
@@ -98,6 +101,7 @@ def test_solve_several_methods_table_json_and_episodes(tmp_path, cache):
     r3 = _run(["--cache", cache, "--episodes-from", ep, "--method", "proto", "--json", js3])
     assert r3.exit_code == 0, r3.output
     assert read_results(js3).records[0]["acc"] == d["proto"]["acc"]
+    assert "preprocess l2n; inductive; device " in " ".join(r3.output.split())
 
 
 def test_solve_imbalanced_random_negatives(tmp_path, cache):
@@ -148,6 +152,10 @@ def test_solve_imbalanced_random_negatives(tmp_path, cache):
         (["--negatives", "none"], "--negatives none: method 'poodle' (with these options) reads negative samples"),
         (["--method", "proto", "--negatives", "random"], "none of the chosen methods"),
         (["--split", "val"], "no split 'val'"),
+        (
+            ["--way", 100],
+            "split 'test' has 6 classes with images; cannot draw 100-way episodes (lower --way to at most 6)",
+        ),
         (["--steps", "x"], "is not a valid integer"),
         (["--negatives", "MISSING"], "no such cache file"),
         (
@@ -291,7 +299,7 @@ def test_solve_help_says_the_meta_dataset_options_briefly():
     text = " ".join(r.output.split())
     assert "[default: log(1/2) = -0.693]" in text and "[default: log(2) = 0.693]" in text
     # --episodes says both its defaults, as `poodle demo --help` does
-    assert "Episodes drawn. [default: 2000; 600 under --protocol meta-dataset]" in text
+    assert "Episodes drawn. [default: 2000; 600 under --protocol meta-dataset; x>=1]" in text
     assert "0.6931471805599453" not in text and "superclass_names" not in text
     assert text.count("sampling.py") == 1 and "before the first '/'" in text
     helps = {s.key: s.meta("help") for s in settings(EpisodeSpec) if s.key in defaults.META_DATASET_KEYS}
@@ -379,6 +387,30 @@ def test_an_episodes_file_of_another_cache_or_with_negative_indices_is_named(tmp
     r = _run(["--cache", cache, "--episodes-from", eps_file, "--json", out])
     assert r.exit_code == 1 and not out.exists(), r.output
     assert f"error: --episodes-from {eps_file}: support index -4 (episode 1) is negative" in r.output.replace("\n", "")
+
+
+def test_a_file_that_is_no_episodes_file_is_said_with_the_flag(tmp_path, cache):
+    """--episodes-from naming a file that is not one: the flag, the file, and what it lacks (the
+    attribute ``query`` and the dataset ``/query`` apart), before anything is solved or written."""
+    import h5py
+
+    out, plain, missing = tmp_path / "r.json", tmp_path / "p.h5", tmp_path / "none.h5"
+    with h5py.File(plain, "w") as f:
+        f["support"] = [[1]]
+    for path, said in [
+        (
+            plain,
+            "not an episodes file (missing attributes split, way, shot, query, seed; datasets /query, "
+            "/support_labels, /query_labels)",
+        ),
+        (cache, "not an episodes file (missing attributes split, way, shot, query, seed; datasets /support, /query"),
+        (missing, "no such episodes file"),
+    ]:
+        for more in ([], ["--shot", 1]):  # the file read to compare its setting, or to solve it
+            r = _run(["--cache", cache, "--episodes-from", path, "--json", out, *more])
+            assert r.exit_code == 1 and not out.exists(), r.output
+            assert f"error: --episodes-from {path}: {said}" in r.output.replace("\n", ""), r.output
+            assert "solving" not in r.output
 
 
 def test_an_episodes_file_is_solved_only_on_the_cache_it_was_drawn_from(tmp_path, cache, make_features):

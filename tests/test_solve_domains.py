@@ -92,6 +92,7 @@ def test_cli_table_report_episode_files_and_pool(tmp_path, caches):
     r = _run(args)
     assert r.exit_code == 0, r.output
     assert "2 domains, 5 episodes each" in r.output and "average rank" in r.output and "mean over" in r.output
+    assert f"negatives: {pool}:train x 6; inductive; device " in " ".join(r.output.split()), r.output
     records = read_results(js).records
     assert [x["cache"] for x in records] == ["b", "b", "fungi", "fungi"]
     assert all(x["negatives"] == f"{pool}:train" for x in records if x["method"] == "poodle")

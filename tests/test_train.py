@@ -381,3 +381,53 @@ def test_train_options_are_trainconfig_s_declarations(monkeypatch, tmp_path):
     ):
         res = CliRunner().invoke(cli, [*base, *args])
         assert res.exit_code != 0 and said in res.output, res.output
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--device", "tpu"], "error: --device 'tpu': use auto, cpu, cuda or cuda:N (N >= 0)"),
+        (["--dataset", "nope"], "Invalid value for '--dataset': 'nope' is not one of 'csv', 'folder', 'mini'"),
+    ],
+)
+def test_a_bad_device_or_dataset_is_refused_before_the_glyphs_or_the_output_folder(monkeypatch, tmp_path, args, said):
+    """Said with its flag, before the glyphs are generated (minutes on first use) or anything is written."""
+    from click.testing import CliRunner
+
+    import poodle.data.glyphs
+    from poodle.cli.main import cli
+
+    def generate(*a, **kw):
+        raise AssertionError("the glyphs were generated before the setting was refused")
+
+    monkeypatch.setattr(poodle.data.glyphs, "ensure_glyphs", generate)
+    res = CliRunner().invoke(cli, ["train", "--backbone", "conv4_64", "--cache-root", str(tmp_path / "c"), *args])
+    assert res.exit_code != 0 and said in " ".join(res.output.split()), res.output
+    assert "training conv4_64" not in res.output and not (tmp_path / "c").exists()
+
+
+def test_bounded_options_show_their_range_in_every_command_s_help():
+    """A setting's bounds read in --help as click writes a range, after the default, on every command
+    that takes it (train, demo, solve alike), from the one declaration."""
+    from click.testing import CliRunner
+
+    from poodle.cli.main import cli
+
+    def help_of(command: str) -> str:
+        res = CliRunner().invoke(cli, [command, "--help"], terminal_width=400)
+        assert res.exit_code == 0, res.output
+        return " ".join(res.output.split())
+
+    train, demo, solve = help_of("train"), help_of("demo"), help_of("solve")
+    for said in (
+        "--epochs INTEGER Training epochs (paper 5.1: 100). [default: 100; x>=1]",
+        "--lr FLOAT SGD learning rate (paper 5.1: 0.05). [default: 0.05; x>0]",
+        "[default: 0.9; 0<=x<1]",  # --momentum
+        "[default: 0.1; 0<x<=1]",  # --gamma
+        "tiered 60/80/90%]. [each x>=1]",  # --milestones, each epoch
+        "[default: 0; x>=0]",  # --seed: its int64 limit is not said
+    ):
+        assert said in train, said
+    assert "--lr FLOAT Training learning rate. [default: 0.1; x>0]" in demo
+    assert "[default: 2000, 600; --quick: 40; x>=1]" in demo  # --episodes: its own default text, then the range
+    assert "--way INTEGER" in solve and "[default: 5; x>=2]" in solve

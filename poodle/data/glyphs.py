@@ -51,7 +51,7 @@ from poodle.data._glyph_render import (
     to_image,
 )
 from poodle.errors import ConfigError, DataError
-from poodle.interrupt import quiet_worker
+from poodle.interrupt import critical, quiet_worker
 from poodle.options import check_group, option
 
 __all__ = [
@@ -328,13 +328,21 @@ def _render_classes(
         # its next safe point and shuts them down; a worker killed inside a task broke the pool,
         # whose shutdown could then hang
         with ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=quiet_worker, initargs=(0,)) as pool:
+            # a future a chunk, as pool.map makes them, kept here so that none is cancelled on the
+            # way out: a broken pool's manager fails on a cancelled one (a traceback on stderr)
+            futures = [pool.submit(_render_chunk, tasks[i : i + chunk]) for i in range(0, len(tasks), chunk)]
             try:
-                for r in pool.map(_render_class, tasks, chunksize=chunk):
-                    collect(r)
+                for f in futures:
+                    for r in f.result():
+                        collect(r)
             except BaseException:
-                # a stop (the progress callback is a safe point) or a failure: drop the chunks not
-                # started rather than render the whole set for a folder about to be deleted
-                pool.shutdown(wait=True, cancel_futures=True)
+                # a stop (the progress callback is a safe point) or a failure: the folder is about to
+                # be deleted, so the chunks under way go with their workers. Killed, not asked: they
+                # ignore SIGTERM, which is all a broken pool's shutdown sends them before it waits
+                # for them (forever once one is blocked handing back a result no one reads), and a
+                # worker left running would write on into the folder after it was deleted
+                with critical():  # not cut short by the hard stop: no worker is left running
+                    _kill_workers(pool)
                 raise
     if faint:
         # not a caller's value: the fonts of this system lack a glyph
@@ -342,6 +350,20 @@ def _render_classes(
             f"glyphs: class(es) {', '.join(faint[:5])} rendered an image without ink (a font that lacks the glyph?)"
         )
     return files
+
+
+def _render_chunk(tasks: Sequence[tuple]) -> list[tuple[str, list[tuple[str, str]], float]]:
+    return [_render_class(t) for t in tasks]
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """SIGKILL the pool's worker processes and reap them."""
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    for p in workers:
+        if p.is_alive():
+            p.kill()
+    for p in workers:
+        p.join(10)
 
 
 def _manifest(

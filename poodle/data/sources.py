@@ -45,6 +45,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from poodle import defaults
 from poodle.data.transforms import load_rgb
 from poodle.errors import ConfigError, DataError, mark
 
@@ -66,7 +67,7 @@ HEADER_WORDS = {
     "target",
 }
 SPLITS = ("train", "val", "test")
-NAMES = ("csv", "folder", "mini", "tiered", "cub", "glyphs", "cifar-fs", "fc100")
+NAMES = defaults.DATASETS
 CUB_SPLITS = ("release", "140-30-30")
 SPLITS_DIR = Path(__file__).with_name("splits")  # package data: class lists of the named splits
 # Meta-Dataset's class splits (google-research/meta-dataset's dataset conversion), for ``folder``

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -59,6 +60,46 @@ def _load_toml(path: Path) -> dict[str, Any]:
         ) from None
     except IsADirectoryError:
         raise ConfigError(f"grid file {path} is a directory", param="path", value=path) from None
+
+
+_TABLE = re.compile(r"\s*\[(\[)?\s*([\w.-]+)\s*\]")  # [episodes], [[cell]]
+_KEY = re.compile(r"""\s*(?:"([^"]+)"|'([^']+)'|([\w-]+))\s*=""")  # way =, "way" =
+_STRINGS = re.compile(r""""(?:\\.|[^"\\])*"|'[^']*'|#.*""")  # strings and a comment: no brackets of an array
+
+
+def key_lines(path: Path) -> dict[tuple[int, str], int]:
+    """The 1-based line on which each option of grid file ``path`` is written, by ``(cell, key)``:
+    cell 0 outside the ``[[cell]]`` tables, ``i`` in the i-th; empty when the file cannot be read.
+    The lines of a multi-line array or string are not taken for keys."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError):
+        return {}
+    out: dict[tuple[int, str], int] = {}
+    cell, depth, in_string = 0, 0, False  # depth: brackets a multi-line array left open
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.count('"""') % 2 or line.count("'''") % 2:
+            in_string = not in_string
+            continue
+        if in_string:
+            continue
+        table = _TABLE.match(line) if depth == 0 else None
+        if table:
+            cell = cell + 1 if table.group(1) and table.group(2) == "cell" else 0
+            continue
+        key = _KEY.match(line) if depth == 0 else None
+        if key:
+            out.setdefault((cell, next(g for g in key.groups() if g)), n)
+        code = _STRINGS.sub("", line)
+        depth = max(0, depth + code.count("[") - code.count("]"))
+    return out
+
+
+def _at(where: str, lines: Mapping[tuple[int, str], int], key: str | None, cell: int = 0) -> str:
+    """``where`` (the file, a ``[[cell]]``) with the line that sets option ``key`` (in the ``cell``-th
+    ``[[cell]]``, else outside them; ``lines``: :func:`key_lines`), when the file has one."""
+    line = lines.get((cell, key or ""), lines.get((0, key or "")))
+    return where if line is None else f"{where}, line {line}"
 
 
 def raw_line(path: Path, offset: int) -> int:
@@ -109,6 +150,12 @@ class GridSpec:
     product: bool = True
     description: str = ""
     cache_defaulted: bool = False  # the cache is the caller's default_cache: the file names none
+    # where each option is written: {(0, key) outside the [[cell]] tables, (i, key) in the i-th}: line
+    lines: dict[tuple[int, str], int] = field(default_factory=dict)
+
+    def where(self, where: str, key: str | None, cell: int = 0) -> str:
+        """``where`` with the line that sets option ``key`` (:func:`_at`)."""
+        return _at(where, self.lines, key, cell)
 
     @property
     def base_dir(self) -> Path:
@@ -156,8 +203,10 @@ def parse_grid(
         raise ConfigError(f"{where}: 'cell' must be written as [[cell]] tables", param="cell", value=raw_cells)
 
     fields_by_method = _solver_fields()
-    axes = {k: _normalise_values(where, k, v) for k, v in flat.items()}
-    cells = [_read_cell(f"{where}: [[cell]] #{i + 1}", c) for i, c in enumerate(raw_cells)]
+    # an error about a value names its line (an override has none: it is not in the file)
+    lines = {(c, k): n for (c, k), n in key_lines(path).items() if c or k not in (overrides or {})}
+    axes = {k: _normalise_values(_at(where, lines, k), k, v) for k, v in flat.items()}
+    cells = [_read_cell(f"{where}: [[cell]] #{i + 1}", c, lines, i + 1) for i, c in enumerate(raw_cells)]
 
     defaulted = False
     if "cache" not in axes and (product or not all("cache" in c for c in cells)) and default_cache is not None:
@@ -184,6 +233,7 @@ def parse_grid(
         product=product,
         description=str(description),
         cache_defaulted=defaulted,
+        lines=lines,
     )
     _check_option_names(spec, fields_by_method)
     return spec
@@ -224,8 +274,8 @@ def _flatten(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     return flat
 
 
-def _read_cell(cw: str, c: Mapping[str, Any]) -> dict[str, Any]:
-    """One ``[[cell]]`` table: its label and its options' values as lists."""
+def _read_cell(cw: str, c: Mapping[str, Any], lines: Mapping[tuple[int, str], int], i: int) -> dict[str, Any]:
+    """The ``i``-th ``[[cell]]`` table: its label and its options' values as lists."""
     cell: dict[str, Any] = {}
     for k, v in c.items():
         if isinstance(v, dict):
@@ -235,7 +285,7 @@ def _read_cell(cw: str, c: Mapping[str, Any]) -> dict[str, Any]:
                 raise ConfigError(f"{cw}: 'label' must be a non-empty string, got {v!r}", param="label", value=v)
             cell[k] = v
         else:
-            cell[k] = _normalise_values(cw, k, v)
+            cell[k] = _normalise_values(_at(cw, lines, k, i), k, v)
     return cell
 
 
@@ -344,16 +394,19 @@ def load_grid(
 # Expansion into cells
 
 
-def _make_cell(spec: GridSpec, combo: Mapping[str, Any], label: str | None, strict: set[str], where: str) -> Cell:
+def _make_cell(
+    spec: GridSpec, combo: Mapping[str, Any], label: str | None, strict: set[str], where: str, cell: int = 0
+) -> Cell:
     """A cell from one combination of option values (:func:`poodle.cells.make_cell`); an error is said
-    at ``where`` in the grid file. Its general settings were checked as the file was read
-    (:func:`parse_grid`): the cell takes them as they are."""
+    at ``where`` in the grid file (the ``cell``-th ``[[cell]]``; 0: the product), on its line. Its
+    general settings were checked as the file was read (:func:`parse_grid`): the cell takes them as
+    they are."""
     if combo.get("cache") is None:
         raise ConfigError(f'{where}: no cache given (set cache = "FILE.h5")', param="cache", value=None)
     try:
         return make_cell(combo, label=label, strict=strict, locations=spec.locations, checked=True)
     except PoodleError as e:
-        raise located(where, e) from None
+        raise located(spec.where(where, e.param, cell), e) from None
 
 
 def _product(axes: Mapping[str, list[Any]]) -> Iterable[dict[str, Any]]:
@@ -383,7 +436,7 @@ def expand(spec: GridSpec) -> list[Cell]:
         for combo in _product(axes):
             if not named and not _fits(combo, own):
                 continue  # e.g. alpha = 0 in a cell that inherits method = ["proto", "poodle"]: poodle only
-            c = _make_cell(spec, combo, entry.get("label"), own, cw)
+            c = _make_cell(spec, combo, entry.get("label"), own, cw, i + 1)
             out.setdefault(c.key, c)
     cells = numbered(list(out.values()))
     if not cells:
