@@ -507,8 +507,7 @@ def check_spec(
     if spec.way > present:
         raise EpisodeError(
             f"split {spec.split!r} has {present} classes with images; cannot draw {spec.way}-way episodes "
-            f"(lower way to at most {present})",
-            params=("way",),
+            f"(lower {mark('way')} to at most {present})",
             param="way",
             value=spec.way,
         )

@@ -118,12 +118,12 @@ def _from_file(episodes_from: str | os.PathLike, settings: Mapping[str, Any]) ->
 
 def _load(episodes_from: str | os.PathLike) -> EpisodeSet:
     """The episodes of the file, an error about it said as of ``episodes_from`` (as the checks
-    against the cache in :func:`_run` say theirs)."""
+    against the cache in :func:`_prepare` say theirs)."""
     try:
         return load_episodes(Path(episodes_from))
     except EpisodeError as e:
         raise EpisodeError(
-            f"episodes_from {e}", params=("episodes_from",), param="episodes_from", value=episodes_from
+            f"{mark('episodes_from')} {e.marked_text}", param="episodes_from", value=episodes_from
         ) from None
 
 
