@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import click
 
@@ -286,7 +286,13 @@ class _ListsMethods(click.Command):
     "--json",
     "results_path",
     type=click.Path(dir_okay=False),
-    help="Append one results record per method (JSON Lines, read by `poodle report`) to this file.",
+    help="Append one results record per method (JSON Lines, read by `poodle report`) to this file; "
+    "a method whose record it already holds (same cache, episodes and options) is read back, not solved again.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Solve every method even if --out holds its record; the new records supersede the old ones.",
 )
 @click.pass_context
 @progress_option
@@ -330,6 +336,7 @@ def solve(ctx: click.Context, **params: Any) -> None:
             episodes_from=episodes_from,
             save_episodes_to=save_episodes,
             out=results_path,
+            resume=not p["force"],
             run=run_options(p, RunOptions),
             on_event=solve_events(advance, results_path),
         )
@@ -434,13 +441,28 @@ def _summary(
     why = timing_note(res.records)
     if why:
         console.print(why, highlight=False, soft_wrap=True)
-    console.print(
-        _rates(solving, res.n_episodes, res.solve_seconds, f", chunks of {res.chunk_size}"),
-        highlight=False,
-        soft_wrap=True,
-    )
+    if len(res.kept) < len(res.records):  # a rate of nothing solved says nothing
+        console.print(
+            _rates(solving, res.n_episodes, res.solve_seconds, f", chunks of {res.chunk_size}"),
+            highlight=False,
+            soft_wrap=True,
+        )
     console.print(f"arithmetic: {formulations(res.records)}", highlight=False, soft_wrap=True)
-    if results_path:
+    _appended(results_path, res.kept, len(res.records))
+
+
+def _appended(results_path: str | None, kept: Sequence[str], n: int) -> None:
+    """Where the records went: appended to ``results_path``, or read back from it (``kept``)."""
+    if not results_path:
+        return
+    if kept:
+        console.print(
+            f"{', '.join(kept)}: read back from {results_path}, which holds their records (same cache, episodes "
+            "and options); --force solves them again",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if len(kept) < n:
         console.print(f"results appended to {results_path}")
 
 
@@ -478,8 +500,9 @@ def _domains_summary(
     out.print(render_table(table, title=f"{_title(spec)}, {first.n_episodes:,} episodes per domain"))
     for line in table.notes:
         console.print(line, highlight=False, soft_wrap=True)
-    n = sum(r.n_episodes for r in res.domains.values())
-    console.print(_rates(solving, n, res.solve_seconds), highlight=False, soft_wrap=True)
+    n = sum(r.n_episodes for r in res.domains.values() if len(r.kept) < len(r.records))
+    if n:  # a rate of nothing solved says nothing
+        console.print(_rates(solving, n, res.solve_seconds), highlight=False, soft_wrap=True)
     console.print(f"arithmetic: {formulations(res.records)}", highlight=False, soft_wrap=True)
-    if results_path:
-        console.print(f"results appended to {results_path}")
+    kept = [f"{d}: {m}" for d, r in res.domains.items() for m in r.kept]
+    _appended(results_path, kept, len(res.records))

@@ -57,6 +57,8 @@ class SolveResult:
         cache: the cache file.
         device, processes, chunk_size: where and how the methods ran.
         solve_seconds, wall_seconds: time solving, and in the whole call.
+        kept: the labels of the methods whose records ``out`` already held (same identity: cache,
+            episodes, negatives, options), read back instead of solved again (``resume``).
     """
 
     records: list[dict[str, Any]]
@@ -71,6 +73,7 @@ class SolveResult:
     chunk_size: int | None = None
     solve_seconds: float = 0.0
     wall_seconds: float = 0.0
+    kept: tuple[str, ...] = ()
 
 
 def check_outputs(
@@ -233,6 +236,7 @@ def _solve(
     run: RunOptions,
     on_event: OnEvent,
     t_start: float,
+    resume: bool = True,
 ) -> SolveResult:
     """Solve one setting as one call: ``prep``, prepared already (:func:`solve_domains` checks every
     domain before solving any), or :func:`_prepare`'s arguments, prepared here: the cells go from
@@ -280,16 +284,22 @@ def _solve(
         cells,
         out=out,
         meta={"command": "solve"},
-        resume=False,
+        resume=resume,
         group="solve",
         options=dataclasses.replace(run, cells_per_call=len(cells)),
         on_event=on_event,
         inputs=inputs,
     )
     users = [c for c in cells if c.negatives != "none"]
+    # a record read back holds its per-episode accuracies: the paired differences need them
+    accs = {
+        c.method: res.accs[r["key"]] if r["key"] in res.accs else torch.tensor(r["acc"], dtype=torch.float64)
+        for c, r in zip(cells, res.records)
+        if r["key"] in res.accs or "acc" in r
+    }
     return SolveResult(
         records=res.records,
-        accs={c.method: res.accs[r["key"]] for c, r in zip(cells, res.records) if r["key"] in res.accs},
+        accs=accs,
         cells=cells,
         spec=cells[0].spec,
         n_episodes=cells[0].n_episodes,
@@ -300,6 +310,7 @@ def _solve(
         chunk_size=next((r.get("chunk_size") for r in res.records), None),
         solve_seconds=res.solve_seconds,
         wall_seconds=time.perf_counter() - t_start,
+        kept=tuple(c.label for c, r in zip(cells, res.records) if r["key"] not in res.accs),
     )
 
 
@@ -325,6 +336,7 @@ def solve(
     run: RunOptions = RunOptions(),
     on_event: OnEvent = ignore,
     name: str | None = None,
+    resume: bool = True,
     **settings: Any,
 ) -> SolveResult:
     """Solve one episode setting with ``methods`` on identical episodes and negatives.
@@ -339,6 +351,9 @@ def solve(
             negatives are the default of the methods that read negatives.
         save_episodes_to: write the episodes (with their negatives) here.
         out: a results file to append the records to (created when missing).
+        resume: a method whose record ``out`` already holds (the same identity: cache, episodes,
+            negatives, options) is not solved again: its record is read back (``SolveResult.kept``).
+            False: every method is solved and its new record supersedes the old one.
         run: device, memory bound and workers (:class:`poodle.pipeline.RunOptions`).
         on_event: receives the run's events (:mod:`poodle.events`); ``Ready`` comes once every check
             up front has passed, before solving starts.
@@ -369,7 +384,7 @@ def solve(
         name=name,
         domains=domains,
     )
-    return _solve(prepare, out, run, on_event, t_start)
+    return _solve(prepare, out, run, on_event, t_start, resume)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,6 +491,7 @@ def solve_domains(
     out: str | os.PathLike | None = None,
     run: RunOptions = RunOptions(),
     on_event: OnEvent = ignore,
+    resume: bool = True,
     **settings: Any,
 ) -> DomainsResult:
     """Solve the same setting on several domains (Meta-Dataset's evaluation): each cache is a domain,
@@ -525,7 +541,7 @@ def solve_domains(
         # what the cache's contents decide (its classes, an episode file's indices) is found as
         # the domain is solved; the domains before it are already in ``out``
         try:
-            results[name] = _solve(prep, out, run, on_event, t_start)
+            results[name] = _solve(prep, out, run, on_event, t_start, resume)
         except PoodleError as e:
             raise _in_domain(name, e) from None
     return DomainsResult(

@@ -433,3 +433,33 @@ def test_an_episodes_file_is_solved_only_on_the_cache_it_was_drawn_from(tmp_path
     assert f"--episodes-from {eps_file}: its episodes were drawn from the cache {cache}" in text
     assert f"not from {twin}" in text
     assert _run(["--cache", cache, "--episodes-from", eps_file, "--method", "proto"]).exit_code == 0
+
+
+def test_a_second_run_reads_back_the_methods_its_out_file_holds(tmp_path, cache):
+    """``--out`` holding a method's record (the same cache, episodes and options) is not solved
+    again: the record is read back, the table is the first run's, nothing is appended; a method new
+    to the file is solved and appended; ``--force`` solves again and the new record supersedes."""
+    out = tmp_path / "r.jsonl"
+    base = ["--cache", cache, "--episodes", 6, "--query", 3, "--device", "cpu", "--out", out]
+    first = _run([*base, "--method", "proto", "--method", "tim-gd", "--steps", 2])
+    assert first.exit_code == 0, first.output
+    held = {r["method"]: r for r in read_results(out).records}
+    again = _run([*base, "--method", "proto", "--method", "tim-gd", "--steps", 2])
+    assert again.exit_code == 0, again.output
+    assert "proto, tim-gd: read back from" in again.output.replace("\n", "")
+    assert "results appended" not in again.output and "episodes/s" not in again.output
+    assert [(r["method"], r["key"]) for r in read_results(out).records] == [(m, held[m]["key"]) for m in held]
+    # the table of the first run: its accuracies and paired difference, from the records read back
+    table = [ln for ln in again.output.splitlines() if "tim-gd" in ln and "±" in ln]
+    assert table and table[0] in first.output, again.output
+    more = _run([*base, "--method", "proto", "--method", "tim-gd", "--method", "ce", "--steps", 2])
+    assert more.exit_code == 0 and "results appended" in more.output, more.output
+    records = read_results(out).records
+    assert [r["method"] for r in records] == ["proto", "tim-gd", "ce"]
+    assert all(r["acc"] == held[r["method"]]["acc"] for r in records[:2])
+    forced = _run([*base, "--method", "proto", "--force"])
+    assert forced.exit_code == 0 and "read back" not in forced.output, forced.output
+    assert len(out.read_text().splitlines()) == 1 + 4  # the header, 3 records, proto's new one
+    records = read_results(out).records  # a key's last record supersedes the ones before
+    assert [r["method"] for r in records] == ["tim-gd", "ce", "proto"]
+    assert records[-1]["key"] == held["proto"]["key"] and records[-1]["acc"] == held["proto"]["acc"]
