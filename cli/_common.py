@@ -68,6 +68,7 @@ PARAM_OPTIONS: dict[str, tuple[str, ...]] = {
     "out": ("results_path", "out_path", "out_dir"),
     "save_episodes_to": ("save_episodes",),
     "methods": ("method",),
+    "cache": ("caches",),  # solve takes --cache repeated (several domains)
     "support": ("support_dir",),
     "query": ("query_dir",),
     "p_threshold": ("p",),

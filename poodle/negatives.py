@@ -92,15 +92,21 @@ def load_pool(source: str, cache_path: Path | str | None, dim: int | None = None
         try:
             feats = read_split(path, split).features
         except CacheError as e:
-            raise CacheError(f"negative pool {source!r}: {e}", param="negatives", value=source) from None
+            raise CacheError(
+                f"negative pool ({mark('negatives')} {source!r}): {e}", param="negatives", value=source
+            ) from None
         _POOLS.clear()  # keep one pool at a time: they can be large
         _POOLS[key] = feats
     pool = _POOLS[key]
     if pool.shape[0] == 0:
-        raise CacheError(f"negative pool {source!r} ({path}:{split}) has no rows", param="negatives", value=source)
+        raise CacheError(
+            f"negative pool ({mark('negatives')} {source!r}) ({path}:{split}) has no rows",
+            param="negatives",
+            value=source,
+        )
     if dim is not None and pool.shape[1] != dim:
         raise ConfigError(
-            f"negative pool {source!r} ({path}:{split}) has feature dimension {pool.shape[1]}, "
+            f"negative pool ({mark('negatives')} {source!r}) ({path}:{split}) has feature dimension {pool.shape[1]}, "
             f"but the episodes' features have {dim}",
             param="negatives",
             value=source,

@@ -73,10 +73,12 @@ def fingerprints(cells: Sequence[Cell]) -> dict[Path, str]:
         resolve_path(c.cache_file, what="feature cache")
         if c.cache_file.is_dir():
             raise ConfigError(
-                f"feature cache {c.cache_file} is a directory, not a file", param="cache", value=c.cache_file
+                f"feature {mark('cache')} {c.cache_file} is a directory, not a file", param="cache", value=c.cache_file
             )
         if not c.cache_file.is_file():
-            raise ConfigError(f"feature cache {c.cache_file} does not exist", param="cache", value=c.cache_file)
+            raise ConfigError(
+                f"feature {mark('cache')} {c.cache_file} does not exist", param="cache", value=c.cache_file
+            )
         files.add(c.cache_file)
         neg = c.negative_spec()
         if neg is not None and not neg.generated and neg.source != "base":

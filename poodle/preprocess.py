@@ -264,16 +264,22 @@ class Preprocessor:
             try:
                 s = read_split(path, split)
             except CacheError as e:
-                raise CacheError(f"negative pool {source!r}: {e}", param="negatives", value=source) from None
+                raise CacheError(
+                    f"negative pool ({mark('negatives')} {source!r}): {e}", param="negatives", value=source
+                ) from None
             self._pools = {key: self.rows(s.features, s.norms, where=f"negative pool {source!r}")}
             self._working(s.features.numel() * (8 + s.features.element_size()))
         pool = self._pools[key]
         if pool.shape[0] == 0:
-            raise CacheError(f"negative pool {source!r} ({path}:{split}) has no rows", param="negatives", value=source)
+            raise CacheError(
+                f"negative pool ({mark('negatives')} {source!r}) ({path}:{split}) has no rows",
+                param="negatives",
+                value=source,
+            )
         if dim is not None and pool.shape[1] != dim:
             raise ConfigError(
-                f"negative pool {source!r} ({path}:{split}) has feature dimension {pool.shape[1]}, "
-                f"but the episodes' features have {dim}",
+                f"negative pool ({mark('negatives')} {source!r}) ({path}:{split}) has feature dimension "
+                f"{pool.shape[1]}, but the episodes' features have {dim}",
                 param="negatives",
                 value=source,
             )

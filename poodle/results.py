@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from poodle import __version__
-from poodle.errors import ConfigError
+from poodle.errors import ConfigError, mark
 from poodle.options import setting
 from poodle.preprocess import PreprocessSpec
 from poodle.settings import EPISODE_KEYS, episode_record
@@ -73,7 +73,7 @@ def cache_identity(path: str | os.PathLike) -> str:
     try:
         st = p.stat()
     except FileNotFoundError:
-        raise ConfigError(f"feature cache {p} does not exist", param="cache", value=path) from None
+        raise ConfigError(f"feature {mark('cache')} {p} does not exist", param="cache", value=path) from None
     key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _FINGERPRINTS:
         _FINGERPRINTS[key] = file_sha256(p)

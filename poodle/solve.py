@@ -144,12 +144,22 @@ def make_cells(
     setting, and its negatives for the methods that read some unless ``settings`` names others).
     With ``domains`` (``{name: cache file}``), ``cache`` is one of its names: the cells record the
     name as their ``cache`` (a grid's ``[caches]`` name), and read its file."""
-    methods = list(methods)
+    # one name is one method, not a sequence of letters
+    methods = [methods] if isinstance(methods, str) else list(methods)
     if not methods:
         raise ConfigError("no method given", params=("methods",), param="methods", value=methods)
     dups = sorted({m for m in methods if methods.count(m) > 1})
     if dups:
-        raise ConfigError(f"method {', '.join(dups)} given twice", params=("methods",), param="methods", value=methods)
+        raise ConfigError(f"{mark('methods')} {', '.join(dups)} given twice", param="methods", value=methods)
+    unchosen = sorted(set(options) - set(methods), key=str)
+    if unchosen:
+        # as the command line refuses --set M.KEY=V for a method not given with --method
+        raise ConfigError(
+            f"{mark('options')} for {', '.join(map(str, unchosen))}, not among the chosen {mark('methods')} "
+            f"{', '.join(methods)}",
+            param="options",
+            value=sorted(map(str, unchosen)),
+        )
     values = {k: v for k, v in settings.items() if v is not None}
     if episodes is not None and episodes.negatives is not None:
         values.setdefault("negatives", episodes.negative_source)
@@ -515,7 +525,9 @@ def solve_domains(
     for name, path in caches.items():
         _check_domain_name(name)
         if not Path(path).is_file():  # before any domain is solved, not when its turn comes
-            raise _in_domain(name, ConfigError(f"feature cache {path} does not exist", param="cache", value=str(path)))
+            raise _in_domain(
+                name, ConfigError(f"feature {mark('cache')} {path} does not exist", param="cache", value=str(path))
+            )
     seed = settings.get("seed")
     base_seed = int(seed) if seed is not None else defaults.SEED
     preps: dict[str, _Prepared] = {}

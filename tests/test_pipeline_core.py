@@ -323,3 +323,14 @@ def test_library_errors_name_parameters_and_each_command_writes_its_own_flags():
     assert r.exit_code == 1 and "--n-neg must be a positive integer; --save-episodes is set" in r.output
     r = CliRunner().invoke(without, [])
     assert r.exit_code == 1 and "error: n_neg must be a positive integer; save_episodes_to is set" in r.output
+
+
+def test_solve_takes_one_method_name_and_refuses_options_of_a_method_not_chosen(cache):
+    """A lone name is one method (it was read as its letters: ``method o given twice``); options for
+    a method not among ``methods`` are an error naming them, as the command line's ``--set M.KEY``
+    for a method not given is (they were dropped without a word)."""
+    one = solve(cache, "proto", episodes=4)
+    assert list(one.accs) == ["proto"] and [r["method"] for r in one.records] == ["proto"]
+    with pytest.raises(ConfigError, match="options for tim-gd, not among the chosen methods proto") as e:
+        solve(cache, ["proto"], episodes=4, options={"tim-gd": {"lr": 1.0}})
+    assert (e.value.param, e.value.value) == ("options", ["tim-gd"])

@@ -331,7 +331,7 @@ def _copy_cache(src, dst, split, row, how):
         ("test", "nan", "split 'test': features row 2 is not finite"),
         ("test", "inf", "split 'test': features row 2 is not finite"),
         ("test", "unnormalised", "split 'test': features row 2 has L2 norm 1.5"),
-        ("train", "nan", "negative pool 'base': "),
+        ("train", "nan", "negative pool (--negatives 'base'): "),
         ("train", "unnormalised", "split 'train': features row 2 has L2 norm 1.5"),
     ],
 )
