@@ -69,6 +69,7 @@ PARAM_OPTIONS: dict[str, tuple[str, ...]] = {
     "save_episodes_to": ("save_episodes",),
     "methods": ("method",),
     "cache": ("caches",),  # solve takes --cache repeated (several domains)
+    "overrides": ("sets",),  # a grid's options given on the command line
     "support": ("support_dir",),
     "query": ("query_dir",),
     "p_threshold": ("p",),

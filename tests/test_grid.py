@@ -186,7 +186,7 @@ def test_bad_grid_files_give_one_line_errors(tmp_path, body, message):
 )
 def test_a_bad_value_in_a_grid_file_names_its_line(tmp_path, body, message):
     """An option's value said at the line that sets it: in a list, in a multi-line array, in a
-    [[cell]] (its own line, else the grid's); a value given as an override is in no line."""
+    [[cell]] (its own line, else the grid's); a value given as an override is said as the override."""
     p = _grid(tmp_path, body)
     with pytest.raises(ConfigError) as e:
         G.expand(G.load_grid(p))
@@ -194,7 +194,14 @@ def test_a_bad_value_in_a_grid_file_names_its_line(tmp_path, body, message):
     key = message.split("option '")[1].split("'")[0]
     with pytest.raises(ConfigError) as e:
         G.expand(G.load_grid(_grid(tmp_path, "", "o.toml"), overrides={key: [0.5, "x"] if key == "alpha" else "x"}))
-    assert "line" not in str(e.value) and f"o.toml: option {key!r}" in str(e.value), str(e.value)
+    # the override's value is said as the override: the file does not hold it
+    assert "line" not in str(e.value) and f"o.toml, overrides {key}: option {key!r}" in str(e.value), str(e.value)
+    from click.testing import CliRunner
+
+    from poodle.cli.grid import grid
+
+    r = CliRunner().invoke(grid, [str(tmp_path / "o.toml"), "--set", f"{key}=x", "--dry-run"])
+    assert r.exit_code == 1 and f"o.toml, --set {key}: option {key!r}" in r.output.replace("\n", ""), r.output
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from poodle import solvers
 from poodle.cells import Cell, Locations, located, make_cell, numbered
 from poodle.defaults import NEGATIVE_KEYWORDS
-from poodle.errors import ConfigError, PoodleError
+from poodle.errors import ConfigError, PoodleError, mark
 from poodle.settings import GENERAL_KEYS, check_setting, general_defaults
 from poodle.utils import content_hash, resolve_path
 
@@ -102,6 +102,11 @@ def _at(where: str, lines: Mapping[tuple[int, str], int], key: str | None, cell:
     return where if line is None else f"{where}, line {line}"
 
 
+def _overridden(where: str, key: str) -> str:
+    """``where`` (the grid file) with the override that sets option ``key``: its value is in no line."""
+    return f"{where}, {mark('overrides')} {key}"
+
+
 def raw_line(path: Path, offset: int) -> int:
     """1-based line number of byte ``offset`` in ``path``."""
     with open(path, "rb") as f:
@@ -152,9 +157,12 @@ class GridSpec:
     cache_defaulted: bool = False  # the cache is the caller's default_cache: the file names none
     # where each option is written: {(0, key) outside the [[cell]] tables, (i, key) in the i-th}: line
     lines: dict[tuple[int, str], int] = field(default_factory=dict)
+    overridden: tuple[str, ...] = ()  # the options the caller's overrides set (the command line's --set)
 
     def where(self, where: str, key: str | None, cell: int = 0) -> str:
-        """``where`` with the line that sets option ``key`` (:func:`_at`)."""
+        """``where`` with the line that sets option ``key`` (:func:`_at`), or the override that does."""
+        if key in self.overridden and (cell, key) not in self.lines:
+            return _overridden(where, key)
         return _at(where, self.lines, key, cell)
 
     @property
@@ -205,7 +213,9 @@ def parse_grid(
     fields_by_method = _solver_fields()
     # an error about a value names its line (an override has none: it is not in the file)
     lines = {(c, k): n for (c, k), n in key_lines(path).items() if c or k not in (overrides or {})}
-    axes = {k: _normalise_values(_at(where, lines, k), k, v) for k, v in flat.items()}
+    # an override's value is said as the override (the command line's --set), not as the file's
+    said = {k: _overridden(where, k) for k in overrides or {}}
+    axes = {k: _normalise_values(said.get(k) or _at(where, lines, k), k, v) for k, v in flat.items()}
     cells = [_read_cell(f"{where}: [[cell]] #{i + 1}", c, lines, i + 1) for i, c in enumerate(raw_cells)]
 
     defaulted = False
@@ -234,6 +244,7 @@ def parse_grid(
         description=str(description),
         cache_defaulted=defaulted,
         lines=lines,
+        overridden=tuple(overrides or ()),
     )
     _check_option_names(spec, fields_by_method)
     return spec
