@@ -1,9 +1,8 @@
 """Cells: one configured method on one episode setting, the unit that every command solves.
 
 A cell is made in one place, :func:`make_cell`, from values as a user gives them (``poodle solve``'s
-parameters, one combination of a grid file, a row of the demo's table), in one go (the general
-settings checked there, the method looked up and configured by the constructor it calls): every
-value is checked there, once, by the rule that owns it (the episode setting:
+parameters, one combination of a grid file, a row of the demo's table): every value is checked
+there, once, by the rule that owns it (the episode setting:
 :meth:`EpisodeSpec.validate`; the negatives: :meth:`NegativeSpec.validate` and
 :meth:`SolverInfo.check_negatives`; a method's options: :func:`poodle.solvers.make_config`; the
 preprocessing: :func:`poodle.preprocess.parse`).
@@ -89,10 +88,8 @@ class Cell:
         locations: how ``cache`` and a pool file in ``negatives`` resolve to files.
         solver: the method's registry entry (looked up once, when the cell was made).
 
-    :func:`make_cell` makes a cell from values as a user gives them: it checks the general settings
-    and hands the rest to the constructor as ``given`` (with ``strict``, ``cfg`` the caller's config
-    or None, ``negatives`` and ``n_neg`` as given), which looks the method up, builds and checks its
-    config (:func:`_configure`) and settles ``transductive`` and the negatives from it.
+    :func:`make_cell` makes a cell from values as a user gives them (each checked there); the
+    constructor takes resolved values.
     """
 
     label: str
@@ -126,15 +123,7 @@ class Cell:
         solver: SolverInfo | None = None,
         *,
         options: Mapping[str, Any] | None = None,
-        given: Mapping[str, Any] | None = None,
-        strict: AbstractSet[str] = frozenset(),
     ) -> None:
-        if given is not None:
-            # make_cell's form: the method's values as given, resolved here, so that a cell is
-            # made in one go (looked up, configured and checked, then held)
-            solver, cfg, negatives, n_neg, transductive = _configure(method, given, strict, cfg, negatives, n_neg)
-            method = solver.name  # an alias's entry is held by its registered name
-            label = label or method
         info = solver if solver is not None else solvers.get(method)
         if options is not None or cfg is None or isinstance(cfg, Mapping):
             # the old form held the options as a dict: the config is built from them here
@@ -351,21 +340,28 @@ def make_cell(
     EpisodeSpec.from_settings(episode).validate()
     if "cache" not in general:
         raise ConfigError(f"no feature {mark('cache')} given", params=("cache",), param="cache", value=None)
-    name = values.get("method", defaults_["method"])
+    solver, cfg, negatives, n_neg, transductive = _configure(
+        values.get("method", defaults_["method"]),
+        {k: v for k, v in values.items() if k not in GENERAL_KEYS},
+        strict,
+        config,
+        general.get("negatives", defaults_["negatives"]),
+        general.get("n_neg", defaults_["n_neg"]),
+    )
     return Cell(
-        label=label or "",  # the method's registered name by default, once looked up
+        label=label or solver.name,  # an alias's entry is held by its registered name
         cache=general["cache"],
         episode=episode,
-        negatives=general.get("negatives", defaults_["negatives"]),
-        n_neg=general.get("n_neg", defaults_["n_neg"]),
-        method=name,
-        cfg=config,
+        negatives=negatives,
+        n_neg=n_neg,
+        method=solver.name,
+        cfg=cfg,
+        transductive=transductive,
         preprocess=general.get("preprocess", defaults.PREPROCESS),
         index=index,
         episodes_from=episodes_from,
         locations=locations or Locations(),
-        given={k: v for k, v in values.items() if k not in GENERAL_KEYS},
-        strict=strict,
+        solver=solver,
     )
 
 

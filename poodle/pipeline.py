@@ -14,8 +14,7 @@ table is a grid) and torchrun runs of either. In order:
    their counts (:func:`poodle.distributed.deal`) and each round's results merged on rank 0
    (:func:`poodle.distributed.gather_results`): the pipeline runs the loop, the distribution sees
    counts and tensors only;
-5. each finished cell is one record (:func:`poodle.results.make_record`, as :func:`cell_record`
-   makes it) appended to the results file.
+5. each finished cell is one record (:func:`cell_record`) appended to the results file.
 
 Progress and notices reach the caller as typed events (:mod:`poodle.events`).
 """
@@ -467,18 +466,7 @@ def run_cells(
         for c in (c for i in rnd.units for c in call_list[i]):
             identity, key = keys[c.index]
             acc, info = solved[key]
-            # the record made where it is appended, as cell_record makes it
-            record = by_key[key] = make_record(
-                identity,
-                acc.tolist(),
-                key=key,
-                label=c.label,
-                cache=c.cache,
-                index=c.index,
-                group=group,
-                processes=d.world,
-                **_how_solved(info, c.episodes_from),
-            )
+            record = by_key[key] = cell_record(c, identity, acc, info, group, d.world, key)
             if results is not None:
                 results.append(record)
             run.accs[key] = acc

@@ -241,19 +241,16 @@ def _prepare(
 
 
 def _solve(
-    prep: _Prepared | Mapping[str, Any],
+    prep: _Prepared,
     out: str | os.PathLike | None,
     run: RunOptions,
     on_event: OnEvent,
     t_start: float,
     resume: bool = True,
 ) -> SolveResult:
-    """Solve one setting as one call: ``prep``, prepared already (:func:`solve_domains` checks every
-    domain before solving any), or :func:`_prepare`'s arguments, prepared here: the cells go from
-    where they are made to the pipeline. An episode file is checked against its cache first; the
+    """Solve one setting as one call, its checks done (:func:`_prepare`; :func:`solve_domains` checks
+    every domain before solving any). An episode file is checked against its cache first; the
     episodes the pipeline uses (read, or drawn and saved) are handed to it in its :class:`Inputs`."""
-    if not isinstance(prep, _Prepared):
-        prep = _prepare(**prep)
     cells, inputs, episodes, path = prep.cells, prep.inputs, prep.episodes, prep.path
     if episodes is not None:
         inputs.put(cells[0], episodes)
@@ -381,20 +378,8 @@ def solve(
     if name is not None:
         _check_domain_name(name)
     domains = None if name is None else {name: cache}
-    # prepared and solved in one call: the cells go from where they are made to the pipeline
-    prepare = dict(
-        cache=cache,
-        methods=methods,
-        options=options,
-        episodes_from=episodes_from,
-        save_episodes_to=save_episodes_to,
-        out=out,
-        on_event=on_event,
-        settings=settings,
-        name=name,
-        domains=domains,
-    )
-    return _solve(prepare, out, run, on_event, t_start, resume)
+    prep = _prepare(cache, methods, options, episodes_from, save_episodes_to, out, on_event, settings, name, domains)
+    return _solve(prep, out, run, on_event, t_start, resume)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,23 @@ def make_features():
     return clustered_features
 
 
+@pytest.fixture
+def negatives_checks(monkeypatch):
+    """Every check of a method's negatives rule (``SolverInfo.check_negatives``) as ``(method,
+    source)``, in order; the rule still applies."""
+    from poodle.solvers import base
+
+    seen: list[tuple[str, str | None]] = []
+    real = base.SolverInfo.check_negatives
+
+    def counting(self: base.SolverInfo, cfg: object, source: str | None) -> None:
+        seen.append((self.name, source))
+        real(self, cfg, source)
+
+    monkeypatch.setattr(base.SolverInfo, "check_negatives", counting)
+    return seen
+
+
 @pytest.fixture(autouse=True)
 def _few_threads():
     # CI has 2 cores; fixing the thread count keeps timings and float summation order stable.

@@ -119,23 +119,15 @@ def test_a_config_is_checked_once_where_it_is_built_and_trusted_after(cache, mon
     assert checks == ["proto", "proto"]  # the library's config is trusted
 
 
-def test_the_negatives_rule_runs_once_where_the_negatives_are_chosen(cache, monkeypatch):
+def test_the_negatives_rule_runs_once_where_the_negatives_are_chosen(cache, negatives_checks):
     """A method's negatives rule (:meth:`SolverInfo.check_negatives`) runs once per value: for a
     cell when it is made (the pipeline's calls and their chunks trust it), for evaluate or
     solve_batch called from Python once per call, never per chunk; a bad combination still raises."""
     from poodle import solvers
     from poodle.cells import numbered
     from poodle.evaluate import solve_batch
-    from poodle.solvers import base
 
-    seen: list[tuple[str, str | None]] = []
-    real = base.SolverInfo.check_negatives
-
-    def counting(self: base.SolverInfo, cfg: object, source: str | None) -> None:
-        seen.append((self.name, source))
-        real(self, cfg, source)
-
-    monkeypatch.setattr(base.SolverInfo, "check_negatives", counting)
+    seen = negatives_checks
     common = {"cache": str(cache), "way": 3, "shot": 1, "query": 2, "episodes": 6, "n_neg": 5}
     cells = numbered(
         [

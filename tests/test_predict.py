@@ -162,20 +162,11 @@ def test_library_result_and_wilson_interval(task):
     assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)
 
 
-def test_the_negatives_rule_runs_once_for_the_task(task, monkeypatch):
+def test_the_negatives_rule_runs_once_for_the_task(task, negatives_checks):
     """The method's negatives rule is checked once, where predict's choices are checked (before any
     image is read); solving the task trusts it. A method that reads negatives with none raises."""
-    from poodle.solvers import base
-
     root, truth = task
-    seen: list[tuple[str, str | None]] = []
-    real = base.SolverInfo.check_negatives
-
-    def counting(self: base.SolverInfo, cfg: object, source: str | None) -> None:
-        seen.append((self.name, source))
-        real(self, cfg, source)
-
-    monkeypatch.setattr(base.SolverInfo, "check_negatives", counting)
+    seen = negatives_checks
     support, query = support_from_folder(root / "support"), query_from_folder(root / "query")
     kw = dict(image_size=32, method="poodle", options={"steps": 20}, n_neg=10)
     res = predict(support, query, "conv4_64", negatives="random", **kw)

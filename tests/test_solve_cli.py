@@ -463,3 +463,8 @@ def test_a_second_run_reads_back_the_methods_its_out_file_holds(tmp_path, cache)
     records = read_results(out).records  # a key's last record supersedes the ones before
     assert [r["method"] for r in records] == ["tim-gd", "ce", "proto"]
     assert records[-1]["key"] == held["proto"]["key"] and records[-1]["acc"] == held["proto"]["acc"]
+    # a bad input beside the file: the error names the cache, the file is as it was, nothing else is written
+    before, eps = out.read_bytes(), tmp_path / "e.h5"
+    bad = _run(["--cache", tmp_path / "nope.h5", "--method", "proto", "--out", out, "--save-episodes", eps])
+    assert bad.exit_code == 1 and "nope.h5" in bad.output, bad.output
+    assert out.read_bytes() == before and not eps.exists()
