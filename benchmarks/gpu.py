@@ -967,12 +967,7 @@ def main(argv: list[str] | None = None) -> int:
             ctx = Ctx(
                 args, dev, budget, tmp, cache, read_split(cache, "test"), NegativeSpec("base", costmodel.STANDARD.n_neg)
             )
-            for i, sec in enumerate(sections):
-                if sec.status == "skipped":
-                    continue
-                if _run_section(sec, ctx, sections[i:]):
-                    rep.write()
-                    print(rep.summary())
+            _run_sections(sections, ctx, rep)
         rep.finished = True
     except Stopped as e:
         for sig in (signal.SIGTERM, signal.SIGINT):  # stopping already: a second signal must not cut the report
@@ -989,6 +984,24 @@ def main(argv: list[str] | None = None) -> int:
     failed = [s.name for s in sections if s.status == "failed"]
     print(f"gpu check: report written to {md} and {rep.js}; sections failed: {', '.join(failed) or 'none'}")
     return code or (1 if failed else 0)
+
+
+def _run_sections(sections: list[Section], ctx: Ctx, rep: Report) -> None:
+    """Every section not skipped by name, in order, the report written after each that ran. The
+    sections come in order of value: once one is skipped for want of time, every one after it is
+    too (a cheaper later one must not run in its place)."""
+    for i, sec in enumerate(sections):
+        if sec.status == "skipped":
+            continue
+        if _run_section(sec, ctx, sections[i:]):
+            rep.write()
+            print(rep.summary())
+            continue
+        for later in sections[i + 1 :]:
+            if later.status == "not started":
+                later.status = "skipped"
+                later.reason = f"budget spent: {sec.name}, before it, did not fit"
+        return
 
 
 def _run_section(sec: Section, ctx: Ctx, rest: list[Section]) -> bool:
